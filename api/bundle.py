@@ -1,0 +1,144 @@
+"""The model bundle manifest (`bundle.yaml`): blocks in order, the ramps, the tensors between them.
+
+A bundle is a directory holding `bundle.yaml` and ONNX files. Execution keeps a *state*: a dict of
+named tensors. It starts with the bundle's `inputs`; each block reads its `inputs` names from the
+state and writes its `outputs` names into it; each ramp reads its `inputs` from the state right
+after the block it follows and produces logits over `labels`. The ramp after the last block with
+`final: true` is the model's own head: its answer is the full model's answer.
+
+A worker runs any contiguous range of blocks with the ramps inside it; what it forwards to the next
+split is the part of the state that later blocks and ramps read (see `live_after`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from .resources import Model, Task
+
+DType = Literal["float32", "float16", "int64", "int32", "uint8"]
+
+
+class TensorSpec(Model):
+    name: str
+    dtype: DType
+    shape: list[int | str]
+    """Dimensions; strings name free axes: "batch", and "seq" for the sequence axis."""
+
+
+class BlockSpec(Model):
+    name: str
+    file: str
+    """ONNX file, relative to the bundle directory."""
+    inputs: Annotated[list[str], Field(min_length=1)]
+    outputs: Annotated[list[str], Field(min_length=1)]
+
+
+class RampSpec(Model):
+    name: str
+    after: Annotated[int, Field(ge=0)]
+    """Index of the block this ramp follows."""
+    file: str
+    inputs: Annotated[list[str], Field(min_length=1)]
+    output: str = "logits"
+    final: bool = False
+    """True for the model's own head after the last block (never a candidate for early exit)."""
+
+
+class BundleData(Model):
+    heldout: str = "data/heldout.npz"
+    """Held-out labelled inputs for accuracy checks: arrays `text` (or `x`) and `label`."""
+
+
+class BundleManifest(Model):
+    name: str
+    task: Task
+    labels: Annotated[list[str], Field(min_length=2)]
+    dtype: DType = "float32"
+    """Dtype of activations between blocks."""
+    inputs: Annotated[list[TensorSpec], Field(min_length=1)]
+    blocks: Annotated[list[BlockSpec], Field(min_length=1)]
+    ramps: list[RampSpec] = Field(default_factory=list)
+    seq_axis: int | None = None
+    """Axis of the sequence dimension in the inputs (1 for [batch, seq]); None for fixed-size inputs."""
+    max_length: Annotated[int, Field(ge=1)] | None = None
+    """Longest sequence the model accepts (position embeddings); required when seq_axis is set."""
+    tokenizer: str | None = None
+    """tokenizers JSON file for text tasks, relative to the bundle directory."""
+    pad_token_id: int = 0
+    data: BundleData = Field(default_factory=BundleData)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BundleManifest:
+        n = len(self.blocks)
+        for ramp in self.ramps:
+            if ramp.after >= n:
+                raise ValueError(f"ramp {ramp.name!r} follows block {ramp.after} but the bundle has {n} blocks")
+        finals = [r for r in self.ramps if r.final]
+        if len(finals) != 1 or finals[0].after != n - 1:
+            raise ValueError("exactly one ramp must be final: true, and it must follow the last block")
+        if self.seq_axis is not None and self.max_length is None:
+            raise ValueError("max_length is required when seq_axis is set")
+        return self
+
+    # ------------------------------------------------------------ derived views
+
+    def exit_ramps(self) -> list[RampSpec]:
+        """The early-exit ramps (not the final head), in block order."""
+        return sorted((r for r in self.ramps if not r.final), key=lambda r: r.after)
+
+    def final_ramp(self) -> RampSpec:
+        return next(r for r in self.ramps if r.final)
+
+    def ramps_in(self, first: int, last: int) -> list[RampSpec]:
+        """All ramps (final included) following a block in [first, last], in block order."""
+        return sorted((r for r in self.ramps if first <= r.after <= last), key=lambda r: (r.after, r.final))
+
+    def live_after(self, block: int) -> list[str]:
+        """State names that blocks/ramps after `block` read and that exist once `block` has run."""
+        produced: set[str] = {t.name for t in self.inputs}
+        for b in self.blocks[: block + 1]:
+            produced.update(b.outputs)
+        needed: list[str] = []
+        for b in self.blocks[block + 1 :]:
+            needed.extend(b.inputs)
+        for r in self.ramps:
+            if r.after > block:
+                needed.extend(r.inputs)
+        return [name for name in dict.fromkeys(needed) if name in produced]
+
+
+class BundleError(ValueError):
+    """A bundle that cannot be loaded; the message names the file or tensor at fault."""
+
+
+def read_manifest(directory: str | Path) -> BundleManifest:
+    """Read and validate `bundle.yaml`; every referenced file must exist."""
+    root = Path(directory)
+    path = root / "bundle.yaml"
+    if not path.is_file():
+        raise BundleError(f"{path}: no bundle.yaml here; run `exitplan prepare` or point at a bundle directory")
+    try:
+        manifest = BundleManifest.model_validate(yaml.safe_load(path.read_text()))
+    except (ValidationError, yaml.YAMLError) as err:
+        raise BundleError(f"{path}: invalid manifest: {err}") from err
+    files = [b.file for b in manifest.blocks] + [r.file for r in manifest.ramps]
+    if manifest.tokenizer:
+        files.append(manifest.tokenizer)
+    for rel in files:
+        if not (root / rel).is_file():
+            raise BundleError(f"{root / rel}: file named in {path} is missing")
+    return manifest
+
+
+def resolve_bundle_uri(uri: str) -> Path:
+    """A bundle URI (a path or file:// URI) as a local directory."""
+    if uri.startswith("file://"):
+        uri = uri[len("file://") :]
+    if "://" in uri:
+        raise BundleError(f"bundle URI {uri!r}: only local paths and file:// URIs are supported here")
+    return Path(uri).expanduser()

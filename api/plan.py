@@ -1,0 +1,87 @@
+"""The Plan: what the planner decides and what routers and workers run.
+
+It travels as JSON (the plan ConfigMap's `plan.json`, or a file for `exitplan up`). The planner
+produces it; the operator turns it into manifests; routers and workers read it at start and on
+change (thresholds are hot-updated).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, model_validator
+
+from .resources import Model
+
+
+class SplitPlan(Model):
+    index: Annotated[int, Field(ge=0)]
+    first_block: Annotated[int, Field(ge=0)]
+    last_block: Annotated[int, Field(ge=0)]
+    """Inclusive: the split runs blocks first_block..last_block and the ramps after them."""
+
+
+class Cell(Model):
+    """One worker Deployment: a split, for one length bucket, on one pool."""
+
+    split: Annotated[int, Field(ge=0)]
+    bucket: Annotated[int, Field(ge=1)]
+    """The bucket's max length (1 for models without a sequence axis)."""
+    pool: str
+    replicas: Annotated[int, Field(ge=0)]
+    batch_size: Annotated[int, Field(ge=1)]
+    """Target batch size of the split's fusion queue."""
+
+
+class Prediction(Model):
+    goodput_rps: Annotated[float, Field(ge=0.0)] = 0.0
+    p99_ms: Annotated[float, Field(ge=0.0)] = 0.0
+    cost_per_hour: Annotated[float, Field(ge=0.0)] = 0.0
+
+
+class Plan(Model):
+    service: str
+    model: str
+    splits: Annotated[list[SplitPlan], Field(min_length=1)]
+    buckets: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)]
+    cells: Annotated[list[Cell], Field(min_length=1)]
+    thresholds: dict[str, float] = Field(default_factory=dict)
+    """Exit threshold per ramp name; a ramp exits an input whose confidence is >= its threshold.
+    A threshold above 1 disables the ramp. Ramps not named here do not exit."""
+    survival: list[float] = Field(default_factory=list)
+    """The survival curve (per exit ramp) the plan was sized for."""
+    length_histogram: list[float] = Field(default_factory=list)
+    """Share of requests per bucket the plan was sized for."""
+    prediction: Prediction = Field(default_factory=Prediction)
+    reason: str = "initial"
+    """Why this plan was made (initial, spec-change, length-drift, survival-drift, slo-risk, ...)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Plan:
+        if any(b >= c for b, c in zip(self.buckets, self.buckets[1:])):
+            raise ValueError(f"buckets must increase strictly, got {self.buckets}")
+        for prev, nxt in zip(self.splits, self.splits[1:]):
+            if nxt.first_block != prev.last_block + 1 or nxt.index != prev.index + 1:
+                raise ValueError("splits must be contiguous and indexed in order")
+        known = {s.index for s in self.splits}
+        for cell in self.cells:
+            if cell.split not in known:
+                raise ValueError(f"cell names split {cell.split}, which the plan does not have")
+            if cell.bucket not in self.buckets:
+                raise ValueError(f"cell names bucket {cell.bucket}, which is not one of {self.buckets}")
+        return self
+
+    def content_hash(self) -> str:
+        """Stable short hash of what the data plane runs (annotation exitplan.io/plan-hash)."""
+        body = self.model_dump(by_alias=True, mode="json", exclude={"prediction", "reason"})
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
+
+    def to_json(self) -> str:
+        return json.dumps(self.dump(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Plan:
+        return cls.model_validate_json(Path(path).read_text())

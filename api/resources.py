@@ -1,0 +1,258 @@
+"""Typed models of exitplan's three custom resources: GPUPool, EarlyExitService, ModelProfile.
+
+These are the contract between users, the operator, the planner and the data plane (DESIGN.md
+"The objects"). Field names are camelCase on the wire (Kubernetes style) and snake_case in Python.
+The CRD schemas in ``crds/`` are generated from these models.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "exitplan.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+
+class Model(BaseModel):
+    """Base for every spec model: camelCase aliases, unknown fields rejected."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    def dump(self) -> dict:
+        """The wire form (camelCase, no unset optionals)."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# ---------------------------------------------------------------- GPUPool (cluster-scoped)
+
+
+class Toleration(Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+
+class GPUPoolSpec(Model):
+    """A set of identical accelerators the planner may place workers on."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Labels of the nodes of this pool; copied into each worker pod's nodeSelector."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Tolerations added to worker pods on this pool (e.g. for tainted GPU nodes)."""
+    gpu_resource: str = "nvidia.com/gpu"
+    """Extended resource name requested per worker; an empty string means CPU-only pods."""
+    gpus_per_node: Annotated[int, Field(ge=1, le=64)] = 1
+    """Accelerators on each node of the pool."""
+    capacity: Annotated[int, Field(ge=0, le=100000)]
+    """Total accelerators in the pool that exitplan may use (one worker replica uses one)."""
+    cost_per_hour: Annotated[float, Field(ge=0.0)] = 1.0
+    """Cost of one accelerator for one hour, in any currency unit; the planner minimises it."""
+    memory_bytes: Annotated[int, Field(ge=1)] = 16 * 2**30
+    """Memory of one accelerator in bytes."""
+    link_bandwidth_gbps: Annotated[float, Field(gt=0.0)] = 10.0
+    """Bandwidth between workers of this pool and the next hop, in Gbit/s."""
+    cpu: str = "2"
+    """CPU request of a worker pod on this pool."""
+    memory: str = "4Gi"
+    """Memory request of a worker pod on this pool."""
+
+
+# ---------------------------------------------------------------- EarlyExitService (namespaced)
+
+
+class Task(str, Enum):
+    text_classification = "text-classification"
+    image_classification = "image-classification"
+    text_generation = "text-generation"
+
+
+class ModelRef(Model):
+    name: Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
+    """Model name served at /v2/models/{name}; also the ModelProfile's model."""
+    bundle: Annotated[str, Field(min_length=1)]
+    """Bundle URI: a local path or file:// URI of a directory holding bundle.yaml."""
+    task: Task = Task.text_classification
+
+
+class SLO(Model):
+    latency_ms: Annotated[float, Field(gt=0.0, le=600000.0)]
+    """Target p99 end-to-end latency in milliseconds."""
+    slack_ms: Annotated[float, Field(ge=0.0)] = 0.0
+    """Latency reserved for the network and the router; the planner plans for latency_ms - slack_ms."""
+
+    @model_validator(mode="after")
+    def _slack_below_latency(self) -> SLO:
+        if self.slack_ms >= self.latency_ms:
+            raise ValueError(f"slo.slackMs ({self.slack_ms}) must be below slo.latencyMs ({self.latency_ms})")
+        return self
+
+
+class Accuracy(Model):
+    max_drop: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.01
+    """Largest allowed disagreement with the full model, as a fraction (0.01 = 1 %)."""
+    shadow_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.05
+    """Fraction of exited inputs that keep running to the last block for accuracy feedback."""
+
+
+class Workload(Model):
+    rps: Annotated[float, Field(gt=0.0)] = 10.0
+    """Expected request rate; a hint for the first plan before observations arrive."""
+    length_buckets: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+    """Max input length of each bucket runtime; empty = chosen by the planner from the profile."""
+    easy_fraction: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    """Optional hint of the share of inputs that exit at the first ramp."""
+
+    @model_validator(mode="after")
+    def _buckets_increase(self) -> Workload:
+        if any(b >= c for b, c in zip(self.length_buckets, self.length_buckets[1:])):
+            raise ValueError(f"workload.lengthBuckets must increase strictly, got {self.length_buckets}")
+        return self
+
+
+class PoolRef(Model):
+    name: Annotated[str, Field(min_length=1)]
+    """Name of a GPUPool."""
+    max_gpus: Annotated[int, Field(ge=0)] | None = None
+    """Cap on accelerators this service may use from the pool (default: the pool's capacity)."""
+
+
+class Objective(str, Enum):
+    max_goodput = "max-goodput"
+    min_cost = "min-cost"
+
+
+class Mode(str, Enum):
+    active = "active"
+    advisory = "advisory"
+
+
+class DriftLimits(Model):
+    length_score: Annotated[float, Field(gt=0.0, le=1.0)] = 0.15
+    """Re-plan when the length histogram's total-variation distance from the planned one exceeds this."""
+    survival_error: Annotated[float, Field(gt=0.0, le=1.0)] = 0.1
+    """Re-plan when the forecast survival curve moves this far (max abs difference) from the planned one."""
+    slo_risk: Annotated[float, Field(gt=0.0, le=2.0)] = 0.95
+    """Re-plan when observed p99 exceeds this fraction of the SLO."""
+    cooldown_seconds: Annotated[int, Field(ge=0)] = 300
+    """Minimum time between two applied re-plans."""
+    max_move_fraction: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5
+    """Cap on the fraction of worker replicas one re-plan may move."""
+
+
+class PlannerSettings(Model):
+    objective: Objective = Objective.max_goodput
+    cost_cap_per_hour: Annotated[float, Field(gt=0.0)] | None = None
+    """For max-goodput: the most the plan may cost per hour (default: every allowed GPU)."""
+    target_rps: Annotated[float, Field(gt=0.0)] | None = None
+    """For min-cost: the goodput the plan must reach (default: workload.rps)."""
+    period_seconds: Annotated[int, Field(ge=5, le=86400)] = 120
+    """How often the drift loop reads observations."""
+    mode: Mode = Mode.active
+    """active applies plans; advisory only reports what it would do."""
+    drift: DriftLimits = Field(default_factory=DriftLimits)
+    max_splits: Annotated[int, Field(ge=1, le=64)] = 4
+
+
+class RouterSettings(Model):
+    replicas: Annotated[int, Field(ge=1, le=64)] = 1
+    queue_lambda: Annotated[float, Field(gt=0.0, le=1.0)] = 0.85
+    """Arlo's congestion threshold: a bucket is congested above lambda of its capacity."""
+    queue_alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9
+    """Arlo's decay applied to the threshold at each demotion level."""
+    peek_depth: Annotated[int, Field(ge=1, le=64)] = 6
+    """How many longer buckets Arlo's dispatcher may demote a request to."""
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 1 << 20
+    """Largest accepted request body; larger bodies get 413."""
+    max_queue: Annotated[int, Field(ge=1)] = 4096
+    """Requests in flight above this get 503 with Retry-After."""
+    truncate: bool = False
+    """Truncate inputs longer than the largest bucket instead of rejecting them with 400."""
+
+
+class EarlyExitServiceSpec(Model):
+    model: ModelRef
+    slo: SLO
+    accuracy: Accuracy = Field(default_factory=Accuracy)
+    workload: Workload = Field(default_factory=Workload)
+    pools: Annotated[list[PoolRef], Field(min_length=1)]
+    planner: PlannerSettings = Field(default_factory=PlannerSettings)
+    router: RouterSettings = Field(default_factory=RouterSettings)
+
+    @model_validator(mode="after")
+    def _unique_pools(self) -> EarlyExitServiceSpec:
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pools must name each GPUPool once, got {names}")
+        return self
+
+
+# ---------------------------------------------------------------- ModelProfile (namespaced)
+
+
+class BlockProfile(Model):
+    name: str
+    latency_ms: list[list[Annotated[float, Field(ge=0.0)]]]
+    """latencyMs[i][j]: latency of one batch of batchSizes[j] inputs of length seqLens[i]."""
+    weight_bytes: Annotated[int, Field(ge=0)] = 0
+    """Memory of the block's weights."""
+    output_bytes: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    """Activation bytes per sample leaving this block, per entry of seqLens."""
+
+
+class RampProfile(Model):
+    name: str
+    after_block: Annotated[int, Field(ge=0)]
+    """Index of the block this ramp follows."""
+    latency_ms: list[list[Annotated[float, Field(ge=0.0)]]]
+    """Same layout as BlockProfile.latency_ms."""
+
+
+class ModelProfileSpec(Model):
+    model: str
+    pool: str
+    batch_sizes: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)]
+    seq_lens: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)]
+    """Sequence lengths measured; [1] for models without a sequence axis."""
+    blocks: Annotated[list[BlockProfile], Field(min_length=1)]
+    ramps: list[RampProfile] = Field(default_factory=list)
+    survival: list[Annotated[float, Field(ge=0.0, le=1.0)]] = Field(default_factory=list)
+    """Observed fraction of inputs still running after each ramp (same order as ramps)."""
+    input_bytes: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    """Bytes per sample entering the first block, per entry of seqLens."""
+    measured_on: str = ""
+    """Free text: the machine and runtime that measured the profile."""
+
+
+class Resource(BaseModel):
+    """A whole custom resource document (apiVersion, kind, metadata, spec)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    api_version: str = Field(API_VERSION, alias="apiVersion")
+    kind: str
+    metadata: dict = Field(default_factory=dict)
+
+
+class GPUPool(Resource):
+    kind: Literal["GPUPool"] = "GPUPool"
+    spec: GPUPoolSpec
+
+
+class EarlyExitService(Resource):
+    kind: Literal["EarlyExitService"] = "EarlyExitService"
+    spec: EarlyExitServiceSpec
+
+
+class ModelProfile(Resource):
+    kind: Literal["ModelProfile"] = "ModelProfile"
+    spec: ModelProfileSpec
+
+
+KINDS: dict[str, type[Resource]] = {"GPUPool": GPUPool, "EarlyExitService": EarlyExitService, "ModelProfile": ModelProfile}
+PLURALS = {"GPUPool": "gpupools", "EarlyExitService": "earlyexitservices", "ModelProfile": "modelprofiles"}

@@ -1,0 +1,41 @@
+"""The `exitplan` command line: one entry point, one module per command (`exitplan/cmd_*.py`).
+
+Command modules import their heavy dependencies inside the command body, so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from . import __version__
+
+app = typer.Typer(
+    name="exitplan",
+    help="Plan, serve and operate early-exit models (E3, Apparate, Arlo, EE-LLM, DensePipe).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """exitplan: early-exit inference that pays off."""
+
+
+def _register() -> None:
+    # One line per command; each module holds `command` (and sometimes more sub-commands).
+    from . import cmd_version
+
+    app.command("version", help=cmd_version.command.__doc__)(cmd_version.command)
+
+
+_register()
