@@ -1,0 +1,70 @@
+"""Dispatch policies shared by the data plane and the simulator (pure, allocation-free on the hot path).
+
+- `choose_bucket`: Arlo's multi-level queue (Algorithm 1). A request goes to the runtime of the
+  smallest bucket that fits it unless that runtime is congested; then it may be demoted to a longer
+  bucket, one level at a time up to `peek` levels, where the congestion threshold tightens by `alpha`
+  at each level (a longer runtime costs more per input, so it must be clearly idle to be worth it).
+- `least_loaded`: DensePipe's hop policy: the capable replica with the least running / capacity.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class QueueParams:
+    lam: float = 0.85
+    """A runtime is congested when load >= lam (load = outstanding inputs / capacity)."""
+    alpha: float = 0.9
+    """Threshold decay per demotion level: level k accepts when load < lam * alpha**k."""
+    peek: int = 6
+    """How many longer buckets may be considered."""
+
+
+def ideal_bucket(length: int, buckets: Sequence[int]) -> int:
+    """Index of the smallest bucket holding `length`, or -1 when none does."""
+    i = bisect_left(buckets, length)
+    return i if i < len(buckets) else -1
+
+
+def choose_bucket(length: int, buckets: Sequence[int], load: Sequence[float], params: QueueParams = QueueParams()) -> int:
+    """Arlo Algorithm 1: index of the bucket runtime to dispatch to, or -1 if the input fits none.
+
+    `load[i]` is bucket i's outstanding inputs divided by its capacity (a bucket with no capacity
+    should report `float('inf')`). When every candidate is congested the request stays with its
+    ideal bucket (it queues there; admission control is the caller's job).
+    """
+    first = bisect_left(buckets, length)
+    n = len(buckets)
+    if first >= n:
+        return -1
+    threshold = params.lam
+    last = min(n - 1, first + params.peek)
+    for j in range(first, last + 1):
+        if load[j] < threshold:
+            return j
+        threshold *= params.alpha
+    # Every candidate is congested: take the ideal bucket if it can serve at all, else the
+    # least-loaded candidate that has capacity.
+    if load[first] != float("inf"):
+        return first
+    best, best_load = -1, float("inf")
+    for j in range(first + 1, last + 1):
+        if load[j] < best_load:
+            best, best_load = j, load[j]
+    return best
+
+
+def least_loaded(running: Sequence[float], capacity: Sequence[float], skip: Sequence[bool] | None = None) -> int:
+    """Index of the replica with the least running/capacity, ignoring skipped ones; -1 if none."""
+    best, best_load = -1, float("inf")
+    for i, (r, c) in enumerate(zip(running, capacity)):
+        if c <= 0 or (skip is not None and skip[i]):
+            continue
+        load = r / c
+        if load < best_load:
+            best, best_load = i, load
+    return best
