@@ -33,9 +33,11 @@ def main(
 
 def _register() -> None:
     # One line per command; each module holds `command` (and sometimes more sub-commands).
-    from . import cmd_version
+    from . import cmd_router, cmd_version, cmd_worker
 
     app.command("version", help=cmd_version.command.__doc__)(cmd_version.command)
+    app.command("worker")(cmd_worker.command)
+    app.command("router")(cmd_router.command)
 
 
 _register()

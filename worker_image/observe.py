@@ -1,0 +1,119 @@
+"""The router's observation windows and shadow-sampled feedback (pure bookkeeping, no I/O).
+
+`WindowStats` accumulates one window of answers (exit ramp, latency, ideal bucket, errors) and
+rolls over into an `Observations` document. `FeedbackRing` keeps the last N shadow-sampled inputs
+(confidence and answer at every exit ramp, and the full model's answer): the window format of
+`exitplan tune` and the planner's threshold tuner.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from exitplan.api.observations import ErrorCounts, LatencySummary, Observations, RampAgreement
+
+
+@dataclass
+class WindowStats:
+    service: str
+    model: str
+    ramps: list[str]
+    buckets: list[int]
+    since: float = field(default_factory=time.time)
+    answered: int = 0
+    within_slo: int = 0
+    exit_counts: np.ndarray = field(init=False)
+    length_counts: np.ndarray = field(init=False)
+    latencies: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    agree: np.ndarray = field(init=False)
+    samples: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.exit_counts = np.zeros(len(self.ramps) + 1, dtype=np.int64)
+        self.length_counts = np.zeros(len(self.buckets), dtype=np.int64)
+        self.agree = np.zeros(len(self.ramps), dtype=np.int64)
+        self.samples = np.zeros(len(self.ramps), dtype=np.int64)
+
+    def record_length(self, bucket_index: int) -> None:
+        if bucket_index >= 0:
+            self.length_counts[bucket_index] += 1
+
+    def record_answer(self, ramp_index: int, latency_s: float, within_slo: bool) -> None:
+        """`ramp_index` = position in `ramps`, or len(ramps) for the final head."""
+        self.answered += 1
+        self.within_slo += within_slo
+        self.exit_counts[ramp_index] += 1
+        self.latencies.append(latency_s)
+
+    def record_error(self, reason: str, count: int = 1) -> None:
+        self.errors[reason] = self.errors.get(reason, 0) + count
+
+    def record_feedback(self, ramp_index: int, agrees: bool) -> None:
+        if ramp_index < len(self.ramps):
+            self.samples[ramp_index] += 1
+            self.agree[ramp_index] += agrees
+
+    def observations(self, until: float, load: dict[str, float], thresholds: dict[str, float], plan_hash: str) -> Observations:
+        total = max(int(self.exit_counts.sum()), 1)
+        survival = (1.0 - np.cumsum(self.exit_counts[:-1]) / total).tolist() if self.answered else []
+        lat = np.asarray(self.latencies) * 1000.0
+        latency = (
+            LatencySummary(
+                p50_ms=float(np.percentile(lat, 50)), p95_ms=float(np.percentile(lat, 95)),
+                p99_ms=float(np.percentile(lat, 99)), max_ms=float(lat.max()),
+            )
+            if lat.size else LatencySummary()
+        )
+        known = set(ErrorCounts.model_fields)
+        errors = ErrorCounts(**{k: v for k, v in self.errors.items() if k in known})
+        return Observations(
+            service=self.service, model=self.model, since=self.since, until=until, requests=self.answered,
+            within_slo=self.within_slo, errors=errors, ramps=list(self.ramps), exit_counts=self.exit_counts.tolist(),
+            survival=survival, length_buckets=list(self.buckets), length_histogram=self.length_counts.tolist(),
+            latency=latency, load=load,
+            agreement=[RampAgreement(ramp=r, samples=int(s), agree=int(a)) for r, s, a in zip(self.ramps, self.samples, self.agree)],
+            thresholds=dict(thresholds), plan_hash=plan_hash,
+        )
+
+
+class FeedbackRing:
+    """The last `capacity` shadow-sampled inputs, as arrays (conf, pred [N, R]; final [N])."""
+
+    def __init__(self, n_ramps: int, capacity: int = 4096) -> None:
+        self.conf = np.zeros((capacity, n_ramps), dtype=np.float32)
+        self.pred = np.zeros((capacity, n_ramps), dtype=np.int64)
+        self.final = np.zeros(capacity, dtype=np.int64)
+        self.size = 0
+        self.next = 0
+        self.added = 0
+
+    def add(self, conf: list[float | None], pred: list[int | None], final: int) -> bool:
+        """Store one sample; False (and nothing stored) if a ramp's value is missing or not finite."""
+        if len(conf) != self.conf.shape[1] or any(c is None for c in conf) or any(p is None for p in pred):
+            return False
+        c = np.asarray(conf, dtype=np.float32)
+        if not np.isfinite(c).all():
+            return False
+        i = self.next
+        self.conf[i], self.pred[i], self.final[i] = c, pred, final
+        self.next = (i + 1) % len(self.final)
+        self.size = min(self.size + 1, len(self.final))
+        self.added += 1
+        return True
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self.size < len(self.final):
+            return self.conf[: self.size].copy(), self.pred[: self.size].copy(), self.final[: self.size].copy()
+        order = np.r_[self.next : len(self.final), 0 : self.next]
+        return self.conf[order], self.pred[order], self.final[order]
+
+    def to_npz(self, saving_ms: np.ndarray, cost_ms: np.ndarray) -> bytes:
+        conf, pred, final = self.arrays()
+        buf = io.BytesIO()
+        np.savez(buf, conf=conf, pred=pred, final=final, saving_ms=np.asarray(saving_ms, np.float64), cost_ms=np.asarray(cost_ms, np.float64))
+        return buf.getvalue()

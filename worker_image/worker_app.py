@@ -1,0 +1,451 @@
+"""The split worker: one (split, length bucket, pool) cell of a plan, as an aiohttp app.
+
+POST /v1/run takes a frame of inputs (rows of the split's input state, padded to the bucket),
+puts the rows in the fusion queue and answers when every row has its answer: rows that exit in this
+split are answered from here; survivors go, as one frame per batch, to the least-loaded pod of the
+next split (same bucket) and their answers come back through here. A batch launches when it holds
+the planned batch size, when its oldest row has waited `max_wait_ms`, or when the oldest deadline
+needs it to run now (deadline minus the expected time to finish the model from this split).
+
+Also: GET /v1/info (what this pod is), /v1/peers (next-split pods with their straggler marks),
+/v2/health/live, /v2/health/ready, /metrics; POST /v1/thresholds (hot update, forwarded to the
+next split). The plan file is re-read when it changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from exitplan.api.plan import Plan
+
+from . import wire
+from .bundle_runtime import BundleRuntime, StateError
+from .discovery import PeerSet, parse_peer_spec
+from .executor import execute
+from .forward import HopFailed, NoPeer, send
+from .metrics import WorkerMetrics
+from .planfile import read_plan, watch_plan
+
+log = logging.getLogger(__name__)
+
+FAULTS_ENV = "EXITPLAN_ENABLE_FAULTS"
+"""Set to 1 to enable POST /v1/faults (slow-down injection for straggler tests and chaos drills)."""
+
+
+class Pending:
+    """One incoming frame: answered when every row has a result or an error."""
+
+    __slots__ = ("items", "results", "logits", "remaining", "future", "service_ms", "expected_ms")
+
+    def __init__(self, items: list[dict], n_labels: int) -> None:
+        self.items = items
+        self.results: list[dict | None] = [None] * len(items)
+        self.logits = np.zeros((len(items), n_labels), dtype=np.float32)
+        self.remaining = len(items)
+        self.future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.service_ms = 0.0
+        self.expected_ms = 0.0
+
+    def answer(self, index: int, result: dict, logits: np.ndarray | None) -> None:
+        if self.results[index] is not None:
+            return  # a shadow row's second answer: the first one stands
+        self.results[index] = result
+        if logits is not None:
+            self.logits[index] = logits
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():
+            self.future.set_result(None)
+
+    def fail(self, index: int, reason: str) -> None:
+        self.answer(index, {"id": self.items[index]["id"], "error": reason}, None)
+
+
+@dataclass(slots=True)
+class Row:
+    pending: Pending
+    index: int
+    tensors: dict[str, np.ndarray]
+    arrival: float
+    deadline: float
+    timeout: float
+    item: dict = field(default_factory=dict)
+
+    @property
+    def answered(self) -> bool:
+        return self.pending.results[self.index] is not None
+
+
+class SplitWorker:
+    def __init__(
+        self,
+        bundle: str | Path,
+        plan_path: str | Path,
+        *,
+        split: int,
+        bucket: int,
+        pool: str = "",
+        next_peers: str | None = None,
+        max_wait_ms: float = 2.0,
+        threads: int = 1,
+        providers: Sequence[str] = ("CPUExecutionProvider",),
+    ) -> None:
+        self.plan_path = Path(plan_path)
+        self.plan = read_plan(self.plan_path)
+        if not 0 <= split < len(self.plan.splits):
+            raise ValueError(f"--split {split}: the plan has splits 0..{len(self.plan.splits) - 1}")
+        if bucket not in self.plan.buckets:
+            raise ValueError(f"--bucket {bucket}: the plan's buckets are {self.plan.buckets}")
+        self.split, self.bucket, self.pool = split, bucket, pool
+        sp = self.plan.splits[split]
+        self.runtime = BundleRuntime(
+            bundle, first_block=sp.first_block, last_block=sp.last_block, buckets=[bucket], providers=providers, threads=threads
+        )
+        manifest = self.runtime.manifest
+        self.n_labels = len(manifest.labels)
+        self.exit_ramps = [r.name for r in manifest.exit_ramps()]
+        self.input_names = [t.name for t in manifest.inputs] if sp.first_block == 0 else manifest.live_after(sp.first_block - 1)
+        self.is_last = self.runtime.ends_model
+        if not self.is_last and not next_peers:
+            raise ValueError(f"split {split} is not the last split of the plan: give --next host:port of split {split + 1}")
+        self.next = PeerSet(parse_peer_spec(next_peers)) if not self.is_last else None
+        self.batch_size = self._planned_batch(self.plan)
+        self.thresholds = dict(self.plan.thresholds)
+        self.max_wait = max_wait_ms / 1000.0
+        n_blocks = len(manifest.blocks)
+        self.remaining_factor = (n_blocks - sp.first_block) / (sp.last_block - sp.first_block + 1)
+        self.queue: deque[Row] = deque()
+        self.wakeup = asyncio.Event()
+        self.pool_exec = ThreadPoolExecutor(1, thread_name_prefix="infer")
+        self.metrics = WorkerMetrics(self.plan.service, split, bucket, pool)
+        self.metrics.planned_batch.set(self.batch_size)
+        self.fit = (1.0, 0.1)  # expected batch ms = a + b * n, refitted at warm-up
+        self.slowdown = 1.0
+        self.ready = False
+        self.served = 0
+        self.session: aiohttp.ClientSession | None = None
+        self.tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ plan
+
+    def _planned_batch(self, plan: Plan) -> int:
+        cells = [c for c in plan.cells if c.split == self.split and c.bucket == self.bucket]
+        mine = [c for c in cells if c.pool == self.pool] or cells
+        return max((c.batch_size for c in mine), default=1)
+
+    def apply_plan(self, plan: Plan) -> None:
+        sp = plan.splits[self.split] if self.split < len(plan.splits) else None
+        if sp is None or (sp.first_block, sp.last_block) != (self.runtime.first_block, self.runtime.last_block):
+            log.warning("the new plan moves this split's blocks; this pod keeps serving its range until it is replaced")
+        self.plan = plan
+        self.batch_size = self._planned_batch(plan)
+        self.metrics.planned_batch.set(self.batch_size)
+        self.set_thresholds(plan.thresholds, "plan-update")
+
+    def set_thresholds(self, thresholds: dict[str, float], reason: str) -> None:
+        known = {r.name for r in self.runtime.manifest.ramps}
+        unknown = sorted(set(thresholds) - known)
+        if unknown:
+            raise ValueError(f"thresholds name ramps the bundle does not have: {unknown}; its ramps are {sorted(known)}")
+        if dict(thresholds) != self.thresholds:
+            log.info("thresholds %s -> %s (%s)", self.thresholds, dict(thresholds), reason)
+            self.thresholds = {k: float(v) for k, v in thresholds.items()}
+            self.metrics.threshold_updates.labels(self.plan.service, reason).inc()
+
+    # ------------------------------------------------------------------ warm-up and expected service time
+
+    def _dummy_state(self, n: int) -> dict[str, np.ndarray]:
+        first = self.runtime.manifest.blocks[self.runtime.first_block]
+        io = self.runtime._io[first.file]  # the runtime's validated input specs of the split's first block
+        state = {}
+        for name, dtype, shape in zip(io.names, io.dtypes, io.shapes):
+            dims = [n if d == "batch" else self.bucket if d == "seq" else (d if isinstance(d, int) else 1) for d in shape]
+            state[name] = (np.ones if "mask" in name else np.zeros)(dims, dtype=dtype)
+        return state
+
+    def _time_batch(self, n: int) -> float:
+        state = self._dummy_state(n)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            execute(self.runtime, state, self.bucket, {}, np.zeros(n, bool), np.zeros(n, bool))
+            best = min(best, (time.perf_counter() - t0) * 1000)
+        return best
+
+    def warm_up(self) -> None:
+        small = self._time_batch(1)
+        big_n = max(2, self.batch_size)
+        big = self._time_batch(big_n)
+        slope = max((big - small) / (big_n - 1), 1e-3)
+        self.fit = (max(small - slope, 0.0), slope)
+        log.info("warm-up: %.2f ms at batch 1, %.2f ms at batch %d", small, big, big_n)
+
+    def expected_ms(self, n: int) -> float:
+        return self.fit[0] + self.fit[1] * n
+
+    # ------------------------------------------------------------------ HTTP
+
+    async def handle_run(self, request: web.Request) -> web.Response:
+        if not self.ready:
+            return web.Response(status=503, text="worker is warming up", headers={"Retry-After": "1"})
+        body = await request.read()
+        try:
+            meta, tensors = wire.decode(body)
+            items = meta["items"]
+            if not isinstance(items, list) or not items:
+                raise ValueError("meta.items must be a non-empty list")
+            n = len(items)
+            for name in self.input_names:
+                if name not in tensors:
+                    raise ValueError(f"tensor {name!r} missing; this split reads {self.input_names}")
+                t = tensors[name]
+                if t.shape[0] != n:
+                    raise ValueError(f"tensor {name!r} has {t.shape[0]} rows for {n} items")
+                if self.runtime.is_sequence_model and (t.ndim < 2 or t.shape[1] != self.bucket):
+                    raise ValueError(f"tensor {name!r} shape {list(t.shape)}: axis 1 must be this bucket's length {self.bucket}")
+        except (wire.WireError, KeyError, TypeError, ValueError) as err:
+            return web.Response(status=400, text=f"bad frame: {err}")
+        pending = Pending(items, self.n_labels)
+        now = time.time()
+        for i, item in enumerate(items):
+            deadline = float(item.get("deadline", now + 1.0))
+            row = Row(pending, i, {k: tensors[k][i] for k in self.input_names}, now, deadline, float(item.get("timeout", deadline)), item)
+            if item.get("answered"):
+                pending.answer(i, {"id": item["id"], "shadow": True}, None)
+            self.queue.append(row)
+        self.metrics.queued.set(len(self.queue))
+        self.wakeup.set()
+        await pending.future
+        out_meta = {"results": pending.results, "service_ms": pending.service_ms, "expected_ms": pending.expected_ms}
+        return web.Response(body=wire.encode(out_meta, {"logits": pending.logits}), content_type=wire.CONTENT_TYPE)
+
+    async def handle_info(self, _: web.Request) -> web.Response:
+        return web.json_response({
+            "service": self.plan.service, "model": self.plan.model, "split": self.split, "bucket": self.bucket,
+            "pool": self.pool, "batchSize": self.batch_size, "ready": self.ready,
+            "firstBlock": self.runtime.first_block, "lastBlock": self.runtime.last_block,
+            "queued": len(self.queue), "served": self.served, "thresholds": self.thresholds,
+            "planHash": self.plan.content_hash(), "expectedMs": {"a": self.fit[0], "b": self.fit[1]},
+        })
+
+    async def handle_peers(self, _: web.Request) -> web.Response:
+        return web.json_response(self.next.snapshot() if self.next else [])
+
+    async def handle_live(self, _: web.Request) -> web.Response:
+        return web.json_response({"live": True})
+
+    async def handle_ready(self, _: web.Request) -> web.Response:
+        ok = self.ready and (self.next is None or bool(self.next.candidates(self.bucket, self.split + 1)))
+        return web.json_response({"ready": ok}, status=200 if ok else 503)
+
+    async def handle_metrics(self, _: web.Request) -> web.Response:
+        self.metrics.stragglers.set(sum(p.straggler for p in self.next.peers.values()) if self.next else 0)
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def handle_thresholds(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            thresholds = {str(k): float(v) for k, v in body["thresholds"].items()}
+            reason = str(body.get("reason", "api"))
+            self.set_thresholds(thresholds, reason)
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            return web.Response(status=400, text=f"bad thresholds: {err}")
+        if self.next and self.session:
+            await asyncio.gather(*(self._push(p.url, body) for p in self.next.peers.values() if p.ready), return_exceptions=True)
+        return web.json_response({"thresholds": self.thresholds})
+
+    async def _push(self, url: str, body: dict) -> None:
+        assert self.session is not None
+        async with self.session.post(f"{url}/v1/thresholds", json=body, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+            resp.raise_for_status()
+
+    async def handle_faults(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.slowdown = max(1.0, float(body.get("slowdown", 1.0)))
+        log.warning("fault injection: slowdown x%.1f", self.slowdown)
+        return web.json_response({"slowdown": self.slowdown})
+
+    # ------------------------------------------------------------------ batching
+
+    def _launch_at(self) -> float:
+        oldest = self.queue[0].arrival
+        reserve = self.expected_ms(self.batch_size) * self.remaining_factor * 1.2 / 1000.0
+        earliest_deadline = min(r.deadline for r in self.queue)
+        return min(oldest + self.max_wait, earliest_deadline - reserve)
+
+    async def batch_loop(self) -> None:
+        while True:
+            if not self.queue:
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            wait = self._launch_at() - time.time()
+            if len(self.queue) < self.batch_size and wait > 0:
+                self.wakeup.clear()
+                try:
+                    await asyncio.wait_for(self.wakeup.wait(), wait)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            batch = [self.queue.popleft() for _ in range(min(self.batch_size, len(self.queue)))]
+            self.metrics.queued.set(len(self.queue))
+            try:
+                await self.run_batch(batch)
+            except Exception as err:  # keep the loop alive; every row of the batch gets an explicit error
+                log.exception("batch failed")
+                for row in batch:
+                    row.pending.fail(row.index, f"worker error in split {self.split}: {err}")
+
+    async def run_batch(self, batch: list[Row]) -> None:
+        now = time.time()
+        for row in batch:
+            self.metrics.queue_seconds.observe(now - row.arrival)
+        state = {name: np.stack([row.tensors[name] for row in batch]) for name in self.input_names}
+        answered = np.array([row.answered for row in batch], dtype=bool)
+        recorded = np.array([bool(row.item.get("record")) for row in batch], dtype=bool)
+        thresholds = self.thresholds
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        try:
+            outcome = await loop.run_in_executor(self.pool_exec, execute, self.runtime, state, self.bucket, thresholds, answered, recorded)
+        except StateError as err:
+            for row in batch:
+                row.pending.fail(row.index, f"split {self.split} cannot run this input: {err}")
+            return
+        service_ms = (time.perf_counter() - t0) * 1000
+        if self.slowdown > 1.0:
+            extra = service_ms * (self.slowdown - 1.0)
+            await asyncio.sleep(extra / 1000)
+            service_ms += extra
+        expected = self.expected_ms(len(batch))
+        self.served += len(batch)
+        self.metrics.batch_size.observe(len(batch))
+        self.metrics.batch_seconds.observe(service_ms / 1000)
+        self.metrics.inputs.inc(len(batch))
+        for row in batch:
+            p = row.pending
+            if p.service_ms == 0.0:
+                p.service_ms, p.expected_ms = service_ms, expected
+        for i, rec in outcome.records.items():
+            item = batch[i].item
+            item_rec = item.setdefault("rec", {"conf": {}, "pred": {}})
+            item_rec["conf"].update(rec.conf)
+            item_rec["pred"].update(rec.pred)
+            if rec.final_pred is not None:
+                item_rec["final"] = rec.final_pred
+        for ans in outcome.answers:
+            row = batch[ans.row]
+            self.metrics.exits.labels(**self.metrics.labels, ramp=ans.ramp).inc()
+            row.pending.answer(row.index, {"id": row.item["id"], "ramp": ans.ramp, "final": ans.final}, ans.logits)
+        if self.is_last:
+            self._send_feedback([batch[i].item for i in outcome.records])
+        elif len(outcome.survivors):
+            rows = [batch[i] for i in outcome.survivors]
+            asyncio.create_task(self.forward(rows, outcome.state))
+
+    async def forward(self, rows: list[Row], state: dict[str, np.ndarray]) -> None:
+        assert self.next is not None and self.session is not None
+        items = []
+        for row in rows:
+            item = dict(row.item)
+            item["answered"] = row.answered
+            items.append(item)
+        self.metrics.forward_bytes.inc(sum(v.nbytes for v in state.values()))
+        try:
+            meta, tensors, _ = await send(
+                self.session, self.next, bucket=self.bucket, split=self.split + 1, meta={"items": items, "bucket": self.bucket},
+                tensors=state, rows=len(rows), timeout_at=max(r.timeout for r in rows),
+            )
+        except (NoPeer, HopFailed) as err:
+            self.metrics.forward_errors.inc()
+            for row in rows:
+                row.pending.fail(row.index, str(err))
+            return
+        logits = tensors.get("logits")
+        by_id = {row.item["id"]: row for row in rows}
+        for k, result in enumerate(meta.get("results") or []):
+            row = by_id.pop(result.get("id") if result else None, None)
+            if row is None or result.get("shadow"):
+                continue
+            if "error" in result:
+                row.pending.fail(row.index, result["error"])
+            else:
+                row.pending.answer(row.index, result, logits[k] if logits is not None else None)
+        for row in by_id.values():
+            if not row.answered:
+                row.pending.fail(row.index, f"split {self.split + 1} returned no answer for this input")
+
+    def _send_feedback(self, items: list[dict]) -> None:
+        by_target: dict[str, list[dict]] = {}
+        for item in items:
+            target, rec = item.get("reply_to"), item.get("rec") or {}
+            if not target or "final" not in rec:
+                continue
+            by_target.setdefault(target, []).append({
+                "id": item["id"], "final": rec["final"],
+                "conf": [rec["conf"].get(r) for r in self.exit_ramps],
+                "pred": [rec["pred"].get(r) for r in self.exit_ramps],
+            })
+        for target, samples in by_target.items():
+            asyncio.create_task(self._post_feedback(target, samples))
+
+    async def _post_feedback(self, target: str, samples: list[dict]) -> None:
+        assert self.session is not None
+        try:
+            async with self.session.post(f"http://{target}/v1/feedback", json={"samples": samples}, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                resp.raise_for_status()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            log.warning("feedback to %s lost (%s): %d samples", target, err, len(samples))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _startup(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.pool_exec, self.warm_up)
+        self.ready = True
+        self.tasks.append(asyncio.create_task(self.batch_loop()))
+        self.tasks.append(asyncio.create_task(watch_plan(self.plan_path, self.apply_plan)))
+        if self.next:
+            await self.next.refresh(self.session)
+            self.tasks.append(asyncio.create_task(self.next.run(self.session)))
+
+    async def _cleanup(self, app: web.Application) -> None:
+        self.ready = False
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for row in self.queue:
+            row.pending.fail(row.index, "worker shutting down")
+        if self.session:
+            await self.session.close()
+        self.pool_exec.shutdown(wait=False)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 << 20)
+        app.add_routes([
+            web.post("/v1/run", self.handle_run),
+            web.get("/v1/info", self.handle_info),
+            web.get("/v1/peers", self.handle_peers),
+            web.get("/v2/health/live", self.handle_live),
+            web.get("/v2/health/ready", self.handle_ready),
+            web.get("/metrics", self.handle_metrics),
+            web.post("/v1/thresholds", self.handle_thresholds),
+        ])
+        if os.environ.get(FAULTS_ENV) == "1":
+            app.router.add_post("/v1/faults", self.handle_faults)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
