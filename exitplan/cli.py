@@ -33,11 +33,12 @@ def main(
 
 def _register() -> None:
     # One line per command; each module holds `command` (and sometimes more sub-commands).
-    from . import cmd_router, cmd_version, cmd_worker
+    from . import cmd_router, cmd_up, cmd_version, cmd_worker
 
     app.command("version", help=cmd_version.command.__doc__)(cmd_version.command)
     app.command("worker")(cmd_worker.command)
     app.command("router")(cmd_router.command)
+    app.command("up")(cmd_up.command)
 
 
 _register()

@@ -1,0 +1,83 @@
+"""`exitplan up SERVICE.yaml`: plan, then run the router and workers as local processes."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import typer
+
+
+def command(
+    service: Path = typer.Argument(..., exists=True, dir_okay=False, help="YAML with an EarlyExitService (and its GPUPools, optionally ModelProfiles)."),
+    resources: list[Path] = typer.Option([], "--resources", "-f", help="More YAML files with GPUPools / ModelProfiles."),
+    plan: Path | None = typer.Option(None, help="Serve this plan file instead of planning."),
+    port: int = typer.Option(8080, help="Router port on localhost."),
+    base_port: int = typer.Option(9100, help="First port for worker processes."),
+    workdir: Path = typer.Option(Path("artifacts/up"), help="Where the plan file and process logs go."),
+    threads: int = typer.Option(1, min=1, help="ONNX Runtime threads per worker process."),
+    window_seconds: float = typer.Option(30.0, min=0.5, help="Router observation window."),
+) -> None:
+    """Plan the service, start its router and workers on this machine (the same commands pods run), serve until Ctrl-C."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from exitplan.api import SpecError
+    from exitplan.api.bundle import BundleError
+    from exitplan.api.plan import Plan
+
+    from .local import LocalDeployment, StartError
+    from .planning import ServiceFileError, ensure_profiles, load_setup, planned, tuned_thresholds
+
+    console = Console()
+    try:
+        setup = load_setup(service, list(resources))
+        if plan is not None:
+            the_plan = Plan.from_file(plan)
+        else:
+            ensure_profiles(setup, console.print)
+            thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop)
+            the_plan = planned(setup, thresholds)
+    except (SpecError, ServiceFileError, BundleError, ValueError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from err
+    deployment = LocalDeployment(
+        setup.bundle, the_plan, setup.spec, workdir / setup.name, port=port, base_port=base_port, threads=threads,
+        window_seconds=window_seconds,
+    )
+    table = Table(title=f"plan {the_plan.content_hash()} for {setup.name}")
+    for col in ("split", "blocks", "bucket", "pool", "replicas", "batch"):
+        table.add_column(col)
+    for cell in sorted(the_plan.cells, key=lambda c: (c.split, c.bucket)):
+        sp = the_plan.splits[cell.split]
+        table.add_row(str(cell.split), f"{sp.first_block}-{sp.last_block}", str(cell.bucket), cell.pool, str(cell.replicas), str(cell.batch_size))
+    console.print(table)
+    console.print(f"thresholds: {the_plan.thresholds}")
+    with console.status("starting workers and router..."):
+        try:
+            deployment.start()
+        except StartError as err:
+            console.print(f"[red]error:[/red] {err}")
+            raise typer.Exit(1) from err
+    console.print(f"[green]serving[/green] {the_plan.model} at {deployment.url}/v2/models/{the_plan.model}/infer  (logs: {deployment.workdir / 'logs'})")
+    console.print("Ctrl-C stops every process.")
+    stop = {"now": False}
+
+    def _stop(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        while not stop["now"]:
+            time.sleep(0.5)
+            dead = [p for p in deployment.procs if p.popen and p.popen.poll() is not None]
+            if dead:
+                console.print(f"[red]{dead[0].name} exited[/red] ({dead[0].popen.returncode}):\n{dead[0].log_tail()}")
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        with console.status("stopping..."):
+            deployment.stop()
+        console.print("stopped.")

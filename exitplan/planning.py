@@ -1,0 +1,124 @@
+"""From a service file to a Plan, outside Kubernetes (used by `exitplan up` and `exitplan demo`).
+
+Reads the EarlyExitService (and any GPUPool / ModelProfile documents beside it), finds or measures
+a profile per pool, tunes the initial thresholds on the bundle's calibration window under the
+accuracy budget, and asks the planner. Also builds the two baseline configurations the demo
+compares against: vanilla (no exits, one split) and naive early exit (exits, one split).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from exitplan.api import load_resources
+from exitplan.api.bundle import BundleManifest, read_manifest, resolve_bundle_uri
+from exitplan.api.plan import Cell, Plan, SplitPlan
+from exitplan.api.resources import EarlyExitService, EarlyExitServiceSpec, GPUPool, GPUPoolSpec, ModelProfile, ModelProfileSpec
+
+from .local import exitplan_command
+
+
+class ServiceFileError(ValueError):
+    """The service file (or what it refers to) cannot be used; the message says what to add or fix."""
+
+
+@dataclass
+class ServiceSetup:
+    name: str
+    spec: EarlyExitServiceSpec
+    bundle: Path
+    manifest: BundleManifest
+    pools: dict[str, GPUPoolSpec] = field(default_factory=dict)
+    profiles: dict[str, ModelProfileSpec] = field(default_factory=dict)
+
+
+def load_setup(service_file: Path, extra: list[Path] = ()) -> ServiceSetup:
+    """The service, its pools and profiles from `service_file` and `extra` YAML files."""
+    docs = []
+    for path in [service_file, *extra]:
+        docs.extend(load_resources(path))
+    services = [d for d in docs if isinstance(d, EarlyExitService)]
+    if len(services) != 1:
+        raise ServiceFileError(f"{service_file}: expected exactly one EarlyExitService, found {len(services)}")
+    svc = services[0]
+    name = svc.metadata.get("name") or "exitplan"
+    bundle = resolve_bundle_uri(svc.spec.model.bundle)
+    if not bundle.is_absolute():
+        bundle = (Path.cwd() / bundle).resolve()
+    manifest = read_manifest(bundle)
+    pools = {d.metadata.get("name", ""): d.spec for d in docs if isinstance(d, GPUPool)}
+    missing = [p.name for p in svc.spec.pools if p.name not in pools]
+    if missing:
+        raise ServiceFileError(
+            f"{service_file}: the service names pools {missing} but no GPUPool document defines them; add a GPUPool "
+            f"(for this machine: capacity = how many worker processes may run, e.g. 2)"
+        )
+    profiles = {
+        d.spec.pool: d.spec for d in docs if isinstance(d, ModelProfile) and d.spec.model == svc.spec.model.name
+    }
+    return ServiceSetup(name, svc.spec, bundle, manifest, pools, profiles)
+
+
+def ensure_profiles(setup: ServiceSetup, echo=print) -> None:
+    """Measure a profile for every pool that has none (cached in the bundle's profiles/ folder)."""
+    for ref in setup.spec.pools:
+        if ref.name in setup.profiles:
+            continue
+        cache = setup.bundle / "profiles" / f"{ref.name}.yaml"
+        if not cache.is_file():
+            echo(f"no ModelProfile for pool {ref.name!r}: measuring one on this machine -> {cache}")
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cmd = [*exitplan_command(), "profile", str(setup.bundle), "--pool", ref.name, "--out", str(cache)]
+            done = subprocess.run(cmd, check=False)
+            if done.returncode != 0:
+                raise ServiceFileError(f"profiling the bundle for pool {ref.name!r} failed (exit {done.returncode}): {' '.join(cmd)}")
+        doc = yaml.safe_load(cache.read_text())
+        setup.profiles[ref.name] = ModelProfile.model_validate(doc).spec
+
+
+def tuned_thresholds(bundle: Path, budget: float) -> dict[str, float]:
+    """Initial thresholds: the tuner on the bundle's calibration window (held-out data) under `budget`."""
+    from exitplan.planner.thresholds import Window, tune
+
+    manifest = read_manifest(bundle)
+    ramps = [r.name for r in manifest.exit_ramps()]
+    path = bundle / "data" / "window.npz"
+    if not ramps:
+        return {}
+    if not path.is_file():
+        raise ServiceFileError(f"{path}: the bundle has no calibration window; rebuild it with `exitplan prepare --force`")
+    result = tune(Window.load(path), budget)
+    return {name: float(t) for name, t in zip(ramps, np.asarray(result.thresholds))}
+
+
+def planned(setup: ServiceSetup, thresholds: dict[str, float], reason: str = "initial") -> Plan:
+    from exitplan.planner import plan_service
+
+    result = plan_service(setup.name, setup.spec, setup.pools, setup.profiles, thresholds=thresholds, reason=reason)
+    return result.plan
+
+
+def single_split_plan(
+    setup: ServiceSetup, *, thresholds: dict[str, float], replicas: int, batch_size: int, reason: str
+) -> Plan:
+    """The baselines: the whole model in one split, `replicas` workers per bucket on the first pool.
+
+    vanilla = no exits (every threshold above 1); naive early exit = the tuned thresholds.
+    """
+    manifest = setup.manifest
+    if manifest.seq_axis is None:
+        buckets = [1]
+    else:
+        buckets = list(setup.spec.workload.length_buckets) or [int(manifest.max_length or 1)]
+    pool = setup.spec.pools[0].name
+    cells = [Cell(split=0, bucket=b, pool=pool, replicas=replicas, batch_size=batch_size) for b in buckets]
+    return Plan(
+        service=setup.name, model=setup.spec.model.name,
+        splits=[SplitPlan(index=0, first_block=0, last_block=len(manifest.blocks) - 1)],
+        buckets=buckets, cells=cells, thresholds=thresholds, reason=reason,
+    )
