@@ -1,0 +1,294 @@
+"""Pure manifest builders: (service, spec, plan, pools) -> plain dicts. No I/O, no API calls.
+
+Children of one EarlyExitService `<svc>` (DESIGN.md "The objects"):
+
+| object | name | what |
+|---|---|---|
+| ConfigMap | `<svc>-plan` | `plan.json` = Plan.to_json(), mounted at /etc/exitplan in every pod |
+| Deployment + Service | `<svc>-router`, `<svc>` | the router; the Service (port 8080) is the cluster entry point |
+| headless Service | `<svc>-split-<S>` | the workers of split S (router --peers, worker --next resolve it) |
+| Deployment | `<svc>-s<S>-b<B>-<pool>` | one per plan cell (split, bucket, pool), absolute replica count |
+| Job | `<svc>-profile-<pool>` | measures a missing ModelProfile, then publishes it |
+
+Every child carries the labels exitplan.io/service, exitplan.io/split, exitplan.io/bucket,
+exitplan.io/pool (where they apply), the annotation exitplan.io/plan-hash, and an ownerReference
+to the EarlyExitService (kopf.adopt), so deleting the service lets the garbage collector take them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from typing import Any
+
+import kopf
+
+from exitplan.api.plan import Cell, Plan
+from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
+
+Manifest = dict[str, Any]
+
+PORT = 8080
+PLAN_DIR = "/etc/exitplan"
+PLAN_PATH = f"{PLAN_DIR}/plan.json"
+PROFILE_DIR = "/var/run/exitplan-profile"
+DEFAULT_IMAGE = "ghcr.io/exitplan/exitplan:0.1.0"
+IMAGE = os.environ.get("EXITPLAN_IMAGE", DEFAULT_IMAGE)
+"""Container image of routers, workers and profiling Jobs (env EXITPLAN_IMAGE of the operator)."""
+
+L_SERVICE, L_SPLIT, L_BUCKET, L_POOL = "exitplan.io/service", "exitplan.io/split", "exitplan.io/bucket", "exitplan.io/pool"
+L_COMPONENT = "app.kubernetes.io/component"
+A_PLAN_HASH = "exitplan.io/plan-hash"
+MANAGED = {"app.kubernetes.io/name": "exitplan", "app.kubernetes.io/managed-by": "exitplan-operator"}
+
+
+def dns_name(*parts: object) -> str:
+    """A DNS-1123 label from parts: lowercase, dashes, at most 63 chars (long names end in a hash)."""
+    raw = "-".join(str(p) for p in parts if str(p) != "")
+    name = re.sub(r"[^a-z0-9-]+", "-", raw.lower()).strip("-")
+    if len(name) > 63:
+        digest = hashlib.sha256(raw.encode()).hexdigest()[:6]
+        name = f"{name[:56].rstrip('-')}-{digest}"
+    return name
+
+
+def plan_configmap_name(service: str) -> str:
+    return dns_name(service, "plan")
+
+
+def router_name(service: str) -> str:
+    return dns_name(service, "router")
+
+
+def split_service_name(service: str, split: int) -> str:
+    return dns_name(service, "split", split)
+
+
+def worker_name(service: str, cell: Cell) -> str:
+    return dns_name(service, f"s{cell.split}", f"b{cell.bucket}", cell.pool)
+
+
+def profile_job_name(service: str, pool: str) -> str:
+    return dns_name(service, "profile", pool)
+
+
+def split_host(service: str, namespace: str, split: int) -> str:
+    """host:port of the headless Service of a split (what --peers / --next name)."""
+    return f"{split_service_name(service, split)}.{namespace}.svc:{PORT}"
+
+
+def bundle_path(uri: str) -> str:
+    """The bundle directory a pod reads: file:// URIs become paths."""
+    return uri[len("file://"):] if uri.startswith("file://") else uri
+
+
+def selector_labels(service: str, component: str, cell: Cell | None = None, split: int | None = None) -> dict[str, str]:
+    labels = {L_SERVICE: service, L_COMPONENT: component}
+    if cell is not None:
+        labels.update({L_SPLIT: str(cell.split), L_BUCKET: str(cell.bucket), L_POOL: cell.pool})
+    elif split is not None:
+        labels[L_SPLIT] = str(split)
+    return labels
+
+
+def _meta(name: str, labels: dict[str, str], plan_hash: str) -> Manifest:
+    return {"name": name, "labels": {**MANAGED, **labels}, "annotations": {A_PLAN_HASH: plan_hash}}
+
+
+def _security() -> tuple[Manifest, Manifest]:
+    pod = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
+           "seccompProfile": {"type": "RuntimeDefault"}}
+    container = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                 "capabilities": {"drop": ["ALL"]}}
+    return pod, container
+
+
+def _probes() -> dict[str, Manifest]:
+    def probe(path: str, period: int, failures: int) -> Manifest:
+        return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures,
+                "timeoutSeconds": 2}
+    return {"livenessProbe": {**probe("/v2/health/live", 10, 3), "initialDelaySeconds": 5},
+            "readinessProbe": probe("/v2/health/ready", 2, 2)}
+
+
+def _volumes(service: str, bundle: str) -> tuple[list[Manifest], list[Manifest]]:
+    volumes = [{"name": "plan", "configMap": {"name": plan_configmap_name(service)}},
+               {"name": "tmp", "emptyDir": {}}]
+    mounts = [{"name": "plan", "mountPath": PLAN_DIR, "readOnly": True}, {"name": "tmp", "mountPath": "/tmp"}]
+    if bundle.startswith("/"):  # a node-local bundle directory (kind extraMounts, a shared disk)
+        volumes.append({"name": "bundle", "hostPath": {"path": bundle, "type": "Directory"}})
+        mounts.append({"name": "bundle", "mountPath": bundle, "readOnly": True})
+    return volumes, mounts
+
+
+def _env(service: str, namespace: str) -> list[Manifest]:
+    return [{"name": "EXITPLAN_SERVICE", "value": service}, {"name": "EXITPLAN_NAMESPACE", "value": namespace},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+
+
+def _resources(pool: GPUPoolSpec | None) -> Manifest:
+    cpu, memory = (pool.cpu, pool.memory) if pool else ("1", "1Gi")
+    out: Manifest = {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory}}
+    if pool is not None and pool.gpu_resource:
+        out["requests"][pool.gpu_resource] = 1
+        out["limits"][pool.gpu_resource] = 1
+    return out
+
+
+def _placement(pool: GPUPoolSpec | None, spread: dict[str, str]) -> Manifest:
+    out: Manifest = {"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                            "labelSelector": {"matchLabels": spread}}}]}}}
+    if pool is not None:
+        if pool.node_selector:
+            out["nodeSelector"] = dict(pool.node_selector)
+        if pool.tolerations:
+            out["tolerations"] = [t.dump() for t in pool.tolerations]
+    return out
+
+
+def _deployment(name: str, namespace: str, labels: dict[str, str], plan_hash: str, replicas: int,
+                container: Manifest, pod_extra: Manifest, volumes: list[Manifest]) -> Manifest:
+    pod_security, _ = _security()
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {**_meta(name, labels, plan_hash), "namespace": namespace},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": dict(labels)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": {**MANAGED, **labels},
+                             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(PORT),
+                                             "prometheus.io/path": "/metrics"}},
+                "spec": {"containers": [container], "volumes": volumes, "securityContext": pod_security,
+                         "terminationGracePeriodSeconds": 30, "automountServiceAccountToken": False, **pod_extra},
+            },
+        },
+    }
+
+
+def build_configmap(service: str, namespace: str, plan: Plan) -> Manifest:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {**_meta(plan_configmap_name(service), {L_SERVICE: service}, plan.content_hash()),
+                         "namespace": namespace},
+            "data": {"plan.json": plan.to_json()}}
+
+
+def build_router(service: str, namespace: str, spec: EarlyExitServiceSpec, plan: Plan) -> list[Manifest]:
+    """The router Deployment and its Service (the cluster entry point)."""
+    labels = selector_labels(service, "router")
+    volumes, mounts = _volumes(service, bundle_path(spec.model.bundle))
+    _, security = _security()
+    container = {
+        "name": "router", "image": IMAGE, "imagePullPolicy": "IfNotPresent",
+        "command": ["exitplan", "router"],
+        "args": ["--bundle", bundle_path(spec.model.bundle), "--plan", PLAN_PATH, "--port", str(PORT),
+                 "--peers", split_host(service, namespace, 0)],
+        "ports": [{"name": "http", "containerPort": PORT}], "env": _env(service, namespace),
+        "resources": _resources(None), "volumeMounts": mounts, "securityContext": security, **_probes(),
+    }
+    deployment = _deployment(router_name(service), namespace, labels, plan.content_hash(), spec.router.replicas,
+                             container, _placement(None, labels), volumes)
+    svc = {"apiVersion": "v1", "kind": "Service",
+           "metadata": {**_meta(dns_name(service), labels, plan.content_hash()), "namespace": namespace},
+           "spec": {"type": "ClusterIP", "selector": labels,
+                    "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}]}}
+    return [deployment, svc]
+
+
+def build_split_services(service: str, namespace: str, plan: Plan) -> list[Manifest]:
+    """One headless Service per split, selecting every worker of that split (all buckets, pools)."""
+    out = []
+    for split in plan.splits:
+        labels = selector_labels(service, "worker", split=split.index)
+        out.append({"apiVersion": "v1", "kind": "Service",
+                    "metadata": {**_meta(split_service_name(service, split.index), labels, plan.content_hash()),
+                                 "namespace": namespace},
+                    "spec": {"clusterIP": "None", "selector": labels, "publishNotReadyAddresses": False,
+                             "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}]}})
+    return out
+
+
+def build_worker(service: str, namespace: str, spec: EarlyExitServiceSpec, plan: Plan, cell: Cell,
+                 pool: GPUPoolSpec) -> Manifest:
+    """The Deployment of one plan cell: split `cell.split`, bucket `cell.bucket`, on `cell.pool`."""
+    labels = selector_labels(service, "worker", cell)
+    volumes, mounts = _volumes(service, bundle_path(spec.model.bundle))
+    _, security = _security()
+    args = ["--bundle", bundle_path(spec.model.bundle), "--plan", PLAN_PATH, "--split", str(cell.split),
+            "--bucket", str(cell.bucket), "--pool", cell.pool, "--port", str(PORT)]
+    if cell.split < len(plan.splits) - 1:
+        args += ["--next", split_host(service, namespace, cell.split + 1)]
+    container = {
+        "name": "worker", "image": IMAGE, "imagePullPolicy": "IfNotPresent", "command": ["exitplan", "worker"],
+        "args": args, "ports": [{"name": "http", "containerPort": PORT}], "env": _env(service, namespace),
+        "resources": _resources(pool), "volumeMounts": mounts, "securityContext": security, **_probes(),
+    }
+    spread = {L_SERVICE: service, L_SPLIT: str(cell.split)}
+    return _deployment(worker_name(service, cell), namespace, labels, plan.content_hash(), cell.replicas,
+                       container, _placement(pool, spread), volumes)
+
+
+def build_children(owner: Manifest, spec: EarlyExitServiceSpec, plan: Plan,
+                   pools: dict[str, GPUPoolSpec]) -> list[Manifest]:
+    """Every child of a planned service, adopted by `owner` (the EarlyExitService body).
+
+    Order matters for apply: the ConfigMap first (pods mount it), then workers from the last
+    split backwards, Services, and the router last, so nothing routes to a hop not yet created.
+    """
+    service = owner["metadata"]["name"]
+    namespace = owner["metadata"]["namespace"]
+    missing = sorted({c.pool for c in plan.cells} - set(pools))
+    if missing:
+        raise ValueError(f"plan places cells on pools {missing} that are not given")
+    workers = [build_worker(service, namespace, spec, plan, cell, pools[cell.pool])
+               for cell in sorted(plan.cells, key=lambda c: (-c.split, c.bucket, c.pool))]
+    router, router_svc = build_router(service, namespace, spec, plan)
+    children = [build_configmap(service, namespace, plan), *workers, *build_split_services(service, namespace, plan),
+                router_svc, router]
+    kopf.adopt(children, owner=owner)
+    return children
+
+
+def build_profile_job(owner: Manifest, spec: EarlyExitServiceSpec, pool_name: str, pool: GPUPoolSpec,
+                      profile_name: str) -> Manifest:
+    """A Job on `pool` that measures the bundle (`exitplan profile`) and publishes the result as
+    ModelProfile `profile_name` (`exitplan operator publish-profile`) in the owner's namespace."""
+    service = owner["metadata"]["name"]
+    namespace = owner["metadata"]["namespace"]
+    bundle = bundle_path(spec.model.bundle)
+    out_file = f"{PROFILE_DIR}/profile.yaml"
+    labels = {L_SERVICE: service, L_POOL: pool_name, L_COMPONENT: "profiler"}
+    pod_security, security = _security()
+    volumes = [{"name": "out", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    mounts = [{"name": "out", "mountPath": PROFILE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    if bundle.startswith("/"):
+        volumes.append({"name": "bundle", "hostPath": {"path": bundle, "type": "Directory"}})
+        mounts.append({"name": "bundle", "mountPath": bundle, "readOnly": True})
+    measure = {"name": "profile", "image": IMAGE, "command": ["exitplan", "profile"],
+               "args": [bundle, "--pool", pool_name, "--out", out_file],
+               "resources": _resources(pool), "volumeMounts": mounts, "securityContext": security}
+    publish = {"name": "publish", "image": IMAGE, "command": ["exitplan", "operator", "publish-profile"],
+               "args": [out_file, "--namespace", namespace, "--name", profile_name, "--model", spec.model.name,
+                        "--pool", pool_name],
+               "resources": _resources(None), "volumeMounts": mounts, "securityContext": security}
+    placement = _placement(pool, labels)
+    placement.pop("affinity")
+    job = {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": profile_job_name(service, pool_name), "namespace": namespace,
+                     "labels": {**MANAGED, **labels}},
+        "spec": {"backoffLimit": 2, "ttlSecondsAfterFinished": 3600,
+                 "template": {"metadata": {"labels": {**MANAGED, **labels}},
+                              "spec": {"restartPolicy": "Never", "initContainers": [measure], "containers": [publish],
+                                       "volumes": volumes, "securityContext": pod_security,
+                                       "serviceAccountName": "exitplan-profiler", **placement}}},
+    }
+    kopf.adopt([job], owner=owner)
+    return job
+
+
+def profile_name(model: str, pool: str) -> str:
+    """The ModelProfile name the operator looks for: `<model>-<pool>`."""
+    return dns_name(model, pool)

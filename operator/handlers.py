@@ -1,0 +1,114 @@
+"""kopf handlers: decorators only; the work lives in reconcile.py, driftloop.py, builders.py.
+
+Run with `exitplan operator` (or `kopf run -m exitplan.operator.handlers`). No finalizers: every
+child carries an ownerReference, so the garbage collector removes it with the service, and the
+operator keeps nothing outside Kubernetes that would need cleaning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+from typing import Any
+
+import kopf
+
+from exitplan.api.resources import GROUP, VERSION
+from exitplan.operator import driftloop, reconcile
+from exitplan.operator.kube import KubeClient, path
+from exitplan.operator.metrics import METRICS
+
+EES = {"group": GROUP, "version": VERSION, "plural": "earlyexitservices"}
+PROFILES = {"group": GROUP, "version": VERSION, "plural": "modelprofiles"}
+TICK = float(os.environ.get("EXITPLAN_TICK_SECONDS", "5"))
+"""Timer tick: readiness is refreshed every tick; drift is judged once per spec.planner.periodSeconds."""
+
+_state: dict[str, Any] = {"client": None, "locks": collections.defaultdict(asyncio.Lock)}
+
+
+def _plain(body: Any) -> dict[str, Any]:
+    return json.loads(json.dumps(body, default=dict))
+
+
+def _service(body: Any) -> reconcile.Service:
+    return reconcile.Service(body=_plain(body), client=_state["client"])
+
+
+def _lock(body: Any) -> asyncio.Lock:
+    return _state["locks"][(body["metadata"].get("namespace"), body["metadata"]["name"])]
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="exitplan.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="exitplan.io")
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300
+    settings.networking.error_backoffs = [1, 2, 5, 10]
+    _state["client"] = KubeClient.from_config(os.environ.get("KUBECONFIG") or None)
+    _state["locks"] = collections.defaultdict(asyncio.Lock)
+
+
+@kopf.on.cleanup()
+async def close(**_: Any) -> None:
+    if _state["client"] is not None:
+        await _state["client"].close()
+        _state["client"] = None
+
+
+@kopf.on.create(**EES)
+async def created(body: kopf.Body, **_: Any) -> None:
+    async with _lock(body):
+        await reconcile.reconcile(_service(body), reason="initial")
+
+
+@kopf.on.update(**EES, field="spec")
+async def spec_changed(body: kopf.Body, **_: Any) -> None:
+    async with _lock(body):
+        await reconcile.reconcile(_service(body), reason="spec-change")
+
+
+@kopf.on.resume(**EES)
+async def resumed(body: kopf.Body, **_: Any) -> None:
+    async with _lock(body):
+        await reconcile.reconcile(_service(body), reason="resume")
+
+
+@kopf.on.delete(**EES, optional=True)
+async def deleted(name: str, **_: Any) -> None:
+    for gauge in (METRICS.desired, METRICS.ready):
+        for labels in list(gauge._metrics):  # drop this service's per-cell series
+            if labels[0] == name:
+                gauge.remove(*labels)
+
+
+@kopf.timer(**EES, interval=TICK, initial_delay=TICK)
+async def tick(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    lock = _lock(body)
+    if lock.locked():
+        return  # a reconcile runs; the next tick looks again
+    async with lock:
+        svc = _service(body)
+        status = (svc.body.get("status") or {}).get("phase")
+        if status == "Profiling" and asyncio.get_running_loop().time() - memo.get("profile_check", 0) > 30:
+            memo["profile_check"] = asyncio.get_running_loop().time()
+            await reconcile.reconcile(svc, reason="initial")
+            return
+        await reconcile.refresh_readiness(svc)
+        await driftloop.check_drift(svc, memo)
+
+
+@kopf.on.event(**PROFILES)
+async def profile_event(body: kopf.Body, type: str | None, namespace: str, **_: Any) -> None:
+    """A ModelProfile appeared or changed: services waiting for it plan now."""
+    if type not in ("ADDED", "MODIFIED"):
+        return
+    client: KubeClient = _state["client"]
+    pool = (body.get("spec") or {}).get("pool")
+    for raw in await client.list(path("EarlyExitService", namespace)):
+        if pool in ((raw.get("status") or {}).get("waitingForProfiles") or []):
+            async with _lock(raw):
+                await reconcile.reconcile(reconcile.Service(body=raw, client=client), reason="initial")

@@ -1,0 +1,159 @@
+"""A small async Kubernetes API client (aiohttp) for the operator's own calls.
+
+kopf talks to the API for the watched resources; children, pools, profiles and events go through
+this client. Connection settings come from the `kubernetes` package's config loaders (in-cluster
+service account, else the kubeconfig: $KUBECONFIG or ~/.kube/config), so every kubeconfig that
+kubectl accepts works here too. Server errors (5xx, 429) and connection errors are retried with
+backoff; 4xx answers raise `ApiError` at once, with the status, so callers handle 404 and 409 on
+purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from typing import Any
+
+import aiohttp
+
+Manifest = dict[str, Any]
+
+# kind -> (api path prefix, plural, namespaced)
+KINDS: dict[str, tuple[str, str, bool]] = {
+    "ConfigMap": ("/api/v1", "configmaps", True),
+    "Service": ("/api/v1", "services", True),
+    "Pod": ("/api/v1", "pods", True),
+    "Event": ("/api/v1", "events", True),
+    "Namespace": ("/api/v1", "namespaces", False),
+    "Deployment": ("/apis/apps/v1", "deployments", True),
+    "Job": ("/apis/batch/v1", "jobs", True),
+    "GPUPool": ("/apis/exitplan.io/v1alpha1", "gpupools", False),
+    "EarlyExitService": ("/apis/exitplan.io/v1alpha1", "earlyexitservices", True),
+    "ModelProfile": ("/apis/exitplan.io/v1alpha1", "modelprofiles", True),
+}
+BACKOFFS = (0.2, 0.5, 1.0, 2.0, 4.0)
+"""Seconds between retries of a request that failed with 5xx/429 or a connection error."""
+
+
+class ApiError(Exception):
+    """An API answer with a 4xx/5xx status (after retries for the retriable ones)."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status, self.reason, self.message = status, reason, message
+
+
+def path(kind: str, namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
+    """The REST path of a kind's collection or of one object."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; known: {sorted(KINDS)}")
+    prefix, plural, namespaced = KINDS[kind]
+    out = f"{prefix}/namespaces/{namespace}/{plural}" if namespaced and namespace else f"{prefix}/{plural}"
+    if name:
+        out += f"/{name}"
+    if subresource:
+        out += f"/{subresource}"
+    return out
+
+
+def object_path(obj: Manifest, subresource: str | None = None) -> str:
+    meta = obj["metadata"]
+    return path(obj["kind"], meta.get("namespace"), meta["name"], subresource)
+
+
+class KubeClient:
+    """Async JSON client for one API server."""
+
+    def __init__(self, server: str, headers: dict[str, str] | None = None,
+                 ssl_context: ssl.SSLContext | bool | None = None, backoffs: tuple[float, ...] = BACKOFFS) -> None:
+        self.server = server.rstrip("/")
+        self.headers = headers or {}
+        self.ssl = ssl_context
+        self.backoffs = backoffs
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_config(cls, kubeconfig: str | None = None, context: str | None = None) -> KubeClient:
+        """From the in-cluster service account, else from a kubeconfig (as kubectl reads it)."""
+        from kubernetes import client as kclient
+        from kubernetes import config as kconfig
+
+        cfg = kclient.Configuration()
+        try:
+            if kubeconfig is None:
+                kconfig.load_incluster_config(client_configuration=cfg)
+            else:
+                raise kconfig.ConfigException("kubeconfig given")
+        except kconfig.ConfigException:
+            kconfig.load_kube_config(config_file=kubeconfig, context=context, client_configuration=cfg)
+        headers = {}
+        token = cfg.api_key.get("authorization") or cfg.api_key.get("BearerToken")
+        if token:
+            prefix = cfg.api_key_prefix.get("authorization", "")
+            headers["Authorization"] = token if token.startswith("Bearer") or not prefix else f"{prefix} {token}"
+        ctx: ssl.SSLContext | bool | None = None
+        if cfg.host.startswith("https"):
+            ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert) if cfg.verify_ssl else False
+            if ctx and cfg.cert_file:
+                ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+        return cls(cfg.host, headers, ctx)
+
+    async def __aenter__(self) -> KubeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(headers=self.headers, timeout=aiohttp.ClientTimeout(total=30))
+        return self._session
+
+    async def request(self, method: str, url: str, *, body: Any = None, params: dict[str, str] | None = None,
+                      content_type: str = "application/json") -> Manifest:
+        data = None if body is None else json.dumps(body)
+        headers = {"Content-Type": content_type, "Accept": "application/json"}
+        for attempt, backoff in enumerate((*self.backoffs, None)):
+            try:
+                async with self._sess().request(method, self.server + url, data=data, params=params,
+                                                headers=headers, ssl=self.ssl) as rsp:
+                    text = await rsp.text()
+                    if rsp.status < 400:
+                        return json.loads(text) if text else {}
+                    try:
+                        status = json.loads(text)
+                    except ValueError:
+                        status = {"message": text[:500]}
+                    err = ApiError(rsp.status, str(status.get("reason") or rsp.reason), str(status.get("message", "")))
+                    if (rsp.status >= 500 or rsp.status == 429) and backoff is not None:
+                        await asyncio.sleep(backoff)
+                        continue
+                    raise err
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                if backoff is None:
+                    raise ApiError(503, "Unavailable", f"{method} {url}: {exc!r}") from exc
+                await asyncio.sleep(backoff)
+        raise AssertionError("unreachable")  # the last iteration always returns or raises
+
+    async def get(self, url: str) -> Manifest:
+        return await self.request("GET", url)
+
+    async def list(self, url: str, selector: str = "") -> list[Manifest]:
+        params = {"labelSelector": selector} if selector else None
+        return list((await self.request("GET", url, params=params)).get("items", []))
+
+    async def create(self, obj: Manifest) -> Manifest:
+        meta = obj["metadata"]
+        return await self.request("POST", path(obj["kind"], meta.get("namespace")), body=obj)
+
+    async def merge_patch(self, url: str, patch: Manifest) -> Manifest:
+        return await self.request("PATCH", url, body=patch, content_type="application/merge-patch+json")
+
+    async def delete(self, url: str) -> Manifest:
+        return await self.request("DELETE", url, body={"propagationPolicy": "Background"})

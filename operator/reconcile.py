@@ -1,0 +1,311 @@
+"""Reconcile one EarlyExitService: read pools and profiles, plan (executor thread), apply, report.
+
+Handlers (handlers.py) call `reconcile` on create/update/resume and `check_drift` from the timer;
+both end by writing the fixed status (status.py) through the status subresource and posting
+events. Nothing here raises for bad user input: unknown pools, missing profiles and infeasible
+SLOs become conditions and events; API failures become Degraded and a `kopf.TemporaryError`
+so kopf retries with backoff while the previous plan keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from exitplan.api.observations import Observations
+from exitplan.api.plan import Plan
+from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, Mode, ModelProfileSpec
+from exitplan.operator import apply as applying
+from exitplan.operator import builders, drift
+from exitplan.operator.kube import ApiError, KubeClient, path
+from exitplan.operator.metrics import METRICS
+from exitplan.operator.status import Phase, Proposal, ServiceStatus, now_iso, parse_status, set_condition, summarize
+
+log = logging.getLogger("exitplan.operator")
+RETRY_DELAY = 10.0
+"""Seconds before kopf retries a reconcile whose apply failed (kopf.TemporaryError)."""
+
+
+@dataclass
+class Inputs:
+    pools: dict[str, GPUPoolSpec] = field(default_factory=dict)
+    profiles: dict[str, ModelProfileSpec] = field(default_factory=dict)
+    unknown_pools: list[str] = field(default_factory=list)
+    missing_profiles: list[str] = field(default_factory=list)
+    bad_profiles: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Service:
+    """One EarlyExitService as the reconcile sees it."""
+
+    body: dict[str, Any]
+    client: KubeClient
+    memo: Any = None
+
+    @property
+    def name(self) -> str:
+        return self.body["metadata"]["name"]
+
+    @property
+    def namespace(self) -> str:
+        return self.body["metadata"]["namespace"]
+
+    @property
+    def generation(self) -> int:
+        return int(self.body["metadata"].get("generation") or 0)
+
+    def event(self, kind: str, reason: str, message: str) -> None:
+        kopf.event(self.body, type=kind, reason=reason, message=message[:1000])
+
+    async def write_status(self, status: ServiceStatus) -> None:
+        patch = {"status": status.model_dump(by_alias=True, mode="json")}
+        try:
+            await self.client.merge_patch(path("EarlyExitService", self.namespace, self.name, "status"), patch)
+        except ApiError as err:
+            if err.status != 404:  # deleted meanwhile: nothing to report on
+                raise
+        self.body["status"] = patch["status"]
+
+
+async def read_inputs(client: KubeClient, spec: EarlyExitServiceSpec, namespace: str) -> Inputs:
+    """The service's GPUPools (by name) and its model's ModelProfiles (by pool)."""
+    inputs = Inputs()
+    for ref in spec.pools:
+        try:
+            raw = await client.get(path("GPUPool", None, ref.name))
+        except ApiError as err:
+            if err.status == 404:
+                inputs.unknown_pools.append(ref.name)
+                continue
+            raise
+        pool = GPUPoolSpec.model_validate(raw.get("spec", {}))
+        if ref.max_gpus is not None:
+            pool = pool.model_copy(update={"capacity": min(pool.capacity, ref.max_gpus)})
+        inputs.pools[ref.name] = pool
+    for raw in await client.list(path("ModelProfile", namespace)):
+        try:
+            prof = ModelProfileSpec.model_validate(raw.get("spec", {}))
+        except ValidationError as err:
+            inputs.bad_profiles.append(f"{raw['metadata']['name']}: {err.errors()[0]['msg']}")
+            continue
+        if prof.model == spec.model.name and prof.pool in inputs.pools and prof.pool not in inputs.profiles:
+            inputs.profiles[prof.pool] = prof
+    inputs.missing_profiles = [p for p in inputs.pools if p not in inputs.profiles]
+    return inputs
+
+
+async def plan_in_executor(name: str, spec: EarlyExitServiceSpec, inputs: Inputs, *, reason: str,
+                           previous: Plan | None = None, observations: Observations | None = None) -> Plan:
+    """The planner's entry point in a worker thread (never on the event loop); solve time is a metric."""
+    from exitplan.planner import plan_service
+
+    thresholds = dict(observations.thresholds) if observations and observations.thresholds else None
+
+    def solve() -> Plan:
+        started = time.perf_counter()
+        try:
+            result = plan_service(name, spec, inputs.pools, inputs.profiles, thresholds=thresholds,
+                                  observations=observations, previous=previous, reason=reason)
+        finally:
+            METRICS.solve_seconds.labels(name).observe(time.perf_counter() - started)
+        return result.plan
+
+    plan = await asyncio.get_running_loop().run_in_executor(None, solve)
+    METRICS.replans.labels(name, reason).inc()
+    return plan
+
+
+async def current_plan(client: KubeClient, name: str, namespace: str) -> Plan | None:
+    """The plan the data plane runs now: the plan ConfigMap's plan.json (None before the first apply)."""
+    try:
+        cm = await client.get(path("ConfigMap", namespace, builders.plan_configmap_name(name)))
+    except ApiError as err:
+        if err.status == 404:
+            return None
+        raise
+    try:
+        return Plan.model_validate_json((cm.get("data") or {}).get("plan.json", ""))
+    except ValidationError:
+        return None
+
+
+async def ensure_profiling(svc: Service, spec: EarlyExitServiceSpec, inputs: Inputs) -> list[str]:
+    """A profiling Job per pool without a ModelProfile; returns what the status should say."""
+    waiting = []
+    for pool in inputs.missing_profiles:
+        prof = builders.profile_name(spec.model.name, pool)
+        job = builders.build_profile_job(svc.body, spec, pool, inputs.pools[pool], prof)
+        report = applying.ApplyReport()
+        await applying.apply_one(svc.client, job, report)
+        if report.created:
+            svc.event("Normal", "Profiling", f"no ModelProfile for model {spec.model.name} on pool {pool}: "
+                      f"Job {job['metadata']['name']} measures it and publishes ModelProfile {prof}")
+        waiting.append(pool)
+    return waiting
+
+
+def _infeasible(status: ServiceStatus, gen: int, reason: str, message: str) -> ServiceStatus:
+    status.conditions = set_condition(status.conditions, "PlanInfeasible", True, reason, message, gen)
+    status.conditions = set_condition(status.conditions, "Planned", False, reason, message, gen)
+    status.conditions = set_condition(status.conditions, "Progressing", False, reason, message, gen)
+    status.phase, status.message, status.observed_generation = Phase.infeasible, message, gen
+    return status
+
+
+async def reconcile(svc: Service, reason: str) -> ServiceStatus:
+    """Plan and apply the service from scratch (create, spec change, resume, a profile arrived)."""
+    gen = svc.generation
+    status = parse_status(svc.body.get("status"))
+    try:
+        spec = EarlyExitServiceSpec.model_validate(svc.body.get("spec") or {})
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
+        message = f"spec is invalid: {problems}; fix the EarlyExitService spec"
+        svc.event("Warning", "InvalidSpec", message)
+        status = _infeasible(status, gen, "InvalidSpec", message)
+        await svc.write_status(status)
+        return status
+
+    inputs = await read_inputs(svc.client, spec, svc.namespace)
+    if inputs.unknown_pools:
+        message = (f"spec.pools names GPUPool(s) {inputs.unknown_pools} that do not exist; create them "
+                   f"(kubectl get gpupools lists the pools) or remove them from spec.pools")
+        svc.event("Warning", "UnknownPool", message)
+        status = _infeasible(status, gen, "UnknownPool", message)
+        await svc.write_status(status)
+        return status
+
+    if inputs.missing_profiles:
+        waiting = await ensure_profiling(svc, spec, inputs)
+        message = (f"waiting for ModelProfile(s) of model {spec.model.name} on pool(s) {waiting}; "
+                   f"profiling Jobs measure them" + (f" (ignored invalid: {inputs.bad_profiles})" if inputs.bad_profiles else ""))
+        status.conditions = set_condition(status.conditions, "Progressing", True, "ProfileMissing", message, gen)
+        status.conditions = set_condition(status.conditions, "Planned", False, "ProfileMissing", message, gen)
+        status.phase, status.message, status.waiting_for_profiles = Phase.profiling, message, waiting
+        status.observed_generation = gen
+        await svc.write_status(status)
+        return status
+    status.waiting_for_profiles = []
+
+    previous = await current_plan(svc.client, svc.name, svc.namespace)
+    return await plan_and_apply(svc, spec, inputs, status, reason=reason, previous=previous)
+
+
+async def plan_and_apply(svc: Service, spec: EarlyExitServiceSpec, inputs: Inputs, status: ServiceStatus, *,
+                         reason: str, previous: Plan | None, observations: Observations | None = None,
+                         max_move_fraction: float | None = None) -> ServiceStatus:
+    """Plan, then apply (active) or propose (advisory); the status says which and why."""
+    from exitplan.planner.errors import PlanInfeasible, PlannerError, ProfileError
+
+    gen = svc.generation
+    try:
+        plan = await plan_in_executor(svc.name, spec, inputs, reason=reason, previous=previous,
+                                      observations=observations)
+    except PlanInfeasible as err:
+        message = f"no plan meets the spec: {err}"
+        svc.event("Warning", "PlanInfeasible", message)
+        status = _infeasible(status, gen, "PlanInfeasible", message)
+        await svc.write_status(status)
+        return status
+    except (ProfileError, PlannerError) as err:
+        message = f"cannot plan: {err}"
+        svc.event("Warning", "PlannerInput", message)
+        status = _infeasible(status, gen, type(err).__name__, message)
+        await svc.write_status(status)
+        return status
+
+    status.conditions = set_condition(status.conditions, "PlanInfeasible", False, "Planned", "a plan meets the spec", gen)
+    held_back = ""
+    target = plan
+    if max_move_fraction is not None and previous is not None:
+        plan, remaining = drift.limit_moves(previous, plan, max_move_fraction)
+        if remaining:
+            held_back = f"move cap: {remaining} more replica move(s) follow in later periods"
+    children = builders.build_children(svc.body, spec, plan, inputs.pools)
+
+    if spec.planner.mode == Mode.advisory:
+        existing = await applying.list_children(svc.client, svc.name, svc.namespace)
+        changes = applying.diff_children(existing, children)
+        status.proposal = Proposal(reason=reason, hash=target.content_hash(), changes=changes,
+                                   held_back="advisory mode: nothing applied")
+        status.plan = summarize(plan)
+        status.phase = Phase.advisory
+        status.message = f"advisory: would apply plan {plan.content_hash()} ({reason}): {len(changes)} change(s)"
+        status.conditions = set_condition(status.conditions, "Planned", True, "Advisory", status.message, gen)
+        status.conditions = set_condition(status.conditions, "Progressing", False, "Advisory", status.message, gen)
+        status.observed_generation = gen
+        svc.event("Normal", "WouldApply", f"plan {plan.content_hash()} ({reason}) would: " + "; ".join(changes or ["change nothing"]))
+        await svc.write_status(status)
+        return status
+
+    try:
+        report = await applying.apply_children(svc.client, children, svc.name, svc.namespace)
+    except ApiError as err:
+        METRICS.applies_failed.labels(svc.name).inc()
+        message = (f"applying plan {plan.content_hash()} failed ({err}); the previous plan "
+                   f"{previous.content_hash() if previous else '(none)'} keeps serving; retrying")
+        status.conditions = set_condition(status.conditions, "Degraded", True, "ApplyFailed", message, gen)
+        status.phase, status.message = Phase.degraded, message
+        svc.event("Warning", "ApplyFailed", message)
+        await svc.write_status(status)
+        raise kopf.TemporaryError(message, delay=RETRY_DELAY) from err
+
+    status.plan = summarize(plan)
+    status.proposal = Proposal(reason=reason, hash=target.content_hash(), held_back=held_back) if held_back else None
+    if previous is None or previous.content_hash() != plan.content_hash():
+        status.last_replan_time, status.last_replan_reason = now_iso(), reason
+    status.endpoint = f"http://{builders.dns_name(svc.name)}.{svc.namespace}.svc:{builders.PORT}"
+    status.conditions = set_condition(status.conditions, "Planned", True, "Planned",
+                                      f"plan {plan.content_hash()} ({reason})", gen)
+    status.conditions = set_condition(status.conditions, "Degraded", False, "Applied", report.summary(), gen)
+    status.conditions = set_condition(status.conditions, "Progressing", True, "Rollout",
+                                      f"applied: {report.summary()}", gen)
+    status.phase, status.message, status.observed_generation = Phase.deploying, f"applied: {report.summary()}", gen
+    if report.changed():
+        svc.event("Normal", "Applied", f"plan {plan.content_hash()} ({reason}): {report.summary()}")
+    await svc.write_status(status)
+    return status
+
+
+async def refresh_readiness(svc: Service) -> ServiceStatus:
+    """Ready / Progressing from the Deployments' status (the timer calls it every tick)."""
+    status = parse_status(svc.body.get("status"))
+    if status.plan is None or status.phase in (Phase.infeasible, Phase.advisory, Phase.profiling):
+        return status
+    gen = svc.generation
+    deployments = await svc.client.list(path("Deployment", svc.namespace), f"{builders.L_SERVICE}={svc.name}")
+    ready: dict[tuple[int, int, str], int] = {}
+    all_ready = True
+    for dep in deployments:
+        labels = dep["metadata"].get("labels", {})
+        want = int(dep.get("spec", {}).get("replicas") or 0)
+        have = int((dep.get("status") or {}).get("readyReplicas") or 0)
+        all_ready &= have >= want
+        if labels.get(builders.L_COMPONENT) == "worker":
+            ready[(int(labels[builders.L_SPLIT]), int(labels[builders.L_BUCKET]), labels[builders.L_POOL])] = have
+    for cell in status.plan.cells:
+        cell.ready_replicas = ready.get((cell.split, cell.bucket, cell.pool), 0)
+        METRICS.desired.labels(svc.name, str(cell.split), str(cell.bucket), cell.pool).set(cell.replicas)
+        METRICS.ready.labels(svc.name, str(cell.split), str(cell.bucket), cell.pool).set(cell.ready_replicas)
+    all_ready &= bool(deployments)
+    before = json.dumps(parse_status(svc.body.get("status")).model_dump(mode="json"), sort_keys=True)
+    degraded = any(c.type == "Degraded" and c.status == "True" for c in status.conditions)
+    if all_ready:
+        status.conditions = set_condition(status.conditions, "Ready", True, "AllReady", "every Deployment is ready", gen)
+        status.conditions = set_condition(status.conditions, "Progressing", False, "Complete", "rollout complete", gen)
+        if not degraded:
+            status.phase = Phase.ready
+    else:
+        status.conditions = set_condition(status.conditions, "Ready", False, "Waiting",
+                                          "some Deployments have fewer ready replicas than desired", gen)
+    if json.dumps(status.model_dump(mode="json"), sort_keys=True) != before:
+        await svc.write_status(status)
+    return status

@@ -1,0 +1,206 @@
+"""Unit tests of the pure manifest builders, apply helpers and drift decisions (no cluster)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from exitplan.api.observations import Observations
+from exitplan.api.plan import Cell, Plan, SplitPlan
+from exitplan.api.resources import DriftLimits, EarlyExitServiceSpec, GPUPoolSpec
+from exitplan.operator import apply as applying
+from exitplan.operator import builders, drift
+from exitplan.operator.status import Phase, ServiceStatus, parse_status, set_condition, summarize
+
+OWNER = {"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService",
+         "metadata": {"name": "minilm", "namespace": "ml", "uid": "1234-uid"}}
+SPEC = EarlyExitServiceSpec.model_validate({
+    "model": {"name": "minilm", "bundle": "file:///models/minilm"}, "slo": {"latencyMs": 100},
+    "pools": [{"name": "gpu-a"}, {"name": "cpu"}], "router": {"replicas": 2}})
+POOLS = {
+    "gpu-a": GPUPoolSpec(capacity=8, node_selector={"pool": "a"}, gpu_resource="nvidia.com/gpu",
+                         tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}], cpu="4", memory="8Gi"),
+    "cpu": GPUPoolSpec(capacity=4, gpu_resource=""),
+}
+
+
+def make_plan(cells: list[tuple[int, int, str, int]], hist: list[float] | None = None) -> Plan:
+    return Plan(service="minilm", model="minilm",
+                splits=[SplitPlan(index=0, first_block=0, last_block=2), SplitPlan(index=1, first_block=3, last_block=5)],
+                buckets=[32, 128], cells=[Cell(split=s, bucket=b, pool=p, replicas=r, batch_size=8) for s, b, p, r in cells],
+                survival=[0.55, 0.3], length_histogram=hist or [0.7, 0.3])
+
+
+PLAN = make_plan([(0, 32, "gpu-a", 3), (0, 128, "cpu", 1), (1, 32, "gpu-a", 2), (1, 128, "gpu-a", 1)])
+
+
+def by_name(children: list[dict]) -> dict[str, dict]:
+    return {f"{c['kind']}/{c['metadata']['name']}": c for c in children}
+
+
+def test_children_cover_every_cell_with_labels_owner_and_hash():
+    children = builders.build_children(OWNER, SPEC, PLAN, POOLS)
+    names = by_name(children)
+    assert set(names) == {
+        "ConfigMap/minilm-plan", "Deployment/minilm-router", "Service/minilm",
+        "Service/minilm-split-0", "Service/minilm-split-1",
+        "Deployment/minilm-s0-b32-gpu-a", "Deployment/minilm-s0-b128-cpu",
+        "Deployment/minilm-s1-b32-gpu-a", "Deployment/minilm-s1-b128-gpu-a"}
+    for child in children:
+        meta = child["metadata"]
+        assert meta["namespace"] == "ml"
+        assert meta["ownerReferences"] == [{"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService",
+                                            "name": "minilm", "uid": "1234-uid", "controller": True,
+                                            "blockOwnerDeletion": True}]
+        assert meta["labels"][builders.L_SERVICE] == "minilm"
+        assert meta["annotations"][builders.A_PLAN_HASH] == PLAN.content_hash()
+    worker = names["Deployment/minilm-s0-b128-cpu"]
+    assert worker["spec"]["replicas"] == 1
+    assert {builders.L_SPLIT: "0", builders.L_BUCKET: "128", builders.L_POOL: "cpu"}.items() <= worker["metadata"]["labels"].items()
+    # The ConfigMap holds the plan exactly.
+    assert Plan.model_validate_json(names["ConfigMap/minilm-plan"]["data"]["plan.json"]) == PLAN
+
+
+def test_selectors_match_pod_labels():
+    for child in builders.build_children(OWNER, SPEC, PLAN, POOLS):
+        if child["kind"] == "Deployment":
+            pod_labels = child["spec"]["template"]["metadata"]["labels"]
+            assert child["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        if child["kind"] == "Service" and child["metadata"]["name"].startswith("minilm-split-"):
+            assert child["spec"]["clusterIP"] == "None"
+            split = child["metadata"]["name"].rsplit("-", 1)[1]
+            assert child["spec"]["selector"] == {builders.L_SERVICE: "minilm", builders.L_COMPONENT: "worker",
+                                                 builders.L_SPLIT: split}
+
+
+def test_worker_pod_follows_the_contract_and_the_pool():
+    names = by_name(builders.build_children(OWNER, SPEC, PLAN, POOLS))
+    pod = names["Deployment/minilm-s0-b32-gpu-a"]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"] == ["exitplan", "worker"]
+    assert c["args"] == ["--bundle", "/models/minilm", "--plan", "/etc/exitplan/plan.json", "--split", "0",
+                         "--bucket", "32", "--pool", "gpu-a", "--port", "8080",
+                         "--next", "minilm-split-1.ml.svc:8080"]
+    assert pod["nodeSelector"] == {"pool": "a"}
+    assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["resources"]["requests"]["cpu"] == "4"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]} and c["securityContext"]["readOnlyRootFilesystem"]
+    term = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert {"name": "plan", "mountPath": "/etc/exitplan", "readOnly": True} in c["volumeMounts"]
+    # The last split has no --next; a CPU-only pool asks for no GPU.
+    last = names["Deployment/minilm-s1-b128-gpu-a"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--next" not in last
+    cpu = names["Deployment/minilm-s0-b128-cpu"]["spec"]["template"]["spec"]
+    assert not any("gpu" in k for k in cpu["containers"][0]["resources"]["limits"]) and "nodeSelector" not in cpu
+
+
+def test_router_and_entry_service():
+    names = by_name(builders.build_children(OWNER, SPEC, PLAN, POOLS))
+    router = names["Deployment/minilm-router"]
+    assert router["spec"]["replicas"] == 2
+    (c,) = router["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["exitplan", "router"]
+    assert c["args"] == ["--bundle", "/models/minilm", "--plan", "/etc/exitplan/plan.json", "--port", "8080",
+                         "--peers", "minilm-split-0.ml.svc:8080"]
+    svc = names["Service/minilm"]
+    assert svc["spec"]["ports"][0]["port"] == 8080 and svc["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
+
+
+def test_builders_are_pure_and_deterministic():
+    one = json.dumps(builders.build_children(OWNER, SPEC, PLAN, POOLS), sort_keys=True)
+    two = json.dumps(builders.build_children(OWNER, SPEC, PLAN, POOLS), sort_keys=True)
+    assert one == two
+
+
+def test_plan_on_unknown_pool_is_refused():
+    plan = make_plan([(0, 32, "nope", 1), (1, 32, "gpu-a", 1)])
+    with pytest.raises(ValueError, match="nope"):
+        builders.build_children(OWNER, SPEC, plan, POOLS)
+
+
+def test_dns_names_stay_valid():
+    name = builders.dns_name("A" * 80, "s0", "b128", "Pool_X")
+    assert len(name) <= 63 and name == name.lower() and "_" not in name
+    assert builders.dns_name("A" * 80, "x") != builders.dns_name("A" * 80, "y")
+
+
+def test_profile_job_measures_then_publishes_on_the_pool():
+    job = builders.build_profile_job(OWNER, SPEC, "gpu-a", POOLS["gpu-a"], "minilm-gpu-a")
+    pod = job["spec"]["template"]["spec"]
+    assert pod["initContainers"][0]["command"] == ["exitplan", "profile"]
+    assert pod["initContainers"][0]["args"][:3] == ["/models/minilm", "--pool", "gpu-a"]
+    assert pod["containers"][0]["command"] == ["exitplan", "operator", "publish-profile"]
+    assert pod["nodeSelector"] == {"pool": "a"} and pod["restartPolicy"] == "Never"
+    assert job["metadata"]["ownerReferences"][0]["uid"] == "1234-uid"
+
+
+def test_contains_and_diff():
+    assert applying.contains({"a": 1, "b": {"c": [1, {"d": 2, "e": 3}]}}, {"b": {"c": [1, {"d": 2}]}})
+    assert not applying.contains({"a": [1, 2]}, {"a": [1]})
+    assert applying.contains({"x": 2}, {"x": 2.0})
+    children = builders.build_children(OWNER, SPEC, PLAN, POOLS)
+    existing = {"Deployment": [{"kind": "Deployment", "metadata": {"name": "minilm-s0-b32-gpu-a"}, "spec": {"replicas": 1}},
+                               {"kind": "Deployment", "metadata": {"name": "minilm-s9-b32-old"}, "spec": {"replicas": 1}}]}
+    changes = applying.diff_children(existing, children)
+    assert "scale minilm-s0-b32-gpu-a: 1 -> 3" in changes
+    assert "delete Deployment minilm-s9-b32-old" in changes
+    assert any(c.startswith("create Deployment minilm-s1-b32-gpu-a") for c in changes)
+
+
+def test_conditions_keep_transition_time_and_order():
+    conds = set_condition([], "Ready", False, "Waiting", "x", 1)
+    conds = set_condition(conds, "Planned", True, "Planned", "y", 1)
+    assert [c.type for c in conds] == ["Planned", "Ready"]
+    again = set_condition(conds, "Ready", False, "Waiting", "still", 2)
+    assert again[1].last_transition_time == conds[1].last_transition_time and again[1].observed_generation == 2
+    status = ServiceStatus(phase=Phase.ready, conditions=again, plan=summarize(PLAN))
+    assert parse_status(status.model_dump(by_alias=True, mode="json") | {"kopf": {}}) == status
+    assert status.plan.replicas == 7 and status.plan.splits == 2
+
+
+def window(hist: list[int], survival: list[float], p99: float = 20.0, n: int | None = None) -> Observations:
+    total = sum(hist) if n is None else n
+    return Observations(service="minilm", model="minilm", since=0, until=60, requests=total, within_slo=total,
+                        length_buckets=[32, 128], length_histogram=hist, survival=survival,
+                        latency={"p99Ms": p99}, ramps=["ramp1", "ramp3"])
+
+
+def test_drift_statistics_and_triggers():
+    limits = DriftLimits(length_score=0.15, survival_error=0.1, slo_risk=0.95)
+    calm = drift.assess(PLAN, window([700, 300], [0.55, 0.3]), limits, 100.0, [])
+    assert calm.trigger == "" and calm.length_score == pytest.approx(0.0)
+    shifted = drift.assess(PLAN, window([200, 800], [0.55, 0.3]), limits, 100.0, [])
+    assert shifted.length_score == pytest.approx(0.5) and shifted.trigger == "length-drift"
+    harder = drift.assess(PLAN, window([700, 300], [0.9, 0.7]), limits, 100.0, [[0.9, 0.7]] * 3)
+    assert harder.trigger == "survival-drift" and harder.survival_error > 0.1
+    slow = drift.assess(PLAN, window([200, 800], [0.55, 0.3], p99=99.0), limits, 100.0, [])
+    assert slow.trigger == "slo-risk"
+    tiny = drift.assess(PLAN, window([0, 10], [0.9, 0.9]), limits, 100.0, [])
+    assert tiny.trigger == "" and tiny.requests == 10
+
+
+def test_move_cap_steps_toward_the_target():
+    old = make_plan([(0, 32, "gpu-a", 6), (0, 128, "gpu-a", 0), (1, 32, "gpu-a", 2), (1, 128, "gpu-a", 2)])
+    new = make_plan([(0, 32, "gpu-a", 2), (0, 128, "gpu-a", 4), (1, 32, "gpu-a", 2), (1, 128, "gpu-a", 2)])
+    assert drift.moved_replicas(old, new) == 4
+    step, remaining = drift.limit_moves(old, new, 0.25)  # 10 replicas: at most 2 move now
+    assert drift.moved_replicas(old, step) == 2 and remaining == 2
+    assert sum(c.replicas for c in step.cells) == sum(c.replicas for c in old.cells)
+    final, none_left = drift.limit_moves(step, new, 0.25)
+    assert none_left == 0 and final == new
+    whole, _ = drift.limit_moves(old, new, 1.0)
+    assert whole == new
+
+
+def test_cooldown():
+    import datetime as dt
+
+    now = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.timezone.utc)
+    assert drift.cooldown_left("", 300, now) == 0
+    assert drift.cooldown_left("2026-01-01T11:58:00Z", 300, now) == pytest.approx(180)
+    assert drift.cooldown_left("2026-01-01T11:50:00Z", 300, now) == 0
