@@ -89,6 +89,7 @@ class Peer:
     """EWMA of (observed service time / expected service time)."""
     slow_streak: int = 0
     straggler: bool = False
+    last_probe: float = 0.0
     failures: int = 0
     last_seen: float = 0.0
 
@@ -105,6 +106,8 @@ class StragglerPolicy:
     clear: float = 1.3
     streak: int = 5
     ewma: float = 0.3
+    probe_seconds: float = 2.0
+    """A straggler still gets one send per this interval, so that its recovery can be seen."""
 
 
 @dataclass
@@ -153,6 +156,11 @@ class PeerSet:
         cands = [p for p in self.candidates(bucket, split) if p.address not in excluded]
         if not cands:
             return None
+        now = time.monotonic()
+        for p in cands:
+            if p.straggler and now - p.last_probe >= self.policy.probe_seconds:
+                p.last_probe = now
+                return p  # a probe: the only way to see a straggler recover
         skip = [p.straggler for p in cands]
         if all(skip):
             skip = None
@@ -169,6 +177,7 @@ class PeerSet:
             peer.slow_streak += 1
             if peer.slow_streak >= pol.streak and not peer.straggler:
                 peer.straggler = True
+                peer.last_probe = time.monotonic()
                 log.warning("peer %s marked straggler (service/expected %.2f)", peer.address, peer.ratio_ewma)
         else:
             peer.slow_streak = 0

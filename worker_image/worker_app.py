@@ -167,16 +167,20 @@ class SplitWorker:
     # ------------------------------------------------------------------ warm-up and expected service time
 
     def _dummy_state(self, n: int) -> dict[str, np.ndarray]:
+        """Inputs of the split's first block, shaped for batch n and this bucket (read from the ONNX file)."""
+        import onnxruntime as ort
+
         first = self.runtime.manifest.blocks[self.runtime.first_block]
-        io = self.runtime._io[first.file]  # the runtime's validated input specs of the split's first block
+        session = ort.InferenceSession(str(self.runtime.directory / first.file), providers=["CPUExecutionProvider"])
+        types = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64, "tensor(int32)": np.int32}
         state = {}
-        for name, dtype, shape in zip(io.names, io.dtypes, io.shapes):
-            dims = [n if d == "batch" else self.bucket if d == "seq" else (d if isinstance(d, int) else 1) for d in shape]
-            state[name] = (np.ones if "mask" in name else np.zeros)(dims, dtype=dtype)
+        for spec in session.get_inputs():
+            dims = [n if d == "batch" else self.bucket if d == "seq" else (d if isinstance(d, int) else 1) for d in spec.shape]
+            state[spec.name] = (np.ones if "mask" in spec.name else np.zeros)(dims, dtype=types[spec.type])
         return state
 
-    def _time_batch(self, n: int) -> float:
-        state = self._dummy_state(n)
+    def _time_batch(self, n: int, template: dict[str, np.ndarray]) -> float:
+        state = {k: np.repeat(v[:1], n, axis=0) for k, v in template.items()}
         best = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
@@ -185,9 +189,10 @@ class SplitWorker:
         return best
 
     def warm_up(self) -> None:
-        small = self._time_batch(1)
+        template = self._dummy_state(1)
+        small = self._time_batch(1, template)
         big_n = max(2, self.batch_size)
-        big = self._time_batch(big_n)
+        big = self._time_batch(big_n, template)
         slope = max((big - small) / (big_n - 1), 1e-3)
         self.fit = (max(small - slope, 0.0), slope)
         log.info("warm-up: %.2f ms at batch 1, %.2f ms at batch %d", small, big, big_n)

@@ -1,0 +1,246 @@
+"""The serving path for real: router + split workers as processes, the MiniLM bundle, HTTP.
+
+One deployment (2 splits x 2 buckets, two replicas of split 1 for bucket 32) serves every test of
+this module, in order: outputs, bad input, hot threshold updates, shadow feedback, stragglers, and
+last a worker killed under load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from exitplan.api.bundle import read_manifest
+from exitplan.worker.bundle_runtime import BundleRuntime, pad_batch, softmax
+
+from dataplane_helpers import deployment, service_spec, two_split_plan
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ramps(minilm_bundle):
+    return [r.name for r in read_manifest(minilm_bundle).exit_ramps()]
+
+
+@pytest.fixture(scope="module")
+def texts(minilm_bundle):
+    with np.load(minilm_bundle / "data" / "heldout.npz", allow_pickle=True) as data:
+        return [str(t) for t in data["text"][:40]]
+
+
+@pytest.fixture(scope="module")
+def served(minilm_bundle, ramps, tmp_path_factory):
+    plan = two_split_plan(ramps, thresholds=2.0, replicas={(1, 32): 2})
+    spec = service_spec(minilm_bundle, shadow=0.5, max_body=64 * 1024)
+    dep = deployment(minilm_bundle, plan, spec, tmp_path_factory.mktemp("dataplane"), EXITPLAN_ENABLE_FAULTS="1")
+    dep.start()
+    yield dep
+    dep.stop()
+
+
+def infer_body(texts, **params):
+    body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [len(texts)], "data": list(texts)}]}
+    if params:
+        body["parameters"] = params
+    return body
+
+
+async def post(session, url, body, **kw):
+    async with session.post(url, json=body, **kw) as resp:
+        return resp.status, await resp.json(), resp.headers
+
+
+def outputs(answer):
+    return {o["name"]: o for o in answer["outputs"]}
+
+
+async def test_chained_splits_give_the_full_models_outputs(served, minilm_bundle, texts):
+    """No exits: the answer through router -> split 0 -> split 1 equals the whole model run in one piece."""
+    tok = Tokenizer.from_file(str(minilm_bundle / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    full = BundleRuntime(minilm_bundle, buckets=[128])
+    state = pad_batch([e.ids for e in tok.encode_batch(texts)], 128)
+    result = full.run_range(state, 128, None)
+    expected = np.zeros((len(texts), 3), np.float32)
+    for ex in result.exits:
+        expected[ex.row] = softmax(ex.logits[None])[0]
+    async with aiohttp.ClientSession() as s:
+        status, answer, _ = await post(s, f"{served.url}/v2/models/minilm/infer", infer_body(texts))
+    assert status == 200, answer
+    out = outputs(answer)
+    got = np.asarray(out["scores"]["data"], np.float32).reshape(out["scores"]["shape"])
+    assert np.abs(got - expected).max() <= 1e-4
+    assert set(out["exit_ramp"]["data"]) == {read_manifest(minilm_bundle).final_ramp().name}
+    labels = read_manifest(minilm_bundle).labels
+    assert out["label"]["data"] == [labels[i] for i in expected.argmax(1)]
+
+
+@pytest.mark.parametrize(
+    "body, status, reason",
+    [
+        ("not json", 400, "not valid JSON"),
+        ({"inputs": []}, 400, "non-empty"),
+        ({"inputs": [{"name": "text", "datatype": "FP32", "shape": [1], "data": [1.0]}]}, 400, "BYTES"),
+        ({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": ["one"]}]}, 400, "needs 2 values"),
+        ({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["   "]}]}, 400, "empty"),
+        ({"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 3], "data": [101, "x", 102]}]}, 400, "INT64"),
+        ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1], "data": [0]}]}, 400, "'text'"),
+        ({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["word " * 300]}]}, 400, "largest bucket"),
+    ],
+)
+async def test_bad_requests_get_400_with_the_reason(served, body, status, reason):
+    async with aiohttp.ClientSession() as s:
+        data = body if isinstance(body, str) else json.dumps(body)
+        async with s.post(f"{served.url}/v2/models/minilm/infer", data=data) as resp:
+            assert resp.status == status
+            assert reason in (await resp.json())["error"]
+
+
+async def test_truncation_on_request_serves_long_text(served):
+    async with aiohttp.ClientSession() as s:
+        status, answer, _ = await post(s, f"{served.url}/v2/models/minilm/infer", infer_body(["word " * 300], truncate=True))
+    assert status == 200 and outputs(answer)["label"]["data"][0]
+
+
+async def test_unknown_model_is_404_and_big_body_is_413(served):
+    async with aiohttp.ClientSession() as s:
+        status, answer, _ = await post(s, f"{served.url}/v2/models/gpt9/infer", infer_body(["hi"]))
+        assert status == 404 and "gpt9" in answer["error"]
+        async with s.get(f"{served.url}/v2/models/gpt9") as resp:
+            assert resp.status == 404
+        status, answer, _ = await post(s, f"{served.url}/v2/models/minilm/infer", infer_body(["x" * (80 * 1024)]))
+        assert status == 413 and "limit" in answer["error"]
+
+
+async def test_token_ids_are_accepted(served):
+    async with aiohttp.ClientSession() as s:
+        body = {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [2, 4], "data": [101, 2307, 2154, 102, 101, 6659, 102, 0]},
+                           {"name": "attention_mask", "datatype": "INT64", "shape": [2, 4], "data": [1, 1, 1, 1, 1, 1, 1, 0]}]}
+        status, answer, _ = await post(s, f"{served.url}/v2/models/minilm/infer", body)
+    assert status == 200 and outputs(answer)["label"]["shape"] == [2]
+
+
+async def test_model_metadata_and_health(served, ramps):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{served.url}/v2/models/minilm") as resp:
+            meta = await resp.json()
+        assert meta["parameters"]["ramps"] == ramps and meta["parameters"]["buckets"] == [32, 128]
+        for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/minilm/ready"):
+            async with s.get(served.url + path) as resp:
+                assert resp.status == 200, path
+        async with s.get(f"{served.url}/metrics") as resp:
+            assert "exitplan_router_requests_total" in await resp.text()
+
+
+async def test_hot_threshold_update_changes_exits_without_dropping_requests(served, texts, ramps):
+    url = f"{served.url}/v2/models/minilm/infer"
+    async with aiohttp.ClientSession() as s:
+        async def load():
+            return await asyncio.gather(*(post(s, url, infer_body([t])) for t in texts))
+
+        before = asyncio.create_task(load())
+        status, _, _ = await post(s, f"{served.url}/v1/thresholds", {"thresholds": {ramps[0]: 0.0}, "reason": "test"})
+        assert status == 200
+        during = await before
+        assert all(st == 200 for st, _, _ in during)  # nothing dropped while thresholds changed
+        after = await load()
+        assert {outputs(a)["exit_ramp"]["data"][0] for _, a, _ in after} == {ramps[0]}
+        status, _, _ = await post(s, f"{served.url}/v1/thresholds", {"thresholds": {r: 2.0 for r in ramps}, "reason": "test"})
+        assert status == 200
+        bad, answer, _ = await post(s, f"{served.url}/v1/thresholds", {"thresholds": {"nope": 0.5}})
+        assert bad == 400 and "nope" in answer["error"]
+        async with s.get(f"{served.url}/metrics") as resp:
+            text = await resp.text()
+        updates = [line for line in text.splitlines() if line.startswith("exitplan_threshold_updates_total{") and 'reason="test"' in line]
+        assert updates and float(updates[0].split()[-1]) >= 2
+
+
+async def test_shadow_feedback_fills_the_tuning_window(served, texts, ramps):
+    url = f"{served.url}/v2/models/minilm/infer"
+    async with aiohttp.ClientSession() as s:
+        await post(s, f"{served.url}/v1/thresholds", {"thresholds": {ramps[0]: 0.0}, "reason": "test"})
+        results = await asyncio.gather(*(post(s, url, infer_body([t])) for t in texts))
+        assert all(st == 200 for st, _, _ in results)
+        await asyncio.sleep(1.0)  # feedback arrives after the answers
+        async with s.get(f"{served.url}/v1/window.npz") as resp:
+            raw = await resp.read()
+        await post(s, f"{served.url}/v1/thresholds", {"thresholds": {r: 2.0 for r in ramps}, "reason": "test"})
+    import io
+
+    window = np.load(io.BytesIO(raw))
+    n = len(window["final"])
+    assert n >= 5  # shadow fraction 0.5 (x4 while short of samples) of 40 inputs, plus the earlier tests
+    assert window["conf"].shape == (n, len(ramps)) and window["pred"].shape == (n, len(ramps))
+    assert ((window["conf"] > 0) & (window["conf"] <= 1)).all()
+    # Exited at ramp 0 and kept running: the final answer is the full model's, which the last ramp mostly agrees with.
+    assert (window["pred"][:, -1] == window["final"]).mean() > 0.6
+
+
+async def test_straggler_is_marked_skipped_and_recovers(served, texts):
+    split1_b32 = [p for p in served.procs if p.name.startswith("worker-s1-b32")]
+    split0_b32 = next(p for p in served.procs if p.name.startswith("worker-s0-b32"))
+    slow, fast = split1_b32
+    short = [t for t in texts if len(t.split()) < 12][:10] or texts[:10]
+    url = f"{served.url}/v2/models/minilm/infer"
+    async with aiohttp.ClientSession() as s:
+        await post(s, f"http://{slow.address}/v1/faults", {"slowdown": 8})
+
+        async def marked() -> bool:
+            async with s.get(f"http://{split0_b32.address}/v1/peers") as resp:
+                peers = {p["address"]: p for p in await resp.json()}
+            return peers[slow.address]["straggler"]
+
+        for _ in range(40):
+            await asyncio.gather(*(post(s, url, infer_body([t])) for t in short[:4]))
+            if await marked():
+                break
+        assert await marked()
+        async with s.get(f"http://{slow.address}/v1/info") as resp:
+            served_before = (await resp.json())["served"]
+        for _ in range(10):
+            await asyncio.gather(*(post(s, url, infer_body([t])) for t in short[:4]))
+        async with s.get(f"http://{slow.address}/v1/info") as resp:
+            served_after = (await resp.json())["served"]
+        assert served_after - served_before <= 8  # only the periodic probes reach it (40 inputs were sent)
+        await post(s, f"http://{slow.address}/v1/faults", {"slowdown": 1})
+        for _ in range(60):
+            await asyncio.gather(*(post(s, url, infer_body([t])) for t in short[:4]))
+            if not await marked():
+                break
+            await asyncio.sleep(0.3)
+        assert not await marked()
+
+
+async def test_a_worker_killed_under_load_loses_no_request(served, texts):
+    """SIGKILL one of two split-1 replicas mid-load: every request still gets an answer or an explicit error."""
+    victim = next(p for p in served.procs if p.name.startswith("worker-s1-b32"))
+    short = [t for t in texts if len(t.split()) < 12] or texts
+    url = f"{served.url}/v2/models/minilm/infer"
+    async with aiohttp.ClientSession() as s:
+        async def one(t):
+            try:
+                return (await post(s, url, infer_body([t]), timeout=aiohttp.ClientTimeout(total=30)))[0]
+            except asyncio.TimeoutError:
+                return "lost"
+
+        tasks = []
+        for i in range(120):
+            tasks.append(asyncio.create_task(one(short[i % len(short)])))
+            if i == 30:
+                os.kill(victim.popen.pid, signal.SIGKILL)
+            await asyncio.sleep(0.01)
+        statuses = await asyncio.gather(*tasks)
+    assert "lost" not in statuses
+    assert set(statuses) <= {200, 502, 503, 504, 429}
+    assert statuses.count(200) >= 100  # the other replica takes over
+    assert statuses[-20:].count(200) == 20
