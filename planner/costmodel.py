@@ -1,0 +1,246 @@
+"""The cost model: what a block range costs on a pool, read from a ModelProfile (data, no solver).
+
+- Latency of block k at any batch size and sequence length: piecewise-linear interpolation of the
+  profile's `latencyMs[seqLen][batch]` table. Batch sizes below the smallest measured one scale
+  linearly to 0 (an expected batch of 0.5 inputs costs half a 1-input batch on average); lengths
+  outside the measured range and batches above it are clamped to the range, and every clamp is
+  recorded in `notes` so the plan can say so.
+- A split [a, b] runs block a at the full batch B; block k > a runs the survivors, B * s(k) / s(a),
+  where s(k) is the fraction of all inputs that reach block k (the survival curve). The exit ramps
+  that are enabled run after their block on the batch that block ran.
+- Transfer time of the activations leaving a split: survivors x output bytes per sample at that
+  boundary / the pool's link bandwidth.
+- Memory per replica: the split's weights plus input and output activations of one batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from exitplan.api.resources import GPUPoolSpec, ModelProfileSpec
+
+from .errors import ProfileError
+
+MONOTONE_SLACK = 0.25
+"""Measured latencies may dip by this fraction (timer noise) before the profile counts as non-monotone."""
+MONOTONE_FLOOR_MS = 0.05
+"""Dips smaller than this many milliseconds are always noise."""
+
+
+def _check_table(table: list[list[float]], where: str, n_seq: int, n_batch: int, notes: list[str]) -> np.ndarray:
+    if len(table) != n_seq or any(len(row) != n_batch for row in table):
+        shape = f"{len(table)} rows of " + ",".join(str(len(r)) for r in table) if table else "no rows"
+        raise ProfileError(
+            f"latency table has {shape}; expected {n_seq} rows (seqLens) of {n_batch} entries (batchSizes). "
+            "Re-run `exitplan profile` or fill the missing cells",
+            field=f"{where}.latencyMs",
+        )
+    arr = np.asarray(table, dtype=np.float64)
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise ProfileError("latencies must be finite and >= 0 ms", field=f"{where}.latencyMs")
+    for axis, name in ((1, "batch size"), (0, "sequence length")):
+        running = np.maximum.accumulate(arr, axis=axis)
+        dip = running - arr
+        bad = (dip > MONOTONE_SLACK * running) & (dip > MONOTONE_FLOOR_MS)
+        if np.any(bad):
+            i, j = (int(x) for x in np.argwhere(bad)[0])
+            raise ProfileError(
+                f"latency falls as the {name} grows (row {i}, column {j}: {arr[i, j]:.3f} ms after "
+                f"{running[i, j]:.3f} ms); re-measure the profile",
+                field=f"{where}.latencyMs[{i}][{j}]",
+            )
+        if np.any(dip > 0):
+            notes.append(f"{where}: small latency dips (noise) smoothed to be non-decreasing in {name}")
+        arr = running
+    return arr
+
+
+def validate_profile(profile: ModelProfileSpec, where: str = "profile") -> list[str]:
+    """Check a profile's shape and values; return notes about repairs; raise ProfileError otherwise."""
+    notes: list[str] = []
+    _validated_arrays(profile, where, notes)
+    return notes
+
+
+def _validated_arrays(profile: ModelProfileSpec, where: str, notes: list[str]) -> dict:
+    bs, sl = list(profile.batch_sizes), list(profile.seq_lens)
+    if not bs or any(b >= c for b, c in zip(bs, bs[1:])) or bs[0] < 1:
+        raise ProfileError(f"batch sizes must be >= 1 and increase strictly, got {bs}", field=f"{where}.batchSizes")
+    if not sl or any(b >= c for b, c in zip(sl, sl[1:])) or sl[0] < 1:
+        raise ProfileError(f"sequence lengths must be >= 1 and increase strictly, got {sl}", field=f"{where}.seqLens")
+    if not profile.blocks:
+        raise ProfileError("the profile lists no blocks", field=f"{where}.blocks")
+    n = len(profile.blocks)
+    blocks = np.stack([_check_table(b.latency_ms, f"{where}.blocks[{i}]", len(sl), len(bs), notes) for i, b in enumerate(profile.blocks)])
+    ramps = []
+    for i, r in enumerate(profile.ramps):
+        if r.after_block >= n:
+            raise ProfileError(f"ramp {r.name!r} follows block {r.after_block} but the profile has {n} blocks", field=f"{where}.ramps[{i}].afterBlock")
+        ramps.append(_check_table(r.latency_ms, f"{where}.ramps[{i}]", len(sl), len(bs), notes))
+    if any(a.after_block > b.after_block for a, b in zip(profile.ramps, profile.ramps[1:])):
+        raise ProfileError("ramps must be listed in block order", field=f"{where}.ramps")
+    surv = list(profile.survival)
+    if surv and len(surv) != len(profile.ramps):
+        raise ProfileError(f"survival has {len(surv)} entries for {len(profile.ramps)} ramps (one per ramp)", field=f"{where}.survival")
+    if any(not 0.0 <= s <= 1.0 for s in surv):
+        raise ProfileError(f"survival fractions must lie in [0, 1], got {surv}", field=f"{where}.survival")
+    if any(b > a + 1e-9 for a, b in zip(surv, surv[1:])):
+        raise ProfileError(f"survival must not increase along the ramps, got {surv}", field=f"{where}.survival")
+    out = np.zeros((n, len(sl)))
+    for i, b in enumerate(profile.blocks):
+        if b.output_bytes:
+            if len(b.output_bytes) != len(sl):
+                raise ProfileError(f"outputBytes has {len(b.output_bytes)} entries for {len(sl)} seqLens", field=f"{where}.blocks[{i}].outputBytes")
+            out[i] = b.output_bytes
+        elif i < n - 1:
+            notes.append(f"{where}.blocks[{i}]: no outputBytes; transfers after it are taken as free")
+    inp = np.zeros(len(sl))
+    if profile.input_bytes:
+        if len(profile.input_bytes) != len(sl):
+            raise ProfileError(f"inputBytes has {len(profile.input_bytes)} entries for {len(sl)} seqLens", field=f"{where}.inputBytes")
+        inp = np.asarray(profile.input_bytes, dtype=np.float64)
+    weights = np.asarray([b.weight_bytes for b in profile.blocks], dtype=np.float64)
+    ramp_tables = np.stack(ramps) if ramps else np.zeros((0, len(sl), len(bs)))
+    return {"blocks": blocks, "ramps": ramp_tables, "out": out, "inp": inp, "weights": weights}
+
+
+def survival_before_blocks(n_blocks: int, ramp_after: Sequence[int], survival: Sequence[float], enabled: Sequence[bool]) -> np.ndarray:
+    """s[k] = fraction of inputs that reach block k (k = 0..n_blocks; s[n_blocks] = reach the end)."""
+    s = np.ones(n_blocks + 1)
+    for after, surv, on in zip(ramp_after, survival, enabled):
+        if on:
+            s[after + 1 :] = np.minimum(s[after + 1 :], surv)
+    return s
+
+
+@dataclass
+class CostModel:
+    """Latency, transfer and memory of block ranges on one pool, from that pool's ModelProfile."""
+
+    profile: ModelProfileSpec
+    pool_name: str
+    pool: GPUPoolSpec
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        arrays = _validated_arrays(self.profile, f"profiles[{self.pool_name}]", self.notes)
+        self.block_ms_table: np.ndarray = arrays["blocks"]  # (n_blocks, n_seq, n_batch)
+        self.ramp_ms_table: np.ndarray = arrays["ramps"]  # (n_ramps, n_seq, n_batch)
+        self.output_bytes: np.ndarray = arrays["out"]  # (n_blocks, n_seq)
+        self.input_bytes: np.ndarray = arrays["inp"]  # (n_seq,)
+        self.weight_bytes: np.ndarray = arrays["weights"]  # (n_blocks,)
+        self.batch_sizes = np.asarray(self.profile.batch_sizes, dtype=np.float64)
+        self.seq_lens = np.asarray(self.profile.seq_lens, dtype=np.float64)
+        self.ramp_after = [r.after_block for r in self.profile.ramps]
+        self._clamped: set[str] = set()
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.profile.blocks)
+
+    # ------------------------------------------------------------ interpolation
+
+    def _seq_weights(self, seq: float) -> tuple[int, int, float]:
+        sl = self.seq_lens
+        if seq < sl[0] or seq > sl[-1]:
+            key = f"seq{seq}"
+            if key not in self._clamped:
+                self._clamped.add(key)
+                self.notes.append(
+                    f"pool {self.pool_name}: length {seq:g} is outside the profiled lengths "
+                    f"{int(sl[0])}..{int(sl[-1])}; latency clamped to the nearest measured length"
+                )
+            seq = float(np.clip(seq, sl[0], sl[-1]))
+        hi = int(np.searchsorted(sl, seq, side="left"))
+        if hi == 0 or sl[hi] == seq:
+            return hi, hi, 0.0
+        lo = hi - 1
+        return lo, hi, (seq - sl[lo]) / (sl[hi] - sl[lo])
+
+    def _at_seq(self, table: np.ndarray, seq: float) -> np.ndarray:
+        """table[..., n_seq, n_batch] -> [..., n_batch] at length `seq`."""
+        lo, hi, w = self._seq_weights(seq)
+        return table[..., lo, :] * (1 - w) + table[..., hi, :] * w
+
+    def _interp_batch(self, rows: np.ndarray, batch: np.ndarray) -> np.ndarray:
+        """rows[i, n_batch] evaluated at batch[i, ...] (any trailing shape), linear, 0 at batch 0."""
+        bs = np.concatenate([[0.0], self.batch_sizes])
+        batch = np.asarray(batch, dtype=np.float64)
+        if np.any(batch > bs[-1] + 1e-9) and "batch" not in self._clamped:
+            self._clamped.add("batch")
+            self.notes.append(f"pool {self.pool_name}: batches above {int(bs[-1])} extrapolated from the last measured step")
+        flat = batch.reshape(batch.shape[0], -1)
+        out = np.empty_like(flat)
+        for i in range(rows.shape[0]):
+            ys = np.concatenate([[0.0], rows[i]])
+            x = flat[i]
+            y = np.interp(x, bs, ys)
+            over = x > bs[-1]
+            if np.any(over):
+                slope = (ys[-1] - ys[-2]) / (bs[-1] - bs[-2])
+                y[over] = ys[-1] + slope * (x[over] - bs[-1])
+            out[i] = y
+        return out.reshape(batch.shape)
+
+    def block_ms(self, block: int, batch: float, seq: float) -> float:
+        rows = self._at_seq(self.block_ms_table[block : block + 1], seq)
+        return float(self._interp_batch(rows, np.asarray([[batch]]))[0, 0])
+
+    def ramp_ms(self, ramp: int, batch: float, seq: float) -> float:
+        rows = self._at_seq(self.ramp_ms_table[ramp : ramp + 1], seq)
+        return float(self._interp_batch(rows, np.asarray([[batch]]))[0, 0])
+
+    def bytes_per_sample(self, boundary_block: int, seq: float) -> float:
+        """Activation bytes per sample leaving `boundary_block` (-1: the model's input)."""
+        table = self.input_bytes[None, :] if boundary_block < 0 else self.output_bytes[boundary_block : boundary_block + 1]
+        lo, hi, w = self._seq_weights(seq)
+        return float(table[0, lo] * (1 - w) + table[0, hi] * w)
+
+    def transfer_ms(self, boundary_block: int, samples: float, seq: float) -> float:
+        """Time to send `samples` activations leaving `boundary_block` over the pool's link."""
+        bits = 8.0 * samples * self.bytes_per_sample(boundary_block, seq)
+        return bits / (self.pool.link_bandwidth_gbps * 1e9) * 1e3
+
+    # ------------------------------------------------------------ whole stages
+
+    def stage_tables(self, batches: Sequence[float], seq: float, survival_before: np.ndarray, ramps_on: Sequence[bool]) -> np.ndarray:
+        """ms[bi, a, b]: time of split [a, b] (exec + enabled ramps + transfer out) at batch batches[bi].
+
+        Entries with b < a are +inf. The batch shrinks inside the split as inputs exit.
+        """
+        n = self.n_blocks
+        s = np.maximum(survival_before, 1e-12)
+        batches = np.asarray(batches, dtype=np.float64)
+        ratio = np.minimum(s[None, :n] / s[:n, None], 1.0)  # ratio[a, k] = s(k)/s(a) for k >= a
+        per_block = self._at_seq(self.block_ms_table, seq)  # (n, n_batch)
+        ramp_rows = self._at_seq(self.ramp_ms_table, seq) if len(self.ramp_ms_table) else np.zeros((0, len(self.batch_sizes)))
+        out = np.full((len(batches), n, n), np.inf)
+        for bi, bsz in enumerate(batches):
+            load = bsz * ratio  # (a, k): inputs running block k in a split starting at a
+            cost = self._interp_batch(per_block, load.T).T  # (a, k)
+            for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
+                if on:
+                    cost[:, after] += self._interp_batch(ramp_rows[r : r + 1], load[:, after][None, :])[0]
+            cost = np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], cost, 0.0)
+            cum = np.cumsum(cost, axis=1)  # cum[a, b] = exec of [a, b]
+            bytes_out = np.asarray([self.bytes_per_sample(b, seq) for b in range(n)])
+            leaving = bsz * np.minimum(s[None, 1 : n + 1] / s[:n, None], 1.0)  # samples leaving block b in a split from a
+            xfer = 8.0 * leaving * bytes_out[None, :] / (self.pool.link_bandwidth_gbps * 1e9) * 1e3
+            xfer[:, n - 1] = 0.0  # the last split answers the router; that hop is in the slack
+            tri = np.arange(n)[None, :] >= np.arange(n)[:, None]
+            out[bi] = np.where(tri, cum + xfer, np.inf)
+        return out
+
+    def replica_bytes(self, first: int, last: int, batch: float, seq: float) -> float:
+        """Memory one replica of split [first, last] needs: weights + one batch of in/out activations."""
+        weights = float(self.weight_bytes[first : last + 1].sum())
+        acts = batch * (self.bytes_per_sample(first - 1, seq) + self.bytes_per_sample(last, seq))
+        return weights + acts
+
+    def full_model_ms(self, seq: float, batch: float = 1.0) -> float:
+        """One input (or batch) through every block and enabled ramp, no exits."""
+        s = np.ones(self.n_blocks + 1)
+        return float(self.stage_tables([batch], seq, s, [True] * len(self.ramp_after))[0, 0, self.n_blocks - 1])

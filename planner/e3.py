@@ -1,0 +1,429 @@
+"""E3's split-and-replicate as an exact dynamic program (splits x replicas per split x GPU type).
+
+The model (data in `E3Problem`, built from the cost model by `plan_service`):
+
+- The model's N blocks are cut into S <= max_splits contiguous splits. Every split holds one
+  pipeline per length bucket k; the replicas of one split share one pool (GPU type).
+- Pipelined execution: with S splits the end-to-end bound is (S + 1) cycles -- one cycle for the
+  first fusion queue to fill, one per split -- so every split must finish a batch (exec + ramps +
+  the transfer of its survivors) within the cycle (SLO - slack) / (S + 1). `rate[S-1, p, a, b, k]`
+  is the best throughput of one replica of split [a, b] on pool p for bucket k under that cycle
+  (inputs entering the split per second, over the profiled batch sizes that fit the cycle and the
+  pool's memory); 0 when no batch size fits.
+- At a total goodput G (requests/s), bucket k sends G * share[k] requests/s, of which the fraction
+  sigma_in[a] reaches split [a, b]; it needs ceil(G share[k] sigma_in[a] / rate) replicas, and at
+  least one (the router may send any bucket to any split).
+- Constraints: replicas per pool <= caps[p]; total cost <= cost_cap.
+- Objectives: max goodput (then min cost), or min cost at a target goodput.
+
+The solver: for a candidate G, a DP over (splits used, next block, replicas used on every pool but
+one) keeps the fewest replicas on the remaining pool; it is exact because the per-pool usage is the
+state. Feasibility in G is a step function that changes only where some ceil() steps, so the
+largest feasible G is one of those breakpoints: bisection brackets it and every feasible probe is
+replaced by the exact goodput of the plan it found; the search ends when a probe just above that
+value is infeasible (a certificate of optimality). `exhaustive` enumerates every plan for tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import PlanInfeasible
+
+EPS = 1e-9
+
+
+@dataclass
+class E3Problem:
+    n_blocks: int
+    pool_names: list[str]
+    caps: np.ndarray
+    """Replicas allowed per pool (int, shape P)."""
+    costs: np.ndarray
+    """Cost per hour of one replica per pool (shape P)."""
+    shares: np.ndarray
+    """Share of requests per bucket (shape K, sums to 1; a 0 share still gets one replica per split)."""
+    sigma_in: np.ndarray
+    """Fraction of requests that reach block a (shape N)."""
+    rate: np.ndarray
+    """Per-replica throughput, shape (max_splits, P, N, N, K); 0 where infeasible."""
+    batch: np.ndarray
+    """Batch size behind `rate` (same shape)."""
+    stage_ms: np.ndarray
+    """Stage time behind `rate` (same shape)."""
+    cost_cap: float | None = None
+    cuts: np.ndarray | None = None
+    """cuts[b] (b < N-1): may a split end after block b; None = anywhere."""
+
+    @property
+    def max_splits(self) -> int:
+        return self.rate.shape[0]
+
+    def demand(self, goodput: float, s: int) -> np.ndarray:
+        """Replicas per option (P, N, N) at `goodput` with `s` splits in all; inf where infeasible."""
+        rate = self.rate[s - 1]  # (P, N, N, K)
+        need = goodput * self.shares[None, None, None, :] * self.sigma_in[None, :, None, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            reps = np.where(rate > 0, np.maximum(1.0, np.ceil(need / np.where(rate > 0, rate, 1.0) - EPS)), np.inf)
+        return reps.sum(axis=-1)
+
+    def split_goodput(self, s: int, p: int, a: int, b: int, replicas: np.ndarray) -> float:
+        """Goodput one split sustains with `replicas` per bucket (inf when it carries no traffic)."""
+        best = math.inf
+        for k, share in enumerate(self.shares):
+            load = share * self.sigma_in[a]
+            if load > 0:
+                best = min(best, replicas[k] * self.rate[s - 1, p, a, b, k] / load)
+        return best
+
+
+@dataclass
+class Segment:
+    first: int
+    last: int
+    pool: int
+    replicas: np.ndarray
+    """Per bucket."""
+
+
+@dataclass
+class E3Solution:
+    splits: int
+    segments: list[Segment]
+    goodput: float
+    cost: float
+    probes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def replicas_per_pool(self, n_pools: int) -> np.ndarray:
+        use = np.zeros(n_pools, dtype=np.int64)
+        for seg in self.segments:
+            use[seg.pool] += int(seg.replicas.sum())
+        return use
+
+    def verify(self, problem: E3Problem) -> None:
+        """Raise AssertionError-free typed checks: coverage, caps, cost, goodput as claimed."""
+        from .errors import PlanInvalid
+
+        if not self.segments or self.segments[0].first != 0 or self.segments[-1].last != problem.n_blocks - 1:
+            raise PlanInvalid("the splits do not cover every block")
+        for x, y in zip(self.segments, self.segments[1:]):
+            if y.first != x.last + 1:
+                raise PlanInvalid("the splits are not contiguous")
+        use = self.replicas_per_pool(len(problem.caps))
+        if np.any(use > problem.caps):
+            raise PlanInvalid(f"replicas per pool {use.tolist()} exceed the caps {problem.caps.tolist()}")
+        cost = float(use @ problem.costs)
+        if problem.cost_cap is not None and cost > problem.cost_cap + 1e-6:
+            raise PlanInvalid(f"cost {cost} exceeds the cap {problem.cost_cap}")
+        got = min(problem.split_goodput(self.splits, s.pool, s.first, s.last, s.replicas) for s in self.segments)
+        if got + 1e-6 * max(1.0, got) < self.goodput:
+            raise PlanInvalid(f"claimed goodput {self.goodput} but the replicas sustain {got}")
+
+
+class _Grid:
+    """Replica usage on every pool but `value_pool`, flattened; the DP keeps value-pool usage as its value."""
+
+    def __init__(self, caps: np.ndarray) -> None:
+        self.value_pool = int(np.argmax(caps))
+        self.grid_pools = [p for p in range(len(caps)) if p != self.value_pool]
+        dims = [int(caps[p]) + 1 for p in self.grid_pools]
+        self.size = int(np.prod(dims)) if dims else 1
+        if self.size > 2_000_000:
+            raise PlanInfeasible(
+                f"the exact planner keeps one state per replica count on each pool; {len(caps)} pools with caps "
+                f"{caps.tolist()} make {self.size} states. Cap maxGpus on the smaller pools or list fewer pools",
+                field="spec.pools",
+            )
+        self.strides = {}
+        self.coords = {}
+        flat = np.arange(self.size)
+        stride = 1
+        for p, dim in reversed(list(zip(self.grid_pools, dims))):
+            self.strides[p] = stride
+            self.coords[p] = (flat // stride) % dim
+            stride *= dim
+
+
+def _run_dp(problem: E3Problem, grid: _Grid, goodput: float, s: int):
+    """Layers F[k][pos, f] = fewest value-pool replicas covering blocks < pos with k splits."""
+    n = problem.n_blocks
+    demand = problem.demand(goodput, s)  # (P, N, N)
+    ends_ok = np.ones(n, dtype=bool) if problem.cuts is None else np.append(problem.cuts.astype(bool), True)
+    F = np.full((n + 1, grid.size), np.inf)
+    F[0, 0] = 0.0
+    layers = []
+    a_idx = np.arange(n)[:, None, None]
+    flat = np.arange(grid.size)[None, None, :]
+    for k in range(1, s + 1):
+        ends = np.array([n - 1]) if k == s else np.flatnonzero(ends_ok[: n - 1])
+        new = np.full((n + 1, grid.size), np.inf)
+        arg_a = np.full((n + 1, grid.size), -1, dtype=np.int32)
+        arg_p = np.full((n + 1, grid.size), -1, dtype=np.int32)
+        prev = F[:n]  # start positions a = 0..n-1
+        live = np.flatnonzero(np.isfinite(prev).any(axis=1))
+        if len(live) == 0 or len(ends) == 0:
+            layers.append((new, arg_a, arg_p))
+            F = new
+            continue
+        for p in range(len(problem.caps)):
+            D = demand[p][np.ix_(live, ends)]  # (A, E)
+            if p == grid.value_pool:
+                cand = prev[live][:, None, :] + D[:, :, None]
+            else:
+                coord = grid.coords[p][None, None, :]
+                valid = coord >= D[:, :, None]
+                src = np.where(valid, flat - np.where(np.isfinite(D), D, 0).astype(np.int64)[:, :, None] * grid.strides[p], 0)
+                cand = prev[live[:, None, None], src]
+                cand = np.where(valid, cand, np.inf)
+            best_i = np.argmin(cand, axis=0)  # (E, G)
+            best = np.take_along_axis(cand, best_i[None], axis=0)[0]
+            cur = new[ends + 1]
+            better = best < cur
+            new[ends + 1] = np.where(better, best, cur)
+            arg_a[ends + 1] = np.where(better, live[best_i], arg_a[ends + 1])
+            arg_p[ends + 1] = np.where(better, p, arg_p[ends + 1])
+        layers.append((new, arg_a, arg_p))
+        F = new
+    return F[n], layers, demand
+
+
+def _feasible_states(problem: E3Problem, grid: _Grid, final: np.ndarray) -> np.ndarray:
+    cap_v = problem.caps[grid.value_pool]
+    cost = final * problem.costs[grid.value_pool]
+    for p in grid.grid_pools:
+        cost = cost + grid.coords[p] * problem.costs[p]
+    ok = final <= cap_v + EPS
+    if problem.cost_cap is not None:
+        ok &= cost <= problem.cost_cap + 1e-9
+    return np.where(ok, cost, np.inf)
+
+
+def _reconstruct(problem: E3Problem, grid: _Grid, goodput: float, s: int, layers, demand, f: int) -> E3Solution:
+    n = problem.n_blocks
+    pos = n
+    segs: list[Segment] = []
+    for k in range(s, 0, -1):
+        _, arg_a, arg_p = layers[k - 1]
+        a, p = int(arg_a[pos, f]), int(arg_p[pos, f])
+        b = pos - 1
+        need = goodput * problem.shares * problem.sigma_in[a]
+        reps = np.maximum(1, np.ceil(need / problem.rate[s - 1, p, a, b] - EPS)).astype(np.int64)
+        segs.append(Segment(a, b, p, reps))
+        if p != grid.value_pool:
+            f -= int(demand[p, a, b]) * grid.strides[p]
+        pos = a
+    segs.reverse()
+    use = np.zeros(len(problem.caps), dtype=np.int64)
+    for seg in segs:
+        use[seg.pool] += int(seg.replicas.sum())
+    actual = min(problem.split_goodput(s, g.pool, g.first, g.last, g.replicas) for g in segs)
+    return E3Solution(s, segs, actual, float(use @ problem.costs))
+
+
+def _probe(problem: E3Problem, grid: _Grid, goodput: float, cheapest: bool = True, order: list[int] | None = None) -> E3Solution | None:
+    """The cheapest plan reaching `goodput` over every split count (or, with cheapest=False, the
+    first one found); None if there is none."""
+    best: tuple[float, int, E3Solution] | None = None
+    for s in order or range(1, problem.max_splits + 1):
+        final, layers, demand = _run_dp(problem, grid, goodput, s)
+        cost = _feasible_states(problem, grid, final)
+        f = int(np.argmin(cost))
+        if not np.isfinite(cost[f]):
+            continue
+        sol = _reconstruct(problem, grid, goodput, s, layers, demand, f)
+        if not cheapest:
+            return sol
+        key = (sol.cost, s)
+        if best is None or key < best[:2]:
+            best = (sol.cost, s, sol)
+    return None if best is None else best[2]
+
+
+def _breakpoint_steps(problem: E3Problem) -> np.ndarray:
+    """x such that the breakpoints of every option and bucket are r * x, r = 1, 2, ... (flat array)."""
+    load = problem.shares[None, None, None, None, :] * problem.sigma_in[None, None, :, None, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x = np.where((problem.rate > 0) & (load > 0), problem.rate / np.where(load > 0, load, 1.0), np.nan)
+    x = x[np.isfinite(x)]
+    return np.unique(x)
+
+
+def _count_between(steps: np.ndarray, lo: float, hi: float) -> int:
+    """Breakpoints r * x with lo < r * x <= hi, counted over every step x."""
+    return int((np.floor(hi / steps * (1 + 1e-12)) - np.floor(lo / steps * (1 + 1e-12))).clip(min=0).sum())
+
+
+def _next_breakpoint(steps: np.ndarray, lo: float) -> float:
+    """The smallest breakpoint above `lo`."""
+    cand = (np.floor(lo / steps * (1 + 1e-12)) + 1) * steps
+    return float(cand.min())
+
+
+def _median_breakpoint(steps: np.ndarray, lo: float, hi: float) -> float:
+    """A goodput in (lo, hi] with about half the breakpoints of (lo, hi] below it."""
+    total = _count_between(steps, lo, hi)
+    a, b = lo, hi
+    for _ in range(60):
+        m = math.sqrt(a * b) if b > 2 * a else 0.5 * (a + b)
+        if _count_between(steps, lo, m) * 2 >= total:
+            b = m
+        else:
+            a = m
+        if b <= a * (1 + 1e-12):
+            break
+    # Snap to the breakpoint at or just below b that is > lo (a real candidate value).
+    cand = np.floor(b / steps * (1 + 1e-12)) * steps
+    cand = cand[cand > lo * (1 + 1e-12)]
+    return float(cand.min()) if len(cand) and cand.min() <= b else b
+
+
+def upper_bounds(problem: E3Problem) -> np.ndarray:
+    """A goodput bound per split count (index s-1) from the fractional relaxation.
+
+    Any plan with goodput G puts G * w replicas' worth of work on its splits, w = sum over buckets of
+    share * sigma_in / rate, so G * sum_i w_i <= all replicas (and G * sum_i cost_i w_i <= the cost
+    cap); the cheapest sum over layouts is a shortest path, taking each split's best pool.
+    """
+    load = problem.shares[None, None, None, None, :] * problem.sigma_in[None, None, :, None, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        w = np.where(problem.rate > 0, load / np.where(problem.rate > 0, problem.rate, 1.0), np.inf).sum(axis=-1)  # (S, P, N, N)
+    total = float(problem.caps.sum())
+    out = np.zeros(problem.max_splits)
+    n = problem.n_blocks
+    ends_ok = np.ones(n, dtype=bool) if problem.cuts is None else np.append(problem.cuts.astype(bool), True)
+    for s in range(1, problem.max_splits + 1):
+        ws = w[s - 1]
+        bounds = []
+        for weight in (ws.min(axis=0), (ws * problem.costs[:, None, None]).min(axis=0)):
+            dist = np.full(n + 1, np.inf)
+            dist[0] = 0.0
+            for _ in range(s):
+                nxt = np.full(n + 1, np.inf)
+                cand = dist[:n, None] + weight  # (a, b)
+                cand[:, ~ends_ok] = np.inf
+                nxt[1:] = cand.min(axis=0)
+                dist = nxt
+            bounds.append(dist[n])
+        ub = total / bounds[0] if bounds[0] > 0 else np.inf
+        if problem.cost_cap is not None and bounds[1] > 0:
+            ub = min(ub, problem.cost_cap / bounds[1])
+        out[s - 1] = ub if np.isfinite(bounds[0]) else 0.0
+    return out
+
+
+def max_goodput(problem: E3Problem) -> E3Solution:
+    """The plan with the largest goodput (ties: the cheapest). Raises PlanInfeasible if none exists."""
+    grid = _Grid(problem.caps)
+    lo_sol = _probe(problem, grid, EPS)
+    if lo_sol is None:
+        raise PlanInfeasible("no plan fits: not even one replica per split and bucket fits the caps, cost cap and SLO", field="spec")
+    probes = 1
+    steps = _breakpoint_steps(problem)
+    best, lo = lo_sol, lo_sol.goodput
+    ubs = upper_bounds(problem)
+    # Per split count, from the most promising: feasibility only changes at breakpoints (goodputs
+    # where some ceil() steps) and every feasible probe lifts `lo` to the exact goodput of the plan
+    # it found; each probe at the median breakpoint of (lo, hi] halves the candidates, and when none
+    # is left no plan with this split count beats `lo`.
+    for s in sorted(range(1, problem.max_splits + 1), key=lambda x: -ubs[x - 1]):
+        hi = ubs[s - 1] * (1 + 1e-9)
+        if best is not lo_sol and _count_between(steps, lo, hi) > 0:
+            # One probe at the next breakpoint above `lo` settles most split counts at once.
+            nxt = _next_breakpoint(steps, lo)
+            sol = _probe(problem, grid, nxt, cheapest=False, order=[s])
+            probes += 1
+            if sol is None:
+                continue
+            best, lo = sol, max(sol.goodput, nxt)
+        while hi > lo * (1 + 1e-9) and _count_between(steps, lo, hi) > 0:
+            mid = _median_breakpoint(steps, lo, hi)
+            sol = _probe(problem, grid, mid, cheapest=False, order=[s])
+            probes += 1
+            if sol is None:
+                hi = mid * (1 - 1e-12)
+            else:
+                best, lo = sol, max(sol.goodput, mid)
+    # Among plans at the optimum, take the cheapest.
+    final = _probe(problem, grid, best.goodput)
+    if final is not None and final.goodput >= best.goodput * (1 - 1e-12):
+        best = final
+    best.probes = probes + 1
+    return best
+
+
+def min_cost(problem: E3Problem, target: float) -> E3Solution:
+    """The cheapest plan reaching `target` goodput. Raises PlanInfeasible naming the best reachable."""
+    grid = _Grid(problem.caps)
+    sol = _probe(problem, grid, target)
+    if sol is None:
+        reach = max_goodput(problem).goodput
+        raise PlanInfeasible(
+            f"target {target:.4g} req/s is out of reach: the best plan within the pools' caps, the cost cap "
+            f"and the SLO serves {reach:.4g} req/s. Lower planner.targetRps, raise maxGpus or the cost cap, or relax the SLO",
+            field="spec.planner.targetRps",
+        )
+    sol.probes = 1
+    return sol
+
+
+def exhaustive(problem: E3Problem, target: float | None = None) -> tuple[float, float]:
+    """Every split layout and pool assignment, each with its best replica counts (tests only).
+
+    Returns (goodput, cost) of the optimum: max goodput then min cost, or (target, min cost).
+    """
+    n, P = problem.n_blocks, len(problem.caps)
+    best = (-1.0, math.inf)
+    cuts = [b for b in range(n - 1) if problem.cuts is None or problem.cuts[b]]
+    for s in range(1, problem.max_splits + 1):
+        for inner in itertools.combinations(cuts, s - 1):
+            bounds = list(zip([0, *[c + 1 for c in inner]], [*inner, n - 1]))
+            for pools in itertools.product(range(P), repeat=s):
+                for g, c in _structure_frontier(problem, s, bounds, pools, target):
+                    if (target is None and (g > best[0] * (1 + 1e-9) or (g >= best[0] * (1 - 1e-9) and c < best[1]))) or (
+                        target is not None and c < best[1]
+                    ):
+                        best = (g, c)
+    return best
+
+
+def _structure_frontier(problem: E3Problem, s: int, bounds, pools, target: float | None):
+    """(goodput, cost) of one structure at its largest feasible goodput, or at `target`."""
+    rates = [problem.rate[s - 1, p, a, b] for (a, b), p in zip(bounds, pools)]
+    if any(np.any(r <= 0) for r in rates):
+        return []
+
+    def cost_at(g: float) -> float | None:
+        use = np.zeros(P, dtype=np.int64)
+        for (a, _), p, r in zip(bounds, pools, rates):
+            use[p] += int(np.maximum(1, np.ceil(g * problem.shares * problem.sigma_in[a] / r - EPS)).sum())
+        if np.any(use > problem.caps):
+            return None
+        c = float(use @ problem.costs)
+        if problem.cost_cap is not None and c > problem.cost_cap + 1e-9:
+            return None
+        return c
+
+    P = len(problem.caps)
+    if target is not None:
+        c = cost_at(target)
+        return [] if c is None else [(target, c)]
+    # Breakpoints: goodputs at which one bucket of one split has exactly r replicas busy.
+    cands = {EPS}
+    top = int(problem.caps.max())
+    for (a, _), r in zip(bounds, rates):
+        for k, share in enumerate(problem.shares):
+            load = share * problem.sigma_in[a]
+            if load > 0:
+                cands.update(reps * r[k] / load for reps in range(1, top + 1))
+    best = None
+    for g in sorted(cands):
+        c = cost_at(g)
+        if c is None:
+            break
+        best = (g, c)
+    return [] if best is None else [best]

@@ -1,0 +1,95 @@
+"""Batch-profile forecasting: the survival curve (fraction of inputs left after each ramp) of the next
+window, predicted per ramp from the observation windows, behind a small predictor registry.
+
+Predictors (`PREDICTORS`): `constant` (last value), `ewma` (exponentially weighted mean), `arima`
+(statsmodels ARIMA(1,0,0) per ramp by default; falls back to EWMA with a note when a series is too
+short or constant for the fit). `forecast_survival` also clips the forecast to [0, 1] and keeps it
+non-increasing along the ramps. `backtest` replays a series one window at a time and reports the
+mean absolute error of each predictor's one-step-ahead forecasts.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import SpecError
+
+Predictor = Callable[[np.ndarray], float]
+"""history (1-D, oldest first, >= 1 value) -> forecast of the next value."""
+
+
+def predict_constant(history: np.ndarray) -> float:
+    return float(history[-1])
+
+
+def predict_ewma(history: np.ndarray, alpha: float = 0.5) -> float:
+    level = float(history[0])
+    for x in history[1:]:
+        level = alpha * float(x) + (1 - alpha) * level
+    return level
+
+
+def predict_arima(history: np.ndarray, order: tuple[int, int, int] = (1, 0, 0), min_points: int = 6) -> float:
+    """ARIMA fitted on the history (statsmodels); EWMA when the series is too short or flat to fit."""
+    if len(history) < min_points or float(np.ptp(history)) < 1e-9:
+        return predict_ewma(history)
+    from statsmodels.tsa.arima.model import ARIMA
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            fit = ARIMA(np.asarray(history, dtype=np.float64), order=order).fit()
+            value = float(fit.forecast(1)[0])
+        except (ValueError, np.linalg.LinAlgError):
+            return predict_ewma(history)
+    return value if np.isfinite(value) else predict_ewma(history)
+
+
+PREDICTORS: dict[str, Predictor] = {"constant": predict_constant, "ewma": predict_ewma, "arima": predict_arima}
+
+
+def get_predictor(name: str) -> Predictor:
+    try:
+        return PREDICTORS[name]
+    except KeyError:
+        raise SpecError(f"unknown predictor {name!r}; choose one of {sorted(PREDICTORS)}", field="forecaster") from None
+
+
+def register_predictor(name: str, fn: Predictor) -> None:
+    PREDICTORS[name] = fn
+
+
+def forecast_survival(series: np.ndarray, predictor: str = "arima") -> np.ndarray:
+    """series[t, r] = survival after ramp r in window t -> forecast for window t+1 (shape R)."""
+    series = np.atleast_2d(np.asarray(series, dtype=np.float64))
+    fn = get_predictor(predictor)
+    raw = np.asarray([fn(series[:, r]) for r in range(series.shape[1])])
+    return np.minimum.accumulate(np.clip(raw, 0.0, 1.0))
+
+
+@dataclass
+class Backtest:
+    predictor: str
+    mae: float
+    """Mean absolute error of one-step forecasts over every ramp and window after warm-up."""
+    max_error: float
+    errors: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
+    """Per forecast window: mean absolute error over the ramps."""
+
+
+def backtest(series: np.ndarray, predictors: Sequence[str] = ("constant", "ewma", "arima"), warmup: int = 3) -> list[Backtest]:
+    """One-step-ahead forecasts of windows warmup..T-1 from the windows before each."""
+    series = np.atleast_2d(np.asarray(series, dtype=np.float64))
+    out = []
+    for name in predictors:
+        errs = []
+        for t in range(warmup, len(series)):
+            pred = forecast_survival(series[:t], name)
+            errs.append(float(np.mean(np.abs(pred - series[t]))))
+        arr = np.asarray(errs)
+        out.append(Backtest(name, float(arr.mean()) if len(arr) else 0.0, float(arr.max()) if len(arr) else 0.0, arr))
+    return out

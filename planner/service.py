@@ -1,0 +1,556 @@
+"""`plan_service`: the one entry point that turns a service spec, its pools and profiles into a Plan.
+
+Stages (timed in `PlanResult.timings`):
+1. inputs: spec values, pools (caps = min(capacity, maxGpus)), one cost model per pool (profile checks);
+2. survival: the thresholds in force (ramps off -> no exits there), observed or forecast survival;
+3. lengths: a histogram on the profile's length grid, the staircase, candidate bucket sets;
+4. solve: E3's exact DP per bucket set (splits x replicas x pool per split, one pipeline per bucket);
+5. plan: cells, spare replicas to the tightest cells (max-goodput), prediction, smallest change.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from exitplan.api.observations import Observations
+from exitplan.api.plan import Cell, Plan, Prediction, SplitPlan
+from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec, Objective
+
+from . import buckets as bk
+from .costmodel import CostModel, survival_before_blocks
+from .e3 import E3Problem, E3Solution, max_goodput, min_cost
+from .errors import PlanInfeasible, PlanInvalid, ProfileError, SpecError
+from .forecast import forecast_survival
+
+MAX_BUCKETS = 6
+HYSTERESIS = 0.05
+"""A re-plan keeps the previous layout (splits, buckets, pools) when it reaches this close to the optimum."""
+
+
+@dataclass
+class Inputs:
+    """What the solver needs, checked and resolved from the spec, pools and profiles."""
+
+    pool_names: list[str]
+    caps: np.ndarray
+    costs: np.ndarray
+    models: list[CostModel]
+    ramp_names: list[str]
+    ramp_after: list[int]
+    survival: list[float]
+    enabled: list[bool]
+    budget_ms: float
+    grid: list[int]
+    mass: np.ndarray
+    fixed_buckets: bool
+    cost_cap: float | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.models[0].n_blocks
+
+    def sigma(self) -> np.ndarray:
+        return survival_before_blocks(self.n_blocks, self.ramp_after, self.survival, self.enabled)
+
+    def ramps_on(self) -> list[bool]:
+        """Ramps that run: enabled exits, and any ramp after the last block (the model's head)."""
+        return [on or after == self.n_blocks - 1 for on, after in zip(self.enabled, self.ramp_after)]
+
+
+@dataclass
+class PlanResult:
+    plan: Plan
+    inputs: Inputs
+    problem: E3Problem
+    solution: E3Solution
+    buckets: list[int]
+    cycle_ms: float
+    """The cycle every split must finish a batch in: (SLO - slack) / (splits + 1)."""
+    stage_ms: dict[tuple[int, int], float]
+    """(split, bucket) -> time of one batch of that cell (exec + ramps + transfer)."""
+    timings: dict[str, float]
+    notes: list[str]
+    alternatives: list[dict] = field(default_factory=list)
+    """The bucket sets tried: buckets, goodput, cost."""
+    kept_previous: bool = False
+
+    def problems(self) -> list[str]:
+        """Every invariant the plan breaks (empty when it is sound)."""
+        plan, inp = self.plan, self.inputs
+        out: list[str] = []
+        n = inp.n_blocks
+        if plan.splits[0].first_block != 0 or plan.splits[-1].last_block != n - 1:
+            out.append(f"splits cover blocks {plan.splits[0].first_block}..{plan.splits[-1].last_block}, not 0..{n - 1}")
+        reps: dict[tuple[int, int], int] = {}
+        per_pool = dict.fromkeys(inp.pool_names, 0)
+        for c in plan.cells:
+            if c.replicas < 1:
+                out.append(f"cell split {c.split} bucket {c.bucket} pool {c.pool} has no replicas")
+            if c.pool not in per_pool:
+                out.append(f"cell names pool {c.pool!r}, which the service may not use")
+                continue
+            per_pool[c.pool] += c.replicas
+            reps[(c.split, c.bucket)] = reps.get((c.split, c.bucket), 0) + c.replicas
+            model = inp.models[inp.pool_names.index(c.pool)]
+            if c.batch_size not in model.profile.batch_sizes:
+                out.append(f"cell split {c.split} bucket {c.bucket}: batch {c.batch_size} was not profiled on {c.pool}")
+        for s in plan.splits:
+            for b in plan.buckets:
+                if reps.get((s.index, b), 0) < 1:
+                    out.append(f"split {s.index} has no replica for bucket {b}: requests of that bucket could not pass it")
+        for name, cap in zip(inp.pool_names, inp.caps):
+            if per_pool[name] > cap:
+                out.append(f"pool {name}: {per_pool[name]} replicas exceed the cap {cap}")
+        cost = sum(per_pool[p] * c for p, c in zip(inp.pool_names, inp.costs))
+        if inp.cost_cap is not None and cost > inp.cost_cap + 1e-6:
+            out.append(f"cost {cost:.4g}/h exceeds the cap {inp.cost_cap:.4g}/h")
+        if abs(cost - plan.prediction.cost_per_hour) > 1e-6 * max(1.0, cost):
+            out.append(f"predicted cost {plan.prediction.cost_per_hour} differs from the cells' cost {cost}")
+        if not set(plan.buckets) <= set(inp.grid):
+            out.append(f"buckets {plan.buckets} are not among the allowed lengths {inp.grid}")
+        for key, ms in self.stage_ms.items():
+            if ms > self.cycle_ms * (1 + 1e-9):
+                out.append(f"cell {key}: a batch takes {ms:.3f} ms, over the cycle {self.cycle_ms:.3f} ms")
+        if plan.prediction.p99_ms > inp.budget_ms * (1 + 1e-9):
+            out.append(f"predicted p99 {plan.prediction.p99_ms:.3f} ms exceeds the SLO budget {inp.budget_ms:.3f} ms")
+        unknown = set(plan.thresholds) - set(inp.ramp_names)
+        if unknown:
+            out.append(f"thresholds name unknown ramps {sorted(unknown)}")
+        return out
+
+    def verify(self) -> None:
+        """Raise PlanInvalid listing every broken invariant."""
+        problems = self.problems()
+        if problems:
+            raise PlanInvalid("; ".join(problems), field="plan")
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def _check_spec(spec: EarlyExitServiceSpec) -> None:
+    # The pydantic model checks these on construction; specs built with model_construct() skip it.
+    if not 0.0 <= spec.accuracy.max_drop < 1.0:
+        raise SpecError(f"the accuracy budget must lie in [0, 1), got {spec.accuracy.max_drop}", field="spec.accuracy.maxDrop")
+    if not spec.slo.latency_ms > 0:
+        raise SpecError(f"the SLO must be > 0 ms, got {spec.slo.latency_ms}", field="spec.slo.latencyMs")
+    if not 0 <= spec.slo.slack_ms < spec.slo.latency_ms:
+        raise SpecError(f"slack {spec.slo.slack_ms} ms must be >= 0 and below the SLO {spec.slo.latency_ms} ms", field="spec.slo.slackMs")
+    if not spec.pools:
+        raise SpecError("the service names no pools", field="spec.pools")
+
+
+def _resolve_pools(spec: EarlyExitServiceSpec, pools: Mapping[str, GPUPoolSpec]) -> tuple[list[str], np.ndarray, np.ndarray]:
+    names, caps, costs = [], [], []
+    for i, ref in enumerate(spec.pools):
+        if ref.name not in pools:
+            raise SpecError(f"GPUPool {ref.name!r} does not exist (known: {sorted(pools)}); create it or remove it from spec.pools", field=f"spec.pools[{i}].name")
+        pool = pools[ref.name]
+        cap = pool.capacity if ref.max_gpus is None else min(pool.capacity, ref.max_gpus)
+        if cap < 0 or pool.cost_per_hour < 0:
+            raise SpecError(f"pool {ref.name}: capacity and costPerHour must be >= 0", field=f"pools[{ref.name}]")
+        names.append(ref.name)
+        caps.append(int(cap))
+        costs.append(float(pool.cost_per_hour))
+    if sum(caps) == 0:
+        raise PlanInfeasible(
+            f"the pools {names} have no capacity for this service (capacity or maxGpus is 0); raise GPUPool capacity or spec.pools[].maxGpus",
+            field="spec.pools",
+        )
+    return names, np.asarray(caps, dtype=np.int64), np.asarray(costs)
+
+
+def _cost_models(spec: EarlyExitServiceSpec, names: list[str], pools: Mapping[str, GPUPoolSpec], profiles: Mapping[str, ModelProfileSpec]) -> list[CostModel]:
+    models = []
+    for name in names:
+        if name not in profiles:
+            raise ProfileError(
+                f"no ModelProfile of model {spec.model.name!r} on pool {name!r}; run `exitplan profile` on that pool or remove it from spec.pools",
+                field=f"profiles[{name}]",
+            )
+        models.append(CostModel(profiles[name], name, pools[name]))
+    ref = models[0].profile
+    for m in models[1:]:
+        p = m.profile
+        if len(p.blocks) != len(ref.blocks):
+            raise ProfileError(f"pool {m.pool_name}'s profile has {len(p.blocks)} blocks, pool {names[0]}'s has {len(ref.blocks)}", field=f"profiles[{m.pool_name}].blocks")
+        if [(r.name, r.after_block) for r in p.ramps] != [(r.name, r.after_block) for r in ref.ramps]:
+            raise ProfileError(f"pool {m.pool_name}'s profile lists other ramps than pool {names[0]}'s", field=f"profiles[{m.pool_name}].ramps")
+    return models
+
+
+def _windows(observations: Observations | Sequence[Observations] | None) -> list[Observations]:
+    if observations is None:
+        return []
+    if isinstance(observations, Observations):
+        return [observations]
+    return list(observations)
+
+
+def _survival(ref: ModelProfileSpec, thresholds: Mapping[str, float] | None, windows: list[Observations], forecaster: str, notes: list[str]) -> tuple[list[float], list[bool]]:
+    names = [r.name for r in ref.ramps]
+    base = list(ref.survival) if ref.survival else [1.0] * len(names)
+    if not ref.survival and names:
+        notes.append("the profile holds no survival curve: planned as if no input exits")
+    series = []
+    for w in windows:
+        if w.survival and w.ramps:
+            lookup = dict(zip(w.ramps, w.survival))
+            series.append([lookup.get(n, base[i]) for i, n in enumerate(names)])
+    if series and names:
+        base = list(forecast_survival(np.asarray(series), forecaster if len(series) > 1 else "constant"))
+        notes.append(f"survival forecast ({forecaster if len(series) > 1 else 'last window'}) from {len(series)} observation window(s)")
+    if thresholds is None:
+        enabled = [True] * len(names)
+    else:
+        unknown = sorted(set(thresholds) - set(names))
+        if unknown:
+            raise SpecError(f"thresholds name ramps the model does not have: {unknown} (ramps: {names})", field="thresholds")
+        for n, t in thresholds.items():
+            if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+                raise SpecError(f"threshold of ramp {n!r} must be a number >= 0, got {t!r}", field=f"thresholds[{n}]")
+        enabled = [thresholds.get(n, 2.0) <= 1.0 for n in names]
+    # A disabled ramp exits nothing: the inputs it would have let go ride on to the next enabled ramp.
+    out, level = [], 1.0
+    for s, on in zip(base, enabled):
+        if on:
+            level = min(level, s)
+        out.append(level)
+    return out, enabled
+
+
+def _lengths(spec: EarlyExitServiceSpec, ref: ModelProfileSpec, windows: list[Observations], lengths: Sequence[int] | None, notes: list[str]) -> tuple[list[int], np.ndarray, bool]:
+    fixed = bool(spec.workload.length_buckets)
+    grid = list(spec.workload.length_buckets) if fixed else list(ref.seq_lens)
+    latest = next((w for w in reversed(windows) if w.length_histogram and sum(w.length_histogram) > 0), None)
+    if lengths is not None and len(lengths):
+        mass = bk.histogram_on_grid(grid, lengths)
+    elif latest is not None:
+        mass = bk.histogram_on_grid(grid, bounds=latest.length_buckets, counts=latest.length_histogram)
+    elif fixed:
+        mass = np.full(len(grid), 1.0 / len(grid))
+        notes.append("no length observations yet: the requested lengthBuckets are planned with equal shares")
+    else:
+        mass = np.zeros(len(grid))
+        mass[-1] = 1.0
+        notes.append(f"no length observations yet: planned for the longest profiled length {grid[-1]} (one bucket)")
+    return grid, mass, fixed
+
+
+def resolve_inputs(spec: EarlyExitServiceSpec, pools: Mapping[str, GPUPoolSpec], profiles: Mapping[str, ModelProfileSpec], *,
+                   thresholds: Mapping[str, float] | None = None, observations: Observations | Sequence[Observations] | None = None,
+                   lengths: Sequence[int] | None = None, forecaster: str = "arima") -> Inputs:
+    _check_spec(spec)
+    notes: list[str] = []
+    names, caps, costs = _resolve_pools(spec, pools)
+    models = _cost_models(spec, names, pools, profiles)
+    ref = models[0].profile
+    windows = _windows(observations)
+    survival, enabled = _survival(ref, thresholds, windows, forecaster, notes)
+    grid, mass, fixed = _lengths(spec, ref, windows, lengths, notes)
+    cost_cap = spec.planner.cost_cap_per_hour
+    if cost_cap is not None and cost_cap < float(costs[caps > 0].min()):
+        raise PlanInfeasible(
+            f"costCapPerHour {cost_cap:g} is below the cheapest single worker ({float(costs[caps > 0].min()):g}/h); raise the cap",
+            field="spec.planner.costCapPerHour",
+        )
+    budget = spec.slo.latency_ms - spec.slo.slack_ms
+    return Inputs(names, caps, costs, models, [r.name for r in ref.ramps], [r.after_block for r in ref.ramps], survival, enabled,
+                  budget, grid, mass, fixed, cost_cap, notes)
+
+
+# ---------------------------------------------------------------- the solver's problem
+
+
+def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layout: tuple[list[tuple[int, int]], list[int]] | None = None) -> E3Problem:
+    """Rates of every (splits, pool, first, last, bucket) option under the cycle and memory limits.
+
+    `layout` = (segments, pool per segment) restricts the problem to one layout (the previous plan's).
+    """
+    n, P, K = inp.n_blocks, len(inp.pool_names), len(bucket_set)
+    sigma = inp.sigma()
+    ramps_on = inp.ramps_on()
+    S = max_splits if layout is None else len(layout[0])
+    rate = np.zeros((S, P, n, n, K))
+    batch = np.zeros((S, P, n, n, K), dtype=np.int64)
+    stage = np.full((S, P, n, n, K), np.inf)
+    for p, model in enumerate(inp.models):
+        sizes = np.asarray(model.profile.batch_sizes, dtype=np.float64)
+        for k, length in enumerate(bucket_set):
+            tables = model.stage_tables(sizes, length, sigma, ramps_on)  # (nB, n, n)
+            mem = np.stack([[[model.replica_bytes(a, b, bsz, length) if b >= a else np.inf for b in range(n)] for a in range(n)] for bsz in sizes])
+            fits = mem <= model.pool.memory_bytes
+            for s in range(1, S + 1):
+                cycle = inp.budget_ms / (s + 1)
+                ok = fits & (tables <= cycle) & np.isfinite(tables)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    thr = np.where(ok, sizes[:, None, None] / np.where(tables > 0, tables, 1e-9) * 1e3, 0.0)
+                best = np.argmax(thr, axis=0)
+                rate[s - 1, p, :, :, k] = np.take_along_axis(thr, best[None], 0)[0]
+                batch[s - 1, p, :, :, k] = sizes[best].astype(np.int64)
+                stage[s - 1, p, :, :, k] = np.take_along_axis(tables, best[None], 0)[0]
+    if layout is not None:
+        keep = np.zeros_like(rate, dtype=bool)
+        for (a, b), p in zip(*layout):
+            keep[S - 1, p, a, b, :] = True
+        # Fewer splits than the layout's are not this layout.
+        rate = np.where(keep, rate, 0.0)
+    shares = bk.shares(inp.grid, inp.mass, bucket_set)
+    return E3Problem(n, list(inp.pool_names), inp.caps.copy(), inp.costs.copy(), shares, sigma[:n].copy(), rate, batch, stage, inp.cost_cap)
+
+
+def _diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int) -> PlanInfeasible:
+    """Name the binding constraint when no plan exists."""
+    top = max(bucket_set)
+    full = {m.pool_name: m.full_model_ms(top, 1.0) for m in inp.models}
+    fastest_pool = min(full, key=full.get)
+    # The best pipeline for single inputs: the smallest (S + 1) x slowest stage at batch 1.
+    best_bound = math.inf
+    sigma = inp.sigma()
+    for m in inp.models:
+        t = m.stage_tables([1.0], top, sigma, inp.ramps_on())[0]
+        n = m.n_blocks
+        for s in range(1, max_splits + 1):
+            # bottleneck path: minimise the slowest stage over layouts with s splits
+            worst = np.full(n + 1, np.inf)
+            worst[0] = 0.0
+            for _ in range(s):
+                nxt = np.full(n + 1, np.inf)
+                nxt[1:] = np.maximum(worst[:n, None], t).min(axis=0)
+                worst = nxt
+            best_bound = min(best_bound, (s + 1) * worst[n])
+    if best_bound > inp.budget_ms:
+        return PlanInfeasible(
+            f"SLO budget {inp.budget_ms:g} ms (latencyMs minus slackMs) is below the {best_bound:.3g} ms that the fastest "
+            f"batching pipeline needs for inputs of length {top} (a cycle to fill each batch plus one per split); the fastest "
+            f"single-input latency through every block is {full[fastest_pool]:.3g} ms on pool {fastest_pool}. Relax spec.slo.latencyMs, "
+            "use a faster pool, or cap workload.lengthBuckets lower",
+            field="spec.slo.latencyMs",
+        )
+    mem_ok = any(m.replica_bytes(a, a, 1, top) <= m.pool.memory_bytes for m in inp.models for a in range(m.n_blocks))
+    if not mem_ok:
+        return PlanInfeasible("no single block fits the memory of any pool (GPUPool memoryBytes); use pools with more memory", field="pools.memoryBytes")
+    return PlanInfeasible(
+        f"no plan fits {len(bucket_set)} bucket(s) x at least one split within the pools' caps {dict(zip(inp.pool_names, inp.caps.tolist()))}"
+        + (f" and the cost cap {inp.cost_cap:g}/h" if inp.cost_cap is not None else "")
+        + "; raise capacity/maxGpus or the cost cap",
+        field="spec.pools",
+    )
+
+
+# ---------------------------------------------------------------- from a solution to a Plan
+
+
+def _fill_spare(problem: E3Problem, sol: E3Solution) -> None:
+    """Max-goodput spends the whole budget: spare replicas go, one at a time, to the tightest cell."""
+    use = sol.replicas_per_pool(len(problem.caps))
+    cost = float(use @ problem.costs)
+    while True:
+        best = None
+        for i, seg in enumerate(sol.segments):
+            if use[seg.pool] >= problem.caps[seg.pool]:
+                continue
+            if problem.cost_cap is not None and cost + problem.costs[seg.pool] > problem.cost_cap + 1e-9:
+                continue
+            for k, share in enumerate(problem.shares):
+                load = share * problem.sigma_in[seg.first]
+                if load <= 0:
+                    continue
+                g = seg.replicas[k] * problem.rate[sol.splits - 1, seg.pool, seg.first, seg.last, k] / load
+                if best is None or g < best[0]:
+                    best = (g, i, k)
+        if best is None:
+            break
+        _, i, k = best
+        seg = sol.segments[i]
+        seg.replicas[k] += 1
+        use[seg.pool] += 1
+        cost += float(problem.costs[seg.pool])
+    sol.cost = cost
+    sol.goodput = min(problem.split_goodput(sol.splits, g.pool, g.first, g.last, g.replicas) for g in sol.segments)
+
+
+def _to_plan(service: str, spec: EarlyExitServiceSpec, inp: Inputs, bucket_set: list[int], problem: E3Problem, sol: E3Solution,
+             thresholds: Mapping[str, float], reason: str) -> tuple[Plan, float, dict[tuple[int, int], float]]:
+    s = sol.splits
+    cycle = inp.budget_ms / (s + 1)
+    splits, cells, stage = [], [], {}
+    for i, seg in enumerate(sol.segments):
+        splits.append(SplitPlan(index=i, first_block=seg.first, last_block=seg.last))
+        for k, length in enumerate(bucket_set):
+            reps = int(seg.replicas[k])
+            if reps <= 0:
+                continue
+            cells.append(Cell(split=i, bucket=int(length), pool=inp.pool_names[seg.pool], replicas=reps,
+                              batch_size=int(problem.batch[s - 1, seg.pool, seg.first, seg.last, k])))
+            stage[(i, int(length))] = float(problem.stage_ms[s - 1, seg.pool, seg.first, seg.last, k])
+    slowest = max(stage.values())
+    goodput = sol.goodput if math.isfinite(sol.goodput) else 0.0
+    plan = Plan(
+        service=service, model=spec.model.name, splits=splits, buckets=[int(b) for b in bucket_set], cells=cells,
+        thresholds={k: float(v) for k, v in thresholds.items()}, survival=[float(x) for x in inp.survival],
+        length_histogram=[float(x) for x in problem.shares],
+        prediction=Prediction(goodput_rps=float(goodput), p99_ms=float((s + 1) * slowest), cost_per_hour=float(sol.cost)),
+        reason=reason,
+    )
+    return plan, cycle, stage
+
+
+@dataclass
+class PlanChange:
+    """How far a new plan is from the previous one, in worker instances."""
+
+    added: int
+    removed: int
+    kept: int
+
+    @property
+    def replaced(self) -> int:
+        """Instances that must start (a removed one can become an added one of another cell)."""
+        return self.added
+
+    @property
+    def moved_fraction(self) -> float:
+        total = self.kept + self.removed
+        return (max(self.added, self.removed) / total) if total else 1.0
+
+
+def plan_change(previous: Plan | None, plan: Plan) -> PlanChange:
+    """Per cell (split layout, bucket, pool): replicas kept, added and removed between two plans."""
+    def key_map(p: Plan) -> dict[tuple, int]:
+        layout = {s.index: (s.first_block, s.last_block) for s in p.splits}
+        out: dict[tuple, int] = {}
+        for c in p.cells:
+            k = (layout[c.split], c.bucket, c.pool, c.batch_size)
+            out[k] = out.get(k, 0) + c.replicas
+        return out
+
+    new = key_map(plan)
+    old = key_map(previous) if previous is not None else {}
+    kept = sum(min(new.get(k, 0), old.get(k, 0)) for k in set(new) | set(old))
+    return PlanChange(added=sum(new.values()) - kept, removed=sum(old.values()) - kept, kept=kept)
+
+
+def _previous_layout(previous: Plan, inp: Inputs) -> tuple[list[int], tuple[list[tuple[int, int]], list[int]]] | None:
+    """The previous plan's buckets and layout (segments, pool per segment), if it still applies."""
+    if previous.splits[-1].last_block != inp.n_blocks - 1 or not set(previous.buckets) <= set(inp.grid):
+        return None
+    pools = []
+    for s in previous.splits:
+        used = {c.pool for c in previous.cells if c.split == s.index}
+        if len(used) != 1 or next(iter(used)) not in inp.pool_names:
+            return None
+        pools.append(inp.pool_names.index(next(iter(used))))
+    return list(previous.buckets), ([(s.first_block, s.last_block) for s in previous.splits], pools)
+
+
+def _solve(problem: E3Problem, spec: EarlyExitServiceSpec) -> E3Solution:
+    if spec.planner.objective == Objective.min_cost:
+        target = spec.planner.target_rps or spec.workload.rps
+        return min_cost(problem, float(target))
+    sol = max_goodput(problem)
+    _fill_spare(problem, sol)
+    return sol
+
+
+def plan_service(
+    service_name: str,
+    spec: EarlyExitServiceSpec,
+    pools: Mapping[str, GPUPoolSpec],
+    profiles: Mapping[str, ModelProfileSpec],
+    *,
+    thresholds: Mapping[str, float] | None = None,
+    observations: Observations | Sequence[Observations] | None = None,
+    previous: Plan | None = None,
+    reason: str = "initial",
+    lengths: Sequence[int] | None = None,
+    forecaster: str = "arima",
+) -> PlanResult:
+    """Plan a service: splits, length buckets, cells (split, bucket, pool) with replicas and batch sizes.
+
+    `thresholds`: per exit ramp (None keeps the profile's survival as is; ramps not named do not
+    exit). `observations`: the latest window(s); their survival (forecast over windows) and length
+    histogram replace the profile's. `lengths`: raw input lengths (e.g. from a trace) to size the
+    buckets when no observations exist. `previous`: keep its layout when it is within 5 % of the
+    optimum (fewest replaced instances). Raises SpecError, ProfileError or PlanInfeasible.
+    """
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    inp = resolve_inputs(spec, pools, profiles, thresholds=thresholds, observations=observations, lengths=lengths, forecaster=forecaster)
+    if thresholds is None:
+        windows = _windows(observations)
+        thresholds = (windows[-1].thresholds if windows and windows[-1].thresholds else None) or (previous.thresholds if previous else None) or {}
+        if not thresholds and inp.ramp_names:
+            inp.notes.append("no thresholds given: the plan names none, so the data plane exits nowhere until thresholds are set")
+    timings["inputs"] = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    max_splits = min(spec.planner.max_splits, inp.n_blocks)
+    if inp.fixed_buckets:
+        sets = {len(inp.grid): list(inp.grid)}
+    else:
+        ref = inp.models[0]
+        top_batch = float(ref.profile.batch_sizes[-1])
+        per_input = [min(m.full_model_ms(length, top_batch) for m in inp.models) / top_batch for length in inp.grid]
+        candidates = bk.staircase(inp.grid, per_input)
+        useful = [g for g, w in zip(inp.grid, inp.mass) if w > 0]
+        candidates = [c for c in candidates if c == inp.grid[-1] or any(u <= c for u in useful)]
+        limit = min(MAX_BUCKETS, int(inp.caps.sum()))
+        sets = bk.best_bucket_sets(inp.grid, inp.mass, per_input, candidates, limit)
+        sets = {m: b for m, b in sets.items() if all(inp.mass[inp.grid.index(x)] > 0 or x == inp.grid[-1] for x in b) or m == 1}
+    timings["buckets"] = time.perf_counter() - t1
+
+    t2 = time.perf_counter()
+    tried, chosen = [], None
+    last_error: PlanInfeasible | None = None
+    for _, bucket_set in sorted(sets.items()):
+        problem = build_problem(inp, bucket_set, max_splits)
+        try:
+            sol = _solve(problem, spec)
+        except PlanInfeasible as err:
+            last_error = err
+            tried.append({"buckets": bucket_set, "goodput": 0.0, "cost": 0.0, "error": str(err)})
+            continue
+        tried.append({"buckets": bucket_set, "goodput": sol.goodput, "cost": sol.cost, "splits": sol.splits})
+        better = chosen is None or (
+            sol.goodput > chosen[2].goodput * (1 + 1e-9) if spec.planner.objective == Objective.max_goodput else sol.cost < chosen[2].cost - 1e-9
+        )
+        if better:
+            chosen = (bucket_set, problem, sol)
+    if chosen is None:
+        if last_error is not None and last_error.field == "spec.planner.targetRps":
+            raise last_error
+        raise _diagnose(inp, min(sets.values(), key=len), max_splits)
+    timings["solve"] = time.perf_counter() - t2
+
+    kept = False
+    if previous is not None:
+        layout = _previous_layout(previous, inp)
+        if layout is not None:
+            prev_buckets, prev_layout = layout
+            try:
+                problem = build_problem(inp, prev_buckets, max_splits, layout=prev_layout)
+                sol = _solve(problem, spec)
+            except PlanInfeasible:
+                sol = None
+            if sol is not None:
+                best = chosen[2]
+                close = (sol.goodput >= (1 - HYSTERESIS) * best.goodput if spec.planner.objective == Objective.max_goodput
+                         else sol.cost <= (1 + HYSTERESIS) * best.cost)
+                if close:
+                    chosen, kept = (prev_buckets, problem, sol), True
+                    inp.notes.append("kept the previous layout (within 5 % of the optimum): fewest replaced instances")
+
+    t3 = time.perf_counter()
+    bucket_set, problem, sol = chosen
+    plan, cycle, stage = _to_plan(service_name, spec, inp, list(bucket_set), problem, sol, thresholds, reason)
+    timings["plan"] = time.perf_counter() - t3
+    timings["total"] = time.perf_counter() - t0
+    notes = list(dict.fromkeys(inp.notes + [n for m in inp.models for n in m.notes]))
+    return PlanResult(plan, inp, problem, sol, list(bucket_set), cycle, stage, timings, notes, tried, kept)
