@@ -1,0 +1,333 @@
+"""`run_bench` and `find_capacity`: the Python API behind `exitplan bench` (and `exitplan demo`).
+
+A run: read the router's model metadata (labels, buckets, ramps), load the trace window
+(`exitplan.planner.traces.load_trace`, lengths fitted to the largest bucket), match held-out texts
+to its lengths, replay it open-loop, and summarize every outcome (see `report.py` for the
+definitions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from exitplan.planner.traces import LengthMode, Trace, TraceError, default_trace_path, load_trace
+
+from .loadgen import Outcome, replay
+from .report import BenchReport, summarize
+from .texts import HeldoutPool, ReferenceCache, build_inputs, check_labels, load_pool
+
+DEFAULT_TIMEOUT_S = 30.0
+"""Client-side patience per request: far above any SLO the router enforces (its hard timeout is
+max(5 x SLO, 2 s)), so a request still unanswered by then is lost, not slow."""
+
+
+class BenchError(RuntimeError):
+    """A run that cannot start (router unreachable, wrong model, bad options); the message says what to fix."""
+
+
+# ---------------------------------------------------------------------------- the router
+
+
+@dataclass
+class ModelInfo:
+    url: str
+    model: str
+    labels: list[str]
+    buckets: list[int]
+    ramps: list[str]
+    slo_ms: float | None = None
+    """The router's SLO (from its /metrics), when it publishes one."""
+
+
+def _get(url: str, timeout: float = 10.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read()
+
+
+def model_info(url: str, model: str) -> ModelInfo:
+    """The router's metadata for `model` (GET /v2/models/{model}) and its SLO gauge."""
+    base = url.rstrip("/")
+    try:
+        doc = json.loads(_get(f"{base}/v2/models/{model}"))
+    except urllib.error.HTTPError as err:
+        detail = err.read()[:300].decode(errors="replace")
+        raise BenchError(f"{base}/v2/models/{model} answered {err.code}: {detail}; check --model") from err
+    except (urllib.error.URLError, OSError) as err:
+        raise BenchError(f"cannot reach the router at {base}: {err}; start it (`exitplan up`) or fix --url") from err
+    except ValueError as err:
+        raise BenchError(f"{base}/v2/models/{model} did not return JSON: {err}") from err
+    params = doc.get("parameters") or {}
+    try:
+        labels = [str(v) for v in params["labels"]]
+        buckets = [int(b) for b in params["buckets"]]
+        ramps = [str(r) for r in params.get("ramps", [])]
+    except (KeyError, TypeError, ValueError) as err:
+        raise BenchError(f"{base}/v2/models/{model}: metadata lacks parameters.labels/buckets ({err}); is this an exitplan router?") from err
+    return ModelInfo(base, model, labels, buckets, ramps, _router_slo_ms(base))
+
+
+def _router_slo_ms(base: str) -> float | None:
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for family in text_string_to_metric_families(_get(f"{base}/metrics", 5.0).decode()):
+            if family.name == "exitplan_router_slo_seconds":
+                for sample in family.samples:
+                    return float(sample.value) * 1000.0
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return None
+
+
+def router_observations(url: str) -> dict | None:
+    """The router's observation window in progress (best effort: None when it cannot be read)."""
+    try:
+        return json.loads(_get(f"{url.rstrip('/')}/v1/observations?window=current", 5.0))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------- the trace
+
+
+def schedule(
+    trace: str | Path | None,
+    *,
+    max_length: int,
+    length_mode: LengthMode = "scale",
+    rps: float | None = None,
+    speed: float = 1.0,
+    start: float = 0.0,
+    duration: float | None = None,
+    limit: int | None = None,
+) -> tuple[Trace, float]:
+    """The trace window to replay and the speed-up applied.
+
+    With `rps`, the speed-up is chosen so that the window's mean rate (requests / last arrival) is
+    `rps` (a few refinement passes, as the window itself moves with the speed); else `speed` is used.
+    """
+    path = Path(trace) if trace is not None else default_trace_path()
+    if rps is not None and rps <= 0:
+        raise BenchError(f"--rps must be > 0, got {rps}")
+    if duration is not None and duration <= 0:
+        raise BenchError(f"--duration must be > 0 seconds, got {duration}")
+    if limit is not None and limit < 1:
+        raise BenchError(f"--limit must be >= 1, got {limit}")
+
+    def window(s: float) -> Trace:
+        return load_trace(path, max_length=max_length, length_mode=length_mode, speed=s, start=start, duration=duration, limit=limit)
+
+    try:
+        if rps is None:
+            return window(speed), speed
+        full = load_trace(path, max_length=max_length, length_mode=length_mode)
+        factor = rps / full.mean_rate
+        for _ in range(4):
+            cut = window(factor)
+            if len(cut) < 2 or abs(cut.mean_rate / rps - 1.0) < 0.01:
+                break
+            factor *= rps / cut.mean_rate
+        return window(factor), factor
+    except TraceError as err:
+        raise BenchError(str(err)) from err
+
+
+# ---------------------------------------------------------------------------- one run
+
+
+@dataclass
+class BenchSetup:
+    """What several runs against one router share: its metadata, the held-out pool, cached references."""
+
+    info: ModelInfo
+    pool: HeldoutPool
+    references: ReferenceCache = field(init=False)
+
+    def __post_init__(self) -> None:
+        check_labels(self.pool, self.info.labels)
+        self.references = ReferenceCache(self.pool)
+
+    @classmethod
+    def connect(cls, url: str, model: str, bundle: str | Path) -> BenchSetup:
+        return cls(model_info(url, model), load_pool(bundle))
+
+
+async def run_bench_async(
+    setup: BenchSetup,
+    trace: str | Path | None = None,
+    *,
+    rps: float | None = None,
+    speed: float = 1.0,
+    start: float = 0.0,
+    duration: float | None = None,
+    limit: int | None = None,
+    slo_ms: float | None = None,
+    seed: int = 0,
+    length_mode: LengthMode = "scale",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    progress: bool = False,
+) -> BenchReport:
+    info = setup.info
+    slo = slo_ms if slo_ms is not None else info.slo_ms
+    if slo is None:
+        raise BenchError("the router publishes no SLO; pass --slo-ms")
+    if slo <= 0:
+        raise BenchError(f"--slo-ms must be > 0, got {slo}")
+    if timeout_s <= 0:
+        raise BenchError(f"the client timeout must be > 0 seconds, got {timeout_s}")
+    window, factor = schedule(
+        trace, max_length=max(info.buckets), length_mode=length_mode, rps=rps, speed=speed, start=start,
+        duration=duration, limit=limit,
+    )
+    inputs = build_inputs(setup.pool, window.lengths, max_length=max(info.buckets), seed=seed, references=setup.references)
+    outcomes = await _replay_with_progress(info, inputs.bodies, window.timestamps, timeout_s, progress)
+    run = {
+        "trace": window.source, "trace_name": Path(window.source).name, "length_mode": length_mode,
+        "speed": factor, "target_rps": rps, "start_s": start, "duration_s": duration, "limit": limit, "seed": seed,
+        "timeout_s": timeout_s, "buckets": info.buckets,
+        "inputs": {
+            "target_length_mean": float(window.lengths.mean()), "sent_length_mean": float(inputs.lengths.mean()),
+            "length_abs_error_mean": float(abs(inputs.lengths - window.lengths).mean()),
+            "concatenated": inputs.concatenated, "heldout_size": len(setup.pool),
+        },
+    }
+    report = summarize(
+        outcomes, inputs.reference, inputs.truth, slo_ms=slo, url=info.url, model=info.model,
+        ramp_order=info.ramps, run=run,
+    )
+    report.router = router_observations(info.url)
+    return report
+
+
+async def _replay_with_progress(info: ModelInfo, bodies, arrivals, timeout_s: float, progress: bool) -> list[Outcome]:
+    if not progress:
+        return await replay(info.url, info.model, bodies, arrivals, timeout_s=timeout_s)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    counts = {"ok": 0, "err": 0, "lost": 0}
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("ok {task.fields[ok]}  errors {task.fields[err]}  lost {task.fields[lost]}")]
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task(f"replaying {len(bodies)} requests", total=len(bodies), **counts)
+
+        def done(outcome: Outcome) -> None:
+            key = "ok" if outcome.kind == "ok" else "lost" if outcome.kind == "lost" else "err"
+            counts[key] += 1
+            bar.update(task, advance=1, **counts)
+
+        return await replay(info.url, info.model, bodies, arrivals, timeout_s=timeout_s, on_done=done)
+
+
+def run_bench(
+    url: str,
+    model: str,
+    bundle: str | Path,
+    trace: str | Path | None = None,
+    *,
+    rps: float | None = None,
+    speed: float = 1.0,
+    start: float = 0.0,
+    duration: float | None = None,
+    limit: int | None = None,
+    slo_ms: float | None = None,
+    seed: int = 0,
+    length_mode: LengthMode = "scale",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    progress: bool = False,
+    setup: BenchSetup | None = None,
+) -> BenchReport:
+    """One open-loop run of `trace` (default: the shared Azure trace) against the router at `url`.
+
+    `rps` rescales the trace window to that mean rate, else `speed` speeds it up; `start`/`duration`
+    (seconds, after the speed-up) and `limit` (requests) bound the run. `slo_ms` defaults to the
+    router's own SLO. `setup` (from `BenchSetup.connect`) reuses metadata, texts and references across runs.
+    """
+    setup = setup or BenchSetup.connect(url, model, bundle)
+    return asyncio.run(run_bench_async(
+        setup, trace, rps=rps, speed=speed, start=start, duration=duration, limit=limit, slo_ms=slo_ms, seed=seed,
+        length_mode=length_mode, timeout_s=timeout_s, progress=progress,
+    ))
+
+
+# ---------------------------------------------------------------------------- capacity
+
+
+@dataclass
+class CapacityResult:
+    capacity_rps: float
+    """The highest goodput measured over the steps."""
+    steps: list[BenchReport]
+    stopped_because: str
+
+    def to_dict(self) -> dict:
+        return {
+            "capacity_rps": self.capacity_rps, "stopped_because": self.stopped_because,
+            "steps": [s.to_dict() for s in self.steps],
+        }
+
+    def table(self):
+        from rich.table import Table
+
+        table = Table(title=f"capacity search: {self.capacity_rps:.1f} rps ({self.stopped_because})")
+        for col in ("offered rps", "goodput rps", "p99 ms", "results", "errors", "lost"):
+            table.add_column(col, justify="right")
+        for s in self.steps:
+            p99 = s.latency["p99_ms"]
+            table.add_row(f"{s.offered_rps:.1f}", f"{s.goodput_rps:.1f}", "-" if p99 is None else f"{p99:.1f}",
+                          str(s.results), str(s.error_total), str(s.lost))
+        return table
+
+
+def find_capacity(
+    url: str,
+    model: str,
+    bundle: str | Path,
+    trace: str | Path | None = None,
+    *,
+    setup: BenchSetup | None = None,
+    start_rps: float = 5.0,
+    factor: float = 1.5,
+    step_duration: float = 10.0,
+    max_steps: int = 10,
+    min_growth: float = 0.05,
+    slo_ms: float | None = None,
+    seed: int = 0,
+    length_mode: LengthMode = "scale",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    progress: bool = False,
+) -> CapacityResult:
+    """Step the offered load up by `factor` until goodput grows by less than `min_growth` or errors appear.
+
+    Each step replays `step_duration` seconds of the trace at its rate. The capacity is the highest
+    goodput measured (results within the SLO per second).
+    """
+    setup = setup or BenchSetup.connect(url, model, bundle)
+    if factor <= 1.0:
+        raise BenchError(f"the load step factor must be > 1, got {factor}")
+    if start_rps <= 0 or step_duration <= 0 or max_steps < 1:
+        raise BenchError("start_rps and step_duration must be > 0 and max_steps >= 1")
+    steps: list[BenchReport] = []
+    best = 0.0
+    rps = start_rps
+    reason = f"reached {max_steps} steps"
+    for _ in range(max_steps):
+        report = asyncio.run(run_bench_async(
+            setup, trace, rps=rps, duration=step_duration, slo_ms=slo_ms, seed=seed, length_mode=length_mode,
+            timeout_s=timeout_s, progress=progress,
+        ))
+        steps.append(report)
+        grew = report.goodput_rps > best * (1.0 + min_growth)
+        best = max(best, report.goodput_rps)
+        if report.error_total or report.lost:
+            reason = f"errors at {report.offered_rps:.1f} rps offered"
+            break
+        if not grew:
+            reason = f"goodput stopped growing at {report.offered_rps:.1f} rps offered"
+            break
+        rps *= factor
+    return CapacityResult(best, steps, reason)

@@ -1,0 +1,322 @@
+"""Inputs for a load run: held-out texts matched to a trace's input lengths, with reference answers.
+
+Each request of the trace gets the held-out text whose token length (the bundle's tokenizer, special
+tokens included, no truncation) is closest to the trace's (scaled or clipped) length; among texts of
+that length one is drawn with a seeded generator, so a run is deterministic given its seed. When the
+trace asks for a longer input than any single text, several texts are concatenated (joined by a
+space; the bundle's BERT pre-tokenizer splits on whitespace, so the pieces' tokens add up) until the
+length is reached, never beyond the router's largest bucket.
+
+The reference answer of a request is the full model's answer for exactly that text: the bundle's
+`full_pred` for a single held-out text, and for a concatenation the final head computed once before
+the run with `BundleRuntime` (no thresholds: every row runs to the end). Accuracy against the true
+label is known only for single texts.
+
+Fixed-size models (no sequence axis, e.g. the digits CNN) ignore the trace's lengths: held-out
+inputs are drawn in a seeded order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from exitplan.api.bundle import BundleError, BundleManifest, read_manifest
+
+SPECIAL_TOKENS = 2
+"""[CLS] and [SEP]: what every separately tokenized text carries once."""
+JOINER = " "
+
+
+class InputError(ValueError):
+    """Held-out data that cannot feed a load run; the message names the file and what is missing."""
+
+
+# ---------------------------------------------------------------------------- pure matching
+
+
+def closest_choice(target: int, sorted_lengths: np.ndarray, order: np.ndarray, rng: np.random.Generator) -> int:
+    """Index (into the unsorted pool) of a text whose length is closest to `target`.
+
+    `sorted_lengths` = lengths[order] ascending. Ties between a shorter and a longer length go to the
+    shorter one (it stays inside the bucket the trace asked for); among texts of the chosen length
+    one is drawn from `rng`.
+    """
+    if sorted_lengths.size == 0:
+        raise InputError("no held-out text to choose from")
+    pos = int(np.searchsorted(sorted_lengths, target))
+    candidates = []
+    if pos < sorted_lengths.size:
+        candidates.append(int(sorted_lengths[pos]))
+    if pos > 0:
+        candidates.append(int(sorted_lengths[pos - 1]))
+    best = min(candidates, key=lambda length: (abs(length - target), length))
+    lo = int(np.searchsorted(sorted_lengths, best, side="left"))
+    hi = int(np.searchsorted(sorted_lengths, best, side="right"))
+    return int(order[lo + int(rng.integers(hi - lo))])
+
+
+def match_lengths(targets: Sequence[int], lengths: Sequence[int], max_length: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """For each target length, the pool indices whose texts (concatenated if more than one) match it.
+
+    `lengths` are token lengths of separately tokenized texts (special tokens included). Only texts
+    of at most `max_length` tokens are used. A target longer than every usable text is met by
+    concatenating texts: a concatenation of texts with lengths l_i has sum(l_i - 2) + 2 tokens.
+    Pieces are chosen one at a time, each the closest fit to what remains, and a piece that would
+    go over `max_length` is not added. Deterministic given `seed`.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if max_length < 1:
+        raise InputError(f"max_length must be >= 1, got {max_length}")
+    usable = np.flatnonzero(lengths <= max_length)
+    if usable.size == 0:
+        raise InputError(f"every held-out text is longer than {max_length} tokens (the largest bucket)")
+    order = usable[np.argsort(lengths[usable], kind="stable")]
+    sorted_lengths = lengths[order]
+    longest = int(sorted_lengths[-1])
+    content = lengths - SPECIAL_TOKENS
+    pieces_ok = order[content[order] > 0]  # texts with content tokens can be pieces of a concatenation
+    piece_sorted = content[pieces_ok]
+    rng = np.random.default_rng(seed)
+    out: list[tuple[int, ...]] = []
+    for raw in targets:
+        target = min(int(raw), max_length)
+        if target <= longest or pieces_ok.size == 0:
+            out.append((closest_choice(target, sorted_lengths, order, rng),))
+            continue
+        parts: list[int] = []
+        remaining = target - SPECIAL_TOKENS
+        total = SPECIAL_TOKENS
+        while remaining > 0:
+            pick = closest_choice(remaining, piece_sorted, pieces_ok, rng)
+            size = int(content[pick])
+            if total + size > max_length:
+                fits = pieces_ok[piece_sorted <= max_length - total]
+                if fits.size == 0:
+                    break
+                pick = closest_choice(max_length - total, content[fits], fits, rng)
+                size = int(content[pick])
+            # stop when adding this piece lands further from the target than stopping here
+            if parts and abs(remaining - size) >= remaining:
+                break
+            parts.append(pick)
+            total += size
+            remaining -= size
+        out.append(tuple(parts))
+    return out
+
+
+def concatenated_length(parts: Sequence[int], lengths: Sequence[int]) -> int:
+    """Token length of the texts `parts` joined (see `match_lengths`)."""
+    if len(parts) == 1:
+        return int(lengths[parts[0]])
+    return sum(int(lengths[p]) - SPECIAL_TOKENS for p in parts) + SPECIAL_TOKENS
+
+
+# ---------------------------------------------------------------------------- held-out data
+
+
+@dataclass
+class HeldoutPool:
+    """A bundle's held-out inputs: texts (or fixed-size arrays), labels and the full model's answers."""
+
+    manifest: BundleManifest
+    directory: Path
+    labels: np.ndarray
+    full_pred: np.ndarray
+    texts: list[str] | None = None
+    lengths: np.ndarray | None = None
+    """Token length of each text (special tokens included, no truncation)."""
+    x: np.ndarray | None = None
+    tokenizer: object | None = None
+
+    def __len__(self) -> int:
+        return int(self.labels.size)
+
+    @property
+    def is_text(self) -> bool:
+        return self.texts is not None
+
+
+def load_pool(bundle: str | Path) -> HeldoutPool:
+    """Read `<bundle>/data/heldout.npz` (arrays `text` or `x`, `label`, `full_pred`) and tokenize the texts."""
+    directory = Path(bundle)
+    manifest = read_manifest(directory)
+    path = directory / manifest.data.heldout
+    if not path.is_file():
+        raise InputError(f"{path}: the bundle has no held-out data; rebuild it with `exitplan prepare --force`")
+    with np.load(path, allow_pickle=False) as data:
+        files = set(data.files)
+        missing = {"label", "full_pred"} - files
+        if missing or not ({"text", "x"} & files):
+            raise InputError(
+                f"{path}: held-out data needs arrays `text` (or `x`), `label` and `full_pred`; it has {sorted(files)}"
+            )
+        labels = np.asarray(data["label"], dtype=np.int64)
+        full_pred = np.asarray(data["full_pred"], dtype=np.int64)
+        texts = [str(t) for t in data["text"]] if "text" in files else None
+        x = np.asarray(data["x"]) if texts is None else None
+    n = labels.size
+    if full_pred.size != n or (texts is not None and len(texts) != n) or (x is not None and x.shape[0] != n):
+        raise InputError(f"{path}: arrays disagree on the number of held-out inputs")
+    if n == 0:
+        raise InputError(f"{path}: the held-out data is empty")
+    if texts is None:
+        return HeldoutPool(manifest, directory, labels, full_pred, x=x)
+    if not manifest.tokenizer:
+        raise InputError(f"{directory / 'bundle.yaml'}: held-out texts but the manifest names no tokenizer")
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(directory / manifest.tokenizer))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    lengths = np.asarray([len(e.ids) for e in tokenizer.encode_batch(texts)], dtype=np.int64)
+    return HeldoutPool(manifest, directory, labels, full_pred, texts=texts, lengths=lengths, tokenizer=tokenizer)
+
+
+# ---------------------------------------------------------------------------- request inputs
+
+
+@dataclass
+class RequestInputs:
+    """What each request of a run sends, and the answers it is checked against."""
+
+    bodies: list[bytes]
+    """Serialized Open Inference Protocol bodies, one per request."""
+    target_lengths: np.ndarray
+    lengths: np.ndarray
+    """Token length of what is sent (1 for fixed-size models)."""
+    parts: list[tuple[int, ...]]
+    """Held-out indices behind each request (more than one: a concatenation)."""
+    reference: list[str]
+    """The full model's label for exactly that input."""
+    truth: list[str | None]
+    """The true label where known (single held-out inputs), else None."""
+    meta: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.bodies)
+
+    @property
+    def concatenated(self) -> int:
+        return sum(1 for p in self.parts if len(p) > 1)
+
+
+def text_body(text: str) -> bytes:
+    return json.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [text]}]}).encode()
+
+
+def tensor_body(name: str, array: np.ndarray) -> bytes:
+    datatype = {"float32": "FP32", "float16": "FP16", "int64": "INT64", "int32": "INT32", "uint8": "UINT8"}[str(array.dtype)]
+    return json.dumps(
+        {"inputs": [{"name": name, "datatype": datatype, "shape": [1, *array.shape], "data": array.ravel().tolist()}]}
+    ).encode()
+
+
+class ReferenceCache:
+    """The full model's answers for concatenated texts, computed once (BundleRuntime, no exits)."""
+
+    def __init__(self, pool: HeldoutPool) -> None:
+        self.pool = pool
+        self.answers: dict[tuple[int, ...], int] = {}
+        self.lengths: dict[tuple[int, ...], int] = {}
+        """Token length of each concatenation, as the tokenizer counts it."""
+        self._runtime = None
+
+    def _run(self, token_lists: list[list[int]]) -> np.ndarray:
+        from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, pad_batch
+
+        if self._runtime is None:
+            self._runtime = BundleRuntime(self.pool.directory)
+        runtime = self._runtime
+        preds = np.zeros(len(token_lists), dtype=np.int64)
+        buckets = np.array([bucket_for(len(t), runtime.buckets) for t in token_lists])
+        final = self.pool.manifest.final_ramp().name
+        for bucket in np.unique(buckets):
+            rows = np.flatnonzero(buckets == bucket)
+            for start in range(0, rows.size, 32):
+                chunk = rows[start : start + 32]
+                state = pad_batch([token_lists[r] for r in chunk], int(bucket), self.pool.manifest.pad_token_id)
+                result = runtime.run_range(state, int(bucket), thresholds=None)
+                for ex in result.exits:
+                    if ex.ramp == final:
+                        preds[chunk[ex.row]] = int(np.argmax(ex.logits))
+        return preds
+
+    def resolve(self, combos: Sequence[tuple[int, ...]], progress: Callable[[int], object] | None = None) -> None:
+        """Compute the answers of the combos not cached yet."""
+        todo = sorted({c for c in combos if len(c) > 1 and c not in self.answers})
+        if not todo:
+            return
+        assert self.pool.tokenizer is not None and self.pool.texts is not None
+        texts = [JOINER.join(self.pool.texts[i] for i in c) for c in todo]
+        ids = [e.ids for e in self.pool.tokenizer.encode_batch(texts)]
+        preds = self._run(ids)
+        for combo, pred, tokens in zip(todo, preds, ids):
+            self.answers[combo] = int(pred)
+            self.lengths[combo] = len(tokens)
+        if progress:
+            progress(len(todo))
+
+
+def build_inputs(
+    pool: HeldoutPool,
+    target_lengths: Sequence[int],
+    *,
+    max_length: int,
+    seed: int = 0,
+    references: ReferenceCache | None = None,
+) -> RequestInputs:
+    """Request bodies for the trace's lengths (text models) or held-out inputs in seeded order (fixed-size)."""
+    targets = np.asarray(target_lengths, dtype=np.int64)
+    labels = pool.manifest.labels
+    if not pool.is_text:
+        assert pool.x is not None
+        order = np.random.default_rng(seed).permutation(len(pool))
+        picks = [int(order[i % len(pool)]) for i in range(targets.size)]
+        name = pool.manifest.inputs[0].name
+        want = np.dtype(pool.manifest.inputs[0].dtype)
+        return RequestInputs(
+            bodies=[tensor_body(name, pool.x[p].astype(want)) for p in picks],
+            target_lengths=targets, lengths=np.ones(targets.size, dtype=np.int64), parts=[(p,) for p in picks],
+            reference=[labels[int(pool.full_pred[p])] for p in picks], truth=[labels[int(pool.labels[p])] for p in picks],
+        )
+    assert pool.texts is not None and pool.lengths is not None
+    parts = match_lengths(targets, pool.lengths, max_length, seed)
+    references = references or ReferenceCache(pool)
+    references.resolve(parts)
+    over = {c: n for c, n in references.lengths.items() if c in set(parts) and n > max_length}
+    if over:
+        combo, n = next(iter(over.items()))
+        raise InputError(
+            f"texts {list(combo)} joined tokenize to {n} tokens, over the largest bucket ({max_length}): the tokenizer "
+            f"does not split on the joiner {JOINER!r}, so texts cannot be concatenated for long inputs; bench with "
+            f"--length-mode scale (lengths within single texts)"
+        )
+    bodies, lengths, reference, truth = [], [], [], []
+    for combo in parts:
+        if len(combo) == 1:
+            (p,) = combo
+            bodies.append(text_body(pool.texts[p]))
+            lengths.append(int(pool.lengths[p]))
+            reference.append(labels[int(pool.full_pred[p])])
+            truth.append(labels[int(pool.labels[p])])
+        else:
+            bodies.append(text_body(JOINER.join(pool.texts[i] for i in combo)))
+            lengths.append(references.lengths[combo])
+            reference.append(labels[references.answers[combo]])
+            truth.append(None)
+    return RequestInputs(bodies, targets, np.asarray(lengths, dtype=np.int64), parts, reference, truth)
+
+
+def check_labels(pool: HeldoutPool, served_labels: Sequence[str]) -> None:
+    """The router must serve the bundle's labels, in order, or references would be compared wrongly."""
+    if list(served_labels) != list(pool.manifest.labels):
+        raise BundleError(
+            f"{pool.directory}: the bundle's labels {pool.manifest.labels} differ from the router's {list(served_labels)}; "
+            f"bench with the bundle the router serves"
+        )
