@@ -34,11 +34,13 @@ def main(
 def _register() -> None:
     # One line per command; each module holds `command` (and sometimes more sub-commands).
     from . import cmd_router, cmd_up, cmd_version, cmd_worker
+    from . import cmd_bench
 
     app.command("version", help=cmd_version.command.__doc__)(cmd_version.command)
     app.command("worker")(cmd_worker.command)
     app.command("router")(cmd_router.command)
     app.command("up")(cmd_up.command)
+    app.command("bench")(cmd_bench.command)
 
 
 _register()

@@ -1,0 +1,81 @@
+"""`exitplan bench`: open-loop load from a trace against a router; goodput, latency, exits, accuracy, errors."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+
+import typer
+
+
+class LengthModeOption(str, Enum):
+    scale = "scale"
+    clip = "clip"
+
+
+def command(
+    url: str = typer.Option("http://127.0.0.1:8080", "--url", help="The router's base URL."),
+    model: str = typer.Option(..., "--model", help="Model name served at /v2/models/{name}."),
+    bundle: Path = typer.Option(..., "--bundle", exists=True, file_okay=False, help="The bundle the router serves (its held-out texts and full-model answers)."),
+    trace: Path | None = typer.Option(None, "--trace", dir_okay=False, help="Trace file (Azure CSV or JSON lines); default: the shared Azure trace."),
+    rps: float | None = typer.Option(None, "--rps", min=0.0, help="Rescale the trace window to this mean rate (requests/s)."),
+    speed: float = typer.Option(1.0, "--speed", min=0.0, help="Speed the trace up by this factor (ignored with --rps)."),
+    start: float = typer.Option(0.0, "--start", min=0.0, help="Skip this many seconds of the (sped-up) trace."),
+    duration: float | None = typer.Option(60.0, "--duration", help="Seconds of trace to replay (0: no time bound)."),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="Send at most this many requests."),
+    slo_ms: float | None = typer.Option(None, "--slo-ms", help="Latency SLO for goodput (default: the router's own)."),
+    length_mode: LengthModeOption = typer.Option(LengthModeOption.scale, "--length-mode", help="Fit trace lengths to the largest bucket: scale (proportionally) or clip."),
+    seed: int = typer.Option(0, "--seed", help="Seed for the choice of texts."),
+    timeout_s: float = typer.Option(30.0, "--timeout-s", min=0.1, help="A request with no answer by then counts as lost."),
+    capacity: bool = typer.Option(False, "--find-capacity", help="Step the load up (from --rps, default 5) until goodput stops growing or errors appear; report the capacity."),
+    step_duration: float = typer.Option(10.0, "--step-duration", min=1.0, help="Seconds per load step with --find-capacity."),
+    json_path: Path | None = typer.Option(None, "--json", dir_okay=False, help="Also write every figure as JSON here."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+) -> None:
+    """Replay a trace open-loop against a router (never waiting for answers); report goodput, p50/p95/p99, exits, agreement with the full model, errors by kind and lost requests."""
+    from rich.console import Console
+
+    from exitplan.api.bundle import BundleError
+    from exitplan.client.bench import BenchError, BenchSetup, find_capacity, run_bench
+    from exitplan.client.texts import InputError
+
+    console = Console()
+    bounded_duration = duration if duration else None
+    if bounded_duration is None and limit is None and not capacity:
+        console.print("[red]error:[/red] give --duration (seconds) and/or --limit (requests): the whole trace runs for about an hour")
+        raise typer.Exit(2)
+    if rps is not None and rps <= 0:
+        console.print(f"[red]error:[/red] --rps must be > 0, got {rps}")
+        raise typer.Exit(2)
+    try:
+        with console.status("reading the router's metadata and tokenizing held-out texts..."):
+            setup = BenchSetup.connect(url, model, bundle)
+        if capacity:
+            result = find_capacity(
+                url, model, bundle, trace, setup=setup, start_rps=rps or 5.0, step_duration=step_duration,
+                slo_ms=slo_ms, seed=seed, length_mode=length_mode.value, timeout_s=timeout_s, progress=progress,
+            )
+            console.print(result.table())
+            doc = result.to_dict()
+        else:
+            report = run_bench(
+                url, model, bundle, trace, setup=setup, rps=rps, speed=speed, start=start, duration=bounded_duration,
+                limit=limit, slo_ms=slo_ms, seed=seed, length_mode=length_mode.value, timeout_s=timeout_s, progress=progress,
+            )
+            for table in report.tables():
+                console.print(table)
+            inputs = report.run.get("inputs", {})
+            if inputs.get("concatenated"):
+                console.print(
+                    f"{inputs['concatenated']} of {report.requests} requests are concatenations of held-out texts "
+                    f"(the trace asked for inputs longer than any single text); their reference is the full model's answer."
+                )
+            doc = report.to_dict()
+    except (BenchError, BundleError, InputError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from err
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(doc, indent=2))
+        console.print(f"wrote {json_path}")
