@@ -1,0 +1,252 @@
+"""The feedback window and what a set of exit thresholds does on it (pure numpy).
+
+The tuner itself lives in :mod:`exitplan.planner.thresholds` (which re-exports these names).
+
+A *window* records, for N inputs and R exit ramps (block order, the final head excluded):
+``conf`` [N, R] (exit confidence at each ramp, in [0, 1]), ``pred`` [N, R] (each ramp's answer),
+``final`` [N] (the full model's answer), ``saving_ms`` [R] (latency saved by exiting at a ramp
+instead of running to the end) and ``cost_ms`` [R] (a ramp's overhead, paid by every input that
+reaches it while it is active).
+
+Semantics (issue 4), used everywhere in exitplan:
+
+- A ramp is *active* when its threshold is <= 1; any threshold above 1 disables it (the tuner writes
+  :data:`DISABLED`). An input exits at the earliest active ramp whose confidence is >= that ramp's
+  threshold; an input that never exits runs to the end and agrees with the full model by definition.
+- ``agreement`` = fraction of inputs whose answer (the exit ramp's ``pred``, or ``final``) equals
+  ``final``.
+- An input *reaches* a ramp when it has not exited before it: an input exiting at ramp k reached the
+  active ramps 0..k (k included: it paid for the ramp that let it out); an input that never exits
+  reached every active ramp. Disabled ramps cost nothing. Per input, its saving is the exit ramp's
+  ``saving_ms`` (0 if it never exits) minus the ``cost_ms`` of the active ramps it reached;
+  ``saving_ms`` of a window = the mean of that over inputs (negative when ramps cost more than
+  exits save).
+- The budget holds when ``agreement >= 1 - budget``, evaluated on integer counts: disagreements
+  <= floor(budget * N + 1e-9), so float rounding never decides it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+DISABLED = 2.0
+"""The threshold the tuner writes for a disabled ramp (any value above 1 disables)."""
+
+_FIELDS = ("conf", "pred", "final", "saving_ms", "cost_ms")
+
+
+class WindowError(ValueError):
+    """Bad tuning input; ``field`` names what is wrong (``conf``, ``budget``, ``thresholds``...)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class InfeasibleBudget(WindowError):
+    """The ramps the tuner may not move already break the budget on this window."""
+
+
+def _int_array(name: str, value: object, ndim: int) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != ndim:
+        raise WindowError(name, f"expected {ndim} dimension(s), got shape {arr.shape}")
+    if arr.dtype.kind in "biu":
+        return arr.astype(np.int64)
+    if arr.dtype.kind == "f":
+        if not np.isfinite(arr).all():
+            raise WindowError(name, "holds NaN or infinite values; answers must be class indices")
+        if (arr != np.round(arr)).any():
+            raise WindowError(name, "holds non-integer values; answers must be class indices")
+        return arr.astype(np.int64)
+    raise WindowError(name, f"expected integer class indices, got dtype {arr.dtype}")
+
+
+def _float_array(name: str, value: object, ndim: int) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "biuf":
+        raise WindowError(name, f"expected numbers, got dtype {arr.dtype}")
+    if arr.ndim != ndim:
+        raise WindowError(name, f"expected {ndim} dimension(s), got shape {arr.shape}")
+    arr = np.ascontiguousarray(arr, dtype=np.float64)
+    if np.isnan(arr).any():
+        bad = np.argwhere(np.isnan(arr))[0].tolist()
+        raise WindowError(name, f"holds NaN (first at index {bad}); drop those inputs or fix the ramp")
+    if not np.isfinite(arr).all():
+        raise WindowError(name, "holds infinite values")
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
+class Window:
+    """One feedback window (see the module docstring); validated on construction."""
+
+    conf: np.ndarray
+    pred: np.ndarray
+    final: np.ndarray
+    saving_ms: np.ndarray
+    cost_ms: np.ndarray
+    ramps: tuple[str, ...] = ()
+    """Optional ramp names (R of them); empty means "ramp0".."rampR-1"."""
+    agree: np.ndarray = field(init=False, repr=False)
+    """[N, R] bool: ramp r's answer equals the full model's."""
+
+    def __post_init__(self) -> None:
+        conf = _float_array("conf", self.conf, 2)
+        n, r = conf.shape
+        if n == 0:
+            raise WindowError("conf", "the window has no inputs (N = 0); record some traffic first")
+        if r == 0:
+            raise WindowError("conf", "the window has no ramps (R = 0)")
+        if conf.min() < 0.0 or conf.max() > 1.0:
+            raise WindowError("conf", f"confidences must lie in [0, 1], got [{conf.min():.4g}, {conf.max():.4g}]")
+        pred = _int_array("pred", self.pred, 2)
+        if pred.shape != (n, r):
+            raise WindowError("pred", f"shape {pred.shape} does not match conf's {(n, r)}")
+        final = _int_array("final", self.final, 1)
+        if final.shape != (n,):
+            raise WindowError("final", f"shape {final.shape} does not match conf's N = {n}")
+        saving = _float_array("saving_ms", self.saving_ms, 1)
+        if saving.shape != (r,):
+            raise WindowError("saving_ms", f"shape {saving.shape} does not match conf's R = {r}")
+        cost = _float_array("cost_ms", self.cost_ms, 1)
+        if cost.shape != (r,):
+            raise WindowError("cost_ms", f"shape {cost.shape} does not match conf's R = {r}")
+        if (cost < 0).any():
+            raise WindowError("cost_ms", "ramp overheads must be >= 0")
+        ramps = tuple(str(x) for x in self.ramps)
+        if ramps and len(ramps) != r:
+            raise WindowError("ramps", f"{len(ramps)} names for R = {r} ramps")
+        for name, value in (("conf", conf), ("pred", pred), ("final", final), ("saving_ms", saving),
+                            ("cost_ms", cost), ("ramps", ramps or tuple(f"ramp{i}" for i in range(r))),
+                            ("agree", pred == final[:, None])):
+            object.__setattr__(self, name, value)
+
+    @property
+    def n_inputs(self) -> int:
+        return int(self.conf.shape[0])
+
+    @property
+    def n_ramps(self) -> int:
+        return int(self.conf.shape[1])
+
+    @classmethod
+    def load(cls, path: str | Path) -> Window:
+        """Read the ``.npz`` format (arrays conf, pred, final, saving_ms, cost_ms; optional ramps)."""
+        path = Path(path)
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                missing = [k for k in _FIELDS if k not in data.files]
+                if missing:
+                    raise WindowError(missing[0], f"{path} has no array {missing[0]!r} (it holds {sorted(data.files)})")
+                arrays = {k: data[k] for k in _FIELDS}
+                ramps = tuple(str(x) for x in data["ramps"]) if "ramps" in data.files else ()
+        except FileNotFoundError:
+            raise WindowError("window", f"{path} does not exist") from None
+        except (OSError, ValueError) as exc:
+            if isinstance(exc, WindowError):
+                raise
+            raise WindowError("window", f"{path} is not a readable .npz window: {exc}") from None
+        return cls(**arrays, ramps=ramps)
+
+    def save(self, path: str | Path) -> None:
+        np.savez(Path(path), conf=self.conf, pred=self.pred, final=self.final, saving_ms=self.saving_ms,
+                 cost_ms=self.cost_ms, ramps=np.asarray(self.ramps, dtype=str))
+
+    def subset(self, rows: np.ndarray | slice | None = None, ramps: list[int] | None = None) -> Window:
+        """A window over some inputs (rows) and/or some ramps (columns, kept in block order)."""
+        rows = slice(None) if rows is None else rows
+        cols = list(range(self.n_ramps)) if ramps is None else sorted(ramps)
+        return Window(self.conf[rows][:, cols], self.pred[rows][:, cols], self.final[rows],
+                      self.saving_ms[cols], self.cost_ms[cols], tuple(self.ramps[c] for c in cols))
+
+
+def check_budget(budget: float) -> float:
+    try:
+        value = float(budget)
+    except (TypeError, ValueError):
+        raise WindowError("budget", f"expected a fraction in [0, 1), got {budget!r}") from None
+    if not (0.0 <= value < 1.0):
+        raise WindowError("budget", f"expected a fraction in [0, 1) (0.01 = one point of agreement), got {budget!r}")
+    return value
+
+
+def allowed_disagreements(n_inputs: int, budget: float) -> int:
+    """The most inputs that may disagree with the full model: floor(budget * N + 1e-9)."""
+    return int(math.floor(check_budget(budget) * n_inputs + 1e-9))
+
+
+def check_thresholds(thresholds: object, n_ramps: int, name: str = "thresholds") -> np.ndarray:
+    t = np.asarray(thresholds, dtype=np.float64)
+    if t.ndim != 1 or t.shape[0] != n_ramps:
+        raise WindowError(name, f"expected {n_ramps} values (one per ramp of the window), got shape {t.shape}")
+    if np.isnan(t).any():
+        raise WindowError(name, f"holds NaN at ramp {int(np.argmax(np.isnan(t)))}")
+    return t
+
+
+def exit_index(conf: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """[N] int: the earliest ramp whose confidence >= its threshold; R where an input never exits."""
+    conf = np.asarray(conf, dtype=np.float64)
+    t = check_thresholds(thresholds, conf.shape[1])
+    hit = conf >= t[None, :]
+    return np.where(hit.any(axis=1), hit.argmax(axis=1), conf.shape[1])
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a set of thresholds does on a window, in detail (evaluate() returns the two headline figures)."""
+
+    thresholds: np.ndarray
+    exit_at: np.ndarray
+    """[N] exit ramp per input (R = never exits)."""
+    agreement: float
+    saving_ms: float
+    agree_count: int
+    exits: np.ndarray
+    """[R + 1] inputs exiting at each ramp, then those that never exit."""
+    exit_agree: np.ndarray
+    """[R] of the inputs exiting at each ramp, how many agree with the full model."""
+    reached: np.ndarray
+    """[R] inputs that reached each ramp while it was active (0 for disabled ramps)."""
+    per_input_ms: np.ndarray = field(repr=False)
+    """[N] each input's saving (exit saving minus the overheads of the ramps it reached)."""
+    agrees: np.ndarray = field(repr=False)
+    """[N] bool: the input's answer equals the full model's."""
+
+    @property
+    def active(self) -> np.ndarray:
+        return self.thresholds <= 1.0
+
+
+def outcome(w: Window, thresholds: object) -> Outcome:
+    t = check_thresholds(thresholds, w.n_ramps)
+    n, r = w.n_inputs, w.n_ramps
+    k = exit_index(w.conf, t)
+    active = t <= 1.0
+    cum_cost = np.cumsum(np.where(active, w.cost_ms, 0.0))
+    exited = k < r
+    kk = np.minimum(k, r - 1)
+    rows = np.arange(n)
+    agrees = np.where(exited, w.agree[rows, kk], True)
+    per_input = np.where(exited, w.saving_ms[kk] - cum_cost[kk], -cum_cost[-1])
+    exits = np.bincount(k, minlength=r + 1)
+    exit_agree = np.bincount(k[exited], weights=agrees[exited], minlength=r).astype(np.int64)[:r]
+    reached = np.where(active, n - np.concatenate(([0], np.cumsum(exits[:r])[:-1])), 0)
+    agree_count = int(agrees.sum())
+    return Outcome(t, k, agree_count / n, float(per_input.mean()), agree_count, exits, exit_agree,
+                   reached.astype(np.int64), per_input, agrees)
+
+
+def evaluate(w: Window, thresholds: object) -> tuple[float, float]:
+    """(agreement, saving_ms) of ``thresholds`` on the window, exactly as the module docstring defines them."""
+    out = outcome(w, thresholds)
+    return out.agreement, out.saving_ms
+
+
+def within_budget(w: Window, thresholds: object, budget: float) -> bool:
+    return w.n_inputs - outcome(w, thresholds).agree_count <= allowed_disagreements(w.n_inputs, budget)

@@ -1,0 +1,355 @@
+"""The search behind :func:`exitplan.planner.thresholds.tune` (pure numpy; internal).
+
+State: :class:`Search` holds the thresholds and, per input, its exit ramp, whether its answer
+agrees with the full model and its saving. Three ways to move:
+
+- :func:`climb_steps`: Apparate's hill-climb as published -- one step per ramp per round, halved on
+  overshoot, doubled when chosen.
+- :func:`climb_profiles`: the same greedy rule (largest extra saving per unit of agreement lost,
+  lowering one ramp per round) but each ramp proposes its best move over *every* distinct
+  confidence below its threshold, i.e. every step size at once, read off one cumulative sum
+  (:func:`profile`). Proposals are re-computed lazily: the ramp with the best proposal is
+  re-evaluated on the current state and moves only if it still beats every other ramp's last
+  proposal.
+- :func:`refine`: coordinate ascent that re-places one ramp at a time at its exact best threshold
+  given the others (raising, lowering or disabling), until R ramps in a row bring nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .exit_window import DISABLED, Window, outcome
+
+EPS_MS = 1e-9
+
+
+@dataclass(frozen=True)
+class Move:
+    """One accepted threshold change, for logs: which ramp, from/to, and the window after it."""
+
+    phase: str
+    """"repair" (raising to get back within budget), "climb" (the hill-climb) or "refine"."""
+    ramp: int
+    old: float
+    new: float
+    agreement: float
+    saving_ms: float
+
+
+class Search:
+    """Mutable search state over one window: thresholds, each input's exit, answer and saving.
+
+    Arrays are kept ramp-major ([R, N]) so per-ramp reductions run over contiguous rows.
+    """
+
+    def __init__(self, w: Window, t: np.ndarray, allowed: int) -> None:
+        self.w = w
+        self.n, self.r = w.n_inputs, w.n_ramps
+        self.allowed = allowed
+        self.ramp_col = np.arange(self.r)[:, None]
+        self.conf_t = np.ascontiguousarray(w.conf.T)
+        self.agree_t = np.ascontiguousarray(w.agree.T)
+        self.agree_tf = self.agree_t.astype(np.float64)
+        self._orders: list[np.ndarray | None] = [None] * self.r
+        self.set(t)
+
+    def order(self, ramp: int) -> np.ndarray:
+        """Inputs by confidence at ``ramp``, highest first (computed once per ramp)."""
+        got = self._orders[ramp]
+        if got is None:
+            got = self._orders[ramp] = np.argsort(-self.conf_t[ramp])
+        return got
+
+    def set(self, t: np.ndarray) -> None:
+        out = outcome(self.w, t)
+        self.t = out.thresholds.copy()
+        self.k = out.exit_at
+        self.ok = out.agrees.astype(np.float64)
+        self.val = out.per_input_ms.copy()
+        self.n_agree = out.agree_count
+        self.total = float(self.val.sum())
+
+    @property
+    def feasible(self) -> bool:
+        return self.n - self.n_agree <= self.allowed
+
+    @property
+    def figures(self) -> tuple[float, float]:
+        return self.n_agree / self.n, self.total / self.n
+
+
+def climb_steps(s: Search, movable: np.ndarray, init_step: float, min_step: float, max_step: float,
+           max_rounds: int, moves: list[Move]) -> tuple[np.ndarray, float, int]:
+    """The hill-climb; returns the best thresholds visited, their total saving, and the rounds."""
+    n, r = s.n, s.r
+    conf_t, agree_tf, cost, saving = s.conf_t, s.agree_tf, s.w.cost_ms, s.w.saving_ms
+    steps = np.full(r, init_step)
+    done = ~movable
+    best_t, best_total = s.t.copy(), s.total
+    rounds = 0
+    while rounds < max_rounds and not done.all():
+        rounds += 1
+        t = s.t
+        active = t <= 1.0
+        passing = s.k > s.ramp_col  # [R, N]: reached the ramp and went on (or it is disabled)
+        top = np.where(passing, conf_t, -1.0).max(axis=1)  # highest confidence still passing each ramp
+        done |= top < 0.0
+        cand = np.maximum(np.minimum(np.minimum(t, 1.0) - steps, top), 0.0)
+        newly = passing & (conf_t >= cand[:, None])
+        nf = newly.astype(np.float64)
+        count = newly.sum(axis=1)
+        d_agree = np.rint(np.einsum("ij,ij->i", nf, agree_tf) - nf @ s.ok).astype(np.int64)
+        off_cost = np.where(active, 0.0, cost)  # the ramp's own cost if the move switches it on
+        d_total = ((saving - np.cumsum(cost - off_cost) - off_cost) * count - nf @ s.val
+                   - off_cost * (passing.sum(axis=1) - count))
+        fits = n - (s.n_agree + d_agree) <= s.allowed
+        # Overshoot: halve the step; a ramp whose smallest move overshoots is done.
+        over = ~done & ~fits
+        done |= over & ((steps <= min_step) | (cand >= top))
+        steps = np.where(over, np.maximum(steps / 2.0, min_step), steps)
+        ok = ~done & fits
+        if not ok.any():
+            continue
+        loss = -d_agree
+        gain = d_total > EPS_MS
+        tier = np.where(gain & (loss <= 0), 2, np.where(gain, 1, 0))
+        key = np.where(loss > 0, d_total / np.maximum(loss, 1), d_total)
+        pick = int(np.argmax(np.where(ok & (tier == tier[ok].max()), key, -np.inf)))
+        old = float(t[pick])
+        _lower(s, pick, float(cand[pick]), newly[pick], int(d_agree[pick]), float(d_total[pick]),
+               was_active=bool(active[pick]))
+        steps[pick] = min(steps[pick] * 2.0, max_step)
+        moves.append(Move("climb", pick, old, float(cand[pick]), *s.figures))
+        if s.total > best_total + EPS_MS:
+            best_t, best_total = s.t.copy(), s.total
+    return best_t, best_total, rounds
+
+
+def _lower(s: Search, ramp: int, new_t: float, newly: np.ndarray, d_agree: int, d_total: float,
+           was_active: bool) -> None:
+    """Apply a climb move: the ``newly`` inputs now exit at ``ramp``."""
+    w = s.w
+    if not was_active:
+        s.val[s.k > ramp] -= w.cost_ms[ramp]  # inputs going past a newly active ramp pay for it
+    s.t[ramp] = new_t
+    cost_through = float(np.sum(w.cost_ms[: ramp + 1][s.t[: ramp + 1] <= 1.0]))
+    s.k[newly] = ramp
+    s.ok[newly] = s.agree_tf[ramp, newly]
+    s.val[newly] = w.saving_ms[ramp] - cost_through
+    s.n_agree += d_agree
+    s.total += d_total
+
+
+class Profile:
+    """Every placement of one ramp's threshold with the others fixed (see :func:`profile`)."""
+
+    __slots__ = ("ramp", "reach", "val_off", "ok_off", "k_off", "conf", "ends", "totals", "agrees",
+                 "total_off", "agree_off", "n_here")
+
+    def __init__(self, **kw: object) -> None:
+        for key, value in kw.items():
+            setattr(self, key, value)
+
+    def threshold(self, pos: int) -> float:
+        """The threshold letting out the first ``ends[pos] + 1`` reaching inputs (-1: disabled)."""
+        if pos < 0:
+            return DISABLED
+        c, e = self.conf, int(self.ends[pos])
+        if e + 1 < c.size and c[e + 1] < (c[e] + c[e + 1]) / 2.0 <= c[e]:
+            return float((c[e] + c[e + 1]) / 2.0)  # midway to the next input that does not exit
+        return float(c[e])
+
+    def best(self, s: Search, penalty: float = 0.0, need_feasible: bool = True) -> tuple[int, float]:
+        """(position, score) maximising total + penalty * agreeing count (-1 = disabled, preferred on ties)."""
+        score = self.totals + penalty * self.agrees
+        off = self.total_off + penalty * self.agree_off
+        if need_feasible:
+            score = np.where(s.n - self.agrees <= s.allowed, score, -np.inf)
+            if s.n - self.agree_off > s.allowed:
+                off = -np.inf
+        i = int(np.argmax(score)) if score.size else -1
+        if i < 0 or not score[i] > off + EPS_MS * max(1.0, abs(off) if np.isfinite(off) else 1.0):
+            return -1, float(off)
+        return i, float(score[i])
+
+    def lower_move(self, s: Search) -> tuple[int, float, int] | None:
+        """The greedy's proposal: (tier, key, position) of the best feasible lowering that saves more.
+
+        Tier 2: moves that lose no agreement (key: the extra saving); tier 1: the others (key: extra
+        saving per input that stops agreeing). None when no lowering fits the budget and saves more.
+        """
+        gain = self.totals - s.total
+        ok = (self.ends >= self.n_here) & (gain > EPS_MS * max(1.0, abs(s.total))) & (s.n - self.agrees <= s.allowed)
+        idx = np.flatnonzero(ok)
+        if idx.size == 0:
+            return None
+        loss = s.n_agree - self.agrees[idx]
+        free = loss <= 0
+        if free.any():
+            j = int(np.argmax(np.where(free, gain[idx], -np.inf)))
+            return 2, float(gain[idx[j]]), int(idx[j])
+        ratio = gain[idx] / loss
+        j = int(np.argmax(ratio))
+        return 1, float(ratio[j]), int(idx[j])
+
+
+def profile(s: Search, ramp: int, order: np.ndarray) -> Profile | None:
+    """Saving and agreement of every threshold of one ramp with the others fixed.
+
+    Only the inputs reaching the ramp matter; for each, its fate if the ramp let it go on (``*_off``:
+    its later exit, or the end) is fixed by the other thresholds, so one cumulative sum over the
+    inputs in confidence order gives the saving and agreement of every distinct threshold.
+    """
+    w, t, k = s.w, s.t, s.k
+    active = t <= 1.0
+    cost_r = float(w.cost_ms[ramp])
+    k_sorted = k[order]
+    reaching = k_sorted >= ramp
+    reach = order[reaching]  # inputs reaching the ramp, highest confidence first
+    m = reach.size
+    if m == 0:
+        return None
+    before = float(np.sum(w.cost_ms[:ramp][active[:ramp]]))
+    k_off = k_sorted[reaching]
+    val_off = s.val[reach] + (cost_r if active[ramp] else 0.0)
+    ok_off = s.ok[reach]
+    here = np.flatnonzero(k_off == ramp)
+    if here.size:  # inputs exiting here now: where would they go instead?
+        ok_off = ok_off.copy()
+        rows = reach[here]
+        if ramp == s.r - 1:
+            val_off[here], ok_off[here], k_off[here] = -before, 1.0, s.r
+        else:
+            later = t[ramp + 1:]
+            hits = s.conf_t[ramp + 1:, rows] >= later[:, None]
+            anyhit = hits.any(axis=0)
+            q = ramp + 1 + hits.argmax(axis=0)
+            cum_after = np.cumsum(np.where(later <= 1.0, w.cost_ms[ramp + 1:], 0.0))
+            val_off[here] = np.where(anyhit, w.saving_ms[q] - before - cum_after[q - ramp - 1],
+                                     -before - cum_after[-1])
+            ok_off[here] = np.where(anyhit, s.agree_tf[q, rows], 1.0)
+            k_off[here] = np.where(anyhit, q, s.r)
+    total_off = s.total - float(s.val[reach].sum()) + float(val_off.sum())
+    agree_off = s.n_agree - int(round(float(s.ok[reach].sum()))) + int(round(float(ok_off.sum())))
+    c = s.conf_t[ramp, reach]
+    ends = np.flatnonzero(np.append(c[1:] != c[:-1], True))  # last index of each tie group
+    totals = total_off - cost_r * m + np.cumsum(w.saving_ms[ramp] - before - val_off)[ends]
+    agrees = agree_off + np.rint(np.cumsum(s.agree_tf[ramp, reach] - ok_off)[ends]).astype(np.int64)
+    return Profile(ramp=ramp, reach=reach, val_off=val_off, ok_off=ok_off, k_off=k_off, conf=c, ends=ends,
+                   totals=totals, agrees=agrees, total_off=total_off, agree_off=agree_off, n_here=int(here.size))
+
+
+def place(s: Search, p: Profile, pos: int) -> None:
+    """Apply placement ``pos`` of a profile (-1 = disable the ramp)."""
+    w, ramp = s.w, p.ramp
+    s.t[ramp] = p.threshold(pos)
+    if pos < 0:
+        s.k[p.reach], s.val[p.reach], s.ok[p.reach] = p.k_off, p.val_off, p.ok_off
+        s.total, s.n_agree = float(p.total_off), int(p.agree_off)
+        p.n_here = 0
+        return
+    n_exit = int(p.ends[pos]) + 1
+    cost_r = float(w.cost_ms[ramp])
+    cost_through = float(np.sum(w.cost_ms[: ramp + 1][s.t[: ramp + 1] <= 1.0]))
+    out, on = p.reach[:n_exit], p.reach[n_exit:]
+    s.k[out], s.val[out], s.ok[out] = ramp, w.saving_ms[ramp] - cost_through, s.agree_tf[ramp, out]
+    s.k[on], s.val[on], s.ok[on] = p.k_off[n_exit:], p.val_off[n_exit:] - cost_r, p.ok_off[n_exit:]
+    s.total, s.n_agree = float(p.totals[pos]), int(p.agrees[pos])
+    p.n_here = n_exit
+
+
+def climb_profiles(s: Search, movable: np.ndarray, max_rounds: int, moves: list[Move]) -> int:
+    """The greedy over whole profiles with lazy re-evaluation; returns the profiles computed.
+
+    A ramp's profile depends only on the other ramps' thresholds, so it stays valid after the ramp's
+    own move; every other move makes it stale. Each round takes the ramp with the best proposal,
+    recomputes its profile if stale, and moves it if its fresh proposal still beats every other
+    ramp's last one.
+    """
+    version = 0
+    cache: dict[int, tuple[int, Profile | None]] = {}
+    proposals: dict[int, tuple[int, float]] = {}
+    computed = 0
+
+    def fresh(ramp: int) -> Profile | None:
+        nonlocal computed
+        got = cache.get(ramp)
+        if got is not None and got[0] == version:
+            return got[1]
+        computed += 1
+        prof = profile(s, ramp, s.order(ramp))
+        cache[ramp] = (version, prof)
+        return prof
+
+    for ramp in map(int, np.flatnonzero(movable)):
+        prof = fresh(ramp)
+        move = prof.lower_move(s) if prof is not None else None
+        if move is not None:
+            proposals[ramp] = move[:2]
+    while proposals and computed < max_rounds:
+        ramp = max(proposals, key=proposals.__getitem__)
+        prof = fresh(ramp)
+        move = prof.lower_move(s) if prof is not None else None
+        if move is None:
+            del proposals[ramp]
+            continue
+        proposals[ramp] = move[:2]
+        if any(proposals[q] > move[:2] for q in proposals if q != ramp):
+            continue  # its proposal went stale; another ramp's may be better now
+        old = float(s.t[ramp])
+        place(s, prof, move[2])
+        version += 1
+        cache[ramp] = (version, prof)
+        moves.append(Move("climb", ramp, old, float(s.t[ramp]), *s.figures))
+    return computed
+
+
+def refine(s: Search, movable: np.ndarray, moves: list[Move], max_sweeps: int) -> None:
+    """Coordinate ascent: re-place one ramp at a time at its exact best; stop after R checks without gain."""
+    since_gain, checks, ramp = 0, 0, 0
+    while since_gain < s.r and checks < max_sweeps * s.r:
+        checks += 1
+        since_gain += 1
+        if movable[ramp]:
+            prof = profile(s, ramp, s.order(ramp))
+            if prof is not None:
+                pos, score = prof.best(s)
+                if score > s.total + EPS_MS * max(1.0, abs(s.total)):
+                    old = float(s.t[ramp])
+                    place(s, prof, pos)
+                    moves.append(Move("refine", ramp, old, float(s.t[ramp]), *s.figures))
+                    since_gain = 0
+        ramp = (ramp + 1) % s.r
+
+
+def repair(s: Search, movable: np.ndarray, init_step: float, moves: list[Move]) -> None:
+    """Raise thresholds until the window is within budget (largest agreement gain per saving lost)."""
+    steps = np.full(s.r, init_step)
+    while not s.feasible:
+        best, best_key = None, -np.inf
+        for ramp in np.flatnonzero(movable & (s.t <= 1.0)):
+            t = s.t.copy()
+            t[ramp] = t[ramp] + steps[ramp] if t[ramp] + steps[ramp] <= 1.0 else DISABLED
+            out = outcome(s.w, t)
+            d_agree = out.agree_count - s.n_agree
+            if d_agree <= 0:
+                continue
+            lost = s.total / s.n - out.saving_ms
+            key = d_agree / max(lost, 1e-12)
+            if key > best_key:
+                best, best_key = (int(ramp), t), key
+        if best is None:
+            if not (movable & (s.t <= 1.0)).any():
+                break
+            steps *= 2.0
+            continue
+        ramp, t = best
+        old = float(s.t[ramp])
+        s.set(t)
+        steps[ramp] *= 2.0
+        moves.append(Move("repair", ramp, old, float(t[ramp]), *s.figures))
+
+
