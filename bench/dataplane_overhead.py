@@ -1,0 +1,102 @@
+"""What the router plus one split hop adds over calling ONNX Runtime directly on the same batch.
+
+Side by side in one run, alternating, on the same texts padded to the same bucket, one ORT thread
+each: (a) `BundleRuntime.run_range` in this process; (b) one KServe v2 request carrying the same
+batch through a real router process and one split-worker process (the whole model in one split,
+exits off). Prints p50/p90 of both, the difference in ms and the ratio.
+
+    python bench/dataplane_overhead.py [--bundle artifacts/bundles/minilm] [--batch 8] [--bucket 32] [--runs 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from exitplan.api.bundle import read_manifest
+from exitplan.api.plan import Cell, Plan, SplitPlan
+from exitplan.api.resources import EarlyExitServiceSpec
+from exitplan.local import LocalDeployment
+from exitplan.worker.bundle_runtime import BundleRuntime, pad_batch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", type=Path, default=Path("artifacts/bundles/minilm"))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--bucket", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--port", type=int, default=18480)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    manifest = read_manifest(args.bundle)
+    with np.load(args.bundle / "data" / "heldout.npz", allow_pickle=True) as data:
+        texts_all = [str(t) for t in data["text"]]
+    tok = Tokenizer.from_file(str(args.bundle / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    texts = [t for t in texts_all if len(tok.encode(t).ids) <= args.bucket][: args.batch]
+    state = pad_batch([tok.encode(t).ids for t in texts], args.bucket)
+
+    direct = BundleRuntime(args.bundle, buckets=[args.bucket], threads=1)
+    plan = Plan(
+        service="bench", model=manifest.name,
+        splits=[SplitPlan(index=0, first_block=0, last_block=len(manifest.blocks) - 1)],
+        buckets=[args.bucket], cells=[Cell(split=0, bucket=args.bucket, pool="cpu", replicas=1, batch_size=args.batch)],
+        thresholds={},
+    )
+    spec = EarlyExitServiceSpec.model_validate({
+        "model": {"name": manifest.name, "bundle": str(args.bundle)}, "slo": {"latencyMs": 1000},
+        "accuracy": {"shadowFraction": 0.0}, "pools": [{"name": "cpu"}],
+    })
+    body = json.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [len(texts)], "data": texts}]}).encode()
+    with tempfile.TemporaryDirectory() as tmp:
+        with LocalDeployment(args.bundle.resolve(), plan, spec, Path(tmp), port=args.port, base_port=args.port + 1) as dep:
+            url = f"{dep.url}/v2/models/{manifest.name}/infer"
+
+            def via_router() -> float:
+                t0 = time.perf_counter()
+                req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req) as resp:
+                    resp.read()
+                return (time.perf_counter() - t0) * 1000
+
+            def in_process() -> float:
+                t0 = time.perf_counter()
+                direct.run_range(state, args.bucket, None)
+                return (time.perf_counter() - t0) * 1000
+
+            for _ in range(20):  # warm both paths
+                via_router()
+                in_process()
+            a, b = [], []
+            for _ in range(args.runs):
+                a.append(in_process())
+                b.append(via_router())
+    p50_a, p50_b = statistics.median(a), statistics.median(b)
+    p90_a, p90_b = np.percentile(a, 90), np.percentile(b, 90)
+    result = {
+        "batch": len(texts), "bucket": args.bucket, "runs": args.runs,
+        "ort_direct_p50_ms": round(p50_a, 3), "router_hop_p50_ms": round(p50_b, 3),
+        "added_p50_ms": round(p50_b - p50_a, 3), "ratio_p50": round(p50_b / p50_a, 3),
+        "ort_direct_p90_ms": round(float(p90_a), 3), "router_hop_p90_ms": round(float(p90_b), 3),
+    }
+    print(f"batch {len(texts)} at bucket {args.bucket}, {args.runs} runs each, alternating")
+    print(f"  ORT direct           p50 {p50_a:8.3f} ms   p90 {p90_a:8.3f} ms")
+    print(f"  router + 1 split hop p50 {p50_b:8.3f} ms   p90 {p90_b:8.3f} ms")
+    print(f"  added at p50: {p50_b - p50_a:.3f} ms   ratio {p50_b / p50_a:.3f}x")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
