@@ -33,14 +33,21 @@ def main(
 
 def _register() -> None:
     # One line per command; each module holds `command` (and sometimes more sub-commands).
-    from . import cmd_router, cmd_up, cmd_version, cmd_worker
+    from . import cmd_demo, cmd_router, cmd_up, cmd_version, cmd_worker
     from . import cmd_bench
+    from . import cmd_prepare
+    from . import cmd_operator
+    from . import cmd_tune
 
     app.command("version", help=cmd_version.command.__doc__)(cmd_version.command)
     app.command("worker")(cmd_worker.command)
     app.command("router")(cmd_router.command)
     app.command("up")(cmd_up.command)
+    app.command("demo")(cmd_demo.command)
     app.command("bench")(cmd_bench.command)
+    app.command("prepare")(cmd_prepare.command)
+    app.command("tune")(cmd_tune.command)
+    app.add_typer(cmd_operator.app, name="operator")
 
 
 _register()

@@ -1,0 +1,53 @@
+"""`exitplan demo`: prepare the MiniLM bundle, profile it, and serve vanilla / naive early exit / exitplan side by side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def command(
+    service: Path = typer.Option(Path("examples/minilm-local.yaml"), help="The service file (its bundle path is where the bundle is prepared)."),
+    trace: Path | None = typer.Option(None, help="Trace to replay (default: the shared Azure LLM inference trace)."),
+    loads: str = typer.Option("0.5,1.0,1.2,1.6", help="Offered loads, as multiples of vanilla's measured capacity."),
+    duration: float = typer.Option(15.0, min=2.0, help="Seconds of trace replayed per load level."),
+    port: int = typer.Option(8080, help="Router port."),
+    base_port: int = typer.Option(9100, help="First worker port."),
+    keep: bool = typer.Option(False, "--keep", help="Leave exitplan serving after the comparison (Ctrl-C stops it)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON."),
+) -> None:
+    """Prepare, profile, plan, and compare vanilla, naive early exit and exitplan on the same trace and loads."""
+    from rich.console import Console
+
+    from exitplan.api import SpecError
+    from exitplan.api.resources import EarlyExitService
+    from exitplan.prepare.build import BuildOptions, prepare_bundle, tqdm_bar
+
+    from .demo import DemoOptions, run_demo
+    from .local import StartError
+    from .planning import ServiceFileError
+
+    console = Console()
+    try:
+        levels = tuple(float(x) for x in loads.split(",") if x.strip())
+        if not levels or any(x <= 0 for x in levels):
+            raise ValueError
+    except ValueError:
+        console.print(f"[red]error:[/red] --loads must be positive numbers separated by commas, got {loads!r}")
+        raise typer.Exit(2)
+    try:
+        import yaml
+
+        docs = [d for d in yaml.safe_load_all(service.read_text()) if d and d.get("kind") == "EarlyExitService"]
+        bundle_dir = Path(EarlyExitService.model_validate(docs[0]).spec.model.bundle)
+        console.rule("prepare")
+        prepare_bundle(BuildOptions(model="minilm"), bundle_dir, bar=tqdm_bar(enabled=True))
+        result = run_demo(DemoOptions(service_file=service, trace=trace, loads=levels, duration=duration, port=port, base_port=base_port), console, keep=keep)
+    except (SpecError, ServiceFileError, StartError, OSError, IndexError, ValueError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(1) from err
+    if json_path:
+        json_path.write_text(json.dumps(result.to_dict(), indent=2))
+        console.print(f"results written to {json_path}")
