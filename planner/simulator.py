@@ -1,0 +1,270 @@
+"""Discrete-event simulator: replay arrivals through a Plan with the data plane's policies.
+
+What it models (the same rules as worker_image/router_app.py and worker_app.py):
+- Router: each request picks its bucket runtime with Arlo's Algorithm 1 (`dispatch.choose_bucket`)
+  over loads = outstanding inputs / (planned rate x SLO); a request whose bucket is at load >= 1
+  (or that fits no bucket) is refused at once (a drop, counted). Split 0 replica: least loaded.
+- Worker (one per replica of a cell): a fusion queue that launches a batch when it holds the
+  planned batch size, when its oldest row has waited `max_wait_ms`, or when the earliest deadline
+  needs it to run now (deadline minus the expected time to finish the model from this split).
+  One batch at a time; batch time from the cost model at the real batch, which shrinks block by
+  block as rows exit at enabled ramps; survivors go, after the transfer, to the least loaded
+  replica (`dispatch.least_loaded`, queued+running / batch size) of the next split, same bucket.
+- Exits: each request draws its exit depth from the survival curve; a ramp that is off lets its
+  inputs ride on to the next enabled ramp (the planner assumes the same).
+
+Reports goodput (answers within the SLO per second), latency percentiles, SLO violations, drops
+and cost. `oracle_goodput` is the fluid upper bound: every GPU busy on exactly the blocks each
+input needs, at its best per-input efficiency, free exits, no padding, no latency limit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from exitplan.api.plan import Plan
+
+from .costmodel import CostModel
+from .dispatch import QueueParams, choose_bucket, least_loaded
+
+
+@dataclass
+class SimResult:
+    name: str
+    offered: int
+    answered: int
+    within_slo: int
+    dropped: int
+    duration_s: float
+    latencies_ms: np.ndarray = field(repr=False)
+    cost_per_hour: float = 0.0
+    mean_batch: float = 0.0
+
+    @property
+    def goodput(self) -> float:
+        return self.within_slo / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def attainment(self) -> float:
+        return self.within_slo / self.offered if self.offered else 1.0
+
+    @property
+    def violations(self) -> int:
+        return self.answered - self.within_slo
+
+    def pct(self, q: float) -> float:
+        return float(np.percentile(self.latencies_ms, q)) if len(self.latencies_ms) else float("nan")
+
+    def summary(self) -> dict:
+        return {
+            "config": self.name, "offered": self.offered, "answered": self.answered, "within_slo": self.within_slo,
+            "dropped": self.dropped, "violations": self.violations, "goodput_rps": self.goodput, "attainment": self.attainment,
+            "p50_ms": self.pct(50), "p98_ms": self.pct(98), "p99_ms": self.pct(99), "mean_ms": float(np.mean(self.latencies_ms)) if len(self.latencies_ms) else float("nan"),
+            "cost_per_hour": self.cost_per_hour, "mean_batch": self.mean_batch,
+        }
+
+
+class _Worker:
+    __slots__ = ("split", "bucket", "length", "batch", "first", "last", "lat", "ramp_lat", "xfer", "queue", "running", "busy", "timer", "expect_ms", "rest_ms", "batches", "rows")
+
+    def __init__(self, split: int, bucket: int, length: int, batch: int, first: int, last: int) -> None:
+        self.split, self.bucket, self.length, self.batch, self.first, self.last = split, bucket, length, batch, first, last
+        self.queue: deque = deque()
+        self.running = 0
+        self.busy = False
+        self.timer = math.inf
+        self.batches = 0
+        self.rows = 0
+
+
+def depths_from_survival(rng: np.random.Generator, n: int, n_blocks: int, ramp_after: Sequence[int], survival: Sequence[float], enabled: Sequence[bool]) -> np.ndarray:
+    """Blocks each input runs: it exits at the first enabled ramp at or after its natural exit ramp."""
+    surv = np.concatenate([[1.0], np.minimum.accumulate(np.asarray(survival, dtype=np.float64))]) if len(survival) else np.ones(1)
+    u = rng.random(n)
+    # natural exit ramp index r: s[r] >= u > s[r+1]  (r = len(ramps) -> no exit before the end)
+    natural = np.searchsorted(-surv[1:], -u, side="left")  # first r with surv[r+1] < u
+    exit_at = np.full(len(ramp_after) + 1, n_blocks, dtype=np.int64)
+    nxt = n_blocks
+    for r in range(len(ramp_after) - 1, -1, -1):
+        if enabled[r]:
+            nxt = ramp_after[r] + 1
+        exit_at[r] = nxt
+    return exit_at[np.minimum(natural, len(ramp_after))]
+
+
+class Simulation:
+    """One plan, one cost model per pool; call `run(arrivals, lengths)`."""
+
+    def __init__(self, plan: Plan, models: dict[str, CostModel], slo_ms: float, *, enabled: Sequence[bool] | None = None,
+                 survival: Sequence[float] | None = None, pool_costs: dict[str, float] | None = None, queue: QueueParams = QueueParams(),
+                 max_wait_ms: float = 2.0, seed: int = 0, name: str = "") -> None:
+        self.plan, self.models, self.slo_s = plan, models, slo_ms / 1e3
+        ref = next(iter(models.values()))
+        self.n_blocks = ref.n_blocks
+        self.ramp_after = list(ref.ramp_after)
+        names = [r.name for r in ref.profile.ramps]
+        self.enabled = list(enabled) if enabled is not None else [plan.thresholds.get(n, 2.0) <= 1.0 for n in names]
+        self.survival = list(survival) if survival is not None else (list(ref.profile.survival) or [1.0] * len(names))
+        self.queue_params, self.max_wait = queue, max_wait_ms / 1e3
+        self.rng = np.random.default_rng(seed)
+        self.name = name
+        self.cost = sum(c.replicas * (pool_costs or {}).get(c.pool, 1.0) for c in plan.cells)
+        self.buckets = list(plan.buckets)
+        layout = {s.index: (s.first_block, s.last_block) for s in plan.splits}
+        self.n_splits = len(plan.splits)
+        self.workers: list[list[list[_Worker]]] = [[[] for _ in range(self.n_splits)] for _ in self.buckets]
+        all_on = [on or after == self.n_blocks - 1 for on, after in zip(self.enabled, self.ramp_after)]
+        for cell in plan.cells:
+            k = self.buckets.index(cell.bucket)
+            a, b = layout[cell.split]
+            model = models[cell.pool]
+            top = max(cell.batch_size, 1)
+            sizes = np.arange(top + 1, dtype=np.float64)
+            lat = np.stack([[model.block_ms(blk, x, cell.bucket) for x in sizes] for blk in range(a, b + 1)])
+            ramp_lat = np.zeros_like(lat)
+            for r, after in enumerate(self.ramp_after):
+                if a <= after <= b and all_on[r]:
+                    ramp_lat[after - a] = [model.ramp_ms(r, x, cell.bucket) for x in sizes]
+            xfer = np.asarray([model.transfer_ms(b, x, cell.bucket) if b < self.n_blocks - 1 else 0.0 for x in sizes])
+            full = float(lat[:, top].sum() + ramp_lat[:, top].sum() + xfer[top])
+            for _ in range(cell.replicas):
+                w = _Worker(cell.split, k, cell.bucket, cell.batch_size, a, b)
+                w.lat, w.ramp_lat, w.xfer, w.expect_ms = lat, ramp_lat, xfer, full
+                self.workers[k][cell.split].append(w)
+        # expected time to finish the model from each split (for the deadline rule), per bucket
+        for k in range(len(self.buckets)):
+            rest = 0.0
+            for s in range(self.n_splits - 1, -1, -1):
+                ws = self.workers[k][s]
+                here = max((w.expect_ms for w in ws), default=0.0)
+                rest += here
+                for w in ws:
+                    w.rest_ms = rest
+        self.capacity = []  # planned inputs/s per bucket at split 0
+        for k in range(len(self.buckets)):
+            ws = self.workers[k][0] if self.n_splits else []
+            self.capacity.append(sum(w.batch / max(w.expect_ms, 1e-6) * 1e3 for w in ws))
+
+    # ------------------------------------------------------------------ the event loop
+
+    def run(self, arrivals: np.ndarray, lengths: np.ndarray, depths: np.ndarray | None = None) -> SimResult:
+        n = len(arrivals)
+        if depths is None:
+            depths = depths_from_survival(self.rng, n, self.n_blocks, self.ramp_after, self.survival, self.enabled)
+        deadline = arrivals + self.slo_s
+        done_at = np.full(n, np.nan)
+        outstanding = [0] * len(self.buckets)
+        bucket_of = np.full(n, -1, dtype=np.int64)
+        events: list = []
+        seq = 0
+        for i in range(n):
+            events.append((float(arrivals[i]), seq, 0, i))
+            seq += 1
+        heapq.heapify(events)
+        dropped = 0
+        slo = self.slo_s
+        caps = self.capacity
+
+        def push(t: float, kind: int, payload) -> None:
+            nonlocal seq
+            seq += 1
+            heapq.heappush(events, (t, seq, kind, payload))
+
+        def pick(ws: list[_Worker]) -> _Worker | None:
+            i = least_loaded([len(w.queue) + w.running for w in ws], [w.batch for w in ws])
+            return ws[i] if i >= 0 else None
+
+        def launch_at(w: _Worker) -> float:
+            oldest = w.queue[0][1]
+            earliest = min(deadline[r] for r, _ in w.queue)
+            return min(oldest + self.max_wait, earliest - w.rest_ms * 1.2 / 1e3)
+
+        def kick(w: _Worker, now: float) -> None:
+            if w.busy or not w.queue:
+                return
+            at = launch_at(w)
+            if len(w.queue) >= w.batch or at <= now:
+                rows = [w.queue.popleft()[0] for _ in range(min(w.batch, len(w.queue)))]
+                d = depths[rows]
+                m = len(rows)
+                ks = np.arange(w.first, w.last + 1)
+                counts = (d[:, None] > ks[None, :]).sum(axis=0)  # rows running each block
+                idx = np.arange(len(ks))
+                t = float(w.lat[idx, counts].sum() + w.ramp_lat[idx, counts].sum())
+                surv = [r for r, dd in zip(rows, d) if dd > w.last + 1]
+                t += float(w.xfer[len(surv)])
+                w.busy, w.running = True, m
+                w.batches += 1
+                w.rows += m
+                push(now + t / 1e3, 1, (w, rows, surv))
+            elif at < w.timer:
+                w.timer = at
+                push(at, 2, w)
+
+        while events:
+            now, _, kind, payload = heapq.heappop(events)
+            if kind == 0:  # arrival at the router
+                i = payload
+                loads = [outstanding[k] / (caps[k] * slo) if caps[k] > 0 else math.inf for k in range(len(caps))]
+                k = choose_bucket(int(lengths[i]), self.buckets, loads, self.queue_params)
+                if k < 0 or loads[k] >= 1.0:
+                    dropped += 1
+                    continue
+                bucket_of[i] = k
+                outstanding[k] += 1
+                w = pick(self.workers[k][0])
+                w.queue.append((i, now))
+                kick(w, now)
+            elif kind == 1:  # a batch finished
+                w, rows, surv = payload
+                w.busy, w.running = False, 0
+                alive = set(surv)
+                for r in rows:
+                    if r not in alive:
+                        done_at[r] = now
+                        outstanding[bucket_of[r]] -= 1
+                if surv:
+                    nxt = pick(self.workers[w.bucket][w.split + 1])
+                    for r in surv:
+                        nxt.queue.append((r, now))
+                    kick(nxt, now)
+                kick(w, now)
+            else:  # a fusion-queue timer
+                w = payload
+                if w.timer <= now:
+                    w.timer = math.inf
+                kick(w, now)
+
+        answered = ~np.isnan(done_at)
+        lat = (done_at[answered] - arrivals[answered]) * 1e3
+        within = int(np.sum(lat <= self.slo_s * 1e3 + 1e-9))
+        duration = float(arrivals[-1] - arrivals[0]) if n > 1 else 1.0
+        batches = sum(w.batches for per in self.workers for ws in per for w in ws)
+        rows = sum(w.rows for per in self.workers for ws in per for w in ws)
+        return SimResult(self.name, n, int(answered.sum()), within, dropped, max(duration, 1e-9), lat, self.cost, rows / max(batches, 1))
+
+
+def poisson_arrivals(rng: np.random.Generator, rate: float, n: int) -> np.ndarray:
+    return np.cumsum(rng.exponential(1.0 / rate, n))
+
+
+def oracle_goodput(models: dict[str, CostModel], caps: dict[str, int], lengths: np.ndarray, depths: np.ndarray, arrivals_rate: float) -> float:
+    """Fluid bound: every GPU busy on exactly the blocks each input needs, at the best per-input
+    cost over the profiled batch sizes, at the input's own length (no padding), ramps free."""
+    capacity = 0.0
+    for pool, model in models.items():
+        sizes = model.profile.batch_sizes
+        uniq, inverse = np.unique(lengths, return_inverse=True)
+        per_len = []
+        for length in uniq:
+            per_block = [min(model.block_ms(k, b, length) / b for b in sizes) for k in range(model.n_blocks)]
+            per_len.append(np.cumsum([0.0, *per_block]))
+        work = np.asarray([per_len[j][d] for j, d in zip(inverse, depths)])  # ms of GPU time per input
+        capacity += caps.get(pool, 0) * 1e3 / float(np.mean(work))
+    return min(capacity, arrivals_rate)
