@@ -18,6 +18,8 @@ def command(
     workdir: Path = typer.Option(Path("artifacts/up"), help="Where the plan file and process logs go."),
     threads: int = typer.Option(1, min=1, help="ONNX Runtime threads per worker process."),
     window_seconds: float = typer.Option(30.0, min=0.5, help="Router observation window."),
+    autotune: bool = typer.Option(True, help="Re-tune exit thresholds continually from the router's shadow-sampled feedback."),
+    tune_seconds: float = typer.Option(20.0, min=1.0, help="Period of the threshold tuning loop."),
 ) -> None:
     """Plan the service, start its router and workers on this machine (the same commands pods run), serve until Ctrl-C."""
     from rich.console import Console
@@ -62,6 +64,13 @@ def command(
             raise typer.Exit(1) from err
     console.print(f"[green]serving[/green] {the_plan.model} at {deployment.url}/v2/models/{the_plan.model}/infer  (logs: {deployment.workdir / 'logs'})")
     console.print("Ctrl-C stops every process.")
+    tuner = None
+    if autotune:
+        from .autotune import AutoTuner
+
+        ramps = [r.name for r in setup.manifest.exit_ramps()]
+        tuner = AutoTuner(deployment.url, ramps, setup.spec.accuracy.max_drop, period=tune_seconds,
+                          on_change=lambda d: console.print(f"thresholds re-tuned ({d.reason}): {d.thresholds}")).start()
     stop = {"now": False}
 
     def _stop(*_):
@@ -78,6 +87,8 @@ def command(
     except KeyboardInterrupt:
         pass
     finally:
+        if tuner:
+            tuner.stop()
         with console.status("stopping..."):
             deployment.stop()
         console.print("stopped.")

@@ -186,6 +186,25 @@ async def test_shadow_feedback_fills_the_tuning_window(served, texts, ramps):
     assert (window["pred"][:, -1] == window["final"]).mean() > 0.6
 
 
+async def test_autotune_step_reads_the_window_and_pushes_to_every_worker(served, ramps):
+    from exitplan.autotune import AutoTuner
+
+    tuner = AutoTuner(served.url, ramps, budget=0.05, min_samples=5)
+    decision = await asyncio.to_thread(tuner.step)
+    assert decision.samples >= 5 and decision.reason in {"accuracy", "savings", "no-gain"}
+    if decision.thresholds is None:  # nothing to gain on this window: make a change to see it travel
+        decision_thresholds = {r: 0.97 for r in ramps}
+        await asyncio.to_thread(__import__("exitplan.autotune", fromlist=["push"]).push, served.url, decision_thresholds, "test")
+    else:
+        decision_thresholds = decision.thresholds
+    async with aiohttp.ClientSession() as s:
+        for proc in served.procs:
+            if proc.name.startswith("worker"):
+                async with s.get(f"http://{proc.address}/v1/info") as resp:
+                    assert (await resp.json())["thresholds"] == decision_thresholds, proc.name
+        await post(s, f"{served.url}/v1/thresholds", {"thresholds": {r: 2.0 for r in ramps}, "reason": "test"})
+
+
 async def test_straggler_is_marked_skipped_and_recovers(served, texts):
     split1_b32 = [p for p in served.procs if p.name.startswith("worker-s1-b32")]
     split0_b32 = next(p for p in served.procs if p.name.startswith("worker-s0-b32"))

@@ -112,8 +112,11 @@ class FeedbackRing:
         order = np.r_[self.next : len(self.final), 0 : self.next]
         return self.conf[order], self.pred[order], self.final[order]
 
-    def to_npz(self, saving_ms: np.ndarray, cost_ms: np.ndarray) -> bytes:
+    def to_npz(self, saving_ms: np.ndarray, cost_ms: np.ndarray, last: int | None = None) -> bytes:
+        """The stored samples (the most recent `last` of them) in the `exitplan tune` window format."""
         conf, pred, final = self.arrays()
+        if last is not None:
+            conf, pred, final = conf[-last:], pred[-last:], final[-last:]
         buf = io.BytesIO()
         np.savez(buf, conf=conf, pred=pred, final=final, saving_ms=np.asarray(saving_ms, np.float64), cost_ms=np.asarray(cost_ms, np.float64))
         return buf.getvalue()

@@ -411,8 +411,15 @@ class Router:
         obs = self._snapshot(time.time()) if current or self.last_window is None else self.last_window
         return web.json_response(obs.dump())
 
-    async def handle_window(self, _: web.Request) -> web.Response:
-        return web.Response(body=self.feedback.to_npz(self.saving_ms, self.cost_ms), content_type="application/octet-stream")
+    async def handle_window(self, request: web.Request) -> web.Response:
+        try:
+            last = int(request.query.get("last", 0))
+            if last < 0:
+                raise ValueError
+        except ValueError:
+            return _error(400, "last must be a non-negative integer (0 = every stored sample)")
+        body = self.feedback.to_npz(self.saving_ms, self.cost_ms, last=last or None)
+        return web.Response(body=body, content_type="application/octet-stream")
 
     async def handle_model(self, request: web.Request) -> web.Response:
         if request.match_info["name"] != self.model:
