@@ -38,6 +38,7 @@ def _register() -> None:
     from . import cmd_prepare
     from . import cmd_operator
     from . import cmd_tune
+    from . import cmd_plan, cmd_simulate
 
     app.command("version", help=cmd_version.command.__doc__)(cmd_version.command)
     app.command("worker")(cmd_worker.command)
@@ -47,6 +48,8 @@ def _register() -> None:
     app.command("bench")(cmd_bench.command)
     app.command("prepare")(cmd_prepare.command)
     app.command("tune")(cmd_tune.command)
+    app.command("plan")(cmd_plan.command)
+    app.command("simulate")(cmd_simulate.command)
     app.add_typer(cmd_operator.app, name="operator")
 
 
