@@ -124,7 +124,8 @@ def _volumes(service: str, bundle: str) -> tuple[list[Manifest], list[Manifest]]
 
 def _env(service: str, namespace: str) -> list[Manifest]:
     return [{"name": "EXITPLAN_SERVICE", "value": service}, {"name": "EXITPLAN_NAMESPACE", "value": namespace},
-            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
 
 
 def _resources(pool: GPUPoolSpec | None) -> Manifest:
@@ -175,6 +176,16 @@ def build_configmap(service: str, namespace: str, plan: Plan) -> Manifest:
             "data": {"plan.json": plan.to_json()}}
 
 
+def router_settings(spec: EarlyExitServiceSpec) -> list[str]:
+    """The router flags that carry the service's SLO, accuracy budget and router settings."""
+    r = spec.router
+    args = ["--slo-ms", f"{spec.slo.latency_ms:g}", "--accuracy-budget", f"{spec.accuracy.max_drop:g}",
+            "--shadow-fraction", f"{spec.accuracy.shadow_fraction:g}", "--queue-lambda", f"{r.queue_lambda:g}",
+            "--queue-alpha", f"{r.queue_alpha:g}", "--peek-depth", str(r.peek_depth),
+            "--max-body-bytes", str(r.max_body_bytes), "--max-inflight", str(r.max_queue)]
+    return args + (["--truncate"] if r.truncate else [])
+
+
 def build_router(service: str, namespace: str, spec: EarlyExitServiceSpec, plan: Plan) -> list[Manifest]:
     """The router Deployment and its Service (the cluster entry point)."""
     labels = selector_labels(service, "router")
@@ -184,7 +195,7 @@ def build_router(service: str, namespace: str, spec: EarlyExitServiceSpec, plan:
         "name": "router", "image": IMAGE, "imagePullPolicy": "IfNotPresent",
         "command": ["exitplan", "router"],
         "args": ["--bundle", bundle_path(spec.model.bundle), "--plan", PLAN_PATH, "--port", str(PORT),
-                 "--peers", split_host(service, namespace, 0)],
+                 "--peers", split_host(service, namespace, 0), *router_settings(spec)],
         "ports": [{"name": "http", "containerPort": PORT}], "env": _env(service, namespace),
         "resources": _resources(None), "volumeMounts": mounts, "securityContext": security, **_probes(),
     }

@@ -18,7 +18,7 @@ import kopf
 
 from exitplan.api.resources import GROUP, VERSION
 from exitplan.operator import driftloop, reconcile
-from exitplan.operator.kube import KubeClient, path
+from exitplan.operator.kube import KubeClient, bearer, load_config, path
 from exitplan.operator.metrics import METRICS
 
 EES = {"group": GROUP, "version": VERSION, "plural": "earlyexitservices"}
@@ -39,6 +39,17 @@ def _service(body: Any) -> reconcile.Service:
 
 def _lock(body: Any) -> asyncio.Lock:
     return _state["locks"][(body["metadata"].get("namespace"), body["metadata"]["name"])]
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf's credentials from the same config the operator's client uses ($KUBECONFIG at run time)."""
+    cfg = load_config(os.environ.get("KUBECONFIG") or None)
+    token = bearer(cfg)
+    return kopf.ConnectionInfo(
+        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
+        scheme="Bearer" if token else None, token=token.split(" ", 1)[1] if token else None,
+        certificate_path=cfg.cert_file, private_key_path=cfg.key_file)
 
 
 @kopf.on.startup()

@@ -62,6 +62,34 @@ def object_path(obj: Manifest, subresource: str | None = None) -> str:
     return path(obj["kind"], meta.get("namespace"), meta["name"], subresource)
 
 
+def load_config(kubeconfig: str | None = None, context: str | None = None) -> Any:
+    """A `kubernetes.client.Configuration`: in-cluster when no kubeconfig is named and the pod has a
+    service account, else the kubeconfig (`kubeconfig`, then $KUBECONFIG, then ~/.kube/config)."""
+    import os
+
+    from kubernetes import client as kclient
+    from kubernetes import config as kconfig
+
+    cfg = kclient.Configuration()
+    kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or None
+    if kubeconfig is None:
+        try:
+            kconfig.load_incluster_config(client_configuration=cfg)
+            return cfg
+        except kconfig.ConfigException:
+            kubeconfig = os.path.expanduser("~/.kube/config")
+    kconfig.load_kube_config(config_file=kubeconfig, context=context, client_configuration=cfg)
+    return cfg
+
+
+def bearer(cfg: Any) -> str:
+    """The Authorization header value of a kubernetes Configuration ('' when it has no token)."""
+    token = cfg.api_key.get("authorization") or cfg.api_key.get("BearerToken") or ""
+    if token and not token.startswith("Bearer "):
+        token = f"{cfg.api_key_prefix.get('authorization', 'Bearer')} {token}"
+    return token
+
+
 class KubeClient:
     """Async JSON client for one API server."""
 
@@ -76,22 +104,8 @@ class KubeClient:
     @classmethod
     def from_config(cls, kubeconfig: str | None = None, context: str | None = None) -> KubeClient:
         """From the in-cluster service account, else from a kubeconfig (as kubectl reads it)."""
-        from kubernetes import client as kclient
-        from kubernetes import config as kconfig
-
-        cfg = kclient.Configuration()
-        try:
-            if kubeconfig is None:
-                kconfig.load_incluster_config(client_configuration=cfg)
-            else:
-                raise kconfig.ConfigException("kubeconfig given")
-        except kconfig.ConfigException:
-            kconfig.load_kube_config(config_file=kubeconfig, context=context, client_configuration=cfg)
-        headers = {}
-        token = cfg.api_key.get("authorization") or cfg.api_key.get("BearerToken")
-        if token:
-            prefix = cfg.api_key_prefix.get("authorization", "")
-            headers["Authorization"] = token if token.startswith("Bearer") or not prefix else f"{prefix} {token}"
+        cfg = load_config(kubeconfig, context)
+        headers = {"Authorization": bearer(cfg)} if bearer(cfg) else {}
         ctx: ssl.SSLContext | bool | None = None
         if cfg.host.startswith("https"):
             ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert) if cfg.verify_ssl else False

@@ -105,8 +105,10 @@ def test_router_and_entry_service():
     assert router["spec"]["replicas"] == 2
     (c,) = router["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["exitplan", "router"]
-    assert c["args"] == ["--bundle", "/models/minilm", "--plan", "/etc/exitplan/plan.json", "--port", "8080",
-                         "--peers", "minilm-split-0.ml.svc:8080"]
+    assert c["args"][:8] == ["--bundle", "/models/minilm", "--plan", "/etc/exitplan/plan.json", "--port", "8080",
+                             "--peers", "minilm-split-0.ml.svc:8080"]
+    flags = dict(zip(c["args"][8::2], c["args"][9::2]))
+    assert flags["--slo-ms"] == "100" and flags["--accuracy-budget"] == "0.01" and flags["--max-inflight"] == "4096"
     svc = names["Service/minilm"]
     assert svc["spec"]["ports"][0]["port"] == 8080 and svc["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
 

@@ -1,0 +1,111 @@
+"""`exitplan operator`: run the operator (kopf) against the current kubeconfig;
+`exitplan operator publish-profile FILE`: publish a measured profile as a ModelProfile resource."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(help="Run the exitplan operator, or publish a profile to the cluster.", add_completion=False,
+                  pretty_exceptions_enable=False)
+
+
+@app.callback(invoke_without_command=True)
+def command(
+    ctx: typer.Context,
+    kubeconfig: Path = typer.Option(None, help="Kubeconfig to use (default: in-cluster, then $KUBECONFIG or ~/.kube/config)."),
+    namespace: list[str] = typer.Option([], "--namespace", "-n", help="Serve only these namespaces (default: all)."),
+    peering: str = typer.Option("", help="Leader election: the kopf peering name shared by the replicas (empty: standalone)."),
+    priority: int = typer.Option(0, help="Peering priority: the replica with the highest priority serves, others wait."),
+    metrics_port: int = typer.Option(9090, min=0, max=65535, help="Port of the Prometheus /metrics endpoint (0: off)."),
+    tick: float = typer.Option(5.0, min=0.1, help="Seconds between timer ticks (readiness; drift once per period)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at debug level."),
+) -> None:
+    """Run the operator: reconcile EarlyExitServices, profile missing pools, re-plan on drift."""
+    if ctx.invoked_subcommand is not None:
+        return
+    import asyncio
+    import logging
+
+    if kubeconfig is not None:
+        if not kubeconfig.exists():
+            typer.secho(f"error: --kubeconfig {kubeconfig} does not exist; run `exitplan dev-cluster` or pass "
+                        "a kubeconfig that kubectl can use", fg="red", err=True)
+            raise typer.Exit(2)
+        os.environ["KUBECONFIG"] = str(kubeconfig)
+    os.environ["EXITPLAN_TICK_SECONDS"] = str(tick)
+    import kopf
+    from prometheus_client import start_http_server
+
+    import exitplan.operator.handlers  # noqa: F401  (registers the handlers)
+    from exitplan.operator.peering import ensure_peering
+
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if peering:
+        asyncio.run(ensure_peering(peering, os.environ.get("KUBECONFIG")))
+    if metrics_port:
+        start_http_server(metrics_port)
+    kopf.run(clusterwide=not namespace, namespaces=namespace or None, standalone=not peering,
+             peering_name=peering or None, priority=priority)
+
+
+@app.command("publish-profile")
+def publish_profile(
+    file: Path = typer.Argument(..., help="Profile YAML written by `exitplan profile` (a ModelProfile document or its spec)."),
+    namespace: str = typer.Option("default", help="Namespace of the ModelProfile."),
+    name: str = typer.Option("", help="ModelProfile name (default: <model>-<pool>)."),
+    model: str = typer.Option("", help="Model name to publish under (must match the file when the file names one)."),
+    pool: str = typer.Option("", help="GPUPool name to publish under (must match the file when the file names one)."),
+    kubeconfig: Path = typer.Option(None, help="Kubeconfig (default: in-cluster, then $KUBECONFIG)."),
+) -> None:
+    """Create or update a ModelProfile resource from a profile file (the profiling Job's last step)."""
+    import asyncio
+
+    import yaml
+    from pydantic import ValidationError
+    from rich.console import Console
+    from rich.table import Table
+
+    from exitplan.api.resources import API_VERSION, ModelProfileSpec
+    from exitplan.operator import builders
+    from exitplan.operator.apply import ApplyReport, apply_one
+    from exitplan.operator.kube import ApiError, KubeClient
+
+    try:
+        doc = yaml.safe_load(file.read_text())
+        raw = doc.get("spec", doc) if isinstance(doc, dict) else None
+        if not isinstance(raw, dict):
+            raise ValueError("expected a mapping (a ModelProfile document or its spec)")
+        for key, value in (("model", model), ("pool", pool)):
+            if value and raw.get(key) and raw[key] != value:
+                raise ValueError(f"the file is for {key} {raw[key]!r}, not {value!r}")
+            if value:
+                raw[key] = value
+        spec = ModelProfileSpec.model_validate(raw)
+    except (OSError, ValueError, yaml.YAMLError, ValidationError) as err:
+        typer.secho(f"error: {file}: {err}", fg="red", err=True)
+        raise typer.Exit(2) from err
+    name = name or builders.profile_name(spec.model, spec.pool)
+    body = {"apiVersion": API_VERSION, "kind": "ModelProfile", "metadata": {"name": name, "namespace": namespace},
+            "spec": spec.dump()}
+
+    async def publish() -> ApplyReport:
+        async with KubeClient.from_config(str(kubeconfig) if kubeconfig else None) as client:
+            report = ApplyReport()
+            await apply_one(client, body, report)
+            return report
+
+    try:
+        report = asyncio.run(publish())
+    except ApiError as err:
+        typer.secho(f"error: publishing ModelProfile {namespace}/{name} failed: {err}", fg="red", err=True)
+        raise typer.Exit(1) from err
+    table = Table(title="ModelProfile published")
+    for col in ("namespace", "name", "model", "pool", "blocks", "ramps", "result"):
+        table.add_column(col)
+    result = "created" if report.created else "updated" if report.patched else "unchanged"
+    table.add_row(namespace, name, spec.model, spec.pool, str(len(spec.blocks)), str(len(spec.ramps)), result)
+    Console().print(table)
