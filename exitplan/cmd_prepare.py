@@ -1,0 +1,66 @@
+"""`exitplan prepare`: build an early-exit model bundle (ramps injected, trained, exported to ONNX)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def command(
+    model: str = typer.Option("minilm", "--model", help="Model to prepare: minilm (text, 6 blocks) or digits-cnn (images, 3 blocks)."),
+    out: Path | None = typer.Option(None, "--out", help="Bundle directory (default: artifacts/bundles/<model> under the current directory)."),
+    train_size: int | None = typer.Option(None, "--train-size", help="Training inputs (default: 8000 for minilm, 1437 for digits-cnn)."),
+    heldout_size: int | None = typer.Option(None, "--heldout-size", help="Held-out inputs kept in the bundle (default: 2000 for minilm, 360 for digits-cnn)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the data splits and the training."),
+    max_length: int = typer.Option(128, "--max-length", help="Longest token sequence the MiniLM bundle accepts."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if a finished bundle with the same options exists."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the build report (accuracy, agreement, timings) as JSON."),
+) -> None:
+    """Build an early-exit bundle: train the head and the ramps (backbone frozen), export each block and ramp to
+    ONNX, and write bundle.yaml, the tokenizer, the held-out data and a calibration window. A rerun with the same
+    options reuses the finished bundle."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from exitplan.api.bundle import BundleError
+    from exitplan.prepare.build import BuildOptions, PrepareError, prepare_bundle
+    from exitplan.prepare.datasets import DatasetError
+    from exitplan.prepare.minilm import ModelNotInstalled
+
+    console = Console()
+    options = BuildOptions(model=model, train_size=train_size, heldout_size=heldout_size, seed=seed, max_length=max_length)
+    target = out if out is not None else Path("artifacts") / "bundles" / model
+    try:
+        result = prepare_bundle(options, target, force=force)
+    except (PrepareError, DatasetError, ModelNotInstalled, BundleError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from err
+
+    report = result.report
+    state = "reused (same options; --force rebuilds)" if result.reused else f"built in {report.get('total_seconds', 0):.1f} s"
+    console.print(f"bundle [bold]{result.path}[/bold]: {state}")
+    table = Table(title=f"{report['model']}: held-out ({report['heldout_size']} inputs)")
+    table.add_column("ramp")
+    table.add_column("agreement with head", justify="right")
+    table.add_column("accuracy", justify="right")
+    table.add_column("saving ms", justify="right")
+    table.add_column("cost ms", justify="right")
+    for name, agreement in report["ramp_agreement"].items():
+        table.add_row(
+            name,
+            f"{agreement:.3f}",
+            f"{report['ramp_heldout_accuracy'][name]:.3f}",
+            f"{report['saving_ms'][name]:.3f}",
+            f"{report['cost_ms'][name]:.4f}",
+        )
+    table.add_row("head (final)", "1.000", f"{report['head_heldout_accuracy']:.3f}", "-", "-")
+    console.print(table)
+    console.print(
+        f"ONNX vs PyTorch max |logit diff| on held-out: {report['onnx_vs_torch_max_abs_diff']:.2e}; "
+        f"latencies at bucket {report['window_bucket']}, batch 1..8 (ONNX Runtime, 1 thread)"
+    )
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"path": str(result.path), "reused": result.reused, **report}, indent=2))

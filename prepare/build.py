@@ -1,0 +1,183 @@
+"""`exitplan prepare`'s engine: build a bundle once, verify it through ONNX Runtime, reuse it after.
+
+A finished bundle holds `.complete.json` with a hash of the build options; a rerun with the same
+options reuses it, `force=True` rebuilds. The build happens in a sibling temporary directory that
+replaces the target only when complete, under a file lock, so concurrent builders (parallel test
+sessions) never see half a bundle.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from exitplan.worker.bundle_runtime import BundleRuntime
+
+from .measure import Heldout, all_ramp_logits
+from .window import build_window
+
+FORMAT_VERSION = 1
+"""Bump when the bundle layout or training changes, so old bundles are rebuilt."""
+MARKER = ".complete.json"
+REPORT = "data/report.json"
+MODELS = ("minilm", "digits-cnn")
+DEFAULTS = {"minilm": {"train_size": 8000, "heldout_size": 2000}, "digits-cnn": {"train_size": 1437, "heldout_size": 360}}
+
+
+class PrepareError(RuntimeError):
+    """A bundle that cannot be built with the options given; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    model: str = "minilm"
+    train_size: int | None = None
+    """Training inputs (None: the model's default)."""
+    heldout_size: int | None = None
+    seed: int = 0
+    max_length: int = 128
+    """Longest token sequence (MiniLM only)."""
+
+    def resolved(self) -> BuildOptions:
+        if self.model not in MODELS:
+            raise PrepareError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
+        defaults = DEFAULTS[self.model]
+        train = self.train_size if self.train_size is not None else defaults["train_size"]
+        heldout = self.heldout_size if self.heldout_size is not None else defaults["heldout_size"]
+        if train < 10 or heldout < 10:
+            raise PrepareError(f"train size ({train}) and held-out size ({heldout}) must each be at least 10")
+        if self.model == "minilm" and not 8 <= self.max_length <= 512:
+            raise PrepareError(f"max length {self.max_length} must be within 8..512 (the model's position embeddings)")
+        return BuildOptions(self.model, train, heldout, self.seed, self.max_length)
+
+    def digest(self) -> str:
+        payload = json.dumps({"format": FORMAT_VERSION, **asdict(self.resolved())}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+@dataclass
+class BuildResult:
+    path: Path
+    reused: bool
+    report: dict[str, Any]
+
+
+Bar = Callable[[int, str], Any]
+
+
+def tqdm_bar(enabled: bool = True) -> Bar:
+    from tqdm.auto import tqdm
+
+    return lambda total, desc: tqdm(total=total, desc=desc, disable=not enabled, leave=False)
+
+
+def is_complete(directory: Path, options: BuildOptions) -> bool:
+    marker = Path(directory) / MARKER
+    try:
+        return json.loads(marker.read_text()).get("options_hash") == options.digest()
+    except (OSError, ValueError):
+        return False
+
+
+def read_report(directory: Path) -> dict[str, Any]:
+    return json.loads((Path(directory) / REPORT).read_text())
+
+
+@contextmanager
+def _locked(target: Path) -> Iterator[None]:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.parent / f".{target.name}.lock"
+    with lock_path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def prepare_bundle(options: BuildOptions, out: Path, *, force: bool = False, bar: Bar | None = None) -> BuildResult:
+    """Build (or reuse) the bundle for `options` at `out`."""
+    options = options.resolved()
+    out = Path(out)
+    bar = bar or tqdm_bar()
+    with _locked(out):
+        if not force and is_complete(out, options):
+            return BuildResult(out, True, read_report(out))
+        if out.exists() and not (out / MARKER).exists() and any(out.iterdir()) and not (out / "bundle.yaml").exists():
+            raise PrepareError(f"{out} exists and is not a bundle; choose another --out or remove it")
+        work = out.parent / f".{out.name}.building"
+        shutil.rmtree(work, ignore_errors=True)
+        (work / "data").mkdir(parents=True)
+        report = _build(options, work, bar)
+        (work / REPORT).write_text(json.dumps(report, indent=2))
+        (work / MARKER).write_text(json.dumps({"options_hash": options.digest(), "options": asdict(options)}, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        work.rename(out)
+    return BuildResult(out, False, report)
+
+
+def _build(options: BuildOptions, directory: Path, bar: Bar) -> dict[str, Any]:
+    started = time.perf_counter()
+    if options.model == "minilm":
+        from . import minilm
+
+        built = minilm.build(
+            directory,
+            train_size=options.train_size,
+            heldout_size=options.heldout_size,
+            seed=options.seed,
+            max_length=options.max_length,
+            bar=bar,
+        )
+    else:
+        from . import digits_cnn
+
+        built = digits_cnn.build(
+            directory, train_size=options.train_size, heldout_size=options.heldout_size, seed=options.seed, bar=bar
+        )
+    manifest = built.pop("manifest")
+    (directory / "bundle.yaml").write_text(yaml.safe_dump(manifest.model_dump(mode="json", exclude_none=True), sort_keys=False))
+
+    # Verify through ONNX Runtime: the exported model's answers are the reference from here on.
+    heldout_arrays = built.pop("heldout")
+    runtime = BundleRuntime(directory)
+    heldout = Heldout(label=heldout_arrays["label"], ids=built.pop("heldout_ids", None), x=heldout_arrays.get("x"))
+    progress = bar(len(heldout), "held-out through ONNX Runtime")
+    logits = all_ramp_logits(runtime, heldout, progress.update)
+    progress.close()
+    torch_logits = built.pop("torch_heldout_logits")
+    final_logits = logits[manifest.final_ramp().name]
+    full_pred = final_logits.argmax(axis=1)
+    np.savez_compressed(directory / manifest.data.heldout, **heldout_arrays, full_pred=full_pred)
+
+    measured = time.perf_counter()
+    window = build_window(runtime, heldout, logits)
+    window.save(directory / "data" / "window.npz")
+    built.update(
+        options=asdict(options),
+        heldout_size=len(heldout),
+        head_heldout_accuracy=float((full_pred == heldout.label).mean()),
+        ramp_agreement=dict(zip(window.ramps, window.agreement())),
+        ramp_heldout_accuracy={
+            r: float((window.pred[:, i] == heldout.label).mean()) for i, r in enumerate(window.ramps)
+        },
+        onnx_vs_torch_max_abs_diff=float(np.abs(final_logits - torch_logits).max()),
+        window_bucket=window.bucket,
+        saving_ms=dict(zip(window.ramps, window.saving_ms.tolist())),
+        cost_ms=dict(zip(window.ramps, window.cost_ms.tolist())),
+        window_seconds=time.perf_counter() - measured,
+        total_seconds=time.perf_counter() - started,
+    )
+    return built

@@ -1,0 +1,131 @@
+"""Running a bundle's held-out inputs through ONNX Runtime, and timing blocks and ramps on them.
+
+Timings use real held-out inputs (padded to the bucket, repeated to fill a batch) chained through
+the blocks, so every block is timed on the activations it really receives.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from exitplan.api.bundle import BundleError, BundleManifest
+from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, pad_batch
+
+
+@dataclass
+class Heldout:
+    """A bundle's held-out inputs in model form: token ids (text) or `x` (images), and labels."""
+
+    label: np.ndarray
+    ids: list[list[int]] | None = None
+    x: np.ndarray | None = None
+    full_pred: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.label.size)
+
+
+def load_heldout(directory: Path, manifest: BundleManifest) -> Heldout:
+    path = Path(directory) / manifest.data.heldout
+    if not path.is_file():
+        raise BundleError(f"{path}: the bundle has no held-out data; rebuild it with `exitplan prepare --force`")
+    data = np.load(path)
+    full = data["full_pred"] if "full_pred" in data.files else None
+    if "text" in data.files:
+        if not manifest.tokenizer:
+            raise BundleError(f"{path}: held-out texts but bundle.yaml names no tokenizer")
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(Path(directory) / manifest.tokenizer))
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(max_length=manifest.max_length or 512)
+        ids = [enc.ids for enc in tokenizer.encode_batch([str(t) for t in data["text"]])]
+        return Heldout(label=data["label"], ids=ids, full_pred=full)
+    if "x" in data.files:
+        return Heldout(label=data["label"], x=data["x"], full_pred=full)
+    raise BundleError(f"{path}: held-out data holds neither `text` nor `x` (it has {data.files})")
+
+
+def heldout_batches(runtime: BundleRuntime, heldout: Heldout, batch: int = 64) -> Iterator[tuple[np.ndarray, dict, int]]:
+    """(rows, state, bucket) over the held-out inputs, each text in the smallest bucket that holds it."""
+    if heldout.x is not None:
+        for start in range(0, len(heldout), batch):
+            rows = np.arange(start, min(start + batch, len(heldout)))
+            yield rows, {runtime.manifest.inputs[0].name: heldout.x[rows]}, runtime.buckets[0]
+        return
+    assert heldout.ids is not None
+    lengths = np.array([min(len(s), max(runtime.buckets)) for s in heldout.ids])
+    buckets = np.array([bucket_for(int(n), runtime.buckets) for n in lengths])
+    for bucket in runtime.buckets:
+        members = np.flatnonzero(buckets == bucket)
+        for start in range(0, members.size, batch):
+            rows = members[start : start + batch]
+            yield rows, pad_batch([heldout.ids[r][:bucket] for r in rows], bucket, runtime.manifest.pad_token_id), int(bucket)
+
+
+def all_ramp_logits(runtime: BundleRuntime, heldout: Heldout, progress: Callable | None = None) -> dict[str, np.ndarray]:
+    """Logits of every ramp (final head included) for every held-out input, no exits."""
+    out: dict[str, np.ndarray] = {}
+    for rows, state, bucket in heldout_batches(runtime, heldout):
+        logits, _ = runtime.run_all_ramps(state, bucket)
+        for name, value in logits.items():
+            if name not in out:
+                out[name] = np.zeros((len(heldout), value.shape[1]), dtype=np.float32)
+            out[name][rows] = value
+        if progress:
+            progress(len(rows))
+    return out
+
+
+def batch_state(runtime: BundleRuntime, heldout: Heldout, batch: int, bucket: int) -> dict[str, np.ndarray]:
+    """`batch` held-out inputs (repeated if need be) padded to `bucket`: the state before block 0."""
+    rows = np.arange(batch) % len(heldout)
+    if heldout.x is not None:
+        return {runtime.manifest.inputs[0].name: np.ascontiguousarray(heldout.x[rows])}
+    assert heldout.ids is not None
+    fitting = [s for s in heldout.ids if len(s) <= bucket] or [s[:bucket] for s in heldout.ids]
+    # prefer the longest inputs that fit, so the batch looks like this bucket's real traffic
+    fitting = sorted(fitting, key=len, reverse=True)
+    return pad_batch([fitting[i % len(fitting)] for i in range(batch)], bucket, runtime.manifest.pad_token_id)
+
+
+def time_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of `fn` in milliseconds over `repeats` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1000.0)
+    return float(np.median(samples))
+
+
+@dataclass
+class ChainTiming:
+    block_ms: list[float]
+    """Per block of the runtime's range."""
+    ramp_ms: dict[str, float]
+    states: list[dict[str, np.ndarray]]
+    """The state after each block (what a split boundary there would forward, and more)."""
+
+
+def time_chain(runtime: BundleRuntime, state: dict[str, np.ndarray], bucket: int, repeats: int, warmup: int = 1) -> ChainTiming:
+    """Time every block and ramp of the range on `state`, passing real activations forward."""
+    work = dict(state)
+    block_ms: list[float] = []
+    ramp_ms: dict[str, float] = {}
+    states = []
+    for index in range(runtime.first_block, runtime.last_block + 1):
+        before = dict(work)
+        block_ms.append(time_ms(lambda i=index, b=before: runtime.run_block(i, dict(b), bucket), repeats, warmup))
+        runtime.run_block(index, work, bucket)
+        states.append(dict(work))
+        for ramp in runtime.manifest.ramps_in(index, index):
+            ramp_ms[ramp.name] = time_ms(lambda r=ramp.name, w=work: runtime.run_ramp(r, w, bucket), repeats, warmup)
+    return ChainTiming(block_ms=block_ms, ramp_ms=ramp_ms, states=states)
