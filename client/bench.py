@@ -15,6 +15,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from exitplan.planner.traces import LengthMode, Trace, TraceError, default_trace_path, load_trace
 
 from .loadgen import Outcome, replay
@@ -95,44 +97,86 @@ def router_observations(url: str) -> dict | None:
 # ---------------------------------------------------------------------------- the trace
 
 
+@dataclass
+class Schedule:
+    trace: Trace
+    """The window to replay: arrival times (s from the run's start) and fitted lengths."""
+    speed: float
+    """The speed-up applied to the trace's clock."""
+    window_s: float
+    """The window's length: `duration` when given, else the last arrival (the rate is requests / window)."""
+
+    @property
+    def rate(self) -> float:
+        return len(self.trace) / self.window_s if self.window_s > 0 else float(len(self.trace))
+
+
 def schedule(
     trace: str | Path | None,
     *,
     max_length: int,
     length_mode: LengthMode = "scale",
+    reference_max: int | None = None,
     rps: float | None = None,
     speed: float = 1.0,
     start: float = 0.0,
     duration: float | None = None,
     limit: int | None = None,
-) -> tuple[Trace, float]:
-    """The trace window to replay and the speed-up applied.
+) -> Schedule:
+    """The trace window to replay, sped up by `speed` or rescaled so that its rate is `rps`.
 
-    With `rps`, the speed-up is chosen so that the window's mean rate (requests / last arrival) is
-    `rps` (a few refinement passes, as the window itself moves with the speed); else `speed` is used.
+    With `rps` (and `start` = 0) the speed-up is exact: with a `duration`, the window holds
+    round(rps x duration) requests; with only a `limit`, its requests span limit / rps seconds.
+    Otherwise (a `start` offset moves the window as the speed changes) it is refined a few times
+    and the closest is kept. The rate achieved is reported either way.
     """
     path = Path(trace) if trace is not None else default_trace_path()
     if rps is not None and rps <= 0:
         raise BenchError(f"--rps must be > 0, got {rps}")
+    if speed <= 0:
+        raise BenchError(f"--speed must be > 0, got {speed}")
     if duration is not None and duration <= 0:
         raise BenchError(f"--duration must be > 0 seconds, got {duration}")
     if limit is not None and limit < 1:
         raise BenchError(f"--limit must be >= 1, got {limit}")
+    if start < 0:
+        raise BenchError(f"--start must be >= 0 seconds, got {start}")
 
-    def window(s: float) -> Trace:
-        return load_trace(path, max_length=max_length, length_mode=length_mode, speed=s, start=start, duration=duration, limit=limit)
+    def window(s: float) -> Schedule:
+        cut = load_trace(path, max_length=max_length, length_mode=length_mode, reference_max=reference_max, speed=s,
+                         start=start, duration=duration, limit=limit)
+        return Schedule(cut, s, duration if duration is not None else cut.duration)
 
     try:
         if rps is None:
-            return window(speed), speed
-        full = load_trace(path, max_length=max_length, length_mode=length_mode)
+            return window(speed)
+        full = load_trace(path, max_length=max_length, length_mode=length_mode, reference_max=reference_max)
+        times = full.timestamps
         factor = rps / full.mean_rate
-        for _ in range(4):
-            cut = window(factor)
-            if len(cut) < 2 or abs(cut.mean_rate / rps - 1.0) < 0.01:
+        if duration is not None:
+            want = max(1, round(rps * duration))
+            if limit is not None:
+                want = min(want, limit)
+            if start == 0 and want < len(times) and times[want] > times[want - 1]:
+                factor = float(times[want]) / duration  # the (want+1)-th arrival lands exactly at the window's end
+            elif start > 0:  # the window moves with the speed: scan speeds for the count closest to `want`
+                grid = factor * np.geomspace(1 / 8, 8, 4001)
+                counts = np.searchsorted(times, (start + duration) * grid) - np.searchsorted(times, start * grid)
+                miss = np.abs(np.minimum(counts, want if limit is None else limit) - want)
+                closest = np.flatnonzero(miss == miss.min())
+                factor = float(grid[closest[np.argmin(np.abs(np.log(grid[closest] / factor)))]])
+        elif start == 0 and limit is not None and limit >= 2:
+            last = float(times[min(limit, len(times)) - 1])
+            if last > 0:
+                factor = rps * last / min(limit, len(times))
+        best = current = window(factor)
+        for _ in range(8):
+            if abs(best.rate / rps - 1.0) < 0.005 or current.rate <= 0:
                 break
-            factor *= rps / cut.mean_rate
-        return window(factor), factor
+            current = window(current.speed * rps / current.rate)
+            if abs(current.rate / rps - 1.0) < abs(best.rate / rps - 1.0):
+                best = current
+        return best
     except TraceError as err:
         raise BenchError(str(err)) from err
 
@@ -169,9 +213,11 @@ async def run_bench_async(
     slo_ms: float | None = None,
     seed: int = 0,
     length_mode: LengthMode = "scale",
+    reference_max: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: bool = False,
 ) -> BenchReport:
+    """One open-loop run with `setup`'s router and held-out texts; see `run_bench`."""
     info = setup.info
     slo = slo_ms if slo_ms is not None else info.slo_ms
     if slo is None:
@@ -180,25 +226,26 @@ async def run_bench_async(
         raise BenchError(f"--slo-ms must be > 0, got {slo}")
     if timeout_s <= 0:
         raise BenchError(f"the client timeout must be > 0 seconds, got {timeout_s}")
-    window, factor = schedule(
-        trace, max_length=max(info.buckets), length_mode=length_mode, rps=rps, speed=speed, start=start,
-        duration=duration, limit=limit,
+    plan = schedule(
+        trace, max_length=max(info.buckets), length_mode=length_mode, reference_max=reference_max, rps=rps, speed=speed,
+        start=start, duration=duration, limit=limit,
     )
+    window = plan.trace
     inputs = build_inputs(setup.pool, window.lengths, max_length=max(info.buckets), seed=seed, references=setup.references)
     outcomes = await _replay_with_progress(info, inputs.bodies, window.timestamps, timeout_s, progress)
     run = {
         "trace": window.source, "trace_name": Path(window.source).name, "length_mode": length_mode,
-        "speed": factor, "target_rps": rps, "start_s": start, "duration_s": duration, "limit": limit, "seed": seed,
-        "timeout_s": timeout_s, "buckets": info.buckets,
+        "reference_max": reference_max, "speed": plan.speed, "target_rps": rps, "start_s": start, "duration_s": duration,
+        "limit": limit, "window_s": plan.window_s, "seed": seed, "timeout_s": timeout_s, "buckets": info.buckets,
         "inputs": {
             "target_length_mean": float(window.lengths.mean()), "sent_length_mean": float(inputs.lengths.mean()),
             "length_abs_error_mean": float(abs(inputs.lengths - window.lengths).mean()),
-            "concatenated": inputs.concatenated, "heldout_size": len(setup.pool),
+            "concatenated": inputs.concatenated, "distinct_inputs": len(set(inputs.parts)), "heldout_size": len(setup.pool),
         },
     }
     report = summarize(
         outcomes, inputs.reference, inputs.truth, slo_ms=slo, url=info.url, model=info.model,
-        ramp_order=info.ramps, run=run,
+        ramp_order=info.ramps, window_s=plan.window_s, run=run,
     )
     report.router = router_observations(info.url)
     return report
@@ -237,6 +284,7 @@ def run_bench(
     slo_ms: float | None = None,
     seed: int = 0,
     length_mode: LengthMode = "scale",
+    reference_max: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: bool = False,
     setup: BenchSetup | None = None,
@@ -244,13 +292,15 @@ def run_bench(
     """One open-loop run of `trace` (default: the shared Azure trace) against the router at `url`.
 
     `rps` rescales the trace window to that mean rate, else `speed` speeds it up; `start`/`duration`
-    (seconds, after the speed-up) and `limit` (requests) bound the run. `slo_ms` defaults to the
+    (seconds, after the speed-up) and `limit` (requests) bound the run. Trace lengths are fitted to
+    the router's largest bucket by `length_mode` ("scale": the trace's longest input, or
+    `reference_max` tokens, maps onto it; "clip": lengths are capped). `slo_ms` defaults to the
     router's own SLO. `setup` (from `BenchSetup.connect`) reuses metadata, texts and references across runs.
     """
     setup = setup or BenchSetup.connect(url, model, bundle)
     return asyncio.run(run_bench_async(
         setup, trace, rps=rps, speed=speed, start=start, duration=duration, limit=limit, slo_ms=slo_ms, seed=seed,
-        length_mode=length_mode, timeout_s=timeout_s, progress=progress,
+        length_mode=length_mode, reference_max=reference_max, timeout_s=timeout_s, progress=progress,
     ))
 
 
@@ -298,6 +348,7 @@ def find_capacity(
     slo_ms: float | None = None,
     seed: int = 0,
     length_mode: LengthMode = "scale",
+    reference_max: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: bool = False,
 ) -> CapacityResult:
@@ -318,7 +369,7 @@ def find_capacity(
     for _ in range(max_steps):
         report = asyncio.run(run_bench_async(
             setup, trace, rps=rps, duration=step_duration, slo_ms=slo_ms, seed=seed, length_mode=length_mode,
-            timeout_s=timeout_s, progress=progress,
+            reference_max=reference_max, timeout_s=timeout_s, progress=progress,
         ))
         steps.append(report)
         grew = report.goodput_rps > best * (1.0 + min_growth)

@@ -2,7 +2,8 @@
 
 Definitions (stated once, used everywhere):
 - run time `run_s`: from the first arrival (t = 0) to the last answer received (results and
-  errors; lost requests do not stretch it), at least the span of the arrivals;
+  errors; lost requests do not stretch it), at least the arrival window;
+- offered load: requests / arrival window (the run's duration, else up to the last arrival);
 - goodput: results answered within the SLO per second of run time; throughput: results per second;
 - latency: client-side, from sending a request to receiving its whole answer, over results only;
 - exit histogram: the share of results answered by each ramp (the final head included);
@@ -50,7 +51,7 @@ class BenchReport:
     slo_ms: float
     requests: int
     offered_rps: float
-    """Requests per second of the arrival window (requests / span of arrivals)."""
+    """Requests per second of the arrival window."""
     run_s: float
     results: int
     within_slo: int
@@ -159,10 +160,15 @@ def summarize(
     url: str = "",
     model: str = "",
     ramp_order: Sequence[str] = (),
+    window_s: float | None = None,
     run: dict | None = None,
     samples_per_kind: int = 3,
 ) -> BenchReport:
-    """The report of a run: `outcomes[i]` answers request `outcomes[i].index`, checked against `reference`/`truth`."""
+    """The report of a run: `outcomes[i]` answers request `outcomes[i].index`, checked against `reference`/`truth`.
+
+    `window_s` is the length of the arrival window (the run's `duration`); without it the window
+    ends at the last arrival.
+    """
     if slo_ms <= 0:
         raise ValueError(f"slo_ms must be > 0, got {slo_ms}")
     indices = [o.index for o in outcomes]
@@ -175,9 +181,8 @@ def summarize(
     ok = [o for o in outcomes if o.kind == "ok"]
     latencies = [o.latency_s for o in ok]
     within = sum(1 for lat in latencies if lat is not None and lat <= slo_s)
-    run_s = run_seconds(outcomes)
-    arrivals = [o.scheduled_s for o in outcomes]
-    span = max(arrivals, default=0.0)
+    run_s = max(run_seconds(outcomes), window_s or 0.0)
+    span = window_s if window_s else max((o.scheduled_s for o in outcomes), default=0.0)
     offered = n / span if span > 0 else float(n)
 
     counts = Counter(o.ramp for o in ok)
