@@ -1,0 +1,175 @@
+"""plan_service: sound plans (verify), the local CPU case, buckets, previous plans, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from exitplan.api.observations import Observations
+from exitplan.api.resources import SLO, Accuracy, EarlyExitServiceSpec, GPUPoolSpec, ModelRef, PlannerSettings, PoolRef, Workload
+from exitplan.planner import PlanInfeasible, ProfileError, SpecError, plan_change, plan_service
+from exitplan.planner.synthetic import bert_base_profile, gpu_pool, synthetic_profile
+
+SEQ = [32, 64, 128]
+
+
+def cpu_profile(pool: str = "cpu", **kw):
+    """A MiniLM-on-CPU-like profile: 6 blocks, latency ~ linear in batch x length, ramps after 1 and 3."""
+    return synthetic_profile(
+        "minilm", pool, 6, SEQ, [1, 2, 4, 8],
+        lambda k, b, L: 0.4 + 0.02 * b * L,
+        ramp_after=[1, 3], ramp_ms=lambda b, L: 0.05, survival=kw.pop("survival", [0.6, 0.3]),
+        output_bytes=lambda L: 384 * 4 * L, weight_bytes=7_000_000, **kw,
+    )
+
+
+def cpu_spec(**kw) -> EarlyExitServiceSpec:
+    planner = kw.pop("planner", PlannerSettings(max_splits=2))
+    return EarlyExitServiceSpec(model=ModelRef(name="minilm", bundle="x"), slo=SLO(latency_ms=kw.pop("slo", 250), slack_ms=20),
+                                pools=[PoolRef(name="cpu")], planner=planner, **kw)
+
+
+CPU_POOLS = {"cpu": GPUPoolSpec(capacity=2, gpu_resource="", cost_per_hour=1.0, memory_bytes=4 << 30, link_bandwidth_gbps=20)}
+
+
+def test_local_cpu_plan_is_runnable():
+    result = plan_service("minilm", cpu_spec(), CPU_POOLS, {"cpu": cpu_profile()}, thresholds={"ramp1": 0.8, "ramp3": 0.8})
+    result.verify()
+    plan = result.plan
+    assert sum(c.replicas for c in plan.cells) <= 2  # pool capacity = worker processes
+    assert all(c.replicas >= 1 and c.batch_size in (1, 2, 4, 8) for c in plan.cells)
+    assert set(plan.buckets) <= set(SEQ)
+    for s in plan.splits:  # every (split, bucket) the router may send to has a replica
+        for b in plan.buckets:
+            assert any(c.split == s.index and c.bucket == b for c in plan.cells)
+    assert plan.thresholds == {"ramp1": 0.8, "ramp3": 0.8}
+    assert plan.prediction.p99_ms <= 230 + 1e-6
+
+
+def test_length_observations_give_several_buckets_within_capacity():
+    pools = {"cpu": CPU_POOLS["cpu"].model_copy(update={"capacity": 6})}
+    lengths = np.r_[np.full(700, 20), np.full(300, 120)]
+    result = plan_service("minilm", cpu_spec(), pools, {"cpu": cpu_profile()}, lengths=lengths)
+    result.verify()
+    assert len(result.plan.buckets) >= 2 and result.plan.buckets[-1] == 128
+    assert result.plan.length_histogram[0] == pytest.approx(0.7)
+    single = plan_service("minilm", cpu_spec(workload=Workload(length_buckets=[128])), pools, {"cpu": cpu_profile()}, lengths=lengths)
+    assert result.plan.prediction.goodput_rps > single.plan.prediction.goodput_rps
+
+
+def test_observation_window_sets_survival_and_histogram():
+    obs = Observations(service="minilm", model="minilm", since=0, until=60, ramps=["ramp1", "ramp3"], survival=[0.2, 0.1],
+                       length_buckets=[32, 64, 128], length_histogram=[90, 0, 10])
+    pools = {"cpu": CPU_POOLS["cpu"].model_copy(update={"capacity": 4})}
+    result = plan_service("minilm", cpu_spec(), pools, {"cpu": cpu_profile()}, observations=obs)
+    result.verify()
+    assert result.plan.survival == pytest.approx([0.2, 0.1])
+    assert result.plan.buckets[-1] == 128
+
+
+def test_thresholds_off_mean_no_exits_and_less_goodput():
+    spec = cpu_spec()
+    on = plan_service("minilm", spec, CPU_POOLS, {"cpu": cpu_profile()}, thresholds={"ramp1": 0.5, "ramp3": 0.5})
+    off = plan_service("minilm", spec, CPU_POOLS, {"cpu": cpu_profile()}, thresholds={"ramp1": 2.0})
+    assert off.plan.survival == [1.0, 1.0]
+    assert off.plan.prediction.goodput_rps < on.plan.prediction.goodput_rps
+    only3 = plan_service("minilm", spec, CPU_POOLS, {"cpu": cpu_profile()}, thresholds={"ramp3": 0.5})
+    assert only3.plan.survival == pytest.approx([1.0, 0.3])  # ramp1's exits ride on to ramp3
+
+
+def test_heterogeneous_pools_and_cost_cap():
+    gpus = ["v100", "p100", "k80"]
+    spec = EarlyExitServiceSpec(model=ModelRef(name="bert-base-ee", bundle="x"), slo=SLO(latency_ms=100), pools=[PoolRef(name=g) for g in gpus],
+                                planner=PlannerSettings(max_splits=3, cost_cap_per_hour=20.0))
+    result = plan_service("bert", spec, {g: gpu_pool(g, 4) for g in gpus}, {g: bert_base_profile(g) for g in gpus})
+    result.verify()
+    assert result.plan.prediction.cost_per_hour <= 20.0 + 1e-9
+
+
+def test_previous_layout_is_kept_when_close():
+    profiles = {"cpu": cpu_profile()}
+    pools = {"cpu": CPU_POOLS["cpu"].model_copy(update={"capacity": 4})}
+    first = plan_service("minilm", cpu_spec(), pools, profiles)
+    again = plan_service("minilm", cpu_spec(), pools, {"cpu": cpu_profile(survival=[0.58, 0.3])}, previous=first.plan, reason="survival-drift")
+    again.verify()
+    assert again.kept_previous
+    assert [(s.first_block, s.last_block) for s in again.plan.splits] == [(s.first_block, s.last_block) for s in first.plan.splits]
+    change = plan_change(first.plan, again.plan)
+    assert change.added <= 1 and again.plan.reason == "survival-drift"
+
+
+def test_min_cost_objective_reaches_target_cheaply():
+    pools = {"cpu": CPU_POOLS["cpu"].model_copy(update={"capacity": 8})}
+    top = plan_service("minilm", cpu_spec(), pools, {"cpu": cpu_profile()}).plan.prediction.goodput_rps
+    spec = cpu_spec(planner=PlannerSettings(max_splits=2, objective="min-cost", target_rps=top * 0.3))
+    cheap = plan_service("minilm", spec, pools, {"cpu": cpu_profile()})
+    cheap.verify()
+    assert cheap.plan.prediction.goodput_rps >= top * 0.3
+    assert cheap.plan.prediction.cost_per_hour < 8
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_slo_no_pool_can_meet_names_the_slo():
+    with pytest.raises(PlanInfeasible) as err:
+        plan_service("minilm", cpu_spec(slo=25), CPU_POOLS, {"cpu": cpu_profile()})
+    assert err.value.field == "spec.slo.latencyMs"
+    assert "SLO budget 5 ms" in str(err.value) and "pool cpu" in str(err.value)
+
+
+def test_pool_without_capacity():
+    pools = {"cpu": CPU_POOLS["cpu"].model_copy(update={"capacity": 0})}
+    with pytest.raises(PlanInfeasible) as err:
+        plan_service("minilm", cpu_spec(), pools, {"cpu": cpu_profile()})
+    assert err.value.field == "spec.pools" and "no capacity" in str(err.value)
+
+
+def test_missing_cells_non_monotone_negative_latencies():
+    prof = cpu_profile()
+    missing = prof.model_copy(deep=True)
+    missing.blocks[2].latency_ms[1] = missing.blocks[2].latency_ms[1][:2]
+    with pytest.raises(ProfileError) as err:
+        plan_service("minilm", cpu_spec(), CPU_POOLS, {"cpu": missing})
+    assert err.value.field == "profiles[cpu].blocks[2].latencyMs"
+    bumpy = prof.model_copy(deep=True)
+    bumpy.blocks[0].latency_ms[0] = [5.0, 1.0, 6.0, 7.0]
+    with pytest.raises(ProfileError) as err:
+        plan_service("minilm", cpu_spec(), CPU_POOLS, {"cpu": bumpy})
+    assert "falls as the batch size grows" in str(err.value) and err.value.field.startswith("profiles[cpu].blocks[0]")
+    negative = prof.model_copy(deep=True)
+    negative.ramps[0].latency_ms[0][0] = -1.0
+    with pytest.raises(ProfileError) as err:
+        plan_service("minilm", cpu_spec(), CPU_POOLS, {"cpu": negative})
+    assert err.value.field == "profiles[cpu].ramps[0].latencyMs"
+    rising = prof.model_copy(update={"survival": [0.3, 0.6]})
+    with pytest.raises(ProfileError, match="must not increase"):
+        plan_service("minilm", cpu_spec(), CPU_POOLS, {"cpu": rising})
+
+
+def test_accuracy_budget_outside_range_is_a_spec_error():
+    spec = cpu_spec()
+    bad = spec.model_copy(update={"accuracy": Accuracy.model_construct(max_drop=1.5, shadow_fraction=0.05)})
+    with pytest.raises(SpecError) as err:
+        plan_service("minilm", bad, CPU_POOLS, {"cpu": cpu_profile()})
+    assert err.value.field == "spec.accuracy.maxDrop"
+
+
+def test_unknown_pool_missing_profile_unknown_ramp():
+    spec = cpu_spec().model_copy(update={"pools": [PoolRef(name="gpu")]})
+    with pytest.raises(SpecError) as err:
+        plan_service("minilm", spec, CPU_POOLS, {"cpu": cpu_profile()})
+    assert err.value.field == "spec.pools[0].name"
+    with pytest.raises(ProfileError) as err:
+        plan_service("minilm", cpu_spec(), CPU_POOLS, {})
+    assert err.value.field == "profiles[cpu]" and "exitplan profile" in str(err.value)
+    with pytest.raises(SpecError) as err:
+        plan_service("minilm", cpu_spec(), CPU_POOLS, {"cpu": cpu_profile()}, thresholds={"nope": 0.5})
+    assert err.value.field == "thresholds"
+
+
+def test_cost_cap_below_one_worker():
+    spec = cpu_spec(planner=PlannerSettings(cost_cap_per_hour=0.5))
+    with pytest.raises(PlanInfeasible) as err:
+        plan_service("minilm", spec, CPU_POOLS, {"cpu": cpu_profile()})
+    assert err.value.field == "spec.planner.costCapPerHour"

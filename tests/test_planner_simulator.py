@@ -1,0 +1,60 @@
+"""Simulator sanity: light load loses nothing, exits draw as the survival curve says, oracle bounds all."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from exitplan.api.resources import SLO, EarlyExitServiceSpec, ModelRef, PlannerSettings, PoolRef
+from exitplan.planner.compare import oracle_for, plan_config, simulate_plan, sustainable_rate
+from exitplan.planner.simulator import depths_from_survival, poisson_arrivals
+from exitplan.planner.synthetic import bert_base_profile, gpu_pool
+
+SPEC = EarlyExitServiceSpec(model=ModelRef(name="bert-base-ee", bundle="x"), slo=SLO(latency_ms=100), pools=[PoolRef(name="v100")],
+                            planner=PlannerSettings(max_splits=3))
+POOLS = {"v100": gpu_pool("v100", 4)}
+PROFILES = {"v100": bert_base_profile("v100")}
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {c: plan_config(c, "bert", SPEC, POOLS, PROFILES) for c in ("vanilla", "naive-ee", "e3")}
+
+
+def test_light_load_answers_everything_within_slo(plans):
+    rng = np.random.default_rng(0)
+    arrivals = poisson_arrivals(rng, 50.0, 1500)
+    lengths = np.full(1500, 128)
+    for name, result in plans.items():
+        res = simulate_plan(result, arrivals, lengths, 100.0, name=name)
+        assert res.dropped == 0 and res.answered == 1500, name
+        assert res.within_slo == 1500, name
+        assert res.pct(99) <= 100.0
+
+
+def test_overload_is_refused_not_lost(plans):
+    rng = np.random.default_rng(1)
+    rate = plans["vanilla"].plan.prediction.goodput_rps * 3
+    arrivals = poisson_arrivals(rng, rate, 4000)
+    res = simulate_plan(plans["vanilla"], arrivals, np.full(4000, 128), 100.0)
+    assert res.dropped > 0
+    assert res.answered + res.dropped == res.offered  # every request answered or refused
+
+
+def test_exit_depths_follow_survival():
+    rng = np.random.default_rng(2)
+    survival = [0.8, 0.5, 0.2]
+    depths = depths_from_survival(rng, 200_000, 4, [0, 1, 2], survival, [True, True, True])
+    for k, s in enumerate(survival):
+        assert np.mean(depths > k + 1) == pytest.approx(s, abs=0.01)
+    off = depths_from_survival(rng, 50_000, 4, [0, 1, 2], survival, [True, False, True])
+    assert np.mean(off == 2) == 0.0  # ramp after block 1 is off: nobody exits there
+    assert np.mean(off > 1) == pytest.approx(0.8, abs=0.01)
+
+
+def test_oracle_bounds_every_configuration_and_exits_help(plans):
+    lengths = np.full(2000, 128)
+    rates = {name: sustainable_rate(result, np.array([128]), 100.0, n=3000, iters=7)[0] for name, result in plans.items()}
+    bound = oracle_for(plans["e3"], lengths, 1e12)
+    assert all(r <= bound for r in rates.values()), (rates, bound)
+    assert rates["e3"] > rates["vanilla"]
