@@ -1,0 +1,168 @@
+"""`exitplan bench` against a real router and workers (LocalDeployment) serving the MiniLM test bundle.
+
+One deployment (one split, buckets 32 and 128, one worker each, exit thresholds 0.9) serves every
+test here; each run is a few dozen to a few hundred requests.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from exitplan.api.bundle import read_manifest
+from exitplan.api.resources import Workload
+from exitplan.cli import app
+from exitplan.client.bench import BenchError, BenchSetup, find_capacity, router_observations, run_bench
+from exitplan.client.texts import build_inputs, load_pool
+from exitplan.planning import ServiceSetup, single_split_plan
+
+from dataplane_helpers import deployment, service_spec
+
+pytestmark = pytest.mark.slow
+
+SLO_MS = 500.0
+
+
+@pytest.fixture(scope="module")
+def manifest(minilm_bundle):
+    return read_manifest(minilm_bundle)
+
+
+@pytest.fixture(scope="module")
+def served(minilm_bundle, manifest, tmp_path_factory):
+    spec = service_spec(minilm_bundle, slo_ms=SLO_MS).model_copy(update={"workload": Workload(length_buckets=[32, 128])})
+    setup = ServiceSetup("bench-test", spec, minilm_bundle, manifest)
+    thresholds = {r.name: 0.9 for r in manifest.exit_ramps()}
+    plan = single_split_plan(setup, thresholds=thresholds, replicas=1, batch_size=8, reason="bench test")
+    dep = deployment(minilm_bundle, plan, spec, tmp_path_factory.mktemp("bench"))
+    dep.start()
+    yield dep
+    dep.stop()
+
+
+@pytest.fixture(scope="module")
+def setup(served, minilm_bundle):
+    return BenchSetup.connect(served.url, "minilm", minilm_bundle)
+
+
+def _set_thresholds(url: str, thresholds: dict[str, float]) -> None:
+    body = json.dumps({"thresholds": thresholds, "reason": "bench-test"}).encode()
+    req = urllib.request.Request(f"{url}/v1/thresholds", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200
+
+
+def _assert_all_answered(report):
+    assert report.accounted == report.requests
+    assert report.lost == 0, report.error_samples.get("lost")
+    assert report.errors["transport"] == 0, report.error_samples.get("transport")
+    assert report.errors["invalid"] == 0, report.error_samples.get("invalid")
+    assert report.overload_without_retry_after == 0
+
+
+def test_matched_texts_tokenize_to_the_lengths_reported(minilm_bundle):
+    """The real tokenizer: single texts and concatenations have the token lengths the matcher counted."""
+    pool = load_pool(minilm_bundle)
+    targets = np.r_[np.arange(1, 129, 3), [128] * 10]
+    inputs = build_inputs(pool, targets, max_length=128, seed=5)
+    texts = [json.loads(b)["inputs"][0]["data"][0] for b in inputs.bodies]
+    measured = np.array([len(e.ids) for e in pool.tokenizer.encode_batch(texts)])
+    np.testing.assert_array_equal(measured, inputs.lengths)
+    assert measured.max() <= 128
+    assert inputs.concatenated > 0
+    longest = int(pool.lengths[pool.lengths <= 128].max())
+    long_targets = targets > longest
+    assert np.abs(measured[long_targets] - targets[long_targets]).max() <= 3
+    assert all(t is None for t, p in zip(inputs.truth, inputs.parts) if len(p) > 1)
+    again = build_inputs(pool, targets, max_length=128, seed=5)
+    assert again.bodies == inputs.bodies  # deterministic given the seed
+
+
+def test_replay_accounts_for_every_request_and_agrees_with_the_routers_counts(served, setup, manifest):
+    before = router_observations(served.url)
+    report = run_bench(served.url, "minilm", served.bundle, setup=setup, rps=25.0, limit=120, slo_ms=SLO_MS, seed=1)
+    after = router_observations(served.url)
+    assert report.requests == 120
+    _assert_all_answered(report)
+    assert report.results > 0
+    assert after["requests"] - before["requests"] == report.results
+    assert after["errors"]["overload"] - before["errors"]["overload"] == report.errors["overload"]
+    names = [r.name for r in manifest.exit_ramps()] + [manifest.final_ramp().name]
+    assert set(report.exits) <= set(names)
+    assert sum(report.exits.values()) == report.results
+    assert report.latency["p50_ms"] <= report.latency["p95_ms"] <= report.latency["p99_ms"] <= report.latency["max_ms"]
+    assert 0.0 <= report.agreement <= 1.0
+    assert report.router is not None and report.router["model"] == "minilm"
+
+
+def test_without_exits_every_answer_is_the_full_models(served, setup, manifest):
+    """Thresholds above 1: the router answers with the final head, so agreement must be exact, concatenations included."""
+    exit_ramps = [r.name for r in manifest.exit_ramps()]
+    _set_thresholds(served.url, {r: 2.0 for r in exit_ramps})
+    try:
+        single = run_bench(served.url, "minilm", served.bundle, setup=setup, rps=20.0, limit=30, slo_ms=SLO_MS, seed=2)
+        joined = run_bench(served.url, "minilm", served.bundle, setup=setup, rps=20.0, limit=30, slo_ms=SLO_MS, seed=3, length_mode="clip")
+    finally:
+        _set_thresholds(served.url, {r: 0.9 for r in exit_ramps})
+    for report in (single, joined):
+        _assert_all_answered(report)
+        assert report.results > 0
+        assert set(report.exits) == {manifest.final_ramp().name}
+        assert report.agreement == 1.0
+    assert joined.run["inputs"]["concatenated"] > 0
+    assert joined.accuracy_n < joined.results  # concatenations carry no true label
+    assert single.accuracy == single.full_model_accuracy  # same answers, same accuracy
+
+
+def test_a_burst_far_above_capacity_is_shed_with_explicit_overload_errors(served, setup, tmp_path):
+    trace = tmp_path / "burst.jsonl"
+    rng = np.random.default_rng(0)
+    trace.write_text("".join(
+        json.dumps({"timestamp": 0.0005 * i, "input_length": int(rng.integers(8, 128))}) + "\n" for i in range(200)
+    ))
+    report = run_bench(served.url, "minilm", served.bundle, trace, setup=setup, length_mode="clip", slo_ms=SLO_MS)
+    assert report.requests == 200
+    _assert_all_answered(report)
+    assert report.errors["overload"] > 0
+    assert set(report.by_status) <= {"429", "503", "502", "504"}
+    assert report.results > 0
+
+
+def test_capacity_search_then_1_2x_capacity_loses_nothing(served, setup):
+    result = find_capacity(served.url, "minilm", served.bundle, setup=setup, start_rps=8.0, factor=2.0, step_duration=2.0,
+                           max_steps=3, slo_ms=SLO_MS)
+    assert 1 <= len(result.steps) <= 3
+    assert [round(s.offered_rps) for s in result.steps] == [8 * 2**i for i in range(len(result.steps))]
+    assert result.capacity_rps == max(s.goodput_rps for s in result.steps)
+    for step in result.steps:
+        _assert_all_answered(step)
+    if len(result.steps) < 3:
+        last = result.steps[-1]
+        assert last.error_total > 0 or last.goodput_rps <= 1.05 * max(s.goodput_rps for s in result.steps[:-1])
+    report = run_bench(served.url, "minilm", served.bundle, setup=setup, rps=1.2 * result.capacity_rps, duration=2.0, slo_ms=SLO_MS)
+    _assert_all_answered(report)
+
+
+def test_cli_writes_the_report_as_json(served, minilm_bundle, tmp_path):
+    out = tmp_path / "bench.json"
+    done = CliRunner().invoke(app, [
+        "bench", "--url", served.url, "--model", "minilm", "--bundle", str(minilm_bundle), "--rps", "20", "--limit", "25",
+        "--duration", "0", "--json", str(out), "--no-progress",
+    ])
+    assert done.exit_code == 0, done.output
+    doc = json.loads(out.read_text())
+    assert doc["requests"] == 25 and doc["accounted"] == 25 and doc["lost"] == 0
+    assert doc["slo_ms"] == SLO_MS  # taken from the router's own SLO gauge
+    assert "goodput" in done.output
+
+
+def test_cli_names_what_is_wrong(served, minilm_bundle):
+    done = CliRunner().invoke(app, ["bench", "--url", served.url, "--model", "nope", "--bundle", str(minilm_bundle), "--limit", "5"])
+    assert done.exit_code == 2
+    assert "404" in done.output and "--model" in done.output
+    with pytest.raises(BenchError, match="cannot reach the router"):
+        BenchSetup.connect("http://127.0.0.1:9", "minilm", minilm_bundle)
