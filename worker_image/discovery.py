@@ -82,6 +82,8 @@ class Peer:
     bucket: int = -1
     pool: str = ""
     batch_size: int = 1
+    capacity: float = 0.0
+    """Inputs per second the pod (with the splits after it) can take, as it reports."""
     ready: bool = False
     running: int = 0
     """Inputs sent to this peer and not yet answered."""
@@ -134,6 +136,7 @@ class PeerSet:
                     info = await resp.json()
                 peer.split, peer.bucket, peer.pool = int(info["split"]), int(info["bucket"]), str(info.get("pool", ""))
                 peer.batch_size = int(info.get("batchSize", 1))
+                peer.capacity = float(info.get("capacity", 0.0))
                 peer.ready = bool(info.get("ready", False))
                 peer.last_seen = time.monotonic()
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
@@ -189,7 +192,7 @@ class PeerSet:
         return [
             {
                 "address": p.address, "split": p.split, "bucket": p.bucket, "pool": p.pool, "ready": p.ready,
-                "running": p.running, "batchSize": p.batch_size, "serviceRatio": round(p.ratio_ewma, 3),
+                "running": p.running, "batchSize": p.batch_size, "capacity": round(p.capacity, 3), "serviceRatio": round(p.ratio_ewma, 3),
                 "straggler": p.straggler, "failures": p.failures,
             }
             for p in sorted(self.peers.values(), key=lambda p: p.address)

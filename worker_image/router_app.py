@@ -147,14 +147,12 @@ class Router:
     # ------------------------------------------------------------------ admission and dispatch
 
     def _capacity(self, b: int) -> float:
-        """Inputs per second bucket b can absorb: measured when busy, else from its split-0 pods' info."""
-        measured = self.rate[b]
+        """Inputs/s bucket b can absorb: what its split-0 pods report for their pipelines, or the rate
+        measured while the bucket was busy, whichever is higher (the measured rate is a lower bound)."""
         pods = self.peers.candidates(self.buckets[b], 0)
         if not pods:
             return 0.0
-        if measured > 0:
-            return measured
-        return sum(p.batch_size for p in pods) / max(self.slo_s / 4, 1e-3)
+        return max(sum(p.capacity for p in pods), self.rate[b])
 
     def _loads(self) -> list[float]:
         budget = self.slo_s
@@ -250,6 +248,8 @@ class Router:
                 return _error(429, f"{what} cannot answer within the SLO of {self.slo_s * 1000:.0f} ms at the current load", retry_after=max(1, math.ceil(wait)))
             chosen.append(b)
             loads[b] += 1.0 / max(self._capacity(b) * self.slo_s, 1e-9)
+        for b in chosen:  # counted before any await, so concurrent admissions see each other
+            self.outstanding[b] += 1
         started = time.time()
         deadline = started + self.slo_s
         timeout_at = started + self.timeout_s
@@ -282,7 +282,6 @@ class Router:
                 item["reply_to"] = self.advertise
             items.append(item)
         tensors = batch.state_for(rows, bucket)
-        self.outstanding[b] += len(rows)
         try:
             meta, out, _ = await send(self.session, self.peers, bucket=bucket, split=0, meta={"items": items, "bucket": bucket},
                                       tensors=tensors, rows=len(rows), timeout_at=timeout_at)

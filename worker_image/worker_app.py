@@ -133,6 +133,7 @@ class SplitWorker:
         self.metrics.planned_batch.set(self.batch_size)
         self.fit = (1.0, 0.1)  # expected batch ms = a + b * n, refitted at warm-up
         self.slowdown = 1.0
+        self.survival = 1.0  # EWMA of the fraction of a batch that goes on to the next split
         self.ready = False
         self.served = 0
         self.session: aiohttp.ClientSession | None = None
@@ -200,6 +201,15 @@ class SplitWorker:
     def expected_ms(self, n: int) -> float:
         return self.fit[0] + self.fit[1] * n
 
+    def capacity(self) -> float:
+        """Inputs/s this pod and the splits after it can take: its own rate at full batches, capped by
+        the next split's reported capacity divided by the share of inputs that survive this split."""
+        own = self.batch_size / max(self.expected_ms(self.batch_size) * self.slowdown, 1e-3) * 1000.0
+        if self.next is None:
+            return own
+        downstream = sum(p.capacity for p in self.next.candidates(self.bucket, self.split + 1))
+        return min(own, downstream / max(self.survival, 0.05))
+
     # ------------------------------------------------------------------ HTTP
 
     async def handle_run(self, request: web.Request) -> web.Response:
@@ -242,6 +252,7 @@ class SplitWorker:
             "pool": self.pool, "batchSize": self.batch_size, "ready": self.ready,
             "firstBlock": self.runtime.first_block, "lastBlock": self.runtime.last_block,
             "queued": len(self.queue), "served": self.served, "thresholds": self.thresholds,
+            "capacity": round(self.capacity(), 3), "survival": round(self.survival, 4),
             "planHash": self.plan.content_hash(), "expectedMs": {"a": self.fit[0], "b": self.fit[1]},
         })
 
@@ -354,6 +365,8 @@ class SplitWorker:
             row = batch[ans.row]
             self.metrics.exits.labels(**self.metrics.labels, ramp=ans.ramp).inc()
             row.pending.answer(row.index, {"id": row.item["id"], "ramp": ans.ramp, "final": ans.final}, ans.logits)
+        if not self.is_last:
+            self.survival = 0.9 * self.survival + 0.1 * (len(outcome.survivors) / len(batch))
         if self.is_last:
             self._send_feedback([batch[i].item for i in outcome.records])
         elif len(outcome.survivors):
