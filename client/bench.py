@@ -312,22 +312,23 @@ class CapacityResult:
     capacity_rps: float
     """The highest goodput measured over the steps."""
     steps: list[BenchReport]
-    stopped_because: str
+    reason: str
+    """Why the search stopped."""
 
     def to_dict(self) -> dict:
         return {
-            "capacity_rps": self.capacity_rps, "stopped_because": self.stopped_because,
+            "capacity_rps": self.capacity_rps, "reason": self.reason,
             "steps": [s.to_dict() for s in self.steps],
         }
 
     def table(self):
         from rich.table import Table
 
-        table = Table(title=f"capacity search: {self.capacity_rps:.1f} rps ({self.stopped_because})")
+        table = Table(title=f"capacity search: {self.capacity_rps:.1f} rps ({self.reason})")
         for col in ("offered rps", "goodput rps", "p99 ms", "results", "errors", "lost"):
             table.add_column(col, justify="right")
         for s in self.steps:
-            p99 = s.latency["p99_ms"]
+            p99 = s.latency_ms["p99"]
             table.add_row(f"{s.offered_rps:.1f}", f"{s.goodput_rps:.1f}", "-" if p99 is None else f"{p99:.1f}",
                           str(s.results), str(s.error_total), str(s.lost))
         return table

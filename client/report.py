@@ -27,13 +27,13 @@ PERCENTILES = (50, 95, 99)
 
 
 def latency_summary(latencies_s: Sequence[float]) -> dict[str, float | None]:
-    """p50/p95/p99/mean/max in milliseconds (linear interpolation); None entries when there is no value."""
+    """Keys p50/p95/p99/mean/max, in milliseconds (linear interpolation); None entries when there is no value."""
     values = np.asarray(latencies_s, dtype=np.float64) * 1000.0
     if values.size == 0:
-        return {**{f"p{q}_ms": None for q in PERCENTILES}, "mean_ms": None, "max_ms": None}
-    out: dict[str, float | None] = {f"p{q}_ms": float(np.percentile(values, q)) for q in PERCENTILES}
-    out["mean_ms"] = float(values.mean())
-    out["max_ms"] = float(values.max())
+        return {**{f"p{q}": None for q in PERCENTILES}, "mean": None, "max": None}
+    out: dict[str, float | None] = {f"p{q}": float(np.percentile(values, q)) for q in PERCENTILES}
+    out["mean"] = float(values.mean())
+    out["max"] = float(values.max())
     return out
 
 
@@ -57,7 +57,8 @@ class BenchReport:
     within_slo: int
     goodput_rps: float
     throughput_rps: float
-    latency: dict[str, float | None]
+    latency_ms: dict[str, float | None]
+    """Client-side latency of results: p50, p95, p99, mean, max (milliseconds)."""
     exits: dict[str, int]
     exit_share: dict[str, float]
     agreement: float | None
@@ -78,6 +79,11 @@ class BenchReport:
     """How the run was set up: trace, length mode, speed or rps, seed, window, inputs."""
     router: dict | None = None
     """The router's own /v1/observations for the window in progress at the end (when reachable)."""
+
+    @property
+    def latency(self) -> dict[str, float | None]:
+        """Same as `latency_ms` (keys p50, p95, p99, mean, max; milliseconds)."""
+        return self.latency_ms
 
     @property
     def error_total(self) -> int:
@@ -120,13 +126,13 @@ class BenchReport:
             ("results", str(self.results)),
             ("goodput (within SLO)", f"{self.goodput_rps:.2f} rps"),
             ("throughput", f"{self.throughput_rps:.2f} rps"),
-            ("latency p50 / p95 / p99", f"{ms(self.latency['p50_ms'])} / {ms(self.latency['p95_ms'])} / {ms(self.latency['p99_ms'])} ms"),
+            ("latency p50 / p95 / p99", f"{ms(self.latency_ms['p50'])} / {ms(self.latency_ms['p95'])} / {ms(self.latency_ms['p99'])} ms"),
             ("within SLO", f"{self.within_slo} ({pct(self.within_slo / self.results if self.results else None)})"),
             ("agreement with full model", pct(self.agreement)),
             ("accuracy vs labels (full model)", f"{pct(self.accuracy)} ({pct(self.full_model_accuracy)}) on {self.accuracy_n}"),
             ("errors", str(self.error_total)),
             ("lost (no answer)", f"[red]{self.lost}[/red]" if self.lost else "0"),
-            ("generator lag p99 / max", f"{ms(self.send_lag_ms['p99_ms'])} / {ms(self.send_lag_ms['max_ms'])} ms"),
+            ("generator lag p99 / max", f"{ms(self.send_lag_ms['p99'])} / {ms(self.send_lag_ms['max'])} ms"),
         ]
         for name, value in rows:
             summary.add_row(name, value)
@@ -206,7 +212,7 @@ def summarize(
     return BenchReport(
         url=url, model=model, slo_ms=slo_ms, requests=n, offered_rps=offered, run_s=run_s,
         results=len(ok), within_slo=within, goodput_rps=within / run_s, throughput_rps=len(ok) / run_s,
-        latency=latency_summary(latencies), exits=exits, exit_share=exit_share,
+        latency_ms=latency_summary(latencies), exits=exits, exit_share=exit_share,
         agreement=float(np.mean(agree)) if agree else None,
         accuracy=accuracy, full_model_accuracy=full_accuracy, accuracy_n=len(known),
         errors=errors, by_status=dict(by_status), lost=kinds.get("lost", 0),

@@ -94,7 +94,7 @@ def test_replay_accounts_for_every_request_and_agrees_with_the_routers_counts(se
     names = [r.name for r in manifest.exit_ramps()] + [manifest.final_ramp().name]
     assert set(report.exits) <= set(names)
     assert sum(report.exits.values()) == report.results
-    assert report.latency["p50_ms"] <= report.latency["p95_ms"] <= report.latency["p99_ms"] <= report.latency["max_ms"]
+    assert report.latency["p50"] <= report.latency["p95"] <= report.latency["p99"] <= report.latency_ms["max"]
     assert 0.0 <= report.agreement <= 1.0
     assert report.router is not None and report.router["model"] == "minilm"
 

@@ -38,10 +38,10 @@ def test_every_request_is_counted_once_by_kind():
 def test_percentiles_goodput_and_throughput():
     report = summarize(_outcomes(), ["pos"] * 10, ["pos"] * 10, slo_ms=35)
     # latencies 10, 20, ..., 60 ms: linear-interpolated percentiles
-    assert report.latency["p50_ms"] == pytest.approx(35.0)
-    assert report.latency["p95_ms"] == pytest.approx(57.5)
-    assert report.latency["p99_ms"] == pytest.approx(59.5)
-    assert report.latency["max_ms"] == pytest.approx(60.0)
+    assert report.latency["p50"] == pytest.approx(35.0)
+    assert report.latency["p95"] == pytest.approx(57.5)
+    assert report.latency["p99"] == pytest.approx(59.5)
+    assert report.latency["max"] == pytest.approx(60.0)
     assert report.within_slo == 3  # 10, 20, 30 ms
     # run: from 0 to the last answer (the 502 at 0.85 s; the lost request does not stretch it) vs last arrival 0.9 s
     assert report.run_s == pytest.approx(0.9)
@@ -78,7 +78,7 @@ def test_no_results_gives_empty_statistics_not_a_crash():
     out = [Outcome(0, 0.0, 0.0, "lost"), Outcome(1, 0.5, 0.5, "transport", done_s=0.5, error="reset")]
     report = summarize(out, ["a", "a"], [None, None], slo_ms=10)
     assert report.results == 0 and report.goodput_rps == 0
-    assert report.latency["p99_ms"] is None and report.agreement is None and report.accuracy is None
+    assert report.latency["p99"] is None and report.agreement is None and report.accuracy is None
     json.dumps(report.to_dict())  # JSON-ready even when empty
 
 
@@ -100,8 +100,8 @@ def test_bad_outcome_lists_are_rejected():
 
 
 def test_helpers():
-    assert latency_summary([])["p50_ms"] is None
-    assert latency_summary([0.001, 0.003])["mean_ms"] == pytest.approx(2.0)
+    assert latency_summary([])["p50"] is None
+    assert latency_summary([0.001, 0.003])["mean"] == pytest.approx(2.0)
     assert run_seconds([Outcome(0, 2.0, 2.0, "lost")]) == 2.0
     assert [classify(s) for s in (429, 503, 400, 404, 413, 502, 504, 500, 204)] == [
         "overload", "overload", "bad_request", "bad_request", "bad_request", "server_error", "server_error", "server_error", "invalid"]
