@@ -33,6 +33,12 @@ class RampAgreement(Model):
     ramp: str
     samples: Annotated[int, Field(ge=0)] = 0
     agree: Annotated[int, Field(ge=0)] = 0
+    ci_low: float = 0.0
+    """95 % Wilson interval of the ramp's agreement (0..1 when there are no samples)."""
+    ci_high: float = 1.0
+    utility_ms: float = 0.0
+    """Per answered input: latency this ramp saved (inputs that exited there) minus latency it added
+    (inputs that passed it while it was active)."""
 
 
 class Observations(Model):
@@ -60,6 +66,11 @@ class Observations(Model):
     load: dict[str, float] = Field(default_factory=dict)
     """Per bucket (as a string key): outstanding inputs / capacity at the end of the window."""
     agreement: list[RampAgreement] = Field(default_factory=list)
+    agreement_overall: float = 1.0
+    """Estimated agreement of all answers with the full model: per exit ramp the shadow agreement
+    weighted by the answers it gave; answers of the final head agree by definition."""
+    agreement_ci_low: float = 0.0
+    agreement_ci_high: float = 1.0
     thresholds: dict[str, float] = Field(default_factory=dict)
     """The thresholds in force at the end of the window."""
     plan_hash: str = ""

@@ -58,7 +58,31 @@ class WindowStats:
             self.samples[ramp_index] += 1
             self.agree[ramp_index] += agrees
 
-    def observations(self, until: float, load: dict[str, float], thresholds: dict[str, float], plan_hash: str) -> Observations:
+    def agreement_summary(self, saving_ms: np.ndarray, cost_ms: np.ndarray, thresholds: dict[str, float]) -> tuple[list[RampAgreement], float, float, float]:
+        """Per-ramp agreement with Wilson intervals and utility, plus the overall estimate and its interval."""
+        total = int(self.exit_counts.sum())
+        reached = total - np.concatenate([[0], np.cumsum(self.exit_counts[:-1])])
+        per_ramp = []
+        overall = low = high = 1.0
+        if total:
+            overall, low, high = 1.0, 1.0, 1.0
+            for r, name in enumerate(self.ramps):
+                share = self.exit_counts[r] / total
+                p, lo, hi = wilson(int(self.agree[r]), int(self.samples[r]))
+                overall -= share * (1 - p)
+                low -= share * (1 - lo)
+                high -= share * (1 - hi)
+        for r, name in enumerate(self.ramps):
+            p, lo, hi = wilson(int(self.agree[r]), int(self.samples[r]))
+            active = thresholds.get(name, 2.0) <= 1.0
+            saved = self.exit_counts[r] * (saving_ms[r] if r < len(saving_ms) else 0.0)
+            added = (reached[r] - self.exit_counts[r]) * (cost_ms[r] if r < len(cost_ms) and active else 0.0)
+            per_ramp.append(RampAgreement(ramp=name, samples=int(self.samples[r]), agree=int(self.agree[r]), ci_low=lo, ci_high=hi,
+                                          utility_ms=float((saved - added) / total) if total else 0.0))
+        return per_ramp, float(overall), float(low), float(high)
+
+    def observations(self, until: float, load: dict[str, float], thresholds: dict[str, float], plan_hash: str,
+                     saving_ms: np.ndarray | None = None, cost_ms: np.ndarray | None = None) -> Observations:
         total = max(int(self.exit_counts.sum()), 1)
         survival = (1.0 - np.cumsum(self.exit_counts[:-1]) / total).tolist() if self.answered else []
         lat = np.asarray(self.latencies) * 1000.0
@@ -69,6 +93,9 @@ class WindowStats:
             )
             if lat.size else LatencySummary()
         )
+        zeros = np.zeros(len(self.ramps))
+        per_ramp, overall, low, high = self.agreement_summary(
+            zeros if saving_ms is None else saving_ms, zeros if cost_ms is None else cost_ms, thresholds)
         known = set(ErrorCounts.model_fields)
         errors = ErrorCounts(**{k: v for k, v in self.errors.items() if k in known})
         return Observations(
@@ -76,9 +103,20 @@ class WindowStats:
             within_slo=self.within_slo, errors=errors, ramps=list(self.ramps), exit_counts=self.exit_counts.tolist(),
             survival=survival, length_buckets=list(self.buckets), length_histogram=self.length_counts.tolist(),
             latency=latency, load=load,
-            agreement=[RampAgreement(ramp=r, samples=int(s), agree=int(a)) for r, s, a in zip(self.ramps, self.samples, self.agree)],
+            agreement=per_ramp, agreement_overall=overall, agreement_ci_low=low, agreement_ci_high=high,
             thresholds=dict(thresholds), plan_hash=plan_hash,
         )
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float, float]:
+    """(estimate, low, high) of a proportion: the Wilson score interval; (1, 0, 1) with no samples."""
+    if n <= 0:
+        return 1.0, 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return p, float(max(0.0, centre - half)), float(min(1.0, centre + half))
 
 
 class FeedbackRing:

@@ -183,26 +183,15 @@ class Router:
         now = time.time()
         obs = self._snapshot(now)
         self.last_window = obs
-        self.metrics.agreement.labels(self.plan.service).set(self._agreement(obs))
+        self.metrics.agreement.labels(self.plan.service).set(obs.agreement_overall)
         self.window = self._new_window()
 
     def _snapshot(self, now: float):
         loads = self._loads()
         return self.window.observations(
-            now, {str(b): (l if math.isfinite(l) else -1.0) for b, l in zip(self.buckets, loads)}, self.thresholds, self.plan.content_hash()
+            now, {str(b): (l if math.isfinite(l) else -1.0) for b, l in zip(self.buckets, loads)}, self.thresholds,
+            self.plan.content_hash(), self.saving_ms, self.cost_ms,
         )
-
-    @staticmethod
-    def _agreement(obs) -> float:
-        """Agreement with the full model over all answers, from shadow samples per ramp (final answers agree)."""
-        total = sum(obs.exit_counts)
-        if not total:
-            return 1.0
-        disagree = 0.0
-        for ramp_agreement, count in zip(obs.agreement, obs.exit_counts):
-            if ramp_agreement.samples:
-                disagree += count * (1 - ramp_agreement.agree / ramp_agreement.samples)
-        return 1.0 - disagree / total
 
     # ------------------------------------------------------------------ inference
 
