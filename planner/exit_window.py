@@ -37,6 +37,7 @@ DISABLED = 2.0
 """The threshold the tuner writes for a disabled ramp (any value above 1 disables)."""
 
 _FIELDS = ("conf", "pred", "final", "saving_ms", "cost_ms")
+_CONF_SLACK = 1e-5
 
 
 class WindowError(ValueError):
@@ -102,8 +103,9 @@ class Window:
             raise WindowError("conf", "the window has no inputs (N = 0); record some traffic first")
         if r == 0:
             raise WindowError("conf", "the window has no ramps (R = 0)")
-        if conf.min() < 0.0 or conf.max() > 1.0:
-            raise WindowError("conf", f"confidences must lie in [0, 1], got [{conf.min():.4g}, {conf.max():.4g}]")
+        if conf.min() < -_CONF_SLACK or conf.max() > 1.0 + _CONF_SLACK:
+            raise WindowError("conf", f"confidences must lie in [0, 1], got [{conf.min():.6g}, {conf.max():.6g}]")
+        conf = np.clip(conf, 0.0, 1.0)  # float32 softmax maxima may round a hair past 1
         pred = _int_array("pred", self.pred, 2)
         if pred.shape != (n, r):
             raise WindowError("pred", f"shape {pred.shape} does not match conf's {(n, r)}")

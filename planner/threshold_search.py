@@ -31,7 +31,8 @@ class Move:
     """One accepted threshold change, for logs: which ramp, from/to, and the window after it."""
 
     phase: str
-    """"repair" (raising to get back within budget), "climb" (the hill-climb) or "refine"."""
+    """"repair" (raising to get back within budget), "climb" (the hill-climb), "restart" (taken from the
+    budget programme, :mod:`exitplan.planner.threshold_dp`) or "refine"."""
     ramp: int
     old: float
     new: float
@@ -54,14 +55,28 @@ class Search:
         self.agree_t = np.ascontiguousarray(w.agree.T)
         self.agree_tf = self.agree_t.astype(np.float64)
         self._orders: list[np.ndarray | None] = [None] * self.r
+        self.ties = np.zeros(self.r, dtype=bool)
+        self._before_key = b""
+        self._before: list[float] = []
         self.set(t)
 
     def order(self, ramp: int) -> np.ndarray:
-        """Inputs by confidence at ``ramp``, highest first (computed once per ramp)."""
+        """Inputs by confidence at ``ramp``, highest first (computed once per ramp; notes ties)."""
         got = self._orders[ramp]
         if got is None:
             got = self._orders[ramp] = np.argsort(-self.conf_t[ramp])
+            c = self.conf_t[ramp, got]
+            self.ties[ramp] = bool((c[1:] == c[:-1]).any())
         return got
+
+    def cost_before(self, ramp: int) -> float:
+        """Overhead of the active ramps before ``ramp``."""
+        key = self.t.tobytes()
+        if self._before_key != key:
+            paid = np.cumsum(np.where(self.t <= 1.0, self.w.cost_ms, 0.0))
+            self._before = [0.0, *paid[:-1].tolist()]
+            self._before_key = key
+        return self._before[ramp]
 
     def set(self, t: np.ndarray) -> None:
         out = outcome(self.w, t)
@@ -147,7 +162,7 @@ class Profile:
     """Every placement of one ramp's threshold with the others fixed (see :func:`profile`)."""
 
     __slots__ = ("ramp", "reach", "val_off", "ok_off", "k_off", "conf", "ends", "totals", "agrees",
-                 "total_off", "agree_off", "n_here")
+                 "total_off", "agree_off")
 
     def __init__(self, **kw: object) -> None:
         for key, value in kw.items():
@@ -175,26 +190,6 @@ class Profile:
             return -1, float(off)
         return i, float(score[i])
 
-    def lower_move(self, s: Search) -> tuple[int, float, int] | None:
-        """The greedy's proposal: (tier, key, position) of the best feasible lowering that saves more.
-
-        Tier 2: moves that lose no agreement (key: the extra saving); tier 1: the others (key: extra
-        saving per input that stops agreeing). None when no lowering fits the budget and saves more.
-        """
-        gain = self.totals - s.total
-        ok = (self.ends >= self.n_here) & (gain > EPS_MS * max(1.0, abs(s.total))) & (s.n - self.agrees <= s.allowed)
-        idx = np.flatnonzero(ok)
-        if idx.size == 0:
-            return None
-        loss = s.n_agree - self.agrees[idx]
-        free = loss <= 0
-        if free.any():
-            j = int(np.argmax(np.where(free, gain[idx], -np.inf)))
-            return 2, float(gain[idx[j]]), int(idx[j])
-        ratio = gain[idx] / loss
-        j = int(np.argmax(ratio))
-        return 1, float(ratio[j]), int(idx[j])
-
 
 def profile(s: Search, ramp: int, order: np.ndarray) -> Profile | None:
     """Saving and agreement of every threshold of one ramp with the others fixed.
@@ -212,7 +207,7 @@ def profile(s: Search, ramp: int, order: np.ndarray) -> Profile | None:
     m = reach.size
     if m == 0:
         return None
-    before = float(np.sum(w.cost_ms[:ramp][active[:ramp]]))
+    before = s.cost_before(ramp)
     k_off = k_sorted[reaching]
     val_off = s.val[reach] + (cost_r if active[ramp] else 0.0)
     ok_off = s.ok[reach]
@@ -239,7 +234,7 @@ def profile(s: Search, ramp: int, order: np.ndarray) -> Profile | None:
     totals = total_off - cost_r * m + np.cumsum(w.saving_ms[ramp] - before - val_off)[ends]
     agrees = agree_off + np.rint(np.cumsum(s.agree_tf[ramp, reach] - ok_off)[ends]).astype(np.int64)
     return Profile(ramp=ramp, reach=reach, val_off=val_off, ok_off=ok_off, k_off=k_off, conf=c, ends=ends,
-                   totals=totals, agrees=agrees, total_off=total_off, agree_off=agree_off, n_here=int(here.size))
+                   totals=totals, agrees=agrees, total_off=total_off, agree_off=agree_off)
 
 
 def place(s: Search, p: Profile, pos: int) -> None:
@@ -249,7 +244,6 @@ def place(s: Search, p: Profile, pos: int) -> None:
     if pos < 0:
         s.k[p.reach], s.val[p.reach], s.ok[p.reach] = p.k_off, p.val_off, p.ok_off
         s.total, s.n_agree = float(p.total_off), int(p.agree_off)
-        p.n_here = 0
         return
     n_exit = int(p.ends[pos]) + 1
     cost_r = float(w.cost_ms[ramp])
@@ -258,41 +252,124 @@ def place(s: Search, p: Profile, pos: int) -> None:
     s.k[out], s.val[out], s.ok[out] = ramp, w.saving_ms[ramp] - cost_through, s.agree_tf[ramp, out]
     s.k[on], s.val[on], s.ok[on] = p.k_off[n_exit:], p.val_off[n_exit:] - cost_r, p.ok_off[n_exit:]
     s.total, s.n_agree = float(p.totals[pos]), int(p.agrees[pos])
-    p.n_here = n_exit
+
+
+class Lowering:
+    """The lowerings of one ramp's threshold with the others fixed (see :func:`lowering`)."""
+
+    __slots__ = ("ramp", "idx", "conf", "ends", "totals", "agrees", "exit_ms", "activates", "first", "done")
+
+    def __init__(self, ramp: int, idx: np.ndarray, conf: np.ndarray, ends: np.ndarray, totals: np.ndarray,
+                 agrees: np.ndarray, exit_ms: float, activates: bool) -> None:
+        self.ramp, self.idx, self.conf, self.ends, self.totals, self.agrees = ramp, idx, conf, ends, totals, agrees
+        self.exit_ms, self.activates = exit_ms, activates
+        self.first = 0  # positions before this one are no longer lowerings (the ramp already moved there)
+        self.done = 0  # inputs of idx already let out
+
+    def threshold(self, pos: int) -> float:
+        c, e = self.conf, int(self.ends[pos])
+        if e + 1 < c.size and c[e + 1] < (c[e] + c[e + 1]) / 2.0 <= c[e]:
+            return float((c[e] + c[e + 1]) / 2.0)  # midway to the next input that does not exit
+        return float(c[e])
+
+    def proposal(self, s: Search) -> tuple[int, float, int] | None:
+        """The greedy's proposal: (tier, key, position) of the best lowering that fits and saves more.
+
+        Tier 2: moves that lose no agreement (key: the extra saving); tier 1: the others (key: extra
+        saving per input that stops agreeing). None when no lowering fits the budget and saves more.
+        """
+        totals, agrees = self.totals[self.first:], self.agrees[self.first:]
+        gain = totals - s.total
+        ok = (gain > EPS_MS * max(1.0, abs(s.total))) & (s.n - agrees <= s.allowed)
+        idx = np.flatnonzero(ok)
+        if idx.size == 0:
+            return None
+        loss = s.n_agree - agrees[idx]
+        free = loss <= 0
+        if free.any():
+            j = int(np.argmax(np.where(free, gain[idx], -np.inf)))
+            return 2, float(gain[idx[j]]), self.first + int(idx[j])
+        ratio = gain[idx] / loss
+        j = int(np.argmax(ratio))
+        return 1, float(ratio[j]), self.first + int(idx[j])
+
+
+def lowering(s: Search, ramp: int) -> Lowering | None:
+    """Saving and agreement of letting out, at ``ramp``, the first p of the inputs now going past it.
+
+    Those inputs are taken by confidence, highest first; a disabled ramp is switched on by the move
+    (every input going past it then pays its overhead). One cumulative sum gives every p.
+    """
+    order = s.order(ramp)
+    idx = order[s.k[order] > ramp]
+    if idx.size == 0:
+        return None
+    w = s.w
+    cost_r = float(w.cost_ms[ramp])
+    activates = not s.t[ramp] <= 1.0
+    shift = cost_r if activates else 0.0
+    exit_ms = float(w.saving_ms[ramp]) - s.cost_before(ramp) - cost_r
+    gains = np.cumsum(exit_ms + shift - s.val[idx])
+    d_ok = np.cumsum(s.agree_tf[ramp, idx] - s.ok[idx])
+    c = s.conf_t[ramp, idx]
+    if s.ties[ramp]:
+        ends = np.flatnonzero(np.append(c[1:] != c[:-1], True))  # last index of each tie group
+        gains, d_ok = gains[ends], d_ok[ends]
+    else:
+        ends = np.arange(idx.size)
+    totals = (s.total - shift * idx.size) + gains
+    agrees = s.n_agree + d_ok.astype(np.int64)
+    return Lowering(ramp, idx, c, ends, totals, agrees, exit_ms, activates)
+
+
+def place_lowering(s: Search, low: Lowering, pos: int) -> None:
+    """Apply lowering ``pos``; the lowering stays valid for the ramp's next move (only later positions)."""
+    ramp = low.ramp
+    if low.activates:
+        s.val[s.k > ramp] -= s.w.cost_ms[ramp]  # everyone going past the ramp now pays for it
+        low.activates = False
+    e = int(low.ends[pos]) + 1
+    newly = low.idx[low.done:e]
+    s.k[newly] = ramp
+    s.ok[newly] = s.agree_tf[ramp, newly]
+    s.val[newly] = low.exit_ms
+    s.t[ramp] = low.threshold(pos)
+    s.total, s.n_agree = float(low.totals[pos]), int(low.agrees[pos])
+    low.done, low.first = e, pos + 1
 
 
 def climb_profiles(s: Search, movable: np.ndarray, max_rounds: int, moves: list[Move]) -> int:
-    """The greedy over whole profiles with lazy re-evaluation; returns the profiles computed.
+    """The greedy over whole lowering profiles with lazy re-evaluation; returns the profiles computed.
 
-    A ramp's profile depends only on the other ramps' thresholds, so it stays valid after the ramp's
-    own move; every other move makes it stale. Each round takes the ramp with the best proposal,
-    recomputes its profile if stale, and moves it if its fresh proposal still beats every other
-    ramp's last one.
+    A ramp's lowerings depend only on the other ramps' thresholds, so they stay valid after the
+    ramp's own move; every other move makes them stale. Each round takes the ramp with the best
+    proposal, recomputes its lowerings if stale, and moves it if its fresh proposal still beats every
+    other ramp's last one.
     """
     version = 0
-    cache: dict[int, tuple[int, Profile | None]] = {}
+    cache: dict[int, tuple[int, Lowering | None]] = {}
     proposals: dict[int, tuple[int, float]] = {}
     computed = 0
 
-    def fresh(ramp: int) -> Profile | None:
+    def fresh(ramp: int) -> Lowering | None:
         nonlocal computed
         got = cache.get(ramp)
         if got is not None and got[0] == version:
             return got[1]
         computed += 1
-        prof = profile(s, ramp, s.order(ramp))
-        cache[ramp] = (version, prof)
-        return prof
+        low = lowering(s, ramp)
+        cache[ramp] = (version, low)
+        return low
 
     for ramp in map(int, np.flatnonzero(movable)):
-        prof = fresh(ramp)
-        move = prof.lower_move(s) if prof is not None else None
+        low = fresh(ramp)
+        move = low.proposal(s) if low is not None else None
         if move is not None:
             proposals[ramp] = move[:2]
     while proposals and computed < max_rounds:
         ramp = max(proposals, key=proposals.__getitem__)
-        prof = fresh(ramp)
-        move = prof.lower_move(s) if prof is not None else None
+        low = fresh(ramp)
+        move = low.proposal(s) if low is not None else None
         if move is None:
             del proposals[ramp]
             continue
@@ -300,9 +377,9 @@ def climb_profiles(s: Search, movable: np.ndarray, max_rounds: int, moves: list[
         if any(proposals[q] > move[:2] for q in proposals if q != ramp):
             continue  # its proposal went stale; another ramp's may be better now
         old = float(s.t[ramp])
-        place(s, prof, move[2])
+        place_lowering(s, low, move[2])
         version += 1
-        cache[ramp] = (version, prof)
+        cache[ramp] = (version, low)
         moves.append(Move("climb", ramp, old, float(s.t[ramp]), *s.figures))
     return computed
 

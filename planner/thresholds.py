@@ -51,6 +51,7 @@ from .exit_window import (
     outcome,
     within_budget,
 )
+from .threshold_dp import budget_dp
 from .threshold_search import Move, Search, climb_profiles, climb_steps, refine, repair
 
 __all__ = [
@@ -78,6 +79,8 @@ class TuneResult:
     """Best saving the hill-climb alone reached (before the refinement pass)."""
     repaired: bool
     """The start thresholds broke the budget and were raised first."""
+    restarted: bool = False
+    """The budget programme's configuration (from scratch) beat the climb's and was refined instead."""
 
     @property
     def active(self) -> np.ndarray:
@@ -102,7 +105,7 @@ class TuneResult:
 
 
 def tune(w: Window, budget: float, start: object | None = None, *, method: Method = "profile",
-         refine_pass: bool = True, movable: object | None = None, min_step: float = 0.005,
+         refine_pass: bool = True, restart: bool = True, beam: int = 1, movable: object | None = None, min_step: float = 0.005,
          max_step: float = 0.2, init_step: float = 0.05, max_rounds: int = 100_000,
          max_sweeps: int = 20) -> TuneResult:
     """Tune the thresholds of ``w``'s ramps so that agreement >= 1 - budget and the saving is largest.
@@ -141,8 +144,19 @@ def tune(w: Window, budget: float, start: object | None = None, *, method: Metho
     else:
         rounds = climb_profiles(s, move_mask, max_rounds, moves)
     climb_saving = s.total / s.n
+    restarted = False
+    if restart:
+        # The budget programme from scratch; the better of it and the climb goes on to refinement.
+        alt = budget_dp(w, allowed, beam=beam, movable=move_mask, fixed=start_t)
+        alt_out = outcome(w, alt)
+        if w.n_inputs - alt_out.agree_count <= allowed and alt_out.saving_ms * w.n_inputs > s.total + 1e-9 * max(1.0, abs(s.total)):
+            old = s.t.copy()
+            s.set(alt)
+            restarted = True
+            for r in np.flatnonzero(old != s.t):
+                moves.append(Move("restart", int(r), float(old[r]), float(s.t[r]), *s.figures))
     if refine_pass:
         refine(s, move_mask, moves, max_sweeps)
     agreement, saving = s.figures
     return TuneResult(s.t.copy(), agreement, saving, budget, rounds, tuple(moves), start_agreement, start_saving,
-                      climb_saving, repaired)
+                      climb_saving, repaired, restarted)
