@@ -166,3 +166,20 @@ def test_cli_names_what_is_wrong(served, minilm_bundle):
     assert "404" in done.output and "--model" in done.output
     with pytest.raises(BenchError, match="cannot reach the router"):
         BenchSetup.connect("http://127.0.0.1:9", "minilm", minilm_bundle)
+
+
+def test_fixed_size_model_bench(digits_bundle, tmp_path):
+    """A model without a sequence axis: held-out images in seeded order, checked against the full model."""
+    manifest = read_manifest(digits_bundle)
+    spec = service_spec(digits_bundle, slo_ms=SLO_MS).model_copy(
+        update={"model": service_spec(digits_bundle).model.model_copy(update={"name": "digits"})})
+    setup_ = ServiceSetup("bench-digits", spec, digits_bundle, manifest)
+    plan = single_split_plan(setup_, thresholds={r.name: 2.0 for r in manifest.exit_ramps()}, replicas=1, batch_size=8,
+                             reason="bench test")
+    with deployment(digits_bundle, plan, spec, tmp_path) as dep:
+        report = run_bench(dep.url, "digits", digits_bundle, rps=20.0, limit=40, slo_ms=SLO_MS, seed=4)
+    _assert_all_answered(report)
+    assert report.results > 0
+    assert report.agreement == 1.0  # exits off: every answer is the final head's
+    assert report.accuracy_n == report.results  # every image has its true label
+    assert report.run["inputs"]["concatenated"] == 0
