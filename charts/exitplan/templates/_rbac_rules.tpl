@@ -1,0 +1,87 @@
+{{/*
+The operator's RBAC rules, least privilege. tests/test_rbac.py derives what the code needs — the
+application's calls by scanning operator/ (KubeClient calls, kopf.adopt, kopf.event) and kopf's own
+calls from the handlers kopf has registered plus kopf's source — and checks these rules match it
+exactly: nothing missing, nothing extra.
+  "kopf:" marks what the framework needs, "app:" what exitplan's own code calls.
+*/}}
+
+{{/* Rules on cluster-scoped resources: always in a ClusterRole. */}}
+{{- define "exitplan.rules.cluster" -}}
+# kopf: discover resources as CRDs come and go (kopf/_core/reactor/observation.py resource_observer).
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+# app: read the GPUPools a service names (operator/reconcile.py read_inputs).
+- apiGroups: ["exitplan.io"]
+  resources: ["gpupools"]
+  verbs: ["get"]
+{{- if include "exitplan.peering" . }}
+# kopf: leader election: watch the peers (list, watch) and post this replica's keep-alive (patch)
+# in the ClusterKopfPeering (kopf/_core/engines/peering.py).
+# app: create that ClusterKopfPeering when absent (operator/peering.py ensure_peering: get, create).
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings"]
+  verbs: ["get", "list", "watch", "patch", "create"]
+{{- end }}
+{{- if .Values.namespaces.restrictWatch }}
+# kopf, namespaced mode: observe the namespaces it serves (observation.py namespace_observer).
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
+{{- end -}}
+
+{{/* Rules on namespaced resources: in the ClusterRole (all namespaces) or one Role per served namespace. */}}
+{{- define "exitplan.rules.namespaced" -}}
+# kopf: watch EarlyExitServices (list, watch); store handler progress and the diff base in
+# annotations and add the finalizer its timer needs (patch).
+# app: list the services waiting for a ModelProfile (operator/handlers.py profile_event).
+- apiGroups: ["exitplan.io"]
+  resources: ["earlyexitservices"]
+  verbs: ["list", "watch", "patch"]
+# app: write the fixed status (operator/reconcile.py Service.write_status).
+- apiGroups: ["exitplan.io"]
+  resources: ["earlyexitservices/status"]
+  verbs: ["patch"]
+# app: children get ownerReferences with blockOwnerDeletion (kopf.adopt in operator/builders.py);
+# clusters running the OwnerReferencesPermissionEnforcement admission plugin require this.
+- apiGroups: ["exitplan.io"]
+  resources: ["earlyexitservices/finalizers"]
+  verbs: ["update"]
+# kopf: the ModelProfile event handler (list, watch); app: read_inputs lists the profiles (list).
+- apiGroups: ["exitplan.io"]
+  resources: ["modelprofiles"]
+  verbs: ["list", "watch"]
+# kopf + app: events about services (kopf.event in reconcile/driftloop; kopf's handler errors).
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+# app: the plan ConfigMap and the router/split Services (operator/apply.py apply_one, delete_one,
+# list_children; reconcile.py current_plan; driftloop.py router_urls).
+- apiGroups: [""]
+  resources: ["configmaps", "services"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+# app: router pods' IPs for /v1/observations (operator/driftloop.py router_urls).
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
+# app: router and worker Deployments (operator/apply.py; reconcile.py refresh_readiness).
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+# app: profiling Jobs (operator/reconcile.py ensure_profiling; apply.py list_children). Finished
+# Jobs expire by ttlSecondsAfterFinished and go with their service, so no delete.
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "create", "patch"]
+{{- end -}}
+
+{{/* The profiling Job's `exitplan operator publish-profile` (exitplan/cmd_operator.py publish_profile
+     -> operator/apply.py apply_one): get, create or patch one ModelProfile in its namespace. */}}
+{{- define "exitplan.rules.profiler" -}}
+# app: publish the measured ModelProfile (exitplan/cmd_operator.py publish_profile).
+- apiGroups: ["exitplan.io"]
+  resources: ["modelprofiles"]
+  verbs: ["get", "create", "patch"]
+{{- end -}}

@@ -1,0 +1,510 @@
+"""The Helm chart charts/exitplan, rendered offline with helm-python-sdk (Helm's Go SDK).
+
+What must hold: it renders with the defaults and with every toggle on, lints clean, every object
+validates strictly (kubernetes-validate) for Kubernetes 1.29 through the newest bundled version,
+bad values fail `helm install` naming the key, the CRDs are exactly crds/*.yaml, the operator pod
+has secure defaults and arguments the real CLI accepts, and the NetworkPolicies allow exactly the
+data plane's paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from packaging.version import Version
+
+from test_chart_support import (ALL_ON, CHART, CLIENT_PEER, NAMESPACE, PROMETHEUS_PEER, RESTRICTED, ROOT, VARIANTS,
+                                chart, crd_objects, of_kind, one, operator_pod, render, render_raw)
+
+helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk is in the dev extra: pip install -e '.[dev]'")
+kv = pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate is in the dev extra")
+
+MIN_KUBE = Version("1.29")
+
+
+# ------------------------------------------------------------------ rendering and linting
+
+
+def test_defaults_render_the_operator_rbac_profiler_and_dashboards() -> None:
+    objs = render()
+    kinds = sorted({o["kind"] for o in objs})
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "CustomResourceDefinition", "Role",
+                     "RoleBinding", "Service", "ServiceAccount", "StatefulSet"]
+    sts = one(objs, "StatefulSet", "exitplan-operator", NAMESPACE)
+    assert sts["spec"]["replicas"] == 1
+    assert one(objs, "CustomResourceDefinition")["metadata"]["name"] == "clusterkopfpeerings.kopf.dev"
+    # gated off by default
+    for kind in ("ServiceMonitor", "PodMonitor", "NetworkPolicy"):
+        assert not of_kind(objs, kind)
+    # the profiler identity lands in the default service namespace
+    assert one(objs, "ServiceAccount", "exitplan-profiler", "default")
+    dash = one(objs, "ConfigMap")
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+def test_every_toggle_on_renders_monitors_policies_and_peering() -> None:
+    objs = render(ALL_ON)
+    sm = one(objs, "ServiceMonitor")
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    pm = one(objs, "PodMonitor")
+    assert pm["spec"]["namespaceSelector"]["matchNames"] == ["default", "ml-serving"]
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    # per namespace: deny + router + one per split + metrics; plus the operator's
+    names = sorted(o["metadata"]["name"] for o in of_kind(objs, "NetworkPolicy") if o["metadata"]["namespace"] == "default")
+    assert names == sorted(["exitplan-data-plane-deny", "exitplan-router", "exitplan-data-plane-metrics",
+                            *(f"exitplan-worker-split-{s}" for s in range(4))])
+    assert one(objs, "NetworkPolicy", "exitplan-operator", NAMESPACE)
+    assert one(objs, "StatefulSet")["spec"]["replicas"] == 3
+    assert {o["metadata"]["namespace"] for o in of_kind(objs, "ConfigMap")} == {"monitoring"}
+    assert {o["metadata"]["namespace"] for o in of_kind(objs, "ServiceAccount")} == {NAMESPACE, "default", "ml-serving"}
+
+
+def test_toggles_off_render_only_the_operator() -> None:
+    objs = render({"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "ops"},
+                   "profiler": {"create": False}, "dashboards": {"enabled": False},
+                   "leaderElection": {"enabled": False}})
+    assert sorted(o["kind"] for o in objs) == ["Service", "StatefulSet"]
+    pod = operator_pod(objs)
+    assert pod["spec"]["serviceAccountName"] == "ops"
+    assert "--peering" not in pod["spec"]["containers"][0]["args"]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_lint_is_clean(variant: str) -> None:
+    report = helm_python.lint(CHART, VARIANTS[variant], strict=True, namespace=NAMESPACE, kube_version="v1.29.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and problems == [], problems or report["errors"]
+
+
+# ------------------------------------------------------------------ strict validation, 1.29 .. newest
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(filename: str, version: str) -> Any:
+    return _original_schema_contents(filename, version)
+
+
+_original_schema_contents = kv.schema_contents
+
+
+def kube_versions() -> list[str]:
+    return sorted({v for v in kv.all_versions() if Version(v) >= MIN_KUBE}, key=Version)
+
+
+def validate(obj: dict[str, Any], version: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv, "schema_contents", _schema)  # the same files, read once
+    kv.validate(obj, version, strict=True)
+
+
+# The two prometheus-operator kinds have no schema in kubernetes-validate: their fields used here are
+# checked against the monitoring.coreos.com/v1 API (the subset the chart writes, unknown keys refused).
+_MONITOR_ENDPOINT = {"type": "object", "additionalProperties": False, "required": ["port"],
+                     "properties": {"port": {"type": "string"}, "path": {"type": "string"},
+                                    "interval": {"type": "string", "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}}}
+_SELECTOR = {"type": "object", "additionalProperties": False,
+             "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+                            "matchExpressions": {"type": "array", "items": {
+                                "type": "object", "required": ["key", "operator"], "additionalProperties": False,
+                                "properties": {"key": {"type": "string"}, "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                                               "values": {"type": "array", "items": {"type": "string"}}}}}}}
+MONITOR_SCHEMAS = {
+    "ServiceMonitor": {"selector": _SELECTOR, "endpoints": {"type": "array", "minItems": 1, "items": _MONITOR_ENDPOINT}},
+    "PodMonitor": {"selector": _SELECTOR, "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _MONITOR_ENDPOINT}},
+}
+
+
+def validate_monitor(obj: dict[str, Any]) -> None:
+    import jsonschema
+
+    spec_props = {**MONITOR_SCHEMAS[obj["kind"]],
+                  "namespaceSelector": {"type": "object", "additionalProperties": False,
+                                        "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}}}
+    schema = {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "additionalProperties": False,
+              "properties": {"apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": obj["kind"]},
+                             "metadata": {"type": "object", "required": ["name", "namespace"]},
+                             "spec": {"type": "object", "additionalProperties": False, "required": ["selector"],
+                                      "properties": spec_props}}}
+    jsonschema.validate(obj, schema)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_object_validates_strictly_for_each_kubernetes_version(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    objs = render(VARIANTS[variant]) + crd_objects()
+    versions = kube_versions()
+    assert versions[0] == "1.29.0" and Version(versions[-1]) >= Version("1.37"), versions
+    checked = 0
+    for obj in objs:
+        if obj["kind"] in MONITOR_SCHEMAS:
+            validate_monitor(obj)
+            continue
+        for version in versions:
+            try:
+                validate(obj, version, monkeypatch)
+            except kv.ValidationError as err:
+                path = ".".join(str(p) for p in err.path)
+                pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} invalid for Kubernetes {version}: {path}: {err.message}")
+            checked += 1
+    assert checked >= len(versions) * 10
+
+
+def test_strict_validation_catches_a_bad_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above can fail: an unknown container field and a string port are refused."""
+    sts = one(render(), "StatefulSet")
+    sts["spec"]["template"]["spec"]["containers"][0]["runAsRoot"] = True
+    with pytest.raises(kv.ValidationError):
+        validate(sts, "1.29.0", monkeypatch)
+    svc = one(render(), "Service")
+    svc["spec"]["ports"][0]["port"] = "nine"
+    with pytest.raises(kv.ValidationError):
+        validate(svc, "1.37.0", monkeypatch)
+    monitor = one(render(ALL_ON), "PodMonitor")
+    monitor["spec"]["podMetricsEndpoint"] = monitor["spec"].pop("podMetricsEndpoints")
+    import jsonschema
+
+    with pytest.raises(jsonschema.ValidationError):
+        validate_monitor(monitor)
+
+
+# ------------------------------------------------------------------ bad values fail with the key named
+
+
+BAD_VALUES = [
+    ({"operator": {"replicas": "three"}}, "/operator/replicas"),
+    ({"operator": {"replicaz": 2}}, "replicaz"),
+    ({"operator": {"replicas": 3}, "leaderElection": {"enabled": False}}, "/leaderElection/enabled"),
+    ({"operator": {"image": {"repository": "r", "pullPolicy": "Sometimes"}}}, "/operator/image/pullPolicy"),
+    ({"operator": {"metricsPort": 80}}, "/operator/metricsPort"),
+    ({"operator": {"securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": False}}},
+     "/operator/securityContext/readOnlyRootFilesystem"),
+    ({"operator": {"podSecurityContext": {"runAsNonRoot": False}}}, "/operator/podSecurityContext/runAsNonRoot"),
+    ({"namespaces": {"services": ["Team_A"]}}, "/namespaces/services/0"),
+    ({"namespaces": {"services": ["a"], "restrictWatch": True}, "operator": {"replicas": 2}}, "/operator/replicas"),
+    ({"networkPolicy": {"maxSplits": 0}}, "/networkPolicy/maxSplits"),
+    ({"metrics": {"podMonitor": {"interval": "often"}}}, "/metrics/podMonitor/interval"),
+    ({"dashboards": {"labelValue": 1}}, "/dashboards/labelValue"),
+]
+
+
+@pytest.mark.parametrize(("values", "key"), BAD_VALUES, ids=[k for _, k in BAD_VALUES])
+def test_bad_values_fail_helm_install_naming_the_key(values: dict[str, Any], key: str) -> None:
+    """`helm install --dry-run=client` (Helm's install action, nothing reaches a cluster) refuses them."""
+    config = helm_python.Config(storage_driver="memory", namespace=NAMESPACE)
+    try:
+        with pytest.raises(helm_python.HelmError) as err:
+            config.install(chart(), "exitplan", values, namespace=NAMESPACE, dry_run="client")
+    finally:
+        config.close()
+    assert key in str(err.value), str(err.value)
+    with pytest.raises(helm_python.HelmValuesError, match=key.split("/")[-1]):
+        render_raw(values)
+
+
+def test_good_values_install_in_dry_run() -> None:
+    config = helm_python.Config(storage_driver="memory", namespace=NAMESPACE)
+    try:
+        release = config.install(chart(), "exitplan", ALL_ON, namespace=NAMESPACE, dry_run="client")
+    finally:
+        config.close()
+    assert "kind: StatefulSet" in release["manifest"]
+    assert "exitplan" in release["notes"]
+
+
+def test_network_policy_refuses_a_podmonitor_it_would_block() -> None:
+    values = {"networkPolicy": {"enabled": True}, "metrics": {"podMonitor": {"enabled": True}}}
+    with pytest.raises(helm_python.HelmRenderError, match="networkPolicy.metricsFrom"):
+        render_raw(values)
+
+
+# ------------------------------------------------------------------ CRDs: exactly the generated ones
+
+
+def test_chart_crds_are_exactly_the_generated_crds(tmp_path: Path) -> None:
+    generated = {p.name: p.read_bytes() for p in sorted((ROOT / "crds").glob("*.yaml"))}
+    assert generated, "crds/*.yaml is empty"
+    loaded = {Path(c["name"]).name: c["data"] for c in chart().crds}
+    assert sorted(loaded) == sorted(generated), "charts/exitplan/crds must hold one link per crds/*.yaml"
+    for name, data in generated.items():
+        assert loaded[name].encode() == data, f"chart crds/{name} differs from crds/{name}"
+        link = CHART / "crds" / name
+        assert link.is_symlink() and link.resolve() == (ROOT / "crds" / name).resolve()
+    # a packaged chart carries the files themselves (links dereferenced)
+    archive = helm_python.package(CHART, destination=tmp_path)
+    with tarfile.open(archive) as tar:
+        for name, data in generated.items():
+            member = tar.getmember(f"exitplan/crds/{name}")
+            assert member.isfile()
+            assert tar.extractfile(member).read() == data
+
+
+def test_chart_crds_are_valid_and_cover_the_three_kinds() -> None:
+    kinds = {c["spec"]["names"]["kind"] for c in crd_objects()}
+    assert kinds == {"GPUPool", "EarlyExitService", "ModelProfile"}
+
+
+# ------------------------------------------------------------------ the operator pod
+
+
+def test_operator_pod_has_secure_defaults() -> None:
+    for variant in VARIANTS.values():
+        pod = operator_pod(render(variant))["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in pod["containers"]:
+            sc = container["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+            assert container["livenessProbe"]["httpGet"]["port"] == container["readinessProbe"]["httpGet"]["port"] == "metrics"
+        assert not any("hostPath" in v for v in pod["volumes"])
+
+
+def _parse_cli(args: list[str]) -> dict[str, Any]:
+    """Parse `exitplan <args>` with the real typer/click command tree (nothing runs)."""
+    import click
+    import typer
+
+    from exitplan.cli import app
+
+    root = typer.main.get_command(app)
+    ctx = click.Context(root, info_name="exitplan")
+    cmd = root.get_command(ctx, args[0])
+    assert cmd is not None, f"`exitplan {args[0]}` is not a command"
+    sub = cmd.make_context(args[0], list(args[1:]), parent=ctx)
+    return {"command": args[0], **sub.params}
+
+
+def _expand(args: list[str], env: dict[str, str]) -> list[str]:
+    out = []
+    for arg in args:
+        for key, value in env.items():
+            arg = arg.replace(f"$({key})", value)
+        out.append(arg)
+    return out
+
+
+def test_operator_args_are_accepted_by_the_cli() -> None:
+    pod = operator_pod(render(ALL_ON))["spec"]["containers"][0]
+    assert pod["command"] == ["exitplan"]
+    env = {e["name"]: e for e in pod["env"]}
+    # $(POD_INDEX) comes from the StatefulSet pod-index label: replica 2 gets priority 2
+    assert env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    params = _parse_cli(_expand(pod["args"], {"POD_INDEX": "2"}))
+    assert params["command"] == "operator"
+    assert (params["peering"], params["priority"], params["metrics_port"], params["verbose"]) == ("exitplan", 2, 9090, True)
+    assert params["namespace"] == []  # cluster-wide
+    restricted = operator_pod(render(RESTRICTED))["spec"]["containers"][0]
+    params = _parse_cli(restricted["args"])
+    assert params["namespace"] == ["team-a", "team-b"]
+    assert params["peering"] == ""  # kopf's namespaced peering is not what the operator creates: standalone
+
+
+def test_operator_gets_the_data_plane_image_through_the_env_the_builders_read() -> None:
+    pod = operator_pod(render({"dataPlane": {"image": {"repository": "registry.local/exitplan-worker", "tag": "e2e"}}}))
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    code = "from exitplan.operator import builders; print(builders.IMAGE)"
+    got = subprocess.run([sys.executable, "-c", code], env={**os.environ, "EXITPLAN_IMAGE": env["EXITPLAN_IMAGE"]},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert got == "registry.local/exitplan-worker:e2e"
+
+
+# ------------------------------------------------------------------ the data plane the operator builds
+
+
+def _children(splits: int = 5) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Children of a real plan built by the operator's own builders (and a profiling Job)."""
+    from exitplan.api.plan import Cell, Plan, SplitPlan
+    from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
+    from exitplan.operator import builders
+
+    spec = EarlyExitServiceSpec.model_validate({"model": {"name": "minilm", "bundle": "/var/lib/exitplan/bundles/minilm"},
+                                                "slo": {"latencyMs": 100}, "pools": [{"name": "gpu-a"}]})
+    plan = Plan(service="minilm", model="minilm",
+                splits=[SplitPlan(index=i, first_block=i, last_block=i) for i in range(splits)],
+                buckets=[128], cells=[Cell(split=i, bucket=128, pool="gpu-a", replicas=1, batch_size=8) for i in range(splits)])
+    owner = {"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService",
+             "metadata": {"name": "minilm", "namespace": "default", "uid": "0000-1111"}}
+    pools = {"gpu-a": GPUPoolSpec(capacity=8)}
+    children = builders.build_children(owner, spec, plan, pools)
+    job = builders.build_profile_job(owner, spec, "gpu-a", pools["gpu-a"], builders.profile_name("minilm", "gpu-a"))
+    return children, job
+
+
+def test_profiler_service_account_is_the_one_the_operator_names() -> None:
+    _, job = _children()
+    sa = job["spec"]["template"]["spec"]["serviceAccountName"]
+    objs = render()
+    assert one(objs, "ServiceAccount", sa, "default")
+    binding = one(objs, "RoleBinding", sa, "default")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "default"}]
+
+
+def test_podmonitor_selects_the_routers_and_workers_the_operator_builds() -> None:
+    from exitplan.operator import builders
+
+    children, job = _children()
+    monitor = one(render(ALL_ON), "PodMonitor")["spec"]
+    pods = [d["spec"]["template"] for d in children if d["kind"] == "Deployment"]
+    assert all(selects(monitor["selector"], p["metadata"]["labels"]) for p in pods)
+    assert not selects(monitor["selector"], job["spec"]["template"]["metadata"]["labels"])
+    for p in pods:
+        ports = {port["name"]: port["containerPort"] for port in p["spec"]["containers"][0]["ports"]}
+        assert ports[monitor["podMetricsEndpoints"][0]["port"]] == builders.PORT
+
+
+# ------------------------------------------------------------------ NetworkPolicies, evaluated
+
+
+def selects(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
+    """Kubernetes label-selector semantics (an empty selector selects everything)."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        ok = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+class Pod:
+    def __init__(self, name: str, namespace: str, labels: dict[str, str]) -> None:
+        self.name, self.namespace, self.labels = name, namespace, labels
+
+    def __repr__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def _peer_matches(peer: dict[str, Any], pod: Pod, policy_ns: str) -> bool:
+    ns_labels = {"kubernetes.io/metadata.name": pod.namespace}
+    if "namespaceSelector" in peer:
+        if not selects(peer["namespaceSelector"], ns_labels):
+            return False
+    elif pod.namespace != policy_ns:
+        return False
+    return "podSelector" not in peer or selects(peer["podSelector"], pod.labels)
+
+
+def _rule_allows(rule: dict[str, Any], peers_key: str, other: Pod, port: int, proto: str, policy_ns: str) -> bool:
+    ports = rule.get("ports")
+    if ports and not any(p.get("port") in (None, port) and p.get("protocol", "TCP") == proto for p in ports):
+        return False
+    peers = rule.get(peers_key)
+    return not peers or any(_peer_matches(peer, other, policy_ns) for peer in peers)
+
+
+def allowed(policies: list[dict[str, Any]], src: Pod, dst: Pod, port: int, proto: str = "TCP") -> bool:
+    """Whether NetworkPolicies let `src` open a connection to `dst`:`port` (egress of src and ingress of dst)."""
+    def side(pod: Pod, kind: str, rules_key: str, peers_key: str, other: Pod) -> bool:
+        mine = [p for p in policies if p["metadata"]["namespace"] == pod.namespace
+                and selects(p["spec"]["podSelector"], pod.labels) and kind in p["spec"]["policyTypes"]]
+        if not mine:
+            return True  # not isolated
+        return any(_rule_allows(rule, peers_key, other, port, proto, pod.namespace)
+                   for p in mine for rule in p["spec"].get(rules_key) or [])
+    return side(src, "Egress", "egress", "to", dst) and side(dst, "Ingress", "ingress", "from", src)
+
+
+def test_network_policies_allow_exactly_the_data_plane_paths() -> None:
+    from exitplan.operator import builders
+
+    children, job = _children(splits=5)  # ALL_ON covers splits 0..3: split 4 must stay denied
+    objs = render(ALL_ON)
+    policies = of_kind(objs, "NetworkPolicy")
+    port = builders.PORT
+    workers = {}
+    router = None
+    for dep in (d for d in children if d["kind"] == "Deployment"):
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        pod = Pod(dep["metadata"]["name"], "default", labels)
+        if labels[builders.L_COMPONENT] == "router":
+            router = pod
+        else:
+            workers[int(labels[builders.L_SPLIT])] = pod
+    assert router is not None and sorted(workers) == [0, 1, 2, 3, 4]
+    op_labels = operator_pod(objs)["metadata"]["labels"]
+    operator = Pod("exitplan-operator-0", NAMESPACE, op_labels)
+    profiler = Pod("minilm-profile", "default", job["spec"]["template"]["metadata"]["labels"])
+    prometheus = Pod("prometheus-0", "monitoring", PROMETHEUS_PEER["podSelector"]["matchLabels"])
+    client = Pod("curl", "clients", {"app": "curl"})
+    stranger = Pod("intruder", "default", {"app": "other"})
+    dns = Pod("coredns", "kube-system", {"k8s-app": "kube-dns"})
+
+    assert allowed(policies, router, workers[0], port)                       # router -> split 0
+    for s in range(1, 5):
+        assert not allowed(policies, router, workers[s], port)               # ... and no further
+    for s in range(0, 3):
+        assert allowed(policies, workers[s], workers[s + 1], port)           # split S -> S+1
+        assert not allowed(policies, workers[s + 1], workers[s], port)       # never backwards
+    assert not allowed(policies, workers[0], workers[2], port)               # no skipping a split
+    assert not allowed(policies, workers[3], workers[4], port)               # past maxSplits: denied
+    for s in range(0, 4):
+        assert allowed(policies, workers[s], router, port)                   # shadow feedback
+        assert allowed(policies, workers[s], dns, 53, "UDP")                 # split Services by name
+        assert not allowed(policies, stranger, workers[s], port)
+        assert not allowed(policies, client, workers[s], port)
+        assert allowed(policies, prometheus, workers[s], port)               # metricsFrom
+    assert allowed(policies, client, router, port)                           # routerIngressFrom
+    assert not allowed(policies, stranger, router, port)
+    assert allowed(policies, operator, router, port)                         # observations
+    assert allowed(policies, prometheus, operator, 9090)
+    assert not allowed(policies, stranger, operator, 9090)
+    assert not allowed(policies, router, stranger, port)                     # router egress: split 0 only
+    # the profiling Job is not a router or worker: its API calls are not blocked
+    assert allowed(policies, profiler, Pod("apiserver", "default", {"component": "kube-apiserver"}), 443)
+
+
+def test_router_is_open_to_everyone_when_no_ingress_peers_are_named() -> None:
+    children, _ = _children(splits=2)
+    policies = of_kind(render({"networkPolicy": {"enabled": True}}), "NetworkPolicy")
+    router = next(Pod("r", "default", d["spec"]["template"]["metadata"]["labels"]) for d in children
+                  if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("router"))
+    assert allowed(policies, Pod("curl", "anywhere", {}), router, 8080)
+
+
+# ------------------------------------------------------------------ dashboards shipped as ConfigMaps
+
+
+def test_dashboards_ship_as_labelled_configmaps() -> None:
+    files = sorted((CHART / "dashboards").glob("*.json"))
+    assert files
+    objs = render({"dashboards": {"label": "grafana.example/dashboard", "labelValue": "yes", "folder": "ml"}})
+    maps = of_kind(objs, "ConfigMap")
+    assert len(maps) == len(files)
+    for path in files:
+        cm = next(m for m in maps if path.name in m["data"])
+        assert cm["metadata"]["labels"]["grafana.example/dashboard"] == "yes"
+        assert cm["metadata"]["annotations"]["grafana_folder"] == "ml"
+        assert cm["data"][path.name] == path.read_text().rstrip("\n")
+
+
+def test_values_file_documents_every_value() -> None:
+    """Every leaf of values.yaml has a comment line right above its key (or its parent's)."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    undocumented = []
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "-")) or ":" not in stripped or stripped.endswith(":"):
+            continue  # comments, list items and parent keys; leaves are checked
+        indent = len(line) - len(line.lstrip())
+        j = i - 1
+        while j >= 0 and lines[j].strip() and not lines[j].strip().startswith("#") and \
+                len(lines[j]) - len(lines[j].lstrip()) >= indent and ":" in lines[j] and not lines[j].rstrip().endswith(":"):
+            j -= 1  # a run of sibling keys under one comment (e.g. labelValue after label)
+        if j < 0 or not (lines[j].strip().startswith("#") or lines[j].rstrip().endswith(":")):
+            undocumented.append(stripped)
+    assert undocumented == [], undocumented
+    schema_keys = set(chart().schema["properties"])
+    assert set(yaml.safe_load((CHART / "values.yaml").read_text())) == schema_keys

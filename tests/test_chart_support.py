@@ -1,0 +1,95 @@
+"""Helpers shared by the chart, RBAC and dashboard tests: render charts/exitplan offline with
+helm-python-sdk (Helm's own Go code, no cluster, no helm binary) and parse what it renders.
+
+This module holds no tests itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "exitplan"
+RELEASE, NAMESPACE = "exitplan", "exitplan-system"
+
+PROMETHEUS_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                   "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+CLIENT_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "clients"}}}
+
+ALL_ON: dict[str, Any] = {
+    "operator": {"replicas": 3, "verbose": True, "podAnnotations": {"example.com/team": "ml"},
+                 "nodeSelector": {"kubernetes.io/os": "linux"},
+                 "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "control", "effect": "NoSchedule"}],
+                 "priorityClassName": "system-cluster-critical", "imagePullSecrets": [{"name": "regcred"}]},
+    "leaderElection": {"enabled": True, "installPeeringCRD": True},
+    "namespaces": {"services": ["default", "ml-serving"]},
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+                "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
+    "networkPolicy": {"enabled": True, "maxSplits": 4, "metricsFrom": [PROMETHEUS_PEER],
+                      "routerIngressFrom": [CLIENT_PEER]},
+    "dashboards": {"enabled": True, "namespace": "monitoring"},
+    "serviceAccount": {"create": True, "annotations": {"example.com/role": "operator"}},
+}
+"""Every toggle on (cluster-wide mode)."""
+
+RESTRICTED: dict[str, Any] = {
+    "namespaces": {"services": ["team-a", "team-b"], "restrictWatch": True},
+    "networkPolicy": {"enabled": True},
+}
+"""The operator restricted to two namespaces (namespaced Roles), policies on."""
+
+VARIANTS: dict[str, dict[str, Any]] = {"defaults": {}, "all-on": ALL_ON, "restricted": RESTRICTED}
+
+
+@functools.lru_cache(maxsize=1)
+def chart() -> Any:
+    import helm_python
+
+    helm_python.disable_logging()
+    return helm_python.Chart.load(CHART)
+
+
+def render_raw(values: dict[str, Any] | None = None, namespace: str = NAMESPACE) -> dict[str, str]:
+    """Template path -> rendered text (NOTES.txt included), as `helm template` renders it."""
+    return chart().render(copy.deepcopy(values or {}), name=RELEASE, namespace=namespace, is_install=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _render_cached(key: str) -> tuple[dict[str, Any], ...]:
+    values = yaml.safe_load(key)
+    out = []
+    for name, text in sorted(render_raw(values).items()):
+        if name.endswith("NOTES.txt"):
+            continue
+        out.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return tuple(out)
+
+
+def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The rendered objects (templates only; the chart's crds/ are installed by Helm before them)."""
+    return copy.deepcopy(list(_render_cached(yaml.safe_dump(values or {}, sort_keys=True))))
+
+
+def crd_objects() -> list[dict[str, Any]]:
+    """The chart's crds/ as Helm loads them."""
+    return [yaml.safe_load(c["data"]) for c in chart().crds]
+
+
+def of_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def one(objs: list[dict[str, Any]], kind: str, name: str | None = None, namespace: str | None = None) -> dict[str, Any]:
+    found = [o for o in of_kind(objs, kind) if (name is None or o["metadata"]["name"] == name)
+             and (namespace is None or o["metadata"].get("namespace") == namespace)]
+    assert len(found) == 1, f"expected one {kind} {name or ''} in {namespace or 'any namespace'}, found {len(found)}"
+    return found[0]
+
+
+def operator_pod(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(objs, "StatefulSet")["spec"]["template"]
