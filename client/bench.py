@@ -231,7 +231,8 @@ async def run_bench_async(
         start=start, duration=duration, limit=limit,
     )
     window = plan.trace
-    inputs = build_inputs(setup.pool, window.lengths, max_length=max(info.buckets), seed=seed, references=setup.references)
+    inputs = build_inputs(setup.pool, window.lengths, max_length=max(info.buckets), seed=seed, references=setup.references,
+                          progress=progress)
     outcomes = await _replay_with_progress(info, inputs.bodies, window.timestamps, timeout_s, progress)
     run = {
         "trace": window.source, "trace_name": Path(window.source).name, "length_mode": length_mode,

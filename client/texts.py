@@ -19,7 +19,7 @@ inputs are drawn in a seeded order.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -227,7 +227,9 @@ class ReferenceCache:
         """Token length of each concatenation, as the tokenizer counts it."""
         self._runtime = None
 
-    def _run(self, token_lists: list[list[int]]) -> np.ndarray:
+    def _run(self, token_lists: list[list[int]], progress: bool) -> np.ndarray:
+        from tqdm.auto import tqdm
+
         from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, pad_batch
 
         if self._runtime is None:
@@ -236,6 +238,7 @@ class ReferenceCache:
         preds = np.zeros(len(token_lists), dtype=np.int64)
         buckets = np.array([bucket_for(len(t), runtime.buckets) for t in token_lists])
         final = self.pool.manifest.final_ramp().name
+        bar = tqdm(total=len(token_lists), desc="full-model answers for concatenated texts", disable=not progress, leave=False)
         for bucket in np.unique(buckets):
             rows = np.flatnonzero(buckets == bucket)
             for start in range(0, rows.size, 32):
@@ -245,22 +248,29 @@ class ReferenceCache:
                 for ex in result.exits:
                     if ex.ramp == final:
                         preds[chunk[ex.row]] = int(np.argmax(ex.logits))
+                bar.update(len(chunk))
+        bar.close()
         return preds
 
-    def resolve(self, combos: Sequence[tuple[int, ...]], progress: Callable[[int], object] | None = None) -> None:
-        """Compute the answers of the combos not cached yet."""
+    def resolve(self, combos: Sequence[tuple[int, ...]], max_length: int, progress: bool = False) -> None:
+        """Tokenize the concatenations not cached yet and compute the full model's answer for each."""
         todo = sorted({c for c in combos if len(c) > 1 and c not in self.answers})
         if not todo:
             return
         assert self.pool.tokenizer is not None and self.pool.texts is not None
         texts = [JOINER.join(self.pool.texts[i] for i in c) for c in todo]
         ids = [e.ids for e in self.pool.tokenizer.encode_batch(texts)]
-        preds = self._run(ids)
+        for combo, tokens in zip(todo, ids):
+            if len(tokens) > max_length:
+                raise InputError(
+                    f"held-out texts {list(combo)} joined tokenize to {len(tokens)} tokens, over the largest bucket "
+                    f"({max_length}): this tokenizer does not split on the joiner {JOINER!r}, so texts cannot be "
+                    f"concatenated into long inputs; bench with --length-mode scale"
+                )
+        preds = self._run(ids, progress)
         for combo, pred, tokens in zip(todo, preds, ids):
             self.answers[combo] = int(pred)
             self.lengths[combo] = len(tokens)
-        if progress:
-            progress(len(todo))
 
 
 def build_inputs(
@@ -270,6 +280,7 @@ def build_inputs(
     max_length: int,
     seed: int = 0,
     references: ReferenceCache | None = None,
+    progress: bool = False,
 ) -> RequestInputs:
     """Request bodies for the trace's lengths (text models) or held-out inputs in seeded order (fixed-size)."""
     targets = np.asarray(target_lengths, dtype=np.int64)
@@ -288,15 +299,7 @@ def build_inputs(
     assert pool.texts is not None and pool.lengths is not None
     parts = match_lengths(targets, pool.lengths, max_length, seed)
     references = references or ReferenceCache(pool)
-    references.resolve(parts)
-    over = {c: n for c, n in references.lengths.items() if c in set(parts) and n > max_length}
-    if over:
-        combo, n = next(iter(over.items()))
-        raise InputError(
-            f"texts {list(combo)} joined tokenize to {n} tokens, over the largest bucket ({max_length}): the tokenizer "
-            f"does not split on the joiner {JOINER!r}, so texts cannot be concatenated for long inputs; bench with "
-            f"--length-mode scale (lengths within single texts)"
-        )
+    references.resolve(parts, max_length, progress)
     bodies, lengths, reference, truth = [], [], [], []
     for combo in parts:
         if len(combo) == 1:
