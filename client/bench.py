@@ -226,13 +226,15 @@ async def run_bench_async(
         raise BenchError(f"--slo-ms must be > 0, got {slo}")
     if timeout_s <= 0:
         raise BenchError(f"the client timeout must be > 0 seconds, got {timeout_s}")
-    plan = schedule(
-        trace, max_length=max(info.buckets), length_mode=length_mode, reference_max=reference_max, rps=rps, speed=speed,
-        start=start, duration=duration, limit=limit,
+    plan = await asyncio.to_thread(
+        schedule, trace, max_length=max(info.buckets), length_mode=length_mode, reference_max=reference_max, rps=rps,
+        speed=speed, start=start, duration=duration, limit=limit,
     )
     window = plan.trace
-    inputs = build_inputs(setup.pool, window.lengths, max_length=max(info.buckets), seed=seed, references=setup.references,
-                          progress=progress)
+    inputs = await asyncio.to_thread(  # may run the full model on concatenations: off the event loop
+        build_inputs, setup.pool, window.lengths, max_length=max(info.buckets), seed=seed, references=setup.references,
+        progress=progress,
+    )
     outcomes = await _replay_with_progress(info, inputs.bodies, window.timestamps, timeout_s, progress)
     run = {
         "trace": window.source, "trace_name": Path(window.source).name, "length_mode": length_mode,
@@ -248,7 +250,7 @@ async def run_bench_async(
         outcomes, inputs.reference, inputs.truth, slo_ms=slo, url=info.url, model=info.model,
         ramp_order=info.ramps, window_s=plan.window_s, run=run,
     )
-    report.router = router_observations(info.url)
+    report.router = await asyncio.to_thread(router_observations, info.url)
     return report
 
 
