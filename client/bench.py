@@ -200,6 +200,13 @@ class BenchSetup:
     def connect(cls, url: str, model: str, bundle: str | Path) -> BenchSetup:
         return cls(model_info(url, model), load_pool(bundle))
 
+    def retarget(self, url: str, model: str) -> BenchSetup:
+        """The same texts and cached references against the router at `url` (its metadata read afresh:
+        another deployment may serve other buckets)."""
+        fresh = BenchSetup(model_info(url, model), self.pool)
+        fresh.references = self.references
+        return fresh
+
 
 async def run_bench_async(
     setup: BenchSetup,
@@ -298,9 +305,10 @@ def run_bench(
     (seconds, after the speed-up) and `limit` (requests) bound the run. Trace lengths are fitted to
     the router's largest bucket by `length_mode` ("scale": the trace's longest input, or
     `reference_max` tokens, maps onto it; "clip": lengths are capped). `slo_ms` defaults to the
-    router's own SLO. `setup` (from `BenchSetup.connect`) reuses metadata, texts and references across runs.
+    router's own SLO. `setup` (from `BenchSetup.connect`) reuses the tokenized held-out texts and the
+    full model's answers for concatenations across runs (the router's metadata is read again each run).
     """
-    setup = setup or BenchSetup.connect(url, model, bundle)
+    setup = setup.retarget(url, model) if setup is not None else BenchSetup.connect(url, model, bundle)
     return asyncio.run(run_bench_async(
         setup, trace, rps=rps, speed=speed, start=start, duration=duration, limit=limit, slo_ms=slo_ms, seed=seed,
         length_mode=length_mode, reference_max=reference_max, timeout_s=timeout_s, progress=progress,
@@ -361,7 +369,7 @@ def find_capacity(
     Each step replays `step_duration` seconds of the trace at its rate. The capacity is the highest
     goodput measured (results within the SLO per second).
     """
-    setup = setup or BenchSetup.connect(url, model, bundle)
+    setup = setup.retarget(url, model) if setup is not None else BenchSetup.connect(url, model, bundle)
     if factor <= 1.0:
         raise BenchError(f"the load step factor must be > 1, got {factor}")
     if start_rps <= 0 or step_duration <= 0 or max_steps < 1:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from exitplan.api.bundle import read_manifest
+from exitplan.api.bundle import BundleError, read_manifest
 from exitplan.api.resources import Workload
 from exitplan.cli import app
 from exitplan.client.bench import BenchError, BenchSetup, find_capacity, router_observations, run_bench
@@ -168,7 +168,7 @@ def test_cli_names_what_is_wrong(served, minilm_bundle):
         BenchSetup.connect("http://127.0.0.1:9", "minilm", minilm_bundle)
 
 
-def test_fixed_size_model_bench(digits_bundle, tmp_path):
+def test_fixed_size_model_bench(digits_bundle, setup, tmp_path):
     """A model without a sequence axis: held-out images in seeded order, checked against the full model."""
     manifest = read_manifest(digits_bundle)
     spec = service_spec(digits_bundle, slo_ms=SLO_MS).model_copy(
@@ -178,6 +178,8 @@ def test_fixed_size_model_bench(digits_bundle, tmp_path):
                              reason="bench test")
     with deployment(digits_bundle, plan, spec, tmp_path) as dep:
         report = run_bench(dep.url, "digits", digits_bundle, rps=20.0, limit=40, slo_ms=SLO_MS, seed=4)
+        with pytest.raises(BundleError, match="labels"):  # a setup made for another router is re-read for this one
+            run_bench(dep.url, "digits", digits_bundle, setup=setup, limit=5, slo_ms=SLO_MS)
     _assert_all_answered(report)
     assert report.results > 0
     assert report.agreement == 1.0  # exits off: every answer is the final head's
