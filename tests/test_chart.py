@@ -55,6 +55,7 @@ def test_every_toggle_on_renders_monitors_policies_and_peering() -> None:
     sm = one(objs, "ServiceMonitor")
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True  # keeps the metrics' own `service` label
     pm = one(objs, "PodMonitor")
     assert pm["spec"]["namespaceSelector"]["matchNames"] == ["default", "ml-serving"]
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
@@ -108,7 +109,7 @@ def validate(obj: dict[str, Any], version: str, monkeypatch: pytest.MonkeyPatch)
 # The two prometheus-operator kinds have no schema in kubernetes-validate: their fields used here are
 # checked against the monitoring.coreos.com/v1 API (the subset the chart writes, unknown keys refused).
 _MONITOR_ENDPOINT = {"type": "object", "additionalProperties": False, "required": ["port"],
-                     "properties": {"port": {"type": "string"}, "path": {"type": "string"},
+                     "properties": {"port": {"type": "string"}, "path": {"type": "string"}, "honorLabels": {"type": "boolean"},
                                     "interval": {"type": "string", "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}}}
 _SELECTOR = {"type": "object", "additionalProperties": False,
              "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
