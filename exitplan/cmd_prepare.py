@@ -16,6 +16,7 @@ def command(
     seed: int = typer.Option(0, "--seed", help="Seed of the data splits and the training."),
     max_length: int = typer.Option(128, "--max-length", help="Longest token sequence the MiniLM bundle accepts."),
     force: bool = typer.Option(False, "--force", help="Rebuild even if a finished bundle with the same options exists."),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="PyTorch threads for training (default: every core when the machine is idle, 1 when it is busy)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the build report (accuracy, agreement, timings) as JSON."),
 ) -> None:
     """Build an early-exit bundle: train the head and the ramps (backbone frozen), export each block and ramp to
@@ -33,7 +34,7 @@ def command(
     options = BuildOptions(model=model, train_size=train_size, heldout_size=heldout_size, seed=seed, max_length=max_length)
     target = out if out is not None else Path("artifacts") / "bundles" / model
     try:
-        result = prepare_bundle(options, target, force=force)
+        result = prepare_bundle(options, target, force=force, threads=threads)
     except (PrepareError, DatasetError, ModelNotInstalled, BundleError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err

@@ -122,7 +122,7 @@ def build(directory, *, train_size: int, heldout_size: int, seed: int, bar) -> d
     report["ramp_train_agreement"] = [r.train_accuracy for r in ramps]
     heldout_x = torch.from_numpy(splits.heldout_x)
     with torch.no_grad():
-        report["torch_heldout_logits"] = model(heldout_x).numpy()
+        report["torch_reference"] = (np.arange(len(heldout_x)), model(heldout_x).numpy())
 
     exported = time.perf_counter()
     bundle = manifest(splits.labels)

@@ -94,12 +94,17 @@ def batch_state(runtime: BundleRuntime, heldout: Heldout, batch: int, bucket: in
     return pad_batch([fitting[i % len(fitting)] for i in range(batch)], bucket, runtime.manifest.pad_token_id)
 
 
+MIN_TIMED_MS = 5.0
+"""Short calls are repeated until this much time is measured (at most MAX_REPEATS runs)."""
+MAX_REPEATS = 100
+
+
 def time_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median wall time of `fn` in milliseconds over `repeats` runs after `warmup` runs."""
+    """Median wall time of `fn` in ms: `warmup` runs, then `repeats` runs (more for sub-ms calls)."""
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(max(1, repeats)):
+    samples: list[float] = []
+    while len(samples) < max(1, repeats) or (sum(samples) < MIN_TIMED_MS and len(samples) < MAX_REPEATS):
         start = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - start) * 1000.0)

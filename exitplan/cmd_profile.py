@@ -1,0 +1,97 @@
+"""`exitplan profile BUNDLE`: measure a bundle on this machine and write a ModelProfile (YAML)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def _ints(text: str | None, option: str) -> list[int] | None:
+    if text is None or not text.strip():
+        return None
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise typer.BadParameter(f"{option} takes comma-separated integers, got {text!r}") from err
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"{option} takes positive integers, got {text!r}")
+    return values
+
+
+def command(
+    bundle: Path = typer.Argument(..., help="Bundle directory (holding bundle.yaml), e.g. artifacts/bundles/minilm."),
+    pool: str = typer.Option(..., "--pool", help="Name of the GPUPool this profile describes (the profile's spec.pool)."),
+    out: Path = typer.Option(..., "--out", help="Where to write the ModelProfile resource (YAML)."),
+    batch_sizes: str = typer.Option("1,2,4,8,16,32,64", "--batch-sizes", help="Comma-separated batch sizes to measure."),
+    seq_lens: str | None = typer.Option(None, "--seq-lens", help="Comma-separated sequence lengths (length buckets); default: 16,32,64,...,max_length. Ignored for fixed-size models."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed runs per cell (median taken) after one warm-up; batches over 1,024 tokens use half, over 4,096 use 2."),
+    threads: int = typer.Option(1, "--threads", help="ONNX Runtime intra-op threads (use what the workers will use)."),
+    thresholds: Path | None = typer.Option(None, "--thresholds", help="JSON {ramp: threshold} for the survival curve (default: 0.9 at every exit ramp)."),
+    model_name: str | None = typer.Option(None, "--model-name", help="The profile's spec.model (default: the bundle's name); match the EarlyExitService's model.name."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the profile document as JSON."),
+) -> None:
+    """Measure per-block and per-ramp latency (batch x sequence length) with ONNX Runtime on this machine,
+    activation and weight bytes, and the survival curve on the bundle's held-out window; write a ModelProfile."""
+    import time
+
+    import yaml
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from exitplan.api.bundle import BundleError, read_manifest
+    from exitplan.prepare.profile import ProfileError, ProfileOptions, profile_bundle, profile_document, read_thresholds
+
+    console = Console()
+    sizes = _ints(batch_sizes, "--batch-sizes") or []
+    lengths = _ints(seq_lens, "--seq-lens")
+    try:
+        manifest = read_manifest(bundle)
+        options = ProfileOptions(
+            pool=pool,
+            batch_sizes=sizes,
+            seq_lens=lengths if manifest.seq_axis is not None else None,
+            repeats=repeats,
+            threads=threads,
+            thresholds=read_thresholds(thresholds) if thresholds else None,
+            model_name=model_name,
+        )
+        n_lengths = len(lengths) if lengths and manifest.seq_axis is not None else None
+        started = time.perf_counter()
+        with Progress(console=console, transient=True) as bar:
+            total = (n_lengths or _default_lengths(manifest)) * len(set(sizes))
+            task = bar.add_task("profiling", total=total)
+            profile = profile_bundle(bundle, options, lambda n, what: bar.update(task, advance=n, description=f"profiling {what}"))
+        elapsed = time.perf_counter() - started
+    except (BundleError, ProfileError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from err
+
+    document = profile_document(profile)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(document, sort_keys=False))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(document, indent=2))
+
+    spec = profile.spec
+    first, last = spec.batch_sizes[0], spec.batch_sizes[-1]
+    table = Table(title=f"{spec.model} on pool {spec.pool}: latency ms at batch {first} / {last}")
+    table.add_column("block / ramp")
+    table.add_column("survival", justify="right")
+    for length in spec.seq_lens:
+        table.add_column(f"seq {length}" if manifest.seq_axis is not None else "fixed size", justify="right")
+    for block in spec.blocks:
+        table.add_row(block.name, "", *[f"{row[0]:.2f}/{row[-1]:.1f}" for row in block.latency_ms])
+    for ramp, survival in zip(spec.ramps, spec.survival):
+        table.add_row(ramp.name, f"{survival:.2f}", *[f"{row[0]:.2f}/{row[-1]:.2f}" for row in ramp.latency_ms])
+    console.print(table)
+    console.print(f"profile written to {out} in {elapsed:.1f} s ({spec.measured_on})")
+
+
+def _default_lengths(manifest) -> int:
+    from exitplan.worker.bundle_runtime import default_buckets
+
+    return len(default_buckets(manifest.max_length)) if manifest.seq_axis is not None else 1

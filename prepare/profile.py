@@ -1,0 +1,208 @@
+"""`exitplan profile`'s engine: measure a bundle on this machine and write a ModelProfile.
+
+For each sequence length (a length bucket; [1] for fixed-size models) and batch size, real held-out
+inputs padded to the length are chained through every block (statically shaped ONNX Runtime
+sessions, as the workers run them); each block and ramp is timed on the activations it really
+receives: warm-up first, then the median of the repeats. Big batches get fewer repeats (see
+`repeats_for`). Activation bytes per sample at each block boundary are read from the real
+states; weight bytes per block from the ONNX initializers; the survival curve from the bundle's
+calibration window (held-out data) at the given thresholds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from exitplan.api.bundle import BundleError, BundleManifest
+from exitplan.api.resources import BlockProfile, ModelProfile, ModelProfileSpec, RampProfile
+from exitplan.worker.bundle_runtime import FIXED_SIZE_BUCKET, BundleRuntime
+
+from .measure import batch_state, load_heldout, time_chain
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_THRESHOLD = 0.9
+THRESHOLDS_ANNOTATION = "exitplan.io/survival-thresholds"
+
+
+class ProfileError(ValueError):
+    """Profile options that do not fit the bundle; the message names the option."""
+
+
+@dataclass
+class ProfileOptions:
+    pool: str
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES
+    seq_lens: Sequence[int] | None = None
+    """Lengths to measure (default: the runtime's buckets; [1] for models without a sequence axis)."""
+    repeats: int = 5
+    warmup: int = 1
+    threads: int = 1
+    thresholds: Mapping[str, float] | None = None
+    """Per exit ramp, for the survival curve (default: DEFAULT_THRESHOLD for every exit ramp)."""
+    model_name: str | None = None
+    """The ModelProfile's model (default: the bundle's name)."""
+    providers: Sequence[str] = ("CPUExecutionProvider",)
+    extra_annotations: dict[str, str] = field(default_factory=dict)
+
+
+def repeats_for(batch: int, seq: int, repeats: int) -> int:
+    """Fewer repeats where one call is long: all of them up to 1,024 tokens a batch, half up to 4,096, then 2."""
+    tokens = batch * seq
+    if tokens <= 1024:
+        return repeats
+    if tokens <= 4096:
+        return max(2, math.ceil(repeats / 2))
+    return min(repeats, 2)
+
+
+def read_thresholds(path: Path) -> dict[str, float]:
+    """A JSON object {ramp: threshold}, or one holding such an object under "thresholds"."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ProfileError(f"--thresholds {path}: cannot read a JSON object: {err}") from err
+    if isinstance(doc, dict) and isinstance(doc.get("thresholds"), dict):
+        doc = doc["thresholds"]
+    if not isinstance(doc, dict) or not all(isinstance(v, (int, float)) for v in doc.values()):
+        raise ProfileError(f"--thresholds {path}: expected a JSON object {{ramp name: threshold}}")
+    return {str(k): float(v) for k, v in doc.items()}
+
+
+def resolve_thresholds(manifest: BundleManifest, thresholds: Mapping[str, float] | None) -> dict[str, float]:
+    exits = [r.name for r in manifest.exit_ramps()]
+    if thresholds is None:
+        return {name: DEFAULT_THRESHOLD for name in exits}
+    unknown = sorted(set(thresholds) - set(exits))
+    if unknown:
+        raise ProfileError(f"thresholds name ramps that are not exit ramps of {manifest.name!r}: {unknown} (exit ramps: {exits})")
+    for name, value in thresholds.items():
+        if not math.isfinite(value) or value < 0:
+            raise ProfileError(f"threshold of ramp {name!r} must be a number >= 0 (above 1 disables it), got {value}")
+    return {name: float(thresholds.get(name, 2.0)) for name in exits}
+
+
+def survival_curve(conf: np.ndarray, thresholds: Sequence[float]) -> list[float]:
+    """Fraction of inputs still running after each exit ramp (earliest-exit semantics)."""
+    exited = np.zeros(conf.shape[0], dtype=bool)
+    out = []
+    for r, t in enumerate(thresholds):
+        if t <= 1.0:
+            exited |= conf[:, r] >= t
+        out.append(float(1.0 - exited.mean()) if conf.shape[0] else 1.0)
+    return out
+
+
+def weight_bytes(path: Path) -> int:
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    return int(sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer))
+
+
+def _per_sample_bytes(state: Mapping[str, np.ndarray], names: Sequence[str]) -> int:
+    return int(sum(state[n].nbytes // max(1, state[n].shape[0]) for n in names if n in state))
+
+
+def profile_bundle(directory: Path, options: ProfileOptions, progress: Callable[[int, str], object] | None = None) -> ModelProfile:
+    """Measure the bundle at `directory`; `progress(n, what)` is called after each measured cell."""
+    directory = Path(directory)
+    if not options.pool:
+        raise ProfileError("--pool must name the GPUPool this profile describes")
+    if options.repeats < 1:
+        raise ProfileError(f"--repeats must be >= 1, got {options.repeats}")
+    batch_sizes = sorted(set(int(b) for b in options.batch_sizes))
+    if not batch_sizes or batch_sizes[0] < 1:
+        raise ProfileError(f"--batch-sizes must be positive integers, got {list(options.batch_sizes)}")
+    seq_lens = sorted(set(int(s) for s in options.seq_lens)) if options.seq_lens else None
+    try:
+        runtime = BundleRuntime(directory, buckets=seq_lens, providers=options.providers, threads=options.threads)
+    except BundleError as err:
+        if seq_lens and "bucket" in str(err):
+            raise ProfileError(f"--seq-lens {seq_lens}: {err}") from err
+        raise
+    manifest = runtime.manifest
+    thresholds = resolve_thresholds(manifest, options.thresholds)
+    heldout = load_heldout(directory, manifest)
+    lengths = list(runtime.buckets)
+
+    n_blocks = len(manifest.blocks)
+    block_ms = np.zeros((n_blocks, len(lengths), len(batch_sizes)))
+    ramp_ms = {r.name: np.zeros((len(lengths), len(batch_sizes))) for r in manifest.ramps}
+    out_bytes = np.zeros((n_blocks, len(lengths)), dtype=np.int64)
+    in_bytes = np.zeros(len(lengths), dtype=np.int64)
+    head = manifest.final_ramp()
+    for si, length in enumerate(lengths):
+        for bi, batch in enumerate(batch_sizes):
+            state = batch_state(runtime, heldout, batch, length)
+            timing = time_chain(runtime, state, length, repeats_for(batch, length, options.repeats), options.warmup)
+            block_ms[:, si, bi] = timing.block_ms
+            for name, value in timing.ramp_ms.items():
+                ramp_ms[name][si, bi] = value
+            if bi == 0:
+                in_bytes[si] = _per_sample_bytes(state, [t.name for t in manifest.inputs])
+                for k in range(n_blocks):
+                    names = manifest.live_after(k) if k < n_blocks - 1 else head.inputs
+                    out_bytes[k, si] = _per_sample_bytes(timing.states[k], names)
+            if progress:
+                progress(1, f"seq {length} batch {batch}")
+
+    window = np.load(directory / "data" / "window.npz")
+    exits = manifest.exit_ramps()
+    surv = survival_curve(window["conf"], [thresholds[r.name] for r in exits])
+    survival = {r.name: s for r, s in zip(exits, surv)}
+    # The head is not an exit: its entry repeats the survival after the last exit ramp.
+    survival[head.name] = surv[-1] if surv else 1.0
+    ramps_in_order = manifest.ramps_in(0, n_blocks - 1)
+    spec = ModelProfileSpec(
+        model=options.model_name or manifest.name,
+        pool=options.pool,
+        batch_sizes=batch_sizes,
+        seq_lens=lengths if manifest.seq_axis is not None else [FIXED_SIZE_BUCKET],
+        blocks=[
+            BlockProfile(
+                name=b.name,
+                latency_ms=_rounded(block_ms[k]),
+                weight_bytes=weight_bytes(directory / b.file),
+                output_bytes=[int(v) for v in out_bytes[k]],
+            )
+            for k, b in enumerate(manifest.blocks)
+        ],
+        ramps=[RampProfile(name=r.name, after_block=r.after, latency_ms=_rounded(ramp_ms[r.name])) for r in ramps_in_order],
+        survival=[survival[r.name] for r in ramps_in_order],
+        input_bytes=[int(v) for v in in_bytes],
+        measured_on=_machine(options.threads),
+    )
+    annotations = {THRESHOLDS_ANNOTATION: json.dumps(thresholds, sort_keys=True), **options.extra_annotations}
+    name = f"{spec.model}-{options.pool}".lower().replace("_", "-")
+    return ModelProfile(metadata={"name": name, "annotations": annotations}, spec=spec)
+
+
+def _rounded(table: np.ndarray) -> list[list[float]]:
+    return [[round(float(v), 4) for v in row] for row in table]
+
+
+def _machine(threads: int) -> str:
+    import onnxruntime as ort
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}; onnxruntime {ort.__version__} CPUExecutionProvider, {threads} intra-op thread(s)"
+
+
+def profile_document(profile: ModelProfile) -> dict:
+    """The whole resource document (apiVersion, kind, metadata, spec) in its wire form (camelCase)."""
+    return profile.model_dump(by_alias=True, exclude_none=True, mode="json")
