@@ -36,6 +36,7 @@ def _register() -> None:
     from . import cmd_demo, cmd_router, cmd_up, cmd_version, cmd_worker
     from . import cmd_bench
     from . import cmd_prepare
+    from . import cmd_profile
     from . import cmd_operator
     from . import cmd_tune
     from . import cmd_plan, cmd_simulate
@@ -47,6 +48,7 @@ def _register() -> None:
     app.command("demo")(cmd_demo.command)
     app.command("bench")(cmd_bench.command)
     app.command("prepare")(cmd_prepare.command)
+    app.command("profile")(cmd_profile.command)
     app.command("tune")(cmd_tune.command)
     app.command("plan")(cmd_plan.command)
     app.command("simulate")(cmd_simulate.command)
