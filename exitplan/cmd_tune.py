@@ -35,6 +35,7 @@ def command(
     import time
 
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from exitplan.planner.thresholds import Window, WindowError, outcome, tune
@@ -48,7 +49,7 @@ def command(
         result = tune(w, budget, start_t, method=method.value, refine_pass=refine)
         took_ms = (time.perf_counter() - began) * 1e3
     except WindowError as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        err.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
     out = outcome(w, result.thresholds)
     table = Table(title=f"{window.name}: {w.n_inputs} inputs, {w.n_ramps} ramps, budget {budget:g}")

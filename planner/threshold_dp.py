@@ -26,9 +26,14 @@ import numpy as np
 from .exit_window import DISABLED, Window
 
 
-def budget_dp(w: Window, allowed: int, beam: int = 2, max_levels: int = 16, movable: np.ndarray | None = None,
-              fixed: np.ndarray | None = None) -> np.ndarray:
-    """Thresholds [R] from the programme; ``movable`` False ramps keep ``fixed`` (their thresholds)."""
+def budget_dp(w: Window, allowed: int, beam: int = 1, max_levels: int = 16, movable: np.ndarray | None = None,
+              fixed: np.ndarray | None = None, orders: list[np.ndarray] | None = None,
+              ties: np.ndarray | None = None) -> np.ndarray:
+    """Thresholds [R] from the programme; ``movable`` False ramps keep ``fixed`` (their thresholds).
+
+    ``orders``: per ramp, the inputs by confidence, highest first (computed here when not given);
+    ``ties``: per ramp, whether two inputs share a confidence (checked here when not given).
+    """
     n, r_all = w.n_inputs, w.n_ramps
     levels = allowed + 1
     width = -(-levels // max_levels)  # disagreement counts merged per state level
@@ -36,16 +41,16 @@ def budget_dp(w: Window, allowed: int, beam: int = 2, max_levels: int = 16, mova
     d = np.zeros(1, dtype=np.int64)
     total = np.zeros(1)
     parents: list[np.ndarray] = []
-    choices: list[np.ndarray] = []
-    bad_all = ~w.agree
+    cuts: list[np.ndarray] = []  # per ramp and state: last exiting position in confidence order (-1: off)
+    sorted_conf: list[np.ndarray] = []
+    bad_t = ~np.ascontiguousarray(w.agree.T)
+    conf_t = np.ascontiguousarray(w.conf.T)
     for r in range(r_all):
-        order = np.argsort(-w.conf[:, r])
-        c = w.conf[order, r]
-        ends = np.flatnonzero(np.append(c[1:] != c[:-1], True))
-        thr = c[ends]  # threshold at a tie-group end: midway to the next lower confidence
-        nxt = np.append(c[ends[:-1] + 1], -1.0)
-        mid = (thr + nxt) / 2.0
-        thr = np.where((nxt >= 0) & (nxt < mid) & (mid <= thr), mid, thr)
+        order = np.argsort(-conf_t[r]) if orders is None else orders[r]
+        c = conf_t[r, order]
+        sorted_conf.append(c)
+        tied = bool((c[1:] == c[:-1]).any()) if ties is None else bool(ties[r])
+        ends = np.flatnonzero(np.append(c[1:] != c[:-1], True)) if tied else None
         rank = np.empty(n, dtype=np.int64)
         rank[order] = np.arange(n)
         s_count = d.size
@@ -55,22 +60,22 @@ def budget_dp(w: Window, allowed: int, beam: int = 2, max_levels: int = 16, mova
             # A fixed ramp: every state applies the given threshold.
             t_fix = float(fixed[r]) if fixed is not None else DISABLED
             if t_fix <= 1.0:
-                out = alive & (w.conf[:, r] >= t_fix)
+                out = alive & (conf_t[r] >= t_fix)
                 exits = out.sum(axis=1)
-                d = d + (out & bad_all[:, r]).sum(axis=1)
+                d = d + (out & bad_t[r]).sum(axis=1)
                 total = total + saving_r * exits - cost_r * n_alive
                 alive = alive & ~out
             keep = d < levels
             parents.append(np.flatnonzero(keep))
-            choices.append(np.full(int(keep.sum()), t_fix))
+            cuts.append(np.full(int(keep.sum()), -2))  # -2: the fixed threshold
             alive, d, total = alive[keep], d[keep], total[keep]
             continue
         alive_sorted = alive[:, order]
         c_alive = np.cumsum(alive_sorted, axis=1, dtype=np.int32)
-        c_bad = np.cumsum(alive_sorted & bad_all[order, r], axis=1, dtype=np.int32)
-        if ends.size < n:
+        c_bad = np.cumsum(alive_sorted & bad_t[r, order], axis=1, dtype=np.int32)
+        if ends is not None:
             c_alive, c_bad = c_alive[:, ends], c_bad[:, ends]
-        groups = ends.size
+        groups = n if ends is None else ends.size
         # For each state and b: the last tie group with <= b disagreements (c_bad never decreases
         # along a row, so one search over the rows laid end to end answers every (state, b)).
         offset = np.arange(s_count, dtype=np.int64)[:, None] * (n + 1)
@@ -99,13 +104,22 @@ def budget_dp(w: Window, allowed: int, beam: int = 2, max_levels: int = 16, mova
         keep = sort[(np.arange(sd.size) - first) < beam]
         parents.append(all_src[keep])
         gsel = all_grp[keep]
-        choices.append(np.where(gsel >= 0, thr[np.maximum(gsel, 0)], DISABLED))
-        cut = np.where(gsel >= 0, ends[np.maximum(gsel, 0)], -1)  # last sorted position that exits
+        cut = gsel if ends is None else np.where(gsel >= 0, ends[np.maximum(gsel, 0)], -1)
+        cuts.append(cut)
         alive = alive[all_src[keep]] & (rank[None, :] > cut[:, None])
         d, total = all_d[keep], all_total[keep]
     best = int(np.argmax(total))
     t = np.empty(r_all)
     for r in range(r_all - 1, -1, -1):
-        t[r] = choices[r][best]
+        e = int(cuts[r][best])
+        c = sorted_conf[r]
+        if e == -2:
+            t[r] = float(fixed[r]) if fixed is not None else DISABLED
+        elif e < 0:
+            t[r] = DISABLED
+        elif e + 1 < n and c[e + 1] < (c[e] + c[e + 1]) / 2.0 <= c[e]:
+            t[r] = (c[e] + c[e + 1]) / 2.0  # midway to the next lower confidence
+        else:
+            t[r] = c[e]
         best = int(parents[r][best])
     return t

@@ -384,13 +384,17 @@ def climb_profiles(s: Search, movable: np.ndarray, max_rounds: int, moves: list[
     return computed
 
 
-def refine(s: Search, movable: np.ndarray, moves: list[Move], max_sweeps: int) -> None:
-    """Coordinate ascent: re-place one ramp at a time at its exact best; stop after R checks without gain."""
+def refine(s: Search, movable: np.ndarray, moves: list[Move], max_sweeps: int, active_only: bool = True) -> None:
+    """Coordinate ascent: re-place one ramp at a time at its exact best; stop after R ramps without gain.
+
+    ``active_only``: only the active ramps are re-placed (raised, lowered or switched off); the climb
+    and the budget programme have already weighed switching the others on.
+    """
     since_gain, checks, ramp = 0, 0, 0
     while since_gain < s.r and checks < max_sweeps * s.r:
         checks += 1
         since_gain += 1
-        if movable[ramp]:
+        if movable[ramp] and (not active_only or s.t[ramp] <= 1.0):
             prof = profile(s, ramp, s.order(ramp))
             if prof is not None:
                 pos, score = prof.best(s)

@@ -147,7 +147,8 @@ def tune(w: Window, budget: float, start: object | None = None, *, method: Metho
     restarted = False
     if restart:
         # The budget programme from scratch; the better of it and the climb goes on to refinement.
-        alt = budget_dp(w, allowed, beam=beam, movable=move_mask, fixed=start_t)
+        alt = budget_dp(w, allowed, beam=beam, movable=move_mask, fixed=start_t,
+                        orders=[s.order(q) for q in range(r)], ties=s.ties)
         alt_out = outcome(w, alt)
         if w.n_inputs - alt_out.agree_count <= allowed and alt_out.saving_ms * w.n_inputs > s.total + 1e-9 * max(1.0, abs(s.total)):
             old = s.t.copy()
