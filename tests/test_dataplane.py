@@ -59,6 +59,17 @@ async def post(session, url, body, **kw):
         return resp.status, await resp.json(), resp.headers
 
 
+async def post_each(session, url, texts, concurrency=4):
+    """One request per text, `concurrency` at a time (a steady load the bucket admits, not a burst)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(t):
+        async with gate:
+            return await post(session, url, infer_body([t]))
+
+    return await asyncio.gather(*(one(t) for t in texts))
+
+
 def outputs(answer):
     return {o["name"]: o for o in answer["outputs"]}
 
@@ -146,7 +157,7 @@ async def test_hot_threshold_update_changes_exits_without_dropping_requests(serv
     url = f"{served.url}/v2/models/minilm/infer"
     async with aiohttp.ClientSession() as s:
         async def load():
-            return await asyncio.gather(*(post(s, url, infer_body([t])) for t in texts))
+            return await post_each(s, url, texts)
 
         before = asyncio.create_task(load())
         status, _, _ = await post(s, f"{served.url}/v1/thresholds", {"thresholds": {ramps[0]: 0.0}, "reason": "test"})
@@ -169,7 +180,7 @@ async def test_shadow_feedback_fills_the_tuning_window(served, texts, ramps):
     url = f"{served.url}/v2/models/minilm/infer"
     async with aiohttp.ClientSession() as s:
         await post(s, f"{served.url}/v1/thresholds", {"thresholds": {ramps[0]: 0.0}, "reason": "test"})
-        results = await asyncio.gather(*(post(s, url, infer_body([t])) for t in texts))
+        results = await post_each(s, url, texts)
         assert all(st == 200 for st, _, _ in results)
         await asyncio.sleep(1.0)  # feedback arrives after the answers
         async with s.get(f"{served.url}/v1/window.npz") as resp:

@@ -33,6 +33,7 @@ from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Plan
 from exitplan.planner.dispatch import QueueParams, choose_bucket, ideal_bucket
 
+from .admission import BucketLimiter
 from .bundle_runtime import softmax
 from .discovery import PeerSet, parse_peer_spec
 from .forward import HopFailed, NoPeer, send
@@ -89,8 +90,7 @@ class Router:
         self.tokenizer = self._load_tokenizer()
         self.buckets = list(self.plan.buckets)
         self.outstanding = [0] * len(self.buckets)
-        self.rate = [0.0] * len(self.buckets)  # measured inputs/s per bucket while busy
-        self._done_tick = [0] * len(self.buckets)
+        self.limiters = [BucketLimiter(target_s=0.8 * self.slo_s) for _ in self.buckets]
         self.inflight = 0
         self.ids = itertools.count()
         self.prefix = f"{os.getpid():x}{int(time.time()) % 100000:x}"
@@ -147,32 +147,26 @@ class Router:
     # ------------------------------------------------------------------ admission and dispatch
 
     def _capacity(self, b: int) -> float:
-        """Inputs/s bucket b can absorb: what its split-0 pods report for their pipelines, or the rate
-        measured while the bucket was busy, whichever is higher (the measured rate is a lower bound)."""
-        pods = self.peers.candidates(self.buckets[b], 0)
-        if not pods:
-            return 0.0
-        return max(sum(p.capacity for p in pods), self.rate[b])
+        """Inputs/s bucket b's split-0 pods report for their pipelines (0 when none is ready)."""
+        return sum(p.capacity for p in self.peers.candidates(self.buckets[b], 0))
 
     def _loads(self) -> list[float]:
-        budget = self.slo_s
+        """Per bucket: inputs in flight over its admission limit (inf when it has no ready pod)."""
         loads = []
-        for b in range(len(self.buckets)):
-            cap = self._capacity(b) * budget
-            loads.append(self.outstanding[b] / cap if cap > 0 else math.inf)
+        for b, limiter in enumerate(self.limiters):
+            cap = self._capacity(b)
+            if cap <= 0:
+                loads.append(math.inf)
+                continue
+            limiter.ensure(cap, self.slo_s)
+            loads.append(limiter.load(self.outstanding[b]))
         return loads
 
-    async def _rate_loop(self, tick: float = 0.5) -> None:
-        """Per-bucket completion rate, measured over ticks in which the bucket had work queued."""
+    async def _gauge_loop(self, tick: float = 1.0) -> None:
         while True:
             await asyncio.sleep(tick)
-            for b in range(len(self.buckets)):
-                done, self._done_tick[b] = self._done_tick[b], 0
-                if self.outstanding[b] > 0 or done:
-                    sample = done / tick
-                    if self.outstanding[b] > 0 and sample > 0:
-                        self.rate[b] = sample if self.rate[b] == 0 else 0.7 * self.rate[b] + 0.3 * sample
-                self.metrics.bucket_load.labels(self.plan.service, str(self.buckets[b])).set(self._loads()[b] if self.rate[b] or self.outstanding[b] else 0.0)
+            for b, load in enumerate(self._loads()):
+                self.metrics.bucket_load.labels(self.plan.service, str(self.buckets[b])).set(load if math.isfinite(load) else -1.0)
 
     async def _window_loop(self) -> None:
         while True:
@@ -227,16 +221,16 @@ class Router:
             self.window.record_length(ideal_bucket(int(batch.lengths[i]), self.buckets))
             self.metrics.length_inputs.labels(self.plan.service, str(self.buckets[max(ideal_bucket(int(batch.lengths[i]), self.buckets), 0)])).inc()
             b = choose_bucket(int(batch.lengths[i]), self.buckets, loads, self.queue_params)
-            if b < 0 or loads[b] >= 1.0:
-                cap = self._capacity(b) if b >= 0 else 0.0
-                wait = self.outstanding[b] / cap if cap > 0 else 1.0
+            # An idle bucket takes a request whatever its size (else a batch above the limit would starve).
+            if b < 0 or (loads[b] >= 1.0 and self.outstanding[b] > 0):
+                wait = self.limiters[b].retry_after_s(self.outstanding[b]) if b >= 0 else 1
                 self.window.record_error("overload", n)
                 self.metrics.errors.labels(self.plan.service, "overload").inc(n)
                 self.metrics.requests.labels(self.plan.service, "429").inc()
                 what = f"bucket {self.buckets[b]}" if b >= 0 else "every bucket"
                 return _error(429, f"{what} cannot answer within the SLO of {self.slo_s * 1000:.0f} ms at the current load", retry_after=max(1, math.ceil(wait)))
+            loads[b] += 1.0 / self.limiters[b].limit
             chosen.append(b)
-            loads[b] += 1.0 / max(self._capacity(b) * self.slo_s, 1e-9)
         for b in chosen:  # counted before any await, so concurrent admissions see each other
             self.outstanding[b] += 1
         started = time.time()
@@ -283,8 +277,10 @@ class Router:
                 results[i] = {"error": str(err), "reason": "deadline" if time.time() >= timeout_at else "worker", "status": 504 if time.time() >= timeout_at else 502}
             return
         finally:
+            latency, now = time.time() - (deadline - self.slo_s), time.time()
+            for _ in rows:
+                self.limiters[b].on_answer(latency, self.outstanding[b], now)
             self.outstanding[b] -= len(rows)
-            self._done_tick[b] += len(rows)
         logits = out.get("logits")
         by_id = {item_id: i for item_id, i in zip(ids, rows)}
         for k, res in enumerate(meta.get("results") or []):
@@ -460,7 +456,7 @@ class Router:
         await self.peers.refresh(self.session)
         self.tasks += [
             asyncio.create_task(self.peers.run(self.session)),
-            asyncio.create_task(self._rate_loop()),
+            asyncio.create_task(self._gauge_loop()),
             asyncio.create_task(self._window_loop()),
             asyncio.create_task(watch_plan(self.plan_path, self.apply_plan)),
         ]
