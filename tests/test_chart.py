@@ -509,3 +509,33 @@ def test_values_file_documents_every_value() -> None:
     assert undocumented == [], undocumented
     schema_keys = set(chart().schema["properties"])
     assert set(yaml.safe_load((CHART / "values.yaml").read_text())) == schema_keys
+
+
+# ------------------------------------------------------------------ the kind end-to-end's inputs
+
+
+def test_e2e_cluster_inputs_fit_the_chart_the_api_and_the_kind_nodes() -> None:
+    """e2e/cluster runs only where Docker and kind are; its inputs are checked here: the chart values
+    render, the GPUPool and EarlyExitService parse with the typed models, and the pool's nodes and
+    the bundle path are the ones kind.yaml creates."""
+    from exitplan.api.resources import EarlyExitService, GPUPool
+
+    here = ROOT / "e2e" / "cluster"
+    values = yaml.safe_load((here / "values.yaml").read_text())
+    objs = render(values)
+    pod = operator_pod(objs)["spec"]["containers"][0]
+    assert pod["image"] == "exitplan-operator:e2e" and pod["imagePullPolicy"] == "Never"
+    pool = GPUPool.model_validate(yaml.safe_load((here / "manifests" / "gpupool.yaml").read_text()))
+    service = EarlyExitService.model_validate(yaml.safe_load((here / "manifests" / "service.yaml").read_text()))
+    assert [p.name for p in service.spec.pools] == [pool.metadata["name"]]
+    assert service.metadata["namespace"] in values["namespaces"]["services"]
+    assert one(objs, "ServiceAccount", "exitplan-profiler", service.metadata["namespace"])
+    kind = yaml.safe_load((here / "kind.yaml").read_text())
+    workers = [n for n in kind["nodes"] if n["role"] == "worker"]
+    assert len(workers) >= pool.spec.capacity
+    for node in workers:
+        assert pool.spec.node_selector.items() <= node["labels"].items()
+        assert [m["containerPath"] for m in node["extraMounts"]] == [service.spec.model.bundle]
+    run = (here / "run.sh").read_text()
+    assert "--target operator" in run and "--target worker-cpu" in run
+    assert os.access(here / "run.sh", os.X_OK)
