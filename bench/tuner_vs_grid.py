@@ -3,8 +3,8 @@
 For every window: the grid optimum (every ramp at 0.00, 0.01, ..., 1.00 or disabled for 2-3 ramps;
 step 0.05 for 4 ramps), then the tuner from all-disabled thresholds, side by side, each checked on
 the window itself: the ratio of savings (tuner / grid) and whether the budget holds. Three tuner
-variants: the default (``profile`` climb + refinement), Apparate's plain step climb (``steps``, no
-refinement) and the step climb + refinement.
+variants: the default (``profile`` climb, budget-programme restart, refinement), the default
+without its restart, and Apparate's plain step climb (``steps``: no restart, no refinement).
 
 Windows:
 - synthetic: ``exitplan.planner.window_synth.synthetic_window`` (per-input difficulty, confidence
@@ -39,10 +39,11 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WINDOW = REPO / "artifacts" / "bundles" / "minilm" / "data" / "window.npz"
 BUDGETS = (0.005, 0.01, 0.02, 0.05)
 METHODS = {
-    "profile+refine (default)": dict(method="profile", refine_pass=True),
-    "steps (Apparate, plain)": dict(method="steps", refine_pass=False),
-    "steps+refine": dict(method="steps", refine_pass=True),
+    "default (profile climb, DP restart, refine)": dict(),
+    "profile climb + refine, no restart": dict(restart=False),
+    "steps (Apparate, plain)": dict(method="steps", refine_pass=False, restart=False),
 }
+DEFAULT = next(iter(METHODS))
 N_INPUTS = 1024
 
 
@@ -131,7 +132,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=200)
     rng = np.random.default_rng(args.seed)
     records = run(synthetic_windows(args.windows, rng), args.windows, console)
     real_note = None
@@ -147,7 +148,7 @@ def main() -> int:
     summary = summarize(records, console)
     verdicts = []
     for source in sorted({r["source"] for r in records}):
-        s = summary[f"{source}/all/profile+refine (default)"]
+        s = summary[f"{source}/all/{DEFAULT}"]
         ok = (s["median"] is not None and s["median"] >= 0.995 and s["worst"] >= 0.97
               and s["budget_held"] == s["windows"] and s["grid_zero_not_below"] == s["grid_zero"])
         verdicts.append(ok)

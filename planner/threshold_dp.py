@@ -28,8 +28,10 @@ from .exit_window import DISABLED, Window
 
 def budget_dp(w: Window, allowed: int, beam: int = 1, max_levels: int = 16, movable: np.ndarray | None = None,
               fixed: np.ndarray | None = None, orders: list[np.ndarray] | None = None,
-              ties: np.ndarray | None = None) -> np.ndarray:
-    """Thresholds [R] from the programme; ``movable`` False ramps keep ``fixed`` (their thresholds).
+              ties: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """(thresholds [R], their total saving over the window's inputs) from the programme.
+
+    ``movable`` False ramps keep ``fixed`` (their thresholds).
 
     ``orders``: per ramp, the inputs by confidence, highest first (computed here when not given);
     ``ties``: per ramp, whether two inputs share a confidence (checked here when not given).
@@ -51,8 +53,6 @@ def budget_dp(w: Window, allowed: int, beam: int = 1, max_levels: int = 16, mova
         sorted_conf.append(c)
         tied = bool((c[1:] == c[:-1]).any()) if ties is None else bool(ties[r])
         ends = np.flatnonzero(np.append(c[1:] != c[:-1], True)) if tied else None
-        rank = np.empty(n, dtype=np.int64)
-        rank[order] = np.arange(n)
         s_count = d.size
         n_alive = alive.sum(axis=1)
         cost_r, saving_r = float(w.cost_ms[r]), float(w.saving_ms[r])
@@ -106,9 +106,14 @@ def budget_dp(w: Window, allowed: int, beam: int = 1, max_levels: int = 16, mova
         gsel = all_grp[keep]
         cut = gsel if ends is None else np.where(gsel >= 0, ends[np.maximum(gsel, 0)], -1)
         cuts.append(cut)
-        alive = alive[all_src[keep]] & (rank[None, :] > cut[:, None])
+        # The prefix up to a tie-group end is exactly the inputs with confidence >= its last one.
+        lowest = np.where(cut >= 0, c[np.maximum(cut, 0)], np.inf)
+        alive = alive[all_src[keep]] & (conf_t[r][None, :] < lowest[:, None])
         d, total = all_d[keep], all_total[keep]
+    if total.size == 0:  # the fixed ramps alone break the budget
+        return np.where(movable, DISABLED, fixed) if movable is not None else np.full(r_all, DISABLED), -np.inf
     best = int(np.argmax(total))
+    best_total = float(total[best])
     t = np.empty(r_all)
     for r in range(r_all - 1, -1, -1):
         e = int(cuts[r][best])
@@ -122,4 +127,4 @@ def budget_dp(w: Window, allowed: int, beam: int = 1, max_levels: int = 16, mova
         else:
             t[r] = c[e]
         best = int(parents[r][best])
-    return t
+    return t, best_total

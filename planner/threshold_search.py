@@ -56,6 +56,9 @@ class Search:
         self.agree_tf = self.agree_t.astype(np.float64)
         self._orders: list[np.ndarray | None] = [None] * self.r
         self.ties = np.zeros(self.r, dtype=bool)
+        self.group_end: list[np.ndarray | None] = [None] * self.r  # per input: no equal confidence after it
+        self.cost_l = [float(x) for x in w.cost_ms]
+        self.saving_l = [float(x) for x in w.saving_ms]
         self._before_key = b""
         self._before: list[float] = []
         self.set(t)
@@ -66,7 +69,10 @@ class Search:
         if got is None:
             got = self._orders[ramp] = np.argsort(-self.conf_t[ramp])
             c = self.conf_t[ramp, got]
-            self.ties[ramp] = bool((c[1:] == c[:-1]).any())
+            differs = c[1:] != c[:-1]
+            self.ties[ramp] = not bool(differs.all())
+            if self.ties[ramp]:
+                self.group_end[ramp] = np.append(differs, True)
         return got
 
     def cost_before(self, ramp: int) -> float:
@@ -255,11 +261,15 @@ def place(s: Search, p: Profile, pos: int) -> None:
 
 
 class Lowering:
-    """The lowerings of one ramp's threshold with the others fixed (see :func:`lowering`)."""
+    """The lowerings of one ramp's threshold with the others fixed (see :func:`lowering`).
+
+    Position p lets out ``idx[: p + 1]``; ``ends`` (None: every position) marks the positions that
+    do not split inputs of equal confidence.
+    """
 
     __slots__ = ("ramp", "idx", "conf", "ends", "totals", "agrees", "exit_ms", "activates", "first", "done")
 
-    def __init__(self, ramp: int, idx: np.ndarray, conf: np.ndarray, ends: np.ndarray, totals: np.ndarray,
+    def __init__(self, ramp: int, idx: np.ndarray, conf: np.ndarray, ends: np.ndarray | None, totals: np.ndarray,
                  agrees: np.ndarray, exit_ms: float, activates: bool) -> None:
         self.ramp, self.idx, self.conf, self.ends, self.totals, self.agrees = ramp, idx, conf, ends, totals, agrees
         self.exit_ms, self.activates = exit_ms, activates
@@ -267,10 +277,10 @@ class Lowering:
         self.done = 0  # inputs of idx already let out
 
     def threshold(self, pos: int) -> float:
-        c, e = self.conf, int(self.ends[pos])
-        if e + 1 < c.size and c[e + 1] < (c[e] + c[e + 1]) / 2.0 <= c[e]:
-            return float((c[e] + c[e + 1]) / 2.0)  # midway to the next input that does not exit
-        return float(c[e])
+        c = self.conf
+        if pos + 1 < c.size and c[pos + 1] < (c[pos] + c[pos + 1]) / 2.0 <= c[pos]:
+            return float((c[pos] + c[pos + 1]) / 2.0)  # midway to the next input that does not exit
+        return float(c[pos])
 
     def proposal(self, s: Search) -> tuple[int, float, int] | None:
         """The greedy's proposal: (tier, key, position) of the best lowering that fits and saves more.
@@ -278,20 +288,22 @@ class Lowering:
         Tier 2: moves that lose no agreement (key: the extra saving); tier 1: the others (key: extra
         saving per input that stops agreeing). None when no lowering fits the budget and saves more.
         """
-        totals, agrees = self.totals[self.first:], self.agrees[self.first:]
-        gain = totals - s.total
-        ok = (gain > EPS_MS * max(1.0, abs(s.total))) & (s.n - agrees <= s.allowed)
-        idx = np.flatnonzero(ok)
-        if idx.size == 0:
+        first = self.first
+        gain = self.totals[first:] - s.total
+        agrees = self.agrees[first:]
+        ok = (gain > EPS_MS * max(1.0, abs(s.total))) & (agrees >= s.n - s.allowed)
+        if self.ends is not None:
+            ok &= self.ends[first:]
+        if not ok.any():
             return None
-        loss = s.n_agree - agrees[idx]
-        free = loss <= 0
+        loss = s.n_agree - agrees
+        free = ok & (loss < 0.5)
         if free.any():
-            j = int(np.argmax(np.where(free, gain[idx], -np.inf)))
-            return 2, float(gain[idx[j]]), self.first + int(idx[j])
-        ratio = gain[idx] / loss
+            j = int(np.argmax(np.where(free, gain, -np.inf)))
+            return 2, float(gain[j]), first + j
+        ratio = np.where(ok, gain / np.maximum(loss, 1.0), -np.inf)
         j = int(np.argmax(ratio))
-        return 1, float(ratio[j]), self.first + int(idx[j])
+        return 1, float(ratio[j]), first + j
 
 
 def lowering(s: Search, ramp: int) -> Lowering | None:
@@ -301,41 +313,37 @@ def lowering(s: Search, ramp: int) -> Lowering | None:
     (every input going past it then pays its overhead). One cumulative sum gives every p.
     """
     order = s.order(ramp)
-    idx = order[s.k[order] > ramp]
+    going = s.k[order] > ramp
+    idx = order[going]
     if idx.size == 0:
         return None
-    w = s.w
-    cost_r = float(w.cost_ms[ramp])
-    activates = not s.t[ramp] <= 1.0
+    cost_r = s.cost_l[ramp]
+    activates = s.t[ramp] > 1.0
     shift = cost_r if activates else 0.0
-    exit_ms = float(w.saving_ms[ramp]) - s.cost_before(ramp) - cost_r
-    gains = np.cumsum(exit_ms + shift - s.val[idx])
-    d_ok = np.cumsum(s.agree_tf[ramp, idx] - s.ok[idx])
-    c = s.conf_t[ramp, idx]
-    if s.ties[ramp]:
-        ends = np.flatnonzero(np.append(c[1:] != c[:-1], True))  # last index of each tie group
-        gains, d_ok = gains[ends], d_ok[ends]
-    else:
-        ends = np.arange(idx.size)
-    totals = (s.total - shift * idx.size) + gains
-    agrees = s.n_agree + d_ok.astype(np.int64)
-    return Lowering(ramp, idx, c, ends, totals, agrees, exit_ms, activates)
+    exit_ms = s.saving_l[ramp] - s.cost_before(ramp) - cost_r
+    totals = np.cumsum(exit_ms + shift - s.val[idx])
+    totals += s.total - shift * idx.size
+    agrees = np.cumsum(s.agree_tf[ramp][idx] - s.ok[idx])
+    agrees += s.n_agree
+    # A cut must not split inputs of equal confidence (a tie with an input that does not go past
+    # the ramp is harmless, so the whole-column tie marks are a safe, slightly strict filter).
+    ends = s.group_end[ramp][going] if s.ties[ramp] else None
+    return Lowering(ramp, idx, s.conf_t[ramp][idx], ends, totals, agrees, exit_ms, activates)
 
 
 def place_lowering(s: Search, low: Lowering, pos: int) -> None:
     """Apply lowering ``pos``; the lowering stays valid for the ramp's next move (only later positions)."""
     ramp = low.ramp
     if low.activates:
-        s.val[s.k > ramp] -= s.w.cost_ms[ramp]  # everyone going past the ramp now pays for it
+        s.val[s.k > ramp] -= s.cost_l[ramp]  # everyone going past the ramp now pays for it
         low.activates = False
-    e = int(low.ends[pos]) + 1
-    newly = low.idx[low.done:e]
+    newly = low.idx[low.done:pos + 1]
     s.k[newly] = ramp
-    s.ok[newly] = s.agree_tf[ramp, newly]
+    s.ok[newly] = s.agree_tf[ramp][newly]
     s.val[newly] = low.exit_ms
     s.t[ramp] = low.threshold(pos)
-    s.total, s.n_agree = float(low.totals[pos]), int(low.agrees[pos])
-    low.done, low.first = e, pos + 1
+    s.total, s.n_agree = float(low.totals[pos]), int(round(float(low.agrees[pos])))
+    low.done, low.first = pos + 1, pos + 1
 
 
 def climb_profiles(s: Search, movable: np.ndarray, max_rounds: int, moves: list[Move]) -> int:
@@ -381,6 +389,10 @@ def climb_profiles(s: Search, movable: np.ndarray, max_rounds: int, moves: list[
         version += 1
         cache[ramp] = (version, low)
         moves.append(Move("climb", ramp, old, float(s.t[ramp]), *s.figures))
+        if s.n - s.n_agree >= s.allowed:
+            # No budget left: a move that loses agreement cannot fit any more, so proposals of
+            # that kind are dropped without re-evaluation (the refinement re-checks every ramp).
+            proposals = {q: p for q, p in proposals.items() if p[0] == 2 or q == ramp}
     return computed
 
 

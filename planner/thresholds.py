@@ -147,15 +147,17 @@ def tune(w: Window, budget: float, start: object | None = None, *, method: Metho
     restarted = False
     if restart:
         # The budget programme from scratch; the better of it and the climb goes on to refinement.
-        alt = budget_dp(w, allowed, beam=beam, movable=move_mask, fixed=start_t,
-                        orders=[s.order(q) for q in range(r)], ties=s.ties)
-        alt_out = outcome(w, alt)
-        if w.n_inputs - alt_out.agree_count <= allowed and alt_out.saving_ms * w.n_inputs > s.total + 1e-9 * max(1.0, abs(s.total)):
-            old = s.t.copy()
+        alt, alt_total = budget_dp(w, allowed, beam=beam, movable=move_mask, fixed=start_t,
+                                   orders=[s.order(q) for q in range(r)], ties=s.ties)
+        if alt_total > s.total + 1e-9 * max(1.0, abs(s.total)):
+            old, old_total = s.t.copy(), s.total
             s.set(alt)
-            restarted = True
-            for r in np.flatnonzero(old != s.t):
-                moves.append(Move("restart", int(r), float(old[r]), float(s.t[r]), *s.figures))
+            if s.feasible and s.total > old_total:
+                restarted = True
+                for q in np.flatnonzero(old != s.t):
+                    moves.append(Move("restart", int(q), float(old[q]), float(s.t[q]), *s.figures))
+            else:
+                s.set(old)
     if refine_pass:
         refine(s, move_mask, moves, max_sweeps)
     agreement, saving = s.figures

@@ -300,7 +300,9 @@ def test_budget_programme_is_exact_for_one_and_two_ramps(seed):
             for cfg in itertools.product(*[_all_thresholds(w, q) for q in range(r)])
             if w.n_inputs - outcome(w, np.array(cfg)).agree_count <= allowed
         )
-        got = outcome(w, budget_dp(w, allowed, beam=1))
+        t, total = budget_dp(w, allowed, beam=1)
+        got = outcome(w, t)
+        assert total / w.n_inputs == pytest.approx(got.saving_ms)
         assert w.n_inputs - got.agree_count <= allowed
         assert got.saving_ms == pytest.approx(best)
         assert tune(w, budget).saving_ms >= best - 1e-9
@@ -312,6 +314,6 @@ def test_budget_programme_respects_fixed_ramps():
     rng = np.random.default_rng(12)
     w = synthetic_window(rng, n=300, r=4)
     fixed = np.array([DISABLED, 0.97, DISABLED, DISABLED])
-    t = budget_dp(w, allowed_disagreements(300, 0.05), movable=np.array([True, False, True, True]), fixed=fixed)
+    t, _ = budget_dp(w, allowed_disagreements(300, 0.05), movable=np.array([True, False, True, True]), fixed=fixed)
     assert t[1] == 0.97
     assert w.n_inputs - outcome(w, t).agree_count <= allowed_disagreements(300, 0.05)
