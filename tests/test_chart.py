@@ -21,7 +21,7 @@ import pytest
 import yaml
 from packaging.version import Version
 
-from test_chart_support import (ALL_ON, CHART, CLIENT_PEER, NAMESPACE, PROMETHEUS_PEER, RESTRICTED, ROOT, VARIANTS,
+from test_chart_support import (ALL_ON, CHART, NAMESPACE, PROMETHEUS_PEER, RESTRICTED, ROOT, VARIANTS, build_children,
                                 chart, crd_objects, of_kind, one, operator_pod, render, render_raw)
 
 helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk is in the dev extra: pip install -e '.[dev]'")
@@ -322,27 +322,8 @@ def test_operator_gets_the_data_plane_image_through_the_env_the_builders_read() 
 # ------------------------------------------------------------------ the data plane the operator builds
 
 
-def _children(splits: int = 5) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Children of a real plan built by the operator's own builders (and a profiling Job)."""
-    from exitplan.api.plan import Cell, Plan, SplitPlan
-    from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
-    from exitplan.operator import builders
-
-    spec = EarlyExitServiceSpec.model_validate({"model": {"name": "minilm", "bundle": "/var/lib/exitplan/bundles/minilm"},
-                                                "slo": {"latencyMs": 100}, "pools": [{"name": "gpu-a"}]})
-    plan = Plan(service="minilm", model="minilm",
-                splits=[SplitPlan(index=i, first_block=i, last_block=i) for i in range(splits)],
-                buckets=[128], cells=[Cell(split=i, bucket=128, pool="gpu-a", replicas=1, batch_size=8) for i in range(splits)])
-    owner = {"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService",
-             "metadata": {"name": "minilm", "namespace": "default", "uid": "0000-1111"}}
-    pools = {"gpu-a": GPUPoolSpec(capacity=8)}
-    children = builders.build_children(owner, spec, plan, pools)
-    job = builders.build_profile_job(owner, spec, "gpu-a", pools["gpu-a"], builders.profile_name("minilm", "gpu-a"))
-    return children, job
-
-
 def test_profiler_service_account_is_the_one_the_operator_names() -> None:
-    _, job = _children()
+    _, job = build_children()
     sa = job["spec"]["template"]["spec"]["serviceAccountName"]
     objs = render()
     assert one(objs, "ServiceAccount", sa, "default")
@@ -353,7 +334,7 @@ def test_profiler_service_account_is_the_one_the_operator_names() -> None:
 def test_podmonitor_selects_the_routers_and_workers_the_operator_builds() -> None:
     from exitplan.operator import builders
 
-    children, job = _children()
+    children, job = build_children()
     monitor = one(render(ALL_ON), "PodMonitor")["spec"]
     pods = [d["spec"]["template"] for d in children if d["kind"] == "Deployment"]
     assert all(selects(monitor["selector"], p["metadata"]["labels"]) for p in pods)
@@ -421,7 +402,7 @@ def allowed(policies: list[dict[str, Any]], src: Pod, dst: Pod, port: int, proto
 def test_network_policies_allow_exactly_the_data_plane_paths() -> None:
     from exitplan.operator import builders
 
-    children, job = _children(splits=5)  # ALL_ON covers splits 0..3: split 4 must stay denied
+    children, job = build_children(splits=5)  # ALL_ON covers splits 0..3: split 4 must stay denied
     objs = render(ALL_ON)
     policies = of_kind(objs, "NetworkPolicy")
     port = builders.PORT
@@ -468,7 +449,7 @@ def test_network_policies_allow_exactly_the_data_plane_paths() -> None:
 
 
 def test_router_is_open_to_everyone_when_no_ingress_peers_are_named() -> None:
-    children, _ = _children(splits=2)
+    children, _ = build_children(splits=2)
     policies = of_kind(render({"networkPolicy": {"enabled": True}}), "NetworkPolicy")
     router = next(Pod("r", "default", d["spec"]["template"]["metadata"]["labels"]) for d in children
                   if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("router"))

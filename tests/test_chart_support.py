@@ -93,3 +93,22 @@ def one(objs: list[dict[str, Any]], kind: str, name: str | None = None, namespac
 
 def operator_pod(objs: list[dict[str, Any]]) -> dict[str, Any]:
     return one(objs, "StatefulSet")["spec"]["template"]
+
+
+def build_children(splits: int = 5) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Children of a real plan built by the operator's own builders (and a profiling Job)."""
+    from exitplan.api.plan import Cell, Plan, SplitPlan
+    from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
+    from exitplan.operator import builders
+
+    spec = EarlyExitServiceSpec.model_validate({"model": {"name": "minilm", "bundle": "/var/lib/exitplan/bundles/minilm"},
+                                                "slo": {"latencyMs": 100}, "pools": [{"name": "gpu-a"}]})
+    plan = Plan(service="minilm", model="minilm",
+                splits=[SplitPlan(index=i, first_block=i, last_block=i) for i in range(splits)],
+                buckets=[128], cells=[Cell(split=i, bucket=128, pool="gpu-a", replicas=1, batch_size=8) for i in range(splits)])
+    owner = {"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService",
+             "metadata": {"name": "minilm", "namespace": "default", "uid": "0000-1111"}}
+    pools = {"gpu-a": GPUPoolSpec(capacity=8)}
+    children = builders.build_children(owner, spec, plan, pools)
+    job = builders.build_profile_job(owner, spec, "gpu-a", pools["gpu-a"], builders.profile_name("minilm", "gpu-a"))
+    return children, job

@@ -203,9 +203,9 @@ def extras_of(stages: dict[str, Stage], target: str) -> set[str]:
 
 def pod_commands() -> list[list[str]]:
     """The `command` of every container the operator builds (routers, workers, profiling Jobs)."""
-    from test_chart import _children
+    from test_chart_support import build_children
 
-    children, job = _children(splits=2)
+    children, job = build_children(splits=2)
     pods = [d["spec"]["template"]["spec"] for d in children if d["kind"] == "Deployment"] + [job["spec"]["template"]["spec"]]
     return [c["command"] for p in pods for c in (*p.get("initContainers", []), *p["containers"])]
 
