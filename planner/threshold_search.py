@@ -8,11 +8,13 @@ agrees with the full model and its saving. Three ways to move:
 - :func:`climb_profiles`: the same greedy rule (largest extra saving per unit of agreement lost,
   lowering one ramp per round) but each ramp proposes its best move over *every* distinct
   confidence below its threshold, i.e. every step size at once, read off one cumulative sum
-  (:func:`profile`). Proposals are re-computed lazily: the ramp with the best proposal is
+  (:func:`lowering`). Proposals are re-computed lazily: the ramp with the best proposal is
   re-evaluated on the current state and moves only if it still beats every other ramp's last
   proposal.
 - :func:`refine`: coordinate ascent that re-places one ramp at a time at its exact best threshold
-  given the others (raising, lowering or disabling), until R ramps in a row bring nothing.
+  given the others (raising, lowering or disabling: :func:`profile`), until R ramps in a row bring
+  nothing.
+- :func:`repair`: raising thresholds until the window is back within budget.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ class Search:
 
 
 def climb_steps(s: Search, movable: np.ndarray, init_step: float, min_step: float, max_step: float,
-           max_rounds: int, moves: list[Move]) -> tuple[np.ndarray, float, int]:
+                max_rounds: int, moves: list[Move]) -> tuple[np.ndarray, float, int]:
     """The hill-climb; returns the best thresholds visited, their total saving, and the rounds."""
     n, r = s.n, s.r
     conf_t, agree_tf, cost, saving = s.conf_t, s.agree_tf, s.w.cost_ms, s.w.saving_ms
@@ -183,14 +185,10 @@ class Profile:
             return float((c[e] + c[e + 1]) / 2.0)  # midway to the next input that does not exit
         return float(c[e])
 
-    def best(self, s: Search, penalty: float = 0.0, need_feasible: bool = True) -> tuple[int, float]:
-        """(position, score) maximising total + penalty * agreeing count (-1 = disabled, preferred on ties)."""
-        score = self.totals + penalty * self.agrees
-        off = self.total_off + penalty * self.agree_off
-        if need_feasible:
-            score = np.where(s.n - self.agrees <= s.allowed, score, -np.inf)
-            if s.n - self.agree_off > s.allowed:
-                off = -np.inf
+    def best(self, s: Search) -> tuple[int, float]:
+        """(position, total) of the best placement within budget (-1 = disabled, preferred on ties)."""
+        score = np.where(s.n - self.agrees <= s.allowed, self.totals, -np.inf)
+        off = self.total_off if s.n - self.agree_off <= s.allowed else -np.inf
         i = int(np.argmax(score)) if score.size else -1
         if i < 0 or not score[i] > off + EPS_MS * max(1.0, abs(off) if np.isfinite(off) else 1.0):
             return -1, float(off)
@@ -435,7 +433,13 @@ def repair(s: Search, movable: np.ndarray, init_step: float, moves: list[Move]) 
             if key > best_key:
                 best, best_key = (int(ramp), t), key
         if best is None:
-            if not (movable & (s.t <= 1.0)).any():
+            if (steps >= 1.0).all():
+                # No single ramp helps even switched off (inputs would only fail at a later
+                # ramp instead): switch off every movable ramp, which the caller checked is enough.
+                old_t = s.t.copy()
+                s.set(np.where(movable, DISABLED, s.t))
+                for q in np.flatnonzero(old_t != s.t):
+                    moves.append(Move("repair", int(q), float(old_t[q]), DISABLED, *s.figures))
                 break
             steps *= 2.0
             continue

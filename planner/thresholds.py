@@ -21,13 +21,17 @@ breaking the budget. Two climbs (``method``):
   confidence below its threshold -- every step size at once, read off one cumulative sum -- so a
   ramp whose first small step would not pay for its overhead can still make the big move that
   does. Proposals are refreshed lazily (the best is re-checked on the current state before it is
-  taken).
+  taken); once the budget is spent, proposals that would lose agreement are dropped unchecked.
 
-Then (``refine=True``, default) coordinate ascent re-places one ramp at a time at its exact best
-threshold given the others (raising, lowering or disabling it, within budget) until R ramps in a
-row bring nothing. A threshold placed there or by the profile climb sits midway between the last
-input that exits and the next one that does not. bench/tuner_vs_grid.py compares all of this with
-an exhaustive grid search; bench/tuner_speed.py times it.
+Ratio-first greedy spending can leave a knapsack gap (an efficient early move leaves too little
+budget for the move that pays most), so (``restart=True``, default) a budget-indexed dynamic
+programme over the ramps (:mod:`exitplan.planner.threshold_dp`) builds a configuration from
+scratch and replaces the climb's if it saves more. Then (``refine_pass=True``, default) coordinate
+ascent re-places one active ramp at a time at its exact best threshold given the others (raising,
+lowering or disabling it, within budget) until R ramps in a row bring nothing. Thresholds placed
+by the profile climb, the programme or the refinement sit midway between the last input that exits
+and the next one that does not. bench/tuner_vs_grid.py compares the tuner (and each part) with an
+exhaustive grid search; bench/tuner_speed.py times it.
 """
 
 from __future__ import annotations
@@ -71,12 +75,13 @@ class TuneResult:
     saving_ms: float
     budget: float
     rounds: int
-    """Rounds of the hill-climb (a round moves one ramp or shrinks steps)."""
+    """Work of the climb: rounds (``steps``: a round moves one ramp or shrinks steps) or ramp
+    profiles computed (``profile``)."""
     moves: tuple[Move, ...]
     start_agreement: float
     start_saving_ms: float
     climb_saving_ms: float
-    """Best saving the hill-climb alone reached (before the refinement pass)."""
+    """Saving the climb alone reached (before the restart and the refinement)."""
     repaired: bool
     """The start thresholds broke the budget and were raised first."""
     restarted: bool = False
@@ -105,15 +110,16 @@ class TuneResult:
 
 
 def tune(w: Window, budget: float, start: object | None = None, *, method: Method = "profile",
-         refine_pass: bool = True, restart: bool = True, beam: int = 1, movable: object | None = None, min_step: float = 0.005,
-         max_step: float = 0.2, init_step: float = 0.05, max_rounds: int = 100_000,
+         restart: bool = True, refine_pass: bool = True, movable: object | None = None, beam: int = 1,
+         min_step: float = 0.005, max_step: float = 0.2, init_step: float = 0.05, max_rounds: int = 100_000,
          max_sweeps: int = 20) -> TuneResult:
     """Tune the thresholds of ``w``'s ramps so that agreement >= 1 - budget and the saving is largest.
 
     ``start``: the current thresholds ([R]; default all disabled). ``movable``: [R] bool, the ramps
     the tuner may change (default all; the others keep their start value, e.g. ramps that ramp
-    management switched off). ``method`` and ``refine_pass``: see the module docstring; the steps
-    apply to ``method="steps"``. Raises :class:`WindowError` on bad input and
+    management switched off). ``method``, ``restart`` and ``refine_pass``: see the module docstring;
+    ``beam``: states kept per budget level by the restart's programme; the steps apply to
+    ``method="steps"``. The figures returned are evaluated afresh on the window. Raises :class:`WindowError` on bad input and
     :class:`InfeasibleBudget` when the ramps it may not move already break the budget.
     """
     budget = check_budget(budget)
@@ -160,6 +166,7 @@ def tune(w: Window, budget: float, start: object | None = None, *, method: Metho
                 s.set(old)
     if refine_pass:
         refine(s, move_mask, moves, max_sweeps)
-    agreement, saving = s.figures
+    final = outcome(w, s.t)  # exactly what evaluate() says, not the search's running sums
+    agreement, saving = final.agreement, final.saving_ms
     return TuneResult(s.t.copy(), agreement, saving, budget, rounds, tuple(moves), start_agreement, start_saving,
                       climb_saving, repaired, restarted)
