@@ -149,19 +149,22 @@ class _Grid:
             stride *= dim
 
 
-def _run_dp(problem: E3Problem, grid: _Grid, goodput: float, s: int):
-    """Layers F[k][pos, f] = fewest value-pool replicas covering blocks < pos with k splits."""
+def _run_dp(problem: E3Problem, grid: _Grid, goodput: float, s: int, track: bool = True):
+    """Layers F[k][pos, f] = fewest value-pool replicas covering blocks < pos with k splits.
+
+    With track=False only the final layer's values are kept (a feasibility probe, no argmins).
+    """
     n = problem.n_blocks
     demand = problem.demand(goodput, s)  # (P, N, N)
     ends_ok = np.ones(n, dtype=bool) if problem.cuts is None else np.append(problem.cuts.astype(bool), True)
-    F = np.full((n + 1, grid.size), np.inf)
+    F = np.full((n + 1, grid.size), np.inf, dtype=np.float32)  # replica counts: exact in float32
     F[0, 0] = 0.0
     layers = []
     a_idx = np.arange(n)[:, None, None]
-    flat = np.arange(grid.size)[None, None, :]
+    flat = np.arange(grid.size, dtype=np.int32)[None, None, :]
     for k in range(1, s + 1):
         ends = np.array([n - 1]) if k == s else np.flatnonzero(ends_ok[: n - 1])
-        new = np.full((n + 1, grid.size), np.inf)
+        new = np.full((n + 1, grid.size), np.inf, dtype=np.float32)
         arg_a = np.full((n + 1, grid.size), -1, dtype=np.int32)
         arg_p = np.full((n + 1, grid.size), -1, dtype=np.int32)
         prev = F[:n]  # start positions a = 0..n-1
@@ -170,16 +173,24 @@ def _run_dp(problem: E3Problem, grid: _Grid, goodput: float, s: int):
             layers.append((new, arg_a, arg_p))
             F = new
             continue
+        # a split that ends at b leaves s - k splits for blocks b+1.., so b <= n - 1 - (s - k)
+        ends = ends[ends <= n - 1 - (s - k)]
+        prev_ext = np.concatenate([prev[live], np.full((len(live), 1), np.inf, dtype=np.float32)], axis=1).ravel()
         for p in range(len(problem.caps)):
-            D = demand[p][np.ix_(live, ends)]  # (A, E)
+            D = demand[p][np.ix_(live, ends)].astype(np.float32)  # (A, E)
             if p == grid.value_pool:
                 cand = prev[live][:, None, :] + D[:, :, None]
             else:
+                # gather prev[a, f - D * stride] from a copy with one extra +inf cell per row, which
+                # every invalid source (coordinate below the shift) points at
                 coord = grid.coords[p][None, None, :]
-                valid = coord >= D[:, :, None]
-                src = np.where(valid, flat - np.where(np.isfinite(D), D, 0).astype(np.int64)[:, :, None] * grid.strides[p], 0)
-                cand = prev[live[:, None, None], src]
-                cand = np.where(valid, cand, np.inf)
+                Di = np.where(np.isfinite(D), D, grid.size + 1).astype(np.int32)[:, :, None]
+                src = np.where(coord >= Di, flat - Di * grid.strides[p], grid.size)
+                src += (np.arange(len(live), dtype=np.int32) * (grid.size + 1))[:, None, None]
+                cand = prev_ext.take(src)
+            if not track:
+                new[ends + 1] = np.minimum(new[ends + 1], cand.min(axis=0))
+                continue
             best_i = np.argmin(cand, axis=0)  # (E, G)
             best = np.take_along_axis(cand, best_i[None], axis=0)[0]
             cur = new[ends + 1]
@@ -276,28 +287,35 @@ def _median_breakpoint(steps: np.ndarray, lo: float, hi: float) -> float:
             a = m
         if b <= a * (1 + 1e-12):
             break
-    # Snap to the breakpoint at or just below b that is > lo (a real candidate value).
+    # Snap to the largest breakpoint at or below b (a real candidate value, > lo).
     cand = np.floor(b / steps * (1 + 1e-12)) * steps
     cand = cand[cand > lo * (1 + 1e-12)]
-    return float(cand.min()) if len(cand) and cand.min() <= b else b
+    return float(cand.max()) if len(cand) else b
 
 
 def upper_bounds(problem: E3Problem) -> np.ndarray:
     """A goodput bound per split count (index s-1) from the fractional relaxation.
 
     Any plan with goodput G puts G * w replicas' worth of work on its splits, w = sum over buckets of
-    share * sigma_in / rate, so G * sum_i w_i <= all replicas (and G * sum_i cost_i w_i <= the cost
-    cap); the cheapest sum over layouts is a shortest path, taking each split's best pool.
+    share * sigma_in / rate, so G * sum_i w_i <= the replicas, each pool's counted at its best
+    relative efficiency (and G * sum_i cost_i w_i <= the cost cap); the cheapest sum over layouts
+    is a shortest path, taking each split's best pool.
     """
     load = problem.shares[None, None, None, None, :] * problem.sigma_in[None, None, :, None, None]
     with np.errstate(divide="ignore", invalid="ignore"):
         w = np.where(problem.rate > 0, load / np.where(problem.rate > 0, problem.rate, 1.0), np.inf).sum(axis=-1)  # (S, P, N, N)
-    total = float(problem.caps.sum())
     out = np.zeros(problem.max_splits)
     n = problem.n_blocks
     ends_ok = np.ones(n, dtype=bool) if problem.cuts is None else np.append(problem.cuts.astype(bool), True)
     for s in range(1, problem.max_splits + 1):
         ws = w[s - 1]
+        # A replica on pool p does at most rho_p of a best-pool replica's work on any split, so the
+        # replicas count as sum_p rho_p * caps[p] best-pool replicas.
+        best_w = ws.min(axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(np.isfinite(ws) & np.isfinite(best_w)[None], best_w[None] / ws, 0.0)
+        rho = np.nan_to_num(ratio.reshape(len(problem.caps), -1).max(axis=1), nan=0.0)
+        total = float((rho * problem.caps).sum())
         bounds = []
         for weight in (ws.min(axis=0), (ws * problem.costs[:, None, None]).min(axis=0)):
             dist = np.full(n + 1, np.inf)
@@ -316,42 +334,42 @@ def upper_bounds(problem: E3Problem) -> np.ndarray:
     return out
 
 
+def _feasible(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> bool:
+    final, _, _ = _run_dp(problem, grid, goodput, s, track=False)
+    return bool(np.isfinite(_feasible_states(problem, grid, final)).any())
+
+
 def max_goodput(problem: E3Problem) -> E3Solution:
     """The plan with the largest goodput (ties: the cheapest). Raises PlanInfeasible if none exists."""
     grid = _Grid(problem.caps)
-    lo_sol = _probe(problem, grid, EPS)
-    if lo_sol is None:
+    if not any(_feasible(problem, grid, EPS, s) for s in range(1, problem.max_splits + 1)):
         raise PlanInfeasible("no plan fits: not even one replica per split and bucket fits the caps, cost cap and SLO", field="spec")
     probes = 1
     steps = _breakpoint_steps(problem)
-    best, lo = lo_sol, lo_sol.goodput
+    lo = EPS
     ubs = upper_bounds(problem)
     # Per split count, from the most promising: feasibility only changes at breakpoints (goodputs
-    # where some ceil() steps) and every feasible probe lifts `lo` to the exact goodput of the plan
-    # it found; each probe at the median breakpoint of (lo, hi] halves the candidates, and when none
-    # is left no plan with this split count beats `lo`.
+    # where some ceil() steps); each probe at the median breakpoint of (lo, hi] halves the
+    # candidates, and when none is left no plan with this split count beats `lo`. A later split
+    # count is first probed just above `lo`, which settles most of them in one probe.
     for s in sorted(range(1, problem.max_splits + 1), key=lambda x: -ubs[x - 1]):
         hi = ubs[s - 1] * (1 + 1e-9)
-        if best is not lo_sol and _count_between(steps, lo, hi) > 0:
-            # One probe at the next breakpoint above `lo` settles most split counts at once.
+        if lo > EPS and _count_between(steps, lo, hi) > 0:
             nxt = _next_breakpoint(steps, lo)
-            sol = _probe(problem, grid, nxt, cheapest=False, order=[s])
             probes += 1
-            if sol is None:
+            if not _feasible(problem, grid, nxt, s):
                 continue
-            best, lo = sol, max(sol.goodput, nxt)
+            lo = nxt
         while hi > lo * (1 + 1e-9) and _count_between(steps, lo, hi) > 0:
             mid = _median_breakpoint(steps, lo, hi)
-            sol = _probe(problem, grid, mid, cheapest=False, order=[s])
             probes += 1
-            if sol is None:
-                hi = mid * (1 - 1e-12)
+            if _feasible(problem, grid, mid, s):
+                lo = mid
             else:
-                best, lo = sol, max(sol.goodput, mid)
-    # Among plans at the optimum, take the cheapest.
-    final = _probe(problem, grid, best.goodput)
-    if final is not None and final.goodput >= best.goodput * (1 - 1e-12):
-        best = final
+                hi = mid * (1 - 1e-9)  # breakpoints closer than 1e-9 (relative) count as one
+    best = _probe(problem, grid, lo)  # the cheapest plan at the optimum
+    if best is None:  # cannot happen: lo was probed feasible
+        raise PlanInfeasible("the planner lost its own feasible plan; please report this", field="spec")
     best.probes = probes + 1
     return best
 
