@@ -54,12 +54,12 @@ def budget_dp(w: Window, allowed: int, beam: int = 1, max_levels: int = 16, mova
         tied = bool((c[1:] == c[:-1]).any()) if ties is None else bool(ties[r])
         ends = np.flatnonzero(np.append(c[1:] != c[:-1], True)) if tied else None
         s_count = d.size
-        n_alive = alive.sum(axis=1)
         cost_r, saving_r = float(w.cost_ms[r]), float(w.saving_ms[r])
         if movable is not None and not movable[r]:
             # A fixed ramp: every state applies the given threshold.
             t_fix = float(fixed[r]) if fixed is not None else DISABLED
             if t_fix <= 1.0:
+                n_alive = np.count_nonzero(alive, axis=1)
                 out = alive & (conf_t[r] >= t_fix)
                 exits = out.sum(axis=1)
                 d = d + (out & bad_t[r]).sum(axis=1)
@@ -73,14 +73,15 @@ def budget_dp(w: Window, allowed: int, beam: int = 1, max_levels: int = 16, mova
         alive_sorted = alive[:, order]
         c_alive = np.cumsum(alive_sorted, axis=1, dtype=np.int32)
         c_bad = np.cumsum(alive_sorted & bad_t[r, order], axis=1, dtype=np.int32)
+        n_alive = c_alive[:, -1]
         if ends is not None:
             c_alive, c_bad = c_alive[:, ends], c_bad[:, ends]
         groups = n if ends is None else ends.size
         # For each state and b: the last tie group with <= b disagreements (c_bad never decreases
         # along a row, so one search over the rows laid end to end answers every (state, b)).
-        offset = np.arange(s_count, dtype=np.int64)[:, None] * (n + 1)
+        offset = np.arange(s_count, dtype=np.int32)[:, None] * np.int32(n + 1)
         flat = (c_bad + offset).ravel()
-        queries = np.arange(levels)[None, :] + offset
+        queries = np.arange(levels, dtype=np.int32)[None, :] + offset
         upto = np.searchsorted(flat, queries.ravel(), side="right").reshape(s_count, levels) - 1
         upto -= np.arange(s_count)[:, None] * groups
         j = np.maximum(upto, 0)

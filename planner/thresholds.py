@@ -112,7 +112,7 @@ class TuneResult:
 def tune(w: Window, budget: float, start: object | None = None, *, method: Method = "profile",
          restart: bool = True, refine_pass: bool = True, movable: object | None = None, beam: int = 1,
          min_step: float = 0.005, max_step: float = 0.2, init_step: float = 0.05, max_rounds: int = 100_000,
-         max_sweeps: int = 20) -> TuneResult:
+         max_sweeps: int = 1) -> TuneResult:
     """Tune the thresholds of ``w``'s ramps so that agreement >= 1 - budget and the saving is largest.
 
     ``start``: the current thresholds ([R]; default all disabled). ``movable``: [R] bool, the ramps
