@@ -77,16 +77,20 @@ def _true_survival(result: PlanResult) -> list[float]:
 
 
 def sustainable_rate(result: PlanResult, lengths_pool: np.ndarray, slo_ms: float, *, target: float = 0.99, n: int = 6000, seed: int = 0,
-                     iters: int = 9, max_wait_ms: float = 2.0) -> tuple[float, SimResult]:
+                     iters: int = 9, max_wait_ms: float = 2.0, duration_s: float = 0.0, depths_survival: Sequence[float] | None = None) -> tuple[float, SimResult]:
     """The largest Poisson rate at which >= `target` of requests are answered within the SLO
-    (drops count as misses), by bisection; lengths drawn from `lengths_pool`."""
+    (drops count as misses), by bisection between 0 and twice the planned goodput; lengths drawn
+    from `lengths_pool`. With `duration_s`, each run holds at least that many seconds of arrivals
+    at the planned goodput (so an overload has time to show)."""
     rng = np.random.default_rng(seed)
+    top = max(result.plan.prediction.goodput_rps, 1e-3) * 2.0
+    n = max(n, int(top / 2 * duration_s))
     lengths = rng.choice(lengths_pool, size=n)
     base = poisson_arrivals(rng, 1.0, n)
-    lo, hi = 0.0, max(result.plan.prediction.goodput_rps, 1e-3) * 2.0
+    lo, hi = 0.0, top
     best = None
     for _ in range(iters):
-        mid = 0.5 * (lo + hi) if lo > 0 else hi / 2
+        mid = 0.5 * (lo + hi)
         res = simulate_plan(result, base / mid, lengths, slo_ms, seed=seed, max_wait_ms=max_wait_ms)
         if res.attainment >= target:
             lo, best = mid, res

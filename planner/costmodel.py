@@ -5,8 +5,8 @@
   linearly to 0 (an expected batch of 0.5 inputs costs half a 1-input batch on average); lengths
   outside the measured range and batches above it are clamped to the range, and every clamp is
   recorded in `notes` so the plan can say so.
-- A split [a, b] runs block a at the full batch B; block k > a runs the survivors, B * s(k) / s(a),
-  where s(k) is the fraction of all inputs that reach block k (the survival curve). The exit ramps
+- A split [a, b] runs block a at the full batch B; block k > a runs the survivors, B * s(k) / s(a)
+  rounded up, where s(k) is the fraction of all inputs that reach block k (the survival curve). The exit ramps
   that are enabled run after their block on the batch that block ran.
 - Transfer time of the activations leaving a split: survivors x output bytes per sample at that
   boundary / the pool's link bandwidth.
@@ -219,7 +219,9 @@ class CostModel:
         ramp_rows = self._at_seq(self.ramp_ms_table, seq) if len(self.ramp_ms_table) else np.zeros((0, len(self.batch_sizes)))
         out = np.full((len(batches), n, n), np.inf)
         for bi, bsz in enumerate(batches):
-            load = bsz * ratio  # (a, k): inputs running block k in a split starting at a
+            # (a, k): inputs running block k in a split starting at a, rounded up: a batch that
+            # still holds anyone runs at the latency of a whole input (conservative for the cycle)
+            load = np.ceil(bsz * ratio - 1e-9)
             cost = self._interp_batch(per_block, load.T).T  # (a, k)
             for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
                 if on:
@@ -227,7 +229,7 @@ class CostModel:
             cost = np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], cost, 0.0)
             cum = np.cumsum(cost, axis=1)  # cum[a, b] = exec of [a, b]
             bytes_out = np.asarray([self.bytes_per_sample(b, seq) for b in range(n)])
-            leaving = bsz * np.minimum(s[None, 1 : n + 1] / s[:n, None], 1.0)  # samples leaving block b in a split from a
+            leaving = np.ceil(bsz * np.minimum(s[None, 1 : n + 1] / s[:n, None], 1.0) - 1e-9)  # samples leaving block b
             xfer = 8.0 * leaving * bytes_out[None, :] / (self.pool.link_bandwidth_gbps * 1e9) * 1e3
             xfer[:, n - 1] = 0.0  # the last split answers the router; that hop is in the slack
             tri = np.arange(n)[None, :] >= np.arange(n)[:, None]

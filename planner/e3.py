@@ -4,9 +4,9 @@ The model (data in `E3Problem`, built from the cost model by `plan_service`):
 
 - The model's N blocks are cut into S <= max_splits contiguous splits. Every split holds one
   pipeline per length bucket k; the replicas of one split share one pool (GPU type).
-- Pipelined execution: with S splits the end-to-end bound is (S + 1) cycles -- one cycle for the
-  first fusion queue to fill, one per split -- so every split must finish a batch (exec + ramps +
-  the transfer of its survivors) within the cycle (SLO - slack) / (S + 1). `rate[S-1, p, a, b, k]`
+- Pipelined execution: with S splits the end-to-end bound is 2S cycles -- at every split a row may
+  wait one cycle for its fusion queue and then runs one (service.cycles) -- so every split must
+  finish a batch (exec + ramps + the transfer of its survivors) within (SLO - slack) / 2S. `rate[S-1, p, a, b, k]`
   is the best throughput of one replica of split [a, b] on pool p for bucket k under that cycle
   (inputs entering the split per second, over the profiled batch sizes that fit the cycle and the
   pool's memory); 0 when no batch size fits.

@@ -28,6 +28,15 @@ from .errors import PlanInfeasible, PlanInvalid, ProfileError, SpecError
 from .forecast import forecast_survival
 
 MAX_BUCKETS = 6
+
+
+def cycles(splits: int) -> int:
+    """End-to-end latency bound of a pipeline of `splits` stages, in cycles: at every stage a row
+    may wait up to one cycle for its fusion queue to launch (a full batch, or the deadline rule)
+    and then runs one. (The synchronous-pipeline count, splits + 1, proved optimistic in the
+    simulator once several stages each wait for their own batches.)"""
+    return 2 * splits
+
 HYSTERESIS = 0.05
 """A re-plan keeps the previous layout (splits, buckets, pools) when it reaches this close to the optimum."""
 
@@ -71,7 +80,7 @@ class PlanResult:
     solution: E3Solution
     buckets: list[int]
     cycle_ms: float
-    """The cycle every split must finish a batch in: (SLO - slack) / (splits + 1)."""
+    """The cycle every split must finish a batch in: (SLO - slack) / cycles(splits)."""
     stage_ms: dict[tuple[int, int], float]
     """(split, bucket) -> time of one batch of that cell (exec + ramps + transfer)."""
     timings: dict[str, float]
@@ -287,7 +296,7 @@ def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layou
             mem = np.stack([[[model.replica_bytes(a, b, bsz, length) if b >= a else np.inf for b in range(n)] for a in range(n)] for bsz in sizes])
             fits = mem <= model.pool.memory_bytes
             for s in range(1, S + 1):
-                cycle = inp.budget_ms / (s + 1)
+                cycle = inp.budget_ms / cycles(s)
                 ok = fits & (tables <= cycle) & np.isfinite(tables)
                 with np.errstate(divide="ignore", invalid="ignore"):
                     thr = np.where(ok, sizes[:, None, None] / np.where(tables > 0, tables, 1e-9) * 1e3, 0.0)
@@ -310,7 +319,7 @@ def _diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int) -> PlanIn
     top = max(bucket_set)
     full = {m.pool_name: m.full_model_ms(top, 1.0) for m in inp.models}
     fastest_pool = min(full, key=full.get)
-    # The best pipeline for single inputs: the smallest (S + 1) x slowest stage at batch 1.
+    # The best pipeline for single inputs: the smallest cycles(S) x slowest stage at batch 1.
     best_bound = math.inf
     sigma = inp.sigma()
     for m in inp.models:
@@ -324,11 +333,11 @@ def _diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int) -> PlanIn
                 nxt = np.full(n + 1, np.inf)
                 nxt[1:] = np.maximum(worst[:n, None], t).min(axis=0)
                 worst = nxt
-            best_bound = min(best_bound, (s + 1) * worst[n])
+            best_bound = min(best_bound, cycles(s) * worst[n])
     if best_bound > inp.budget_ms:
         return PlanInfeasible(
             f"SLO budget {inp.budget_ms:g} ms (latencyMs minus slackMs) is below the {best_bound:.3g} ms that the fastest "
-            f"batching pipeline needs for inputs of length {top} (a cycle to fill each batch plus one per split); the fastest "
+            f"batching pipeline needs for inputs of length {top} (each split may wait one cycle for its batch and run one); the fastest "
             f"single-input latency through every block is {full[fastest_pool]:.3g} ms on pool {fastest_pool}. Relax spec.slo.latencyMs, "
             "use a faster pool, or cap workload.lengthBuckets lower",
             field="spec.slo.latencyMs",
@@ -379,7 +388,7 @@ def _fill_spare(problem: E3Problem, sol: E3Solution) -> None:
 def _to_plan(service: str, spec: EarlyExitServiceSpec, inp: Inputs, bucket_set: list[int], problem: E3Problem, sol: E3Solution,
              thresholds: Mapping[str, float], reason: str) -> tuple[Plan, float, dict[tuple[int, int], float]]:
     s = sol.splits
-    cycle = inp.budget_ms / (s + 1)
+    cycle = inp.budget_ms / cycles(s)
     splits, cells, stage = [], [], {}
     for i, seg in enumerate(sol.segments):
         splits.append(SplitPlan(index=i, first_block=seg.first, last_block=seg.last))
@@ -396,7 +405,7 @@ def _to_plan(service: str, spec: EarlyExitServiceSpec, inp: Inputs, bucket_set: 
         service=service, model=spec.model.name, splits=splits, buckets=[int(b) for b in bucket_set], cells=cells,
         thresholds={k: float(v) for k, v in thresholds.items()}, survival=[float(x) for x in inp.survival],
         length_histogram=[float(x) for x in problem.shares],
-        prediction=Prediction(goodput_rps=float(goodput), p99_ms=float((s + 1) * slowest), cost_per_hour=float(sol.cost)),
+        prediction=Prediction(goodput_rps=float(goodput), p99_ms=float(cycles(s) * slowest), cost_per_hour=float(sol.cost)),
         reason=reason,
     )
     return plan, cycle, stage

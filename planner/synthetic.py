@@ -8,11 +8,11 @@ derived (not measured here) from public figures:
   length-L input): 14.2 MFLOP + 3 kFLOP * L.
 - Speed: the FP32 peak of each GPU from NVIDIA's datasheets -- V100 (SXM2) 15.7 TFLOPS, P100 (PCIe)
   9.3 TFLOPS, K80 (one GK210 die) 4.4 TFLOPS -- at 60 % efficiency once the GPU is full.
-- Assumption (stated, not measured): a layer is under-filled below `SATURATION_TOKENS` = 2048
-  tokens in flight (16 inputs of length 128), so its latency is flat below that -- the flat start
-  of GPU latency-vs-batch curves that E3 builds on -- plus a fixed per-layer launch overhead
-  (0.25 ms V100/P100, 0.4 ms K80). Consequences on a V100: 41 ms for one to 16 length-128 inputs
-  through the 12 layers, 60 ms for 24, 2.6 ms of GPU time per input when full.
+- Assumption (stated, not measured): a layer is under-filled below `SATURATION_TOKENS` = 512
+  tokens in flight (4 inputs of length 128), so its latency is flat below that, plus a fixed
+  per-layer launch overhead (0.25 ms V100/P100, 0.4 ms K80). Consequences on a V100: 12.5 ms for
+  one to four length-128 inputs through the 12 layers (the range of published FP32 batch-1
+  BERT-base latencies), 41 ms for 16, 2.4 ms of GPU time per input once full.
 - Exit ramps (DeeBERT-style pooler + classifier) after every layer cost 2 % of a layer.
 - Memory: 7.1 M parameters (28 MB FP32) per layer; activations d * L * 4 bytes per sample.
 - Cost per GPU-hour: typical public on-demand prices -- V100 3.06, P100 1.46, K80 0.90 (units/h).
@@ -30,7 +30,7 @@ import numpy as np
 
 from exitplan.api.resources import BlockProfile, GPUPoolSpec, ModelProfileSpec, RampProfile
 
-SATURATION_TOKENS = 2048
+SATURATION_TOKENS = 512
 """Tokens in flight per layer below which a GPU's layer latency stays flat (under-filled GPU)."""
 
 
