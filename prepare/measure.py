@@ -121,16 +121,43 @@ class ChainTiming:
 
 
 def time_chain(runtime: BundleRuntime, state: dict[str, np.ndarray], bucket: int, repeats: int, warmup: int = 1) -> ChainTiming:
-    """Time every block and ramp of the range on `state`, passing real activations forward."""
+    """Time every block and ramp of the range on `state`, passing real activations forward.
+
+    The first pass computes each block's real input state; then `warmup` untimed passes and timed
+    passes over the whole chain, each running every block and ramp once, so a burst of load from
+    other processes spreads over all of them instead of hitting one block's repeats. Passes go on
+    past `repeats` until every call has MIN_TIMED_MS of samples (at most MAX_REPEATS passes).
+    """
     work = dict(state)
-    block_ms: list[float] = []
-    ramp_ms: dict[str, float] = {}
-    states = []
+    inputs: list[dict[str, np.ndarray]] = []
+    states: list[dict[str, np.ndarray]] = []
+    ramps: list[tuple[str, dict[str, np.ndarray]]] = []
     for index in range(runtime.first_block, runtime.last_block + 1):
-        before = dict(work)
-        block_ms.append(time_ms(lambda i=index, b=before: runtime.run_block(i, dict(b), bucket), repeats, warmup))
+        inputs.append(dict(work))
         runtime.run_block(index, work, bucket)
         states.append(dict(work))
+        ramps.extend((ramp.name, states[-1]) for ramp in runtime.manifest.ramps_in(index, index))
+    # in serving order: each block, then the ramps that follow it
+    calls: list[tuple[str, Callable[[], object]]] = []
+    for index, before, after in zip(range(runtime.first_block, runtime.last_block + 1), inputs, states):
+        calls.append((f"block:{index}", lambda i=index, s=before: runtime.run_block(i, dict(s), bucket)))
         for ramp in runtime.manifest.ramps_in(index, index):
-            ramp_ms[ramp.name] = time_ms(lambda r=ramp.name, w=work: runtime.run_ramp(r, w, bucket), repeats, warmup)
-    return ChainTiming(block_ms=block_ms, ramp_ms=ramp_ms, states=states)
+            calls.append((f"ramp:{ramp.name}", lambda r=ramp.name, s=after: runtime.run_ramp(r, s, bucket)))
+    for _ in range(warmup):
+        for _, call in calls:
+            call()
+    samples: dict[str, list[float]] = {key: [] for key, _ in calls}
+    for passes in range(MAX_REPEATS):
+        short = [(k, c) for k, c in calls if passes < max(1, repeats) or sum(samples[k]) < MIN_TIMED_MS]
+        if not short:
+            break
+        for key, call in short:
+            start = time.perf_counter()
+            call()
+            samples[key].append((time.perf_counter() - start) * 1000.0)
+    medians = {key: float(np.median(values)) for key, values in samples.items()}
+    return ChainTiming(
+        block_ms=[medians[f"block:{i}"] for i in range(runtime.first_block, runtime.last_block + 1)],
+        ramp_ms={name: medians[f"ramp:{name}"] for name, _ in ramps},
+        states=states,
+    )
