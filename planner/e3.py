@@ -141,6 +141,7 @@ class _Grid:
             )
         self.strides = {}
         self.coords = {}
+        self.dims = dict(zip(self.grid_pools, dims))
         flat = np.arange(self.size)
         stride = 1
         for p, dim in reversed(list(zip(self.grid_pools, dims))):
@@ -175,19 +176,24 @@ def _run_dp(problem: E3Problem, grid: _Grid, goodput: float, s: int, track: bool
             continue
         # a split that ends at b leaves s - k splits for blocks b+1.., so b <= n - 1 - (s - k)
         ends = ends[ends <= n - 1 - (s - k)]
-        prev_ext = np.concatenate([prev[live], np.full((len(live), 1), np.inf, dtype=np.float32)], axis=1).ravel()
+        A = len(live)
+        prev_live = prev[live]
+        rows = np.arange(A)[:, None]
         for p in range(len(problem.caps)):
             D = demand[p][np.ix_(live, ends)].astype(np.float32)  # (A, E)
             if p == grid.value_pool:
-                cand = prev[live][:, None, :] + D[:, :, None]
+                cand = prev_live[:, None, :] + D[:, :, None]
             else:
-                # gather prev[a, f - D * stride] from a copy with one extra +inf cell per row, which
-                # every invalid source (coordinate below the shift) points at
-                coord = grid.coords[p][None, None, :]
-                Di = np.where(np.isfinite(D), D, grid.size + 1).astype(np.int32)[:, :, None]
-                src = np.where(coord >= Di, flat - Di * grid.strides[p], grid.size)
-                src += (np.arange(len(live), dtype=np.int32) * (grid.size + 1))[:, None, None]
-                cand = prev_ext.take(src)
+                # shifted[a, d] = prev[a] moved up by d replicas on pool p (inf where that would go
+                # below 0); row dim = every shift beyond the cap (all inf). Then gather whole rows.
+                dim, stride = grid.dims[p], grid.strides[p]
+                view = prev_live.reshape(A, -1, dim, stride)
+                shifted = np.full((A, dim + 1, grid.size), np.inf, dtype=np.float32)
+                blocks = shifted.reshape(A, dim + 1, -1, dim, stride)  # a view: `shifted` is contiguous
+                for d in range(dim):
+                    blocks[:, d, :, d:, :] = view[:, :, : dim - d, :]
+                Di = np.where(np.isfinite(D) & (D < dim), D, dim).astype(np.intp)
+                cand = shifted[rows, Di]
             if not track:
                 new[ends + 1] = np.minimum(new[ends + 1], cand.min(axis=0))
                 continue

@@ -2,7 +2,7 @@
 window, predicted per ramp from the observation windows, behind a small predictor registry.
 
 Predictors (`PREDICTORS`): `constant` (last value), `ewma` (exponentially weighted mean), `arima`
-(statsmodels ARIMA(1,0,0) per ramp by default; falls back to EWMA with a note when a series is too
+(statsmodels ARIMA(1,0,0) per ramp on the last 12 windows; falls back to EWMA with a note when a series is too
 short or constant for the fit). `forecast_survival` also clips the forecast to [0, 1] and keeps it
 non-increasing along the ramps. `backtest` replays a series one window at a time and reports the
 mean absolute error of each predictor's one-step-ahead forecasts.
@@ -33,8 +33,11 @@ def predict_ewma(history: np.ndarray, alpha: float = 0.5) -> float:
     return level
 
 
-def predict_arima(history: np.ndarray, order: tuple[int, int, int] = (1, 0, 0), min_points: int = 6) -> float:
-    """ARIMA fitted on the history (statsmodels); EWMA when the series is too short or flat to fit."""
+def predict_arima(history: np.ndarray, order: tuple[int, int, int] = (1, 0, 0), min_points: int = 6, window: int = 12) -> float:
+    """ARIMA fitted on the last `window` points (statsmodels); EWMA when they are too few or flat to fit.
+
+    The window keeps an old regime from pulling the forecast back after the workload switches."""
+    history = np.asarray(history)[-window:]
     if len(history) < min_points or float(np.ptp(history)) < 1e-9:
         return predict_ewma(history)
     from statsmodels.tsa.arima.model import ARIMA
