@@ -89,6 +89,7 @@ def command(
 ) -> None:
     """Plan a service offline: splits x replicas x pools (E3), length buckets (Arlo), batch sizes; print the plan."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from exitplan.api.plan import Plan
@@ -104,7 +105,7 @@ def command(
                               lengths=None if lengths is None else lengths.lengths, reason="cli")
         result.verify()
     except PlannerError as err:
-        console.print(f"[red]cannot plan {name}[/red] ({type(err).__name__}, field {err.field or '-'}): {err}")
+        console.print(f"[red]cannot plan {escape(name)}[/red] ({type(err).__name__}, field {escape(err.field or '-')}): {escape(str(err))}")
         raise typer.Exit(2) from err
     plan, pred = result.plan, result.plan.prediction
     head = Table(title=f"plan for {name} ({spec.model.name})")
@@ -127,7 +128,7 @@ def command(
         change = plan_change(prev, plan)
         console.print(f"change from the previous plan: {change.added} instance(s) started, {change.removed} stopped, {change.kept} kept")
     for note in result.notes:
-        console.print(f"[dim]note: {note}[/dim]")
+        console.print(f"[dim]note: {escape(note)}[/dim]")
     if json_out:
         body = {"plan": plan.dump(), "timings": result.timings, "cycle_ms": result.cycle_ms, "notes": result.notes,
                 "alternatives": result.alternatives, "kept_previous": result.kept_previous}

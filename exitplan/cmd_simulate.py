@@ -47,6 +47,7 @@ def command(
     """Compare vanilla, naive early exit, E3, Arlo, exitplan and the oracle bound on one trace, at equal cost."""
     import numpy as np
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import track
     from rich.table import Table
 
@@ -69,7 +70,7 @@ def command(
         speed = rate / full.mean_rate if rate else 1.0
         tr = load_trace(path, max_length=int(top), length_mode=length_mode, speed=speed, duration=duration)  # type: ignore[arg-type]
     except TraceError as err:
-        console.print(f"[red]trace:[/red] {err}")
+        console.print(f"[red]trace:[/red] {escape(str(err))}")
         raise typer.Exit(2) from err
     console.print(f"trace {path}: {len(tr)} requests over {tr.duration:.1f} s ({tr.mean_rate:.1f} req/s), lengths fitted to {top} ({length_mode})")
     results, rows, plans = [], [], {}
@@ -94,7 +95,7 @@ def command(
     for r in rows:
         if "error" in r:
             table.add_row(r["config"], "-", "-", "[red]no plan[/red]", "-", "-", "-", "-", "-", "-")
-            console.print(f"[red]{r['config']}[/red]: {r['error']}")
+            console.print(f"[red]{r['config']}[/red]: {escape(r['error'])}")
         elif r["config"] == "oracle":
             table.add_row("oracle", "-", "-", f"{r['goodput_rps']:.1f}", "-", "-", "-", "-", "-", "(bound)")
         else:

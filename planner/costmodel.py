@@ -24,13 +24,16 @@ from exitplan.api.resources import GPUPoolSpec, ModelProfileSpec
 
 from .errors import ProfileError
 
-MONOTONE_SLACK = 0.25
-"""Measured latencies may dip by this fraction (timer noise) before the profile counts as non-monotone."""
+MONOTONE_SLACK = 0.5
+"""Measured latencies may dip by this fraction (timer noise on shared machines: profiles measured on
+the 2-core dev machine dip by up to ~30 % at large batches) before the profile counts as
+non-monotone; smaller dips are smoothed to a running maximum and noted."""
 MONOTONE_FLOOR_MS = 0.05
 """Dips smaller than this many milliseconds are always noise."""
 
 
-def _check_table(table: list[list[float]], where: str, n_seq: int, n_batch: int, notes: list[str]) -> np.ndarray:
+def _check_table(table: list[list[float]], name_: str, n_seq: int, n_batch: int, notes: list[str], prefix: str = "") -> np.ndarray:
+    where = f"{prefix}.{name_}" if prefix else name_
     if len(table) != n_seq or any(len(row) != n_batch for row in table):
         shape = f"{len(table)} rows of " + ",".join(str(len(r)) for r in table) if table else "no rows"
         raise ProfileError(
@@ -52,8 +55,8 @@ def _check_table(table: list[list[float]], where: str, n_seq: int, n_batch: int,
                 f"{running[i, j]:.3f} ms); re-measure the profile",
                 field=f"{where}.latencyMs[{i}][{j}]",
             )
-        if np.any(dip > 0):
-            notes.append(f"{where}: small latency dips (noise) smoothed to be non-decreasing in {name}")
+        if np.any(dip > 0) and name_ not in notes:
+            notes.append(name_)
         arr = running
     return arr
 
@@ -74,12 +77,15 @@ def _validated_arrays(profile: ModelProfileSpec, where: str, notes: list[str]) -
     if not profile.blocks:
         raise ProfileError("the profile lists no blocks", field=f"{where}.blocks")
     n = len(profile.blocks)
-    blocks = np.stack([_check_table(b.latency_ms, f"{where}.blocks[{i}]", len(sl), len(bs), notes) for i, b in enumerate(profile.blocks)])
+    smoothed: list[str] = []
+    blocks = np.stack([_check_table(b.latency_ms, f"blocks[{i}]", len(sl), len(bs), smoothed, where) for i, b in enumerate(profile.blocks)])
     ramps = []
     for i, r in enumerate(profile.ramps):
         if r.after_block >= n:
             raise ProfileError(f"ramp {r.name!r} follows block {r.after_block} but the profile has {n} blocks", field=f"{where}.ramps[{i}].afterBlock")
-        ramps.append(_check_table(r.latency_ms, f"{where}.ramps[{i}]", len(sl), len(bs), notes))
+        ramps.append(_check_table(r.latency_ms, f"ramps[{i}]", len(sl), len(bs), smoothed, where))
+    if smoothed:
+        notes.append(f"{where}: latency dips below {MONOTONE_SLACK:.0%} (timer noise) smoothed to a running maximum in {', '.join(smoothed)}")
     if any(a.after_block > b.after_block for a, b in zip(profile.ramps, profile.ramps[1:])):
         raise ProfileError("ramps must be listed in block order", field=f"{where}.ramps")
     surv = list(profile.survival)
