@@ -9,6 +9,7 @@ its skip probability: the survival before it), place replicas x_ip of every spli
     (c) sum_p x_ip mu_ip >= Z q_i                      every split keeps up with its share
     (d) sum_p x_ip mu_ip / q_i <= (1 + balance) * sum_p x_jp mu_jp / q_j   for adjacent i, j
                                                        (no stage far faster than its neighbour)
+    (e) sum_ip x_ip cost_p <= cost cap (when the service has one)
     objective: maximise Z, then minimise cost sum_ip x_ip cost_p.
 
 Often-executed splits get more (and faster) replicas; a split may span pools. Solved with OR-Tools
@@ -48,7 +49,7 @@ class Placement:
 
 
 def place(mu: Sequence[Sequence[float]], q: Sequence[float], caps: Sequence[int], costs: Sequence[float], fits: np.ndarray | None = None,
-          balance: float | None = None, time_limit_s: float = 5.0) -> Placement:
+          balance: float | None = None, time_limit_s: float = 5.0, cost_cap: float | None = None) -> Placement:
     """Maximise goodput (then minimise cost) over integer replica placements; see the module docstring.
 
     mu[i][p]: requests/s one replica of split i on pool p takes in (0 = cannot run there).
@@ -78,6 +79,8 @@ def place(mu: Sequence[Sequence[float]], q: Sequence[float], caps: Sequence[int]
         z = m.NewIntVar(0, ub, "z")
         for p in range(P):  # (a)
             m.Add(sum(x[i][p] for i in range(n)) <= int(caps_a[p]))
+        if cost_cap is not None:  # the service's cost cap, in thousandths
+            m.Add(sum(int(round(costs_a[p] * 1000)) * x[i][p] for i in range(n) for p in range(P)) <= int(cost_cap * 1000 + 1e-6))
         level = [sum(int(w[i, p]) * x[i][p] for p in range(P)) for i in range(n)]
         for i in range(n):  # (c)
             m.Add(level[i] >= z)

@@ -5,7 +5,9 @@ Stages (timed in `PlanResult.timings`):
 2. survival: the thresholds in force (ramps off -> no exits there), observed or forecast survival;
 3. lengths: a histogram on the profile's length grid, the staircase, candidate bucket sets;
 4. solve: E3's exact DP per bucket set (splits x replicas x pool per split, one pipeline per bucket);
-5. plan: cells, spare replicas to the tightest cells (max-goodput), prediction, smallest change.
+5. plan: cells, spare replicas to the tightest cells (max-goodput), DensePipe's placement of the
+   layout over all pools when it beats one pool per split (one bucket, several pools), prediction,
+   smallest change.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfi
 
 from . import buckets as bk
 from .costmodel import CostModel, survival_before_blocks
+from .densepipe import Placement, place
 from .e3 import E3Problem, E3Solution, max_goodput, min_cost
 from .errors import PlanInfeasible, PlanInvalid, ProfileError, SpecError
 from .forecast import forecast_survival
@@ -386,21 +389,26 @@ def _fill_spare(problem: E3Problem, sol: E3Solution) -> None:
 
 
 def _to_plan(service: str, spec: EarlyExitServiceSpec, inp: Inputs, bucket_set: list[int], problem: E3Problem, sol: E3Solution,
-             thresholds: Mapping[str, float], reason: str) -> tuple[Plan, float, dict[tuple[int, int], float]]:
+             thresholds: Mapping[str, float], reason: str, placement: Placement | None = None) -> tuple[Plan, float, dict[tuple[int, int], float]]:
     s = sol.splits
     cycle = inp.budget_ms / cycles(s)
     splits, cells, stage = [], [], {}
     for i, seg in enumerate(sol.segments):
         splits.append(SplitPlan(index=i, first_block=seg.first, last_block=seg.last))
         for k, length in enumerate(bucket_set):
-            reps = int(seg.replicas[k])
-            if reps <= 0:
-                continue
-            cells.append(Cell(split=i, bucket=int(length), pool=inp.pool_names[seg.pool], replicas=reps,
-                              batch_size=int(problem.batch[s - 1, seg.pool, seg.first, seg.last, k])))
-            stage[(i, int(length))] = float(problem.stage_ms[s - 1, seg.pool, seg.first, seg.last, k])
+            if placement is not None:  # one bucket, a split may span pools
+                per_pool = [(p, int(r)) for p, r in enumerate(placement.replicas[i]) if r > 0]
+            else:
+                per_pool = [(seg.pool, int(seg.replicas[k]))] if seg.replicas[k] > 0 else []
+            for p, reps in per_pool:
+                cells.append(Cell(split=i, bucket=int(length), pool=inp.pool_names[p], replicas=reps,
+                                  batch_size=int(problem.batch[s - 1, p, seg.first, seg.last, k])))
+                ms = float(problem.stage_ms[s - 1, p, seg.first, seg.last, k])
+                stage[(i, int(length))] = max(stage.get((i, int(length)), 0.0), ms)
     slowest = max(stage.values())
     goodput = sol.goodput if math.isfinite(sol.goodput) else 0.0
+    if placement is not None:
+        goodput, sol = placement.goodput, E3Solution(sol.splits, sol.segments, placement.goodput, placement.cost, sol.probes)
     plan = Plan(
         service=service, model=spec.model.name, splits=splits, buckets=[int(b) for b in bucket_set], cells=cells,
         thresholds={k: float(v) for k, v in thresholds.items()}, survival=[float(x) for x in inp.survival],
@@ -457,6 +465,21 @@ def _previous_layout(previous: Plan, inp: Inputs) -> tuple[list[int], tuple[list
             return None
         pools.append(inp.pool_names.index(next(iter(used))))
     return list(previous.buckets), ([(s.first_block, s.last_block) for s in previous.splits], pools)
+
+
+def _densepipe(problem: E3Problem, sol: E3Solution) -> Placement | None:
+    """DensePipe's placement of the chosen layout over every pool (a split may span pools); returned
+    only when it beats E3's one-pool-per-split replicas."""
+    s = sol.splits
+    mu = np.asarray([[problem.rate[s - 1, p, g.first, g.last, 0] for p in range(len(problem.caps))] for g in sol.segments])
+    q = np.asarray([problem.sigma_in[g.first] for g in sol.segments])
+    if np.any(q <= 0):
+        return None
+    try:
+        placement = place(mu, q, problem.caps, problem.costs, cost_cap=problem.cost_cap, time_limit_s=2.0)
+    except PlanInfeasible:
+        return None
+    return placement if placement.goodput > sol.goodput * (1 + 1e-6) else None
 
 
 def _solve(problem: E3Problem, spec: EarlyExitServiceSpec) -> E3Solution:
@@ -558,7 +581,14 @@ def plan_service(
 
     t3 = time.perf_counter()
     bucket_set, problem, sol = chosen
-    plan, cycle, stage = _to_plan(service_name, spec, inp, list(bucket_set), problem, sol, thresholds, reason)
+    placement = None
+    if len(bucket_set) == 1 and len(inp.pool_names) > 1 and spec.planner.objective == Objective.max_goodput and not kept:
+        placement = _densepipe(problem, sol)
+        if placement is not None:
+            inp.notes.append(f"DensePipe placement spreads splits over pools: goodput {sol.goodput:.4g} -> {placement.goodput:.4g} req/s")
+    timings["densepipe"] = time.perf_counter() - t3
+    t3 = time.perf_counter()
+    plan, cycle, stage = _to_plan(service_name, spec, inp, list(bucket_set), problem, sol, thresholds, reason, placement)
     timings["plan"] = time.perf_counter() - t3
     timings["total"] = time.perf_counter() - t0
     notes = list(dict.fromkeys(inp.notes + [n for m in inp.models for n in m.notes]))

@@ -173,3 +173,14 @@ def test_cost_cap_below_one_worker():
     with pytest.raises(PlanInfeasible) as err:
         plan_service("minilm", spec, CPU_POOLS, {"cpu": cpu_profile()})
     assert err.value.field == "spec.planner.costCapPerHour"
+
+
+def test_densepipe_spreads_a_split_over_pools():
+    pools = {n: CPU_POOLS["cpu"].model_copy(update={"capacity": 2}) for n in ("a", "b")}
+    spec = cpu_spec(planner=PlannerSettings(max_splits=1), workload=Workload(length_buckets=[128]))
+    spec = spec.model_copy(update={"pools": [PoolRef(name="a"), PoolRef(name="b")]})
+    result = plan_service("minilm", spec, pools, {"a": cpu_profile("a"), "b": cpu_profile("b")})
+    result.verify()
+    assert {c.pool for c in result.plan.cells} == {"a", "b"}  # E3 alone puts the one split on one pool
+    assert sum(c.replicas for c in result.plan.cells) == 4
+    assert any("DensePipe" in n for n in result.notes)
