@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import os
 from typing import Any
@@ -18,7 +17,7 @@ import kopf
 
 from exitplan.api.resources import GROUP, VERSION
 from exitplan.operator import driftloop, reconcile
-from exitplan.operator.kube import KubeClient, bearer, load_config, path
+from exitplan.operator.kube import ApiError, KubeClient, bearer, load_config, path
 from exitplan.operator.metrics import METRICS
 
 EES = {"group": GROUP, "version": VERSION, "plural": "earlyexitservices"}
@@ -29,12 +28,18 @@ TICK = float(os.environ.get("EXITPLAN_TICK_SECONDS", "5"))
 _state: dict[str, Any] = {"client": None, "locks": collections.defaultdict(asyncio.Lock)}
 
 
-def _plain(body: Any) -> dict[str, Any]:
-    return json.loads(json.dumps(body, default=dict))
-
-
-def _service(body: Any) -> reconcile.Service:
-    return reconcile.Service(body=_plain(body), client=_state["client"])
+async def _service(body: Any) -> reconcile.Service | None:
+    """The service as the API has it now (None when gone). Handlers run under the per-object lock
+    and re-read the object, so a status written from an older snapshot never overwrites a newer one."""
+    client: KubeClient = _state["client"]
+    meta = body["metadata"]
+    try:
+        fresh = await client.get(path("EarlyExitService", meta.get("namespace"), meta["name"]))
+    except ApiError as err:
+        if err.status == 404:
+            return None
+        raise
+    return reconcile.Service(body=fresh, client=client)
 
 
 def _lock(body: Any) -> asyncio.Lock:
@@ -59,6 +64,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.networking.error_backoffs = [1, 2, 5, 10]
+    settings.background.instant_exit_timeout = 5.0  # graceful shutdown: let a running tick finish
     _state["client"] = KubeClient.from_config(os.environ.get("KUBECONFIG") or None)
     _state["locks"] = collections.defaultdict(asyncio.Lock)
 
@@ -73,19 +79,22 @@ async def close(**_: Any) -> None:
 @kopf.on.create(**EES)
 async def created(body: kopf.Body, **_: Any) -> None:
     async with _lock(body):
-        await reconcile.reconcile(_service(body), reason="initial")
+        if (svc := await _service(body)) is not None:
+            await reconcile.reconcile(svc, reason="initial")
 
 
 @kopf.on.update(**EES, field="spec")
 async def spec_changed(body: kopf.Body, **_: Any) -> None:
     async with _lock(body):
-        await reconcile.reconcile(_service(body), reason="spec-change")
+        if (svc := await _service(body)) is not None:
+            await reconcile.reconcile(svc, reason="spec-change")
 
 
 @kopf.on.resume(**EES)
 async def resumed(body: kopf.Body, **_: Any) -> None:
     async with _lock(body):
-        await reconcile.reconcile(_service(body), reason="resume")
+        if (svc := await _service(body)) is not None:
+            await reconcile.reconcile(svc, reason="resume")
 
 
 @kopf.on.delete(**EES, optional=True)
@@ -102,7 +111,9 @@ async def tick(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     if lock.locked():
         return  # a reconcile runs; the next tick looks again
     async with lock:
-        svc = _service(body)
+        svc = await _service(body)
+        if svc is None:
+            return
         status = (svc.body.get("status") or {}).get("phase")
         if status == "Profiling" and asyncio.get_running_loop().time() - memo.get("profile_check", 0) > 30:
             memo["profile_check"] = asyncio.get_running_loop().time()

@@ -222,6 +222,8 @@ async def plan_and_apply(svc: Service, spec: EarlyExitServiceSpec, inputs: Input
         await svc.write_status(status)
         return status
 
+    if previous is not None and plan.content_hash() == previous.content_hash():
+        plan = previous  # the same plan: keep the applied one (its reason, its ConfigMap bytes)
     status.conditions = set_condition(status.conditions, "PlanInfeasible", False, "Planned", "a plan meets the spec", gen)
     held_back = ""
     target = plan

@@ -20,9 +20,9 @@ from test_operator_support import (ClusterThread, condition, install_profiles, m
                                    status, wait_for, workers)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with ClusterThread(tmp_path_factory.mktemp("cluster")) as c:
+@pytest.fixture
+def cluster(tmp_path):
+    with ClusterThread(tmp_path) as c:
         c.create(pool("gpu-a", 4, 3.0))
         c.create(pool("gpu-b", 6, 1.0))
         yield c
@@ -70,3 +70,243 @@ def test_create_builds_every_child_with_the_right_specs(cluster):
         assert condition(st, "Ready")["status"] == "True" and condition(st, "Progressing")["status"] == "False"
         assert all(c["readyReplicas"] == c["replicas"] for c in st["plan"]["cells"])
         assert any(e["reason"] == "Applied" for e in cluster.events(ns, "minilm"))
+
+
+def test_spec_change_replans_and_patches(cluster):
+    ns = "update"
+    install_profiles(cluster, ns)
+    with operator(cluster):
+        cluster.create(service("minilm", ns))
+        first = wait_for("first plan applied", lambda: deployed(cluster, ns, "minilm"))
+        before = workers(cluster, ns, "minilm")
+        assert any(d["metadata"]["labels"]["exitplan.io/pool"] == "gpu-b" for d in before.values())
+        cluster.patch("EarlyExitService", ns, "minilm", {"spec": {"pools": [{"name": "gpu-a"}]}})
+        st = wait_for("re-plan after the spec change",
+                      lambda: (s := deployed(cluster, ns, "minilm")) and s["plan"]["hash"] != first["plan"]["hash"] and s)
+        assert st["lastReplanReason"] == "spec-change" and st["observedGeneration"] == 2
+        plan = plan_of(cluster, ns, "minilm")
+        after = workers(cluster, ns, "minilm")
+        assert set(after) == {builders.worker_name("minilm", c) for c in plan.cells}
+        assert all(d["metadata"]["labels"]["exitplan.io/pool"] == "gpu-a" for d in after.values())
+        assert all(d["metadata"]["annotations"][builders.A_PLAN_HASH] == plan.content_hash() for d in after.values())
+        kept = set(before) & set(after)
+        for name in kept:  # patched in place, not re-created
+            assert after[name]["metadata"]["uid"] == before[name]["metadata"]["uid"]
+
+
+class ObservationServer:
+    """A real HTTP endpoint serving a crafted Observations window at /v1/observations."""
+
+    def __init__(self) -> None:
+        self.window: dict = {}
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                body = json.dumps(owner.window).encode()
+                self.send_response(200 if self.path == "/v1/observations" else 404)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+
+
+def window(short: int, long: int, survival=(0.55, 0.3), p99: float = 20.0) -> dict:
+    n = short + long
+    return {"service": "minilm", "model": "minilm", "since": 0, "until": 60, "requests": n, "withinSlo": n,
+            "ramps": ["ramp1", "ramp3"], "survival": list(survival), "lengthBuckets": [32, 128],
+            "lengthHistogram": [short, long], "latency": {"p99Ms": p99}}
+
+
+@pytest.fixture
+def observations():
+    server = ObservationServer()
+    yield server
+    server.close()
+
+
+def publish_endpoint(cluster: ClusterThread, ns: str, name: str, port: int) -> None:
+    """Publish the observation server as the router Service's ingress (as the dev-cluster does)."""
+    cluster.patch("Service", ns, builders.dns_name(name),
+                  {"status": {"loadBalancer": {"ingress": [{"ip": "127.0.0.1", "ports": [{"port": port, "protocol": "TCP"}]}]}}},
+                  "status")
+
+
+DRIFT = {"periodSeconds": 5, "drift": {"cooldownSeconds": 0, "maxMoveFraction": 1.0, "lengthScore": 0.15}}
+
+
+def bucket_replicas(cluster: ClusterThread, ns: str, name: str) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for dep in workers(cluster, ns, name).values():
+        bucket = int(dep["metadata"]["labels"]["exitplan.io/bucket"])
+        out[bucket] = out.get(bucket, 0) + dep["spec"]["replicas"]
+    return out
+
+
+def test_injected_length_drift_moves_replicas_between_cells(cluster, observations):
+    ns = "drift"
+    install_profiles(cluster, ns)
+    with operator(cluster):
+        cluster.create(service("minilm", ns, planner=DRIFT))
+        first = wait_for("first plan applied", lambda: deployed(cluster, ns, "minilm"))
+        plan0 = plan_of(cluster, ns, "minilm")
+        before = bucket_replicas(cluster, ns, "minilm")
+        observations.window = window(950, 50)  # the traffic turned short: most inputs fit bucket 32
+        publish_endpoint(cluster, ns, "minilm", observations.port)
+        st = wait_for("a length-drift re-plan is applied",
+                      lambda: (s := deployed(cluster, ns, "minilm")) and s.get("lastReplanReason") == "length-drift" and s)
+        assert st["plan"]["hash"] != first["plan"]["hash"]
+        assert st["drift"]["lengthScore"] > 0.15 and st["drift"]["trigger"] == "length-drift"
+        plan1 = plan_of(cluster, ns, "minilm")
+        assert plan1.reason == "length-drift" and plan1.length_histogram[0] > plan0.length_histogram[0]
+        after = bucket_replicas(cluster, ns, "minilm")
+        assert after[32] > before[32] and after[128] < before[128]
+        for cell in plan1.cells:
+            assert workers(cluster, ns, "minilm")[builders.worker_name("minilm", cell)]["spec"]["replicas"] == cell.replicas
+        assert any(e["reason"] == "Replan" and "length-drift" in e["message"] for e in cluster.events(ns, "minilm"))
+
+
+def test_advisory_mode_reports_and_changes_nothing(cluster, observations):
+    ns = "advisory"
+    install_profiles(cluster, ns)
+    with operator(cluster):
+        cluster.create(service("fresh", ns, planner={"mode": "advisory"}))
+        st = wait_for("advisory status", lambda: (s := status(cluster, ns, "fresh")).get("phase") == "Advisory" and s)
+        assert any(c.startswith("create Deployment fresh-s") for c in st["proposal"]["changes"])
+        assert cluster.list("Deployment", ns) == [] and cluster.list("ConfigMap", ns) == []
+        assert any(e["reason"] == "WouldApply" for e in cluster.events(ns, "fresh"))
+        # A running service switched to advisory: drift is reported, children stay as they are.
+        cluster.create(service("minilm", ns, planner=DRIFT))
+        wait_for("first plan applied", lambda: deployed(cluster, ns, "minilm"))
+        cluster.patch("EarlyExitService", ns, "minilm", {"spec": {"planner": {"mode": "advisory"}}})
+        wait_for("advisory after the switch", lambda: status(cluster, ns, "minilm").get("phase") == "Advisory")
+        snapshot = {n: d["metadata"]["resourceVersion"] for n, d in workers(cluster, ns, "minilm").items()}
+        cm_rv = cluster.get("ConfigMap", ns, "minilm-plan")["metadata"]["resourceVersion"]
+        observations.window = window(950, 50)
+        publish_endpoint(cluster, ns, "minilm", observations.port)
+        st = wait_for("a length-drift proposal",
+                      lambda: (s := status(cluster, ns, "minilm")).get("proposal") and s["proposal"]["reason"] == "length-drift" and s)
+        assert any(c.startswith("scale minilm-s") for c in st["proposal"]["changes"]), st["proposal"]
+        assert st["proposal"]["heldBack"] == "advisory mode: nothing applied"
+        assert {n: d["metadata"]["resourceVersion"] for n, d in workers(cluster, ns, "minilm").items()} == snapshot
+        assert cluster.get("ConfigMap", ns, "minilm-plan")["metadata"]["resourceVersion"] == cm_rv
+        assert any(e["reason"] == "WouldApply" and "scale" in e["message"] for e in cluster.events(ns, "minilm"))
+
+
+def test_delete_takes_the_children(cluster):
+    ns = "delete"
+    install_profiles(cluster, ns)
+    with operator(cluster):
+        svc = cluster.create(service("minilm", ns))
+        wait_for("applied", lambda: deployed(cluster, ns, "minilm"))
+        children = [o for kind in ("Deployment", "Service", "ConfigMap") for o in cluster.list(kind, ns)]
+        assert children and all(o["metadata"]["ownerReferences"][0]["uid"] == svc["metadata"]["uid"] for o in children)
+        # The only finalizer is kopf's own marker for stopping the drift timer; the operator adds none.
+        assert cluster.get("EarlyExitService", ns, "minilm")["metadata"].get("finalizers", []) in (
+            [], ["kopf.zalando.org/KopfFinalizerMarker"])
+        cluster.delete("EarlyExitService", ns, "minilm")
+        # The children go through their ownerReferences (the emulator's GC stand-in; a real
+        # cluster's garbage collector does the same); the operator deletes nothing itself.
+        wait_for("children gone", lambda: not any(cluster.list(k, ns) for k in ("Deployment", "Service", "ConfigMap")))
+
+
+def test_restart_resumes_without_duplicating_children(cluster):
+    ns = "restart"
+    install_profiles(cluster, ns)
+    with operator(cluster):
+        cluster.create(service("minilm", ns))
+        wait_for("applied", lambda: deployed(cluster, ns, "minilm"))
+    snapshot = {(k, o["metadata"]["name"]): (o["metadata"]["uid"], o["metadata"]["resourceVersion"])
+                for k in ("Deployment", "Service", "ConfigMap") for o in cluster.list(k, ns)}
+    with operator(cluster):
+        wait_for("the resume handler ran",
+                 lambda: "(resume)" in condition(status(cluster, ns, "minilm"), "Planned").get("message", ""))
+        again = {(k, o["metadata"]["name"]): (o["metadata"]["uid"], o["metadata"]["resourceVersion"])
+                 for k in ("Deployment", "Service", "ConfigMap") for o in cluster.list(k, ns)}
+    assert again == snapshot  # same objects, not even patched
+
+
+def test_invalid_specs_become_conditions_not_crash_loops(cluster):
+    ns = "invalid"
+    install_profiles(cluster, ns)
+    with operator(cluster):
+        cluster.create(service("ghost", ns, pools=[{"name": "gpu-a"}, {"name": "gpu-z"}]))
+        cluster.create(service("tight", ns, slo={"latencyMs": 0.5}))
+        ghost = wait_for("unknown pool reported",
+                         lambda: condition(status(cluster, ns, "ghost"), "PlanInfeasible").get("status") == "True"
+                         and status(cluster, ns, "ghost"))
+        msg = condition(ghost, "PlanInfeasible")["message"]
+        assert "gpu-z" in msg and "create" in msg and ghost["phase"] == "Infeasible"
+        tight = wait_for("infeasible SLO reported",
+                         lambda: condition(status(cluster, ns, "tight"), "PlanInfeasible").get("status") == "True"
+                         and status(cluster, ns, "tight"))
+        assert condition(tight, "PlanInfeasible")["reason"] == "PlanInfeasible"
+        assert "no plan meets the spec" in tight["message"]
+        # The operator keeps working: a valid service next to them is planned and applied.
+        cluster.create(service("fine", ns))
+        wait_for("valid service applied", lambda: deployed(cluster, ns, "fine"))
+        for name in ("ghost", "tight"):
+            assert cluster.list("Deployment", ns, f"exitplan.io/service={name}") == []
+            warnings = [e for e in cluster.events(ns, name) if e["type"] == "Warning"]
+            assert len(warnings) == 1, warnings  # reported once, not retried in a loop
+            annotations = cluster.get("EarlyExitService", ns, name)["metadata"].get("annotations", {})
+            assert not any("retry" in v for v in annotations.values() if isinstance(v, str))
+
+
+def test_missing_profile_starts_a_profiling_job_and_planning_waits(cluster, tmp_path):
+    ns = "profiling"
+    install_profiles(cluster, ns, pools=("gpu-a",))
+    with operator(cluster):
+        cluster.create(service("minilm", ns))
+        st = wait_for("waiting for a profile", lambda: (s := status(cluster, ns, "minilm")).get("phase") == "Profiling" and s)
+        assert st["waitingForProfiles"] == ["gpu-b"] and "gpu-b" in condition(st, "Progressing")["message"]
+        job = cluster.get("Job", ns, builders.profile_job_name("minilm", "gpu-b"))
+        pod = job["spec"]["template"]["spec"]
+        assert pod["initContainers"][0]["command"] == ["exitplan", "profile"] and pod["nodeSelector"] == {"exitplan.io/pool": "gpu-b"}
+        assert cluster.list("Deployment", ns) == []
+        # What the Job's last step does: publish the measured profile as a ModelProfile.
+        from test_operator_support import load_docs
+        from typer.testing import CliRunner
+
+        from exitplan.cli import app
+
+        profile = next(d for d in load_docs("profiles.yaml") if d["spec"]["pool"] == "gpu-b")
+        (tmp_path / "profile.yaml").write_text(json.dumps(profile["spec"]))
+        result = CliRunner().invoke(app, ["operator", "publish-profile", str(tmp_path / "profile.yaml"), "--namespace", ns,
+                                          "--kubeconfig", str(cluster.kubeconfig)])
+        assert result.exit_code == 0, result.output
+        assert cluster.get("ModelProfile", ns, "minilm-gpu-b")["spec"]["pool"] == "gpu-b"
+        wait_for("planned once the profile exists", lambda: deployed(cluster, ns, "minilm"))
+
+
+def test_failed_apply_keeps_the_previous_plan_serving(cluster):
+    import kmock
+
+    ns = "faults"
+    install_profiles(cluster, ns)
+    failing = {"on": False}
+    cluster.api[lambda req: failing["on"] and req.method == "POST" and req.namespace == ns
+                and req.resource == kmock.resource("apps/v1/deployments")] << 500
+    with operator(cluster):
+        cluster.create(service("minilm", ns))
+        first = wait_for("first plan applied", lambda: deployed(cluster, ns, "minilm"))
+        cm_before = cluster.get("ConfigMap", ns, "minilm-plan")["data"]["plan.json"]
+        failing["on"] = True  # the API server now fails every Deployment creation
+        cluster.patch("EarlyExitService", ns, "minilm", {"spec": {"pools": [{"name": "gpu-b"}]}})
+        st = wait_for("Degraded", lambda: (s := status(cluster, ns, "minilm")).get("phase") == "Degraded" and s)
+        assert "keeps serving" in condition(st, "Degraded")["message"]
+        assert cluster.get("ConfigMap", ns, "minilm-plan")["data"]["plan.json"] == cm_before
+        assert st["plan"]["hash"] == first["plan"]["hash"]
+        failing["on"] = False  # the server recovers: kopf's retry applies the new plan
+        st = wait_for("recovered", lambda: (s := deployed(cluster, ns, "minilm")) and s["plan"]["hash"] != first["plan"]["hash"] and s)
+        assert condition(st, "Degraded")["status"] == "False"
+        assert all(d["metadata"]["labels"]["exitplan.io/pool"] == "gpu-b" for d in workers(cluster, ns, "minilm").values())

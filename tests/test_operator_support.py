@@ -51,6 +51,7 @@ class ClusterThread:
     def __exit__(self, *exc: object) -> None:
         self.run(self.client.close())
         self.run(self.server.__aexit__(None, None, None))
+        self.run(_cancel_others())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
 
@@ -88,6 +89,14 @@ class ClusterThread:
         return [e for e in self.list("Event", namespace) if e.get("involvedObject", {}).get("name") == name]
 
 
+async def _cancel_others() -> None:
+    """End the server's leftover tasks (watch streams) before its loop stops."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def wait_for(what: str, probe: Callable[[], Any], guard: float = HANG_GUARD) -> Any:
     """Poll `probe` until it returns something truthy; fail with `what` if it never does."""
     deadline = time.monotonic() + guard
@@ -106,8 +115,13 @@ def operator(cluster: ClusterThread) -> Iterator[Any]:
     from kopf.testing import KopfRunner
 
     args = ["run", "--standalone", "--all-namespaces", "-m", "exitplan.operator.handlers"]
-    with KopfRunner(args, env={"KUBECONFIG": str(cluster.kubeconfig)}, timeout=60) as runner:
-        yield runner
+    runner = KopfRunner(args, env={"KUBECONFIG": str(cluster.kubeconfig)}, timeout=60)
+    try:
+        with runner:
+            yield runner
+    finally:  # shown by pytest when the test fails
+        with contextlib.suppress(Exception):
+            print("---- operator log (tail) ----\n" + "\n".join(runner.output.splitlines()[-150:]))
     assert runner.exception is None, runner.output
 
 
