@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import threading
 import urllib.error
 import urllib.request
@@ -41,15 +42,28 @@ class Decision:
     saving_after_ms: float = 0.0
 
 
+def sample_budget(budget: float, n: int, z: float = 1.645) -> float:
+    """The budget to tune to on a sample of n inputs so the traffic's own disagreement stays within
+    `budget` with ~95 % confidence: budget minus z standard errors of a proportion at the budget."""
+    if n <= 0:
+        return 0.0
+    return max(0.0, budget - z * math.sqrt(budget * (1.0 - budget) / n))
+
+
 def decide(window: Window, ramps: list[str], current: dict[str, float], budget: float, *,
-           min_samples: int = 200, min_gain_ms: float = 0.05) -> Decision:
-    """What to do with the thresholds given one feedback window (pure)."""
+           min_samples: int = 200, min_gain_ms: float = 0.05, z: float = 1.645) -> Decision:
+    """What to do with the thresholds given one feedback window (pure).
+
+    The window is a sample of the traffic, so new thresholds are tuned to `sample_budget` (the
+    budget less its sampling error on n inputs); the breach test compares the thresholds in force
+    with the budget itself.
+    """
     n = window.n_inputs
     if n < min_samples:
         return Decision(None, "short-of-samples", n)
     start = np.array([float(current.get(r, DISABLED)) for r in ramps])
     agree_now, save_now = evaluate(window, start)
-    result = tune(window, budget, start=start)
+    result = tune(window, sample_budget(budget, n, z), start=start)
     new = {r: float(t) for r, t in zip(ramps, result.thresholds)}
     figures = dict(samples=n, agreement_before=agree_now, agreement_after=result.agreement,
                    saving_before_ms=save_now, saving_after_ms=result.saving_ms)
@@ -94,7 +108,8 @@ class AutoTuner:
     def step(self) -> Decision:
         try:
             window = fetch_window(self.router_url, self.window)
-            decision = decide(window, self.ramps, current_thresholds(self.router_url), self.budget, min_samples=self.min_samples)
+            decision = decide(window, self.ramps, current_thresholds(self.router_url), self.budget,
+                              min_samples=self.min_samples)
         except WindowError as err:
             log.warning("feedback window rejected, keeping the last good thresholds: %s", err)
             return Decision(None, f"rejected: {err}", 0)

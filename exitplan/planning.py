@@ -82,8 +82,12 @@ def ensure_profiles(setup: ServiceSetup, echo=print) -> None:
 
 
 def tuned_thresholds(bundle: Path, budget: float) -> dict[str, float]:
-    """Initial thresholds: the tuner on the bundle's calibration window (held-out data) under `budget`."""
+    """Initial thresholds: the tuner on the bundle's calibration window (held-out data), tuned to the
+    budget less its sampling error on that window (`autotune.sample_budget`), so that traffic the
+    window did not see stays within `budget`."""
     from exitplan.planner.thresholds import Window, tune
+
+    from .autotune import sample_budget
 
     manifest = read_manifest(bundle)
     ramps = [r.name for r in manifest.exit_ramps()]
@@ -92,7 +96,8 @@ def tuned_thresholds(bundle: Path, budget: float) -> dict[str, float]:
         return {}
     if not path.is_file():
         raise ServiceFileError(f"{path}: the bundle has no calibration window; rebuild it with `exitplan prepare --force`")
-    result = tune(Window.load(path), budget)
+    window = Window.load(path)
+    result = tune(window, sample_budget(budget, window.n_inputs))
     return {name: float(t) for name, t in zip(ramps, np.asarray(result.thresholds))}
 
 

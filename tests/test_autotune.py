@@ -41,3 +41,13 @@ def test_no_gain_keeps_the_thresholds():
     first = decide(w, ["a", "b"], {"a": 2.0, "b": 2.0}, 0.05)
     again = decide(w, ["a", "b"], first.thresholds, 0.05)
     assert again.thresholds is None and again.reason == "no-gain"
+
+
+def test_sample_budget_is_below_the_budget_and_approaches_it_with_more_samples():
+    from exitplan.autotune import sample_budget
+
+    values = [sample_budget(0.01, n) for n in (100, 600, 2000, 100000)]
+    assert values[0] == 0.0  # 100 samples cannot vouch for 1 %
+    assert all(a < b for a, b in zip(values[1:], values[2:]))
+    assert 0.0 < values[1] < values[2] < values[3] < 0.01
+    assert sample_budget(0.01, 0) == 0.0
