@@ -426,4 +426,6 @@ def plan_service(
     timings["plan"] = time.perf_counter() - t3
     timings["total"] = time.perf_counter() - t0
     notes = list(dict.fromkeys(inp.notes + [n for m in inp.models for n in m.notes]))
-    return PlanResult(plan, inp, problem, sol, list(bucket_set), cycle, stage, timings, notes, tried, kept)
+    result = PlanResult(plan, inp, problem, sol, list(bucket_set), cycle, stage, timings, notes, tried, kept)
+    result.verify()  # a broken invariant is a planner bug: a typed PlanInvalid, never a bad plan
+    return result
