@@ -38,6 +38,7 @@ def _register() -> None:
     from . import cmd_prepare
     from . import cmd_profile
     from . import cmd_operator
+    from . import cmd_dev_cluster
     from . import cmd_tune
     from . import cmd_plan, cmd_simulate
 
@@ -53,6 +54,7 @@ def _register() -> None:
     app.command("plan")(cmd_plan.command)
     app.command("simulate")(cmd_simulate.command)
     app.add_typer(cmd_operator.app, name="operator")
+    app.command("dev-cluster")(cmd_dev_cluster.command)
 
 
 _register()
