@@ -35,6 +35,8 @@ import numpy as np
 from .errors import PlanInfeasible
 
 EPS = 1e-9
+MAX_GRID_STATES = 20_000
+"""Replica-count states over all pools but the largest; a DP layer holds blocks^2 x states floats."""
 
 
 @dataclass
@@ -133,7 +135,7 @@ class _Grid:
         self.grid_pools = [p for p in range(len(caps)) if p != self.value_pool]
         dims = [int(caps[p]) + 1 for p in self.grid_pools]
         self.size = int(np.prod(dims)) if dims else 1
-        if self.size > 2_000_000:
+        if self.size > MAX_GRID_STATES:
             raise PlanInfeasible(
                 f"the exact planner keeps one state per replica count on each pool; {len(caps)} pools with caps "
                 f"{caps.tolist()} make {self.size} states. Cap maxGpus on the smaller pools or list fewer pools",
