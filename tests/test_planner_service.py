@@ -184,3 +184,12 @@ def test_densepipe_spreads_a_split_over_pools():
     assert {c.pool for c in result.plan.cells} == {"a", "b"}  # E3 alone puts the one split on one pool
     assert sum(c.replicas for c in result.plan.cells) == 4
     assert any("DensePipe" in n for n in result.notes)
+
+
+def test_too_many_pool_states_is_a_typed_error():
+    names = ("a", "b", "c")
+    pools = {n: CPU_POOLS["cpu"].model_copy(update={"capacity": 200}) for n in names}
+    spec = cpu_spec().model_copy(update={"pools": [PoolRef(name=n) for n in names]})
+    with pytest.raises(PlanInfeasible) as err:
+        plan_service("minilm", spec, pools, {n: cpu_profile(n) for n in names})
+    assert err.value.field == "spec.pools" and "maxGpus" in str(err.value)
