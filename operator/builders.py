@@ -177,12 +177,14 @@ def build_configmap(service: str, namespace: str, plan: Plan) -> Manifest:
 
 
 def router_settings(spec: EarlyExitServiceSpec) -> list[str]:
-    """The router flags that carry the service's SLO, accuracy budget and router settings."""
+    """The router flags that carry the service's SLO, accuracy budget and router settings; its
+    observation window lasts one drift period, so each drift check reads a fresh, whole window."""
     r = spec.router
     args = ["--slo-ms", f"{spec.slo.latency_ms:g}", "--accuracy-budget", f"{spec.accuracy.max_drop:g}",
             "--shadow-fraction", f"{spec.accuracy.shadow_fraction:g}", "--queue-lambda", f"{r.queue_lambda:g}",
             "--queue-alpha", f"{r.queue_alpha:g}", "--peek-depth", str(r.peek_depth),
-            "--max-body-bytes", str(r.max_body_bytes), "--max-inflight", str(r.max_queue)]
+            "--max-body-bytes", str(r.max_body_bytes), "--max-inflight", str(r.max_queue),
+            "--window-seconds", str(spec.planner.period_seconds)]
     return args + (["--truncate"] if r.truncate else [])
 
 

@@ -30,6 +30,8 @@ from exitplan.operator.status import Phase, Proposal, parse_status
 log = logging.getLogger("exitplan.operator.drift")
 HISTORY = 12
 """Observation windows kept per service (in the handler memo) for the survival forecast."""
+TUNE_WINDOW = 1024
+"""Shadow-sampled inputs read from the router for threshold tuning."""
 
 
 async def router_urls(svc: rec.Service) -> list[str]:
@@ -88,6 +90,38 @@ async def fetch_observations(svc: rec.Service, timeout: float = 5.0) -> tuple[Ob
     return (merge_windows(windows) if windows else None), "; ".join(notes)
 
 
+def _retune_step(urls: list[str], ramps: list[str], budget: float, apply: bool) -> Any:
+    from exitplan import autotune
+    from exitplan.planner.thresholds import WindowError
+
+    try:
+        window = autotune.fetch_window(urls[0], TUNE_WINDOW)
+        decision = autotune.decide(window, ramps, autotune.current_thresholds(urls[0]), budget)
+        if decision.thresholds is not None and apply:
+            for url in urls:
+                autotune.push(url, decision.thresholds, f"tune-{decision.reason}")
+        return decision
+    except (OSError, ValueError, KeyError, WindowError) as err:  # unreachable router, short/odd window
+        log.info("threshold re-tune skipped: %s", err)
+        return None
+
+
+async def retune(svc: rec.Service, spec: EarlyExitServiceSpec, ramps: list[str]) -> None:
+    """Apparate's continual tuning on the routers' shadow-sampled feedback (exitplan.autotune):
+    new thresholds when the ones in force break the accuracy budget or leave savings unclaimed.
+    Advisory mode computes but does not push. The next plan carries the thresholds in force."""
+    urls = await router_urls(svc)
+    if not urls:
+        return
+    active = spec.planner.mode == Mode.active
+    decision = await asyncio.get_running_loop().run_in_executor(
+        None, _retune_step, urls, ramps, spec.accuracy.max_drop, active)
+    if decision is not None and decision.thresholds is not None:
+        verb = "re-tuned" if active else "would re-tune"
+        svc.event("Normal", "ThresholdsTuned", f"{verb} exit thresholds ({decision.reason}): agreement "
+                  f"{decision.agreement_before:.4f} -> {decision.agreement_after:.4f} on {decision.samples} samples")
+
+
 async def check_drift(svc: rec.Service, memo: Any) -> None:
     """One drift-loop tick (the timer calls it every few seconds; it acts once per period)."""
     status = parse_status(svc.body.get("status"))
@@ -108,6 +142,8 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
     plan = await rec.current_plan(svc.client, svc.name, svc.namespace)
     if plan is None and spec.planner.mode == Mode.active:
         return
+    if obs.ramps:
+        await retune(svc, spec, obs.ramps)
     history: list[list[float]] = memo.setdefault("survival", [])
     limits = spec.planner.drift
     reference = plan

@@ -102,12 +102,32 @@ async def read_inputs(client: KubeClient, spec: EarlyExitServiceSpec, namespace:
     return inputs
 
 
+def initial_thresholds(spec: EarlyExitServiceSpec) -> dict[str, float] | None:
+    """Thresholds for a first plan: tuned on the bundle's calibration window under the accuracy
+    budget when the operator can read the bundle (a local path: the dev-cluster, a mounted volume);
+    else None, and the live tuner in the drift loop sets them from the router's feedback."""
+    from pathlib import Path
+
+    bundle = Path(builders.bundle_path(spec.model.bundle))
+    if not (bundle / "bundle.yaml").is_file():
+        return None
+    from exitplan.planning import ServiceFileError, tuned_thresholds
+
+    try:
+        return tuned_thresholds(bundle, spec.accuracy.max_drop)
+    except (ServiceFileError, ValueError, OSError) as err:
+        log.warning("initial thresholds not tuned (%s); the drift loop tunes them from live feedback", err)
+        return None
+
+
 async def plan_in_executor(name: str, spec: EarlyExitServiceSpec, inputs: Inputs, *, reason: str,
                            previous: Plan | None = None, observations: Observations | None = None) -> Plan:
     """The planner's entry point in a worker thread (never on the event loop); solve time is a metric."""
     from exitplan.planner import plan_service
 
     thresholds = dict(observations.thresholds) if observations and observations.thresholds else None
+    if thresholds is None and previous is None:
+        thresholds = await asyncio.get_running_loop().run_in_executor(None, initial_thresholds, spec)
 
     def solve() -> Plan:
         started = time.perf_counter()
