@@ -200,6 +200,8 @@ class BundleRuntime:
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
+        if self.threads > 1:  # spinning pool threads steal cores from neighbours on shared machines
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.is_sequence_model:
             options.add_free_dimension_override_by_name(SEQ_DIM, bucket)
         return options
