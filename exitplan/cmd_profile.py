@@ -29,6 +29,7 @@ def command(
     repeats: int = typer.Option(5, "--repeats", help="Timed runs per cell (median taken) after one warm-up; batches over 1,024 tokens use half, over 4,096 use 2."),
     threads: int = typer.Option(1, "--threads", help="ONNX Runtime intra-op threads (use what the workers will use)."),
     thresholds: Path | None = typer.Option(None, "--thresholds", help="JSON {ramp: threshold} for the survival curve (default: 0.9 at every exit ramp)."),
+    providers: str = typer.Option("CPUExecutionProvider", "--providers", help="Comma-separated ONNX Runtime execution providers in order of preference (e.g. CUDAExecutionProvider,CPUExecutionProvider on a GPU pool)."),
     model_name: str | None = typer.Option(None, "--model-name", help="The profile's spec.model (default: the bundle's name); match the EarlyExitService's model.name."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the profile document as JSON."),
 ) -> None:
@@ -57,6 +58,7 @@ def command(
             threads=threads,
             thresholds=read_thresholds(thresholds) if thresholds else None,
             model_name=model_name,
+            providers=tuple(p.strip() for p in providers.split(",") if p.strip()),
         )
         n_lengths = len(lengths) if lengths and manifest.seq_axis is not None else None
         started = time.perf_counter()

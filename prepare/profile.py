@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 
 from exitplan.api.bundle import BundleError, BundleManifest
 from exitplan.api.resources import BlockProfile, ModelProfile, ModelProfileSpec, RampProfile
@@ -122,6 +123,10 @@ def profile_bundle(directory: Path, options: ProfileOptions, progress: Callable[
     if not batch_sizes or batch_sizes[0] < 1:
         raise ProfileError(f"--batch-sizes must be positive integers, got {list(options.batch_sizes)}")
     seq_lens = sorted(set(int(s) for s in options.seq_lens)) if options.seq_lens else None
+    available = set(ort.get_available_providers())
+    missing = [p for p in options.providers if p not in available]
+    if not options.providers or missing:
+        raise ProfileError(f"--providers {list(options.providers)}: not available here ({missing}); this ONNX Runtime has {sorted(available)}")
     try:
         runtime = BundleRuntime(directory, buckets=seq_lens, providers=options.providers, threads=options.threads)
     except BundleError as err:
@@ -154,7 +159,10 @@ def profile_bundle(directory: Path, options: ProfileOptions, progress: Callable[
             if progress:
                 progress(1, f"seq {length} batch {batch}")
 
-    window = np.load(directory / "data" / "window.npz")
+    window_path = directory / "data" / "window.npz"
+    if not window_path.is_file():
+        raise BundleError(f"{window_path}: the bundle has no calibration window; rebuild it with `exitplan prepare --force`")
+    window = np.load(window_path)
     exits = manifest.exit_ramps()
     surv = survival_curve(window["conf"], [thresholds[r.name] for r in exits])
     survival = {r.name: s for r, s in zip(exits, surv)}
@@ -178,7 +186,7 @@ def profile_bundle(directory: Path, options: ProfileOptions, progress: Callable[
         ramps=[RampProfile(name=r.name, after_block=r.after, latency_ms=_rounded(ramp_ms[r.name])) for r in ramps_in_order],
         survival=[survival[r.name] for r in ramps_in_order],
         input_bytes=[int(v) for v in in_bytes],
-        measured_on=_machine(options.threads),
+        measured_on=_machine(options.threads, runtime.active_providers),
     )
     annotations = {THRESHOLDS_ANNOTATION: json.dumps(thresholds, sort_keys=True), **options.extra_annotations}
     name = f"{spec.model}-{options.pool}".lower().replace("_", "-")
@@ -189,9 +197,7 @@ def _rounded(table: np.ndarray) -> list[list[float]]:
     return [[round(float(v), 4) for v in row] for row in table]
 
 
-def _machine(threads: int) -> str:
-    import onnxruntime as ort
-
+def _machine(threads: int, providers: Sequence[str]) -> str:
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -200,7 +206,7 @@ def _machine(threads: int) -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}; onnxruntime {ort.__version__} CPUExecutionProvider, {threads} intra-op thread(s)"
+    return f"{cpu}; onnxruntime {ort.__version__} {'+'.join(providers)}, {threads} intra-op thread(s)"
 
 
 def profile_document(profile: ModelProfile) -> dict:

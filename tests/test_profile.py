@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -105,6 +106,13 @@ def test_bad_profile_options_are_explained(minilm_bundle, digits_bundle, tmp_pat
     assert result.exit_code != 0 and "comma-separated integers" in _text(result)
     result = runner.invoke(app, ["profile", str(tmp_path), "--pool", "p", "--out", out])
     assert result.exit_code == 2 and "no bundle.yaml here" in _text(result)
+    result = runner.invoke(app, ["profile", str(digits_bundle), "--pool", "p", "--out", out, "--providers", "NoSuchProvider"])
+    assert result.exit_code == 2 and "NoSuchProvider" in _text(result) and "CPUExecutionProvider" in _text(result)
+    copy = tmp_path / "copy"
+    shutil.copytree(digits_bundle, copy)
+    (copy / "data" / "window.npz").unlink()
+    result = runner.invoke(app, ["profile", str(copy), "--pool", "p", "--out", out])
+    assert result.exit_code == 2 and "no calibration window" in _text(result)
     assert not (tmp_path / "p.yaml").exists()
 
 

@@ -156,6 +156,11 @@ class BundleRuntime:
         return self.manifest.ramps_in(self.first_block, self.last_block)
 
     @property
+    def active_providers(self) -> list[str]:
+        """Execution providers the sessions run on (ONNX Runtime falls back silently when one is missing)."""
+        return list(next(iter(self._sessions.values())).get_providers())
+
+    @property
     def ends_model(self) -> bool:
         return self.last_block == len(self.manifest.blocks) - 1
 
