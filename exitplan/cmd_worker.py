@@ -18,7 +18,7 @@ def command(
     next: str = typer.Option("", "--next", help="host:port[,host:port...] of the next split (a headless Service); omit for the last split."),
     host: str = typer.Option("0.0.0.0", help="Address to listen on."),
     port: int = typer.Option(8080, help="Port to listen on (EXITPLAN_PORT overrides)."),
-    max_wait_ms: float = typer.Option(2.0, min=0.0, help="Longest time the oldest input waits for the batch to fill."),
+    max_wait_ms: float = typer.Option(-1.0, help="Longest time the oldest input waits for the batch to fill; negative = until the batch is full or the oldest deadline needs it (E3; best on GPUs)."),
     threads: int = typer.Option(1, min=1, help="ONNX Runtime intra-op threads."),
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:

@@ -65,6 +65,7 @@ class LocalDeployment:
     base_port: int = 9100
     threads: int = 1
     max_wait_ms: float = 2.0
+    """Local processes share CPU cores, where batch latency grows with the batch: launch partial batches early."""
     window_seconds: float = 30.0
     env: dict[str, str] = field(default_factory=dict)
     procs: list[Proc] = field(default_factory=list)

@@ -4,8 +4,9 @@ POST /v1/run takes a frame of inputs (rows of the split's input state, padded to
 puts the rows in the fusion queue and answers when every row has its answer: rows that exit in this
 split are answered from here; survivors go, as one frame per batch, to the least-loaded pod of the
 next split (same bucket) and their answers come back through here. A batch launches when it holds
-the planned batch size, when its oldest row has waited `max_wait_ms`, or when the oldest deadline
-needs it to run now (deadline minus the expected time to finish the model from this split).
+the planned batch size, or when the oldest deadline needs it to run now (deadline minus the
+expected time to finish the model from this split), or — when `max_wait_ms` is set, which suits
+processors whose batch latency grows with the batch (CPUs) — when its oldest row has waited that long.
 
 Also: GET /v1/info (what this pod is), /v1/peers (next-split pods with their straggler marks),
 /v2/health/live, /v2/health/ready, /metrics; POST /v1/thresholds (hot update, forwarded to the
@@ -98,7 +99,7 @@ class SplitWorker:
         bucket: int,
         pool: str = "",
         next_peers: str | None = None,
-        max_wait_ms: float = 2.0,
+        max_wait_ms: float | None = None,
         threads: int = 1,
         providers: Sequence[str] = ("CPUExecutionProvider",),
     ) -> None:
@@ -123,7 +124,7 @@ class SplitWorker:
         self.next = PeerSet(parse_peer_spec(next_peers)) if not self.is_last else None
         self.batch_size = self._planned_batch(self.plan)
         self.thresholds = dict(self.plan.thresholds)
-        self.max_wait = max_wait_ms / 1000.0
+        self.max_wait = None if max_wait_ms is None or max_wait_ms < 0 else max_wait_ms / 1000.0
         n_blocks = len(manifest.blocks)
         self.remaining_factor = (n_blocks - sp.first_block) / (sp.last_block - sp.first_block + 1)
         self.queue: deque[Row] = deque()
@@ -298,8 +299,8 @@ class SplitWorker:
     def _launch_at(self) -> float:
         oldest = self.queue[0].arrival
         reserve = self.expected_ms(self.batch_size) * self.remaining_factor * 1.2 / 1000.0
-        earliest_deadline = min(r.deadline for r in self.queue)
-        return min(oldest + self.max_wait, earliest_deadline - reserve)
+        by_deadline = min(r.deadline for r in self.queue) - reserve
+        return by_deadline if self.max_wait is None else min(oldest + self.max_wait, by_deadline)
 
     async def batch_loop(self) -> None:
         while True:
