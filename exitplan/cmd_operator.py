@@ -44,11 +44,14 @@ def command(
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not verbose:  # one line per timer tick is noise; everything else stays
+        logging.getLogger("kopf.objects").addFilter(lambda rec: "Timer 'tick' succeeded" not in rec.getMessage())
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if peering:
         asyncio.run(ensure_peering(peering, os.environ.get("KUBECONFIG")))
     if metrics_port:
         start_http_server(metrics_port)
-    kopf.run(clusterwide=not namespace, namespaces=namespace or None, standalone=not peering,
+    kopf.run(clusterwide=not namespace, namespaces=list(namespace), standalone=not peering,
              peering_name=peering or None, priority=priority)
 
 

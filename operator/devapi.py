@@ -492,6 +492,8 @@ class DevKubeAPI(kmock.KubernetesEmulator):
 
     async def _serve_version(self, request: rendering.Request) -> Payload:
         listing = await super()._serve_version(request)
+        if listing.get("groupVersion", "").startswith("/"):  # kmock writes "/v1" for the core group
+            listing["groupVersion"] = listing["groupVersion"][1:]
         for entry in listing.get("resources", []):  # subresources have no short names of their own
             if "/" in entry["name"]:
                 entry.update(shortNames=[], categories=[], verbs=["get", "patch"])

@@ -125,12 +125,16 @@ async def tick(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.on.event(**PROFILES)
 async def profile_event(body: kopf.Body, type: str | None, namespace: str, **_: Any) -> None:
-    """A ModelProfile appeared or changed: services waiting for it plan now."""
-    if type not in ("ADDED", "MODIFIED"):
+    """A ModelProfile appeared, changed or went: the services of its model and pool plan again
+    (a service waiting for it plans now; one whose profile was rejected or deleted re-profiles)."""
+    if type not in ("ADDED", "MODIFIED", "DELETED"):
         return
     client: KubeClient = _state["client"]
-    pool = (body.get("spec") or {}).get("pool")
+    spec = body.get("spec") or {}
     for raw in await client.list(path("EarlyExitService", namespace)):
-        if pool in ((raw.get("status") or {}).get("waitingForProfiles") or []):
+        svc_spec = raw.get("spec") or {}
+        uses = spec.get("pool") in {p.get("name") for p in svc_spec.get("pools", [])}
+        if uses and (svc_spec.get("model") or {}).get("name") == spec.get("model"):
             async with _lock(raw):
-                await reconcile.reconcile(reconcile.Service(body=raw, client=client), reason="initial")
+                if (svc := await _service(raw)) is not None:
+                    await reconcile.reconcile(svc, reason="profile-change")

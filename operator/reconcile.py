@@ -10,6 +10,7 @@ so kopf retries with backoff while the previous plan keeps serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -157,6 +158,21 @@ async def current_plan(client: KubeClient, name: str, namespace: str) -> Plan | 
         return None
 
 
+async def restart_finished_job(client: KubeClient, job: dict[str, Any]) -> None:
+    """A profiling Job that already finished while its profile is (still or again) missing is
+    deleted, so the apply below runs it anew (Jobs do not re-run by themselves)."""
+    try:
+        current = await client.get(path("Job", job["metadata"]["namespace"], job["metadata"]["name"]))
+    except ApiError as err:
+        if err.status == 404:
+            return
+        raise
+    status = current.get("status") or {}
+    if status.get("succeeded") or any(c.get("type") == "Failed" for c in status.get("conditions") or []):
+        with contextlib.suppress(ApiError):
+            await client.delete(path("Job", job["metadata"]["namespace"], job["metadata"]["name"]))
+
+
 async def ensure_profiling(svc: Service, spec: EarlyExitServiceSpec, inputs: Inputs) -> list[str]:
     """A profiling Job per pool without a ModelProfile; returns what the status should say."""
     waiting = []
@@ -164,6 +180,7 @@ async def ensure_profiling(svc: Service, spec: EarlyExitServiceSpec, inputs: Inp
         prof = builders.profile_name(spec.model.name, pool)
         job = builders.build_profile_job(svc.body, spec, pool, inputs.pools[pool], prof)
         report = applying.ApplyReport()
+        await restart_finished_job(svc.client, job)
         await applying.apply_one(svc.client, job, report)
         if report.created:
             svc.event("Normal", "Profiling", f"no ModelProfile for model {spec.model.name} on pool {pool}: "
