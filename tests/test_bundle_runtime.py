@@ -37,8 +37,8 @@ def full_runtime(minilm_bundle):
     return BundleRuntime(minilm_bundle, buckets=[BUCKET])
 
 
-def _final_logits(result, n: int) -> np.ndarray:
-    out = np.full((n, 3), np.nan, dtype=np.float32)
+def _final_logits(result, n: int, classes: int = 3) -> np.ndarray:
+    out = np.full((n, classes), np.nan, dtype=np.float32)
     for ex in result.exits:
         out[ex.row] = ex.logits
     return out
@@ -147,7 +147,7 @@ def test_digits_splits_chain_to_the_full_model(digits_bundle):
         x, full_pred = data["x"][:50], data["full_pred"][:50]
     full = BundleRuntime(digits_bundle)
     assert full.buckets == (1,)
-    reference = _final_logits_n(full.run_range({"x": x}), len(x), 10)
+    reference = _final_logits(full.run_range({"x": x}), len(x), 10)
     assert (reference.argmax(1) == full_pred).all()
     for cut in _cuts(3):
         state, rows, answers = {"x": x}, np.arange(len(x)), {}
@@ -157,13 +157,6 @@ def test_digits_splits_chain_to_the_full_model(digits_bundle):
             rows, state = rows[result.rows], result.state
         chained = np.stack([answers[i] for i in range(len(x))])
         assert np.abs(chained - reference).max() <= 1e-4
-
-
-def _final_logits_n(result, n, classes):
-    out = np.full((n, classes), np.nan, dtype=np.float32)
-    for ex in result.exits:
-        out[ex.row] = ex.logits
-    return out
 
 
 # ------------------------------------------------------------------ bad calls
