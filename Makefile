@@ -19,7 +19,6 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider
-	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf artifacts .pytest_cache
