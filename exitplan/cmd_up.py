@@ -13,6 +13,7 @@ def command(
     service: Path = typer.Argument(..., exists=True, dir_okay=False, help="YAML with an EarlyExitService (and its GPUPools, optionally ModelProfiles)."),
     resources: list[Path] = typer.Option([], "--resources", "-f", help="More YAML files with GPUPools / ModelProfiles."),
     plan: Path | None = typer.Option(None, help="Serve this plan file instead of planning."),
+    trace: Path | None = typer.Option(None, help="Size the length buckets from this trace's input lengths (scaled: its p99 = the model's max length)."),
     port: int = typer.Option(8080, help="Router port on localhost."),
     base_port: int = typer.Option(9100, help="First port for worker processes."),
     workdir: Path = typer.Option(Path("artifacts/up"), help="Where the plan file and process logs go."),
@@ -30,7 +31,7 @@ def command(
     from exitplan.api.plan import Plan
 
     from .local import LocalDeployment, StartError
-    from .planning import ServiceFileError, ensure_profiles, load_setup, planned, tuned_thresholds
+    from .planning import ServiceFileError, ensure_profiles, load_setup, planned, trace_lengths, tuned_thresholds
 
     console = Console()
     try:
@@ -40,7 +41,8 @@ def command(
         else:
             ensure_profiles(setup, console.print)
             thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop)
-            the_plan = planned(setup, thresholds)
+            lengths = trace_lengths(trace, int(setup.manifest.max_length or 1))[0] if trace else None
+            the_plan = planned(setup, thresholds, lengths=lengths)
     except (SpecError, ServiceFileError, BundleError, ValueError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err

@@ -6,6 +6,10 @@ exitplan    the planner's plan: splits, length buckets (Arlo), replicas, tuned t
 
 All three get the same number of worker processes (the pool's capacity), the same trace window and
 the same offered loads: multiples of vanilla's capacity measured at the start of the run.
+
+Trace lengths are scaled onto the model's range with the trace's 99th percentile mapped to the
+longest bucket (longer inputs clipped to it), so short and long inputs both occur; the planner sizes
+its buckets from those same lengths.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from exitplan.api.plan import Plan
 from exitplan.api.resources import ModelProfileSpec
 
 from .local import LocalDeployment
-from .planning import ServiceSetup, ensure_profiles, load_setup, planned, single_split_plan, tuned_thresholds
+from .planning import ServiceSetup, ensure_profiles, load_setup, planned, single_split_plan, trace_lengths, tuned_thresholds
 
 CONFIGS = ("vanilla", "naive-ee", "exitplan")
 
@@ -73,14 +77,14 @@ def baseline_batch(setup: ServiceSetup) -> int:
     return max(fitting, default=min(profile.batch_sizes))
 
 
-def build_plans(setup: ServiceSetup, thresholds: dict[str, float]) -> dict[str, Plan]:
+def build_plans(setup: ServiceSetup, thresholds: dict[str, float], lengths: np.ndarray | None = None) -> dict[str, Plan]:
     capacity = setup.spec.pools[0].max_gpus or setup.pools[setup.spec.pools[0].name].capacity
     batch = baseline_batch(setup)
     off = {name: 2.0 for name in thresholds}
     return {
         "vanilla": single_split_plan(setup, thresholds=off, replicas=capacity, batch_size=batch, reason="baseline-vanilla"),
         "naive-ee": single_split_plan(setup, thresholds=thresholds, replicas=capacity, batch_size=batch, reason="baseline-naive"),
-        "exitplan": planned(setup, thresholds),
+        "exitplan": planned(setup, thresholds, lengths=lengths),
     }
 
 
@@ -91,7 +95,10 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
     ensure_profiles(setup, console.print)
     thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop)
     console.print(f"thresholds tuned on the held-out window (budget {setup.spec.accuracy.max_drop:.1%}): {thresholds}")
-    plans = build_plans(setup, thresholds)
+    lengths, reference = trace_lengths(opts.trace, int(setup.manifest.max_length or 1))
+    console.print(f"trace lengths scaled so that {reference} tokens (the trace's p99) = {setup.manifest.max_length}; "
+                  f"p50 {np.percentile(lengths, 50):.0f}, p90 {np.percentile(lengths, 90):.0f}")
+    plans = build_plans(setup, thresholds, lengths)
     model = setup.spec.model.name
     slo = setup.spec.slo.latency_ms
     result = DemoResult(thresholds, 0.0, plans={k: json.loads(p.to_json()) for k, p in plans.items()})
@@ -107,13 +114,13 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
             bench_setup = bench_setup or BenchSetup.connect(dep.url, model, setup.bundle)
             if config == "vanilla":
                 cap = find_capacity(dep.url, model, setup.bundle, opts.trace, setup=bench_setup, start_rps=2.0,
-                                    step_duration=min(opts.duration, 8.0), slo_ms=slo, seed=opts.seed)
+                                    step_duration=min(opts.duration, 8.0), slo_ms=slo, seed=opts.seed, reference_max=reference)
                 result.capacity_rps = cap.capacity_rps
                 console.print(f"vanilla capacity: {cap.capacity_rps:.1f} rps within the SLO ({cap.reason})")
             for load in opts.loads:
                 rps = max(load * result.capacity_rps, 0.5)
                 report = run_bench(dep.url, model, setup.bundle, opts.trace, rps=rps, start=opts.trace_start,
-                                   duration=opts.duration, slo_ms=slo, seed=opts.seed, setup=bench_setup)
+                                   duration=opts.duration, slo_ms=slo, seed=opts.seed, setup=bench_setup, reference_max=reference)
                 row = {
                     "config": config, "load": load, "offered_rps": report.offered_rps, "goodput_rps": report.goodput_rps,
                     "p50_ms": report.latency.get("p50"), "p95_ms": report.latency.get("p95"), "p99_ms": report.latency.get("p99"),

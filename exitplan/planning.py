@@ -101,10 +101,21 @@ def tuned_thresholds(bundle: Path, budget: float) -> dict[str, float]:
     return {name: float(t) for name, t in zip(ramps, np.asarray(result.thresholds))}
 
 
-def planned(setup: ServiceSetup, thresholds: dict[str, float], reason: str = "initial") -> Plan:
+def trace_lengths(trace: Path | None, max_length: int) -> tuple[np.ndarray, int]:
+    """(the trace's input lengths scaled to [1, max_length], the raw length mapped to max_length: its p99)."""
+    from exitplan.planner.traces import default_trace_path, load_trace
+
+    path = trace or default_trace_path()
+    raw = load_trace(path, max_length=10**9, length_mode="clip").lengths
+    reference = int(np.percentile(raw, 99))
+    return load_trace(path, max_length=max_length, length_mode="scale", reference_max=reference).lengths, reference
+
+
+def planned(setup: ServiceSetup, thresholds: dict[str, float], reason: str = "initial", lengths=None) -> Plan:
+    """The planner's plan; `lengths` (input lengths in tokens, e.g. a trace's) size the length buckets."""
     from exitplan.planner import plan_service
 
-    result = plan_service(setup.name, setup.spec, setup.pools, setup.profiles, thresholds=thresholds, reason=reason)
+    result = plan_service(setup.name, setup.spec, setup.pools, setup.profiles, thresholds=thresholds, reason=reason, lengths=lengths)
     return result.plan
 
 
