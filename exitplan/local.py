@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,25 @@ from exitplan.api.resources import EarlyExitServiceSpec
 
 class StartError(RuntimeError):
     """A process of the deployment did not come up; the message names it and shows its log tail."""
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: receive SIGTERM when the parent dies (Linux), so no orphan keeps a port."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def exitplan_command() -> list[str]:
@@ -126,11 +146,16 @@ class LocalDeployment:
     def start(self, timeout: float = 180.0) -> None:
         self.write_plan()
         self.procs = self._commands()
+        busy = [p.port for p in self.procs if not port_free(p.port)]
+        if busy:
+            raise StartError(f"ports {busy} on 127.0.0.1 are in use (another exitplan up or demo still running?); "
+                             f"stop it or choose other ports (--port, --base-port)")
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         env.pop("EXITPLAN_PORT", None)
         for proc in self.procs:
             with proc.log_path.open("wb") as log:
-                proc.popen = subprocess.Popen(proc.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                proc.popen = subprocess.Popen(proc.args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True, preexec_fn=_die_with_parent)
         try:
             self.wait_ready(timeout)
         except BaseException:
