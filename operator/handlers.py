@@ -25,13 +25,15 @@ PROFILES = {"group": GROUP, "version": VERSION, "plural": "modelprofiles"}
 TICK = float(os.environ.get("EXITPLAN_TICK_SECONDS", "5"))
 """Timer tick: readiness is refreshed every tick; drift is judged once per spec.planner.periodSeconds."""
 
-_state: dict[str, Any] = {"client": None, "locks": collections.defaultdict(asyncio.Lock)}
+# Per operator (kopf's operator-wide memo, shared by reference into every object's memo):
+# memo.client, the API client; memo.locks, one asyncio.Lock per (namespace, name). Several
+# operators in one process (tests, peering) each keep their own.
 
 
-async def _service(body: Any) -> reconcile.Service | None:
+async def _service(memo: Any, body: Any) -> reconcile.Service | None:
     """The service as the API has it now (None when gone). Handlers run under the per-object lock
     and re-read the object, so a status written from an older snapshot never overwrites a newer one."""
-    client: KubeClient = _state["client"]
+    client: KubeClient = memo.client
     meta = body["metadata"]
     try:
         fresh = await client.get(path("EarlyExitService", meta.get("namespace"), meta["name"]))
@@ -42,8 +44,8 @@ async def _service(body: Any) -> reconcile.Service | None:
     return reconcile.Service(body=fresh, client=client)
 
 
-def _lock(body: Any) -> asyncio.Lock:
-    return _state["locks"][(body["metadata"].get("namespace"), body["metadata"]["name"])]
+def _lock(memo: Any, body: Any) -> asyncio.Lock:
+    return memo.locks[(body["metadata"].get("namespace"), body["metadata"]["name"])]
 
 
 @kopf.on.login()
@@ -58,42 +60,41 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="exitplan.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="exitplan.io")
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.networking.error_backoffs = [1, 2, 5, 10]
     settings.background.instant_exit_timeout = 5.0  # graceful shutdown: let a running tick finish
-    _state["client"] = KubeClient.from_config(os.environ.get("KUBECONFIG") or None)
-    _state["locks"] = collections.defaultdict(asyncio.Lock)
+    memo.client = KubeClient.from_config(os.environ.get("KUBECONFIG") or None)
+    memo.locks = collections.defaultdict(asyncio.Lock)
 
 
 @kopf.on.cleanup()
-async def close(**_: Any) -> None:
-    if _state["client"] is not None:
-        await _state["client"].close()
-        _state["client"] = None
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    if getattr(memo, "client", None) is not None:
+        await memo.client.close()
 
 
 @kopf.on.create(**EES)
-async def created(body: kopf.Body, **_: Any) -> None:
-    async with _lock(body):
-        if (svc := await _service(body)) is not None:
+async def created(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    async with _lock(memo, body):
+        if (svc := await _service(memo, body)) is not None:
             await reconcile.reconcile(svc, reason="initial")
 
 
 @kopf.on.update(**EES, field="spec")
-async def spec_changed(body: kopf.Body, **_: Any) -> None:
-    async with _lock(body):
-        if (svc := await _service(body)) is not None:
+async def spec_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    async with _lock(memo, body):
+        if (svc := await _service(memo, body)) is not None:
             await reconcile.reconcile(svc, reason="spec-change")
 
 
 @kopf.on.resume(**EES)
-async def resumed(body: kopf.Body, **_: Any) -> None:
-    async with _lock(body):
-        if (svc := await _service(body)) is not None:
+async def resumed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    async with _lock(memo, body):
+        if (svc := await _service(memo, body)) is not None:
             await reconcile.reconcile(svc, reason="resume")
 
 
@@ -107,11 +108,11 @@ async def deleted(name: str, **_: Any) -> None:
 
 @kopf.timer(**EES, interval=TICK, initial_delay=TICK)
 async def tick(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    lock = _lock(body)
+    lock = _lock(memo, body)
     if lock.locked():
         return  # a reconcile runs; the next tick looks again
     async with lock:
-        svc = await _service(body)
+        svc = await _service(memo, body)
         if svc is None:
             return
         status = (svc.body.get("status") or {}).get("phase")
@@ -124,17 +125,17 @@ async def tick(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.on.event(**PROFILES)
-async def profile_event(body: kopf.Body, type: str | None, namespace: str, **_: Any) -> None:
+async def profile_event(body: kopf.Body, type: str | None, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     """A ModelProfile appeared, changed or went: the services of its model and pool plan again
     (a service waiting for it plans now; one whose profile was rejected or deleted re-profiles)."""
     if type not in ("ADDED", "MODIFIED", "DELETED"):
         return
-    client: KubeClient = _state["client"]
+    client: KubeClient = memo.client
     spec = body.get("spec") or {}
     for raw in await client.list(path("EarlyExitService", namespace)):
         svc_spec = raw.get("spec") or {}
         uses = spec.get("pool") in {p.get("name") for p in svc_spec.get("pools", [])}
         if uses and (svc_spec.get("model") or {}).get("name") == spec.get("model"):
-            async with _lock(raw):
-                if (svc := await _service(raw)) is not None:
+            async with _lock(memo, raw):
+                if (svc := await _service(memo, raw)) is not None:
                     await reconcile.reconcile(svc, reason="profile-change")

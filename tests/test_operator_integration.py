@@ -310,3 +310,27 @@ def test_failed_apply_keeps_the_previous_plan_serving(cluster):
         st = wait_for("recovered", lambda: (s := deployed(cluster, ns, "minilm")) and s["plan"]["hash"] != first["plan"]["hash"] and s)
         assert condition(st, "Degraded")["status"] == "False"
         assert all(d["metadata"]["labels"]["exitplan.io/pool"] == "gpu-b" for d in workers(cluster, ns, "minilm").values())
+
+
+def test_two_replicas_with_peering_one_serves_the_other_takes_over(cluster):
+    """Leader election: two operators share the kopf peering `exitplan`; the higher priority
+    serves, the other is paused; when the leader stops, the other one serves."""
+    ns = "peering"
+    install_profiles(cluster, ns)
+    cluster.call("POST", "/apis/kopf.dev/v1/clusterkopfpeerings",
+                 {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "exitplan"}})
+    peering = ["--peering", "exitplan"]
+    with operator(cluster, [*peering, "--priority", "10"]) as standby:
+        with operator(cluster, [*peering, "--priority", "100"]) as leader:
+            def peers() -> dict:
+                return cluster.call("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/exitplan").get("status") or {}
+
+            seen = wait_for("both replicas in the peering", lambda: len(peers()) >= 2 and peers())
+            assert sorted(p["priority"] for p in seen.values()) == [10, 100]
+            cluster.create(service("minilm", ns))
+            first = wait_for("applied once", lambda: deployed(cluster, ns, "minilm"))
+            deps = workers(cluster, ns, "minilm")
+            assert all(d["metadata"]["generation"] == 1 for d in deps.values())  # no second writer fought over them
+        # The leader is gone: the standby resumes and serves the next change.
+        cluster.patch("EarlyExitService", ns, "minilm", {"spec": {"pools": [{"name": "gpu-a"}]}})
+        wait_for("the standby re-plans", lambda: (s := deployed(cluster, ns, "minilm")) and s["plan"]["hash"] != first["plan"]["hash"])

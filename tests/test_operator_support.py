@@ -110,11 +110,12 @@ def wait_for(what: str, probe: Callable[[], Any], guard: float = HANG_GUARD) -> 
 
 
 @contextlib.contextmanager
-def operator(cluster: ClusterThread) -> Iterator[Any]:
-    """The real operator (exitplan.operator.handlers) under kopf, standalone, all namespaces."""
+def operator(cluster: ClusterThread, extra: list[str] | None = None) -> Iterator[Any]:
+    """The real operator (exitplan.operator.handlers) under kopf, all namespaces; standalone
+    unless `extra` names a peering (leader election)."""
     from kopf.testing import KopfRunner
 
-    args = ["run", "--standalone", "--all-namespaces", "-m", "exitplan.operator.handlers"]
+    args = ["run", "--all-namespaces", "-m", "exitplan.operator.handlers", *(extra or ["--standalone"])]
     runner = KopfRunner(args, env={"KUBECONFIG": str(cluster.kubeconfig)}, timeout=60)
     try:
         with runner:
