@@ -40,6 +40,7 @@ def _die_with_parent() -> None:
 
 def port_free(port: int) -> bool:
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no conflict
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
