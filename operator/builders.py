@@ -177,8 +177,8 @@ def build_configmap(service: str, namespace: str, plan: Plan) -> Manifest:
 
 
 def router_settings(spec: EarlyExitServiceSpec) -> list[str]:
-    """The router flags that carry the service's SLO, accuracy budget and router settings; its
-    observation window lasts one drift period, so each drift check reads a fresh, whole window."""
+    """The router flags that carry the service's SLO, accuracy budget and router settings; the
+    router's observation window lasts one drift period (the drift loop reads it twice a period)."""
     r = spec.router
     args = ["--slo-ms", f"{spec.slo.latency_ms:g}", "--accuracy-budget", f"{spec.accuracy.max_drop:g}",
             "--shadow-fraction", f"{spec.accuracy.shadow_fraction:g}", "--queue-lambda", f"{r.queue_lambda:g}",

@@ -1,6 +1,10 @@
-"""The drift loop (the kopf timer): every spec.planner.periodSeconds read the routers'
-observation windows, score them (drift.py), and re-plan when a limit is crossed, with a cooldown
-and a cap on replica moves. Advisory mode only reports (status.drift, status.proposal, events).
+"""The drift loop (the kopf timer): read the routers' observation windows (each lasts
+spec.planner.periodSeconds) twice a period, judge each new window once (drift.py), and re-plan
+when a limit is crossed, with a cooldown and a cap on replica moves. Reading twice a period puts
+a window's judgement at most half a period after it closes: a shift is judged on the window in
+which it happened (when it moved enough of that window) or on the next, fully shifted one, so a
+re-plan follows within about two periods. Advisory mode only reports (status.drift,
+status.proposal, events).
 
 Where the routers' `/v1/observations` is read from, first that answers:
 1. router Pods with a podIP (in a cluster: every replica, windows merged);
@@ -132,13 +136,17 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
     if status.phase in (Phase.profiling, Phase.pending) or status.plan is None:
         return
     now = time.monotonic()
-    if now - memo.get("last_check", 0.0) < spec.planner.period_seconds:
+    if now - memo.get("last_check", 0.0) < spec.planner.period_seconds / 2:
         return
     memo["last_check"] = now
     obs, note = await fetch_observations(svc)
     if obs is None:
         log.info("%s/%s: no observations (%s)", svc.namespace, svc.name, note or "no router endpoint")
         return
+    waiting = status.proposal is not None and status.proposal.held_back.startswith(("cooldown", "move cap"))
+    if obs.until == memo.get("last_window") and not waiting:
+        return  # this window was judged already
+    memo["last_window"] = obs.until
     plan = await rec.current_plan(svc.client, svc.name, svc.namespace)
     if plan is None and spec.planner.mode == Mode.active:
         return
