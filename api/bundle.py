@@ -54,6 +54,41 @@ class BundleData(Model):
     """Held-out labelled inputs for accuracy checks: arrays `text` (or `x`) and `label`."""
 
 
+class KVCacheSpec(Model):
+    """The KV cache tensors of one decoder block (layout [batch, heads, positions, head_dim])."""
+
+    block: Annotated[int, Field(ge=0)]
+    past_key: str
+    """Block input: the keys of the positions already cached."""
+    past_value: str
+    present_key: str
+    """Block output: past keys followed by the keys of the positions just computed."""
+    present_value: str
+
+
+class DecoderSpec(Model):
+    """Autoregressive decoding (task text-generation): each block is one or more decoder layers with
+    an explicit KV cache; ramps (exit heads) read a block's hidden output and give next-token logits
+    [batch, seq, vocab_size] over `labels` (the vocabulary)."""
+
+    vocab_size: Annotated[int, Field(ge=2)]
+    num_heads: Annotated[int, Field(ge=1)]
+    head_dim: Annotated[int, Field(ge=1)]
+    hidden_size: Annotated[int, Field(ge=1)]
+    max_context: Annotated[int, Field(ge=2)]
+    """Most positions (prompt + generated tokens) a sequence may hold."""
+    token_input: str = "input_ids"
+    """First block's input of token ids [batch, seq] (int64)."""
+    position_input: str = "position_ids"
+    """First block's input of absolute positions [batch, seq] (int64)."""
+    cache: Annotated[list[KVCacheSpec], Field(min_length=1)]
+    """One entry per block, in block order."""
+    tokenizer: Literal["bytes", "tokenizers"] = "bytes"
+    """`bytes`: ids 0-255 are UTF-8 bytes, special ids above; `tokenizers`: the manifest's tokenizer file."""
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+
 class BundleManifest(Model):
     name: str
     task: Task
@@ -71,6 +106,8 @@ class BundleManifest(Model):
     """tokenizers JSON file for text tasks, relative to the bundle directory."""
     pad_token_id: int = 0
     data: BundleData = Field(default_factory=BundleData)
+    decoder: DecoderSpec | None = None
+    """Set for generative (decoder-only) bundles: the KV cache layout and tokenizer (issue 7)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> BundleManifest:

@@ -1,0 +1,434 @@
+"""A small decoder-only early-exit transformer trained on the tweets (EE-LLM), exported per layer with a KV cache.
+
+Byte-level: ids 0-255 are UTF-8 bytes, then <bos>, <eos>, <pad>. Block i is decoder layer i (block 0
+also holds the token and position embeddings). Every block takes the KV cache of its layer as inputs
+`past_key_i`/`past_value_i` [batch, heads, past, head_dim] and returns the hidden states of the new
+positions plus `present_key_i`/`present_value_i` (past followed by the new entries), so serving can run
+any positions against any cache. An exit head (LayerNorm + linear to the vocabulary) follows every block
+but the last; the final head follows the last. Training minimises EE-LLM's objective: the weighted sum
+of every exit's next-token loss (weights grow with depth, the final head weighs most).
+
+The build (`build_decoder_bundle`) caches like `exitplan prepare`: a finished bundle holds
+`.complete.json` with a hash of its options, a rerun with the same options reuses it, and the build
+happens in a sibling directory under a file lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+FORMAT_VERSION = 1
+MARKER = ".complete.json"
+REPORT = "data/report.json"
+BOS, EOS, PAD = 256, 257, 258
+VOCAB = 259
+
+
+class DecoderBuildError(RuntimeError):
+    """Decoder options that cannot be built; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """What the decoder bundle is built from (the cache key)."""
+
+    layers: int = 4
+    hidden: int = 160
+    heads: int = 4
+    context: int = 128
+    steps: int = 1200
+    batch: int = 32
+    lr: float = 3e-3
+    heldout: int = 500
+    """Tweets kept out of training (the benchmark's held-out text)."""
+    train_tweets: int | None = None
+    """Training tweets (None: every tweet not held out)."""
+    seed: int = 0
+    exit_weights: tuple[float, ...] = field(default=())
+    """Loss weight per head, exits then final (empty: EE-LLM-style i/L for head i of L)."""
+
+    def check(self) -> DecoderOptions:
+        if not 1 <= self.layers <= 24:
+            raise DecoderBuildError(f"layers {self.layers}: use 1..24")
+        if self.hidden % self.heads:
+            raise DecoderBuildError(f"hidden size {self.hidden} must be a multiple of heads {self.heads}")
+        if not 8 <= self.context <= 1024:
+            raise DecoderBuildError(f"context {self.context}: use 8..1024 positions")
+        if self.steps < 1 or self.batch < 1 or self.heldout < 1:
+            raise DecoderBuildError("steps, batch and heldout must each be >= 1")
+        if self.exit_weights and len(self.exit_weights) != self.layers:
+            raise DecoderBuildError(f"exit_weights needs {self.layers} values (one per head), got {len(self.exit_weights)}")
+        return self
+
+    def weights(self) -> list[float]:
+        raw = list(self.exit_weights) or [(i + 1) / self.layers for i in range(self.layers)]
+        total = sum(raw)
+        return [w / total for w in raw]
+
+    def digest(self) -> str:
+        payload = json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------- the model
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def make_model(options: DecoderOptions):
+    """The PyTorch early-exit decoder (module classes are built lazily: torch is a prepare-only import)."""
+    torch = _torch()
+    from torch import nn
+    from torch.nn import functional as F
+
+    d, n_heads = options.hidden, options.heads
+    head_dim = d // n_heads
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1 = nn.LayerNorm(d)
+            self.qkv = nn.Linear(d, 3 * d)
+            self.proj = nn.Linear(d, d)
+            self.ln2 = nn.LayerNorm(d)
+            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+        def forward(self, x, past_key, past_value):
+            b, q, _ = x.shape
+            qkv = self.qkv(self.ln1(x)).view(b, q, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4)
+            key = torch.cat([past_key, qkv[1]], dim=2)
+            value = torch.cat([past_value, qkv[2]], dim=2)
+            past = past_key.shape[2]
+            scores = qkv[0] @ key.transpose(-1, -2) * (1.0 / math.sqrt(head_dim))
+            query_pos = torch.arange(q, device=x.device).unsqueeze(1) + past
+            key_pos = torch.arange(key.shape[2], device=x.device).unsqueeze(0)
+            scores = scores.masked_fill(key_pos > query_pos, -1e9)
+            attended = (scores.softmax(-1) @ value).transpose(1, 2).reshape(b, q, d)
+            x = x + self.proj(attended)
+            return x + self.mlp(self.ln2(x)), key, value
+
+        def train_forward(self, x):
+            b, q, _ = x.shape
+            qkv = self.qkv(self.ln1(x)).view(b, q, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4)
+            attended = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+            x = x + self.proj(attended.transpose(1, 2).reshape(b, q, d))
+            return x + self.mlp(self.ln2(x))
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+            self.out = nn.Linear(d, VOCAB)
+
+        def forward(self, hidden):
+            return self.out(self.norm(hidden))
+
+    class EarlyExitDecoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens = nn.Embedding(VOCAB, d)
+            self.positions = nn.Embedding(options.context, d)
+            self.layers = nn.ModuleList(Layer() for _ in range(options.layers))
+            self.heads = nn.ModuleList(Head() for _ in range(options.layers))
+
+        def embed(self, input_ids, position_ids):
+            return self.tokens(input_ids) + self.positions(position_ids)
+
+        def train_logits(self, input_ids):
+            """Logits of every head [heads][b, s, vocab] (training: full causal attention, no cache)."""
+            positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand_as(input_ids)
+            x = self.embed(input_ids, positions)
+            out = []
+            for layer, head in zip(self.layers, self.heads):
+                x = layer.train_forward(x)
+                out.append(head(x))
+            return out
+
+    class FirstBlock(nn.Module):
+        def __init__(self, model) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, position_ids, past_key, past_value):
+            return self.model.layers[0](self.model.embed(input_ids, position_ids), past_key, past_value)
+
+    class LayerBlock(nn.Module):
+        def __init__(self, layer) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, hidden, past_key, past_value):
+            return self.layer(hidden, past_key, past_value)
+
+    model = EarlyExitDecoder()
+    model._n_heads = n_heads
+    model.FirstBlock, model.LayerBlock = FirstBlock, LayerBlock  # export wrappers
+    return model
+
+
+# ---------------------------------------------------------------------------------- data
+
+def encode_bytes(text: str, context: int) -> list[int]:
+    """<bos> + UTF-8 bytes + <eos>, cut to `context` positions."""
+    return ([BOS] + list(text.encode("utf-8")) + [EOS])[:context]
+
+
+def tweet_corpus(heldout: int, seed: int, train_tweets: int | None = None) -> tuple[list[str], list[str]]:
+    """(training tweets, held-out tweets): a seeded shuffle of every tweet, deduplicated."""
+    from .datasets import load_tweets
+
+    texts, _ = load_tweets()
+    unique = list(dict.fromkeys(texts))
+    order = np.random.default_rng(seed).permutation(len(unique))
+    if heldout >= len(unique):
+        raise DecoderBuildError(f"held-out {heldout} leaves no training tweets (there are {len(unique)})")
+    held = [unique[i] for i in order[:heldout]]
+    train = [unique[i] for i in order[heldout:]]
+    return (train if train_tweets is None else train[:train_tweets]), held
+
+
+def _batches(encoded: np.ndarray, lengths: np.ndarray, batch: int, steps: int, rng) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    for _ in range(steps):
+        rows = rng.integers(0, len(encoded), batch)
+        longest = int(lengths[rows].max())
+        yield encoded[rows, :longest], lengths[rows]
+
+
+# ---------------------------------------------------------------------------------- training + export
+
+def train(options: DecoderOptions, texts: list[str], bar: Callable | None = None) -> tuple[Any, dict]:
+    torch = _torch()
+    from torch.nn import functional as F
+
+    torch.manual_seed(options.seed)
+    model = make_model(options)
+    encoded = np.full((len(texts), options.context), PAD, dtype=np.int64)
+    lengths = np.zeros(len(texts), dtype=np.int64)
+    for row, text in enumerate(texts):
+        ids = encode_bytes(text, options.context)
+        encoded[row, : len(ids)] = ids
+        lengths[row] = len(ids)
+    weights = options.weights()
+    optimiser = torch.optim.AdamW(model.parameters(), lr=options.lr, weight_decay=0.01)
+    warmup = max(1, options.steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimiser, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / options.steps)))
+    )
+    rng = np.random.default_rng(options.seed)
+    progress = bar(options.steps, "training the early-exit decoder") if bar else None
+    model.train()
+    losses: list[list[float]] = []
+    for ids, _ in _batches(encoded, lengths, options.batch, options.steps, rng):
+        batch = torch.from_numpy(ids)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        per_head = [
+            F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=PAD)
+            for logits in model.train_logits(inputs)
+        ]
+        loss = sum(w * l for w, l in zip(weights, per_head))
+        optimiser.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimiser.step()
+        schedule.step()
+        losses.append([float(l.detach()) for l in per_head])
+        if progress:
+            progress.update(1)
+    if progress:
+        progress.close()
+    model.eval()
+    tail = np.asarray(losses[-max(1, len(losses) // 10) :]).mean(axis=0)
+    return model, {"final_train_loss_per_head": tail.tolist(), "loss_weights": weights}
+
+
+def manifest(options: DecoderOptions, name: str = "tweet-decoder"):
+    """bundle.yaml of a decoder with `options.layers` blocks, exits after all but the last."""
+    from exitplan.api.bundle import BlockSpec, BundleManifest, DecoderSpec, KVCacheSpec, RampSpec, TensorSpec
+    from exitplan.api.resources import Task
+
+    n, head_dim = options.layers, options.hidden // options.heads
+    inputs = [
+        TensorSpec(name="input_ids", dtype="int64", shape=["batch", "seq"]),
+        TensorSpec(name="position_ids", dtype="int64", shape=["batch", "seq"]),
+    ]
+    cache, blocks, ramps = [], [], []
+    for i in range(n):
+        kv = KVCacheSpec(block=i, past_key=f"past_key_{i}", past_value=f"past_value_{i}",
+                         present_key=f"present_key_{i}", present_value=f"present_value_{i}")
+        cache.append(kv)
+        inputs += [TensorSpec(name=t, dtype="float32", shape=["batch", options.heads, "past", head_dim])
+                   for t in (kv.past_key, kv.past_value)]
+        first = ["input_ids", "position_ids"] if i == 0 else [f"hidden{i - 1}"]
+        blocks.append(BlockSpec(name=f"layer{i}", file=f"blocks/layer{i}.onnx", inputs=[*first, kv.past_key, kv.past_value],
+                                outputs=[f"hidden{i}", kv.present_key, kv.present_value]))
+        final = i == n - 1
+        ramps.append(RampSpec(name="head" if final else f"exit{i}", after=i, file=f"ramps/{'head' if final else f'exit{i}'}.onnx",
+                              inputs=[f"hidden{i}"], output="logits", final=final))
+    labels = [f"<0x{b:02X}>" for b in range(256)] + ["<bos>", "<eos>", "<pad>"]
+    return BundleManifest(
+        name=name, task=Task.text_generation, labels=labels, dtype="float32", inputs=inputs, blocks=blocks, ramps=ramps,
+        seq_axis=1, max_length=options.context, pad_token_id=PAD,
+        decoder=DecoderSpec(vocab_size=VOCAB, num_heads=options.heads, head_dim=head_dim, hidden_size=options.hidden,
+                            max_context=options.context, cache=cache, tokenizer="bytes", bos_token_id=BOS, eos_token_id=EOS),
+    )
+
+
+def export(model, options: DecoderOptions, bundle, directory: Path) -> None:
+    """Every block and head to ONNX (free axes: batch, seq = new positions, past, total = past + seq)."""
+    torch = _torch()
+    from .export import export_module
+
+    b, q, past, hd = 1, 3, 5, options.hidden // options.heads
+    cache_in = {0: "batch", 2: "past"}
+    cache_out = {0: "batch", 2: "total"}
+    rows = {0: "batch", 1: "seq"}
+    example_cache = (torch.randn(b, options.heads, past, hd), torch.randn(b, options.heads, past, hd))
+    for i, spec in enumerate(bundle.blocks):
+        kv = bundle.decoder.cache[i]
+        if i == 0:
+            module = model.FirstBlock(model)
+            example = (torch.randint(0, 256, (b, q)), torch.arange(past, past + q).unsqueeze(0), *example_cache)
+        else:
+            module = model.LayerBlock(model.layers[i])
+            example = (torch.randn(b, q, options.hidden), *example_cache)
+        axes = {name: rows for name in spec.inputs[:-2]}
+        axes.update({kv.past_key: cache_in, kv.past_value: cache_in, spec.outputs[0]: rows,
+                     kv.present_key: cache_out, kv.present_value: cache_out})
+        export_module(module.eval(), example, directory / spec.file, input_names=spec.inputs, output_names=spec.outputs, free_axes=axes)
+    for i, spec in enumerate(bundle.ramps):
+        export_module(model.heads[i].eval(), (torch.randn(b, q, options.hidden),), directory / spec.file,
+                      input_names=spec.inputs, output_names=[spec.output], free_axes={spec.inputs[0]: rows, spec.output: rows})
+
+
+def torch_reference_logits(model, ids: list[int]) -> list[np.ndarray]:
+    """Every head's logits [s, vocab] for one sequence, PyTorch, cache path with an empty past."""
+    torch = _torch()
+    with torch.no_grad():
+        t = torch.tensor([ids])
+        positions = torch.arange(len(ids)).unsqueeze(0)
+        x = model.embed(t, positions)
+        out = []
+        for layer, head in zip(model.layers, model.heads):
+            x, _, _ = layer(x, *_empty_cache(model, x))
+            out.append(head(x)[0].numpy())
+    return out
+
+
+def _empty_cache(model, x):
+    torch = _torch()
+    n_heads = model._n_heads
+    hd = x.shape[-1] // n_heads
+    return torch.zeros(1, n_heads, 0, hd), torch.zeros(1, n_heads, 0, hd)
+
+
+# ---------------------------------------------------------------------------------- the cached build
+
+Bar = Callable[[int, str], Any]
+
+
+def tqdm_bar(enabled: bool = True) -> Bar:
+    from tqdm.auto import tqdm
+
+    return lambda total, desc: tqdm(total=total, desc=desc, disable=not enabled, leave=False)
+
+
+@dataclass
+class DecoderBuild:
+    path: Path
+    reused: bool
+    report: dict[str, Any]
+
+
+@contextmanager
+def _locked(target: Path) -> Iterator[None]:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with (target.parent / f".{target.name}.lock").open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def is_complete(directory: Path, options: DecoderOptions) -> bool:
+    try:
+        return json.loads((Path(directory) / MARKER).read_text()).get("options_hash") == options.digest()
+    except (OSError, ValueError):
+        return False
+
+
+def build_decoder_bundle(
+    options: DecoderOptions, out: Path, *, force: bool = False, bar: Bar | None = None, threads: int | None = None
+) -> DecoderBuild:
+    """Train, export and verify the decoder bundle at `out` (or reuse a finished one with the same options)."""
+    options = options.check()
+    out = Path(out)
+    with _locked(out):
+        if not force and is_complete(out, options):
+            return DecoderBuild(out, True, json.loads((out / REPORT).read_text()))
+        if out.exists() and not (out / "bundle.yaml").exists() and any(out.iterdir()):
+            raise DecoderBuildError(f"{out} exists and is not a bundle; choose another --out or remove it")
+        work = out.parent / f".{out.name}.building"
+        shutil.rmtree(work, ignore_errors=True)
+        (work / "data").mkdir(parents=True)
+        torch = _torch()
+        from .build import auto_threads
+
+        previous, chosen = torch.get_num_threads(), threads or auto_threads()
+        torch.set_num_threads(chosen)
+        try:
+            report = _build(options, work, bar)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        finally:
+            torch.set_num_threads(previous)
+        report["torch_threads"] = chosen
+        (work / REPORT).write_text(json.dumps(report, indent=2))
+        (work / MARKER).write_text(json.dumps({"options_hash": options.digest(), "options": asdict(options)}, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        work.rename(out)
+    return DecoderBuild(out, False, report)
+
+
+def _build(options: DecoderOptions, directory: Path, bar: Bar | None) -> dict[str, Any]:
+    started = time.perf_counter()
+    train_texts, heldout = tweet_corpus(options.heldout, options.seed, options.train_tweets)
+    model, report = train(options, train_texts, bar)
+    report["train_seconds"] = time.perf_counter() - started
+    report["train_tweets"] = len(train_texts)
+    bundle = manifest(options)
+    export(model, options, bundle, directory)
+    (directory / "bundle.yaml").write_text(yaml.safe_dump(bundle.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    (directory / "data" / "heldout.json").write_text(json.dumps(heldout))
+    # Check the export: ONNX Runtime (no cache, whole sequence) against PyTorch on held-out tweets.
+    from exitplan.worker.generation import DecoderModel
+
+    runtime = DecoderModel(directory)
+    diffs = []
+    for text in heldout[:8]:
+        ids = encode_bytes(text, options.context)
+        reference = torch_reference_logits(model, ids)
+        got = [runtime.full_forward(ids).logits[r.name] for r in bundle.ramps]
+        diffs.append(max(float(np.abs(r - g).max()) for r, g in zip(reference, got)))
+    report["onnx_vs_torch_max_abs_diff"] = max(diffs)
+    report["options"] = asdict(options)
+    report["total_seconds"] = time.perf_counter() - started
+    return report

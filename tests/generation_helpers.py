@@ -1,0 +1,18 @@
+"""Shared by the generation tests: the tiny decoder bundle (built once, cached like the other test bundles)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TEST_BUNDLES = Path(os.environ.get("EXITPLAN_TEST_BUNDLES", REPO / "artifacts" / "test-bundles"))
+PROMPTS = ["self driving cars", "I would never ride in", "Google's car is"]
+
+
+def tiny_decoder_bundle() -> Path:
+    """3 blocks, hidden 32, context 48: trained for a few seconds on 2,000 tweets."""
+    from exitplan.prepare.decoder import DecoderOptions, build_decoder_bundle, tqdm_bar
+
+    options = DecoderOptions(layers=3, hidden=32, heads=2, context=48, steps=80, batch=16, heldout=20, train_tweets=2000)
+    return build_decoder_bundle(options, TEST_BUNDLES / "decoder-tiny", bar=tqdm_bar(False), threads=1).path
