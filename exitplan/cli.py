@@ -41,6 +41,7 @@ def _register() -> None:
     from . import cmd_dev_cluster
     from . import cmd_tune
     from . import cmd_plan, cmd_simulate
+    from . import cmd_generate
 
     app.command("version", help=cmd_version.command.__doc__)(cmd_version.command)
     app.command("worker")(cmd_worker.command)
@@ -55,6 +56,9 @@ def _register() -> None:
     app.command("simulate")(cmd_simulate.command)
     app.add_typer(cmd_operator.app, name="operator")
     app.command("dev-cluster")(cmd_dev_cluster.command)
+    app.command("prepare-decoder")(cmd_generate.prepare_command)
+    app.command("generate")(cmd_generate.command)
+    app.command("generate-server")(cmd_generate.server_command)
 
 
 _register()

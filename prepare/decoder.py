@@ -46,11 +46,11 @@ class DecoderOptions:
     """What the decoder bundle is built from (the cache key)."""
 
     layers: int = 4
-    hidden: int = 160
+    hidden: int = 128
     heads: int = 4
     context: int = 128
-    steps: int = 1200
-    batch: int = 32
+    steps: int = 1500
+    batch: int = 16
     lr: float = 3e-3
     heldout: int = 500
     """Tweets kept out of training (the benchmark's held-out text)."""

@@ -1,0 +1,215 @@
+"""HTTP routes for early-exit generation (Open Inference Protocol style) and their metrics.
+
+`add_generate_routes(app, engine, model_name)` adds to an aiohttp application:
+
+- `POST /v2/models/{name}/generate`: `{"text_input": "...", "parameters": {"max_tokens": N,
+  "threshold": x, "ignore_eos": false}}` -> `{"model_name", "text_output", "token_ids", "exits",
+  "finish_reason", "time_per_token_seconds", ...}`;
+- `POST /v2/models/{name}/generate_stream`: the same request, answered with server-sent events, one
+  `data: {...}` per token and a last one with `"done": true`.
+
+Bad input is answered 400 with `{"error": ...}` naming what to change; an unknown model 404. A client
+that goes away mid-stream stops the generation at the next token and releases the sequence's cache.
+Token steps run in the default executor (ONNX Runtime releases the GIL), so the event loop stays free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .generation import EngineBase, GenerationError, GenerationHandle, TokenEvent
+
+TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+DEFAULT_MAX_TOKENS = 32
+
+
+class GenerationMetrics:
+    """Prometheus metrics of generation (labels: service, mode; ramp on per-token counters)."""
+
+    def __init__(self, service: str, mode: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r, labels = self.registry, ["service", "mode"]
+        self.labels = {"service": service, "mode": mode}
+        self.token_seconds = Histogram("exitplan_generation_token_seconds", "Time per generated token (one forward pass).", labels, buckets=TOKEN_BUCKETS, registry=r).labels(**self.labels)
+        self.first_token_seconds = Histogram("exitplan_generation_first_token_seconds", "Time to the first token (prompt pass).", labels, buckets=TOKEN_BUCKETS, registry=r).labels(**self.labels)
+        self.tokens = Counter("exitplan_generation_tokens_total", "Generated tokens, by the head that chose them (ramp=final head's name for full passes).", [*labels, "ramp"], registry=r)
+        self.requests = Counter("exitplan_generation_requests_total", "Generation requests answered, by HTTP status code.", [*labels, "code"], registry=r)
+        self.disconnects = Counter("exitplan_generation_disconnects_total", "Streams stopped because the client went away.", labels, registry=r).labels(**self.labels)
+        self.recomputed = Counter("exitplan_generation_recomputed_positions_total", "Positions whose missing KV entries were recomputed.", labels, registry=r).labels(**self.labels)
+        self.full_passes = Counter("exitplan_generation_full_passes_total", "Tokens that ran every block (final head or forced by the pending bound).", labels, registry=r).labels(**self.labels)
+        self.sequences = Gauge("exitplan_generation_active_sequences", "Sequences holding a KV cache now.", labels, registry=r).labels(**self.labels)
+
+    def token(self, event: TokenEvent) -> None:
+        (self.first_token_seconds if event.index == 0 else self.token_seconds).observe(event.seconds)
+        self.tokens.labels(**self.labels, ramp=event.exit).inc()
+        self.recomputed.inc(event.recomputed)
+        if event.full_pass:
+            self.full_passes.inc()
+
+    def answered(self, code: int) -> None:
+        self.requests.labels(**self.labels, code=str(code)).inc()
+
+
+class _BadRequest(Exception):
+    pass
+
+
+def _parse(body: object, default_threshold: float) -> tuple[str, int, float, bool]:
+    if not isinstance(body, dict):
+        raise _BadRequest('the body must be a JSON object like {"text_input": "...", "parameters": {"max_tokens": 16}}')
+    unknown = set(body) - {"text_input", "parameters", "id"}
+    if unknown:
+        raise _BadRequest(f"unknown fields {sorted(unknown)}; use text_input and parameters")
+    text = body.get("text_input")
+    if not isinstance(text, str):
+        raise _BadRequest("text_input must be a string (the prompt)")
+    params = body.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise _BadRequest("parameters must be an object")
+    unknown = set(params) - {"max_tokens", "threshold", "ignore_eos"}
+    if unknown:
+        raise _BadRequest(f"unknown parameters {sorted(unknown)}; known: max_tokens, threshold, ignore_eos")
+    ignore_eos = params.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise _BadRequest("ignore_eos must be true or false")
+    return text, params.get("max_tokens", DEFAULT_MAX_TOKENS), params.get("threshold", default_threshold), ignore_eos
+
+
+def _summary(model_name: str, handle: GenerationHandle, events: list[TokenEvent], started: float) -> dict:
+    steps = [e.seconds for e in events[1:]]
+    return {
+        "model_name": model_name,
+        "text_output": "".join(e.text for e in events),
+        "token_ids": [e.token_id for e in events],
+        "exits": [e.exit for e in events],
+        "confidences": [round(e.confidence, 6) for e in events],
+        "recomputed": sum(e.recomputed for e in events),
+        "finish_reason": handle.finish_reason or "stopped",
+        "threshold": handle.threshold,
+        "prompt_tokens": handle.prompt_len,
+        "first_token_seconds": events[0].seconds if events else None,
+        "time_per_token_seconds": sum(steps) / len(steps) if steps else None,
+        "total_seconds": time.perf_counter() - started,
+    }
+
+
+def add_generate_routes(
+    app: web.Application,
+    engine: EngineBase,
+    model_name: str,
+    *,
+    service: str | None = None,
+    threshold: float = 1.0,
+    metrics: GenerationMetrics | None = None,
+) -> GenerationMetrics:
+    """Add the generate and generate_stream routes for `model_name`; returns the metrics (merge its registry)."""
+    metrics = metrics or GenerationMetrics(service or model_name, engine.mode)
+    metrics.sequences.set_function(lambda: engine.active_caches)
+    default_threshold = threshold
+
+    def error(code: int, message: str) -> web.Response:
+        metrics.answered(code)
+        return web.json_response({"error": message}, status=code)
+
+    async def opened(request: web.Request) -> GenerationHandle | web.Response:
+        if request.match_info["name"] != model_name:
+            return error(404, f"model {request.match_info['name']!r} is not served here; this server serves {model_name!r}")
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error(400, "the body is not valid JSON")
+        try:
+            text, max_tokens, chosen, ignore_eos = _parse(body, default_threshold)
+            return engine.open(text, max_tokens, chosen, ignore_eos)
+        except (_BadRequest, GenerationError) as err:
+            return error(400, str(err))
+
+    async def generate(request: web.Request) -> web.Response:
+        started = time.perf_counter()
+        handle = await opened(request)
+        if isinstance(handle, web.Response):
+            return handle
+        loop = asyncio.get_running_loop()
+        events: list[TokenEvent] = []
+        try:
+            while not handle.finished:
+                event = await loop.run_in_executor(None, engine.step, handle)
+                metrics.token(event)
+                events.append(event)
+        except GenerationError as err:
+            return error(500, f"generation failed: {err}")
+        finally:
+            await loop.run_in_executor(None, engine.release, handle)
+        metrics.answered(200)
+        return web.json_response(_summary(model_name, handle, events, started))
+
+    async def generate_stream(request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        handle = await opened(request)
+        if isinstance(handle, web.Response):
+            return handle
+        loop = asyncio.get_running_loop()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        events: list[TokenEvent] = []
+        step: asyncio.Future | None = None
+        try:
+            await response.prepare(request)
+            while not handle.finished:
+                step = loop.run_in_executor(None, engine.step, handle)
+                event = await step
+                step = None
+                metrics.token(event)
+                events.append(event)
+                await response.write(f"data: {json.dumps({'model_name': model_name, **asdict(event)})}\n\n".encode())
+            await loop.run_in_executor(None, engine.release, handle)  # before the client hears "done"
+            final = {"done": True, **_summary(model_name, handle, events, started)}
+            await response.write(f"data: {json.dumps(final)}\n\n".encode())
+            await response.write_eof()
+            metrics.answered(200)
+        except ConnectionResetError:  # the client went away: stop here
+            metrics.disconnects.inc()
+            metrics.answered(499)
+        except asyncio.CancelledError:  # the server cancelled the handler (client gone, or shutdown)
+            metrics.disconnects.inc()
+            metrics.answered(499)
+            if step is not None:  # let the step in flight finish before its cache goes
+                await asyncio.wait([step])
+            raise
+        except GenerationError as err:
+            metrics.answered(500)
+            await response.write(f"event: error\ndata: {json.dumps({'error': str(err)})}\n\n".encode())
+        finally:
+            await loop.run_in_executor(None, engine.release, handle)
+        return response
+
+    app.router.add_post("/v2/models/{name}/generate", generate)
+    app.router.add_post("/v2/models/{name}/generate_stream", generate_stream)
+    return metrics
+
+
+def generation_app(engine: EngineBase, model_name: str, *, threshold: float = 1.0) -> web.Application:
+    """The standalone generation server: the generate routes, GET /metrics and /v2/health/ready."""
+    app = web.Application()
+    metrics = add_generate_routes(app, engine, model_name, threshold=threshold)
+
+    async def handle_metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def handle_ready(_: web.Request) -> web.Response:
+        return web.json_response({"ready": True})
+
+    async def close_engine(_: web.Application) -> None:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+
+    app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/v2/health/ready", handle_ready)
+    app.on_cleanup.append(close_engine)
+    return app
