@@ -413,10 +413,10 @@ class RecomputeEngine(EngineBase):
             x, cache.keys[block], cache.values[block] = model.run_block(block, x, first, cache.keys[block], cache.values[block])
             recomputed = max(recomputed, end - first - len(new))
             head = model.ramp_after(block)
-            if head is None:
-                continue
+            if head is None or not (head.final or (not full and threshold < NEVER_EXIT)):
+                continue  # exit heads cost time only when they may answer
             token, conf = confidence(model.head_logits(block, x[:, -1:, :])[0, -1])
-            if head.final or (not full and threshold < NEVER_EXIT and conf >= threshold):
+            if head.final or conf >= threshold:
                 if not head.final:
                     previous = cache.stored.get(block)
                     cache.stored[block] = x if previous is None else np.concatenate([previous, x], axis=1)
@@ -425,11 +425,13 @@ class RecomputeEngine(EngineBase):
 
 
 def full_greedy(
-    model: DecoderModel, prompt_ids: Sequence[int], max_tokens: int, *, ignore_eos: bool = False
+    model: DecoderModel, prompt_ids: Sequence[int], max_tokens: int, *, ignore_eos: bool = False,
+    step_seconds: list[float] | None = None,
 ) -> tuple[list[int], list[np.ndarray], list[np.ndarray]]:
     """Plain greedy decoding with a full KV cache (every token through every block, final head only).
 
     Returns (generated ids, keys, values): the reference both early-exit modes must match at threshold 1.
+    `step_seconds`, when given, receives each token's time (the first one includes the prompt).
     """
     final = model.manifest.final_ramp()
     keys = [model.empty_cache() for _ in range(model.n_blocks)]
@@ -438,12 +440,15 @@ def full_greedy(
     new = list(prompt_ids)
     start = 0
     while len(generated) < max_tokens:
+        started = time.perf_counter()
         x: np.ndarray = np.asarray([new], dtype=np.int64)
         for block in range(model.n_blocks):
             x, keys[block], values[block] = model.run_block(block, x, start, keys[block], values[block])
         start += len(new)
         token = int(model.head_logits(final.after, x[:, -1:, :])[0, -1].argmax())
         generated.append(token)
+        if step_seconds is not None:
+            step_seconds.append(time.perf_counter() - started)
         if token == model.spec.eos_token_id and not ignore_eos:
             break
         new = [token]

@@ -130,9 +130,9 @@ class StageWorker:
                 raise GenerationError(f"stage {first}-{model.last_block}: block {block} holds {keys[slot].shape[2]} positions, expected {work.start}")
             x, keys[slot], values[slot] = model.run_block(block, x, work.start, keys[slot], values[slot])
             head = model.ramp_after(block)
-            if decide and head is not None:
+            if decide and head is not None and (head.final or work.threshold < NEVER_EXIT):
                 token, conf = confidence(model.head_logits(block, x[:, -1:, :])[0, -1])
-                if head.final or (work.threshold < NEVER_EXIT and conf >= work.threshold):
+                if head.final or conf >= work.threshold:
                     work.seq.replies.put(_Decision(token, block, head.name, conf, head.final))
                     decide = False  # exited: the rest of the forward only fills the cache
         if self.next is not None:
