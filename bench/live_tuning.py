@@ -1,9 +1,10 @@
 """Continual threshold tuning against one-time tuning, live, with a workload shift halfway (issue 4).
 
 The stream is labelled tweets the bundle never saw (neither trained on nor tuned on): the first
-half with the corpus's class mix, the second half from one class only — the class whose early
-answers agree least with the full model at the one-time thresholds (measured on a separate sample,
-printed). The same stream goes, in order, through three live deployments of the MiniLM bundle
+half drawn from the whole corpus, the second half from one source only — the corpus is several
+tweet collections in file order (airlines, self-driving cars, sports, ...), and the second half
+comes from the block of the file whose early answers agree least with the full model at the
+one-time thresholds (measured on a separate probe sample, printed). The same stream goes, in order, through three live deployments of the MiniLM bundle
 (router + 2 workers, buckets 32 and 128): vanilla (no exits), one-time tuning (thresholds tuned on
 the bundle's held-out window, never changed) and continual tuning (the same start, then the
 `exitplan up` tuning loop on shadow-sampled feedback). Per window of requests: agreement with the
@@ -129,6 +130,8 @@ def main() -> None:
     ap.add_argument("--tune-seconds", type=float, default=3.0)
     ap.add_argument("--port", type=int, default=18880)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--block", type=int, default=4000, help="rows of the corpus file per source block")
+    ap.add_argument("--probe", type=int, default=300, help="probe tweets per block to pick the shift")
     ap.add_argument("--png", type=Path, default=Path("live_tuning.png"))
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -143,27 +146,33 @@ def main() -> None:
     texts_all, labels_all = load_tweets()
     rng = np.random.default_rng(args.seed)
     unseen = np.array([i for i, t in enumerate(texts_all) if t not in seen])
-    rng.shuffle(unseen)
-    probe, rest = unseen[:3000], unseen[3000:]
-
     start = tuned_thresholds(bundle, args.budget)
     print(f"one-time thresholds (tuned on the bundle's held-out window, budget {args.budget:.1%}): {start}")
-    conf, pred, final = offline_outputs(bundle, [texts_all[i] for i in probe])
     t = np.array([start[r] for r in ramps])
-    per_class = {}
-    for c, name in enumerate(manifest.labels):
-        mask = labels_all[probe] == c
-        w = Window(conf=conf[mask], pred=pred[mask], final=final[mask], saving_ms=np.zeros(len(ramps)), cost_ms=np.zeros(len(ramps)))
-        per_class[name] = evaluate(w, t)[0]
-    shift_class = min(per_class, key=per_class.get)
-    print("agreement per true class at the one-time thresholds (probe sample): "
-          + ", ".join(f"{k} {v:.4f}" for k, v in per_class.items()) + f" -> the shift goes to '{shift_class}'")
-    phase1 = list(rest[: args.per_phase])
-    shift_idx = manifest.labels.index(shift_class)
-    phase2 = [i for i in rest[args.per_phase :] if labels_all[i] == shift_idx][: args.per_phase]
+    blocks = [unseen[(unseen >= lo) & (unseen < lo + args.block)] for lo in range(0, len(texts_all), args.block)]
+    probe_agreement, probes = [], []
+    for block in blocks:
+        probe = rng.choice(block, size=min(args.probe, len(block)), replace=False)
+        probes.append(set(probe.tolist()))
+        conf, pred, final = offline_outputs(bundle, [texts_all[i] for i in probe])
+        w = Window(conf=conf, pred=pred, final=final, saving_ms=np.zeros(len(ramps)), cost_ms=np.zeros(len(ramps)))
+        probe_agreement.append(evaluate(w, t)[0])
+    worst = int(np.argmin(probe_agreement))
+    print("probe agreement per block of the file at the one-time thresholds: "
+          + ", ".join(f"rows {k * args.block}+ {a:.4f}" for k, a in enumerate(probe_agreement))
+          + f" -> the shift goes to rows {worst * args.block}..{(worst + 1) * args.block - 1}")
+    used = set().union(*probes)
+    shifted = [i for i in blocks[worst] if i not in used]
+    rng.shuffle(shifted)
+    mixed = [i for i in unseen if i not in used and i not in set(shifted)]
+    rng.shuffle(mixed)
+    per_phase = min(args.per_phase, len(shifted))
+    phase1, phase2 = mixed[:per_phase], shifted[:per_phase]
     order = phase1 + phase2
     texts = [texts_all[i] for i in order]
-    print(f"stream: {len(phase1)} tweets with the corpus mix, then {len(phase2)} '{shift_class}' tweets")
+    shift_class = f"rows {worst * args.block}..{(worst + 1) * args.block - 1}"
+    per_class = {f"rows {k * args.block}+": a for k, a in enumerate(probe_agreement)}
+    print(f"stream: {len(phase1)} tweets from the whole corpus, then {len(phase2)} from {shift_class}")
     _, _, reference = offline_outputs(bundle, texts)
 
     spec = EarlyExitServiceSpec.model_validate({
@@ -179,7 +188,7 @@ def main() -> None:
                     thresholds=thresholds)
         with tempfile.TemporaryDirectory() as tmp:
             with LocalDeployment(bundle, plan, spec, Path(tmp), port=args.port, base_port=args.port + 1) as dep:
-                tuner = AutoTuner(dep.url, ramps, args.budget, period=args.tune_seconds, window=1000, min_samples=300).start() if name == "continual" else None
+                tuner = AutoTuner(dep.url, ramps, args.budget, period=args.tune_seconds, window=1000, min_samples=150, recent=200).start() if name == "continual" else None
                 t0 = time.time()
                 results = asyncio.run(stream(dep.url, manifest.name, texts, args.window))
                 if tuner:

@@ -50,27 +50,39 @@ def sample_budget(budget: float, n: int, z: float = 1.645) -> float:
     return max(0.0, budget - z * math.sqrt(budget * (1.0 - budget) / n))
 
 
-def decide(window: Window, ramps: list[str], current: dict[str, float], budget: float, *,
-           min_samples: int = 200, min_gain_ms: float = 0.05, z: float = 1.645) -> Decision:
-    """What to do with the thresholds given one feedback window (pure).
+def _tail(window: Window, k: int) -> Window:
+    return Window(conf=window.conf[-k:], pred=window.pred[-k:], final=window.final[-k:],
+                  saving_ms=window.saving_ms, cost_ms=window.cost_ms)
 
-    The window is a sample of the traffic, so new thresholds are tuned to `sample_budget` (the
-    budget less its sampling error on n inputs); the breach test compares the thresholds in force
-    with the budget itself.
+
+def decide(window: Window, ramps: list[str], current: dict[str, float], budget: float, *,
+           min_samples: int = 200, recent: int = 300, min_gain_ms: float = 0.05, z: float = 1.645) -> Decision:
+    """What to do with the thresholds given one feedback window (samples oldest first; pure).
+
+    Accuracy first, on the most recent `recent` samples (a shift shows there long before it
+    dominates the whole window): if the thresholds in force break the budget there, re-tune on
+    those samples (reason `accuracy`). Otherwise claim savings on the whole window. Either way the
+    window is a sample of the traffic, so thresholds are tuned to `sample_budget` (the budget less
+    its sampling error on the samples used); the breach test uses the budget itself.
     """
     n = window.n_inputs
     if n < min_samples:
         return Decision(None, "short-of-samples", n)
     start = np.array([float(current.get(r, DISABLED)) for r in ramps])
+    latest = _tail(window, min(recent, n))
+    agree_recent, save_recent = evaluate(latest, start)
+    if agree_recent < 1.0 - budget:
+        result = tune(latest, sample_budget(budget, latest.n_inputs, z), start=start)
+        return Decision({r: float(t) for r, t in zip(ramps, result.thresholds)}, "accuracy", latest.n_inputs,
+                        agree_recent, result.agreement, save_recent, result.saving_ms)
     agree_now, save_now = evaluate(window, start)
     result = tune(window, sample_budget(budget, n, z), start=start)
-    new = {r: float(t) for r, t in zip(ramps, result.thresholds)}
     figures = dict(samples=n, agreement_before=agree_now, agreement_after=result.agreement,
                    saving_before_ms=save_now, saving_after_ms=result.saving_ms)
-    if agree_now < 1.0 - budget:
-        return Decision(new, "accuracy", **figures)
+    if agree_now < 1.0 - budget:  # the recent samples were fine but the whole window is not
+        return Decision({r: float(t) for r, t in zip(ramps, result.thresholds)}, "accuracy", **figures)
     if result.saving_ms >= save_now + min_gain_ms:
-        return Decision(new, "savings", **figures)
+        return Decision({r: float(t) for r, t in zip(ramps, result.thresholds)}, "savings", **figures)
     return Decision(None, "no-gain", **figures)
 
 
@@ -97,9 +109,9 @@ class AutoTuner:
     """Runs `decide` every `period` seconds against one router, in a daemon thread."""
 
     def __init__(self, router_url: str, ramps: list[str], budget: float, *, period: float = 20.0,
-                 window: int = 1024, min_samples: int = 200, on_change=None) -> None:
+                 window: int = 1024, min_samples: int = 200, recent: int = 300, on_change=None) -> None:
         self.router_url, self.ramps, self.budget = router_url, ramps, budget
-        self.period, self.window, self.min_samples = period, window, min_samples
+        self.period, self.window, self.min_samples, self.recent = period, window, min_samples, recent
         self.on_change = on_change
         self.history: list[Decision] = []
         self._stop = threading.Event()
@@ -109,7 +121,7 @@ class AutoTuner:
         try:
             window = fetch_window(self.router_url, self.window)
             decision = decide(window, self.ramps, current_thresholds(self.router_url), self.budget,
-                              min_samples=self.min_samples)
+                              min_samples=self.min_samples, recent=self.recent)
         except WindowError as err:
             log.warning("feedback window rejected, keeping the last good thresholds: %s", err)
             return Decision(None, f"rejected: {err}", 0)
