@@ -122,3 +122,20 @@ async def test_client_disconnect_mid_stream_stops_and_releases_the_cache(served)
 
     assert value("exitplan_generation_disconnects_total") == 1.0
     assert value("exitplan_generation_tokens_total") < 480, "the generation must stop when the client goes away"
+
+
+def test_cli_generate_prints_tokens_and_rejects_bad_input(bundle, tmp_path):
+    from typer.testing import CliRunner
+
+    from exitplan.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "tokens.json"
+    result = runner.invoke(app, ["generate", PROMPTS[0], "--bundle", str(bundle), "--max-tokens", "6", "--threshold", "0.0", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    events = json.loads(out.read_text())
+    assert 1 <= len(events) <= 6 and events[0]["exit"] == "head"
+    result = runner.invoke(app, ["generate", "", "--bundle", str(bundle)])
+    assert result.exit_code == 2 and "prompt is empty" in " ".join(result.output.split())
+    result = runner.invoke(app, ["generate", "hi", "--bundle", str(tmp_path)])
+    assert result.exit_code == 2 and "no bundle.yaml here" in " ".join(result.output.split())
