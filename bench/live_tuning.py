@@ -188,7 +188,7 @@ def main() -> None:
                     thresholds=thresholds)
         with tempfile.TemporaryDirectory() as tmp:
             with LocalDeployment(bundle, plan, spec, Path(tmp), port=args.port, base_port=args.port + 1) as dep:
-                tuner = AutoTuner(dep.url, ramps, args.budget, period=args.tune_seconds, window=1000, min_samples=150, recent=200).start() if name == "continual" else None
+                tuner = AutoTuner(dep.url, ramps, args.budget, period=args.tune_seconds, window=1500, min_samples=150, recent=200).start() if name == "continual" else None
                 t0 = time.time()
                 results = asyncio.run(stream(dep.url, manifest.name, texts, args.window))
                 if tuner:

@@ -56,14 +56,16 @@ def _tail(window: Window, k: int) -> Window:
 
 
 def decide(window: Window, ramps: list[str], current: dict[str, float], budget: float, *,
-           min_samples: int = 200, recent: int = 300, min_gain_ms: float = 0.05, z: float = 1.645) -> Decision:
+           min_samples: int = 200, recent: int = 300, savings_samples: int = 1000, min_gain_ms: float = 0.05,
+           z: float = 1.645) -> Decision:
     """What to do with the thresholds given one feedback window (samples oldest first; pure).
 
     Accuracy first, on the most recent `recent` samples (a shift shows there long before it
     dominates the whole window): if the thresholds in force break the budget there, re-tune on
-    those samples (reason `accuracy`). Otherwise claim savings on the whole window. Either way the
-    window is a sample of the traffic, so thresholds are tuned to `sample_budget` (the budget less
-    its sampling error on the samples used); the breach test uses the budget itself.
+    those samples and keep only the raises (reason `accuracy`): a repair never lowers a threshold,
+    because lowering on a few hundred samples overfits them. Savings (lowering) are claimed only on
+    a window of at least `savings_samples`. Thresholds are tuned to `sample_budget` (the budget
+    less its sampling error on the samples used); the breach test uses the budget itself.
     """
     n = window.n_inputs
     if n < min_samples:
@@ -73,9 +75,13 @@ def decide(window: Window, ramps: list[str], current: dict[str, float], budget: 
     agree_recent, save_recent = evaluate(latest, start)
     if agree_recent < 1.0 - budget:
         result = tune(latest, sample_budget(budget, latest.n_inputs, z), start=start)
-        return Decision({r: float(t) for r, t in zip(ramps, result.thresholds)}, "accuracy", latest.n_inputs,
-                        agree_recent, result.agreement, save_recent, result.saving_ms)
+        raised = np.maximum(np.asarray(result.thresholds, dtype=float), start)
+        agree_after, save_after = evaluate(latest, raised)
+        return Decision({r: float(t) for r, t in zip(ramps, raised)}, "accuracy", latest.n_inputs,
+                        agree_recent, agree_after, save_recent, save_after)
     agree_now, save_now = evaluate(window, start)
+    if n < savings_samples and agree_now >= 1.0 - budget:
+        return Decision(None, "short-of-samples", n, agree_now, agree_now, save_now, save_now)
     result = tune(window, sample_budget(budget, n, z), start=start)
     figures = dict(samples=n, agreement_before=agree_now, agreement_after=result.agreement,
                    saving_before_ms=save_now, saving_after_ms=result.saving_ms)
@@ -109,9 +115,11 @@ class AutoTuner:
     """Runs `decide` every `period` seconds against one router, in a daemon thread."""
 
     def __init__(self, router_url: str, ramps: list[str], budget: float, *, period: float = 20.0,
-                 window: int = 1024, min_samples: int = 200, recent: int = 300, on_change=None) -> None:
+                 window: int = 1024, min_samples: int = 200, recent: int = 300, savings_samples: int = 1000,
+                 on_change=None) -> None:
         self.router_url, self.ramps, self.budget = router_url, ramps, budget
         self.period, self.window, self.min_samples, self.recent = period, window, min_samples, recent
+        self.savings_samples = savings_samples
         self.on_change = on_change
         self.history: list[Decision] = []
         self._stop = threading.Event()
@@ -121,7 +129,7 @@ class AutoTuner:
         try:
             window = fetch_window(self.router_url, self.window)
             decision = decide(window, self.ramps, current_thresholds(self.router_url), self.budget,
-                              min_samples=self.min_samples, recent=self.recent)
+                              min_samples=self.min_samples, recent=self.recent, savings_samples=self.savings_samples)
         except WindowError as err:
             log.warning("feedback window rejected, keeping the last good thresholds: %s", err)
             return Decision(None, f"rejected: {err}", 0)
