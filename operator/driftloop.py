@@ -150,8 +150,6 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
     plan = await rec.current_plan(svc.client, svc.name, svc.namespace)
     if plan is None and spec.planner.mode == Mode.active:
         return
-    if obs.ramps:
-        await retune(svc, spec, obs.ramps)
     history: list[list[float]] = memo.setdefault("survival", [])
     limits = spec.planner.drift
     reference = plan
@@ -166,8 +164,10 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
 
     pending = status.proposal if status.proposal and status.proposal.held_back.startswith("move cap") else None
     reason = report.trigger or (pending.reason if pending else "")
-    if not reason:
+    if not reason:  # no re-plan this window: the thresholds may still need re-tuning
         await svc.write_status(status)
+        if obs.ramps:
+            await retune(svc, spec, obs.ramps)
         return
     wait = drift.cooldown_left(status.last_replan_time, limits.cooldown_seconds)
     if wait > 0 and spec.planner.mode == Mode.active:

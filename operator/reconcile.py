@@ -64,6 +64,7 @@ class Service:
         return int(self.body["metadata"].get("generation") or 0)
 
     def event(self, kind: str, reason: str, message: str) -> None:
+        log.info("%s/%s %s %s: %s", self.namespace, self.name, kind, reason, message[:300])
         kopf.event(self.body, type=kind, reason=reason, message=message[:1000])
 
     async def write_status(self, status: ServiceStatus) -> None:
