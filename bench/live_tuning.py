@@ -213,12 +213,12 @@ def main() -> None:
     for n, v in summary.items():
         print(f"{n:>10}: " + ", ".join(f"{k} {val:.4f}" if isinstance(val, float) else f"{k} {val}" for k, val in v.items()))
     print(f"median latency continual / vanilla: {summary['continual']['median_p50_ms'] / summary['vanilla']['median_p50_ms']:.3f}")
-    plot(runs, ramps, args, len(phase1) // args.window)
+    plot(runs, ramps, args, len(phase1) / args.window)
     if args.json:
         args.json.write_text(json.dumps({"shift_class": shift_class, "per_class": per_class, "runs": runs, "summary": summary}, indent=2))
 
 
-def plot(runs: dict, ramps: list[str], args, shift_window: int) -> None:
+def plot(runs: dict, ramps: list[str], args, shift_window: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
