@@ -1,10 +1,10 @@
-"""The drift loop (the kopf timer): read the routers' observation windows (each lasts
-spec.planner.periodSeconds) twice a period, judge each new window once (drift.py), and re-plan
-when a limit is crossed, with a cooldown and a cap on replica moves. Reading twice a period puts
-a window's judgement at most half a period after it closes: a shift is judged on the window in
-which it happened (when it moved enough of that window) or on the next, fully shifted one, so a
-re-plan follows within about two periods. Advisory mode only reports (status.drift,
-status.proposal, events).
+"""The drift loop (the kopf timer). Routers close an observation window every half period
+(router --window-seconds = spec.planner.periodSeconds / 2); the loop reads the last closed
+window twice a period, judges each window once (drift.py), merged with the window before it when
+it holds too few requests to judge, and re-plans when a limit is crossed, with a cooldown and a
+cap on replica moves. A shift at time t fills a whole window by t + P (P = the period), which is
+read by t + 1.5 P: the re-plan is applied within two periods. Advisory mode only reports
+(status.drift, status.proposal, events).
 
 Where the routers' `/v1/observations` is read from, first that answers:
 1. router Pods with a podIP (in a cluster: every replica, windows merged);
@@ -114,7 +114,11 @@ async def retune(svc: rec.Service, spec: EarlyExitServiceSpec, ramps: list[str])
     """Apparate's continual tuning on the routers' shadow-sampled feedback (exitplan.autotune):
     new thresholds when the ones in force break the accuracy budget or leave savings unclaimed.
     Advisory mode computes but does not push. The next plan carries the thresholds in force."""
-    urls = await router_urls(svc)
+    try:
+        urls = await router_urls(svc)
+    except ApiError as err:
+        log.info("threshold re-tune skipped: %s", err)
+        return
     if not urls:
         return
     active = spec.planner.mode == Mode.active
@@ -155,7 +159,14 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
     reference = plan
     if reference is None:  # advisory: nothing applied, compare against the proposed plan's shape
         return
-    report = drift.assess(reference, obs, limits, spec.slo.latency_ms, history)
+    judged = obs
+    previous_window: Observations | None = memo.get("previous_window")
+    if (obs.requests < drift.MIN_REQUESTS and previous_window is not None and previous_window.until < obs.until
+            and previous_window.length_buckets == obs.length_buckets):
+        judged = merge_windows([previous_window, obs])  # a slow half-period: judge the last full period
+    if obs.until != getattr(previous_window, "until", None):
+        memo["previous_window"] = obs
+    report = drift.assess(reference, judged, limits, spec.slo.latency_ms, history)
     history.append(list(obs.survival))
     del history[:-HISTORY]
     METRICS.length_score.labels(svc.name).set(report.length_score)
@@ -166,8 +177,9 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
     reason = report.trigger or (pending.reason if pending else "")
     if not reason:  # no re-plan this window: the thresholds may still need re-tuning
         await svc.write_status(status)
-        if obs.ramps:
-            await retune(svc, spec, obs.ramps)
+        task = memo.get("tune_task")
+        if obs.ramps and (task is None or task.done()):  # in the background: never delays a drift check
+            memo["tune_task"] = asyncio.create_task(retune(svc, spec, obs.ramps))
         return
     wait = drift.cooldown_left(status.last_replan_time, limits.cooldown_seconds)
     if wait > 0 and spec.planner.mode == Mode.active:
