@@ -23,6 +23,7 @@ def command(
 
     from exitplan.api import SpecError
     from exitplan.api.resources import EarlyExitService
+    from exitplan.client.bench import BenchError
     from exitplan.prepare.build import BuildOptions, prepare_bundle, tqdm_bar
 
     from .demo import DemoOptions, run_demo
@@ -45,7 +46,7 @@ def command(
         console.rule("prepare")
         prepare_bundle(BuildOptions(model="minilm"), bundle_dir, bar=tqdm_bar(enabled=True))
         result = run_demo(DemoOptions(service_file=service, trace=trace, loads=levels, duration=duration, port=port, base_port=base_port), console, keep=keep)
-    except (SpecError, ServiceFileError, StartError, OSError, IndexError, ValueError) as err:
+    except (SpecError, ServiceFileError, StartError, BenchError, OSError, IndexError, ValueError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(1) from err
     if json_path:

@@ -36,7 +36,7 @@ class DemoOptions:
     trace: Path | None = None
     loads: tuple[float, ...] = (0.5, 1.0, 1.2, 1.6)
     duration: float = 15.0
-    trace_start: float = 600.0
+    trace_start: float = 0.0
     port: int = 8080
     base_port: int = 9100
     workdir: Path = Path("artifacts/demo")
