@@ -69,8 +69,9 @@ def worker_name(service: str, cell: Cell) -> str:
     return dns_name(service, f"s{cell.split}", f"b{cell.bucket}", cell.pool)
 
 
-def profile_job_name(service: str, pool: str) -> str:
-    return dns_name(service, "profile", pool)
+def profile_job_name(service: str, pool: str, attempt: int = 0) -> str:
+    """`<svc>-profile-<pool>`, then `-2`, `-3`, ... for re-measurements (Jobs do not re-run)."""
+    return dns_name(service, "profile", pool, attempt + 1 if attempt else "")
 
 
 def split_host(service: str, namespace: str, split: int) -> str:
@@ -265,7 +266,7 @@ def build_children(owner: Manifest, spec: EarlyExitServiceSpec, plan: Plan,
 
 
 def build_profile_job(owner: Manifest, spec: EarlyExitServiceSpec, pool_name: str, pool: GPUPoolSpec,
-                      profile_name: str) -> Manifest:
+                      profile_name: str, attempt: int = 0) -> Manifest:
     """A Job on `pool` that measures the bundle (`exitplan profile`) and publishes the result as
     ModelProfile `profile_name` (`exitplan operator publish-profile`) in the owner's namespace."""
     service = owner["metadata"]["name"]
@@ -290,7 +291,7 @@ def build_profile_job(owner: Manifest, spec: EarlyExitServiceSpec, pool_name: st
     placement.pop("affinity")
     job = {
         "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": profile_job_name(service, pool_name), "namespace": namespace,
+        "metadata": {"name": profile_job_name(service, pool_name, attempt), "namespace": namespace,
                      "labels": {**MANAGED, **labels}},
         "spec": {"backoffLimit": 2, "ttlSecondsAfterFinished": 3600,
                  "template": {"metadata": {"labels": {**MANAGED, **labels}},

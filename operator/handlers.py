@@ -17,7 +17,7 @@ import kopf
 
 from exitplan.api.resources import GROUP, VERSION
 from exitplan.operator import driftloop, reconcile
-from exitplan.operator.kube import ApiError, KubeClient, bearer, load_config, path
+from exitplan.operator.kube import KubeClient, bearer, load_config, path
 from exitplan.operator.metrics import METRICS
 
 EES = {"group": GROUP, "version": VERSION, "plural": "earlyexitservices"}
@@ -35,13 +35,10 @@ async def _service(memo: Any, body: Any) -> reconcile.Service | None:
     and re-read the object, so a status written from an older snapshot never overwrites a newer one."""
     client: KubeClient = memo.client
     meta = body["metadata"]
-    try:
-        fresh = await client.get(path("EarlyExitService", meta.get("namespace"), meta["name"]))
-    except ApiError as err:
-        if err.status == 404:
-            return None
-        raise
-    return reconcile.Service(body=fresh, client=client)
+    items = await client.list(path("EarlyExitService", meta.get("namespace")), fields=f"metadata.name={meta['name']}")
+    if not items:
+        return None
+    return reconcile.Service(body=items[0], client=client)
 
 
 def _lock(memo: Any, body: Any) -> asyncio.Lock:

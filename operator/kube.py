@@ -158,9 +158,9 @@ class KubeClient:
     async def get(self, url: str) -> Manifest:
         return await self.request("GET", url)
 
-    async def list(self, url: str, selector: str = "") -> list[Manifest]:
-        params = {"labelSelector": selector} if selector else None
-        return list((await self.request("GET", url, params=params)).get("items", []))
+    async def list(self, url: str, selector: str = "", fields: str = "") -> list[Manifest]:
+        params = {k: v for k, v in (("labelSelector", selector), ("fieldSelector", fields)) if v}
+        return list((await self.request("GET", url, params=params or None)).get("items", []))
 
     async def create(self, obj: Manifest) -> Manifest:
         meta = obj["metadata"]

@@ -10,7 +10,6 @@ so kopf retries with backoff while the previous plan keeps serving.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -159,31 +158,28 @@ async def current_plan(client: KubeClient, name: str, namespace: str) -> Plan | 
         return None
 
 
-async def restart_finished_job(client: KubeClient, job: dict[str, Any]) -> None:
-    """A profiling Job that already finished while its profile is (still or again) missing is
-    deleted, so the apply below runs it anew (Jobs do not re-run by themselves)."""
-    try:
-        current = await client.get(path("Job", job["metadata"]["namespace"], job["metadata"]["name"]))
-    except ApiError as err:
-        if err.status == 404:
-            return
-        raise
-    status = current.get("status") or {}
-    if status.get("succeeded") or any(c.get("type") == "Failed" for c in status.get("conditions") or []):
-        with contextlib.suppress(ApiError):
-            await client.delete(path("Job", job["metadata"]["namespace"], job["metadata"]["name"]))
+def _finished(job: dict[str, Any]) -> bool:
+    status = job.get("status") or {}
+    return bool(status.get("succeeded")) or any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+                                                 for c in status.get("conditions") or [])
 
 
 async def ensure_profiling(svc: Service, spec: EarlyExitServiceSpec, inputs: Inputs) -> list[str]:
-    """A profiling Job per pool without a ModelProfile; returns what the status should say."""
+    """A profiling Job per pool without a ModelProfile; returns what the status should say.
+
+    While a Job for the pool runs, nothing new starts. When every Job for the pool has finished
+    and the profile is still (or again) missing -- it was rejected and deleted, or the Job
+    failed -- the next attempt is a new Job (`-2`, `-3`, ...): Jobs do not re-run by themselves,
+    and finished ones expire by ttlSecondsAfterFinished or go with the service."""
     waiting = []
     for pool in inputs.missing_profiles:
         prof = builders.profile_name(spec.model.name, pool)
-        job = builders.build_profile_job(svc.body, spec, pool, inputs.pools[pool], prof)
-        report = applying.ApplyReport()
-        await restart_finished_job(svc.client, job)
-        await applying.apply_one(svc.client, job, report)
-        if report.created:
+        selector = f"{builders.L_SERVICE}={svc.name},{builders.L_POOL}={pool},{builders.L_COMPONENT}=profiler"
+        jobs = await svc.client.list(path("Job", svc.namespace), selector)
+        if not jobs or all(_finished(j) for j in jobs):
+            job = builders.build_profile_job(svc.body, spec, pool, inputs.pools[pool], prof, attempt=len(jobs))
+            report = applying.ApplyReport()
+            await applying.apply_one(svc.client, job, report)
             svc.event("Normal", "Profiling", f"no ModelProfile for model {spec.model.name} on pool {pool}: "
                       f"Job {job['metadata']['name']} measures it and publishes ModelProfile {prof}")
         waiting.append(pool)
