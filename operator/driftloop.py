@@ -130,6 +130,22 @@ async def retune(svc: rec.Service, spec: EarlyExitServiceSpec, ramps: list[str])
                   f"{decision.agreement_before:.4f} -> {decision.agreement_after:.4f} on {decision.samples} samples")
 
 
+PROFILE_RECHECK_SECONDS = 30.0
+"""A service waiting for a profile re-checks this often (in case a ModelProfile event was missed)."""
+
+
+async def on_tick(svc: rec.Service, memo: Any) -> None:
+    """One timer tick: re-check a profiling wait, refresh readiness, judge drift once per window."""
+    if (svc.body.get("status") or {}).get("phase") == "Profiling":
+        now = time.monotonic()
+        if now - memo.get("profile_check", 0.0) > PROFILE_RECHECK_SECONDS:
+            memo["profile_check"] = now
+            await rec.reconcile(svc, reason="initial")
+        return
+    await rec.refresh_readiness(svc)
+    await check_drift(svc, memo)
+
+
 async def check_drift(svc: rec.Service, memo: Any) -> None:
     """One drift-loop tick (the timer calls it every few seconds; it acts once per period)."""
     status = parse_status(svc.body.get("status"))

@@ -112,13 +112,7 @@ async def tick(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         svc = await _service(memo, body)
         if svc is None:
             return
-        status = (svc.body.get("status") or {}).get("phase")
-        if status == "Profiling" and asyncio.get_running_loop().time() - memo.get("profile_check", 0) > 30:
-            memo["profile_check"] = asyncio.get_running_loop().time()
-            await reconcile.reconcile(svc, reason="initial")
-            return
-        await reconcile.refresh_readiness(svc)
-        await driftloop.check_drift(svc, memo)
+        await driftloop.on_tick(svc, memo)
 
 
 @kopf.on.event(**PROFILES)

@@ -173,6 +173,16 @@ def test_injected_length_drift_moves_replicas_between_cells(cluster, observation
         for cell in plan1.cells:
             assert workers(cluster, ns, "minilm")[builders.worker_name("minilm", cell)]["spec"]["replicas"] == cell.replicas
         assert any(e["reason"] == "Replan" and "length-drift" in e["message"] for e in cluster.events(ns, "minilm"))
+        # The operator's metrics saw it (the operator runs in this process under KopfRunner).
+        from prometheus_client import REGISTRY
+
+        assert REGISTRY.get_sample_value("exitplan_replan_total", {"service": "minilm", "reason": "length-drift"}) >= 1
+        assert REGISTRY.get_sample_value("exitplan_drift_length_score_ratio", {"service": "minilm"}) > 0.15
+        assert REGISTRY.get_sample_value("exitplan_planner_solve_seconds_count", {"service": "minilm"}) >= 2
+        cell = plan1.cells[0]
+        labels = {"service": "minilm", "split": str(cell.split), "bucket": str(cell.bucket), "pool": cell.pool}
+        wait_for("desired replicas exported", lambda: REGISTRY.get_sample_value(
+            "exitplan_cell_desired_replicas", labels) == cell.replicas)
 
 
 def test_advisory_mode_reports_and_changes_nothing(cluster, observations):
