@@ -52,6 +52,21 @@ CEL_RULES: dict[type[BaseModel], list[dict[str, str]]] = {
     ],
 }
 
+# Caps on the lists that CEL rules iterate: Kubernetes estimates each rule's cost from maxItems
+# and refuses a CRD whose rules could cost too much. The typed models have no such caps; these
+# are far above any real service (a real profile has ~10 batch sizes and lengths, <100 blocks).
+MAX_ITEMS: dict[tuple[type[BaseModel], str], tuple[int, ...]] = {
+    (res.EarlyExitServiceSpec, "pools"): (32,),
+    (res.Workload, "length_buckets"): (64,),
+    (res.ModelProfileSpec, "batch_sizes"): (64,),
+    (res.ModelProfileSpec, "seq_lens"): (64,),
+    (res.ModelProfileSpec, "blocks"): (512,),
+    (res.ModelProfileSpec, "ramps"): (512,),
+    (res.ModelProfileSpec, "survival"): (512,),
+    (res.BlockProfile, "latency_ms"): (64, 64),
+    (res.RampProfile, "latency_ms"): (64, 64),
+}
+
 # (kind, plural, singular, short names, scope, printer columns, status model)
 KINDS: dict[str, dict[str, Any]] = {
     "GPUPool": {"plural": "gpupools", "singular": "gpupool", "short": ["gpool"], "scope": "Cluster",
@@ -178,6 +193,11 @@ def _model_attach(schema: dict[str, Any], model: type[BaseModel]) -> None:
             continue
         if docs.get(name):
             props[key]["description"] = docs[name]
+        if (model, name) in MAX_ITEMS:
+            node = props[key]
+            for cap in MAX_ITEMS[(model, name)]:  # outer list, then the lists inside it
+                node["maxItems"] = cap
+                node = node.get("items", {})
         for sub in _nested_models(field.annotation):
             target = props[key]
             while target.get("type") in ("array", "object") and "properties" not in target:
