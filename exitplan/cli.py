@@ -59,6 +59,7 @@ def _register() -> None:
     app.command("prepare-decoder")(cmd_generate.prepare_command)
     app.command("generate")(cmd_generate.command)
     app.command("generate-server")(cmd_generate.server_command)
+    app.command("generate-stage")(cmd_generate.stage_command)
 
 
 _register()

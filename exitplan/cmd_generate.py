@@ -10,10 +10,14 @@ import typer
 DEFAULT_BUNDLE = Path("artifacts") / "bundles" / "tweet-decoder"
 
 
-def _engine(bundle: Path, mode: str, splits: int, max_pending: int, threads: int):
+def _engine(bundle: Path, mode: str, splits: int, max_pending: int, threads: int, stage_urls: list[str] | None = None):
     from exitplan.worker.generation import DecoderModel, GenerationError, RecomputeEngine
     from exitplan.worker.generation_pipeline import PipelineEngine
 
+    if stage_urls:
+        from exitplan.worker.generation_remote import RemotePipelineEngine
+
+        return RemotePipelineEngine(bundle, stage_urls)
     if mode == "recompute":
         return RecomputeEngine(DecoderModel(bundle, threads=threads), max_pending=max_pending)
     if mode == "pipeline":
@@ -117,6 +121,7 @@ def server_command(
     splits: int = typer.Option(2, "--splits", help="Pipeline stages (pipeline mode)."),
     max_pending: int = typer.Option(8, "--max-pending", help="KV recomputation bound before a forced full pass."),
     threads: int = typer.Option(1, "--threads", min=1, help="ONNX Runtime threads per session."),
+    stage_urls: list[str] = typer.Option([], "--stage-url", help="Pipeline across stage servers (exitplan generate-stage), first stage first; overrides --mode."),
 ) -> None:
     """Serve early-exit generation: POST /v2/models/{name}/generate and /generate_stream (server-sent events),
     GET /metrics, /v2/health/ready."""
@@ -132,12 +137,43 @@ def server_command(
         console.print(f"[red]error:[/red] --threshold must be in 0..1, got {threshold}")
         raise typer.Exit(2)
     try:
-        engine = _engine(bundle, mode, splits, max_pending, threads)
+        engine = _engine(bundle, mode, splits, max_pending, threads, stage_urls)
     except (GenerationError, BundleError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err
     name = model_name or engine.model.manifest.name
     app = generation_app(engine, name, threshold=threshold)
-    console.print(f"serving {name!r} ({mode}) on http://{host}:{port}/v2/models/{name}/generate")
+    console.print(f"serving {name!r} ({engine.mode}) on http://{host}:{port}/v2/models/{name}/generate")
     web.run_app(app, host=host, port=port, print=None)
 
+
+
+def stage_command(
+    bundle: Path = typer.Option(DEFAULT_BUNDLE, "--bundle", help="Generative bundle directory."),
+    first: int = typer.Option(..., "--first", help="First block this stage runs."),
+    last: int = typer.Option(..., "--last", help="Last block this stage runs."),
+    port: int = typer.Option(8090, "--port", help="Port to listen on."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
+    next_url: str | None = typer.Option(None, "--next", help="URL of the next stage server (none for the last stage)."),
+    threads: int = typer.Option(1, "--threads", min=1, help="ONNX Runtime threads per session."),
+) -> None:
+    """Serve one split of the pipeline-based early-exit mode (blocks FIRST..LAST with their heads and KV cache);
+    a coordinator (generate-server --stage-url ...) sends tokens to the first stage."""
+    from aiohttp import web
+    from rich.console import Console
+
+    from exitplan.api.bundle import BundleError
+    from exitplan.worker.generation import DecoderModel
+    from exitplan.worker.generation_remote import StageServer
+
+    console = Console()
+    try:
+        model = DecoderModel(bundle, first_block=first, last_block=last, threads=threads)
+    except BundleError as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from err
+    if (next_url is None) != (last == model.n_blocks - 1):
+        console.print(f"[red]error:[/red] only the stage ending at block {model.n_blocks - 1} has no --next; this one runs {first}..{last}")
+        raise typer.Exit(2)
+    console.print(f"stage blocks {first}..{last} on http://{host}:{port}" + (f" -> {next_url}" if next_url else " (last)"))
+    web.run_app(StageServer(model, next_url).app(), host=host, port=port, print=None)

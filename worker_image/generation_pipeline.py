@@ -180,7 +180,8 @@ class PipelineEngine(EngineBase):
 
     def close(self) -> None:
         for stage in self.stages:
-            stage.stop()
+            if stage._thread.is_alive():
+                stage.stop()
 
     def open(self, prompt: str, max_tokens: int, threshold: float, ignore_eos: bool = False) -> GenerationHandle:
         ids = check_request(self.model, prompt, max_tokens, threshold)

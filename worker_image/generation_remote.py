@@ -1,0 +1,342 @@
+"""The pipeline-based mode across split worker processes: stage servers and the coordinator engine.
+
+A stage server (`exitplan generate-stage`) holds blocks [first, last] of a generative bundle, their
+heads, and its slice of every sequence's KV cache. Work reaches it as `POST /v1/generation/run`
+(a wire frame: meta {seq, start, decide, threshold}, tensor `x` = token ids for block 0, hidden states
+after) and is computed strictly in arrival order by one worker task. The answer is a stream of JSON
+lines: `{"queued": true}` as soon as the work is in the queue, then, for work that still needs a
+decision, `{"decision": {...}}` (from this stage's head, or relayed from a later stage).
+
+A stage forwards its output to the next stage and waits only for the next stage's `queued` line
+before taking its own next work item, so every stage sees a sequence's positions in order. When a
+head decides inside a stage, the decision goes back at once, and the coordinator sends the next
+token to the first stage while this and the later stages finish the exited token's forward (EE-LLM's
+pipeline-based mode): every block's cache stays complete, nothing is recomputed.
+
+`RemotePipelineEngine` is the coordinator (the router side): an `EngineBase` whose steps post to the
+first stage. `POST /v1/generation/release` drops a sequence's cache on every stage (after its queued
+work), `GET /v1/generation/cache` returns a stage's cache of one sequence once its earlier work is done
+(tests), `GET /v1/generation/stats` the number of sequences holding a cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+from . import wire
+from .generation import NEVER_EXIT, DecoderModel, EngineBase, GenerationError, GenerationHandle, TokenEvent, check_request, confidence
+
+RUN, RELEASE, CACHE, STATS = "/v1/generation/run", "/v1/generation/release", "/v1/generation/cache", "/v1/generation/stats"
+
+
+@dataclass
+class _Item:
+    kind: str  # "run" | "release" | "barrier"
+    seq: str
+    done: asyncio.Future
+    start: int = 0
+    x: np.ndarray | None = None
+    decide: bool = False
+    threshold: float = NEVER_EXIT
+    extra: dict = field(default_factory=dict)
+
+
+class StageServer:
+    """One split of the pipeline as an HTTP server (see the module docstring)."""
+
+    def __init__(self, model: DecoderModel, next_url: str | None = None) -> None:
+        self.model = model
+        self.next_url = next_url.rstrip("/") if next_url else None
+        self.caches: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        self.cancelled: set[str] = set()
+        self._queue: asyncio.Queue[_Item] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._worker: asyncio.Task | None = None
+        self._relays: set[asyncio.Task] = set()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post(RUN, self.handle_run)
+        app.router.add_post(RELEASE, self.handle_release)
+        app.router.add_get(CACHE, self.handle_cache)
+        app.router.add_get(STATS, self.handle_stats)
+        app.router.add_get("/v2/health/ready", self.handle_ready)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, _: web.Application) -> None:
+        self._queue = asyncio.Queue()
+        self._session = aiohttp.ClientSession()
+        self._worker = asyncio.create_task(self._loop())
+
+    async def _cleanup(self, _: web.Application) -> None:
+        if self._worker:
+            self._worker.cancel()
+        if self._session:
+            await self._session.close()
+
+    # ------------------------------------------------------------------ handlers
+
+    async def handle_ready(self, _: web.Request) -> web.Response:
+        return web.json_response({"ready": True, "blocks": [self.model.first_block, self.model.last_block]})
+
+    async def handle_stats(self, _: web.Request) -> web.Response:
+        return web.json_response({"active_caches": len(self.caches)})
+
+    async def handle_run(self, request: web.Request) -> web.StreamResponse:
+        try:
+            meta, tensors = wire.decode(await request.read())
+            item = _Item("run", str(meta["seq"]), asyncio.get_running_loop().create_future(), int(meta["start"]),
+                         tensors["x"], bool(meta["decide"]), float(meta["threshold"]))
+        except (wire.WireError, KeyError, TypeError, ValueError) as err:
+            return web.json_response({"error": f"bad run frame: {err}"}, status=400)
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        assert self._queue is not None
+        await self._queue.put(item)
+        await response.write(b'{"queued": true}\n')
+        try:
+            decision = await item.done
+            if decision is not None:
+                await response.write(json.dumps({"decision": decision}).encode() + b"\n")
+        except Exception as err:  # the computation failed: say so on the stream
+            await response.write(json.dumps({"error": str(err)}).encode() + b"\n")
+        await response.write_eof()
+        return response
+
+    async def handle_release(self, request: web.Request) -> web.Response:
+        seq = str((await request.json())["seq"])
+        self.cancelled.add(seq)  # queued work for it is skipped
+        item = _Item("release", seq, asyncio.get_running_loop().create_future())
+        assert self._queue is not None
+        await self._queue.put(item)
+        await item.done
+        return web.json_response({"released": seq})
+
+    async def handle_cache(self, request: web.Request) -> web.Response:
+        seq = request.query.get("seq", "")
+        item = _Item("barrier", seq, asyncio.get_running_loop().create_future())
+        assert self._queue is not None
+        await self._queue.put(item)
+        await item.done
+        if seq not in self.caches:
+            return web.json_response({"error": f"no cache for sequence {seq!r}"}, status=404)
+        keys, values = self.caches[seq]
+        tensors = {f"key{i}": k for i, k in enumerate(keys)} | {f"value{i}": v for i, v in enumerate(values)}
+        return web.Response(body=wire.encode({"blocks": len(keys)}, tensors), content_type=wire.CONTENT_TYPE)
+
+    # ------------------------------------------------------------------ the worker
+
+    async def _loop(self) -> None:
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            item = await self._queue.get()
+            try:
+                if item.kind == "barrier":
+                    item.done.set_result(None)
+                elif item.kind == "release":
+                    self.caches.pop(item.seq, None)
+                    if self.next_url:
+                        assert self._session is not None
+                        async with self._session.post(self.next_url + RELEASE, json={"seq": item.seq}) as r:
+                            await r.read()
+                    self.cancelled.discard(item.seq)
+                    item.done.set_result(None)
+                elif item.seq in self.cancelled:
+                    item.done.set_result(None)
+                else:
+                    decision, x, decide = await loop.run_in_executor(None, self._compute, item)
+                    if decision is not None:
+                        item.done.set_result(decision)
+                    await self._forward(item, x, decide)
+                    if not item.done.done() and not (decide and self.next_url):  # else the relay answers
+                        item.done.set_result(None)
+            except Exception as err:
+                self.cancelled.add(item.seq)
+                if not item.done.done():
+                    item.done.set_exception(err)
+
+    def _compute(self, item: _Item) -> tuple[dict | None, np.ndarray, bool]:
+        model, first = self.model, self.model.first_block
+        n = model.last_block - first + 1
+        if item.seq not in self.caches:
+            if item.start != 0:
+                raise GenerationError(f"sequence {item.seq!r} has no cache on blocks {first}-{model.last_block} (released?)")
+            self.caches[item.seq] = ([model.empty_cache()] * n, [model.empty_cache()] * n)
+        keys, values = self.caches[item.seq]
+        x, decide, decision = item.x, item.decide, None
+        assert x is not None
+        for block in range(first, model.last_block + 1):
+            slot = block - first
+            if keys[slot].shape[2] != item.start:
+                raise GenerationError(f"block {block} holds {keys[slot].shape[2]} positions of {item.seq!r}, expected {item.start}")
+            x, keys[slot], values[slot] = model.run_block(block, x, item.start, keys[slot], values[slot])
+            head = model.ramp_after(block)
+            if decide and head is not None and (head.final or item.threshold < NEVER_EXIT):
+                token, conf = confidence(model.head_logits(block, x[:, -1:, :])[0, -1])
+                if head.final or conf >= item.threshold:
+                    decision = {"token": token, "block": block, "head": head.name, "confidence": conf, "final": head.final}
+                    decide = False
+        return decision, x, decide
+
+    async def _forward(self, item: _Item, x: np.ndarray, decide: bool) -> None:
+        if self.next_url is None:
+            return
+        assert self._session is not None
+        frame = wire.encode({"seq": item.seq, "start": item.start, "decide": decide, "threshold": item.threshold}, {"x": x})
+        response = await self._session.post(self.next_url + RUN, data=frame, headers={"Content-Type": wire.CONTENT_TYPE})
+        if response.status != 200:
+            raise GenerationError(f"next stage {self.next_url} refused the work: {response.status} {await response.text()}")
+        await response.content.readline()  # queued there: order kept, take the next item
+        task = asyncio.create_task(self._relay(response, item.done if decide else None))
+        self._relays.add(task)
+        task.add_done_callback(self._relays.discard)
+
+    @staticmethod
+    async def _relay(response: aiohttp.ClientResponse, done: asyncio.Future | None) -> None:
+        """Pass the later stage's decision (or error) back to whoever waits for this item."""
+        try:
+            async for line in response.content:
+                message = json.loads(line)
+                if done is not None and not done.done():
+                    if "decision" in message:
+                        done.set_result(message["decision"])
+                    elif "error" in message:
+                        done.set_exception(GenerationError(message["error"]))
+        finally:
+            response.release()
+            if done is not None and not done.done():
+                done.set_exception(GenerationError("the next stage closed the stream without a decision"))
+
+
+class RemotePipelineEngine(EngineBase):
+    """The coordinator of split stage servers (the first URL holds block 0); steps block the calling thread."""
+
+    mode = "pipeline-remote"
+
+    def __init__(self, directory: str | Path, urls: Sequence[str]) -> None:
+        if not urls:
+            raise GenerationError("give the URL of at least one stage server")
+        super().__init__(DecoderModel(directory, first_block=0, last_block=0))  # the tokenizer and the limits
+        self.urls = [u.rstrip("/") for u in urls]
+        self._prefix = uuid.uuid4().hex[:8]
+        self._open: set[int] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="generation-remote", daemon=True)
+        self._thread.start()
+        self._session: aiohttp.ClientSession = self._call(self._make_session())
+        self._counter = itertools.count()
+
+    async def _make_session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession()
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _seq(self, handle: GenerationHandle) -> str:
+        return f"{self._prefix}-{handle.id}"
+
+    @property
+    def active_caches(self) -> int:
+        return len(self._open)
+
+    def stage_caches(self) -> list[int]:
+        """Sequences holding a cache on each stage server."""
+
+        async def stats() -> list[int]:
+            out = []
+            for url in self.urls:
+                async with self._session.get(url + STATS) as r:
+                    out.append(int((await r.json())["active_caches"]))
+            return out
+
+        return self._call(stats())
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self._call(self._session.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+
+    def open(self, prompt: str, max_tokens: int, threshold: float, ignore_eos: bool = False) -> GenerationHandle:
+        ids = check_request(self.model, prompt, max_tokens, threshold)
+        handle = GenerationHandle(ids, max_tokens, threshold, ignore_eos)
+        handle.decoder = self.model.codec.stream()  # type: ignore[attr-defined]
+        with self._lock:
+            self._open.add(handle.id)
+        return handle
+
+    def release(self, handle: GenerationHandle) -> None:
+        with self._lock:
+            if handle.id not in self._open:
+                return
+            self._open.discard(handle.id)
+
+        async def release() -> None:
+            async with self._session.post(self.urls[0] + RELEASE, json={"seq": self._seq(handle)}) as r:
+                await r.read()
+
+        self._call(release())
+
+    def snapshot(self, handle: GenerationHandle) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        async def caches() -> tuple[list[np.ndarray], list[np.ndarray]]:
+            keys: list[np.ndarray] = []
+            values: list[np.ndarray] = []
+            for url in self.urls:  # in stage order: each barrier runs after the earlier stages forwarded
+                async with self._session.get(url + CACHE, params={"seq": self._seq(handle)}) as r:
+                    meta, tensors = wire.decode(await r.read())
+                keys += [tensors[f"key{i}"] for i in range(meta["blocks"])]
+                values += [tensors[f"value{i}"] for i in range(meta["blocks"])]
+            return keys, values
+
+        return self._call(caches())
+
+    def step(self, handle: GenerationHandle) -> TokenEvent:
+        import time
+
+        if handle.finished:
+            raise GenerationError("this sequence has finished")
+        if handle.id not in self._open:
+            raise GenerationError("this sequence's cache was released")
+        started = time.perf_counter()
+        prompt = not handle.generated
+        new = handle.ids if prompt else handle.ids[-1:]
+        meta = {"seq": self._seq(handle), "start": len(handle.ids) - len(new), "decide": True,
+                "threshold": NEVER_EXIT if prompt else handle.threshold}
+        decision = self._call(self._run(meta, np.asarray([new], dtype=np.int64)))
+        self._finish(handle, int(decision["token"]))
+        return TokenEvent(
+            index=len(handle.generated) - 1, token_id=int(decision["token"]), text=handle.decoder.feed(int(decision["token"])),  # type: ignore[attr-defined]
+            exit=decision["head"], block=int(decision["block"]), confidence=float(decision["confidence"]),
+            full_pass=bool(decision["final"]), seconds=time.perf_counter() - started,
+        )
+
+    async def _run(self, meta: dict, x: np.ndarray) -> dict:
+        frame = wire.encode(meta, {"x": x})
+        async with self._session.post(self.urls[0] + RUN, data=frame, headers={"Content-Type": wire.CONTENT_TYPE}) as r:
+            if r.status != 200:
+                raise GenerationError(f"stage {self.urls[0]} refused the work: {r.status} {await r.text()}")
+            decision = None
+            async for line in r.content:  # read to the end: the stage closes right after the decision
+                message = json.loads(line)
+                if "decision" in message:
+                    decision = message["decision"]
+                if "error" in message:
+                    raise GenerationError(f"stage failed: {message['error']}")
+        if decision is None:
+            raise GenerationError("the first stage closed the stream without a decision")
+        return decision
