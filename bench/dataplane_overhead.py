@@ -59,8 +59,8 @@ def main() -> None:
         tok.no_truncation()
         texts = [t for t in texts_all if len(tok.encode(t).ids) <= args.bucket][: args.batch]
         state = pad_batch([tok.encode(t).ids for t in texts], args.bucket)
+        n_inputs = len(texts)
         body_inputs = [{"name": "text", "datatype": "BYTES", "shape": [n_inputs], "data": texts}]
-        n_inputs = n_inputs
         direct = BundleRuntime(args.bundle, buckets=[args.bucket], threads=1)
     plan = Plan(
         service="bench", model=manifest.name,
