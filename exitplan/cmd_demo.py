@@ -30,7 +30,9 @@ def command(
     from .local import StartError
     from .planning import ServiceFileError
 
-    console = Console()
+    import sys
+
+    console = Console(width=None if sys.stdout.isatty() else 160)  # the comparison table needs the width in logs too
     try:
         levels = tuple(float(x) for x in loads.split(",") if x.strip())
         if not levels or any(x <= 0 for x in levels):
