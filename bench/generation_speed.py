@@ -63,6 +63,35 @@ def bits_per_byte(model: DecoderModel, texts: list[str], thresholds: list[float]
     return {t: totals[t] / count for t in thresholds}
 
 
+def start_stages(bundle: Path, splits: list[tuple[int, int]]):
+    """One `exitplan generate-stage` process per split on free local ports; returns (processes, URLs)."""
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    ports = []
+    for _ in splits:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    procs = []
+    for i, (first, last) in enumerate(splits):
+        nxt = ["--next", urls[i + 1]] if i + 1 < len(splits) else []
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", "from exitplan.cli import app; app()", "generate-stage", "--bundle", str(bundle),
+             "--first", str(first), "--last", str(last), "--port", str(ports[i]), *nxt], stdout=subprocess.DEVNULL))
+    for url in urls:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/v2/health/ready", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+    return procs, urls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", type=Path, default=Path("artifacts/bundles/tweet-decoder"))
@@ -72,6 +101,7 @@ def main() -> None:
     parser.add_argument("--thresholds", type=float, nargs="+", default=[1.0, 0.9, 0.8, 0.6, 0.4])
     parser.add_argument("--splits", type=int, default=2)
     parser.add_argument("--max-pending", type=int, default=8)
+    parser.add_argument("--remote", action="store_true", help="also run the pipeline across stage processes (exitplan generate-stage)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -82,11 +112,18 @@ def main() -> None:
     prompts = [t[: args.prompt_chars] for t in texts]
     recompute = RecomputeEngine(model, max_pending=args.max_pending)
     pipeline = PipelineEngine(args.bundle, splits=args.splits)
-    configs = [("full", 1.0)] + [(mode, t) for mode in ("recompute", "pipeline") for t in args.thresholds]
-    stats = {c: {"step_s": 0.0, "steps": 0, "total_s": 0.0, "tokens": 0, "exits": {}, "agree": 0, "same_output": 0} for c in configs}
+    engines = {"recompute": recompute, "pipeline": pipeline}
+    stage_procs = []
+    if args.remote:
+        from exitplan.worker.generation_remote import RemotePipelineEngine
+
+        stage_procs, urls = start_stages(args.bundle, pipeline.splits)
+        engines["pipeline-remote"] = RemotePipelineEngine(args.bundle, urls)
+    configs = [("full", 1.0)] + [(mode, t) for mode in engines for t in args.thresholds]
+    stats = {c: {"step_s": 0.0, "steps": 0, "total_s": 0.0, "tokens": 0, "exits": {}, "agree": 0, "same_output": 0, "blocks": 0} for c in configs}
     full_outputs: dict[int, list[int]] = {}
     for mode, threshold in configs[1:]:  # warm-up: first runs of each session shape are slow
-        engine = recompute if mode == "recompute" else pipeline
+        engine = engines[mode]
         list(engine.generate(heldout[-1][: args.prompt_chars], 8, threshold))
     full_greedy(model, model.codec.encode(heldout[-1][: args.prompt_chars]), 8)
     for i, prompt in enumerate(prompts):
@@ -101,17 +138,19 @@ def main() -> None:
                 s["total_s"] += time.perf_counter() - t0
                 s["step_s"] += sum(seconds[1:])
                 s["steps"] += len(seconds) - 1
+                s["blocks"] += model.n_blocks * (len(seconds) - 1)
                 full_outputs[i] = tokens
                 s["tokens"] += len(tokens)
                 s["exits"]["head"] = s["exits"].get("head", 0) + len(tokens)
                 continue
-            engine = recompute if mode == "recompute" else pipeline
+            engine = engines[mode]
             events = list(engine.generate(prompt, args.max_tokens, threshold))
             s["total_s"] += time.perf_counter() - started
             tokens = [e.token_id for e in events]
             s["tokens"] += len(tokens)
             s["step_s"] += sum(e.seconds for e in events[1:])
             s["steps"] += len(events) - 1
+            s["blocks"] += sum(e.block + 1 for e in events[1:])
             for e in events:
                 s["exits"][e.exit] = s["exits"].get(e.exit, 0) + 1
             # agreement: the full model's choice after the same prefix
@@ -120,7 +159,13 @@ def main() -> None:
             start = len(sequence) - len(tokens) - 1
             s["agree"] += int((final[start:].argmax(axis=1) == np.asarray(tokens)).sum())
             s["same_output"] += int(tokens == full_outputs[i])
-    pipeline.close()
+    for engine in engines.values():
+        close = getattr(engine, "close", None)
+        if close:
+            close()
+    for proc in stage_procs:
+        proc.terminate()
+        proc.wait()
     full_step = stats[("full", 1.0)]
     bpb = bits_per_byte(model, heldout[: args.prompts * 5], sorted(set(args.thresholds) | {1.0}))
 
@@ -129,7 +174,7 @@ def main() -> None:
     reference_ms = 1000 * full_step["step_s"] / full_step["steps"] if full_step else float("nan")
     table = Table(title=f"{len(prompts)} held-out prompts, up to {args.max_tokens} tokens, {model.n_blocks} blocks; "
                         "speedups against full decoding")
-    for col in ("mode", "threshold", "ms/token", "speedup/token", "tokens/s", "vs full tokens/s", "heads (share)",
+    for col in ("mode", "threshold", "ms/token", "speedup/token", "blocks/token", "tokens/s", "vs full tokens/s", "heads (share)",
                 "agree w/ full", "same output", "bits/byte"):
         table.add_column(col, justify="left" if col in ("mode", "heads (share)") else "right")
     rows = []
@@ -141,9 +186,9 @@ def main() -> None:
         same = 1.0 if mode == "full" else s["same_output"] / len(prompts)
         row = {"mode": mode, "threshold": threshold, "ms_per_token": ms, "speedup_per_token": reference_ms / ms,
                "tokens_per_s": tps, "vs_full_tokens_per_s": tps / full_tps, "head_share": share, "agreement": agree,
-               "same_output": same, "bits_per_byte": bpb[threshold] if mode != "full" else bpb[1.0], "tokens": s["tokens"]}
+               "same_output": same, "blocks_per_token": s["blocks"] / s["steps"], "bits_per_byte": bpb[threshold] if mode != "full" else bpb[1.0], "tokens": s["tokens"]}
         rows.append(row)
-        table.add_row(mode, f"{threshold:.2f}", f"{ms:.2f}", f"{row['speedup_per_token']:.2f}x", f"{tps:.0f}", f"{row['vs_full_tokens_per_s']:.2f}x",
+        table.add_row(mode, f"{threshold:.2f}", f"{ms:.2f}", f"{row['speedup_per_token']:.2f}x", f"{row['blocks_per_token']:.2f}", f"{tps:.0f}", f"{row['vs_full_tokens_per_s']:.2f}x",
                       " ".join(f"{k}:{v:.2f}" for k, v in share.items()), f"{agree:.3f}", f"{same:.2f}", f"{row['bits_per_byte']:.3f}")
     console.print(table)
     if args.json:
