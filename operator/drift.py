@@ -11,7 +11,8 @@ Statistics and thresholds (spec.planner.drift):
   difference from the plan's `survival` exceeds survivalError (default 0.1).
 - SLO risk: re-plan (`slo-risk`) when the window's p99 exceeds sloRisk x slo.latencyMs.
 
-A window with fewer than MIN_REQUESTS answered requests is too small to judge and raises nothing.
+A window with fewer than MIN_REQUESTS arrivals (length test) or answered requests (survival and
+latency tests) is too small for that test and raises nothing.
 Precedence when several limits are crossed: slo-risk, length-drift, survival-drift.
 """
 
@@ -68,24 +69,31 @@ def forecast_survival(history: Sequence[Sequence[float]], alpha: float = EWMA_AL
     return level
 
 
+def arrivals(obs: Observations) -> int:
+    """Requests that arrived in the window (the length histogram counts each at dispatch)."""
+    return int(sum(obs.length_histogram))
+
+
 def assess(plan: Plan, obs: Observations, limits: DriftLimits, slo_latency_ms: float,
            survival_history: Sequence[Sequence[float]]) -> DriftReport:
-    """Score one observation window against the plan; `trigger` names the re-plan reason or ''."""
+    """Score one observation window against the plan; `trigger` names the re-plan reason or ''.
+
+    The length test counts arrivals (a plan short of capacity for the new lengths answers fewer
+    requests, which must not hide the shift); survival and latency count answered requests."""
     window = max(obs.until - obs.since, 1e-9)
     report = DriftReport(observed_at=now_iso(), p99_ms=obs.latency.p99_ms, requests=obs.requests,
                          goodput_rps=obs.within_slo / window)
-    if obs.requests < MIN_REQUESTS:
-        return report
-    if plan.length_histogram and obs.length_histogram:
+    if plan.length_histogram and arrivals(obs) >= MIN_REQUESTS:
         report.length_score = round(tv_distance(bucket_shares(obs, plan.buckets), plan.length_histogram), 4)
-    forecast = forecast_survival(list(survival_history) + [obs.survival])
-    if plan.survival and forecast and len(forecast) == len(plan.survival):
-        report.survival_error = round(max(abs(a - b) for a, b in zip(forecast, plan.survival)), 4)
-    if obs.latency.p99_ms > limits.slo_risk * slo_latency_ms:
-        report.trigger = "slo-risk"
-    elif report.length_score > limits.length_score:
+    if obs.requests >= MIN_REQUESTS:
+        forecast = forecast_survival(list(survival_history) + [obs.survival])
+        if plan.survival and forecast and len(forecast) == len(plan.survival):
+            report.survival_error = round(max(abs(a - b) for a, b in zip(forecast, plan.survival)), 4)
+        if obs.latency.p99_ms > limits.slo_risk * slo_latency_ms:
+            report.trigger = "slo-risk"
+    if not report.trigger and report.length_score > limits.length_score:
         report.trigger = "length-drift"
-    elif report.survival_error > limits.survival_error:
+    elif not report.trigger and report.survival_error > limits.survival_error:
         report.trigger = "survival-drift"
     return report
 

@@ -177,12 +177,17 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
         return
     judged = obs
     previous_window: Observations | None = memo.get("previous_window")
-    if (obs.requests < drift.MIN_REQUESTS and previous_window is not None and previous_window.until < obs.until
+    if (min(obs.requests, drift.arrivals(obs)) < drift.MIN_REQUESTS and previous_window is not None
+            and previous_window.until < obs.until
             and previous_window.length_buckets == obs.length_buckets):
         judged = merge_windows([previous_window, obs])  # a slow half-period: judge the last full period
     if obs.until != getattr(previous_window, "until", None):
         memo["previous_window"] = obs
     report = drift.assess(reference, judged, limits, spec.slo.latency_ms, history)
+    log.info("%s/%s: window until %.1f (%d arrivals, %d answered%s): length score %.3f, survival error %.3f, "
+             "p99 %.0f ms%s", svc.namespace, svc.name, obs.until, drift.arrivals(judged), judged.requests,
+             ", merged" if judged is not obs else "",
+             report.length_score, report.survival_error, report.p99_ms, f" -> {report.trigger}" if report.trigger else "")
     history.append(list(obs.survival))
     del history[:-HISTORY]
     METRICS.length_score.labels(svc.name).set(report.length_score)

@@ -184,6 +184,10 @@ def test_drift_statistics_and_triggers():
     assert slow.trigger == "slo-risk"
     tiny = drift.assess(PLAN, window([0, 10], [0.9, 0.9]), limits, 100.0, [])
     assert tiny.trigger == "" and tiny.requests == 10
+    # Few answers (the plan is short of capacity for the new lengths) but many arrivals: the
+    # length test still judges; the survival and latency tests wait for answers.
+    backlog = drift.assess(PLAN, window([100, 900], [0.9, 0.9], p99=500.0, n=10), limits, 100.0, [])
+    assert backlog.trigger == "length-drift" and backlog.survival_error == 0.0
 
 
 def test_move_cap_steps_toward_the_target():
