@@ -60,6 +60,7 @@ def _register() -> None:
     app.command("generate")(cmd_generate.command)
     app.command("generate-server")(cmd_generate.server_command)
     app.command("generate-stage")(cmd_generate.stage_command)
+    app.command("generate-plan")(cmd_generate.plan_command)
 
 
 _register()

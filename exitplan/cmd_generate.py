@@ -177,3 +177,45 @@ def stage_command(
         raise typer.Exit(2)
     console.print(f"stage blocks {first}..{last} on http://{host}:{port}" + (f" -> {next_url}" if next_url else " (last)"))
     web.run_app(StageServer(model, next_url).app(), host=host, port=port, print=None)
+
+
+def plan_command(
+    bundle: Path = typer.Option(DEFAULT_BUNDLE, "--bundle", help="Generative bundle directory."),
+    stages: int = typer.Option(2, "--stages", help="Pipeline stages to split the blocks into."),
+    threshold: float = typer.Option(0.8, "--threshold", help="Exit threshold the shares of decided tokens are measured at."),
+    hop_ms: float = typer.Option(0.0, "--hop-ms", help="Time to hand a token from one stage to the next (e.g. measured HTTP hop)."),
+    texts: int = typer.Option(100, "--texts", help="Held-out tweets to measure the exit shares on."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the profile and every candidate split as JSON."),
+) -> None:
+    """Plan the pipeline splits for generation (E3-style): measure block/head times and exit shares on this machine,
+    then rank every contiguous split by predicted time per token."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from exitplan.api.bundle import BundleError
+    from exitplan.worker.generation import DecoderModel, GenerationError
+    from exitplan.worker.generation_plan import measure_profile, plan_splits
+
+    console = Console()
+    try:
+        model = DecoderModel(bundle)
+        heldout_path = bundle / "data" / "heldout.json"
+        sample = json.loads(heldout_path.read_text())[:texts] if heldout_path.is_file() else []
+        profile = measure_profile(model, sample, threshold, hop_ms=hop_ms)
+        plan = plan_splits(profile, stages)
+    except (GenerationError, BundleError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from err
+    table = Table(title=f"{stages} stages, threshold {threshold}, hop {hop_ms} ms (best first)")
+    for col in ("splits", "decision ms", "bottleneck ms", "ms/token"):
+        table.add_column(col, justify="left" if col == "splits" else "right")
+    for c in plan.candidates[:10]:
+        table.add_row(" | ".join(f"{a}-{b}" for a, b in c.splits), f"{c.decision_ms:.3f}", f"{c.bottleneck_ms:.3f}", f"{c.time_per_token_ms:.3f}")
+    console.print(table)
+    console.print("decided per head: " + ", ".join(f"after block {b}: {p:.2f}" for b, p in sorted(profile.decide_share.items())))
+    if json_path is not None:
+        from dataclasses import asdict
+
+        json_path.write_text(json.dumps({"profile": asdict(profile), "candidates": [
+            {"splits": c.splits, "decision_ms": c.decision_ms, "bottleneck_ms": c.bottleneck_ms, "time_per_token_ms": c.time_per_token_ms}
+            for c in plan.candidates]}, indent=2))
