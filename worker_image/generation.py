@@ -277,6 +277,8 @@ class GenerationHandle:
         self.generated: list[int] = []
         self.finished = False
         self.finish_reason = ""
+        self.decoder: StreamDecoder | None = None
+        """Turns this sequence's tokens into text (engines that keep no other per-sequence state use it)."""
 
 
 class EngineBase:

@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import json
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -275,7 +276,7 @@ class RemotePipelineEngine(EngineBase):
     def open(self, prompt: str, max_tokens: int, threshold: float, ignore_eos: bool = False) -> GenerationHandle:
         ids = check_request(self.model, prompt, max_tokens, threshold)
         handle = GenerationHandle(ids, max_tokens, threshold, ignore_eos)
-        handle.decoder = self.model.codec.stream()  # type: ignore[attr-defined]
+        handle.decoder = self.model.codec.stream()
         with self._lock:
             self._open.add(handle.id)
         return handle
@@ -306,8 +307,6 @@ class RemotePipelineEngine(EngineBase):
         return self._call(caches())
 
     def step(self, handle: GenerationHandle) -> TokenEvent:
-        import time
-
         if handle.finished:
             raise GenerationError("this sequence has finished")
         if handle.id not in self._open:
@@ -318,9 +317,11 @@ class RemotePipelineEngine(EngineBase):
         meta = {"seq": self._seq(handle), "start": len(handle.ids) - len(new), "decide": True,
                 "threshold": NEVER_EXIT if prompt else handle.threshold}
         decision = self._call(self._run(meta, np.asarray([new], dtype=np.int64)))
-        self._finish(handle, int(decision["token"]))
+        token = int(decision["token"])
+        self._finish(handle, token)
+        assert handle.decoder is not None
         return TokenEvent(
-            index=len(handle.generated) - 1, token_id=int(decision["token"]), text=handle.decoder.feed(int(decision["token"])),  # type: ignore[attr-defined]
+            index=len(handle.generated) - 1, token_id=token, text=handle.decoder.feed(token),
             exit=decision["head"], block=int(decision["block"]), confidence=float(decision["confidence"]),
             full_pass=bool(decision["final"]), seconds=time.perf_counter() - started,
         )
