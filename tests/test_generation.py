@@ -203,3 +203,32 @@ def test_bundles_that_break_the_layout_are_rejected(bundle, tmp_path):
         PipelineEngine(bundle, splits=[(0, 0), (2, 2)])
     with pytest.raises(GenerationError, match="stages must be within"):
         even_stages(3, 4)
+
+
+def test_a_bundle_with_a_tokenizers_file_serves_the_same_tokens(bundle, model, tmp_path):
+    """Real models bring a tokenizers JSON: here a character-level one with the same ids as the bytes codec."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {chr(i): i for i in range(32, 127)} | {"[UNK]": 0}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    copy = tmp_path / "with-tokenizer"
+    shutil.copytree(bundle, copy)
+    tokenizer.save(str(copy / "tokenizer.json"))
+    manifest = yaml.safe_load((copy / "bundle.yaml").read_text())
+    manifest["tokenizer"] = "tokenizer.json"
+    manifest["decoder"]["tokenizer"] = "tokenizers"
+    (copy / "bundle.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+    other = DecoderModel(copy)
+    assert other.codec.encode(PROMPTS[0]) == model.codec.encode(PROMPTS[0])
+    ours = list(RecomputeEngine(model).generate(PROMPTS[0], 12, 0.05, ignore_eos=True))
+    theirs = list(RecomputeEngine(other).generate(PROMPTS[0], 12, 0.05, ignore_eos=True))
+    assert [e.token_id for e in theirs] == [e.token_id for e in ours]
+    if all(32 <= e.token_id < 127 for e in ours):
+        assert "".join(e.text for e in theirs) == "".join(e.text for e in ours)
+    manifest["tokenizer"] = None
+    del manifest["tokenizer"]
+    (copy / "bundle.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+    with pytest.raises(BundleError, match="no tokenizer file is named"):
+        DecoderModel(copy)
