@@ -200,7 +200,7 @@ async def test_shadow_feedback_fills_the_tuning_window(served, texts, ramps):
 async def test_autotune_step_reads_the_window_and_pushes_to_every_worker(served, ramps):
     from exitplan.autotune import AutoTuner
 
-    tuner = AutoTuner(served.url, ramps, budget=0.05, min_samples=5)
+    tuner = AutoTuner(served.url, ramps, budget=0.05, min_samples=5, savings_samples=5)
     decision = await asyncio.to_thread(tuner.step)
     assert decision.samples >= 5 and decision.reason in {"accuracy", "savings", "no-gain"}
     if decision.thresholds is None:  # nothing to gain on this window: make a change to see it travel
