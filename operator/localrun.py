@@ -43,6 +43,8 @@ from exitplan.operator.svcproxy import TcpProxy, service_hostnames, write_resolv
 log = logging.getLogger("exitplan.devcluster")
 SYNC_SECONDS = 0.5
 STOP_GRACE = 5.0
+CRASH_LOOP = 3
+"""Restarts after which a Deployment's rollout counts as stalled (Progressing False)."""
 
 
 def exitplan_argv() -> list[str]:
@@ -378,8 +380,22 @@ class PodRunner:
             mine = [p for p in self.pods.values() if p.owner == ("Deployment", name) and p.namespace == ns]
             ready = sum(p.ready for p in mine)
             status = {"observedGeneration": dep["metadata"].get("generation", 1), "replicas": len(mine),
-                      "updatedReplicas": sum(p.hash == h for p in mine), "readyReplicas": ready, "availableReplicas": ready}
+                      "updatedReplicas": sum(p.hash == h for p in mine), "readyReplicas": ready, "availableReplicas": ready,
+                      "conditions": [self._progressing(mine)]}
             await self._report("Deployment", dep, status)
+
+    def _progressing(self, pods: list[LocalPod]) -> dict[str, str]:
+        """The Deployment controller's Progressing condition, as far as a local runner can tell: a pod
+        that keeps exiting (CRASH_LOOP restarts) stalls the rollout (reason ProgressDeadlineExceeded,
+        the message ends with the pod's last log line)."""
+        crashing = [p for p in pods if p.restarts >= CRASH_LOOP and not p.stopping]
+        if not crashing:
+            return {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable", "message": ""}
+        pod = crashing[0]
+        lines = [line for line in pod.log_path.read_text(errors="replace").splitlines() if line.strip()] \
+            if pod.log_path.exists() else []
+        return {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+                "message": f"pod {pod.name} exited {pod.restarts} times; last log line: {lines[-1][:300] if lines else '-'}"}
 
     async def _report(self, kind: str, obj: dict[str, Any], status: dict[str, Any]) -> None:
         key = (kind, obj["metadata"]["namespace"], obj["metadata"]["name"])

@@ -332,8 +332,22 @@ async def refresh_readiness(svc: Service) -> ServiceStatus:
         METRICS.desired.labels(svc.name, str(cell.split), str(cell.bucket), cell.pool).set(cell.replicas)
         METRICS.ready.labels(svc.name, str(cell.split), str(cell.bucket), cell.pool).set(cell.ready_replicas)
     all_ready &= bool(deployments)
+    stalled = [f"Deployment {d['metadata']['name']}: {c.get('message') or c.get('reason')}"
+               for d in deployments for c in (d.get("status") or {}).get("conditions") or []
+               if c.get("type") == "Progressing" and c.get("status") == "False"]
     before = json.dumps(parse_status(svc.body.get("status")).model_dump(mode="json"), sort_keys=True)
     degraded = any(c.type == "Degraded" and c.status == "True" for c in status.conditions)
+    if stalled:
+        bundle = builders.bundle_path((svc.body.get("spec") or {}).get("model", {}).get("bundle", ""))
+        message = ("; ".join(stalled) + f". Pods of the plan do not start: check that the bundle {bundle} is "
+                   "reachable from the pods and their logs; the replicas that run keep serving")
+        if not degraded or status.message != message:
+            svc.event("Warning", "RolloutStalled", message)
+        status.conditions = set_condition(status.conditions, "Degraded", True, "RolloutStalled", message, gen)
+        status.phase, status.message, degraded = Phase.degraded, message, True
+    elif degraded and any(c.type == "Degraded" and c.reason == "RolloutStalled" for c in status.conditions):
+        status.conditions = set_condition(status.conditions, "Degraded", False, "Recovered", "rollout progresses", gen)
+        status.phase, degraded = Phase.deploying, False
     if all_ready:
         status.conditions = set_condition(status.conditions, "Ready", True, "AllReady", "every Deployment is ready", gen)
         status.conditions = set_condition(status.conditions, "Progressing", False, "Complete", "rollout complete", gen)

@@ -161,3 +161,23 @@ async def _rolled(cluster: DevCluster, old: set[str]) -> bool:
 async def _job_done(client: KubeClient, name: str):
     status = (await client.get(path("Job", "default", name))).get("status") or {}
     return status if status.get("conditions") else None
+
+
+async def test_a_crash_looping_pod_stalls_the_rollout(dev):
+    """A pod that keeps exiting (e.g. its bundle is unreachable) is restarted with backoff, and the
+    Deployment reports Progressing=False with the pod's last log line, as a stalled rollout."""
+    _, client = dev
+    crash = "import sys; print('error: bundle /nowhere/minilm: no bundle.yaml'); sys.exit(2)"
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "crash", "namespace": "default"},
+           "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "crash"}},
+                    "template": {"metadata": {"labels": {"app": "crash"}},
+                                 "spec": {"containers": [{"name": "c", "command": [sys.executable, "-c", crash]}]}}}}
+    await client.create(dep)
+
+    async def stalled():
+        status = (await client.get(path("Deployment", "default", "crash"))).get("status") or {}
+        return next((c for c in status.get("conditions", []) if c["type"] == "Progressing" and c["status"] == "False"), None)
+
+    cond = await wait_for("the rollout stalls", stalled)
+    assert cond["reason"] == "ProgressDeadlineExceeded" and "no bundle.yaml" in cond["message"]
+    assert ((await client.get(path("Deployment", "default", "crash"))).get("status") or {}).get("readyReplicas") == 0

@@ -344,3 +344,26 @@ def test_two_replicas_with_peering_one_serves_the_other_takes_over(cluster):
         # The leader is gone: the standby resumes and serves the next change.
         cluster.patch("EarlyExitService", ns, "minilm", {"spec": {"pools": [{"name": "gpu-a"}]}})
         wait_for("the standby re-plans", lambda: (s := deployed(cluster, ns, "minilm")) and s["plan"]["hash"] != first["plan"]["hash"])
+
+
+def test_pods_that_cannot_start_make_the_service_degraded(cluster):
+    ns = "stalled"
+    install_profiles(cluster, ns)
+    with operator(cluster):
+        cluster.create(service("minilm", ns))
+        wait_for("applied", lambda: deployed(cluster, ns, "minilm"))
+        mark_ready(cluster, ns, "minilm")
+        wait_for("Ready", lambda: status(cluster, ns, "minilm").get("phase") == "Ready")
+        name = sorted(workers(cluster, ns, "minilm"))[0]
+        stalled = {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+                   "message": "pod x exited 3 times; last log line: error: bundle /models/minilm: no bundle.yaml"}
+        cluster.patch("Deployment", ns, name, {"status": {"conditions": [stalled], "readyReplicas": 0}}, "status")
+        st = wait_for("Degraded", lambda: (s := status(cluster, ns, "minilm")).get("phase") == "Degraded" and s)
+        msg = condition(st, "Degraded")["message"]
+        assert name in msg and "no bundle.yaml" in msg and "/models/minilm" in msg and condition(st, "Degraded")["reason"] == "RolloutStalled"
+        assert any(e["reason"] == "RolloutStalled" and e["type"] == "Warning" for e in cluster.events(ns, "minilm"))
+        fine = {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable", "message": ""}
+        cluster.patch("Deployment", ns, name, {"status": {"conditions": [fine]}}, "status")
+        mark_ready(cluster, ns, "minilm")
+        st = wait_for("recovered", lambda: (s := status(cluster, ns, "minilm")).get("phase") == "Ready" and s)
+        assert condition(st, "Degraded")["status"] == "False"
