@@ -1,8 +1,10 @@
 """kopf handlers: decorators only; the work lives in reconcile.py, driftloop.py, builders.py.
 
-Run with `exitplan operator` (or `kopf run -m exitplan.operator.handlers`). No finalizers: every
-child carries an ownerReference, so the garbage collector removes it with the service, and the
-operator keeps nothing outside Kubernetes that would need cleaning.
+Run with `exitplan operator` (or `kopf run -m exitplan.operator.handlers`). The operator adds no
+finalizer of its own: every child carries an ownerReference, so the garbage collector removes it
+with the service, and nothing outside Kubernetes needs cleaning (the delete handler is optional).
+kopf itself keeps its marker finalizer on each service while the drift timer runs, so that it can
+stop the timer before the object goes; a service deleted while no operator runs waits for one.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from exitplan.operator.metrics import METRICS
 EES = {"group": GROUP, "version": VERSION, "plural": "earlyexitservices"}
 PROFILES = {"group": GROUP, "version": VERSION, "plural": "modelprofiles"}
 TICK = float(os.environ.get("EXITPLAN_TICK_SECONDS", "5"))
-"""Timer tick: readiness is refreshed every tick; drift is judged once per spec.planner.periodSeconds."""
+"""Timer tick: readiness every tick; observations read twice per spec.planner.periodSeconds (driftloop.py)."""
 
 # Per operator (kopf's operator-wide memo, shared by reference into every object's memo):
 # memo.client, the API client; memo.locks, one asyncio.Lock per (namespace, name). Several
