@@ -20,6 +20,7 @@ def command(
     peering: str = typer.Option("", help="Leader election: the kopf peering name shared by the replicas (empty: standalone)."),
     priority: int = typer.Option(0, help="Peering priority: the replica with the highest priority serves, others wait."),
     metrics_port: int = typer.Option(9090, min=0, max=65535, help="Port of the Prometheus /metrics endpoint (0: off)."),
+    health_port: int = typer.Option(8081, min=0, max=65535, help="Port of kopf's liveness endpoint /healthz (0: off); it fails when the operator's event loop is stuck."),
     tick: float = typer.Option(5.0, min=0.1, help="Seconds between timer ticks (readiness; drift once per period)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at debug level."),
 ) -> None:
@@ -52,7 +53,8 @@ def command(
     if metrics_port:
         start_http_server(metrics_port)
     kopf.run(clusterwide=not namespace, namespaces=list(namespace), standalone=not peering,
-             peering_name=peering or None, priority=priority)
+             peering_name=peering or None, priority=priority,
+             liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz" if health_port else None)
 
 
 @app.command("publish-profile")

@@ -25,11 +25,14 @@ class OperatorMetrics:
         self.length_score = Gauge("exitplan_drift_length_score_ratio",
                                   "Total-variation distance of the observed vs planned length histogram.",
                                   ["service"], registry=registry)
+        self.cost = Gauge("exitplan_plan_cost_per_hour", "Cost per hour of the plan in force (replicas x their pools' costPerHour).",
+                          ["service"], registry=registry)
         self.survival_error = Gauge("exitplan_drift_survival_error_ratio",
                                     "Max abs difference of the forecast vs planned survival curve.",
                                     ["service"], registry=registry)
 
     def record_cells(self, service: str, plan: Plan, ready: dict[tuple[int, int, str], int]) -> None:
+        self.cost.labels(service).set(plan.prediction.cost_per_hour)
         for cell in plan.cells:
             labels = (service, str(cell.split), str(cell.bucket), cell.pool)
             self.desired.labels(*labels).set(cell.replicas)

@@ -265,7 +265,8 @@ def test_operator_pod_has_secure_defaults() -> None:
             assert sc["allowPrivilegeEscalation"] is False
             assert sc["capabilities"] == {"drop": ["ALL"]}
             assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
-            assert container["livenessProbe"]["httpGet"]["port"] == container["readinessProbe"]["httpGet"]["port"] == "metrics"
+            assert container["readinessProbe"]["httpGet"]["port"] == "metrics"
+            assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}  # kopf's liveness endpoint
         assert not any("hostPath" in v for v in pod["volumes"])
 
 

@@ -234,7 +234,8 @@ def test_an_undeclared_metric_or_suffix_is_caught() -> None:
     assert "exitplan_router_latency_seconds_bucket" in index
     assert "exitplan_router_slo_seconds_bucket" not in index     # a gauge has no buckets
     assert "exitplan_router_requests" not in index               # a counter is queried with _total
-    assert "exitplan_plan_cost_per_hour" not in index            # not declared (yet)
+    assert "exitplan_plan_cost_per_hour" in index                # the operator declares it
+    assert "exitplan_made_up_things_total" not in index          # never declared
     problems, _ = check_query("q", "sum by (split) (rate(exitplan_router_exits_total[5m]))", "{{pool}}")
     assert problems == ["q: label 'pool' is not on ['exitplan_router_exits_total']",
                         "q: label 'split' is not on ['exitplan_router_exits_total']"]
