@@ -1,4 +1,6 @@
 # exitplan: `make demo` runs the main job, `make test` runs the tests. Both install what they need.
+# `python -P`: never put the working directory first on sys.path — the repository's operator/ folder
+# (imported as exitplan.operator) would shadow the standard library's `operator` module.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 EXITPLAN := $(VENV)/bin/exitplan
@@ -7,9 +9,9 @@ ARGS ?=
 .PHONY: install demo test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[all]'
+	python3 -P -m venv $(VENV)
+	$(PY) -P -m pip install -q --upgrade pip
+	$(PY) -P -m pip install -q -e '.[all]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -18,7 +20,7 @@ demo: install
 	$(EXITPLAN) demo $(ARGS)
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -P -m pytest -q -p no:cacheprovider
 
 clean:
 	rm -rf artifacts .pytest_cache
