@@ -20,13 +20,18 @@ def command(
     port: int = typer.Option(8080, help="Port to listen on (EXITPLAN_PORT overrides)."),
     max_wait_ms: float = typer.Option(-1.0, help="Longest time the oldest input waits for the batch to fill; negative = until the batch is full or the oldest deadline needs it (E3; best on GPUs)."),
     threads: int = typer.Option(1, min=1, help="ONNX Runtime intra-op threads."),
+    providers: str = typer.Option("auto", help="ONNX Runtime execution providers, comma-separated; auto = CUDA when this onnxruntime has it and a GPU is visible, else CPU."),
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
     """Run one split worker: a contiguous range of blocks for one length bucket, with exits and a fusion queue."""
     from exitplan.worker.worker_app import SplitWorker
 
+    from exitplan.worker.bundle_runtime import choose_providers
+
     try:
-        worker = SplitWorker(bundle, plan, split=split, bucket=bucket, pool=pool, next_peers=next or None, max_wait_ms=max_wait_ms, threads=threads)
+        chosen = choose_providers(providers)
+        worker = SplitWorker(bundle, plan, split=split, bucket=bucket, pool=pool, next_peers=next or None,
+                             max_wait_ms=max_wait_ms, threads=threads, providers=chosen)
     except (ValueError, OSError) as err:
         typer.secho(f"error: {err}", fg="red", err=True)
         raise typer.Exit(2) from err

@@ -53,3 +53,4 @@ def test_truncated_tensor_is_rejected():
 def test_unsendable_dtype_is_rejected():
     with pytest.raises(wire.WireError, match="complex"):
         wire.encode({}, {"z": np.zeros(2, np.complex64)})
+

@@ -42,6 +42,22 @@ class StateError(ValueError):
     """A state (or call) that does not fit the bundle: a missing tensor, a wrong dtype or length."""
 
 
+def choose_providers(spec: str = "auto") -> tuple[str, ...]:
+    """Execution providers from a comma-separated list; `auto` = CUDA first when this onnxruntime build
+    offers it (onnxruntime-gpu on a machine with a visible GPU), always with the CPU as fallback."""
+    available = ort.get_available_providers()
+    if spec.strip() == "auto":
+        # onnxruntime-gpu lists CUDA even on machines without a GPU: ask the driver's device node too.
+        gpu = Path("/dev/nvidiactl").exists()
+        wanted = [p for p in ("CUDAExecutionProvider",) if p in available and gpu]
+        return (*wanted, "CPUExecutionProvider")
+    names = tuple(p.strip() for p in spec.split(",") if p.strip())
+    missing = [p for p in names if p not in available]
+    if not names or missing:
+        raise ValueError(f"providers {list(missing or names)} are not available in this onnxruntime (it has {available})")
+    return names
+
+
 def default_buckets(max_length: int) -> tuple[int, ...]:
     """Length buckets 16, 32, 64, ... up to max_length (max_length itself always included)."""
     buckets = []
