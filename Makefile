@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 EXITPLAN := $(VENV)/bin/exitplan
 ARGS ?=
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -P -m venv $(VENV)
