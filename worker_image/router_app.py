@@ -104,7 +104,7 @@ class Router:
         self.saving_ms, self.cost_ms = self._ramp_costs()
         self.session: aiohttp.ClientSession | None = None
         self.tasks: list[asyncio.Task] = []
-        self._publish_thresholds("plan")
+        self._publish_thresholds()
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -131,7 +131,7 @@ class Router:
     def _new_window(self) -> WindowStats:
         return WindowStats(self.plan.service, self.model, self.exit_ramps, self.buckets)
 
-    def _publish_thresholds(self, reason: str) -> None:
+    def _publish_thresholds(self) -> None:
         for name in self.exit_ramps:
             self.metrics.threshold.labels(self.plan.service, name).set(self.thresholds.get(name, 2.0))
 
@@ -142,7 +142,7 @@ class Router:
         if plan.thresholds != self.thresholds:
             self.thresholds = dict(plan.thresholds)
             self.metrics.threshold_updates.labels(plan.service, "plan-update").inc()
-            self._publish_thresholds("plan-update")
+            self._publish_thresholds()
 
     # ------------------------------------------------------------------ admission and dispatch
 
@@ -218,8 +218,10 @@ class Router:
         loads = self._loads()
         chosen = []
         for i in range(n):
-            self.window.record_length(ideal_bucket(int(batch.lengths[i]), self.buckets))
-            self.metrics.length_inputs.labels(self.plan.service, str(self.buckets[max(ideal_bucket(int(batch.lengths[i]), self.buckets), 0)])).inc()
+            ideal = ideal_bucket(int(batch.lengths[i]), self.buckets)
+            self.window.record_length(ideal)
+            if ideal >= 0:
+                self.metrics.length_inputs.labels(self.plan.service, str(self.buckets[ideal])).inc()
             b = choose_bucket(int(batch.lengths[i]), self.buckets, loads, self.queue_params)
             # An idle bucket takes a request whatever its size (else a batch above the limit would starve).
             if b < 0 or (loads[b] >= 1.0 and self.outstanding[b] > 0):
@@ -282,9 +284,9 @@ class Router:
                 self.limiters[b].on_answer(latency, self.outstanding[b], now)
             self.outstanding[b] -= len(rows)
         logits = out.get("logits")
-        by_id = {item_id: i for item_id, i in zip(ids, rows)}
+        by_id = {item["id"]: (i, item) for item, i in zip(items, rows)}
         for k, res in enumerate(meta.get("results") or []):
-            i = by_id.pop(res.get("id"), None) if res else None
+            i, item = by_id.pop(res.get("id"), (None, None)) if res else (None, None)
             if i is None:
                 continue
             if "error" in res:
@@ -293,9 +295,11 @@ class Router:
             results[i] = {"ramp": res["ramp"], "final": bool(res.get("final"))}
             if logits is not None:
                 scores[i] = softmax(logits[k : k + 1])[0]
-            if items[rows.index(i)].get("record"):
-                self.pending_records[ids[rows.index(i)]] = res["ramp"]
-        for i in by_id.values():
+            if item.get("record"):
+                self.pending_records[item["id"]] = res["ramp"]
+                if len(self.pending_records) > 8192:  # feedback that never came (a lost post): forget the oldest
+                    self.pending_records.pop(next(iter(self.pending_records)))
+        for i, _ in by_id.values():
             results[i] = {"error": "the worker returned no answer for this input", "reason": "worker", "status": 502}
 
     def _respond(self, results, scores, started, chosen, request) -> web.Response:
@@ -388,7 +392,7 @@ class Router:
             log.info("thresholds %s -> %s (%s)", self.thresholds, new, reason)
             self.thresholds = dict(new)
             self.metrics.threshold_updates.labels(self.plan.service, reason).inc()
-            self._publish_thresholds(reason)
+            self._publish_thresholds()
 
     async def handle_observations(self, request: web.Request) -> web.Response:
         current = request.query.get("window") == "current"
