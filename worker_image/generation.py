@@ -17,6 +17,8 @@ Only numpy, onnxruntime and exitplan.api here: this module runs inside worker po
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import codecs
 import itertools
 import threading
@@ -281,7 +283,7 @@ class GenerationHandle:
         """Turns this sequence's tokens into text (engines that keep no other per-sequence state use it)."""
 
 
-class EngineBase:
+class EngineBase(ABC):
     """What both modes share: open a sequence, step it token by token, release its cache."""
 
     mode = "base"
@@ -291,22 +293,25 @@ class EngineBase:
         self._lock = threading.Lock()
 
     @property
+    @abstractmethod
     def active_caches(self) -> int:
-        raise NotImplementedError
+        """Sequences whose cache is held."""
 
+    @abstractmethod
     def open(self, prompt: str, max_tokens: int, threshold: float, ignore_eos: bool = False) -> GenerationHandle:
         """Check the request and allocate the sequence's cache (GenerationError on bad input)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def step(self, handle: GenerationHandle) -> TokenEvent:
-        raise NotImplementedError
+        """Decode the sequence's next token."""
 
+    @abstractmethod
     def release(self, handle: GenerationHandle) -> None:
-        raise NotImplementedError
+        """Free the sequence's cache (idempotent)."""
 
+    @abstractmethod
     def snapshot(self, handle: GenerationHandle) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Every block's cache (keys, values) [1, heads, filled positions, head_dim] once pending work is done."""
-        raise NotImplementedError
 
     def _finish(self, handle: GenerationHandle, token: int) -> None:
         handle.generated.append(token)
