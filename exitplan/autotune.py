@@ -92,9 +92,12 @@ def decide(window: Window, ramps: list[str], current: dict[str, float], budget: 
     return Decision(None, "no-gain", **figures)
 
 
-def fetch_window(router_url: str, last: int) -> Window:
+def fetch_window(router_url: str, last: int) -> Window | None:
+    """The router's newest `last` feedback samples, or None while it has none."""
     with urllib.request.urlopen(f"{router_url}/v1/window.npz?last={last}", timeout=10) as resp:
         data = np.load(io.BytesIO(resp.read()))
+        if data["final"].size == 0:
+            return None
         return Window(conf=data["conf"], pred=data["pred"], final=data["final"],
                       saving_ms=data["saving_ms"], cost_ms=data["cost_ms"])
 
@@ -128,6 +131,8 @@ class AutoTuner:
     def step(self) -> Decision:
         try:
             window = fetch_window(self.router_url, self.window)
+            if window is None:
+                return Decision(None, "short-of-samples", 0)
             decision = decide(window, self.ramps, current_thresholds(self.router_url), self.budget,
                               min_samples=self.min_samples, recent=self.recent, savings_samples=self.savings_samples)
         except WindowError as err:

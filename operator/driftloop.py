@@ -100,6 +100,8 @@ def _retune_step(urls: list[str], ramps: list[str], budget: float, apply: bool) 
 
     try:
         window = autotune.fetch_window(urls[0], TUNE_WINDOW)
+        if window is None:  # no feedback yet
+            return None
         decision = autotune.decide(window, ramps, autotune.current_thresholds(urls[0]), budget)
         if decision.thresholds is not None and apply:
             for url in urls:
