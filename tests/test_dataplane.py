@@ -197,8 +197,12 @@ async def test_shadow_feedback_fills_the_tuning_window(served, texts, ramps):
     assert (window["pred"][:, -1] == window["final"]).mean() > 0.6
 
 
-async def test_autotune_step_reads_the_window_and_pushes_to_every_worker(served, ramps):
+async def test_autotune_step_reads_the_window_and_pushes_to_every_worker(served, ramps, texts):
     from exitplan.autotune import AutoTuner
+
+    async with aiohttp.ClientSession() as s:  # feedback to tune on (shadow fraction 0.5)
+        await post_each(s, f"{served.url}/v2/models/minilm/infer", texts)
+    await asyncio.sleep(1.0)
 
     tuner = AutoTuner(served.url, ramps, budget=0.05, min_samples=5, savings_samples=5)
     decision = await asyncio.to_thread(tuner.step)
