@@ -77,12 +77,16 @@ def main() -> None:
         with LocalDeployment(args.bundle.resolve(), plan, spec, Path(tmp), port=args.port, base_port=args.port + 1) as dep:
             url = f"{dep.url}/v2/models/{manifest.name}/infer"
 
+            router_ms: list[float] = []
+
             def via_router() -> float:
                 t0 = time.perf_counter()
                 req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
                 with urllib.request.urlopen(req) as resp:
-                    resp.read()
-                return (time.perf_counter() - t0) * 1000
+                    answer = resp.read()
+                elapsed = (time.perf_counter() - t0) * 1000
+                router_ms.append(json.loads(answer)["parameters"]["latency_ms"])
+                return elapsed
 
             def in_process() -> float:
                 t0 = time.perf_counter()
@@ -92,10 +96,15 @@ def main() -> None:
             for _ in range(20):  # warm both paths
                 via_router()
                 in_process()
+            router_ms.clear()
+            worker = dep.procs[0].address
+            before = _batch_totals(worker)
             a, b = [], []
             for _ in range(args.runs):
                 a.append(in_process())
                 b.append(via_router())
+            after = _batch_totals(worker)
+            worker_mean = 1000 * (after[0] - before[0]) / max(after[1] - before[1], 1)
     p50_a, p50_b = statistics.median(a), statistics.median(b)
     p90_a, p90_b = np.percentile(a, 90), np.percentile(b, 90)
     result = {
@@ -108,8 +117,20 @@ def main() -> None:
     print(f"  ORT direct           p50 {p50_a:8.3f} ms   p90 {p90_a:8.3f} ms")
     print(f"  router + 1 split hop p50 {p50_b:8.3f} ms   p90 {p90_b:8.3f} ms")
     print(f"  added at p50: {p50_b - p50_a:.3f} ms   ratio {p50_b / p50_a:.3f}x")
+    router_p50 = statistics.median(router_ms)
+    result.update({"router_internal_p50_ms": round(router_p50, 3), "worker_batch_mean_ms": round(worker_mean, 3)})
+    print(f"  segments: client - router {p50_b - router_p50:.3f} ms, router - worker batch {router_p50 - worker_mean:.3f} ms "
+          f"(router's own latency p50 {router_p50:.3f} ms, worker batch mean {worker_mean:.3f} ms)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+
+
+def _batch_totals(address: str) -> tuple[float, float]:
+    """(sum of batch seconds, batch count) from a worker's /metrics."""
+    with urllib.request.urlopen(f"http://{address}/metrics") as resp:
+        lines = resp.read().decode().splitlines()
+    value = lambda name: float(next(line for line in lines if line.startswith(name)).split()[-1])  # noqa: E731
+    return value("exitplan_worker_batch_seconds_sum"), value("exitplan_worker_batch_seconds_count")
 
 
 if __name__ == "__main__":
