@@ -83,7 +83,8 @@ def tqdm_bar(enabled: bool = True) -> Bar:
     return lambda total, desc: tqdm(total=total, desc=desc, disable=not enabled, leave=False)
 
 
-def is_complete(directory: Path, options: BuildOptions) -> bool:
+def is_complete(directory: Path, options: Any) -> bool:
+    """True when `directory` holds a finished build of options with the same `digest()`."""
     marker = Path(directory) / MARKER
     try:
         return json.loads(marker.read_text()).get("options_hash") == options.digest()
@@ -124,9 +125,22 @@ def prepare_bundle(
     options = options.resolved()
     out = Path(out)
     bar = bar or tqdm_bar()
+    path, reused, report = build_once(out, options, lambda work: _build(options, work, bar), force=force, threads=threads)
+    return BuildResult(path, reused, report)
+
+
+def build_once(out: Path, options: Any, build: Callable[[Path], dict[str, Any]], *, force: bool = False,
+               threads: int | None = None) -> tuple[Path, bool, dict[str, Any]]:
+    """Build a bundle at `out` once per set of options: (path, reused, report).
+
+    Under a file lock (parallel test sessions share one build): reuse a finished build with the same
+    `options.digest()`, else run `build(work_dir)` in a sibling directory with PyTorch limited to
+    `threads` (None: `auto_threads()`), write the report and the completion marker, and swap it in.
+    """
+    out = Path(out)
     with _locked(out):
         if not force and is_complete(out, options):
-            return BuildResult(out, True, read_report(out))
+            return out, True, read_report(out)
         if out.exists() and not (out / MARKER).exists() and any(out.iterdir()) and not (out / "bundle.yaml").exists():
             raise PrepareError(f"{out} exists and is not a bundle; choose another --out or remove it")
         work = out.parent / f".{out.name}.building"
@@ -137,7 +151,7 @@ def prepare_bundle(
         previous, chosen = torch.get_num_threads(), threads or auto_threads()
         torch.set_num_threads(chosen)
         try:
-            report = _build(options, work, bar)
+            report = build(work)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
@@ -149,7 +163,7 @@ def prepare_bundle(
         if out.exists():
             shutil.rmtree(out)
         work.rename(out)
-    return BuildResult(out, False, report)
+    return out, False, report
 
 
 def _build(options: BuildOptions, directory: Path, bar: Bar) -> dict[str, Any]:

@@ -15,14 +15,11 @@ happens in a sibling directory under a file lock.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import math
-import shutil
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +28,6 @@ import numpy as np
 import yaml
 
 FORMAT_VERSION = 1
-MARKER = ".complete.json"
-REPORT = "data/report.json"
 BOS, EOS, PAD = 256, 257, 258
 VOCAB = 259
 
@@ -355,57 +350,19 @@ class DecoderBuild:
     report: dict[str, Any]
 
 
-@contextmanager
-def _locked(target: Path) -> Iterator[None]:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with (target.parent / f".{target.name}.lock").open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def is_complete(directory: Path, options: DecoderOptions) -> bool:
-    try:
-        return json.loads((Path(directory) / MARKER).read_text()).get("options_hash") == options.digest()
-    except (OSError, ValueError):
-        return False
-
-
 def build_decoder_bundle(
     options: DecoderOptions, out: Path, *, force: bool = False, bar: Bar | None = None, threads: int | None = None
 ) -> DecoderBuild:
     """Train, export and verify the decoder bundle at `out` (or reuse a finished one with the same options)."""
     options = options.check()
     out = Path(out)
-    with _locked(out):
-        if not force and is_complete(out, options):
-            return DecoderBuild(out, True, json.loads((out / REPORT).read_text()))
-        if out.exists() and not (out / "bundle.yaml").exists() and any(out.iterdir()):
-            raise DecoderBuildError(f"{out} exists and is not a bundle; choose another --out or remove it")
-        work = out.parent / f".{out.name}.building"
-        shutil.rmtree(work, ignore_errors=True)
-        (work / "data").mkdir(parents=True)
-        torch = _torch()
-        from .build import auto_threads
+    from .build import PrepareError, build_once
 
-        previous, chosen = torch.get_num_threads(), threads or auto_threads()
-        torch.set_num_threads(chosen)
-        try:
-            report = _build(options, work, bar)
-        except BaseException:
-            shutil.rmtree(work, ignore_errors=True)
-            raise
-        finally:
-            torch.set_num_threads(previous)
-        report["torch_threads"] = chosen
-        (work / REPORT).write_text(json.dumps(report, indent=2))
-        (work / MARKER).write_text(json.dumps({"options_hash": options.digest(), "options": asdict(options)}, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        work.rename(out)
-    return DecoderBuild(out, False, report)
+    try:
+        path, reused, report = build_once(out, options, lambda work: _build(options, work, bar), force=force, threads=threads)
+    except PrepareError as err:
+        raise DecoderBuildError(str(err)) from err
+    return DecoderBuild(path, reused, report)
 
 
 def _build(options: DecoderOptions, directory: Path, bar: Bar | None) -> dict[str, Any]:
