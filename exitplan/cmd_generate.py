@@ -193,17 +193,18 @@ def plan_command(
     from rich.table import Table
 
     from exitplan.api.bundle import BundleError
+    from exitplan.planner.generation import GenerationPlanError, GenerationProfile, plan_splits
     from exitplan.worker.generation import DecoderModel, GenerationError
-    from exitplan.worker.generation_plan import measure_profile, plan_splits
+    from exitplan.worker.generation_measure import measure_profile
 
     console = Console()
     try:
         model = DecoderModel(bundle)
         heldout_path = bundle / "data" / "heldout.json"
         sample = json.loads(heldout_path.read_text())[:texts] if heldout_path.is_file() else []
-        profile = measure_profile(model, sample, threshold, hop_ms=hop_ms)
+        profile = GenerationProfile.load(measure_profile(model, sample, threshold, hop_ms=hop_ms))
         plan = plan_splits(profile, stages)
-    except (GenerationError, BundleError) as err:
+    except (GenerationError, GenerationPlanError, BundleError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err
     table = Table(title=f"{stages} stages, threshold {threshold}, hop {hop_ms} ms (best first)")
@@ -214,8 +215,6 @@ def plan_command(
     console.print(table)
     console.print("decided per head: " + ", ".join(f"after block {b}: {p:.2f}" for b, p in sorted(profile.decide_share.items())))
     if json_path is not None:
-        from dataclasses import asdict
-
-        json_path.write_text(json.dumps({"profile": asdict(profile), "candidates": [
+        json_path.write_text(json.dumps({"profile": profile.dump(), "candidates": [
             {"splits": c.splits, "decision_ms": c.decision_ms, "bottleneck_ms": c.bottleneck_ms, "time_per_token_ms": c.time_per_token_ms}
             for c in plan.candidates]}, indent=2))
