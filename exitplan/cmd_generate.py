@@ -152,31 +152,45 @@ def stage_command(
     bundle: Path = typer.Option(DEFAULT_BUNDLE, "--bundle", help="Generative bundle directory."),
     first: int = typer.Option(..., "--first", help="First block this stage runs."),
     last: int = typer.Option(..., "--last", help="Last block this stage runs."),
-    port: int = typer.Option(8090, "--port", help="Port to listen on."),
+    port: int = typer.Option(8090, "--port", help="Port to listen on (EXITPLAN_PORT overrides)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
-    next_url: str | None = typer.Option(None, "--next", help="URL of the next stage server (none for the last stage)."),
+    next_url: str | None = typer.Option(None, "--next", help="The next stage: a URL or host:port (a headless Service); none for the last stage."),
+    mode: str = typer.Option("pipeline", "--mode", help="pipeline (a split of the pipeline-based mode) or recompute (KV recomputation: the stage holds every block)."),
+    max_pending: int = typer.Option(8, "--max-pending", min=1, help="recompute: force a full pass when this many positions lack entries."),
     threads: int = typer.Option(1, "--threads", min=1, help="ONNX Runtime threads per session."),
 ) -> None:
-    """Serve one split of the pipeline-based early-exit mode (blocks FIRST..LAST with their heads and KV cache);
-    a coordinator (generate-server --stage-url ...) sends tokens to the first stage."""
+    """Serve one stage of early-exit generation: blocks FIRST..LAST with their heads and KV cache, in the
+    pipeline-based mode, or the whole model with KV recomputation (--mode recompute); a coordinator
+    (the router of a generation service, or generate-server --stage-url ...) sends tokens to the first stage."""
     from aiohttp import web
     from rich.console import Console
 
     from exitplan.api.bundle import BundleError
-    from exitplan.worker.generation import DecoderModel
-    from exitplan.worker.generation_remote import StageServer
+    from exitplan.worker.generation import DecoderModel, GenerationError
+    from exitplan.worker.generation_remote import RecomputeStageServer, StageServer
+
+    from ._serve import port_from_env
 
     console = Console()
+    port = port_from_env(port)
     try:
         model = DecoderModel(bundle, first_block=first, last_block=last, threads=threads)
-    except BundleError as err:
+        if mode == "recompute":
+            if next_url is not None:
+                raise GenerationError("a recompute stage runs every block: give no --next")
+            server = RecomputeStageServer(model, max_pending=max_pending)
+        elif mode == "pipeline":
+            server = StageServer(model, next_url)
+        else:
+            raise GenerationError(f"--mode must be pipeline or recompute, got {mode!r}")
+    except (BundleError, GenerationError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err
-    if (next_url is None) != (last == model.n_blocks - 1):
+    if mode == "pipeline" and (next_url is None) != (last == model.n_blocks - 1):
         console.print(f"[red]error:[/red] only the stage ending at block {model.n_blocks - 1} has no --next; this one runs {first}..{last}")
         raise typer.Exit(2)
-    console.print(f"stage blocks {first}..{last} on http://{host}:{port}" + (f" -> {next_url}" if next_url else " (last)"))
-    web.run_app(StageServer(model, next_url).app(), host=host, port=port, print=None)
+    console.print(f"stage blocks {first}..{last} ({mode}) on http://{host}:{port}" + (f" -> {next_url}" if next_url else " (last)"))
+    web.run_app(server.app(), host=host, port=port, print=None)
 
 
 def plan_command(

@@ -37,7 +37,11 @@ def command(
     port = port_from_env(port)
     advertise = advertise or f"{os.environ.get('POD_IP', '127.0.0.1')}:{port}"
     try:
-        router = Router(
+        from exitplan.worker.router_generation import GenerationRouter, is_generative
+
+        # a decoder bundle: the generation router (issue 7) drives the stage workers instead
+        generation = GenerationRouter(bundle, plan, peers=peers) if is_generative(bundle) else None
+        router = generation or Router(
             bundle, plan, peers=peers, slo_ms=slo_ms, accuracy_budget=accuracy_budget, shadow_fraction=shadow_fraction,
             queue=QueueParams(queue_lambda, queue_alpha, peek_depth), max_body_bytes=max_body_bytes,
             max_inflight=max_inflight, truncate=truncate, timeout_ms=timeout_ms or None, window_seconds=window_seconds,

@@ -38,6 +38,10 @@ def command(
         setup = load_setup(service, list(resources))
         if plan is not None:
             the_plan = Plan.from_file(plan)
+        elif setup.manifest.decoder is not None:  # a generative bundle (issue 7): its own measurements and planner
+            from .generation_setup import plan_generation_service
+
+            the_plan = plan_generation_service(setup, console.print)
         else:
             ensure_profiles(setup, console.print)
             thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop)
@@ -64,10 +68,11 @@ def command(
         except StartError as err:
             console.print(f"[red]error:[/red] {err}")
             raise typer.Exit(1) from err
-    console.print(f"[green]serving[/green] {the_plan.model} at {deployment.url}/v2/models/{the_plan.model}/infer  (logs: {deployment.workdir / 'logs'})")
+    verb = "generate" if setup.manifest.decoder is not None else "infer"
+    console.print(f"[green]serving[/green] {the_plan.model} at {deployment.url}/v2/models/{the_plan.model}/{verb}  (logs: {deployment.workdir / 'logs'})")
     console.print("Ctrl-C stops every process.")
     tuner = None
-    if autotune:
+    if autotune and setup.manifest.decoder is None:  # generation: one threshold from the plan (POST /v1/thresholds)
         from .autotune import AutoTuner
 
         ramps = [r.name for r in setup.manifest.exit_ramps()]

@@ -25,9 +25,11 @@ disagrees with the final head, teacher-forced on held-out text).
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import comb
+from pathlib import Path
 
 from exitplan.api.plan import Cell, Plan, Prediction, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
@@ -324,3 +326,20 @@ def generation_threshold(plan: Plan) -> float:
     """The one exit threshold a generation plan runs (every exit head shares it; 1.0 when none is set)."""
     values = [min(v, NEVER_EXIT) for v in plan.thresholds.values()]
     return min(values) if values else NEVER_EXIT
+
+
+def measurements_file(bundle: str | Path, pool: str) -> Path:
+    """Where measured generation data of a bundle on a pool is kept: `<bundle>/profiles/generation-<pool>.json`."""
+    return Path(bundle) / "profiles" / f"generation-{pool}.json"
+
+
+def read_measurements(path: str | Path) -> tuple[GenerationProfile, list[ThresholdPoint]]:
+    """The profile and threshold table of a measurements file (`{"profile": ..., "thresholds": [...]}`)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return GenerationProfile.load(data["profile"]), [ThresholdPoint.load(p) for p in data["thresholds"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        if isinstance(err, GenerationPlanError):
+            raise
+        raise GenerationPlanError(f"{path}: not a generation measurements file ({err}); measure with `exitplan up`",
+                                  field="profile") from err

@@ -365,11 +365,22 @@ class RecomputeEngine(EngineBase):
 
     def open(self, prompt: str, max_tokens: int, threshold: float, ignore_eos: bool = False) -> GenerationHandle:
         ids = check_request(self.model, prompt, max_tokens, threshold)
-        handle = GenerationHandle(ids, max_tokens, threshold, ignore_eos)
+        return self.open_ids(ids, max_tokens, threshold, ignore_eos)
+
+    def open_ids(self, ids: list[int], max_tokens: int, threshold: float, ignore_eos: bool = False) -> GenerationHandle:
+        """A sequence from token ids already checked (a stage server: the coordinator checked the request)."""
+        if not ids or len(ids) + max_tokens > self.model.spec.max_context:
+            raise GenerationError(f"{len(ids)} prompt ids + {max_tokens} tokens do not fit the context of {self.model.spec.max_context}")
+        handle = GenerationHandle(list(ids), max_tokens, threshold, ignore_eos)
         empty = [self.model.empty_cache() for _ in range(self.model.n_blocks)]
         with self._lock:
             self._caches[handle.id] = _Cache(list(empty), list(empty), decoder=self.model.codec.stream())
         return handle
+
+    def cache_lists(self, handle: GenerationHandle) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The sequence's live per-block key and value lists (updated in place by each step)."""
+        cache = self._caches[handle.id]
+        return cache.keys, cache.values
 
     def release(self, handle: GenerationHandle) -> None:
         with self._lock:

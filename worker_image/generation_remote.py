@@ -13,6 +13,14 @@ head decides inside a stage, the decision goes back at once, and the coordinator
 token to the first stage while this and the later stages finish the exited token's forward (EE-LLM's
 pipeline-based mode): every block's cache stays complete, nothing is recomputed.
 
+A stage that holds every block can run KV recomputation instead (`RecomputeStageServer`, `exitplan
+generate-stage --mode recompute`): the same protocol, one stage, and a token that exits early leaves its
+later blocks' cache entries to be recomputed with the next token (EE-LLM's KV recomputation).
+
+`--next` names the next stage as a URL or `host:port`; a host is resolved at first use (and again after
+a failed hop) the way the data plane resolves peers (the dev-cluster's resolve file, else DNS: a
+headless Service of the next split). Every stage runs one replica: a sequence's cache lives there.
+
 `RemotePipelineEngine` is the coordinator (the router side): an `EngineBase` whose steps post to the
 first stage. `POST /v1/generation/release` drops a sequence's cache on every stage (after its queued
 work), `GET /v1/generation/cache` returns a stage's cache of one sequence once its earlier work is done
@@ -24,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import threading
 import time
 import uuid
@@ -36,8 +45,11 @@ import numpy as np
 from aiohttp import web
 
 from . import wire
-from .generation import NEVER_EXIT, DecoderModel, EngineBase, GenerationError, GenerationHandle, TokenEvent, check_request, confidence
+from .discovery import parse_peer_spec, resolve
+from .generation import (NEVER_EXIT, DecoderModel, EngineBase, GenerationError, GenerationHandle, RecomputeEngine, TokenEvent,
+                         check_request, confidence)
 
+log = logging.getLogger(__name__)
 RUN, RELEASE, CACHE, STATS = "/v1/generation/run", "/v1/generation/release", "/v1/generation/cache", "/v1/generation/stats"
 
 
@@ -56,9 +68,13 @@ class _Item:
 class StageServer:
     """One split of the pipeline as an HTTP server (see the module docstring)."""
 
+    mode = "pipeline"
+
     def __init__(self, model: DecoderModel, next_url: str | None = None) -> None:
         self.model = model
-        self.next_url = next_url.rstrip("/") if next_url else None
+        self.next_spec = next_url.rstrip("/") if next_url else None
+        self.next_url: str | None = None
+        """The next stage's resolved base URL (resolved at first use; None for the last stage)."""
         self.caches: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
         self.cancelled: set[str] = set()
         self._queue: asyncio.Queue[_Item] | None = None
@@ -82,6 +98,20 @@ class StageServer:
         self._session = aiohttp.ClientSession()
         self._worker = asyncio.create_task(self._loop())
 
+    async def _next(self, again: bool = False) -> str | None:
+        """The next stage's base URL: a URL as given, or `host:port` resolved (resolve file, else DNS)."""
+        if self.next_spec is None:
+            return None
+        if self.next_url is None or again:
+            if self.next_spec.startswith(("http://", "https://")):
+                self.next_url = self.next_spec
+            else:
+                found = await resolve(parse_peer_spec(self.next_spec))
+                if not found:
+                    raise GenerationError(f"the next stage {self.next_spec!r} does not resolve to any address yet")
+                self.next_url = f"http://{found[0]}"
+        return self.next_url
+
     async def _cleanup(self, _: web.Application) -> None:
         if self._worker:
             self._worker.cancel()
@@ -91,10 +121,27 @@ class StageServer:
     # ------------------------------------------------------------------ handlers
 
     async def handle_ready(self, _: web.Request) -> web.Response:
-        return web.json_response({"ready": True, "blocks": [self.model.first_block, self.model.last_block]})
+        """Ready when the stages from here to the last one are (each asks the next)."""
+        body = {"ready": True, "blocks": [self.model.first_block, self.model.last_block], "mode": self.mode}
+        if self.next_spec is not None:
+            assert self._session is not None
+            try:
+                url = await self._next(again=True)
+                async with self._session.get(f"{url}/v2/health/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    ok = r.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError, GenerationError) as err:
+                ok, body["reason"] = False, f"next stage {self.next_spec}: {err or type(err).__name__}"
+            if not ok:
+                body["ready"] = False
+                body.setdefault("reason", f"next stage {self.next_spec} is not ready")
+                return web.json_response(body, status=503)
+        return web.json_response(body)
 
     async def handle_stats(self, _: web.Request) -> web.Response:
         return web.json_response({"active_caches": len(self.caches)})
+
+    def _drop(self, seq: str) -> None:
+        self.caches.pop(seq, None)
 
     async def handle_run(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -149,10 +196,11 @@ class StageServer:
                 if item.kind == "barrier":
                     item.done.set_result(None)
                 elif item.kind == "release":
-                    self.caches.pop(item.seq, None)
-                    if self.next_url:
+                    self._drop(item.seq)
+                    nxt = await self._next()
+                    if nxt:
                         assert self._session is not None
-                        async with self._session.post(self.next_url + RELEASE, json={"seq": item.seq}) as r:
+                        async with self._session.post(nxt + RELEASE, json={"seq": item.seq}) as r:
                             await r.read()
                     self.cancelled.discard(item.seq)
                     item.done.set_result(None)
@@ -163,7 +211,7 @@ class StageServer:
                     if decision is not None:
                         item.done.set_result(decision)
                     await self._forward(item, x, decide)
-                    if not item.done.done() and not (decide and self.next_url):  # else the relay answers
+                    if not item.done.done() and not (decide and self.next_spec):  # else the relay answers
                         item.done.set_result(None)
             except Exception as err:
                 self.cancelled.add(item.seq)
@@ -194,13 +242,18 @@ class StageServer:
         return decision, x, decide
 
     async def _forward(self, item: _Item, x: np.ndarray, decide: bool) -> None:
-        if self.next_url is None:
+        nxt = await self._next()
+        if nxt is None:
             return
         assert self._session is not None
         frame = wire.encode({"seq": item.seq, "start": item.start, "decide": decide, "threshold": item.threshold}, {"x": x})
-        response = await self._session.post(self.next_url + RUN, data=frame, headers={"Content-Type": wire.CONTENT_TYPE})
+        try:
+            response = await self._session.post(nxt + RUN, data=frame, headers={"Content-Type": wire.CONTENT_TYPE})
+        except aiohttp.ClientError as err:
+            await self._next(again=True)  # the next stage may have moved: resolve again for the next item
+            raise GenerationError(f"next stage {self.next_spec} unreachable: {err}") from err
         if response.status != 200:
-            raise GenerationError(f"next stage {self.next_url} refused the work: {response.status} {await response.text()}")
+            raise GenerationError(f"next stage {nxt} refused the work: {response.status} {await response.text()}")
         await response.content.readline()  # queued there: order kept, take the next item
         task = asyncio.create_task(self._relay(response, item.done if decide else None))
         self._relays.add(task)
@@ -221,6 +274,42 @@ class StageServer:
             response.release()
             if done is not None and not done.done():
                 done.set_exception(GenerationError("the next stage closed the stream without a decision"))
+
+
+class RecomputeStageServer(StageServer):
+    """The whole model in one stage with EE-LLM's KV recomputation (see the module docstring)."""
+
+    mode = "recompute"
+
+    def __init__(self, model: DecoderModel, *, max_pending: int = 8) -> None:
+        super().__init__(model, None)
+        self.engine = RecomputeEngine(model, max_pending=max_pending)
+        self.handles: dict[str, GenerationHandle] = {}
+
+    def _drop(self, seq: str) -> None:
+        super()._drop(seq)
+        handle = self.handles.pop(seq, None)
+        if handle is not None:
+            self.engine.release(handle)
+
+    def _compute(self, item: _Item) -> tuple[dict | None, np.ndarray, bool]:
+        assert item.x is not None
+        ids = [int(t) for t in item.x[0]]
+        handle = self.handles.get(item.seq)
+        if handle is None:
+            if item.start != 0:
+                raise GenerationError(f"sequence {item.seq!r} has no cache here (released?)")
+            handle = self.engine.open_ids(ids, self.model.spec.max_context - len(ids), item.threshold, ignore_eos=True)
+            self.handles[item.seq] = handle
+            self.caches[item.seq] = self.engine.cache_lists(handle)
+        elif item.start != len(handle.ids) - 1 or ids != handle.ids[-1:]:
+            raise GenerationError(f"sequence {item.seq!r}: expected the token at position {len(handle.ids) - 1}, "
+                                  f"got {len(ids)} at {item.start}")
+        handle.threshold = item.threshold
+        event = self.engine.step(handle)
+        decision = {"token": event.token_id, "block": event.block, "head": event.exit, "confidence": event.confidence,
+                    "final": event.full_pass, "recomputed": event.recomputed}
+        return decision, item.x, False
 
 
 class RemotePipelineEngine(EngineBase):
@@ -291,7 +380,10 @@ class RemotePipelineEngine(EngineBase):
             async with self._session.post(self.urls[0] + RELEASE, json={"seq": self._seq(handle)}) as r:
                 await r.read()
 
-        self._call(release())
+        try:
+            self._call(release())
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:  # the stage is gone: so is its cache
+            log.warning("releasing sequence %s on %s failed: %s", self._seq(handle), self.urls[0], err)
 
     def snapshot(self, handle: GenerationHandle) -> tuple[list[np.ndarray], list[np.ndarray]]:
         async def caches() -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -316,14 +408,17 @@ class RemotePipelineEngine(EngineBase):
         new = handle.ids if prompt else handle.ids[-1:]
         meta = {"seq": self._seq(handle), "start": len(handle.ids) - len(new), "decide": True,
                 "threshold": NEVER_EXIT if prompt else handle.threshold}
-        decision = self._call(self._run(meta, np.asarray([new], dtype=np.int64)))
+        try:
+            decision = self._call(self._run(meta, np.asarray([new], dtype=np.int64)))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            raise GenerationError(f"the first stage {self.urls[0]} is unreachable: {err}") from err
         token = int(decision["token"])
         self._finish(handle, token)
         assert handle.decoder is not None
         return TokenEvent(
             index=len(handle.generated) - 1, token_id=token, text=handle.decoder.feed(token),
             exit=decision["head"], block=int(decision["block"]), confidence=float(decision["confidence"]),
-            full_pass=bool(decision["final"]), seconds=time.perf_counter() - started,
+            recomputed=int(decision.get("recomputed", 0)), full_pass=bool(decision["final"]), seconds=time.perf_counter() - started,
         )
 
     async def _run(self, meta: dict, x: np.ndarray) -> dict:

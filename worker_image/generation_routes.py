@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 from aiohttp import web
@@ -105,13 +106,17 @@ def add_generate_routes(
     model_name: str,
     *,
     service: str | None = None,
-    threshold: float = 1.0,
+    threshold: float | Callable[[], float] = 1.0,
     metrics: GenerationMetrics | None = None,
+    unavailable: Callable[[], str | None] | None = None,
 ) -> GenerationMetrics:
-    """Add the generate and generate_stream routes for `model_name`; returns the metrics (merge its registry)."""
+    """Add the generate and generate_stream routes for `model_name`; returns the metrics (merge its registry).
+
+    `threshold`: the service's threshold, or a function giving the one in force (hot-updated thresholds);
+    `unavailable`: a function giving why the engine cannot take a request now (answered 503), or None."""
     metrics = metrics or GenerationMetrics(service or model_name, engine.mode)
     metrics.sequences.set_function(lambda: engine.active_caches)
-    default_threshold = threshold
+    current_threshold = threshold if callable(threshold) else (lambda: threshold)
 
     def error(code: int, message: str) -> web.Response:
         metrics.answered(code)
@@ -125,10 +130,15 @@ def add_generate_routes(
         except (json.JSONDecodeError, UnicodeDecodeError):
             return error(400, "the body is not valid JSON")
         try:
-            text, max_tokens, chosen, ignore_eos = _parse(body, default_threshold)
-            return engine.open(text, max_tokens, chosen, ignore_eos)
+            text, max_tokens, chosen, ignore_eos = _parse(body, current_threshold())
+            handle = engine.open(text, max_tokens, chosen, ignore_eos)
         except (_BadRequest, GenerationError) as err:
             return error(400, str(err))
+        reason = unavailable() if unavailable is not None else None
+        if reason:
+            engine.release(handle)
+            return error(503, reason)
+        return handle
 
     async def generate(request: web.Request) -> web.Response:
         started = time.perf_counter()
