@@ -18,10 +18,13 @@ The model (data in `E3Problem`, built from the cost model by `plan_service`):
 
 The solver: for a candidate G, a DP over (splits used, next block, replicas used on every pool but
 one) keeps the fewest replicas on the remaining pool; it is exact because the per-pool usage is the
-state. Feasibility in G is a step function that changes only where some ceil() steps, so the
-largest feasible G is one of those breakpoints: bisection brackets it and every feasible probe is
-replaced by the exact goodput of the plan it found; the search ends when a probe just above that
-value is infeasible (a certificate of optimality). `exhaustive` enumerates every plan for tests.
+state. Feasibility in G is a step function that changes only where some ceil() steps (r * rate /
+load, with r no more than the pool can hold), so the largest feasible G is one of those
+breakpoints: per split count, a bisection over its sorted breakpoints finds it, starting from a
+few guesses (just below the fractional upper bound for the first split count, just above the
+best so far for the others; a split count infeasible at the best so far costs one probe). The
+probes use a DP restricted to the options whose demand fits their pool. `exhaustive` enumerates
+every plan for tests.
 """
 
 from __future__ import annotations
@@ -150,6 +153,16 @@ class _Grid:
             self.strides[p] = stride
             self.coords[p] = (flat // stride) % dim
             stride *= dim
+        # shift[p][d, f]: the state with d replicas fewer on pool p than f (`size`, an inf sentinel
+        # column, where that would go below 0)
+        self.shift = {}
+        for p in self.grid_pools:
+            dim, st, coord = self.dims[p], self.strides[p], self.coords[p]
+            tab = np.full((dim, self.size), self.size, dtype=np.intp)
+            for d in range(dim):
+                ok = coord >= d
+                tab[d, ok] = flat[ok] - d * st
+            self.shift[p] = tab
 
 
 def _run_dp(problem: E3Problem, grid: _Grid, goodput: float, s: int, track: bool = True):
@@ -163,8 +176,6 @@ def _run_dp(problem: E3Problem, grid: _Grid, goodput: float, s: int, track: bool
     F = np.full((n + 1, grid.size), np.inf, dtype=np.float32)  # replica counts: exact in float32
     F[0, 0] = 0.0
     layers = []
-    a_idx = np.arange(n)[:, None, None]
-    flat = np.arange(grid.size, dtype=np.int32)[None, None, :]
     for k in range(1, s + 1):
         ends = np.array([n - 1]) if k == s else np.flatnonzero(ends_ok[: n - 1])
         new = np.full((n + 1, grid.size), np.inf, dtype=np.float32)
@@ -209,6 +220,52 @@ def _run_dp(problem: E3Problem, grid: _Grid, goodput: float, s: int, track: bool
         layers.append((new, arg_a, arg_p))
         F = new
     return F[n], layers, demand
+
+
+def _final_values(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> np.ndarray:
+    """F[n] of `_run_dp` without argmins (a feasibility probe): the same recursion, but only over
+    the options whose demand fits their pool's cap, each end's candidates reduced in one call."""
+    n = problem.n_blocks
+    demand = problem.demand(goodput, s)  # (P, N, N)
+    ends_ok = np.ones(n, dtype=bool) if problem.cuts is None else np.append(problem.cuts.astype(bool), True)
+    G = grid.size
+    # Per pool: options (a, b, replicas), sorted by b; only those that fit the pool's cap.
+    opts = []
+    for p in range(len(problem.caps)):
+        Dt = demand[p].T  # (b, a)
+        limit = problem.caps[p] if p == grid.value_pool else grid.dims[p] - 1
+        b, a = np.nonzero(np.isfinite(Dt) & (Dt <= limit))
+        opts.append((a, b, Dt[b, a]))
+    F = np.full((n + 1, G), np.inf, dtype=np.float32)
+    F[0, 0] = 0.0
+    for k in range(1, s + 1):
+        live = np.isfinite(F[:n]).any(axis=1)
+        end_ok = ends_ok.copy() if k < s else np.zeros(n, dtype=bool)
+        end_ok[n - 1 - (s - k) + 1 :] = False  # leave a block for each later split
+        if k == s:
+            end_ok[n - 1] = True
+        new = np.full((n + 1, G), np.inf, dtype=np.float32)
+        live_idx = np.flatnonzero(live)
+        pos_of = np.full(n, -1)
+        pos_of[live_idx] = np.arange(len(live_idx))
+        prev_ext = np.concatenate([F[live_idx], np.full((len(live_idx), 1), np.inf, dtype=np.float32)], axis=1)
+        for p, (a, b, d) in enumerate(opts):
+            use = live[a] & end_ok[b]
+            if not use.any():
+                continue
+            a_, b_, d_ = a[use], b[use], d[use]
+            if p == grid.value_pool:
+                cand = F[a_] + d_.astype(np.float32)[:, None]
+            else:
+                # row i: prev[a_i] moved up by d_i replicas on pool p (the sentinel column where
+                # that would go below 0)
+                cand = prev_ext[pos_of[a_][:, None], grid.shift[p][d_.astype(np.intp)]]
+            starts = np.flatnonzero(np.append(True, b_[1:] != b_[:-1]))
+            red = np.minimum.reduceat(cand, starts, axis=0)
+            tgt = b_[starts] + 1
+            new[tgt] = np.minimum(new[tgt], red)
+        F = new
+    return F[n]
 
 
 def _feasible_states(problem: E3Problem, grid: _Grid, final: np.ndarray) -> np.ndarray:
@@ -263,42 +320,37 @@ def _probe(problem: E3Problem, grid: _Grid, goodput: float, cheapest: bool = Tru
     return None if best is None else best[2]
 
 
-def _breakpoint_steps(problem: E3Problem) -> np.ndarray:
-    """x such that the breakpoints of every option and bucket are r * x, r = 1, 2, ... (flat array)."""
-    load = problem.shares[None, None, None, None, :] * problem.sigma_in[None, None, :, None, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        x = np.where((problem.rate > 0) & (load > 0), problem.rate / np.where(load > 0, load, 1.0), np.nan)
-    x = x[np.isfinite(x)]
-    return np.unique(x)
+def _breakpoints(problem: E3Problem, s: int, lo: float, hi: float) -> np.ndarray:
+    """The goodputs in (lo, hi] at which some option's replica count steps, with `s` splits, sorted.
 
-
-def _count_between(steps: np.ndarray, lo: float, hi: float) -> int:
-    """Breakpoints r * x with lo < r * x <= hi, counted over every step x."""
-    return int((np.floor(hi / steps * (1 + 1e-12)) - np.floor(lo / steps * (1 + 1e-12))).clip(min=0).sum())
-
-
-def _next_breakpoint(steps: np.ndarray, lo: float) -> float:
-    """The smallest breakpoint above `lo`."""
-    cand = (np.floor(lo / steps * (1 + 1e-12)) + 1) * steps
-    return float(cand.min())
-
-
-def _median_breakpoint(steps: np.ndarray, lo: float, hi: float) -> float:
-    """A goodput in (lo, hi] with about half the breakpoints of (lo, hi] below it."""
-    total = _count_between(steps, lo, hi)
-    a, b = lo, hi
-    for _ in range(60):
-        m = math.sqrt(a * b) if b > 2 * a else 0.5 * (a + b)
-        if _count_between(steps, lo, m) * 2 >= total:
-            b = m
-        else:
-            a = m
-        if b <= a * (1 + 1e-12):
-            break
-    # Snap to the largest breakpoint at or below b (a real candidate value, > lo).
-    cand = np.floor(b / steps * (1 + 1e-12)) * steps
-    cand = cand[cand > lo * (1 + 1e-12)]
-    return float(cand.max()) if len(cand) else b
+    Option (pool p, blocks [a, b], bucket k) needs r replicas up to G = r * rate / load; only
+    r <= the most replicas pool p can hold (its cap, and the cost cap alone) matter, since above
+    that the option is out anyway. Feasibility in G is constant between consecutive breakpoints.
+    """
+    rate = problem.rate[s - 1]  # (P, N, N, K)
+    load = np.broadcast_to(problem.shares[None, None, None, :] * problem.sigma_in[None, :, None, None], rate.shape)
+    ok = (rate > 0) & (load > 0)
+    x = rate[ok] / load[ok]
+    limit = problem.caps.astype(np.float64)
+    if problem.cost_cap is not None:
+        limit = np.minimum(limit, np.floor(problem.cost_cap / problem.costs + 1e-9))
+    lim = np.broadcast_to(limit[:, None, None, None], rate.shape)[ok]
+    r0 = np.floor(lo / x * (1 + 1e-12)) + 1
+    r1 = np.minimum(lim, np.floor(hi / x * (1 + 1e-12)))
+    count = np.clip(r1 - r0 + 1, 0, None).astype(np.int64)
+    keep = count > 0
+    x, r0, count = x[keep], r0[keep], count[keep]
+    if not len(x):
+        return np.zeros(0)
+    starts = np.cumsum(count) - count
+    r = np.repeat(r0, count) + (np.arange(int(count.sum())) - np.repeat(starts, count))
+    vals = np.sort(np.repeat(x, count) * r)
+    vals = vals[(vals > lo) & (vals <= hi)]
+    if not len(vals):
+        return vals
+    # breakpoints closer than 1e-9 (relative) are one: keep the largest of each run
+    last = np.append(vals[1:] > vals[:-1] * (1 + 1e-9), True)
+    return vals[last]
 
 
 def upper_bounds(problem: E3Problem) -> np.ndarray:
@@ -342,41 +394,86 @@ def upper_bounds(problem: E3Problem) -> np.ndarray:
     return out
 
 
-def _feasible(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> bool:
-    final, _, _ = _run_dp(problem, grid, goodput, s, track=False)
-    return bool(np.isfinite(_feasible_states(problem, grid, final)).any())
+def _min_cost_at(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> float:
+    """The least cost of a plan with `s` splits reaching `goodput` (inf: none), without argmins."""
+    return float(_feasible_states(problem, grid, _final_values(problem, grid, goodput, s)).min())
+
+
+GALLOP_DOWN = (0.92, 0.85, 0.7, 0.4)
+"""The first split count's first probes, as fractions of its upper bound, until one is feasible:
+the fractional bound is usually 5-10 % above the optimum, so these bracket it in one or two."""
+GALLOP_UP = (0.01, 0.03, 0.07, 0.15)
+"""A later split count that beats the best so far (lo) is probed at lo x (1 + these) until one is
+infeasible: split counts' optima usually lie within a few per cent of each other."""
 
 
 def max_goodput(problem: E3Problem) -> E3Solution:
-    """The plan with the largest goodput (ties: the cheapest). Raises PlanInfeasible if none exists."""
+    """The plan with the largest goodput (ties: the cheapest). Raises PlanInfeasible if none exists.
+
+    Per split count, most promising upper bound first: feasibility changes only at breakpoints
+    (goodputs where some ceil() steps), so a bisection over the sorted breakpoints in
+    (best so far, upper bound] finds the largest feasible one. A later split count is first probed
+    at the best goodput so far (infeasible there: it cannot help, one probe) and then just above it.
+    Every feasible probe records its least cost, so ties between split counts go to the cheapest.
+    """
     grid = _Grid(problem.caps)
-    if not any(_feasible(problem, grid, EPS, s) for s in range(1, problem.max_splits + 1)):
-        raise PlanInfeasible("no plan fits: not even one replica per split and bucket fits the caps, cost cap and SLO", field="spec")
-    probes = 1
-    steps = _breakpoint_steps(problem)
-    lo = EPS
     ubs = upper_bounds(problem)
-    # Per split count, from the most promising: feasibility only changes at breakpoints (goodputs
-    # where some ceil() steps); each probe at the median breakpoint of (lo, hi] halves the
-    # candidates, and when none is left no plan with this split count beats `lo`. A later split
-    # count is first probed just above `lo`, which settles most of them in one probe.
+    probes = 0
+    lo = 0.0
+    cost_at: dict[int, tuple[float, float]] = {}  # s -> (goodput, least cost) of its last feasible probe
+
+    def probe(g: float, s: int) -> bool:
+        nonlocal probes
+        probes += 1
+        c = _min_cost_at(problem, grid, g, s)
+        if np.isfinite(c):
+            cost_at[s] = (g, c)
+            return True
+        return False
+
     for s in sorted(range(1, problem.max_splits + 1), key=lambda x: -ubs[x - 1]):
         hi = ubs[s - 1] * (1 + 1e-9)
-        if lo > EPS and _count_between(steps, lo, hi) > 0:
-            nxt = _next_breakpoint(steps, lo)
-            probes += 1
-            if not _feasible(problem, grid, nxt, s):
+        if not hi > 0 or (lo > 0 and hi < lo * (1 - 1e-9)):
+            continue
+        if lo > 0 and not probe(lo, s):
+            continue  # infeasible at the best so far: infeasible above it too
+        bps = _breakpoints(problem, s, lo, hi)
+        if not len(bps):
+            continue
+        known, out = -1, len(bps)  # largest index known feasible, smallest known infeasible
+        if lo > 0:
+            if not probe(float(bps[0]), s):
                 continue
-            lo = nxt
-        while hi > lo * (1 + 1e-9) and _count_between(steps, lo, hi) > 0:
-            mid = _median_breakpoint(steps, lo, hi)
-            probes += 1
-            if _feasible(problem, grid, mid, s):
-                lo = mid
+            known = 0
+            guesses = [lo * (1 + f) for f in GALLOP_UP]  # a later split count: likely just above lo
+        else:
+            guesses = [ubs[s - 1] * f for f in GALLOP_DOWN]  # the first: likely just below its bound
+        for g in guesses:
+            i = int(np.searchsorted(bps, g))
+            if not known < i < out:
+                continue
+            if probe(float(bps[i]), s):
+                known = i
+                if lo == 0:
+                    break  # galloping down: the first feasible guess brackets the optimum
             else:
-                hi = mid * (1 - 1e-9)  # breakpoints closer than 1e-9 (relative) count as one
-    best = _probe(problem, grid, lo)  # the cheapest plan at the optimum
-    if best is None:  # cannot happen: lo was probed feasible
+                out = i
+                if lo > 0:
+                    break  # galloping up: the first infeasible guess brackets it
+        while out - known > 1:
+            mid = (known + out) // 2
+            if probe(float(bps[mid]), s):
+                known = mid
+            else:
+                out = mid
+        if known >= 0:
+            lo = float(bps[known])
+    ties = [(c, s) for s, (g, c) in cost_at.items() if lo > 0 and g == lo]
+    if not ties:
+        raise PlanInfeasible("no plan fits: not even one replica per split and bucket fits the caps, cost cap and SLO", field="spec")
+    _, s = min(ties)
+    best = _probe(problem, grid, lo, order=[s])  # the cheapest plan at the optimum, with its argmins
+    if best is None:  # cannot happen: lo was probed feasible for s
         raise PlanInfeasible("the planner lost its own feasible plan; please report this", field="spec")
     best.probes = probes + 1
     return best
