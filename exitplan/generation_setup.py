@@ -28,7 +28,7 @@ def measure(bundle: Path, pool: str, echo=print) -> Path:
     """Measure the bundle here unless its measurements file exists; returns the file."""
     from exitplan.planner.generation import measurements_file
     from exitplan.worker.generation import DecoderModel
-    from exitplan.worker.generation_measure import measure_hop, measure_thresholds, measure_times
+    from exitplan.worker.generation_measure import measure_hop, measure_recompute_ratio, measure_thresholds, measure_times
 
     path = measurements_file(bundle, pool)
     if path.is_file():
@@ -40,7 +40,8 @@ def measure(bundle: Path, pool: str, echo=print) -> Path:
     if not texts:
         raise ValueError(f"{heldout}: the bundle has no held-out texts to measure the exit threshold on")
     block_ms, head_ms = measure_times(model)
-    profile = {"block_ms": block_ms, "head_ms": head_ms, "decide_share": {model.n_blocks - 1: 1.0}, "hop_ms": measure_hop(model)}
+    profile = {"block_ms": block_ms, "head_ms": head_ms, "decide_share": {model.n_blocks - 1: 1.0}, "hop_ms": measure_hop(model),
+               "recompute_ratio": measure_recompute_ratio(model)}
     data = {"profile": profile, "thresholds": measure_thresholds(model, texts),
             "measured_on": f"{platform.node()} {platform.processor() or platform.machine()}, ONNX Runtime CPU, 1 thread"}
     path.parent.mkdir(parents=True, exist_ok=True)

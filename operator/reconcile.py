@@ -217,6 +217,11 @@ async def reconcile(svc: Service, reason: str) -> ServiceStatus:
         await svc.write_status(status)
         return status
 
+    from exitplan.operator.generation_reconcile import is_generation, reconcile_generation
+
+    if is_generation(spec):  # issue 7: a decoder's stages, planned without ModelProfiles
+        return await reconcile_generation(svc, spec, inputs, status, reason)
+
     if inputs.missing_profiles:
         waiting = await ensure_profiling(svc, spec, inputs)
         message = (f"waiting for ModelProfile(s) of model {spec.model.name} on pool(s) {waiting}; "

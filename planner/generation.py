@@ -13,8 +13,10 @@ contiguous split into `stages` parts and returns the one with the least predicte
 with every candidate for inspection.
 
 One stage is KV recomputation in one worker: a token leaves at its head and its missing cache entries
-ride in the next token's forward (batched positions cost about one position's time in latency-bound
-decoding), so the predicted time per token is the decision time alone.
+ride in the next token's forward. A recomputed position costs `recompute_ratio` of a fresh one in the
+same block call (measured: about 0 when decoding is latency-bound, as on small models on CPU; towards 1
+when compute-bound), so the predicted time per token is the decision time plus that ratio times the
+blocks an exited token skipped.
 
 The inputs are data: a `GenerationProfile` (block and head times, the share of tokens each head
 decides, the hop time), measured on a machine (exitplan.worker.generation_measure) or written by hand
@@ -55,6 +57,8 @@ class GenerationProfile:
     """Share of tokens decided by the head after block b (sums to 1; the final head takes the rest)."""
     hop_ms: float = 0.0
     """Time to hand a token's state from one stage to the next."""
+    recompute_ratio: float = 0.0
+    """Extra time of one more position in a block call, relative to the call's time for one position."""
 
     def check(self) -> GenerationProfile:
         n = len(self.block_ms)
@@ -70,20 +74,25 @@ class GenerationProfile:
                                       field="profile.decide_share")
         if self.hop_ms < 0:
             raise GenerationPlanError(f"hop_ms must be >= 0, got {self.hop_ms}", field="profile.hop_ms")
+        if not 0.0 <= self.recompute_ratio <= 10.0:
+            raise GenerationPlanError(f"recompute_ratio must be in [0, 10], got {self.recompute_ratio}",
+                                      field="profile.recompute_ratio")
         return self
 
     def with_shares(self, decide_share: dict[int, float]) -> GenerationProfile:
-        return GenerationProfile(list(self.block_ms), dict(self.head_ms), dict(decide_share), self.hop_ms)
+        return GenerationProfile(list(self.block_ms), dict(self.head_ms), dict(decide_share), self.hop_ms, self.recompute_ratio)
 
     def dump(self) -> dict:
         return {"block_ms": list(self.block_ms), "head_ms": {str(k): v for k, v in self.head_ms.items()},
-                "decide_share": {str(k): v for k, v in self.decide_share.items()}, "hop_ms": self.hop_ms}
+                "decide_share": {str(k): v for k, v in self.decide_share.items()}, "hop_ms": self.hop_ms,
+                "recompute_ratio": self.recompute_ratio}
 
     @classmethod
     def load(cls, data: dict) -> GenerationProfile:
         try:
             return cls([float(t) for t in data["block_ms"]], {int(k): float(v) for k, v in data["head_ms"].items()},
-                       {int(k): float(v) for k, v in data["decide_share"].items()}, float(data.get("hop_ms", 0.0))).check()
+                       {int(k): float(v) for k, v in data["decide_share"].items()}, float(data.get("hop_ms", 0.0)),
+                       float(data.get("recompute_ratio", 0.0))).check()
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise GenerationPlanError(f"not a generation profile ({err}); expected block_ms, head_ms, decide_share, hop_ms",
                                       field="profile") from err
@@ -94,11 +103,13 @@ class SplitCandidate:
     splits: tuple[tuple[int, int], ...]
     decision_ms: float
     bottleneck_ms: float
+    recompute_ms: float = 0.0
+    """One split (KV recomputation): the expected cost of recomputing the blocks an exited token skipped."""
 
     @property
     def time_per_token_ms(self) -> float:
         if len(self.splits) == 1:  # KV recomputation: exited tokens' later blocks ride in the next forward
-            return self.decision_ms
+            return self.decision_ms + self.recompute_ms
         return max(self.decision_ms, self.bottleneck_ms)
 
     @property
@@ -133,7 +144,8 @@ def evaluate(profile: GenerationProfile, splits: Sequence[tuple[int, int]]) -> S
             decision += share * elapsed
             undecided -= share
     hop = profile.hop_ms if len(splits) > 1 else 0.0
-    return SplitCandidate(tuple(splits), decision, max(work) + hop)
+    skipped = sum(share * sum(profile.block_ms[b + 1:]) for b, share in profile.decide_share.items())
+    return SplitCandidate(tuple(splits), decision, max(work) + hop, profile.recompute_ratio * skipped)
 
 
 def plan_splits(profile: GenerationProfile, stages: int) -> SplitSearch:

@@ -151,3 +151,18 @@ def test_measured_thresholds_on_the_tiny_bundle():
         total += logits["head"].shape[0]
     assert zero.disagreement == pytest.approx(diff / total)
     assert all(abs(sum(p.decide_share.values()) - 1.0) < 1e-9 for p in table)
+
+
+def test_recomputation_cost_decides_between_one_stage_and_a_pipeline():
+    shares = {0: 0.5, 2: 0.25, 3: 0.25}
+    free = GenerationProfile([1.0, 2.0, 3.0, 4.0], {0: 0.5, 2: 0.5, 3: 1.0}, shares, 0.5, recompute_ratio=0.0)
+    costly = GenerationProfile([1.0, 2.0, 3.0, 4.0], {0: 0.5, 2: 0.5, 3: 1.0}, shares, 0.5, recompute_ratio=1.0)
+    one = evaluate(costly, [(0, 3)])
+    assert one.recompute_ms == pytest.approx(0.5 * (2 + 3 + 4) + 0.25 * 4)  # the blocks exited tokens skipped
+    assert one.time_per_token_ms == pytest.approx(one.decision_ms + one.recompute_ms)
+    pools = {"a": GPUPoolSpec(capacity=4)}
+    args = dict(n_blocks=4, exit_ramps=[], max_context=8, thresholds=[ThresholdPoint(0.5, 0.0, shares)])
+    assert plan_generation("s", spec(), pools, profile=free, **args).mode == "recompute"
+    assert plan_generation("s", spec(), pools, profile=costly, **args).mode == "pipeline"
+    measured = GenerationProfile.load(measure_profile(DecoderModel(tiny_decoder_bundle()), PROMPTS, 0.5, repeats=3))
+    assert 0.0 <= measured.recompute_ratio <= 10.0

@@ -4,6 +4,8 @@
 - `measure_thresholds`: per candidate threshold, teacher forced on held-out texts, the share of
   positions each head decides (the first head whose confidence reaches the threshold) and how often
   that head's token differs from the final head's;
+- `measure_recompute_ratio`: what one more position costs in a block call, relative to one position
+  (KV recomputation batches the positions an exited token skipped into the next token's call);
 - `measure_hop`: one stage-to-stage hand-off over HTTP on localhost (a hidden state as a wire frame);
 - `measure_profile`: times and the shares at one threshold.
 
@@ -37,6 +39,22 @@ def measure_times(model: DecoderModel, *, context: int = 64, repeats: int = 50) 
         if model.ramp_after(block) is not None:
             head_ms[block] = _time(lambda: model.head_logits(block, hidden), repeats)
     return block_ms, head_ms
+
+
+def measure_recompute_ratio(model: DecoderModel, *, context: int = 64, repeats: int = 50) -> float:
+    """Mean over blocks of (time for 2 new positions - time for 1) / time for 1, clipped to [0, 10]."""
+    spec = model.spec
+    context = min(context, spec.max_context - 2)
+    past = np.random.default_rng(0).standard_normal((1, spec.num_heads, context, spec.head_dim)).astype(np.float32)
+    ratios = []
+    for block in range(model.first_block, model.last_block + 1):
+        times = []
+        for q in (1, 2):
+            x = (np.ones((1, q), dtype=np.int64) if block == 0
+                 else np.random.default_rng(q).standard_normal((1, q, spec.hidden_size)).astype(np.float32))
+            times.append(_time(lambda: model.run_block(block, x, context, past, past), repeats))
+        ratios.append((times[1] - times[0]) / times[0])
+    return float(min(max(float(np.mean(ratios)), 0.0), 10.0))
 
 
 def measure_thresholds(model: DecoderModel, texts: Sequence[str], candidates: Sequence[float] = DEFAULT_CANDIDATES) -> list[dict]:
@@ -84,7 +102,8 @@ def measure_profile(
     `texts`: the first head whose confidence reaches it)."""
     block_ms, head_ms = measure_times(model, context=context, repeats=repeats)
     (point,) = measure_thresholds(model, texts, [threshold])
-    return {"block_ms": block_ms, "head_ms": head_ms, "decide_share": point["decide_share"], "hop_ms": hop_ms}
+    return {"block_ms": block_ms, "head_ms": head_ms, "decide_share": point["decide_share"], "hop_ms": hop_ms,
+            "recompute_ratio": measure_recompute_ratio(model, context=context, repeats=repeats)}
 
 
 def measure_hop(model: DecoderModel, *, repeats: int = 50) -> float:

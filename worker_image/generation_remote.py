@@ -89,6 +89,7 @@ class StageServer:
         app.router.add_get(CACHE, self.handle_cache)
         app.router.add_get(STATS, self.handle_stats)
         app.router.add_get("/v2/health/ready", self.handle_ready)
+        app.router.add_get("/v2/health/live", self.handle_live)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -119,6 +120,9 @@ class StageServer:
             await self._session.close()
 
     # ------------------------------------------------------------------ handlers
+
+    async def handle_live(self, _: web.Request) -> web.Response:
+        return web.json_response({"live": True})
 
     async def handle_ready(self, _: web.Request) -> web.Response:
         """Ready when the stages from here to the last one are (each asks the next)."""
