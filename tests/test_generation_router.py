@@ -138,6 +138,19 @@ def test_exits_match_the_in_process_engine_of_the_same_mode(deployment, bundle):
     assert stage_caches(deployment) == [0] * len(deployment.plan.splits)
 
 
+def test_concurrent_sequences_interleave_on_the_stages_without_mixing_caches(deployment):
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [{"text_input": prompt, "parameters": {"max_tokens": 20, "threshold": threshold, "ignore_eos": True}}
+              for prompt in PROMPTS for threshold in (0.3, 1.0)]
+    alone = [post(f"{deployment.url}/v2/models/{NAME}/generate", b)[1]["token_ids"] for b in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(lambda b: post(f"{deployment.url}/v2/models/{NAME}/generate", b), bodies))
+    assert [code for code, _ in together] == [200] * len(bodies)
+    assert [answer["token_ids"] for _, answer in together] == alone
+    assert stage_caches(deployment) == [0] * len(deployment.plan.splits)
+
+
 def test_stream_sends_tokens_as_server_sent_events(deployment):
     events = stream(f"{deployment.url}/v2/models/{NAME}/generate_stream",
                     {"text_input": PROMPTS[1], "parameters": {"max_tokens": 8, "ignore_eos": True}})
