@@ -6,7 +6,12 @@ prompt, interleaved prompt by prompt so load changes on a shared machine hit all
 
 - `full`: plain greedy decoding with a full KV cache (every token through every block, final head);
 - `recompute @ t`: KV recomputation in one worker, exit threshold t;
-- `pipeline @ t`: the pipeline-based mode over in-process split stages (threads), threshold t.
+- `pipeline @ t`: the pipeline-based mode over in-process split stages (threads), threshold t;
+- `--remote`: `pipeline-remote @ t`, the coordinator engine in this process over stage processes;
+- `--router`: `router-recompute @ t` and `router-pipeline @ t`, the serving path: `exitplan router` and
+  `exitplan generate-stage` processes as `exitplan up` starts them (one recompute stage; `--splits`
+  pipeline stages), each token read by this client from the router's server-sent events (time per
+  token = the gap between two token events as the client receives them).
 
 Reported per configuration: time per token (prompt pass excluded), tokens/s (everything included),
 the share of tokens each head chose, the agreement of each generated token with the token the full
@@ -92,6 +97,53 @@ def start_stages(bundle: Path, splits: list[tuple[int, int]]):
     return procs, urls
 
 
+class RouterClient:
+    """`generate()` over a router's generate_stream (an `exitplan up`-style LocalDeployment of a fixed plan)."""
+
+    def __init__(self, bundle: Path, stages: int, workdir: Path) -> None:
+        import socket
+
+        from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
+        from exitplan.local import LocalDeployment
+        from exitplan.planner.generation import plan_generation
+
+        manifest = DecoderModel(bundle, last_block=0).manifest
+        spec = EarlyExitServiceSpec.model_validate({"model": {"name": "bench", "bundle": str(bundle), "task": "text-generation"},
+                                                    "slo": {"latencyMs": 1000}, "pools": [{"name": "cpu"}]})
+        plan = plan_generation("bench", spec, {"cpu": GPUPoolSpec(capacity=stages)}, n_blocks=len(manifest.blocks),
+                               exit_ramps=[r.name for r in manifest.exit_ramps()], max_context=manifest.decoder.max_context,
+                               stages=stages).plan
+        ports = []
+        for _ in range(2):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                ports.append(sock.getsockname()[1])
+        self.deployment = LocalDeployment(bundle, plan, spec, workdir, port=ports[0], base_port=ports[1])
+        self.deployment.start()
+        self.url = f"{self.deployment.url}/v2/models/bench/generate_stream"
+
+    def generate(self, prompt: str, max_tokens: int, threshold: float):
+        import urllib.request
+        from types import SimpleNamespace
+
+        body = json.dumps({"text_input": prompt, "parameters": {"max_tokens": max_tokens, "threshold": threshold}}).encode()
+        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+        last = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=120) as response:
+            for line in response:
+                if not line.startswith(b"data: "):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("done"):
+                    break
+                now = time.perf_counter()
+                yield SimpleNamespace(token_id=event["token_id"], exit=event["exit"], block=event["block"], seconds=now - last)
+                last = now
+
+    def close(self) -> None:
+        self.deployment.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", type=Path, default=Path("artifacts/bundles/tweet-decoder"))
@@ -102,6 +154,7 @@ def main() -> None:
     parser.add_argument("--splits", type=int, default=2)
     parser.add_argument("--max-pending", type=int, default=8)
     parser.add_argument("--remote", action="store_true", help="also run the pipeline across stage processes (exitplan generate-stage)")
+    parser.add_argument("--router", action="store_true", help="also run the serving path: exitplan router + generate-stage processes")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -119,6 +172,12 @@ def main() -> None:
 
         stage_procs, urls = start_stages(args.bundle, pipeline.splits)
         engines["pipeline-remote"] = RemotePipelineEngine(args.bundle, urls)
+    if args.router:
+        import tempfile
+
+        workdir = Path(tempfile.mkdtemp(prefix="gen-bench-"))
+        engines["router-recompute"] = RouterClient(args.bundle, 1, workdir / "recompute")
+        engines["router-pipeline"] = RouterClient(args.bundle, args.splits, workdir / "pipeline")
     configs = [("full", 1.0)] + [(mode, t) for mode in engines for t in args.thresholds]
     stats = {c: {"step_s": 0.0, "steps": 0, "total_s": 0.0, "tokens": 0, "exits": {}, "agree": 0, "same_output": 0, "blocks": 0} for c in configs}
     full_outputs: dict[int, list[int]] = {}
