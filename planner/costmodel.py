@@ -212,10 +212,15 @@ class CostModel:
 
     # ------------------------------------------------------------ whole stages
 
-    def stage_tables(self, batches: Sequence[float], seq: float, survival_before: np.ndarray, ramps_on: Sequence[bool]) -> np.ndarray:
+    def stage_tables(self, batches: Sequence[float], seq: float, survival_before: np.ndarray, ramps_on: Sequence[bool],
+                     expected: bool = False) -> np.ndarray:
         """ms[bi, a, b]: time of split [a, b] (exec + enabled ramps + transfer out) at batch batches[bi].
 
-        Entries with b < a are +inf. The batch shrinks inside the split as inputs exit.
+        Entries with b < a are +inf. The batch shrinks inside the split as inputs exit. By default
+        the survivors of each block are rounded up (a batch that still holds anyone runs at the
+        latency of a whole input): a bound for the cycle. With `expected`, the mean number of
+        survivors is used instead: the mean batch time, for throughput (block latency is
+        piecewise linear and concave in the batch, so this does not undercount the mean).
         """
         n = self.n_blocks
         s = np.maximum(survival_before, 1e-12)
@@ -227,7 +232,7 @@ class CostModel:
         for bi, bsz in enumerate(batches):
             # (a, k): inputs running block k in a split starting at a, rounded up: a batch that
             # still holds anyone runs at the latency of a whole input (conservative for the cycle)
-            load = np.ceil(bsz * ratio - 1e-9)
+            load = bsz * ratio if expected else np.ceil(bsz * ratio - 1e-9)
             cost = self._interp_batch(per_block, load.T).T  # (a, k)
             for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
                 if on:
@@ -235,7 +240,9 @@ class CostModel:
             cost = np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], cost, 0.0)
             cum = np.cumsum(cost, axis=1)  # cum[a, b] = exec of [a, b]
             bytes_out = np.asarray([self.bytes_per_sample(b, seq) for b in range(n)])
-            leaving = np.ceil(bsz * np.minimum(s[None, 1 : n + 1] / s[:n, None], 1.0) - 1e-9)  # samples leaving block b
+            leaving = bsz * np.minimum(s[None, 1 : n + 1] / s[:n, None], 1.0)  # samples leaving block b
+            if not expected:
+                leaving = np.ceil(leaving - 1e-9)
             xfer = 8.0 * leaving * bytes_out[None, :] / (self.pool.link_bandwidth_gbps * 1e9) * 1e3
             xfer[:, n - 1] = 0.0  # the last split answers the router; that hop is in the slack
             tri = np.arange(n)[None, :] >= np.arange(n)[:, None]

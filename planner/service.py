@@ -129,14 +129,15 @@ def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layou
     for p, model in enumerate(inp.models):
         sizes = np.asarray(model.profile.batch_sizes, dtype=np.float64)
         for k, length in enumerate(bucket_set):
-            tables = model.stage_tables(sizes, length, sigma, ramps_on)  # (nB, n, n)
+            tables = model.stage_tables(sizes, length, sigma, ramps_on)  # (nB, n, n): the bound, for the cycle
+            mean = model.stage_tables(sizes, length, sigma, ramps_on, expected=True)  # the mean, for throughput
             mem = np.stack([[[model.replica_bytes(a, b, bsz, length) if b >= a else np.inf for b in range(n)] for a in range(n)] for bsz in sizes])
             fits = mem <= model.pool.memory_bytes
             for s in range(1, S + 1):
                 cycle = inp.budget_ms / cycles(s)
                 ok = fits & (tables <= cycle) & np.isfinite(tables)
                 with np.errstate(divide="ignore", invalid="ignore"):
-                    thr = np.where(ok, sizes[:, None, None] / np.where(tables > 0, tables, 1e-9) * 1e3, 0.0)
+                    thr = np.where(ok, sizes[:, None, None] / np.where(mean > 0, mean, 1e-9) * 1e3, 0.0)
                 best = np.argmax(thr, axis=0)
                 rate[s - 1, p, :, :, k] = np.take_along_axis(thr, best[None], 0)[0]
                 batch[s - 1, p, :, :, k] = sizes[best].astype(np.int64)

@@ -1,24 +1,34 @@
 """Profiles built from a stated latency model, for benchmarks, tests and what-if planning.
 
-`bert_base_profile(gpu)` is a BERT-base-like 12-block early-exit encoder on a data-centre GPU,
-derived (not measured here) from public figures:
+`bert_base_profile(gpu)` is a BERT-base 12-block early-exit encoder on a data-centre GPU, built
+from published latency figures (not measured here):
 
-- Work: BERT-base has hidden size d = 768 and FFN 3072, so one token through one encoder layer
-  costs about 2 * 12 d^2 + 4 L d FLOPs (the QKV/output projections and FFN, plus attention over a
-  length-L input): 14.2 MFLOP + 3 kFLOP * L.
-- Speed: the FP32 peak of each GPU from NVIDIA's datasheets -- V100 (SXM2) 15.7 TFLOPS, P100 (PCIe)
-  9.3 TFLOPS, K80 (one GK210 die) 4.4 TFLOPS -- at 60 % efficiency once the GPU is full.
-- Assumption (stated, not measured): a layer is under-filled below `SATURATION_TOKENS` = 512
-  tokens in flight (4 inputs of length 128), so its latency is flat below that, plus a fixed
-  per-layer launch overhead (0.25 ms V100/P100, 0.4 ms K80). Consequences on a V100: 12.5 ms for
-  one to four length-128 inputs through the 12 layers (the range of published FP32 batch-1
-  BERT-base latencies), 41 ms for 16, 2.4 ms of GPU time per input once full.
+- V100, the anchor: NVIDIA DeepLearningExamples, TensorFlow/LanguageModeling/BERT/README.md,
+  "Fine-tuning inference performance for SQuAD v1.1 on 16GB" (DGX-1, 1x V100 16GB, TensorFlow
+  20.06 NGC container), BERT-base, sequence length 128, FP16 (the serving precision on V100's
+  tensor cores): 206.82 / 376.75 / 635.00 / 962.83 sentences/s at batch 1 / 2 / 4 / 8, i.e.
+  4.84 / 5.31 / 6.30 / 8.31 ms per batch. A GPU batch is nearly flat in its size: 8 inputs cost
+  1.7x one. We split a batch's time into a fixed part (the affine intercept, 4.35 ms: kernel
+  launches and framework work that do not grow with the batch) and the per-input part (the rest,
+  0.50 ms per input at batch 8), and spread both evenly over the 12 layers (embeddings and head
+  folded in). The table stops at batch 8, so the profile does too (`VALIDATED_BATCHES`): the
+  planner never plans a batch the figures do not cover.
+- P100 and K80 (no published table of the same kind): the per-input part scaled by the ratio of
+  peak arithmetic rates from NVIDIA's datasheets, anchored on V100's measured FP32/FP16 ratio in
+  the same README (FP32 batch 4 -> 8: 1.87 ms per extra input, 3.7x FP16's 0.50 ms). V100 FP32
+  peak 15.7 TFLOPS; P100 (PCIe) 9.3 TFLOPS FP32 and 2x that in FP16; K80 (one GK210 die) 4.37
+  TFLOPS FP32 and no faster FP16. So per input: P100 = 1.87 x 15.7 / 18.6 = 1.58 ms, K80 =
+  1.87 x 15.7 / 4.37 = 6.72 ms (per batch, over the 12 layers). The fixed part is kept at V100's
+  on P100 and taken 1.3x on K80 (older, lower-clocked GPU on a slower PCIe generation): a stated
+  assumption.
 - Exit ramps (DeeBERT-style pooler + classifier) after every layer cost 2 % of a layer.
 - Memory: 7.1 M parameters (28 MB FP32) per layer; activations d * L * 4 bytes per sample.
-- Cost per GPU-hour: typical public on-demand prices -- V100 3.06, P100 1.46, K80 0.90 (units/h).
+- Cost per GPU-hour, public on-demand list prices: V100 3.06 (AWS p3.2xlarge), P100 1.46 (GCP
+  P100), K80 0.90 (AWS p2.xlarge), units/h.
 
-`synthetic_profile` builds a profile from any latency function; `easy_hard_survival` maps an
-easy:hard mix onto exit depths (stated in its docstring).
+`flops_bert_base_profile` keeps the earlier FLOP-derived model (peak x 60 % with a flat region
+below 512 tokens in flight) for comparison. `synthetic_profile` builds a profile from any latency
+function; `easy_hard_survival` maps an easy:hard mix onto exit depths (stated in its docstring).
 """
 
 from __future__ import annotations
@@ -49,6 +59,44 @@ GPUS = {
     "p100": GPU("p100", 9.3, 0.25, 1.46, 16),
     "k80": GPU("k80", 4.4, 0.40, 0.90, 12),
 }
+
+PUBLISHED_V100_FP16_MS = {1: 1e3 / 206.82, 2: 2e3 / 376.75, 4: 4e3 / 635.00, 8: 8e3 / 962.83}
+"""Whole-model batch time of BERT-base, length 128, FP16 on one V100 16GB (NVIDIA
+DeepLearningExamples TensorFlow BERT README, SQuAD v1.1 fine-tuning inference, TF 20.06)."""
+VALIDATED_BATCHES = (1, 2, 4, 8)
+PUBLISHED_V100_FP32_PER_INPUT_MS = (8e3 / 422.88 - 4e3 / 349.34) / 4
+"""The same README's FP32 figures, batch 4 -> 8: milliseconds per extra input (1.87)."""
+FIXED_MS = {"v100": 1.0, "p100": 1.0, "k80": 1.3}
+"""The fixed (batch-independent) part of a batch on each GPU, relative to V100's."""
+PER_INPUT_PEAK_TFLOPS = {"v100": None, "p100": 2 * 9.3, "k80": 4.37}
+"""The arithmetic rate the per-input part scales with (None: V100's own FP16 figures)."""
+
+
+def _v100_fixed_and_slope() -> tuple[float, float]:
+    """Least-squares affine fit of the published V100 FP16 batch times: (fixed ms, ms per input)."""
+    b = np.asarray(list(PUBLISHED_V100_FP16_MS), dtype=np.float64)
+    t = np.asarray(list(PUBLISHED_V100_FP16_MS.values()))
+    slope, fixed = np.polyfit(b, t, 1)
+    return float(fixed), float(slope)
+
+
+def published_model_ms(gpu_name: str, batch: float) -> float:
+    """Whole-model (12 layers) batch time on `gpu_name` at length 128, from the published figures."""
+    fixed, _ = _v100_fixed_and_slope()
+    if gpu_name == "v100":
+        sizes = np.asarray(list(PUBLISHED_V100_FP16_MS), dtype=np.float64)
+        times = np.asarray(list(PUBLISHED_V100_FP16_MS.values()))
+        if batch <= sizes[-1]:
+            return float(np.interp(batch, np.r_[0.0, sizes], np.r_[fixed, times]))
+        return float(times[-1] + (times[-1] - times[-2]) / (sizes[-1] - sizes[-2]) * (batch - sizes[-1]))
+    per_input = PUBLISHED_V100_FP32_PER_INPUT_MS * GPUS["v100"].peak_tflops / PER_INPUT_PEAK_TFLOPS[gpu_name]
+    return fixed * FIXED_MS[gpu_name] + per_input * batch
+
+
+def published_layer_ms(gpu_name: str, batch: float, length: float) -> float:
+    """One of the 12 layers: the whole-model time / 12, scaled linearly in length from 128 above
+    it (the published figures are for length 128 only; shorter inputs cost the same)."""
+    return published_model_ms(gpu_name, batch) / 12 * max(1.0, length / 128.0)
 
 HIDDEN = 768
 
@@ -113,8 +161,26 @@ def easy_hard_survival(n_blocks: int, easy: float, easy_exit: tuple[int, int] = 
 
 
 def bert_base_profile(gpu_name: str, survival: Sequence[float] | None = None, *, seq_lens: Sequence[int] = (128,),
-                      batch_sizes: Sequence[int] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64), model: str = "bert-base-ee") -> ModelProfileSpec:
-    """The BERT-base-like 12-block early-exit profile on `gpu_name` (v100, p100, k80); see the module docstring."""
+                      batch_sizes: Sequence[int] = VALIDATED_BATCHES, model: str = "bert-base-ee") -> ModelProfileSpec:
+    """The BERT-base 12-block early-exit profile on `gpu_name` (v100, p100, k80) from published
+    figures; see the module docstring."""
+    n = 12
+    return synthetic_profile(
+        model, gpu_name, n, seq_lens, batch_sizes,
+        lambda k, b, L: published_layer_ms(gpu_name, b, L),
+        ramp_after=list(range(n - 1)),
+        ramp_ms=lambda b, L: 0.02 * published_layer_ms(gpu_name, b, L),
+        survival=list(survival) if survival is not None else easy_hard_survival(n, 0.8),
+        output_bytes=lambda L: int(HIDDEN * L * 4),
+        weight_bytes=int(7.1e6 * 4),
+        measured_on=f"derived: published BERT-base FP16 V100 figures (NVIDIA DeepLearningExamples), {gpu_name} scaled as stated in planner/synthetic.py",
+    )
+
+
+def flops_bert_base_profile(gpu_name: str, survival: Sequence[float] | None = None, *, seq_lens: Sequence[int] = (128,),
+                            batch_sizes: Sequence[int] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64), model: str = "bert-base-ee") -> ModelProfileSpec:
+    """The earlier FLOP-derived BERT-base-like profile (datasheet FP32 peak at 60 %, flat below
+    SATURATION_TOKENS tokens in flight, a per-layer launch overhead)."""
     gpu = GPUS[gpu_name]
     n = 12
     return synthetic_profile(
