@@ -95,6 +95,8 @@ class Window:
     """Optional ramp names (R of them); empty means "ramp0".."rampR-1"."""
     agree: np.ndarray = field(init=False, repr=False)
     """[N, R] bool: ramp r's answer equals the full model's."""
+    conf_t: np.ndarray = field(init=False, repr=False)
+    """[R, N] ``conf`` ramp-major (contiguous per ramp)."""
 
     def __post_init__(self) -> None:
         conf = _float_array("conf", self.conf, 2)
@@ -125,7 +127,7 @@ class Window:
             raise WindowError("ramps", f"{len(ramps)} names for R = {r} ramps")
         for name, value in (("conf", conf), ("pred", pred), ("final", final), ("saving_ms", saving),
                             ("cost_ms", cost), ("ramps", ramps or tuple(f"ramp{i}" for i in range(r))),
-                            ("agree", pred == final[:, None])):
+                            ("agree", pred == final[:, None]), ("conf_t", np.ascontiguousarray(conf.T))):
             object.__setattr__(self, name, value)
 
     @property
@@ -195,8 +197,17 @@ def exit_index(conf: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
     """[N] int: the earliest ramp whose confidence >= its threshold; R where an input never exits."""
     conf = np.asarray(conf, dtype=np.float64)
     t = check_thresholds(thresholds, conf.shape[1])
-    hit = conf >= t[None, :]
-    return np.where(hit.any(axis=1), hit.argmax(axis=1), conf.shape[1])
+    return _exit_index(conf.T, t)
+
+
+def _exit_index(conf_t: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """exit_index over ramp-major confidences [R, N]: the active ramps from the last to the first,
+    each overwriting the exit of the inputs it lets out (so the earliest one wins)."""
+    r_all, n = conf_t.shape
+    k = np.full(n, r_all, dtype=np.int64)
+    for r in np.flatnonzero(t <= 1.0)[::-1].tolist():
+        k[conf_t[r] >= t[r]] = r
+    return k
 
 
 @dataclass(frozen=True)
@@ -228,7 +239,7 @@ class Outcome:
 def outcome(w: Window, thresholds: object) -> Outcome:
     t = check_thresholds(thresholds, w.n_ramps)
     n, r = w.n_inputs, w.n_ramps
-    k = exit_index(w.conf, t)
+    k = _exit_index(w.conf_t, t)
     active = t <= 1.0
     cum_cost = np.cumsum(np.where(active, w.cost_ms, 0.0))
     exited = k < r

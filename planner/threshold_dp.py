@@ -39,78 +39,106 @@ def budget_dp(w: Window, allowed: int, beam: int = 1, max_levels: int = 16, mova
     n, r_all = w.n_inputs, w.n_ramps
     levels = allowed + 1
     width = -(-levels // max_levels)  # disagreement counts merged per state level
-    alive = np.ones((1, n), dtype=bool)
+    count_t = np.int16 if n < 2**15 else np.int64  # running counts (exact; narrow is faster)
     d = np.zeros(1, dtype=np.int64)
     total = np.zeros(1)
     parents: list[np.ndarray] = []
     cuts: list[np.ndarray] = []  # per ramp and state: last exiting position in confidence order (-1: off)
     sorted_conf: list[np.ndarray] = []
     bad_t = ~np.ascontiguousarray(w.agree.T)
-    conf_t = np.ascontiguousarray(w.conf.T)
+    conf_t = w.conf_t
+    if orders is None:
+        orders = [np.argsort(-conf_t[r]) for r in range(r_all)]
+    # ``alive`` [N, states]: the inputs still running in each state, rows in ramp r's confidence
+    # order (input-major, so moving to the next ramp's order is one row gather).
+    alive = np.ones((n, 1), dtype=bool)
+    positions = np.arange(n)
+    rank_in = np.empty(n, dtype=np.intp)
     for r in range(r_all):
-        order = np.argsort(-conf_t[r]) if orders is None else orders[r]
+        order = orders[r]
         c = conf_t[r, order]
         sorted_conf.append(c)
+        bad_r = bad_t[r, order]
         tied = bool((c[1:] == c[:-1]).any()) if ties is None else bool(ties[r])
-        ends = np.flatnonzero(np.append(c[1:] != c[:-1], True)) if tied else None
+        gstart = None  # per sorted position: where its tie group starts (None: no ties)
+        if tied:
+            starts = np.flatnonzero(np.concatenate(([True], c[1:] != c[:-1])))
+            gstart = np.repeat(starts, np.diff(np.append(starts, n)))
         s_count = d.size
         cost_r, saving_r = float(w.cost_ms[r]), float(w.saving_ms[r])
         if movable is not None and not movable[r]:
             # A fixed ramp: every state applies the given threshold.
             t_fix = float(fixed[r]) if fixed is not None else DISABLED
             if t_fix <= 1.0:
-                n_alive = np.count_nonzero(alive, axis=1)
-                out = alive & (conf_t[r] >= t_fix)
-                exits = out.sum(axis=1)
-                d = d + (out & bad_t[r]).sum(axis=1)
+                n_alive = alive.sum(axis=0, dtype=np.int64)
+                out = alive & (c >= t_fix)[:, None]
+                exits = out.sum(axis=0, dtype=np.int64)
+                d = d + (out & bad_r[:, None]).sum(axis=0, dtype=np.int64)
                 total = total + saving_r * exits - cost_r * n_alive
                 alive = alive & ~out
-            keep = d < levels
-            parents.append(np.flatnonzero(keep))
-            cuts.append(np.full(int(keep.sum()), -2))  # -2: the fixed threshold
-            alive, d, total = alive[keep], d[keep], total[keep]
-            continue
-        alive_sorted = alive[:, order]
-        c_alive = np.cumsum(alive_sorted, axis=1, dtype=np.int32)
-        c_bad = np.cumsum(alive_sorted & bad_t[r, order], axis=1, dtype=np.int32)
-        n_alive = c_alive[:, -1]
-        if ends is not None:
-            c_alive, c_bad = c_alive[:, ends], c_bad[:, ends]
-        groups = n if ends is None else ends.size
-        # For each state and b: the last tie group with <= b disagreements (c_bad never decreases
-        # along a row, so one search over the rows laid end to end answers every (state, b)).
-        offset = np.arange(s_count, dtype=np.int32)[:, None] * np.int32(n + 1)
-        flat = (c_bad + offset).ravel()
-        queries = np.arange(levels, dtype=np.int32)[None, :] + offset
-        upto = np.searchsorted(flat, queries.ravel(), side="right").reshape(s_count, levels) - 1
-        upto -= np.arange(s_count)[:, None] * groups
-        j = np.maximum(upto, 0)
-        exits = np.where(upto >= 0, np.take_along_axis(c_alive, j, axis=1), 0)
-        bad = np.take_along_axis(c_bad, j, axis=1)
-        new_d = d[:, None] + bad
-        ok = (upto >= 0) & (exits > 0) & (new_d < levels)
-        # The same prefix shows up for several b; keep it once (at its own b).
-        ok &= bad == np.arange(levels)[None, :]
-        cand_total = total[:, None] + saving_r * exits - cost_r * n_alive[:, None]
-        src = np.nonzero(ok)[0]
-        grp = j[ok]
-        all_d = np.concatenate((d, new_d[ok]))
-        all_total = np.concatenate((total, cand_total[ok]))
-        all_src = np.concatenate((np.arange(s_count), src))
-        all_grp = np.concatenate((np.full(s_count, -1), grp))
-        # Keep the `beam` best per level of d (levels grouped `width` at a time on large budgets).
-        sort = np.lexsort((-all_total, all_d // width))
-        sd = all_d[sort] // width
-        first = np.searchsorted(sd, sd, side="left")
-        keep = sort[(np.arange(sd.size) - first) < beam]
-        parents.append(all_src[keep])
-        gsel = all_grp[keep]
-        cut = gsel if ends is None else np.where(gsel >= 0, ends[np.maximum(gsel, 0)], -1)
-        cuts.append(cut)
-        # The prefix up to a tie-group end is exactly the inputs with confidence >= its last one.
-        lowest = np.where(cut >= 0, c[np.maximum(cut, 0)], np.inf)
-        alive = alive[all_src[keep]] & (conf_t[r][None, :] < lowest[:, None])
-        d, total = all_d[keep], all_total[keep]
+            keep = np.flatnonzero(d < levels)
+            parents.append(keep)
+            cuts.append(np.full(keep.size, -2))  # -2: the fixed threshold
+            alive, d, total = alive[:, keep], d[keep], total[keep]
+        else:
+            c_alive = np.cumsum(alive, axis=0, dtype=count_t)
+            n_alive = c_alive[-1].astype(np.int64)
+            # For each state and b: the longest prefix (ending at a tie-group end) holding exactly b
+            # disagreements ends just before the tie group of the state's (b+1)-th disagreeing
+            # input, and holds b of them only if its b-th one lies before that group; b = all of
+            # them: every running input exits. Read off the disagreeing running inputs state by state.
+            bad_pos = np.flatnonzero(bad_r)  # sorted positions of the inputs ramp r gets wrong
+            bad_alive = alive[bad_pos]
+            seen = np.cumsum(bad_alive, axis=0, dtype=count_t)  # [B, S]: rank + 1 of each running one
+            n_bad = seen[-1].astype(np.int64) if bad_pos.size else np.zeros(s_count, dtype=np.int64)
+            take = bad_alive & (seen <= (levels - d)[None, :])  # b = rank keeps d + b < levels
+            hit = np.flatnonzero(take.T)  # state-major: each state's ranks 0, 1, ... in turn
+            rows = hit // max(bad_pos.size, 1)
+            j = hit - rows * bad_pos.size
+            cols = bad_pos[j]
+            rank = seen[j, rows].astype(np.int64) - 1
+            start = cols if gstart is None else gstart[cols]
+            cut = start - 1
+            exits = np.where(cut >= 0, c_alive[np.maximum(cut, 0), rows], 0).astype(np.int64)
+            ok = exits > 0
+            if gstart is not None and rows.size:
+                prev = np.empty_like(cols)
+                prev[0], prev[1:] = -1, cols[:-1]
+                ok &= (rank == 0) | (prev < start)
+            whole_rows = np.flatnonzero((n_alive > 0) & (d + n_bad < levels))
+            src = np.concatenate((rows[ok], whole_rows))
+            b = np.concatenate((rank[ok], n_bad[whole_rows]))
+            ex = np.concatenate((exits[ok], n_alive[whole_rows]))
+            cut = np.concatenate((cut[ok], np.full(whole_rows.size, n - 1)))
+            if whole_rows.size and src.size > whole_rows.size:
+                seq = np.argsort(src * np.int64(levels + 1) + b, kind="stable")  # state-major (state, b)
+                src, b, ex, cut = src[seq], b[seq], ex[seq], cut[seq]
+            all_d = np.concatenate((d, d[src] + b))
+            all_total = np.concatenate((total, total[src] + saving_r * ex - cost_r * n_alive[src]))
+            all_src = np.concatenate((np.arange(s_count), src))
+            all_cut = np.concatenate((np.full(s_count, -1), cut))
+            # Keep the `beam` best per level of d (levels grouped `width` at a time on large budgets).
+            level = all_d // width
+            if beam == 1:  # per level the best total, the first such candidate on ties (no sort needed)
+                best_at = np.full(max_levels + 1, -np.inf)
+                np.maximum.at(best_at, level, all_total)
+                tops = np.flatnonzero(all_total == best_at[level])
+                first = np.full(max_levels + 1, all_total.size)
+                np.minimum.at(first, level[tops], tops)
+                keep = first[first < all_total.size]
+            else:
+                sort = np.lexsort((-all_total, level))
+                sd = level[sort]
+                keep = sort[(np.arange(sd.size) - np.searchsorted(sd, sd, side="left")) < beam]
+            parents.append(all_src[keep])
+            cut = all_cut[keep]
+            cuts.append(cut)
+            # Still running after ramp r: sorted positions past the cut (a cut ends a tie group).
+            alive = np.take(alive, all_src[keep], axis=1) & (positions[:, None] > cut[None, :])
+            d, total = all_d[keep], all_total[keep]
+        if r + 1 < r_all:  # rows into ramp r + 1's confidence order
+            rank_in[order] = positions
+            alive = np.take(alive, rank_in[orders[r + 1]], axis=0)
     if total.size == 0:  # the fixed ramps alone break the budget
         return np.where(movable, DISABLED, fixed) if movable is not None else np.full(r_all, DISABLED), -np.inf
     best = int(np.argmax(total))

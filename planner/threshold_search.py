@@ -53,12 +53,19 @@ class Search:
         self.n, self.r = w.n_inputs, w.n_ramps
         self.allowed = allowed
         self.ramp_col = np.arange(self.r)[:, None]
-        self.conf_t = np.ascontiguousarray(w.conf.T)
+        self.conf_t = w.conf_t
         self.agree_t = np.ascontiguousarray(w.agree.T)
         self.agree_tf = self.agree_t.astype(np.float64)
-        self._orders: list[np.ndarray | None] = [None] * self.r
-        self.ties = np.zeros(self.r, dtype=bool)
-        self.group_end: list[np.ndarray | None] = [None] * self.r  # per input: no equal confidence after it
+        self.agree_ti = self.agree_t.astype(np.int64)
+        # Per ramp, computed once: inputs by confidence (highest first), and in that order their
+        # confidences, agreement, and whether no equal confidence follows (only where ties exist).
+        self.orders = np.argsort(-self.conf_t, axis=1)
+        self.conf_sorted = np.take_along_axis(self.conf_t, self.orders, axis=1)
+        self.agree_sorted = np.take_along_axis(self.agree_ti, self.orders, axis=1)
+        differs = self.conf_sorted[:, 1:] != self.conf_sorted[:, :-1]
+        self.ties = ~differs.all(axis=1)
+        self.group_end: list[np.ndarray | None] = [
+            np.append(differs[q], True) if self.ties[q] else None for q in range(self.r)]
         self.cost_l = [float(x) for x in w.cost_ms]
         self.saving_l = [float(x) for x in w.saving_ms]
         self._before_key = b""
@@ -66,20 +73,12 @@ class Search:
         self.set(t)
 
     def order(self, ramp: int) -> np.ndarray:
-        """Inputs by confidence at ``ramp``, highest first (computed once per ramp; notes ties)."""
-        got = self._orders[ramp]
-        if got is None:
-            got = self._orders[ramp] = np.argsort(-self.conf_t[ramp])
-            c = self.conf_t[ramp, got]
-            differs = c[1:] != c[:-1]
-            self.ties[ramp] = not bool(differs.all())
-            if self.ties[ramp]:
-                self.group_end[ramp] = np.append(differs, True)
-        return got
+        """Inputs by confidence at ``ramp``, highest first."""
+        return self.orders[ramp]
 
     def cost_before(self, ramp: int) -> float:
         """Overhead of the active ramps before ``ramp``."""
-        key = self.t.tobytes()
+        key = (self.t <= 1.0).tobytes()
         if self._before_key != key:
             paid = np.cumsum(np.where(self.t <= 1.0, self.w.cost_ms, 0.0))
             self._before = [0.0, *paid[:-1].tolist()]
@@ -90,7 +89,7 @@ class Search:
         out = outcome(self.w, t)
         self.t = out.thresholds.copy()
         self.k = out.exit_at
-        self.ok = out.agrees.astype(np.float64)
+        self.ok = out.agrees.astype(np.int64)
         self.val = out.per_input_ms.copy()
         self.n_agree = out.agree_count
         self.total = float(self.val.sum())
@@ -160,7 +159,7 @@ def _lower(s: Search, ramp: int, new_t: float, newly: np.ndarray, d_agree: int, 
     s.t[ramp] = new_t
     cost_through = float(np.sum(w.cost_ms[: ramp + 1][s.t[: ramp + 1] <= 1.0]))
     s.k[newly] = ramp
-    s.ok[newly] = s.agree_tf[ramp, newly]
+    s.ok[newly] = s.agree_ti[ramp, newly]
     s.val[newly] = w.saving_ms[ramp] - cost_through
     s.n_agree += d_agree
     s.total += d_total
@@ -220,7 +219,7 @@ def profile(s: Search, ramp: int, order: np.ndarray) -> Profile | None:
         ok_off = ok_off.copy()
         rows = reach[here]
         if ramp == s.r - 1:
-            val_off[here], ok_off[here], k_off[here] = -before, 1.0, s.r
+            val_off[here], ok_off[here], k_off[here] = -before, 1, s.r
         else:
             later = t[ramp + 1:]
             hits = s.conf_t[ramp + 1:, rows] >= later[:, None]
@@ -229,14 +228,14 @@ def profile(s: Search, ramp: int, order: np.ndarray) -> Profile | None:
             cum_after = np.cumsum(np.where(later <= 1.0, w.cost_ms[ramp + 1:], 0.0))
             val_off[here] = np.where(anyhit, w.saving_ms[q] - before - cum_after[q - ramp - 1],
                                      -before - cum_after[-1])
-            ok_off[here] = np.where(anyhit, s.agree_tf[q, rows], 1.0)
+            ok_off[here] = np.where(anyhit, s.agree_ti[q, rows], 1)
             k_off[here] = np.where(anyhit, q, s.r)
     total_off = s.total - float(s.val[reach].sum()) + float(val_off.sum())
-    agree_off = s.n_agree - int(round(float(s.ok[reach].sum()))) + int(round(float(ok_off.sum())))
+    agree_off = s.n_agree - int(s.ok[reach].sum()) + int(ok_off.sum())
     c = s.conf_t[ramp, reach]
     ends = np.flatnonzero(np.append(c[1:] != c[:-1], True))  # last index of each tie group
     totals = total_off - cost_r * m + np.cumsum(w.saving_ms[ramp] - before - val_off)[ends]
-    agrees = agree_off + np.rint(np.cumsum(s.agree_tf[ramp, reach] - ok_off)[ends]).astype(np.int64)
+    agrees = agree_off + np.cumsum(s.agree_ti[ramp, reach] - ok_off)[ends]
     return Profile(ramp=ramp, reach=reach, val_off=val_off, ok_off=ok_off, k_off=k_off, conf=c, ends=ends,
                    totals=totals, agrees=agrees, total_off=total_off, agree_off=agree_off)
 
@@ -253,7 +252,7 @@ def place(s: Search, p: Profile, pos: int) -> None:
     cost_r = float(w.cost_ms[ramp])
     cost_through = float(np.sum(w.cost_ms[: ramp + 1][s.t[: ramp + 1] <= 1.0]))
     out, on = p.reach[:n_exit], p.reach[n_exit:]
-    s.k[out], s.val[out], s.ok[out] = ramp, w.saving_ms[ramp] - cost_through, s.agree_tf[ramp, out]
+    s.k[out], s.val[out], s.ok[out] = ramp, w.saving_ms[ramp] - cost_through, s.agree_ti[ramp, out]
     s.k[on], s.val[on], s.ok[on] = p.k_off[n_exit:], p.val_off[n_exit:] - cost_r, p.ok_off[n_exit:]
     s.total, s.n_agree = float(p.totals[pos]), int(p.agrees[pos])
 
@@ -261,18 +260,32 @@ def place(s: Search, p: Profile, pos: int) -> None:
 class Lowering:
     """The lowerings of one ramp's threshold with the others fixed (see :func:`lowering`).
 
-    Position p lets out ``idx[: p + 1]``; ``ends`` (None: every position) marks the positions that
-    do not split inputs of equal confidence.
+    Position p lets out the first p + 1 of the inputs going past the ramp (``going``: a mask over
+    the ramp's confidence order); ``ends`` (None: every position) marks the positions that do not
+    split inputs of equal confidence. ``totals`` / ``agrees``: the window's total saving and
+    agreement count after each position's move, up to the last position within the budget (the
+    later ones can never be proposed).
     """
 
-    __slots__ = ("ramp", "idx", "conf", "ends", "totals", "agrees", "exit_ms", "activates", "first", "done")
+    __slots__ = ("ramp", "idx", "going", "sorted_conf", "_conf", "ends", "totals", "agrees", "exit_ms",
+                 "activates", "first", "done")
 
-    def __init__(self, ramp: int, idx: np.ndarray, conf: np.ndarray, ends: np.ndarray | None, totals: np.ndarray,
-                 agrees: np.ndarray, exit_ms: float, activates: bool) -> None:
-        self.ramp, self.idx, self.conf, self.ends, self.totals, self.agrees = ramp, idx, conf, ends, totals, agrees
+    def __init__(self, ramp: int, idx: np.ndarray, going: np.ndarray, sorted_conf: np.ndarray,
+                 ends: np.ndarray | None, totals: np.ndarray, agrees: np.ndarray, exit_ms: float,
+                 activates: bool) -> None:
+        self.ramp, self.idx, self.going, self.sorted_conf = ramp, idx, going, sorted_conf
+        self.ends, self.totals, self.agrees = ends, totals, agrees
         self.exit_ms, self.activates = exit_ms, activates
+        self._conf: np.ndarray | None = None
         self.first = 0  # positions before this one are no longer lowerings (the ramp already moved there)
         self.done = 0  # inputs of idx already let out
+
+    @property
+    def conf(self) -> np.ndarray:
+        """Confidences of the inputs going past the ramp, highest first (taken when first needed)."""
+        if self._conf is None:
+            self._conf = self.sorted_conf[self.going]
+        return self._conf
 
     def threshold(self, pos: int) -> float:
         c = self.conf
@@ -287,46 +300,67 @@ class Lowering:
         saving per input that stops agreeing). None when no lowering fits the budget and saves more.
         """
         first = self.first
-        gain = self.totals[first:] - s.total
-        agrees = self.agrees[first:]
-        ok = (gain > EPS_MS * max(1.0, abs(s.total))) & (agrees >= s.n - s.allowed)
+        totals, agrees = self.totals, self.agrees
+        if first >= totals.size:
+            return None
+        if first:
+            totals, agrees = totals[first:], agrees[first:]
+        gain = totals - s.total
+        floor = EPS_MS * max(1.0, abs(s.total))  # a move must save more than this
+        # Tier 2: the feasible state has n_agree >= n - allowed, so a move that loses no agreement fits.
+        free = agrees >= s.n_agree
+        if self.ends is not None:
+            free &= self.ends[first:]
+        keyed = np.where(free, gain, -np.inf)
+        j = int(keyed.argmax())
+        if keyed[j] > floor:  # the first position of the largest gain (all such gains exceed the floor)
+            return 2, float(gain[j]), first + j
+        if s.n - s.n_agree >= s.allowed:
+            return None  # no budget left for a move that loses agreement
+        ok = gain > floor
+        ok &= agrees >= s.n - s.allowed
         if self.ends is not None:
             ok &= self.ends[first:]
-        if not ok.any():
-            return None
-        loss = s.n_agree - agrees
-        free = ok & (loss < 0.5)
-        if free.any():
-            j = int(np.argmax(np.where(free, gain, -np.inf)))
-            return 2, float(gain[j]), first + j
-        ratio = np.where(ok, gain / np.maximum(loss, 1.0), -np.inf)
-        j = int(np.argmax(ratio))
-        return 1, float(ratio[j]), first + j
+        ratio = np.where(ok, gain / np.maximum(s.n_agree - agrees, 1), -np.inf)
+        j = int(ratio.argmax())
+        if ratio[j] > -np.inf:
+            return 1, float(ratio[j]), first + j
+        return None
 
 
 def lowering(s: Search, ramp: int) -> Lowering | None:
     """Saving and agreement of letting out, at ``ramp``, the first p of the inputs now going past it.
 
     Those inputs are taken by confidence, highest first; a disabled ramp is switched on by the move
-    (every input going past it then pays its overhead). One cumulative sum gives every p.
+    (every input going past it then pays its overhead). One running sum gives every p.
     """
-    order = s.order(ramp)
+    order = s.orders[ramp]
     going = s.k[order] > ramp
     idx = order[going]
-    if idx.size == 0:
+    m = idx.size
+    if m == 0:
         return None
     cost_r = s.cost_l[ramp]
     activates = s.t[ramp] > 1.0
     shift = cost_r if activates else 0.0
     exit_ms = s.saving_l[ramp] - s.cost_before(ramp) - cost_r
-    totals = np.cumsum(exit_ms + shift - s.val[idx])
-    totals += s.total - shift * idx.size
-    agrees = np.cumsum(s.agree_tf[ramp][idx] - s.ok[idx])
+    agrees = s.agree_sorted[ramp][going]
+    agrees -= s.ok[idx]
+    np.add.accumulate(agrees, out=agrees)
     agrees += s.n_agree
+    # Positions past the last one within budget can never be proposed (the budget does not move):
+    # the savings are summed only up to it.
+    within = (agrees >= s.n - s.allowed)[::-1]
+    last = int(within.argmax())
+    size = m - last if within[last] else 0
+    agrees = agrees[:size]
+    totals = np.subtract(exit_ms + shift, s.val[idx[:size]])
+    np.add.accumulate(totals, out=totals)
+    totals += s.total - shift * m
     # A cut must not split inputs of equal confidence (a tie with an input that does not go past
     # the ramp is harmless, so the whole-column tie marks are a safe, slightly strict filter).
-    ends = s.group_end[ramp][going] if s.ties[ramp] else None
-    return Lowering(ramp, idx, s.conf_t[ramp][idx], ends, totals, agrees, exit_ms, activates)
+    ends = s.group_end[ramp][going][:size] if s.ties[ramp] else None
+    return Lowering(ramp, idx, going, s.conf_sorted[ramp], ends, totals, agrees, exit_ms, activates)
 
 
 def place_lowering(s: Search, low: Lowering, pos: int) -> None:
@@ -337,10 +371,10 @@ def place_lowering(s: Search, low: Lowering, pos: int) -> None:
         low.activates = False
     newly = low.idx[low.done:pos + 1]
     s.k[newly] = ramp
-    s.ok[newly] = s.agree_tf[ramp][newly]
+    s.ok[newly] = s.agree_ti[ramp][newly]
     s.val[newly] = low.exit_ms
     s.t[ramp] = low.threshold(pos)
-    s.total, s.n_agree = float(low.totals[pos]), int(round(float(low.agrees[pos])))
+    s.total, s.n_agree = float(low.totals[pos]), int(low.agrees[pos])
     low.done, low.first = pos + 1, pos + 1
 
 
@@ -380,7 +414,7 @@ def climb_profiles(s: Search, movable: np.ndarray, max_rounds: int, moves: list[
             del proposals[ramp]
             continue
         proposals[ramp] = move[:2]
-        if any(proposals[q] > move[:2] for q in proposals if q != ramp):
+        if max(proposals.values()) > move[:2]:
             continue  # its proposal went stale; another ramp's may be better now
         old = float(s.t[ramp])
         place_lowering(s, low, move[2])
