@@ -5,7 +5,11 @@ each: (a) `BundleRuntime.run_range` in this process; (b) one KServe v2 request c
 batch through a real router process and one split-worker process (the whole model in one split,
 exits off). Prints p50/p90 of both, the difference in ms and the ratio.
 
-    python bench/dataplane_overhead.py [--bundle artifacts/bundles/minilm] [--batch 8] [--bucket 32] [--runs 200]
+The client keeps one HTTP/1.1 connection open across requests (keep-alive, as any serving client
+does); `--new-connection` opens a new TCP connection per request instead (urllib), which adds the
+connect and teardown to (b).
+
+    python bench/dataplane_overhead.py [--bundle artifacts/bundles/minilm] [--batch 8] [--bucket 32] [--runs 200] [--new-connection]
 
 With the digits CNN bundle (compute ~0.3 ms) the difference is almost pure serving overhead; with
 MiniLM it also shows what the extra processes cost the compute on a 2-core machine.
@@ -14,6 +18,7 @@ MiniLM it also shows what the extra processes cost the compute on a 2-core machi
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import statistics
 import tempfile
@@ -39,6 +44,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--port", type=int, default=18480)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--new-connection", action="store_true", help="a new TCP connection per request (default: one kept-alive connection)")
     args = ap.parse_args()
 
     manifest = read_manifest(args.bundle)
@@ -75,15 +81,27 @@ def main() -> None:
     body = json.dumps({"inputs": body_inputs}).encode()
     with tempfile.TemporaryDirectory() as tmp:
         with LocalDeployment(args.bundle.resolve(), plan, spec, Path(tmp), port=args.port, base_port=args.port + 1) as dep:
-            url = f"{dep.url}/v2/models/{manifest.name}/infer"
+            path = f"/v2/models/{manifest.name}/infer"
+            conn = http.client.HTTPConnection("127.0.0.1", args.port, timeout=30)
+            headers = {"Content-Type": "application/json"}
 
             router_ms: list[float] = []
 
+            def post() -> bytes:
+                if args.new_connection:
+                    req = urllib.request.Request(dep.url + path, data=body, headers=headers)
+                    with urllib.request.urlopen(req) as resp:
+                        return resp.read()
+                conn.request("POST", path, body=body, headers=headers)
+                resp = conn.getresponse()
+                answer = resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"router answered {resp.status}: {answer[:300]!r}")
+                return answer
+
             def via_router() -> float:
                 t0 = time.perf_counter()
-                req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(req) as resp:
-                    answer = resp.read()
+                answer = post()
                 elapsed = (time.perf_counter() - t0) * 1000
                 router_ms.append(json.loads(answer)["parameters"]["latency_ms"])
                 return elapsed
@@ -105,15 +123,17 @@ def main() -> None:
                 b.append(via_router())
             after = _batch_totals(worker)
             worker_mean = 1000 * (after[0] - before[0]) / max(after[1] - before[1], 1)
+            conn.close()
     p50_a, p50_b = statistics.median(a), statistics.median(b)
     p90_a, p90_b = np.percentile(a, 90), np.percentile(b, 90)
     result = {
-        "batch": n_inputs, "bucket": args.bucket, "runs": args.runs,
+        "batch": n_inputs, "bucket": args.bucket, "runs": args.runs, "client": "new-connection" if args.new_connection else "keep-alive",
         "ort_direct_p50_ms": round(p50_a, 3), "router_hop_p50_ms": round(p50_b, 3),
         "added_p50_ms": round(p50_b - p50_a, 3), "ratio_p50": round(p50_b / p50_a, 3),
         "ort_direct_p90_ms": round(float(p90_a), 3), "router_hop_p90_ms": round(float(p90_b), 3),
     }
-    print(f"batch {n_inputs} at bucket {args.bucket}, {args.runs} runs each, alternating")
+    print(f"batch {n_inputs} at bucket {args.bucket}, {args.runs} runs each, alternating; client: "
+          f"{'a new connection per request' if args.new_connection else 'one kept-alive connection'}")
     print(f"  ORT direct           p50 {p50_a:8.3f} ms   p90 {p90_a:8.3f} ms")
     print(f"  router + 1 split hop p50 {p50_b:8.3f} ms   p90 {p90_b:8.3f} ms")
     print(f"  added at p50: {p50_b - p50_a:.3f} ms   ratio {p50_b / p50_a:.3f}x")

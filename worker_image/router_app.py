@@ -36,7 +36,7 @@ from exitplan.planner.dispatch import QueueParams, choose_bucket, ideal_bucket
 from .admission import BucketLimiter
 from .bundle_runtime import softmax
 from .discovery import PeerSet, parse_peer_spec
-from .forward import HopFailed, NoPeer, send
+from .forward import HopClient, HopFailed, NoPeer, send
 from .metrics import RouterMetrics
 from .observe import FeedbackRing, WindowStats
 from .planfile import read_plan, watch_plan
@@ -95,6 +95,7 @@ class Router:
         self.ids = itertools.count()
         self.prefix = f"{os.getpid():x}{int(time.time()) % 100000:x}"
         self.metrics = RouterMetrics(self.plan.service)
+        self._children: dict[tuple, object] = {}
         self.metrics.slo.labels(self.plan.service).set(self.slo_s)
         self.metrics.accuracy_budget.labels(self.plan.service).set(accuracy_budget)
         self.window = self._new_window()
@@ -103,6 +104,8 @@ class Router:
         self.pending_records: dict[str, str] = {}  # id of a shadow-sampled input -> ramp that answered it
         self.saving_ms, self.cost_ms = self._ramp_costs()
         self.session: aiohttp.ClientSession | None = None
+        self.hop = HopClient()
+        """Frames to the next hop's /v1/run (the session serves probes, thresholds and feedback)."""
         self.tasks: list[asyncio.Task] = []
         self._publish_thresholds()
 
@@ -113,6 +116,11 @@ class Router:
             return None
         from tokenizers import Tokenizer
 
+        # A request carries a few texts: tokenizing them on this thread is cheaper than waking the
+        # tokenizers thread pool for each request (measured: 0.65 vs 0.85 ms for 8 texts between
+        # 30 ms idle gaps on a 2-core VM). Requests run concurrently on the event loop, and router
+        # replicas scale out. An explicit TOKENIZERS_PARALLELISM in the environment wins.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         tok = Tokenizer.from_file(str(self.bundle_dir / self.manifest.tokenizer))
         tok.no_padding()
         tok.no_truncation()
@@ -130,6 +138,14 @@ class Router:
 
     def _new_window(self) -> WindowStats:
         return WindowStats(self.plan.service, self.model, self.exit_ramps, self.buckets)
+
+    def _child(self, metric, *labels: str):
+        """`metric.labels(service, *labels)`, looked up once (the lookup costs more than the update)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(self.plan.service, *labels)
+        return child
 
     def _publish_thresholds(self) -> None:
         for name in self.exit_ramps:
@@ -216,13 +232,18 @@ class Router:
             self.metrics.requests.labels(self.plan.service, "503").inc()
             return _error(503, f"router is at its limit of {self.max_inflight} inputs in flight; retry later", retry_after=1)
         loads = self._loads()
-        chosen = []
-        for i in range(n):
-            ideal = ideal_bucket(int(batch.lengths[i]), self.buckets)
+        lengths = batch.lengths.tolist()
+        per_ideal: dict[int, int] = {}
+        for length in lengths:
+            ideal = ideal_bucket(length, self.buckets)
             self.window.record_length(ideal)
             if ideal >= 0:
-                self.metrics.length_inputs.labels(self.plan.service, str(self.buckets[ideal])).inc()
-            b = choose_bucket(int(batch.lengths[i]), self.buckets, loads, self.queue_params)
+                per_ideal[ideal] = per_ideal.get(ideal, 0) + 1
+        for ideal, count in per_ideal.items():
+            self._child(self.metrics.length_inputs, str(self.buckets[ideal])).inc(count)
+        chosen = []
+        for length in lengths:
+            b = choose_bucket(length, self.buckets, loads, self.queue_params)
             # An idle bucket takes a request whatever its size (else a batch above the limit would starve).
             if b < 0 or (loads[b] >= 1.0 and self.outstanding[b] > 0):
                 wait = self.limiters[b].retry_after_s(self.outstanding[b]) if b >= 0 else 1
@@ -239,21 +260,25 @@ class Router:
         deadline = started + self.slo_s
         timeout_at = started + self.timeout_s
         self.inflight += n
-        self.metrics.inflight.labels(self.plan.service).set(self.inflight)
+        inflight = self._child(self.metrics.inflight)
+        inflight.set(self.inflight)
         try:
             groups: dict[int, list[int]] = {}
             for i, b in enumerate(chosen):
                 groups.setdefault(b, []).append(i)
             results: list[dict | None] = [None] * n
             scores = np.zeros((n, len(self.manifest.labels)), dtype=np.float32)
-            await asyncio.gather(*(self._dispatch(b, rows, batch, deadline, timeout_at, results, scores) for b, rows in groups.items()))
+            if len(groups) == 1:  # the common case: no task to schedule
+                (b, rows), = groups.items()
+                await self._dispatch(b, rows, batch, deadline, timeout_at, results, scores)
+            else:
+                await asyncio.gather(*(self._dispatch(b, rows, batch, deadline, timeout_at, results, scores) for b, rows in groups.items()))
         finally:
             self.inflight -= n
-            self.metrics.inflight.labels(self.plan.service).set(self.inflight)
+            inflight.set(self.inflight)
         return self._respond(results, scores, started, chosen, request)
 
     async def _dispatch(self, b, rows, batch, deadline, timeout_at, results, scores) -> None:
-        assert self.session is not None
         bucket = self.buckets[b]
         ids = [f"{self.prefix}-{next(self.ids)}" for _ in rows]
         frac = self.shadow_fraction
@@ -268,7 +293,7 @@ class Router:
             items.append(item)
         tensors = batch.state_for(rows, bucket)
         try:
-            meta, out, _ = await send(self.session, self.peers, bucket=bucket, split=0, meta={"items": items, "bucket": bucket},
+            meta, out, _ = await send(self.hop, self.peers, bucket=bucket, split=0, meta={"items": items, "bucket": bucket},
                                       tensors=tensors, rows=len(rows), timeout_at=timeout_at)
         except NoPeer as err:
             for i in rows:
@@ -285,6 +310,7 @@ class Router:
             self.outstanding[b] -= len(rows)
         logits = out.get("logits")
         by_id = {item["id"]: (i, item) for item, i in zip(items, rows)}
+        answered_k, answered_i = [], []
         for k, res in enumerate(meta.get("results") or []):
             i, item = by_id.pop(res.get("id"), (None, None)) if res else (None, None)
             if i is None:
@@ -293,43 +319,54 @@ class Router:
                 results[i] = {"error": res["error"], "reason": "worker", "status": 502}
                 continue
             results[i] = {"ramp": res["ramp"], "final": bool(res.get("final"))}
-            if logits is not None:
-                scores[i] = softmax(logits[k : k + 1])[0]
+            answered_k.append(k)
+            answered_i.append(i)
             if item.get("record"):
                 self.pending_records[item["id"]] = res["ramp"]
                 if len(self.pending_records) > 8192:  # feedback that never came (a lost post): forget the oldest
                     self.pending_records.pop(next(iter(self.pending_records)))
+        if logits is not None and answered_k:
+            scores[answered_i] = softmax(logits[answered_k])
         for i, _ in by_id.values():
             results[i] = {"error": "the worker returned no answer for this input", "reason": "worker", "status": 502}
 
     def _respond(self, results, scores, started, chosen, request) -> web.Response:
         latency = time.time() - started
-        labels, ramps = [], []
+        within = latency <= self.slo_s
         errors = [r for r in results if r is None or "error" in r]
+        per_exit: dict[str, int] = {}
+        per_bucket: dict[int, int] = {}
         for r, b in zip(results, chosen):
             if r is None or "error" in r:
                 reason = (r or {}).get("reason", "worker")
                 self.window.record_error(reason)
-                self.metrics.errors.labels(self.plan.service, reason).inc()
+                self._child(self.metrics.errors, reason).inc()
                 continue
             ramp = r["ramp"]
             index = len(self.exit_ramps) if r["final"] else self.ramp_index.get(ramp, len(self.exit_ramps))
-            within = latency <= self.slo_s
             self.window.record_answer(index, latency, within)
-            self.metrics.exits.labels(self.plan.service, "final" if r["final"] else ramp).inc()
-            self.metrics.latency.labels(self.plan.service, str(self.buckets[b])).observe(latency)
-            self.metrics.inputs.labels(self.plan.service, str(self.buckets[b])).inc()
-            if within:
-                self.metrics.within_slo.labels(self.plan.service).inc()
+            label = "final" if r["final"] else ramp
+            per_exit[label] = per_exit.get(label, 0) + 1
+            per_bucket[b] = per_bucket.get(b, 0) + 1
+        # Metrics once per label set rather than per input (the labels() lookups were most of the cost).
+        for label, count in per_exit.items():
+            self._child(self.metrics.exits, label).inc(count)
+        for b, count in per_bucket.items():
+            histogram = self._child(self.metrics.latency, str(self.buckets[b]))
+            for _ in range(count):
+                histogram.observe(latency)
+            self._child(self.metrics.inputs, str(self.buckets[b])).inc(count)
+        if within and per_bucket:
+            self._child(self.metrics.within_slo).inc(sum(per_bucket.values()))
         if errors:
             first = errors[0] or {"error": "no answer", "status": 502}
             status = first.get("status", 502)
-            self.metrics.requests.labels(self.plan.service, str(status)).inc()
+            self._child(self.metrics.requests, str(status)).inc()
             return _error(status, f"{len(errors)} of {len(results)} inputs failed: {first['error']}")
-        for r, row in zip(results, scores):
-            labels.append(self.manifest.labels[int(np.argmax(row))])
-            ramps.append(r["ramp"])
-        self.metrics.requests.labels(self.plan.service, "200").inc()
+        names = self.manifest.labels
+        labels = [names[k] for k in scores.argmax(axis=1).tolist()]
+        ramps = [r["ramp"] for r in results]
+        self._child(self.metrics.requests, "200").inc()
         n = len(results)
         return web.json_response({
             "model_name": self.model,
@@ -469,6 +506,7 @@ class Router:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.hop.close()
         if self.session:
             await self.session.close()
 

@@ -10,6 +10,7 @@ tensor area, 8-byte aligned). Decoding is zero-copy (`np.frombuffer` views into 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 MAGIC = b"EXP1"
 CONTENT_TYPE = "application/x-exitplan-frame"
 _DTYPES = {"float32", "float16", "int64", "int32", "uint8", "bool"}
+_ITEMSIZE = {name: np.dtype(name).itemsize for name in _DTYPES}
 _HEAD = struct.Struct("<4sI")
 
 
@@ -29,19 +31,19 @@ class WireError(ValueError):
 def encode(meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None = None) -> bytes:
     """One frame holding `meta` (JSON-able) and `tensors` (name -> array)."""
     specs = []
-    chunks: list[bytes] = []
+    chunks: list = []
     offset = 0
     for name, array in (tensors or {}).items():
         array = np.ascontiguousarray(array)
         if array.dtype.name not in _DTYPES:
             raise WireError(f"tensor {name!r}: dtype {array.dtype} is not sendable; use one of {sorted(_DTYPES)}")
-        data = array.tobytes()
-        pad = (-len(data)) % 8
-        specs.append({"name": name, "dtype": array.dtype.name, "shape": list(array.shape), "offset": offset, "nbytes": len(data)})
-        chunks.append(data)
+        nbytes = array.nbytes
+        pad = (-nbytes) % 8
+        specs.append({"name": name, "dtype": array.dtype.name, "shape": list(array.shape), "offset": offset, "nbytes": nbytes})
+        chunks.append(array)  # contiguous (ascontiguousarray gives ndim >= 1): the join copies it once
         if pad:
             chunks.append(b"\0" * pad)
-        offset += len(data) + pad
+        offset += nbytes + pad
     header = json.dumps({"meta": meta, "tensors": specs}, separators=(",", ":")).encode()
     return b"".join([_HEAD.pack(MAGIC, len(header)), header, *chunks])
 
@@ -71,7 +73,7 @@ def decode(body: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             raise WireError(f"tensor spec {spec!r} is incomplete: {err}") from err
         if dtype not in _DTYPES:
             raise WireError(f"tensor {name!r}: unknown dtype {dtype!r}")
-        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        expected = math.prod(shape) * _ITEMSIZE[dtype]
         if nbytes != expected or offset < 0 or offset + nbytes > len(view):
             raise WireError(f"tensor {name!r}: {nbytes} bytes at offset {offset} do not hold {dtype}{list(shape)}")
         tensors[name] = np.frombuffer(view[offset : offset + nbytes], dtype=dtype).reshape(shape)

@@ -36,7 +36,7 @@ from . import wire
 from .bundle_runtime import BundleRuntime, StateError
 from .discovery import PeerSet, parse_peer_spec
 from .executor import execute
-from .forward import HopFailed, NoPeer, send
+from .forward import HopClient, HopFailed, NoPeer, send
 from .metrics import WorkerMetrics
 from .planfile import read_plan, watch_plan
 
@@ -49,10 +49,12 @@ FAULTS_ENV = "EXITPLAN_ENABLE_FAULTS"
 class Pending:
     """One incoming frame: answered when every row has a result or an error."""
 
-    __slots__ = ("items", "results", "logits", "remaining", "future", "service_ms", "expected_ms")
+    __slots__ = ("items", "tensors", "results", "logits", "remaining", "future", "service_ms", "expected_ms")
 
-    def __init__(self, items: list[dict], n_labels: int) -> None:
+    def __init__(self, items: list[dict], n_labels: int, tensors: dict[str, np.ndarray] | None = None) -> None:
         self.items = items
+        self.tensors = tensors or {}
+        """The frame's input tensors, [len(items), ...] each: row i of each is item i's input."""
         self.results: list[dict | None] = [None] * len(items)
         self.logits = np.zeros((len(items), n_labels), dtype=np.float32)
         self.remaining = len(items)
@@ -78,7 +80,6 @@ class Pending:
 class Row:
     pending: Pending
     index: int
-    tensors: dict[str, np.ndarray]
     arrival: float
     deadline: float
     timeout: float
@@ -131,6 +132,7 @@ class SplitWorker:
         self.wakeup = asyncio.Event()
         self.pool_exec = ThreadPoolExecutor(1, thread_name_prefix="infer")
         self.metrics = WorkerMetrics(self.plan.service, split, bucket, pool)
+        self._exit_children: dict[str, object] = {}
         self.metrics.planned_batch.set(self.batch_size)
         self.fit = (1.0, 0.1)  # expected batch ms = a + b * n, refitted at warm-up
         self.slowdown = 1.0
@@ -138,6 +140,8 @@ class SplitWorker:
         self.ready = False
         self.served = 0
         self.session: aiohttp.ClientSession | None = None
+        self.hop = HopClient()
+        """Frames to the next hop's /v1/run (the session serves probes, thresholds and feedback)."""
         self.tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ plan
@@ -233,11 +237,11 @@ class SplitWorker:
                     raise ValueError(f"tensor {name!r} shape {list(t.shape)}: axis 1 must be this bucket's length {self.bucket}")
         except (wire.WireError, KeyError, TypeError, ValueError) as err:
             return web.Response(status=400, text=f"bad frame: {err}")
-        pending = Pending(items, self.n_labels)
+        pending = Pending(items, self.n_labels, {k: tensors[k] for k in self.input_names})
         now = time.time()
         for i, item in enumerate(items):
             deadline = float(item.get("deadline", now + 1.0))
-            row = Row(pending, i, {k: tensors[k][i] for k in self.input_names}, now, deadline, float(item.get("timeout", deadline)), item)
+            row = Row(pending, i, now, deadline, float(item.get("timeout", deadline)), item)
             if item.get("answered"):
                 pending.answer(i, {"id": item["id"], "shadow": True}, None)
             self.queue.append(row)
@@ -329,7 +333,7 @@ class SplitWorker:
         now = time.time()
         for row in batch:
             self.metrics.queue_seconds.observe(now - row.arrival)
-        state = {name: np.stack([row.tensors[name] for row in batch]) for name in self.input_names}
+        state = _batch_state(batch, self.input_names)
         answered = np.array([row.answered for row in batch], dtype=bool)
         recorded = np.array([bool(row.item.get("record")) for row in batch], dtype=bool)
         thresholds = self.thresholds
@@ -362,10 +366,16 @@ class SplitWorker:
             item_rec["pred"].update(rec.pred)
             if rec.final_pred is not None:
                 item_rec["final"] = rec.final_pred
+        per_ramp: dict[str, int] = {}
         for ans in outcome.answers:
             row = batch[ans.row]
-            self.metrics.exits.labels(**self.metrics.labels, ramp=ans.ramp).inc()
+            per_ramp[ans.ramp] = per_ramp.get(ans.ramp, 0) + 1
             row.pending.answer(row.index, {"id": row.item["id"], "ramp": ans.ramp, "final": ans.final}, ans.logits)
+        for ramp, count in per_ramp.items():
+            child = self._exit_children.get(ramp)
+            if child is None:
+                child = self._exit_children[ramp] = self.metrics.exits.labels(**self.metrics.labels, ramp=ramp)
+            child.inc(count)
         if not self.is_last:
             self.survival = 0.9 * self.survival + 0.1 * (len(outcome.survivors) / len(batch))
         if self.is_last:
@@ -384,7 +394,7 @@ class SplitWorker:
         self.metrics.forward_bytes.inc(sum(v.nbytes for v in state.values()))
         try:
             meta, tensors, _ = await send(
-                self.session, self.next, bucket=self.bucket, split=self.split + 1, meta={"items": items, "bucket": self.bucket},
+                self.hop, self.next, bucket=self.bucket, split=self.split + 1, meta={"items": items, "bucket": self.bucket},
                 tensors=state, rows=len(rows), timeout_at=max(r.timeout for r in rows),
             )
         except (NoPeer, HopFailed) as err:
@@ -448,6 +458,7 @@ class SplitWorker:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         for row in self.queue:
             row.pending.fail(row.index, "worker shutting down")
+        await self.hop.close()
         if self.session:
             await self.session.close()
         self.pool_exec.shutdown(wait=False)
@@ -468,3 +479,12 @@ class SplitWorker:
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
+
+
+def _batch_state(batch: list[Row], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The batch's input state: a frame's own tensors when the batch is exactly that frame's rows in
+    order (one request filling the batch: no copy), else the rows stacked."""
+    first = batch[0].pending
+    if len(batch) == len(first.items) and all(row.pending is first and row.index == i for i, row in enumerate(batch)):
+        return {name: first.tensors[name] for name in names}
+    return {name: np.stack([row.pending.tensors[name][row.index] for row in batch]) for name in names}
