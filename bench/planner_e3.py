@@ -1,19 +1,24 @@
-"""E3's setting, simulated: a BERT-base-like 12-block early-exit model on V100-class GPUs.
+"""E3's setting, simulated: a BERT-base 12-block early-exit model on V100-class GPUs.
 
     python bench/planner_e3.py [--quick]
 
-Profile: planner/synthetic.py (derived from BERT-base FLOPs and datasheet peaks; stated there).
+Profile: planner/synthetic.py (NVIDIA's published BERT-base FP16 V100 figures, batch 1-8; P100
+and K80 scaled from datasheet rates; GCP per-GPU prices; all stated there).
 Workload: 80:20 easy:hard; an easy input exits after 2-5 of the 12 blocks, a hard one after 10-12
 (uniform), all inputs of length 128; SLO 100 ms (p99). Goodput = the largest Poisson rate at which
 >= 99 % of requests are answered within the SLO (drops count as misses), found by bisection in the
 discrete-event simulator with the data plane's batching and dispatch rules (fusion queues launch
 on a full batch or when the oldest deadline needs it; the data plane's extra 2 ms max wait is off,
-see MAX_WAIT_MS).
+see MAX_WAIT_MS). Naive early exit = exits inside one unsplit model: a batch runs each later block
+at the size that remains (E3's account); a second row shows the variant where exited rows keep
+their slots until the whole batch is done.
 
 Part 1, 16 V100s (equal cost for every configuration): vanilla, naive early exit, E3 (splits),
-exitplan (all; the same as E3 here since every input has one length), and the oracle bound.
-Part 2, heterogeneous at equal cost: a budget of 16 V100s' cost per hour (48.96/h) spent on V100
-only, P100 only, K80 only, or any mix of the three (the planner chooses; E3's DP with GPU types).
+exitplan (all; the same as E3 here since every input has one length), and the oracle bound; then
+the same with batches up to 32 extrapolated linearly past the published batch 8 (sensitivity).
+Part 2, heterogeneous at equal cost: the cost of 16 V100s per hour spent on V100 only, P100 only,
+K80 only, or any mix of the three (the planner chooses; E3's DP with GPU types), every type
+available in any number.
 Part 3: the same budget as a cap when each type is scarce (8 V100, 16 P100, 24 K80 available), so
 no single type can spend it.
 """
@@ -42,9 +47,9 @@ def spec_for(pools: list[str], cost_cap: float | None = None) -> EarlyExitServic
                                 planner=PlannerSettings(max_splits=4, cost_cap_per_hour=cost_cap))
 
 
-def measure(label: str, result, duration: float, iters: int) -> float:
+def measure(label: str, result, duration: float, iters: int, compact_exits: bool = True) -> float:
     t = time.perf_counter()
-    rate, res = sustainable_rate(result, LENGTHS, SLO_MS, duration_s=duration, iters=iters, max_wait_ms=MAX_WAIT_MS)
+    rate, res = sustainable_rate(result, LENGTHS, SLO_MS, duration_s=duration, iters=iters, max_wait_ms=MAX_WAIT_MS, compact_exits=compact_exits)
     plan = result.plan
     layout = " | ".join(f"{s.first_block}-{s.last_block}:" + "+".join(f"{c.replicas}x{c.pool}/b{c.batch_size}" for c in plan.cells if c.split == s.index) for s in plan.splits)
     print(f"  {label:<10} goodput {rate:8.0f} req/s (planned {plan.prediction.goodput_rps:8.0f}; p99 {res.pct(99):5.1f} ms, "
@@ -64,14 +69,24 @@ def main() -> None:
     for cfg in ("vanilla", "naive-ee", "e3", "exitplan"):
         plans[cfg] = plan_config(cfg, "bert", spec, pools, profiles, lengths=np.full(1000, 128))
         rates[cfg] = measure(cfg, plans[cfg], duration, iters)
+    padded = measure("naive-ee, exited rows keep their slots", plans["naive-ee"], duration, iters, compact_exits=False)
     oracle = oracle_for(plans["e3"], np.full(20000, 128), 1e12)
     print(f"  {'oracle':<10} goodput {oracle:8.0f} req/s (fluid bound: every GPU busy on exactly the blocks each input needs, best batch, free exits)")
     best = rates["exitplan"]
     print(f"  ratios: exitplan / naive-ee = {best / rates['naive-ee']:.2f}x (E3 paper: 1.44x), exitplan / vanilla = {best / rates['vanilla']:.2f}x "
-          f"(E3 paper: 1.30x), exitplan / oracle = {best / oracle:.0%}")
+          f"(E3 paper: 1.30x), exitplan / oracle = {best / oracle:.0%}; exitplan / naive-ee with slots kept = {best / padded:.2f}x")
 
-    print("Part 2: equal cost 48.96/h (16 x V100) as V100 only, P100 only, K80 only, or a mix")
+    print("Part 1b (sensitivity): batches up to 32, extrapolated linearly past the published batch 8")
+    wide = {"v100": bert_base_profile("v100", batch_sizes=(1, 2, 4, 8, 16, 24, 32))}
+    rates_w = {}
+    for cfg in ("vanilla", "naive-ee", "e3"):
+        rates_w[cfg] = measure(cfg, plan_config(cfg, "bert", spec, pools, wide, lengths=np.full(1000, 128)), duration, iters)
+    oracle_w = oracle_for(plan_config("e3", "bert", spec, pools, wide, lengths=np.full(1000, 128)), np.full(20000, 128), 1e12)
+    print(f"  oracle {oracle_w:.0f} req/s; ratios: e3 / naive-ee = {rates_w['e3'] / rates_w['naive-ee']:.2f}x, e3 / vanilla = "
+          f"{rates_w['e3'] / rates_w['vanilla']:.2f}x, e3 / oracle = {rates_w['e3'] / oracle_w:.0%}")
+
     budget = 16 * GPUS["v100"].cost_per_hour
+    print(f"Part 2: equal cost {budget:.2f}/h (16 x V100) as V100 only, P100 only, K80 only, or a mix")
     counts = {g: int(budget // GPUS[g].cost_per_hour + 1e-9) for g in ("v100", "p100", "k80")}
     homo = {}
     for g, n in counts.items():

@@ -11,7 +11,11 @@ What it models (the same rules as worker_image/router_app.py and worker_app.py):
   block as rows exit at enabled ramps; survivors go, after the transfer, to the least loaded
   replica (`dispatch.least_loaded`, queued+running / batch size) of the next split, same bucket.
 - Exits: each request draws its exit depth from the survival curve; a ramp that is off lets its
-  inputs ride on to the next enabled ramp (the planner assumes the same).
+  inputs ride on to the next enabled ramp (the planner assumes the same). An exited row leaves
+  its batch: later blocks run at the remaining size (E3's account of early exits: exits shrink
+  the batch and leave the GPU under-used). With compact_exits=False, exited rows keep their
+  slots until every row of the batch has exited (an implementation that cannot shrink a batch
+  mid-model); the batch still ends early when all its rows are done.
 
 Reports goodput (answers within the SLO per second), latency percentiles, SLO violations, drops
 and cost. `oracle_goodput` is the fluid upper bound: every GPU busy on exactly the blocks each
@@ -103,7 +107,7 @@ class Simulation:
 
     def __init__(self, plan: Plan, models: dict[str, CostModel], slo_ms: float, *, enabled: Sequence[bool] | None = None,
                  survival: Sequence[float] | None = None, pool_costs: dict[str, float] | None = None, queue: QueueParams = QueueParams(),
-                 max_wait_ms: float = 2.0, seed: int = 0, name: str = "") -> None:
+                 max_wait_ms: float = 2.0, seed: int = 0, name: str = "", compact_exits: bool = True) -> None:
         self.plan, self.models, self.slo_s = plan, models, slo_ms / 1e3
         ref = next(iter(models.values()))
         self.n_blocks = ref.n_blocks
@@ -112,6 +116,7 @@ class Simulation:
         self.enabled = list(enabled) if enabled is not None else [plan.thresholds.get(n, 2.0) <= 1.0 for n in names]
         self.survival = list(survival) if survival is not None else (list(ref.profile.survival) or [1.0] * len(names))
         self.queue_params, self.max_wait = queue, max_wait_ms / 1e3
+        self.compact_exits = compact_exits
         self.rng = np.random.default_rng(seed)
         self.name = name
         self.cost = sum(c.replicas * (pool_costs or {}).get(c.pool, 1.0) for c in plan.cells)
@@ -195,6 +200,8 @@ class Simulation:
                 m = len(rows)
                 ks = np.arange(w.first, w.last + 1)
                 counts = (d[:, None] > ks[None, :]).sum(axis=0)  # rows running each block
+                if not self.compact_exits:  # exited rows keep their slots until the whole batch is done
+                    counts = np.where(counts > 0, m, 0)
                 idx = np.arange(len(ks))
                 t = float(w.lat[idx, counts].sum() + w.ramp_lat[idx, counts].sum())
                 surv = [r for r, dd in zip(rows, d) if dd > w.last + 1]

@@ -22,9 +22,11 @@ from published latency figures (not measured here):
   on P100 and taken 1.3x on K80 (older, lower-clocked GPU on a slower PCIe generation): a stated
   assumption.
 - Exit ramps (DeeBERT-style pooler + classifier) after every layer cost 2 % of a layer.
-- Memory: 7.1 M parameters (28 MB FP32) per layer; activations d * L * 4 bytes per sample.
-- Cost per GPU-hour, public on-demand list prices: V100 3.06 (AWS p3.2xlarge), P100 1.46 (GCP
-  P100), K80 0.90 (AWS p2.xlarge), units/h.
+- Memory and transfers in FP16, the precision of the figures: 7.1 M parameters (14 MB) per layer;
+  activations d * L * 2 bytes per sample (197 kB at length 128).
+- Cost per GPU-hour: one provider's public on-demand list prices, Google Cloud's per-GPU prices
+  (us-central1, GPU only): V100 2.48, P100 1.46, K80 0.45 units/h. (Previously AWS p3.2xlarge
+  3.06 for V100 and p2.xlarge 0.90 for K80 were mixed with GCP's P100 price.)
 
 `flops_bert_base_profile` keeps the earlier FLOP-derived model (peak x 60 % with a flat region
 below 512 tokens in flight) for comparison. `synthetic_profile` builds a profile from any latency
@@ -55,9 +57,9 @@ class GPU:
 
 
 GPUS = {
-    "v100": GPU("v100", 15.7, 0.25, 3.06, 16),
+    "v100": GPU("v100", 15.7, 0.25, 2.48, 16),
     "p100": GPU("p100", 9.3, 0.25, 1.46, 16),
-    "k80": GPU("k80", 4.4, 0.40, 0.90, 12),
+    "k80": GPU("k80", 4.4, 0.40, 0.45, 12),
 }
 
 PUBLISHED_V100_FP16_MS = {1: 1e3 / 206.82, 2: 2e3 / 376.75, 4: 4e3 / 635.00, 8: 8e3 / 962.83}
@@ -171,8 +173,8 @@ def bert_base_profile(gpu_name: str, survival: Sequence[float] | None = None, *,
         ramp_after=list(range(n - 1)),
         ramp_ms=lambda b, L: 0.02 * published_layer_ms(gpu_name, b, L),
         survival=list(survival) if survival is not None else easy_hard_survival(n, 0.8),
-        output_bytes=lambda L: int(HIDDEN * L * 4),
-        weight_bytes=int(7.1e6 * 4),
+        output_bytes=lambda L: int(HIDDEN * L * 2),  # FP16 activations
+        weight_bytes=int(7.1e6 * 2),  # FP16 weights
         measured_on=f"derived: published BERT-base FP16 V100 figures (NVIDIA DeepLearningExamples), {gpu_name} scaled as stated in planner/synthetic.py",
     )
 

@@ -59,3 +59,17 @@ def test_oracle_bounds_every_configuration_and_exits_help(plans):
     bound = oracle_for(plans["e3"], lengths, 1e12)
     assert all(r <= bound for r in rates.values()), (rates, bound)
     assert rates["e3"] > rates["vanilla"]
+
+
+def test_exited_rows_that_keep_their_slots_cost_time(plans):
+    """A batch that cannot shrink mid-model runs every block at its starting size while anyone is
+    left: at a load where batches of several rows form (about 6 here) the answers come later on average."""
+    rng = np.random.default_rng(3)
+    arrivals = poisson_arrivals(rng, 1000.0, 1000)
+    lengths = np.full(1000, 128)
+    ref = plans["naive-ee"]
+    depths = depths_from_survival(np.random.default_rng(4), 1000, 12, list(range(11)), list(ref.plan.survival), [True] * 11)
+    shrink = simulate_plan(ref, arrivals, lengths, 100.0, depths=depths, max_wait_ms=20.0)
+    padded = simulate_plan(ref, arrivals, lengths, 100.0, depths=depths, max_wait_ms=20.0, compact_exits=False)
+    assert shrink.answered == padded.answered == 1000
+    assert np.mean(padded.latencies_ms) > np.mean(shrink.latencies_ms)
