@@ -179,13 +179,14 @@ def build_configmap(service: str, namespace: str, plan: Plan) -> Manifest:
 
 def router_settings(spec: EarlyExitServiceSpec) -> list[str]:
     """The router flags that carry the service's SLO, accuracy budget and router settings; the
-    router's observation window lasts half a drift period (see driftloop.py)."""
+    router's observation window lasts one drift period (the drift loop reads the window in progress
+    several times a period and keeps what is new, see driftloop.py)."""
     r = spec.router
     args = ["--slo-ms", f"{spec.slo.latency_ms:g}", "--accuracy-budget", f"{spec.accuracy.max_drop:g}",
             "--shadow-fraction", f"{spec.accuracy.shadow_fraction:g}", "--queue-lambda", f"{r.queue_lambda:g}",
             "--queue-alpha", f"{r.queue_alpha:g}", "--peek-depth", str(r.peek_depth),
             "--max-body-bytes", str(r.max_body_bytes), "--max-inflight", str(r.max_queue),
-            "--window-seconds", f"{max(1.0, spec.planner.period_seconds / 2):g}"]
+            "--window-seconds", f"{spec.planner.period_seconds:g}"]
     return args + (["--truncate"] if r.truncate else [])
 
 

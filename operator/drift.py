@@ -13,6 +13,13 @@ Statistics and thresholds (spec.planner.drift):
 
 A window with fewer than MIN_REQUESTS arrivals (length test) or answered requests (survival and
 latency tests) is too small for that test and raises nothing.
+
+What is judged (driftloop.py): the drift loop reads each router CHECKS_PER_PERIOD times a period
+and keeps only what arrived since its last read (`since_last`: the router's counters of the window
+in progress less what the previous read saw, across a window roll); the judged window is the newest
+of those slices covering at least half a period and MIN_REQUESTS arrivals (`recent`). A shift
+therefore fills the judged window half a period after it starts (sooner when its share alone
+crosses the limit), not after a whole router window has closed and been read.
 Precedence when several limits are crossed: slo-risk, length-drift, survival-drift.
 """
 
@@ -29,6 +36,12 @@ from exitplan.operator.status import DriftReport, now_iso
 
 MIN_REQUESTS = 50
 EWMA_ALPHA = 0.5
+CHECKS_PER_PERIOD = 4
+"""Router reads per spec.planner.periodSeconds (bounded below by the timer tick)."""
+JUDGED_PERIODS = 0.5
+"""The judged window covers at least this many periods (and MIN_REQUESTS arrivals)."""
+KEEP_PERIODS = 2.0
+"""Slices older than this many periods are dropped."""
 
 
 def bucket_shares(obs: Observations, buckets: Sequence[int]) -> list[float]:
@@ -67,6 +80,91 @@ def forecast_survival(history: Sequence[Sequence[float]], alpha: float = EWMA_AL
     for window in usable[1:]:
         level = [alpha * w + (1 - alpha) * s for w, s in zip(window, level)]
     return level
+
+
+def _counts(obs: Observations) -> tuple[list[float], list[float], list[float], dict[str, int]]:
+    """The additive parts of a window: length histogram, exit counts, survivors per ramp (survival x
+    answered: a count), errors."""
+    survivors = [s * obs.requests for s in obs.survival]
+    return (list(obs.length_histogram), list(obs.exit_counts), survivors, obs.errors.model_dump())
+
+
+def since_last(windows: Sequence[Observations], seen: Observations | None) -> Observations | None:
+    """What arrived after `seen` (the router's window in progress as the previous read saw it),
+    given the router's windows now (its last closed one and the one in progress, any order).
+
+    Counts within one router window only grow, so a window that started where `seen` started
+    contributes its counts less `seen`'s; a later window contributes all of it; an earlier one
+    nothing. None when nothing is new. With no `seen` (the first read) everything counts."""
+    latest: dict[float, Observations] = {}  # one read per router window (the closed one may repeat the current)
+    for w in windows:
+        if w.since not in latest or w.until > latest[w.since].until:
+            latest[w.since] = w
+    parts = []
+    for since, w in sorted(latest.items()):
+        if seen is None or since > seen.since + 1e-6:
+            parts.append(w)
+        elif abs(since - seen.since) <= 1e-6 and w.until > seen.until:
+            parts.append(subtract(w, seen))
+    return combine(parts) if parts else None
+
+
+def subtract(new: Observations, old: Observations) -> Observations:
+    """The part of router window `new` after `old`, an earlier read of the same window (same since):
+    counts are differences; survival is recomputed from the survivor counts; latency, load,
+    thresholds and agreement are `new`'s (they cannot be split)."""
+    hist_n, exits_n, surv_n, err_n = _counts(new)
+    hist_o, exits_o, surv_o, err_o = _counts(old)
+    requests = max(0, new.requests - old.requests)
+    out = new.model_copy(deep=True)
+    out.since = old.until
+    out.requests = requests
+    out.within_slo = max(0, new.within_slo - old.within_slo)
+    if len(hist_n) == len(hist_o):
+        out.length_histogram = [max(0, int(a - b)) for a, b in zip(hist_n, hist_o)]
+    if len(exits_n) == len(exits_o):
+        out.exit_counts = [max(0, int(a - b)) for a, b in zip(exits_n, exits_o)]
+    if len(surv_n) == len(surv_o):
+        out.survival = [min(1.0, max(0.0, (a - b) / requests)) if requests else 0.0 for a, b in zip(surv_n, surv_o)]
+    out.errors = out.errors.model_validate({k: max(0, err_n[k] - err_o.get(k, 0)) for k in err_n})
+    return out
+
+
+def combine(windows: Sequence[Observations]) -> Observations:
+    """Several windows (slices in time, or routers) as one: counts add, survival is weighted by
+    answered requests, p99 is the max; thresholds, load and plan hash are the newest window's."""
+    if len(windows) == 1:
+        return windows[0]
+    newest = max(windows, key=lambda w: w.until)
+    out = newest.model_copy(deep=True)
+    out.since = min(w.since for w in windows)
+    out.until = newest.until
+    out.requests = sum(w.requests for w in windows)
+    out.within_slo = sum(w.within_slo for w in windows)
+    n = len(newest.length_histogram)
+    out.length_histogram = [sum(w.length_histogram[i] for w in windows if len(w.length_histogram) == n) for i in range(n)]
+    n = len(newest.exit_counts)
+    out.exit_counts = [sum(w.exit_counts[i] for w in windows if len(w.exit_counts) == n) for i in range(n)]
+    k = len(newest.survival)
+    total = sum(w.requests for w in windows if len(w.survival) == k)
+    out.survival = ([sum(w.survival[i] * w.requests for w in windows if len(w.survival) == k) / total for i in range(k)]
+                    if total else list(newest.survival))
+    errs = [w.errors.model_dump() for w in windows]
+    out.errors = out.errors.model_validate({k: sum(e.get(k, 0) for e in errs) for k in errs[0]})
+    out.latency.p99_ms = max(w.latency.p99_ms for w in windows)
+    return out
+
+
+def recent(slices: Sequence[Observations], period_s: float) -> Observations | None:
+    """The judged window: the newest slices (oldest first in `slices`) covering at least
+    JUDGED_PERIODS periods and MIN_REQUESTS arrivals, or all of them when they cover less."""
+    chosen: list[Observations] = []
+    for piece in reversed(slices):
+        chosen.append(piece)
+        span = chosen[0].until - piece.since
+        if span >= JUDGED_PERIODS * period_s and sum(arrivals(p) for p in chosen) >= MIN_REQUESTS:
+            break
+    return combine(chosen) if chosen else None
 
 
 def arrivals(obs: Observations) -> int:
@@ -122,14 +220,24 @@ def moved_replicas(old: Plan, new: Plan) -> int:
     return math.ceil(delta / 2)
 
 
+def same_layout(old: Plan, new: Plan) -> bool:
+    """Same splits (block ranges) and buckets: replicas can move between the plans step by step."""
+    return [s.model_dump() for s in old.splits] == [s.model_dump() for s in new.splits] and old.buckets == new.buckets
+
+
+def move_budget(old: Plan, max_fraction: float) -> int:
+    """Replica moves one step may make: max_fraction of `old`'s worker replicas, at least one."""
+    return max(1, math.floor(max_fraction * sum(c.replicas for c in old.cells)))
+
+
 def limit_moves(old: Plan, new: Plan, max_fraction: float) -> tuple[Plan, int]:
     """The step toward `new` that moves at most max_fraction of `old`'s worker replicas (at least
     one), and how many moves remain after it. Steps keep `new`'s splits, buckets, thresholds and
     curves; only replica counts are interpolated, so a step is a valid plan of the same shape.
-    A new plan with another split structure cannot be interpolated and is taken whole."""
-    same_shape = [s.model_dump() for s in old.splits] == [s.model_dump() for s in new.splits]
-    total = sum(c.replicas for c in old.cells)
-    budget = max(1, math.floor(max_fraction * total))
+    A new plan with another split structure or other buckets cannot be interpolated (the data
+    plane runs one structure at a time; routers take new buckets on restart) and is taken whole."""
+    same_shape = same_layout(old, new)
+    budget = move_budget(old, max_fraction)
     moves = moved_replicas(old, new)
     if not same_shape or moves <= budget:
         return new, 0

@@ -1,10 +1,20 @@
-"""The drift loop (the kopf timer). Routers close an observation window every half period
-(router --window-seconds = spec.planner.periodSeconds / 2); the loop reads the last closed
-window twice a period, judges each window once (drift.py), merged with the window before it when
-it holds too few requests to judge, and re-plans when a limit is crossed, with a cooldown and a
-cap on replica moves. A shift at time t fills a whole window by t + P (P = the period), which is
-read by t + 1.5 P: the re-plan is applied within two periods. Advisory mode only reports
-(status.drift, status.proposal, events).
+"""The drift loop (the kopf timer). The loop reads every router CHECKS_PER_PERIOD times a period
+(drift.py) and keeps what arrived since its previous read: the router's window in progress
+(`/v1/observations?window=current`) less what the previous read saw of it, plus the rest of that
+window when it closed meanwhile (`/v1/observations`, the last closed window). The judged window is
+the newest of those slices covering half a period and drift.MIN_REQUESTS arrivals, judged once per
+read that brought new arrivals; a limit crossed re-plans, with a cooldown and a cap on how many
+replicas move at once (the rest follows in steps, one per period once the previous step is rolled
+out). Advisory mode only reports (status.drift, status.proposal, events).
+
+Why a length shift is re-planned within two periods (P): from its start at t, the judged window
+holds only shifted arrivals by t + P/2 (given MIN_REQUESTS arrivals by then; a mix crosses the
+limit sooner), a read falls at most P/4 (or one timer tick, if longer) later, and the plan and the
+apply follow at once: t + 3P/4 + plan + apply. Router windows (one period long) matter only for
+how much history a read can recover: a read sees the window in progress and the one before it.
+
+Thresholds the routers run with but the plan does not carry (the loop's own re-tuning pushed them,
+or someone else did) are written into the plan ConfigMap, so a router that restarts reads them.
 
 Where the routers' `/v1/observations` is read from, first that answers:
 1. router Pods with a podIP (in a cluster: every replica, windows merged);
@@ -25,11 +35,12 @@ from pydantic import ValidationError
 
 from exitplan.api.observations import Observations
 from exitplan.api.resources import EarlyExitServiceSpec, Mode
+from exitplan.operator import apply as applying
 from exitplan.operator import builders, drift
 from exitplan.operator import reconcile as rec
 from exitplan.operator.kube import ApiError, path
 from exitplan.operator.metrics import METRICS
-from exitplan.operator.status import Phase, Proposal, parse_status
+from exitplan.operator.status import Phase, Proposal, parse_status, summarize
 
 log = logging.getLogger("exitplan.operator.drift")
 HISTORY = 12
@@ -60,35 +71,52 @@ async def router_urls(svc: rec.Service) -> list[str]:
 
 def merge_windows(windows: list[Observations]) -> Observations:
     """Several routers' windows as one (counts add, survival weighted by requests, p99 = max)."""
-    if len(windows) == 1:
-        return windows[0]
-    first = windows[0]
-    total = sum(w.requests for w in windows) or 1
-    merged = first.model_copy(deep=True)
-    merged.since = min(w.since for w in windows)
-    merged.until = max(w.until for w in windows)
-    merged.requests = sum(w.requests for w in windows)
-    merged.within_slo = sum(w.within_slo for w in windows)
-    n = len(first.length_histogram)
-    merged.length_histogram = [sum(w.length_histogram[i] for w in windows if len(w.length_histogram) == n) for i in range(n)]
-    k = len(first.survival)
-    merged.survival = [sum(w.survival[i] * w.requests for w in windows if len(w.survival) == k) / total for i in range(k)]
-    merged.latency.p99_ms = max(w.latency.p99_ms for w in windows)
-    return merged
+    return drift.combine(windows)
+
+
+async def _get(session: aiohttp.ClientSession, url: str) -> Observations:
+    async with session.get(url) as rsp:
+        if rsp.status != 200:
+            raise aiohttp.ClientResponseError(rsp.request_info, (), status=rsp.status, message=f"HTTP {rsp.status}")
+        return Observations.model_validate(await rsp.json(content_type=None))
+
+
+async def read_routers(svc: rec.Service, seen: dict[str, Observations],
+                       timeout: float = 5.0) -> tuple[Observations | None, Observations | None, str]:
+    """(what arrived since the previous read, over every router that answers; the newest full
+    window, merged over routers; a note on what failed). `seen` (router URL -> that router's
+    window in progress as last read) is updated in place."""
+    urls = await router_urls(svc)
+    slices, latest, notes = [], [], []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        for url in urls:
+            try:
+                current = await _get(session, f"{url}/v1/observations?window=current")
+                closed = await _get(session, f"{url}/v1/observations")
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValidationError, ValueError) as err:
+                notes.append(f"{url}: {type(err).__name__} {getattr(err, 'status', '')}".strip())
+                continue
+            windows = [closed, current]  # before the first roll `closed` is the window in progress too
+            piece = drift.since_last(windows, seen.get(url))
+            newest = max(windows, key=lambda w: (w.since, w.until))
+            seen[url] = newest
+            latest.append(newest)
+            if piece is not None:
+                slices.append(piece)
+    for url in list(seen):
+        if url not in urls:
+            del seen[url]
+    return (drift.combine(slices) if slices else None), (drift.combine(latest) if latest else None), "; ".join(notes)
 
 
 async def fetch_observations(svc: rec.Service, timeout: float = 5.0) -> tuple[Observations | None, str]:
-    """The merged window of every router that answers, and a note on what failed."""
+    """The merged last closed window of every router that answers, and a note on what failed."""
     urls = await router_urls(svc)
     windows, notes = [], []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         for url in urls:
             try:
-                async with session.get(f"{url}/v1/observations") as rsp:
-                    if rsp.status != 200:
-                        notes.append(f"{url}: HTTP {rsp.status}")
-                        continue
-                    windows.append(Observations.model_validate(await rsp.json(content_type=None)))
+                windows.append(await _get(session, f"{url}/v1/observations"))
             except (aiohttp.ClientError, asyncio.TimeoutError, ValidationError, ValueError) as err:
                 notes.append(f"{url}: {type(err).__name__}")
     return (merge_windows(windows) if windows else None), "; ".join(notes)
@@ -112,10 +140,11 @@ def _retune_step(urls: list[str], ramps: list[str], budget: float, apply: bool) 
         return None
 
 
-async def retune(svc: rec.Service, spec: EarlyExitServiceSpec, ramps: list[str]) -> None:
+async def retune(svc: rec.Service, spec: EarlyExitServiceSpec, ramps: list[str], lock: asyncio.Lock | None = None) -> None:
     """Apparate's continual tuning on the routers' shadow-sampled feedback (exitplan.autotune):
     new thresholds when the ones in force break the accuracy budget or leave savings unclaimed.
-    Advisory mode computes but does not push. The next plan carries the thresholds in force."""
+    Advisory mode computes but does not push. Pushed thresholds are written into the plan
+    ConfigMap at once (under the service's lock), so a router that restarts keeps them."""
     try:
         urls = await router_urls(svc)
     except ApiError as err:
@@ -130,6 +159,43 @@ async def retune(svc: rec.Service, spec: EarlyExitServiceSpec, ramps: list[str])
         verb = "re-tuned" if active else "would re-tune"
         svc.event("Normal", "ThresholdsTuned", f"{verb} exit thresholds ({decision.reason}): agreement "
                   f"{decision.agreement_before:.4f} -> {decision.agreement_after:.4f} on {decision.samples} samples")
+        if active:
+            async with (lock or asyncio.Lock()):
+                fresh = await svc.client.list(path("EarlyExitService", svc.namespace), fields=f"metadata.name={svc.name}")
+                if fresh:
+                    await persist_thresholds(rec.Service(body=fresh[0], client=svc.client), decision.thresholds,
+                                             f"tune-{decision.reason}")
+
+
+def _same_thresholds(a: dict[str, float], b: dict[str, float]) -> bool:
+    return set(a) == set(b) and all(abs(a[k] - b[k]) <= 1e-9 for k in a)
+
+
+async def persist_thresholds(svc: rec.Service, thresholds: dict[str, float], source: str) -> bool:
+    """Write `thresholds` into the plan in force (plan ConfigMap, children's plan hash, status.plan)
+    when they differ from the plan's: the same cells, not a re-plan (no lastReplanTime). True when
+    written. Call under the service's lock (a concurrent re-plan must not be overwritten)."""
+    plan = await rec.current_plan(svc.client, svc.name, svc.namespace)
+    if plan is None or not thresholds or _same_thresholds(plan.thresholds, thresholds):
+        return False
+    try:
+        spec = EarlyExitServiceSpec.model_validate(svc.body.get("spec") or {})
+    except ValidationError:
+        return False
+    inputs = await rec.read_inputs(svc.client, spec, svc.namespace)
+    if inputs.unknown_pools or {c.pool for c in plan.cells} - set(inputs.pools):
+        return False  # the next reconcile reports it; the routers keep the pushed values meanwhile
+    updated = plan.model_copy(update={"thresholds": {k: float(v) for k, v in thresholds.items()}})
+    children = builders.build_children(svc.body, spec, updated, inputs.pools)
+    await applying.apply_children(svc.client, children, svc.name, svc.namespace)
+    status = parse_status(svc.body.get("status"))
+    ready = {(c.split, c.bucket, c.pool): c.ready_replicas for c in (status.plan.cells if status.plan else [])}
+    status.plan = summarize(updated, ready)
+    await svc.write_status(status)
+    log.info("%s/%s: thresholds %s written into plan %s (%s)", svc.namespace, svc.name, updated.thresholds,
+             updated.content_hash(), source)
+    svc.event("Normal", "ThresholdsPersisted", f"plan {updated.content_hash()} carries the live thresholds ({source})")
+    return True
 
 
 PROFILE_RECHECK_SECONDS = 30.0
@@ -137,7 +203,7 @@ PROFILE_RECHECK_SECONDS = 30.0
 
 
 async def on_tick(svc: rec.Service, memo: Any) -> None:
-    """One timer tick: re-check a profiling wait, refresh readiness, judge drift once per window."""
+    """One timer tick: re-check a profiling wait, refresh readiness, read the routers for drift."""
     if (svc.body.get("status") or {}).get("phase") == "Profiling":
         now = time.monotonic()
         if now - memo.get("profile_check", 0.0) > PROFILE_RECHECK_SECONDS:
@@ -148,8 +214,14 @@ async def on_tick(svc: rec.Service, memo: Any) -> None:
     await check_drift(svc, memo)
 
 
+def _service_lock(svc: rec.Service, memo: Any) -> asyncio.Lock | None:
+    """The per-service lock the handlers hold (handlers.py keeps them in kopf's operator memo)."""
+    locks = memo.get("locks")
+    return locks[(svc.namespace, svc.name)] if locks is not None else None
+
+
 async def check_drift(svc: rec.Service, memo: Any) -> None:
-    """One drift-loop tick (the timer calls it every few seconds; it acts once per period)."""
+    """One drift-loop read (the timer calls it every tick; it reads CHECKS_PER_PERIOD times a period)."""
     status = parse_status(svc.body.get("status"))
     try:
         spec = EarlyExitServiceSpec.model_validate(svc.body.get("spec") or {})
@@ -157,64 +229,96 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
         return
     if status.phase in (Phase.profiling, Phase.pending) or status.plan is None:
         return
+    period = float(spec.planner.period_seconds)
     now = time.monotonic()
-    if now - memo.get("last_check", 0.0) < spec.planner.period_seconds / 2:
+    if now - memo.get("last_check", 0.0) < period / drift.CHECKS_PER_PERIOD:
         return
     memo["last_check"] = now
-    obs, note = await fetch_observations(svc)
-    if obs is None:
+    seen: dict[str, Observations] = memo.setdefault("seen", {})
+    piece, latest, note = await read_routers(svc, seen)
+    if latest is None:
         log.info("%s/%s: no observations (%s)", svc.namespace, svc.name, note or "no router endpoint")
         return
-    waiting = status.proposal is not None and status.proposal.held_back.startswith(("cooldown", "move cap"))
-    if obs.until == memo.get("last_window") and not waiting:
-        return  # this window was judged already
-    memo["last_window"] = obs.until
     plan = await rec.current_plan(svc.client, svc.name, svc.namespace)
-    if plan is None and spec.planner.mode == Mode.active:
+    if plan is None:  # advisory from the start: nothing applied to compare against
         return
-    history: list[list[float]] = memo.setdefault("survival", [])
-    limits = spec.planner.drift
-    reference = plan
-    if reference is None:  # advisory: nothing applied, compare against the proposed plan's shape
-        return
-    judged = obs
-    previous_window: Observations | None = memo.get("previous_window")
-    if (min(obs.requests, drift.arrivals(obs)) < drift.MIN_REQUESTS and previous_window is not None
-            and previous_window.until < obs.until
-            and previous_window.length_buckets == obs.length_buckets):
-        judged = merge_windows([previous_window, obs])  # a slow half-period: judge the last full period
-    if obs.until != getattr(previous_window, "until", None):
-        memo["previous_window"] = obs
-    report = drift.assess(reference, judged, limits, spec.slo.latency_ms, history)
-    log.info("%s/%s: window until %.1f (%d arrivals, %d answered%s): length score %.3f, survival error %.3f, "
-             "p99 %.0f ms%s", svc.namespace, svc.name, obs.until, drift.arrivals(judged), judged.requests,
-             ", merged" if judged is not obs else "",
-             report.length_score, report.survival_error, report.p99_ms, f" -> {report.trigger}" if report.trigger else "")
-    history.append(list(obs.survival))
-    del history[:-HISTORY]
-    METRICS.length_score.labels(svc.name).set(report.length_score)
-    METRICS.survival_error.labels(svc.name).set(report.survival_error)
-    status.drift = report
+    active = spec.planner.mode == Mode.active
+    if (active and latest.thresholds and latest.plan_hash == plan.content_hash()
+            and not _same_thresholds(latest.thresholds, plan.thresholds)):
+        # the routers run this plan with other thresholds (pushed live): the plan carries them from now on
+        if await persist_thresholds(svc, latest.thresholds, "observed on the routers"):
+            plan = await rec.current_plan(svc.client, svc.name, svc.namespace) or plan
+            status = parse_status(svc.body.get("status"))
 
+    slices: list[Observations] = memo.setdefault("slices", [])
+    report = None
+    if piece is not None:
+        slices.append(piece)
+        del slices[:-64]
+        while slices and slices[-1].until - slices[0].until > drift.KEEP_PERIODS * period:
+            slices.pop(0)
+    if piece is not None and (drift.arrivals(piece) or piece.requests):
+        judged = drift.recent(slices, period)
+        history: list[list[float]] = memo.setdefault("survival", [])
+        report = drift.assess(plan, judged, spec.planner.drift, spec.slo.latency_ms, history)
+        log.info("%s/%s: %.1f s until %.1f (%d new, %d judged arrivals; %d answered): length score %.3f, "
+                 "survival error %.3f, p99 %.0f ms%s", svc.namespace, svc.name, judged.until - judged.since,
+                 judged.until, drift.arrivals(piece), drift.arrivals(judged), judged.requests, report.length_score,
+                 report.survival_error, report.p99_ms, f" -> {report.trigger}" if report.trigger else "")
+        block: list[Observations] = memo.setdefault("survival_block", [])
+        block.append(piece)  # the forecaster's series: consecutive half-period blocks
+        whole = drift.combine(block)
+        if whole.until - whole.since >= drift.JUDGED_PERIODS * period and whole.requests >= drift.MIN_REQUESTS:
+            history.append(list(whole.survival))
+            del history[:-HISTORY]
+            block.clear()
+        METRICS.length_score.labels(svc.name).set(report.length_score)
+        METRICS.survival_error.labels(svc.name).set(report.survival_error)
+        status.drift = report
+        memo["judged"] = judged
+    held = status.proposal if status.proposal and status.proposal.held_back.startswith("cooldown") else None
+    if report is None and held is not None and memo.get("judged") is not None:
+        # nothing new arrived, but a re-plan waits for its cooldown: the window that raised it still stands
+        report = drift.assess(plan, memo["judged"], spec.planner.drift, spec.slo.latency_ms, memo.get("survival", []))
+    limits = spec.planner.drift
+    trigger = report.trigger if report else ""
     pending = status.proposal if status.proposal and status.proposal.held_back.startswith("move cap") else None
-    reason = report.trigger or (pending.reason if pending else "")
-    if not reason:  # no re-plan this window: the thresholds may still need re-tuning
-        await svc.write_status(status)
+
+    if pending is not None and active:
+        # the next step of a capped re-plan: once the previous step is rolled out, one per period
+        due = status.phase == Phase.ready and now - memo.get("last_step", 0.0) >= period
+        if not due:
+            if report is not None:
+                await svc.write_status(status)
+            return
+        reason = trigger or pending.reason
+    elif trigger:
+        reason = trigger
+        wait = drift.cooldown_left(status.last_replan_time, limits.cooldown_seconds)
+        if wait > 0 and active:
+            status.proposal = Proposal(reason=reason, hash="", held_back=f"cooldown: {wait:.0f}s left")
+            await svc.write_status(status)
+            if held is None or held.reason != reason:  # once per hold, not every read
+                svc.event("Normal", "ReplanHeld", f"{reason} (length score {report.length_score}, survival error "
+                          f"{report.survival_error}, p99 {report.p99_ms} ms): cooldown, {wait:.0f}s left")
+            return
+    else:  # no re-plan: the thresholds may still need re-tuning
+        if status.proposal and status.proposal.held_back.startswith("cooldown"):
+            status.proposal = None  # the drift that was held back is gone
+        if report is not None:
+            await svc.write_status(status)
         task = memo.get("tune_task")
-        if obs.ramps and (task is None or task.done()):  # in the background: never delays a drift check
-            memo["tune_task"] = asyncio.create_task(retune(svc, spec, obs.ramps))
+        if latest.ramps and (task is None or task.done()):  # in the background: never delays a drift check
+            memo["tune_task"] = asyncio.create_task(retune(svc, spec, latest.ramps, _service_lock(svc, memo)))
         return
-    wait = drift.cooldown_left(status.last_replan_time, limits.cooldown_seconds)
-    if wait > 0 and spec.planner.mode == Mode.active:
-        status.proposal = Proposal(reason=reason, hash="", held_back=f"cooldown: {wait:.0f}s left")
-        await svc.write_status(status)
-        svc.event("Normal", "ReplanHeld", f"{reason} (length score {report.length_score}, survival error "
-                  f"{report.survival_error}, p99 {report.p99_ms} ms): cooldown, {wait:.0f}s left")
-        return
-    svc.event("Normal", "Replan", f"{reason}: length score {report.length_score} (limit {limits.length_score}), "
-              f"survival error {report.survival_error} (limit {limits.survival_error}), p99 {report.p99_ms} ms")
+
+    if report is not None:
+        svc.event("Normal", "Replan", f"{reason}: length score {report.length_score} (limit {limits.length_score}), "
+                  f"survival error {report.survival_error} (limit {limits.survival_error}), p99 {report.p99_ms} ms")
     inputs = await rec.read_inputs(svc.client, spec, svc.namespace)
     if inputs.unknown_pools or inputs.missing_profiles:
         return  # the next spec reconcile reports these
-    await rec.plan_and_apply(svc, spec, inputs, status, reason=reason, previous=plan, observations=obs,
-                             max_move_fraction=limits.max_move_fraction)
+    status.pools_digest = inputs.digest()
+    memo["last_step"] = now
+    await rec.plan_and_apply(svc, spec, inputs, status, reason=reason, previous=plan,
+                             observations=memo.get("judged") or latest, max_move_fraction=limits.max_move_fraction)

@@ -24,8 +24,10 @@ from exitplan.operator.metrics import METRICS
 
 EES = {"group": GROUP, "version": VERSION, "plural": "earlyexitservices"}
 PROFILES = {"group": GROUP, "version": VERSION, "plural": "modelprofiles"}
+POOLS = {"group": GROUP, "version": VERSION, "plural": "gpupools"}
 TICK = float(os.environ.get("EXITPLAN_TICK_SECONDS", "5"))
-"""Timer tick: readiness every tick; observations read twice per spec.planner.periodSeconds (driftloop.py)."""
+"""Timer tick: readiness every tick; the routers are read drift.CHECKS_PER_PERIOD times per spec.planner.periodSeconds
+(at most once a tick; driftloop.py)."""
 
 # Per operator (kopf's operator-wide memo, shared by reference into every object's memo):
 # memo.client, the API client; memo.locks, one asyncio.Lock per (namespace, name). Several
@@ -132,3 +134,27 @@ async def profile_event(body: kopf.Body, type: str | None, namespace: str, memo:
             async with _lock(memo, raw):
                 if (svc := await _service(memo, raw)) is not None:
                     await reconcile.reconcile(svc, reason="profile-change")
+
+
+@kopf.index(**EES)
+def services_by_pool(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict[str, tuple[str, str]]:
+    """kopf's in-memory index of the services that name each GPUPool (no API call to find them)."""
+    return {ref["name"]: (namespace, name) for ref in spec.get("pools", []) if isinstance(ref, dict) and ref.get("name")}
+
+
+@kopf.on.event(**POOLS)
+async def pool_event(name: str, type: str | None, services_by_pool: kopf.Index, memo: kopf.Memo, **_: Any) -> None:
+    """A GPUPool was created, changed or deleted: every service that names it plans again (reason
+    `pool-changed`) when what its plan depends on in its pools (capacity, cost, ...; status.poolsDigest)
+    differs from what it was planned with. A created pool a service named unknown plans it; a deleted
+    one makes it PlanInfeasible while its children keep serving."""
+    if type not in ("ADDED", "MODIFIED", "DELETED"):
+        return  # the initial listing: the resume handlers plan every service anyway
+    for namespace, service in sorted(set(services_by_pool.get(name, []))):
+        ref = {"metadata": {"namespace": namespace, "name": service}}
+        async with _lock(memo, ref):
+            svc = await _service(memo, ref)
+            if svc is None:
+                continue
+            if await reconcile.pools_changed(svc):
+                await reconcile.reconcile(svc, reason="pool-changed")

@@ -10,6 +10,7 @@ so kopf retries with backoff while the previous plan keeps serving.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -40,6 +41,13 @@ class Inputs:
     unknown_pools: list[str] = field(default_factory=list)
     missing_profiles: list[str] = field(default_factory=list)
     bad_profiles: list[str] = field(default_factory=list)
+
+    def digest(self) -> str:
+        """What the plan depends on in the service's GPUPools (their specs as read, after the
+        service's caps; unknown ones named): a pool event re-plans only when this changes."""
+        body = {name: pool.model_dump(mode="json") for name, pool in sorted(self.pools.items())}
+        body.update({name: None for name in self.unknown_pools})
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
 
 @dataclass
@@ -103,38 +111,45 @@ async def read_inputs(client: KubeClient, spec: EarlyExitServiceSpec, namespace:
     return inputs
 
 
-def initial_thresholds(spec: EarlyExitServiceSpec) -> dict[str, float] | None:
+def initial_thresholds(spec: EarlyExitServiceSpec, bounds: list[int] | None = None) -> dict[str, float] | None:
     """Thresholds for a first plan: tuned on the bundle's calibration window under the accuracy
-    budget when the operator can read the bundle (a local path: the dev-cluster, a mounted volume);
-    else None, and the live tuner in the drift loop sets them from the router's feedback."""
+    budget in every length stratum (`bounds`: the service's length buckets; calibration.py) when
+    the operator can read the bundle (a local path: the dev-cluster, a mounted volume); else None,
+    and the live tuner in the drift loop sets them from the routers' feedback."""
     from pathlib import Path
+
+    from exitplan.operator.calibration import stratified_thresholds
 
     bundle = Path(builders.bundle_path(spec.model.bundle))
     if not (bundle / "bundle.yaml").is_file():
         return None
-    from exitplan.planning import ServiceFileError, tuned_thresholds
-
     try:
-        return tuned_thresholds(bundle, spec.accuracy.max_drop)
-    except (ServiceFileError, ValueError, OSError) as err:
+        thresholds, strata = stratified_thresholds(bundle, spec.accuracy.max_drop, bounds or [])
+    except (ValueError, OSError, KeyError) as err:
         log.warning("initial thresholds not tuned (%s); the drift loop tunes them from live feedback", err)
         return None
+    log.info("initial thresholds %s: disagreement per length stratum on the calibration window %s (budget %g)",
+             {k: round(v, 4) for k, v in thresholds.items()}, [(n, round(d, 4)) for n, d in strata],
+             spec.accuracy.max_drop)
+    return thresholds
 
 
 async def plan_in_executor(name: str, spec: EarlyExitServiceSpec, inputs: Inputs, *, reason: str,
-                           previous: Plan | None = None, observations: Observations | None = None) -> Plan:
+                           previous: Plan | None = None, observations: Observations | None = None,
+                           keep_layout: bool = False) -> Plan:
     """The planner's entry point in a worker thread (never on the event loop); solve time is a metric."""
     from exitplan.planner import plan_service
 
     thresholds = dict(observations.thresholds) if observations and observations.thresholds else None
     if thresholds is None and previous is None:
-        thresholds = await asyncio.get_running_loop().run_in_executor(None, initial_thresholds, spec)
+        bounds = list(spec.workload.length_buckets) or sorted({int(n) for p in inputs.profiles.values() for n in p.seq_lens})
+        thresholds = await asyncio.get_running_loop().run_in_executor(None, initial_thresholds, spec, bounds)
 
     def solve() -> Plan:
         started = time.perf_counter()
         try:
             result = plan_service(name, spec, inputs.pools, inputs.profiles, thresholds=thresholds,
-                                  observations=observations, previous=previous, reason=reason)
+                                  observations=observations, previous=previous, reason=reason, keep_layout=keep_layout)
         finally:
             METRICS.solve_seconds.labels(name).observe(time.perf_counter() - started)
         return result.plan
@@ -194,6 +209,17 @@ def _infeasible(status: ServiceStatus, gen: int, reason: str, message: str) -> S
     return status
 
 
+async def pools_changed(svc: Service) -> bool:
+    """True when the service's GPUPools, as read now, differ from those its last plan was made
+    with (status.poolsDigest)."""
+    try:
+        spec = EarlyExitServiceSpec.model_validate(svc.body.get("spec") or {})
+    except ValidationError:
+        return False  # reported by the spec handlers; a pool change does not fix it
+    inputs = await read_inputs(svc.client, spec, svc.namespace)
+    return inputs.digest() != parse_status(svc.body.get("status")).pools_digest
+
+
 async def reconcile(svc: Service, reason: str) -> ServiceStatus:
     """Plan and apply the service from scratch (create, spec change, resume, a profile arrived)."""
     gen = svc.generation
@@ -209,6 +235,7 @@ async def reconcile(svc: Service, reason: str) -> ServiceStatus:
         return status
 
     inputs = await read_inputs(svc.client, spec, svc.namespace)
+    status.pools_digest = inputs.digest()
     if inputs.unknown_pools:
         message = (f"spec.pools names GPUPool(s) {inputs.unknown_pools} that do not exist; create them "
                    f"(kubectl get gpupools lists the pools) or remove them from spec.pools")
@@ -267,6 +294,20 @@ async def plan_and_apply(svc: Service, spec: EarlyExitServiceSpec, inputs: Input
     held_back = ""
     target = plan
     if max_move_fraction is not None and previous is not None:
+        budget = drift.move_budget(previous, max_move_fraction)
+        if not drift.same_layout(previous, plan) and drift.moved_replicas(previous, plan) > budget:
+            # A new layout replaces every instance at once, which the cap forbids: move within the
+            # current layout instead; the new layout stays a proposal (raise maxMoveFraction to take it).
+            try:
+                within = await plan_in_executor(svc.name, spec, inputs, reason=reason, previous=previous,
+                                                observations=observations, keep_layout=True)
+            except (PlanInfeasible, PlannerError):
+                within = None
+            if within is not None and drift.same_layout(previous, within):
+                svc.event("Normal", "LayoutHeldBack", f"plan {plan.content_hash()} ({reason}) changes the split "
+                          f"layout, moving {drift.moved_replicas(previous, plan)} replicas at once; maxMoveFraction "
+                          f"{max_move_fraction:g} allows {budget}: moving within the current layout instead")
+                target = plan = within
         plan, remaining = drift.limit_moves(previous, plan, max_move_fraction)
         if remaining:
             held_back = f"move cap: {remaining} more replica move(s) follow in later periods"

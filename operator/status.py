@@ -120,6 +120,8 @@ class ServiceStatus(Model):
     drift: DriftReport | None = None
     proposal: Proposal | None = None
     message: str = ""
+    pools_digest: str = ""
+    """Digest of the GPUPool specs the last plan was made with (a pool change re-plans when it differs)."""
 
 
 def now_iso() -> str:

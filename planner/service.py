@@ -130,7 +130,8 @@ def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layou
         sizes = np.asarray(model.profile.batch_sizes, dtype=np.float64)
         for k, length in enumerate(bucket_set):
             tables = model.stage_tables(sizes, length, sigma, ramps_on)  # (nB, n, n): the bound, for the cycle
-            mean = model.stage_tables(sizes, length, sigma, ramps_on, expected=True)  # the mean, for throughput
+            # the mean time a batch holds its replica (survivors forwarded beside the next batch), for throughput
+            mean = model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False)
             mem = np.stack([[[model.replica_bytes(a, b, bsz, length) if b >= a else np.inf for b in range(n)] for a in range(n)] for bsz in sizes])
             fits = mem <= model.pool.memory_bytes
             for s in range(1, S + 1):
@@ -338,6 +339,7 @@ def plan_service(
     reason: str = "initial",
     lengths: Sequence[int] | None = None,
     forecaster: str = "arima",
+    keep_layout: bool = False,
 ) -> PlanResult:
     """Plan a service: splits, length buckets, cells (split, bucket, pool) with replicas and batch sizes.
 
@@ -345,7 +347,9 @@ def plan_service(
     exit). `observations`: the latest window(s); their survival (forecast over windows) and length
     histogram replace the profile's. `lengths`: raw input lengths (e.g. from a trace) to size the
     buckets when no observations exist. `previous`: keep its layout when it is within 5 % of the
-    optimum (fewest replaced instances). Raises SpecError, ProfileError or PlanInfeasible.
+    optimum (fewest replaced instances), or whatever the optimum with `keep_layout` (the operator's
+    move cap: replicas move within a layout, a new layout replaces every instance). Raises
+    SpecError, ProfileError or PlanInfeasible.
     """
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -408,8 +412,8 @@ def plan_service(
                 sol = None
             if sol is not None:
                 best = chosen[2]
-                close = (sol.goodput >= (1 - HYSTERESIS) * best.goodput if spec.planner.objective == Objective.max_goodput
-                         else sol.cost <= (1 + HYSTERESIS) * best.cost)
+                close = keep_layout or (sol.goodput >= (1 - HYSTERESIS) * best.goodput if spec.planner.objective == Objective.max_goodput
+                                        else sol.cost <= (1 + HYSTERESIS) * best.cost)
                 if close:
                     chosen, kept = (prev_buckets, problem, sol), True
                     inp.notes.append("kept the previous layout (within 5 % of the optimum): fewest replaced instances")

@@ -210,3 +210,76 @@ def test_cooldown():
     assert drift.cooldown_left("", 300, now) == 0
     assert drift.cooldown_left("2026-01-01T11:58:00Z", 300, now) == pytest.approx(180)
     assert drift.cooldown_left("2026-01-01T11:50:00Z", 300, now) == 0
+
+
+def test_initial_thresholds_keep_the_budget_in_every_length_stratum():
+    """Disagreement that depends on length: the whole-window tune spends the budget on short
+    inputs (their mistakes hide among the long inputs' agreement); per stratum it holds in each."""
+    import numpy as np
+
+    from exitplan.autotune import sample_budget
+    from exitplan.operator.calibration import stratify
+    from exitplan.planner.thresholds import Window, evaluate, tune
+
+    rng = np.random.default_rng(0)
+    n = 800
+    lengths = np.where(np.arange(n) < n // 2, 16, 100)
+    final = rng.integers(0, 2, n)
+    conf = rng.uniform(0.5, 1.0, (n, 1))
+    pred = np.repeat(final[:, None], 1, axis=1)
+    short = lengths <= 32
+    wrong = short & (rng.uniform(size=n) < 0.15)  # short inputs: 15 % of early answers are wrong
+    pred[wrong, 0] = 1 - final[wrong]
+    window = Window(conf=conf, pred=pred, final=final, saving_ms=np.array([1.0]), cost_ms=np.array([0.01]))
+    budget = 0.03
+
+    def sub(mask):
+        return Window(conf=conf[mask], pred=pred[mask], final=final[mask], saving_ms=window.saving_ms, cost_ms=window.cost_ms)
+
+    whole = np.asarray(tune(window, sample_budget(budget, n)).thresholds)
+    assert 1 - evaluate(sub(short), whole)[0] > budget  # the whole-window tune breaks the short stratum
+    thresholds, report = stratify(window, lengths, budget, [32, 128])
+    assert [r[0] for r in report] == [n // 2, n // 2]
+    for mask in (short, ~short):
+        assert 1 - evaluate(sub(mask), thresholds)[0] <= sample_budget(budget, int(mask.sum()))
+    assert (thresholds >= whole).all() and evaluate(window, thresholds)[1] > 0  # still exits some inputs
+    same, _ = stratify(window, None, budget, [32, 128])  # no lengths: the whole window
+    assert np.array_equal(same, whole)
+
+
+def router_window(since: float, until: float, hist: list[int], survivors: list[int], answered: int) -> Observations:
+    """A router window's counters at one read: arrivals per bucket, answers and survivors per ramp."""
+    return Observations(service="minilm", model="minilm", since=since, until=until, requests=answered,
+                        within_slo=answered, length_buckets=[32, 128], length_histogram=hist,
+                        survival=[s / answered if answered else 0.0 for s in survivors], ramps=["ramp1", "ramp3"])
+
+
+def test_since_last_keeps_only_what_arrived_after_the_previous_read():
+    first = router_window(100, 103, [30, 0], [12, 6], 30)
+    piece = drift.since_last([first], None)  # the first read: everything
+    assert piece.length_histogram == [30, 0] and piece.requests == 30
+    # Same router window, later: only the difference.
+    later = router_window(100, 106, [40, 25], [24, 12], 60)
+    piece = drift.since_last([router_window(90, 100, [99, 0], [1, 1], 99), later], first)
+    assert piece.length_histogram == [10, 25] and piece.requests == 30 and piece.since == 103 and piece.until == 106
+    assert piece.survival == pytest.approx([12 / 30, 6 / 30])
+    # The window rolled between reads: the rest of the closed one plus all of the new one.
+    closed = router_window(100, 110, [45, 40], [30, 15], 80)
+    current = router_window(110, 112, [0, 7], [0, 0], 0)
+    piece = drift.since_last([closed, current], later)
+    assert piece.length_histogram == [5, 22] and piece.requests == 20
+    # Nothing new: None; an unchanged window in progress: zero arrivals.
+    assert drift.since_last([closed], closed) is None
+    assert drift.arrivals(drift.since_last([current], router_window(110, 111, [0, 7], [0, 0], 0))) == 0
+
+
+def test_judged_window_is_the_newest_half_period_with_enough_arrivals():
+    slices = [router_window(t, t + 2.5, [20, 0], [0, 0], 20) for t in (0, 2.5, 5.0)]
+    slices += [router_window(t, t + 2.5, [0, 30], [0, 0], 30) for t in (7.5, 10.0)]
+    judged = drift.recent(slices, period_s=10.0)  # half a period = 5 s, 50 arrivals: the last two slices
+    assert judged.since == 7.5 and judged.length_histogram == [0, 60]
+    few = [router_window(t, t + 2.5, [5, 5], [0, 0], 10) for t in (0, 2.5, 5.0, 7.5)]
+    judged = drift.recent(few, period_s=10.0)  # short of 50 arrivals: reaches back for more
+    assert judged.since == 0 and drift.arrivals(judged) == 40
+    report = drift.assess(PLAN, drift.recent(slices, 10.0), DriftLimits(), 100.0, [])
+    assert report.trigger == "length-drift" and report.length_score == pytest.approx(0.7)

@@ -95,19 +95,51 @@ def test_spec_change_replans_and_patches(cluster):
 
 
 class ObservationServer:
-    """A real HTTP endpoint serving a crafted Observations window at /v1/observations."""
+    """A real HTTP endpoint standing in for a router: `window` is the last closed observation
+    window (GET /v1/observations), `current` the one in progress (?window=current; by default an
+    empty one that starts where `window` ends); GET/POST /v1/thresholds keep `thresholds`."""
 
     def __init__(self) -> None:
         self.window: dict = {}
+        self.current: dict | None = None
+        self.thresholds: dict[str, float] = {}
+        self.pushed: list[dict] = []
+        self.feedback: bytes | None = None
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                body = json.dumps(owner.window).encode()
-                self.send_response(200 if self.path == "/v1/observations" else 404)
+            def _send(self, code: int, doc: object) -> None:
+                body = json.dumps(doc).encode()
+                self.send_response(code)
                 self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path == "/v1/observations":
+                    self._send(200, owner.window)
+                elif self.path == "/v1/observations?window=current":
+                    self._send(200, owner.in_progress())
+                elif self.path == "/v1/thresholds":
+                    self._send(200, {"thresholds": owner.thresholds})
+                elif self.path.startswith("/v1/window.npz") and owner.feedback is not None:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/octet-stream")
+                    self.send_header("Content-Length", str(len(owner.feedback)))
+                    self.end_headers()
+                    self.wfile.write(owner.feedback)
+                else:
+                    self._send(404, {"error": "not here"})
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                if self.path == "/v1/thresholds":
+                    owner.pushed.append(body)
+                    owner.thresholds = dict(body["thresholds"])
+                    self._send(200, {"thresholds": owner.thresholds})
+                else:
+                    self._send(404, {"error": "not here"})
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -115,6 +147,14 @@ class ObservationServer:
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def in_progress(self) -> dict:
+        if self.current is not None:
+            return self.current
+        w = self.window
+        empty = {**w, "since": w.get("until", 0), "until": w.get("until", 0) + 1, "requests": 0, "withinSlo": 0,
+                 "lengthHistogram": [0] * len(w.get("lengthHistogram", []))}
+        return {**empty, "thresholds": self.thresholds} if self.thresholds else empty
 
     def close(self) -> None:
         self.httpd.shutdown()
@@ -367,3 +407,155 @@ def test_pods_that_cannot_start_make_the_service_degraded(cluster):
         mark_ready(cluster, ns, "minilm")
         st = wait_for("recovered", lambda: (s := status(cluster, ns, "minilm")).get("phase") == "Ready" and s)
         assert condition(st, "Degraded")["status"] == "False"
+
+
+def feedback_npz(n: int = 300, seed: int = 0) -> bytes:
+    """A router's shadow-sampled feedback (GET /v1/window.npz): ramp1 is wrong on its less confident
+    inputs, so thresholds of 0.5 break any small budget and re-tuning raises ramp1's."""
+    import io
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    final = rng.integers(0, 2, n)
+    conf = np.stack([rng.uniform(0.5, 1.0, n), np.full(n, 0.99)], axis=1).astype(np.float32)
+    pred = np.stack([np.where(conf[:, 0] < 0.8, 1 - final, final), final], axis=1)
+    buf = io.BytesIO()
+    np.savez(buf, conf=conf, pred=pred, final=final, saving_ms=np.array([2.0, 1.0]), cost_ms=np.array([0.05, 0.05]))
+    return buf.getvalue()
+
+
+def test_live_tuned_thresholds_are_written_into_the_plan(cluster, observations):
+    """The drift loop's re-tuning pushes thresholds to the routers and writes them into the plan
+    ConfigMap (a router that restarts reads plan.json); thresholds someone else pushed to routers
+    running the current plan are taken into the plan the same way. Neither is a re-plan."""
+    from exitplan.worker.planfile import read_plan
+
+    ns = "tuned"
+    install_profiles(cluster, ns)
+    observations.feedback = feedback_npz()
+    observations.thresholds = {"ramp1": 0.5, "ramp3": 0.5}
+    with operator(cluster):
+        cluster.create(service("minilm", ns, planner=DRIFT, accuracy={"maxDrop": 0.02}))
+        first = wait_for("first plan applied", lambda: deployed(cluster, ns, "minilm"))
+        observations.window = window(500, 500)
+        publish_endpoint(cluster, ns, "minilm", observations.port)
+        wait_for("thresholds pushed", lambda: observations.pushed)
+        pushed = observations.pushed[0]["thresholds"]
+        assert pushed["ramp1"] > 0.75 and observations.pushed[0]["reason"] == "tune-accuracy"
+        plan = wait_for("the plan carries them", lambda: (p := plan_of(cluster, ns, "minilm")).thresholds == pushed and p)
+        st = wait_for("status follows", lambda: (s := status(cluster, ns, "minilm"))["plan"]["hash"] == plan.content_hash() and s)
+        assert st["lastReplanReason"] == first["lastReplanReason"] and st["lastReplanTime"] == first["lastReplanTime"]
+        for dep in workers(cluster, ns, "minilm").values():
+            assert dep["metadata"]["annotations"][builders.A_PLAN_HASH] == plan.content_hash()
+        assert any(e["reason"] == "ThresholdsPersisted" for e in cluster.events(ns, "minilm"))
+        # What a restarted router reads: plan.json as the ConfigMap volume holds it.
+        cm = cluster.get("ConfigMap", ns, "minilm-plan")
+        (tmp := cluster.kubeconfig.parent / "plan.json").write_text(cm["data"]["plan.json"])
+        assert read_plan(tmp).thresholds == pushed
+        # Thresholds pushed by someone else to routers that run this plan: written in too.
+        other = {"ramp1": 0.97, "ramp3": 0.93}
+        observations.feedback = None
+        observations.current = {**observations.in_progress(), "thresholds": other, "planHash": plan.content_hash(),
+                                "until": observations.in_progress()["until"] + 5}
+        wait_for("the plan carries the routers' thresholds", lambda: plan_of(cluster, ns, "minilm").thresholds == other)
+
+
+def pool_replicas(cluster: ClusterThread, ns: str, name: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for dep in workers(cluster, ns, name).values():
+        p = dep["metadata"]["labels"]["exitplan.io/pool"]
+        out[p] = out.get(p, 0) + dep["spec"]["replicas"]
+    return out
+
+
+def test_gpupool_changes_replan_the_services_that_use_them(cluster):
+    ns = "pools"
+    install_profiles(cluster, ns)
+    with operator(cluster):
+        cluster.create(service("minilm", ns))
+        cluster.create(service("other", ns, pools=[{"name": "gpu-a"}]))
+        first = wait_for("planned", lambda: deployed(cluster, ns, "minilm"))
+        other = wait_for("planned", lambda: deployed(cluster, ns, "other"))
+        assert pool_replicas(cluster, ns, "minilm").get("gpu-b", 0) > 1
+        # Capacity of gpu-b shrinks: the service on it re-plans within the new capacity.
+        cluster.patch("GPUPool", None, "gpu-b", {"spec": {"capacity": 1}})
+        st = wait_for("re-plan after the pool change", lambda: (s := deployed(cluster, ns, "minilm"))
+                      and s["plan"]["hash"] != first["plan"]["hash"] and s)
+        assert st["lastReplanReason"] == "pool-changed"
+        assert pool_replicas(cluster, ns, "minilm").get("gpu-b", 0) <= 1
+        assert any(e["reason"] == "Applied" and "(pool-changed)" in e["message"] for e in cluster.events(ns, "minilm"))
+        # The service that does not use gpu-b was left alone.
+        assert status(cluster, ns, "other")["plan"] == other["plan"]
+        assert "(pool-changed)" not in condition(status(cluster, ns, "other"), "Planned")["message"]
+        # A change the plan does not depend on (a label) re-plans nothing.
+        digest = status(cluster, ns, "minilm")["poolsDigest"]
+        cluster.patch("GPUPool", None, "gpu-a", {"metadata": {"labels": {"team": "ml"}}})
+        cluster.create(service("marker", ns, pools=[{"name": "gpu-a"}]))  # an event after the label's
+        wait_for("the next service planned", lambda: deployed(cluster, ns, "marker"))
+        assert status(cluster, ns, "minilm")["poolsDigest"] == digest
+        assert "(pool-changed)" not in condition(status(cluster, ns, "other"), "Planned")["message"]
+        # A pool a service names but that did not exist: created -> the service plans.
+        cluster.create(service("waiting", ns, pools=[{"name": "gpu-c"}]))
+        wait_for("unknown pool", lambda: status(cluster, ns, "waiting").get("phase") == "Infeasible")
+        cluster.create(pool("gpu-c", 2, 2.0))
+        install_profiles_as(cluster, ns, "gpu-b", "gpu-c")
+        st = wait_for("planned once the pool exists", lambda: deployed(cluster, ns, "waiting"))
+        assert condition(st, "PlanInfeasible")["status"] == "False"
+        # Deleted: PlanInfeasible, the children of the last plan keep serving.
+        before = set(workers(cluster, ns, "waiting"))
+        cluster.delete("GPUPool", None, "gpu-c")
+        st = wait_for("infeasible after the delete", lambda: (s := status(cluster, ns, "waiting")).get("phase") == "Infeasible" and s)
+        assert "gpu-c" in condition(st, "PlanInfeasible")["message"]
+        assert set(workers(cluster, ns, "waiting")) == before
+
+
+def install_profiles_as(cluster: ClusterThread, namespace: str, source: str, pool_name: str) -> None:
+    """The synthetic profile of pool `source`, published for `pool_name` too."""
+    from test_operator_support import load_docs
+
+    doc = next(d for d in load_docs("profiles.yaml") if d["spec"]["pool"] == source)
+    cluster.create({**doc, "metadata": {"name": f"minilm-{pool_name}", "namespace": namespace},
+                    "spec": {**doc["spec"], "pool": pool_name}})
+
+
+def test_move_cap_moves_a_fraction_per_step_and_converges(cluster, observations):
+    """maxMoveFraction 0.25: a drift re-plan moves at most a quarter of the worker replicas per
+    step; the rest follows step by step (each once the previous one is rolled out; the cooldown
+    does not hold the steps of a re-plan back) until the cluster runs the target."""
+    from exitplan.operator import drift
+
+    ns = "movecap"
+    install_profiles(cluster, ns)
+    planner = {"periodSeconds": 5, "drift": {"cooldownSeconds": 15, "maxMoveFraction": 0.25}}
+    with operator(cluster):
+        cluster.create(service("minilm", ns, planner=planner))
+        wait_for("first plan applied", lambda: deployed(cluster, ns, "minilm"))
+        mark_ready(cluster, ns, "minilm")
+        seen = [plan_of(cluster, ns, "minilm")]
+        observations.window = window(950, 50)
+        publish_endpoint(cluster, ns, "minilm", observations.port)
+        for _ in range(20):
+            def moved() -> Plan | None:
+                plan = plan_of(cluster, ns, "minilm")
+                return plan if plan.content_hash() != seen[-1].content_hash() else None
+
+            seen.append(wait_for("the next step", moved))
+            total = sum(c.replicas for c in seen[-2].cells)
+            assert drift.moved_replicas(seen[-2], seen[-1]) <= max(1, int(0.25 * total)), (seen[-2], seen[-1])
+            st = wait_for("step applied", lambda: (s := deployed(cluster, ns, "minilm"))
+                          and s["plan"]["hash"] == seen[-1].content_hash() and s)
+            if len(seen) == 2:  # the first step: the cooldown (from the initial plan) held it until now
+                held = len([e for e in cluster.events(ns, "minilm") if e["reason"] == "ReplanHeld"])
+            mark_ready(cluster, ns, "minilm")
+            if not st.get("proposal"):
+                break
+            assert st["proposal"]["heldBack"].startswith("move cap") and st["proposal"]["reason"] == "length-drift"
+        assert len(seen) >= 3, "the re-plan needed more than one step under the cap"
+        assert held >= 1 and len([e for e in cluster.events(ns, "minilm") if e["reason"] == "ReplanHeld"]) == held
+        assert not status(cluster, ns, "minilm").get("proposal")
+        final = seen[-1]
+        assert drift.moved_replicas(seen[0], final) > max(1, int(0.25 * sum(c.replicas for c in seen[0].cells)))
+        for cell in final.cells:
+            assert workers(cluster, ns, "minilm")[builders.worker_name("minilm", cell)]["spec"]["replicas"] == cell.replicas
+        assert final.length_histogram[0] > seen[0].length_histogram[0]

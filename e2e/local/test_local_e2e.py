@@ -8,7 +8,8 @@ shared Azure trace replayed open-loop through the router Service's local endpoin
 3. Trace with its lengths scaled into the model's range (short inputs): every request answered,
    agreement with the full model within the accuracy budget.
 4. The same trace with lengths clipped (long inputs): the operator re-plans with reason
-   `length-drift` while the traffic runs, and again no request is lost. (The SLO is loose and
+   `length-drift` while the traffic runs, within two drift periods of the first shifted request
+   (asserted as a count of periods), and again no request is lost. (The SLO is loose and
    sloRisk at its maximum so that on this shared CPU machine the shift shows as length drift,
    not as `slo-risk`, which takes precedence; an earlier run with a 500 ms SLO re-planned for
    slo-risk at p99 488 ms.)
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import calendar
 import json
-import math
 import os
 import shutil
 import signal
@@ -159,8 +159,11 @@ def bench(stack, url: str, mode: str, setup=None):
 
 
 def within_budget(report) -> bool:
-    n = max(report.results, 1)
-    return report.agreement_drop is not None and report.agreement_drop <= BUDGET + 2 * math.sqrt(BUDGET * (1 - BUDGET) / n)
+    """Disagreement with the full model at most the budget itself. (The requests reuse a few dozen
+    held-out texts -- phase 1's short lengths come from the ~40 shortest -- so they are no
+    independent sample and no sampling allowance applies: the thresholds must hold the budget on
+    every length stratum, which the operator's initial tuning does, see operator/calibration.py.)"""
+    return report.agreement_drop is not None and report.agreement_drop <= BUDGET
 
 
 def test_local_end_to_end(stack):
@@ -224,7 +227,12 @@ def test_local_end_to_end(stack):
 
     applied_after = sorted(round(at(e) - shifted_at, 1) for e in events
                            if e.get("reason") == "Applied" and "(length-drift)" in e["message"] and at(e) >= shifted_at)
+    # Within two periods: the first length-drift apply after the shift, counted in drift periods.
+    assert applied_after, "no Applied (length-drift) event after the shift"
+    periods = min(applied_after) / PERIOD
+    assert periods <= 2, (applied_after, PERIOD)
     record = {"profile_smoothed": smoothed, "trigger_length_score": max(scores), "apply_to_ready_s": round(ready_s, 1),
+              "shift_to_first_length_drift_apply_periods": round(periods, 2),
               "shift_to_last_replan_s": round(replanned_at - shifted_at, 1),
               "length_drift_applies_after_shift_s": applied_after, "period_s": PERIOD, "short": {k: short.to_dict()[k] for k in ("requests", "results", "lost", "error_total", "agreement_drop", "goodput_rps")},
               "long": {k: long.to_dict()[k] for k in ("requests", "results", "lost", "error_total", "agreement_drop", "goodput_rps")}}

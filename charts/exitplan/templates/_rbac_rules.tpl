@@ -12,10 +12,11 @@ exactly: nothing missing, nothing extra.
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
-# app: read the GPUPools a service names (operator/reconcile.py read_inputs).
+# app: read the GPUPools a service names (operator/reconcile.py read_inputs: get);
+# kopf: the GPUPool event handler that re-plans their services (operator/handlers.py pool_event: list, watch).
 - apiGroups: ["exitplan.io"]
   resources: ["gpupools"]
-  verbs: ["get"]
+  verbs: ["get", "list", "watch"]
 {{- if include "exitplan.peering" . }}
 # kopf: leader election: watch the peers (list, watch) and post this replica's keep-alive (patch)
 # in the ClusterKopfPeering (kopf/_core/engines/peering.py).
