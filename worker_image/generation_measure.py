@@ -106,45 +106,63 @@ def measure_profile(
             "recompute_ratio": measure_recompute_ratio(model, context=context, repeats=repeats)}
 
 
+_HOP_SERVER = """
+import sys
+from aiohttp import web
+async def hop(request):
+    await request.read()
+    return web.Response(body=b'{"queued": true}\\n')
+app = web.Application(client_max_size=1 << 24)
+app.router.add_post("/hop", hop)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+"""
+
+
 def measure_hop(model: DecoderModel, *, repeats: int = 50) -> float:
     """Milliseconds of one stage-to-stage hand-off on this machine: a hidden state posted as a wire frame to
-    an aiohttp server on localhost, answered with a short line (what a stage does per token)."""
+    an aiohttp server in another process on localhost, answered with a short line (what a stage does per token)."""
     import asyncio
+    import socket
+    import subprocess
+    import sys
 
     import aiohttp
-    from aiohttp import web
 
     from . import wire
 
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-c", _HOP_SERVER, str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    hidden = np.zeros((1, 1, model.spec.hidden_size), dtype=np.float32)
+    frame = wire.encode({"seq": "x", "start": 0, "decide": True, "threshold": 1.0}, {"x": hidden})
+
     async def run() -> float:
-        async def handle(request: web.Request) -> web.Response:
-            wire.decode(await request.read())
-            return web.Response(body=b'{"queued": true}\n')
+        async with aiohttp.ClientSession() as session:
+            async def once() -> None:
+                async with session.post(f"http://127.0.0.1:{port}/hop", data=frame) as r:
+                    await r.read()
 
-        app = web.Application()
-        app.router.add_post("/hop", handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        hidden = np.zeros((1, 1, model.spec.hidden_size), dtype=np.float32)
-        frame = wire.encode({"seq": "x", "start": 0, "decide": True, "threshold": 1.0}, {"x": hidden})
-        try:
-            async with aiohttp.ClientSession() as session:
-                async def once() -> None:
-                    async with session.post(f"http://127.0.0.1:{port}/hop", data=frame) as r:
-                        await r.read()
-
-                await once()
-                started = time.perf_counter()
-                for _ in range(repeats):
+            for _ in range(600):  # the server process starts (bounded wait)
+                if server.poll() is not None:
+                    raise GenerationError("the hop measurement server exited")
+                try:
                     await once()
-                return 1000 * (time.perf_counter() - started) / repeats
-        finally:
-            await runner.cleanup()
+                    break
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.05)
+            for _ in range(5):
+                await once()
+            started = time.perf_counter()
+            for _ in range(repeats):
+                await once()
+            return 1000 * (time.perf_counter() - started) / repeats
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    finally:
+        server.terminate()
+        server.wait()
 
 
 def _time(call: Callable[[], object], repeats: int) -> float:
