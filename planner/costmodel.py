@@ -213,14 +213,16 @@ class CostModel:
     # ------------------------------------------------------------ whole stages
 
     def stage_tables(self, batches: Sequence[float], seq: float, survival_before: np.ndarray, ramps_on: Sequence[bool],
-                     expected: bool = False) -> np.ndarray:
+                     expected: bool = False, transfer: bool = True) -> np.ndarray:
         """ms[bi, a, b]: time of split [a, b] (exec + enabled ramps + transfer out) at batch batches[bi].
 
         Entries with b < a are +inf. The batch shrinks inside the split as inputs exit. By default
         the survivors of each block are rounded up (a batch that still holds anyone runs at the
         latency of a whole input): a bound for the cycle. With `expected`, the mean number of
         survivors is used instead: the mean batch time, for throughput (block latency is
-        piecewise linear and concave in the batch, so this does not undercount the mean).
+        piecewise linear and concave in the batch, so this does not undercount the mean). With
+        transfer=False the transfer out is left off: the time the batch holds its replica (the
+        worker forwards the survivors beside its next batch), for throughput.
         """
         n = self.n_blocks
         s = np.maximum(survival_before, 1e-12)
@@ -245,6 +247,8 @@ class CostModel:
                 leaving = np.ceil(leaving - 1e-9)
             xfer = 8.0 * leaving * bytes_out[None, :] / (self.pool.link_bandwidth_gbps * 1e9) * 1e3
             xfer[:, n - 1] = 0.0  # the last split answers the router; that hop is in the slack
+            if not transfer:
+                xfer = np.zeros_like(xfer)
             tri = np.arange(n)[None, :] >= np.arange(n)[:, None]
             out[bi] = np.where(tri, cum + xfer, np.inf)
         return out

@@ -2,14 +2,20 @@
 
 What it models (the same rules as worker_image/router_app.py and worker_app.py):
 - Router: each request picks its bucket runtime with Arlo's Algorithm 1 (`dispatch.choose_bucket`)
-  over loads = outstanding inputs / (planned rate x SLO); a request whose bucket is at load >= 1
+  over loads = outstanding inputs / (pipeline rate x SLO); a request whose bucket is at load >= 1
   (or that fits no bucket) is refused at once (a drop, counted). Split 0 replica: least loaded.
+  The pipeline rate is the slowest split's, each at full batches with the mean batch time given
+  its exits (the data plane's workers time a full batch without exits, which under-admits a
+  one-split early-exit model; the simulator counts the exits so that no configuration is refused
+  work it could do).
 - Worker (one per replica of a cell): a fusion queue that launches a batch when it holds the
   planned batch size, when its oldest row has waited `max_wait_ms`, or when the earliest deadline
   needs it to run now (deadline minus the expected time to finish the model from this split).
   One batch at a time; batch time from the cost model at the real batch, which shrinks block by
   block as rows exit at enabled ramps; survivors go, after the transfer, to the least loaded
   replica (`dispatch.least_loaded`, queued+running / batch size) of the next split, same bucket.
+  The transfer does not hold the replica (the worker forwards in a task of its own and starts
+  its next batch): it delays the survivors only.
 - Exits: each request draws its exit depth from the survival curve; a ramp that is off lets its
   inputs ride on to the next enabled ramp (the planner assumes the same). An exited row leaves
   its batch: later blocks run at the remaining size (E3's account of early exits: exits shrink
@@ -34,7 +40,7 @@ import numpy as np
 
 from exitplan.api.plan import Plan
 
-from .costmodel import CostModel
+from .costmodel import CostModel, survival_before_blocks
 from .dispatch import QueueParams, choose_bucket, least_loaded
 
 
@@ -75,7 +81,7 @@ class SimResult:
 
 
 class _Worker:
-    __slots__ = ("split", "bucket", "length", "batch", "first", "last", "lat", "ramp_lat", "xfer", "queue", "running", "busy", "timer", "expect_ms", "rest_ms", "batches", "rows")
+    __slots__ = ("split", "bucket", "length", "batch", "first", "last", "lat", "ramp_lat", "xfer", "queue", "running", "busy", "timer", "expect_ms", "mean_ms", "rest_ms", "batches", "rows")
 
     def __init__(self, split: int, bucket: int, length: int, batch: int, first: int, last: int) -> None:
         self.split, self.bucket, self.length, self.batch, self.first, self.last = split, bucket, length, batch, first, last
@@ -121,6 +127,8 @@ class Simulation:
         self.name = name
         self.cost = sum(c.replicas * (pool_costs or {}).get(c.pool, 1.0) for c in plan.cells)
         self.buckets = list(plan.buckets)
+        # fraction of requests that reach block k (k = 0..n_blocks) with the ramps in force
+        self._reach = survival_before_blocks(self.n_blocks, self.ramp_after, self.survival, self.enabled)
         layout = {s.index: (s.first_block, s.last_block) for s in plan.splits}
         self.n_splits = len(plan.splits)
         self.workers: list[list[list[_Worker]]] = [[[] for _ in range(self.n_splits)] for _ in self.buckets]
@@ -141,6 +149,7 @@ class Simulation:
             for _ in range(cell.replicas):
                 w = _Worker(cell.split, k, cell.bucket, cell.batch_size, a, b)
                 w.lat, w.ramp_lat, w.xfer, w.expect_ms = lat, ramp_lat, xfer, full
+                w.mean_ms = self._mean_batch_ms(lat, ramp_lat, xfer, a, b, top)
                 self.workers[k][cell.split].append(w)
         # expected time to finish the model from each split (for the deadline rule), per bucket
         for k in range(len(self.buckets)):
@@ -151,10 +160,25 @@ class Simulation:
                 rest += here
                 for w in ws:
                     w.rest_ms = rest
-        self.capacity = []  # planned inputs/s per bucket at split 0
+        # Admission: requests/s each bucket's pipeline takes, the slowest split's rate at full
+        # batches (mean batch time with the exits inside it) over the share of inputs reaching it.
+        self.capacity = []
         for k in range(len(self.buckets)):
-            ws = self.workers[k][0] if self.n_splits else []
-            self.capacity.append(sum(w.batch / max(w.expect_ms, 1e-6) * 1e3 for w in ws))
+            rates = []
+            for ws in self.workers[k]:
+                if ws:
+                    reach = max(float(self._reach[ws[0].first]), 1e-9)
+                    rates.append(sum(w.batch / max(w.mean_ms, 1e-6) * 1e3 for w in ws) / reach)
+            self.capacity.append(min(rates) if rates else 0.0)
+
+    def _mean_batch_ms(self, lat: np.ndarray, ramp_lat: np.ndarray, xfer: np.ndarray, a: int, b: int, top: int) -> float:
+        """Mean time a full batch occupies a replica of blocks a..b: each block at the mean number of
+        rows still in it (from the survival curve), linear between whole rows; the transfer of the
+        survivors runs beside the next batch."""
+        frac = self._reach[a : b + 2] / max(float(self._reach[a]), 1e-12)
+        sizes = np.arange(top + 1, dtype=np.float64)
+        rows = top * frac
+        return sum(float(np.interp(rows[i], sizes, lat[i]) + np.interp(rows[i], sizes, ramp_lat[i])) for i in range(b - a + 1))
 
     # ------------------------------------------------------------------ the event loop
 
@@ -205,11 +229,12 @@ class Simulation:
                 idx = np.arange(len(ks))
                 t = float(w.lat[idx, counts].sum() + w.ramp_lat[idx, counts].sum())
                 surv = [r for r, dd in zip(rows, d) if dd > w.last + 1]
-                t += float(w.xfer[len(surv)])
                 w.busy, w.running = True, m
                 w.batches += 1
                 w.rows += m
-                push(now + t / 1e3, 1, (w, rows, surv))
+                # the survivors' transfer runs beside the next batch (the worker forwards in a
+                # task of its own): it delays them, not the replica
+                push(now + t / 1e3, 1, (w, rows, surv, float(w.xfer[len(surv)])))
             elif at < w.timer:
                 w.timer = at
                 push(at, 2, w)
@@ -229,7 +254,7 @@ class Simulation:
                 w.queue.append((i, now))
                 kick(w, now)
             elif kind == 1:  # a batch finished
-                w, rows, surv = payload
+                w, rows, surv, xfer_ms = payload
                 w.busy, w.running = False, 0
                 alive = set(surv)
                 for r in rows:
@@ -237,11 +262,14 @@ class Simulation:
                         done_at[r] = now
                         outstanding[bucket_of[r]] -= 1
                 if surv:
-                    nxt = pick(self.workers[w.bucket][w.split + 1])
-                    for r in surv:
-                        nxt.queue.append((r, now))
-                    kick(nxt, now)
+                    push(now + xfer_ms / 1e3, 3, (w.bucket, w.split + 1, surv))
                 kick(w, now)
+            elif kind == 3:  # survivors arrive at the next split
+                bucket, split, surv = payload
+                nxt = pick(self.workers[bucket][split])
+                for r in surv:
+                    nxt.queue.append((r, now))
+                kick(nxt, now)
             else:  # a fusion-queue timer
                 w = payload
                 if w.timer <= now:
