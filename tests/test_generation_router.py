@@ -259,3 +259,29 @@ def get_ready(url: str) -> bool:
         return get(f"{url}/v2/health/ready")[0] == 200
     except OSError:
         return False
+
+
+async def test_no_reachable_stage_is_503_with_the_reason_not_a_hang(bundle, tmp_path):
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from exitplan.worker.router_generation import GenerationRouter
+
+    manifest = DecoderModel(bundle, last_block=0).manifest
+    plan = plan_generation(NAME, service_spec(bundle), {"cpu": GPUPoolSpec(capacity=1)}, n_blocks=len(manifest.blocks),
+                           exit_ramps=[r.name for r in manifest.exit_ramps()], max_context=manifest.decoder.max_context).plan
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    router = GenerationRouter(bundle, tmp_path / "plan.json", peers=f"127.0.0.1:{free_port()}")  # nothing listens there
+    server = TestServer(router.app())
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession(base_url=str(server.make_url(""))) as session:
+            async with session.get("/v2/health/ready") as r:
+                assert r.status == 503 and "does not answer" in (await r.json())["reason"]
+            async with session.post(f"/v2/models/{NAME}/generate", json={"text_input": "hi", "parameters": {"max_tokens": 2}}) as r:
+                assert r.status == 503 and "no ready stages" in (await r.json())["error"]
+            async with session.post(f"/v2/models/{NAME}/generate", json={"text_input": ""}) as r:
+                assert r.status == 400  # bad input is still named first
+        assert router.engine.active_caches == 0
+    finally:
+        await server.close()
