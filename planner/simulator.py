@@ -13,7 +13,9 @@ What it models (the same rules as worker_image/router_app.py and worker_app.py):
   needs it to run now (deadline minus the expected time to finish the model from this split).
   One batch at a time; batch time from the cost model at the real batch, which shrinks block by
   block as rows exit at enabled ramps; survivors go, after the transfer, to the least loaded
-  replica (`dispatch.least_loaded`, queued+running / batch size) of the next split, same bucket.
+  replica (`dispatch.least_loaded`, queued+running over the replica's rate: DensePipe's "least
+  running / capacity"; the data plane divides by the batch size, the same for replicas of one
+  GPU type) of the next split, same bucket.
   The transfer does not hold the replica (the worker forwards in a task of its own and starts
   its next batch): it delays the survivors only.
 - Exits: each request draws its exit depth from the survival curve; a ramp that is off lets its
@@ -206,7 +208,9 @@ class Simulation:
             heapq.heappush(events, (t, seq, kind, payload))
 
         def pick(ws: list[_Worker]) -> _Worker | None:
-            i = least_loaded([len(w.queue) + w.running for w in ws], [w.batch for w in ws])
+            # DensePipe's hop: least (queued + running) / capacity, capacity = the replica's rate
+            # (a batch over its mean time), so a slow GPU beside fast ones gets its share, not more
+            i = least_loaded([len(w.queue) + w.running for w in ws], [w.batch / max(w.mean_ms, 1e-6) for w in ws])
             return ws[i] if i >= 0 else None
 
         def launch_at(w: _Worker) -> float:
