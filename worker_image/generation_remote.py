@@ -50,6 +50,8 @@ from .generation import (NEVER_EXIT, DecoderModel, EngineBase, GenerationError, 
                          check_request, confidence)
 
 log = logging.getLogger(__name__)
+INLINE_SECONDS = 0.001
+"""Work items expected to compute in less than this run on the stage's event loop, not in a thread."""
 RUN, RELEASE, CACHE, STATS = "/v1/generation/run", "/v1/generation/release", "/v1/generation/cache", "/v1/generation/stats"
 
 
@@ -81,6 +83,8 @@ class StageServer:
         self._session: aiohttp.ClientSession | None = None
         self._worker: asyncio.Task | None = None
         self._relays: set[asyncio.Task] = set()
+        self._compute_ewma = 0.0
+        """Recent time of one work item's compute; below INLINE_SECONDS it runs on the event loop."""
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -154,6 +158,14 @@ class StageServer:
                          tensors["x"], bool(meta["decide"]), float(meta["threshold"]))
         except (wire.WireError, KeyError, TypeError, ValueError) as err:
             return web.json_response({"error": f"bad run frame: {err}"}, status=400)
+        assert self._queue is not None
+        if meta.get("reply") == "answer":  # the coordinator: one body with the decision (no queued line to wait for)
+            await self._queue.put(item)
+            try:
+                return web.Response(body=json.dumps({"decision": await item.done}).encode() + b"\n",
+                                    content_type="application/x-ndjson")
+            except Exception as err:
+                return web.Response(body=json.dumps({"error": str(err)}).encode() + b"\n", content_type="application/x-ndjson")
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
         assert self._queue is not None
@@ -211,7 +223,14 @@ class StageServer:
                 elif item.seq in self.cancelled:
                     item.done.set_result(None)
                 else:
-                    decision, x, decide = await loop.run_in_executor(None, self._compute, item)
+                    if self._compute_ewma < INLINE_SECONDS:  # short work: the thread round trip would cost more
+                        started = time.perf_counter()
+                        decision, x, decide = self._compute(item)
+                        self._compute_ewma = 0.8 * self._compute_ewma + 0.2 * (time.perf_counter() - started)
+                    else:
+                        started = time.perf_counter()
+                        decision, x, decide = await loop.run_in_executor(None, self._compute, item)
+                        self._compute_ewma = 0.8 * self._compute_ewma + 0.2 * (time.perf_counter() - started)
                     if decision is not None:
                         item.done.set_result(decision)
                     await self._forward(item, x, decide)
@@ -332,6 +351,7 @@ class RemotePipelineEngine(EngineBase):
         self._thread = threading.Thread(target=self._loop.run_forever, name="generation-remote", daemon=True)
         self._thread.start()
         self._session: aiohttp.ClientSession = self._call(self._make_session())
+        self._asession: aiohttp.ClientSession | None = None
         self._counter = itertools.count()
 
     async def _make_session(self) -> aiohttp.ClientSession:
@@ -403,6 +423,31 @@ class RemotePipelineEngine(EngineBase):
         return self._call(caches())
 
     def step(self, handle: GenerationHandle) -> TokenEvent:
+        """One token, from any thread (the engine's own event loop posts to the first stage)."""
+        meta, x, started = self._next_work(handle)
+        try:
+            decision = self._call(self._run(meta, x))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            raise GenerationError(f"the first stage {self.urls[0]} is unreachable: {err}") from err
+        return self._event(handle, decision, started)
+
+    async def astep(self, handle: GenerationHandle) -> TokenEvent:
+        """One token, awaited on the caller's event loop (a router: no thread hand-offs per token)."""
+        meta, x, started = self._next_work(handle)
+        if self._asession is None or self._asession.closed:
+            self._asession = aiohttp.ClientSession()
+        try:
+            decision = await self._run(meta, x, self._asession)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            raise GenerationError(f"the first stage {self.urls[0]} is unreachable: {err}") from err
+        return self._event(handle, decision, started)
+
+    async def aclose(self) -> None:
+        """Close the session `astep` opened on the caller's loop (call it on that loop)."""
+        if self._asession is not None:
+            await self._asession.close()
+
+    def _next_work(self, handle: GenerationHandle) -> tuple[dict, np.ndarray, float]:
         if handle.finished:
             raise GenerationError("this sequence has finished")
         if handle.id not in self._open:
@@ -411,11 +456,10 @@ class RemotePipelineEngine(EngineBase):
         prompt = not handle.generated
         new = handle.ids if prompt else handle.ids[-1:]
         meta = {"seq": self._seq(handle), "start": len(handle.ids) - len(new), "decide": True,
-                "threshold": NEVER_EXIT if prompt else handle.threshold}
-        try:
-            decision = self._call(self._run(meta, np.asarray([new], dtype=np.int64)))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-            raise GenerationError(f"the first stage {self.urls[0]} is unreachable: {err}") from err
+                "threshold": NEVER_EXIT if prompt else handle.threshold, "reply": "answer"}
+        return meta, np.asarray([new], dtype=np.int64), started
+
+    def _event(self, handle: GenerationHandle, decision: dict, started: float) -> TokenEvent:
         token = int(decision["token"])
         self._finish(handle, token)
         assert handle.decoder is not None
@@ -425,13 +469,13 @@ class RemotePipelineEngine(EngineBase):
             recomputed=int(decision.get("recomputed", 0)), full_pass=bool(decision["final"]), seconds=time.perf_counter() - started,
         )
 
-    async def _run(self, meta: dict, x: np.ndarray) -> dict:
+    async def _run(self, meta: dict, x: np.ndarray, session: aiohttp.ClientSession | None = None) -> dict:
         frame = wire.encode(meta, {"x": x})
-        async with self._session.post(self.urls[0] + RUN, data=frame, headers={"Content-Type": wire.CONTENT_TYPE}) as r:
+        async with (session or self._session).post(self.urls[0] + RUN, data=frame, headers={"Content-Type": wire.CONTENT_TYPE}) as r:
             if r.status != 200:
                 raise GenerationError(f"stage {self.urls[0]} refused the work: {r.status} {await r.text()}")
             decision = None
-            async for line in r.content:  # read to the end: the stage closes right after the decision
+            for line in (await r.read()).splitlines():  # one line: the decision (or the error)
                 message = json.loads(line)
                 if "decision" in message:
                     decision = message["decision"]

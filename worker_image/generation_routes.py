@@ -140,6 +140,14 @@ def add_generate_routes(
             return error(503, reason)
         return handle
 
+    astep = getattr(engine, "astep", None)
+
+    def start_step(handle: GenerationHandle) -> asyncio.Future:
+        """The next token: on this loop when the engine awaits remote stages, else in a thread (ONNX Runtime)."""
+        if astep is not None:
+            return asyncio.ensure_future(astep(handle))
+        return asyncio.get_running_loop().run_in_executor(None, engine.step, handle)
+
     async def generate(request: web.Request) -> web.Response:
         started = time.perf_counter()
         handle = await opened(request)
@@ -149,7 +157,12 @@ def add_generate_routes(
         events: list[TokenEvent] = []
         try:
             while not handle.finished:
-                event = await loop.run_in_executor(None, engine.step, handle)
+                step = start_step(handle)
+                try:
+                    event = await asyncio.shield(step)
+                except asyncio.CancelledError:  # let the step in flight finish before its cache goes
+                    await asyncio.wait([step])
+                    raise
                 metrics.token(event)
                 events.append(event)
         except GenerationError as err:
@@ -171,8 +184,8 @@ def add_generate_routes(
         try:
             await response.prepare(request)
             while not handle.finished:
-                step = loop.run_in_executor(None, engine.step, handle)
-                event = await step
+                step = start_step(handle)
+                event = await asyncio.shield(step)
                 step = None
                 metrics.token(event)
                 events.append(event)

@@ -186,6 +186,7 @@ class GenerationRouter:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         if self.session:
             await self.session.close()
+        await self.engine.aclose()
         await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
 
     def app(self) -> web.Application:
