@@ -12,7 +12,9 @@ from published latency figures (not measured here):
   launches and framework work that do not grow with the batch) and the per-input part (the rest,
   0.50 ms per input at batch 8), and spread both evenly over the 12 layers (embeddings and head
   folded in). The table stops at batch 8, so the profile does too (`VALIDATED_BATCHES`): the
-  planner never plans a batch the figures do not cover.
+  planner never plans a batch the figures do not cover. Other lengths: the fixed part stays, the
+  per-input part scales as (length / 128) ** 1.19, fitted to the same table's length-384 row
+  (5.99 / 7.93 / 11.70 / 18.99 ms at batch 1 / 2 / 4 / 8).
 - P100 and K80 (no published table of the same kind): the per-input part scaled by the ratio of
   peak arithmetic rates from NVIDIA's datasheets, anchored on V100's measured FP32/FP16 ratio in
   the same README (FP32 batch 4 -> 8: 1.87 ms per extra input, 3.7x FP16's 0.50 ms). V100 FP32
@@ -65,6 +67,8 @@ GPUS = {
 PUBLISHED_V100_FP16_MS = {1: 1e3 / 206.82, 2: 2e3 / 376.75, 4: 4e3 / 635.00, 8: 8e3 / 962.83}
 """Whole-model batch time of BERT-base, length 128, FP16 on one V100 16GB (NVIDIA
 DeepLearningExamples TensorFlow BERT README, SQuAD v1.1 fine-tuning inference, TF 20.06)."""
+PUBLISHED_V100_FP16_384_MS = {1: 1e3 / 167.01, 2: 2e3 / 252.12, 4: 4e3 / 341.95, 8: 8e3 / 421.26}
+"""The same table at sequence length 384 (for how the per-input part grows with length)."""
 VALIDATED_BATCHES = (1, 2, 4, 8)
 PUBLISHED_V100_FP32_PER_INPUT_MS = (8e3 / 422.88 - 4e3 / 349.34) / 4
 """The same README's FP32 figures, batch 4 -> 8: milliseconds per extra input (1.87)."""
@@ -95,10 +99,22 @@ def published_model_ms(gpu_name: str, batch: float) -> float:
     return fixed * FIXED_MS[gpu_name] + per_input * batch
 
 
+def length_exponent() -> float:
+    """How the per-input part grows with length, from the published 128 and 384 figures at batch 8:
+    (t384 - fixed) / (t128 - fixed) = 3 ** exponent (1.19: attention's quadratic share on top of
+    the linear layers)."""
+    fixed, _ = _v100_fixed_and_slope()
+    return float(np.log((PUBLISHED_V100_FP16_384_MS[8] - fixed) / (PUBLISHED_V100_FP16_MS[8] - fixed)) / np.log(3.0))
+
+
 def published_layer_ms(gpu_name: str, batch: float, length: float) -> float:
-    """One of the 12 layers: the whole-model time / 12, scaled linearly in length from 128 above
-    it (the published figures are for length 128 only; shorter inputs cost the same)."""
-    return published_model_ms(gpu_name, batch) / 12 * max(1.0, length / 128.0)
+    """One of the 12 layers at `length`: the whole-model time / 12, its fixed part as at 128 and its
+    per-input part scaled by (length / 128) ** length_exponent() (fitted to the 128 and 384
+    figures; lengths below 128 extrapolate the same curve down)."""
+    fixed, _ = _v100_fixed_and_slope()
+    fixed *= FIXED_MS.get(gpu_name, 1.0)
+    at128 = published_model_ms(gpu_name, batch)
+    return (fixed + (at128 - fixed) * (length / 128.0) ** length_exponent()) / 12
 
 HIDDEN = 768
 
