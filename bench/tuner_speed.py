@@ -9,7 +9,7 @@ machine is shared: the 1-minute load average is printed before and after. For sc
 exhaustive grid on the same windows at 3 ramps (step 0.01) and 4 ramps (step 0.05), and the figures
 Apparate reports (greedy 11.9 ms, grid 3.0 s).
 
-    python bench/tuner_speed.py [--windows 40] [--repeats 5] [--json PATH]
+    python bench/tuner_speed.py [--windows 40] [--repeats 5] [--budgets 0.005 0.01 0.02 0.05 0.1] [--json PATH]
 """
 
 from __future__ import annotations
@@ -51,14 +51,16 @@ def main() -> int:
     parser.add_argument("--inputs", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.005, 0.01, 0.02, 0.05, 0.1],
+                        help="budgets to time the default tuner at (every variant at 1 %% and 5 %%)")
     args = parser.parse_args()
     console = Console(width=160)
     rng = np.random.default_rng(args.seed)
     windows = [synthetic_window(rng, n=args.inputs, r=args.ramps) for _ in range(args.windows)]
     load_before = os.getloadavg()[0]
     rows = {}
-    for budget in (0.01, 0.05):
-        for name, kwargs in VARIANTS.items():
+    for budget in args.budgets:
+        for name, kwargs in (VARIANTS.items() if budget in (0.01, 0.05) else [("default", {})]):
             walls, cpus, savings = [], [], []
             for w in windows:
                 for _ in range(args.repeats):
@@ -85,8 +87,9 @@ def main() -> int:
     console.print(table)
     for key, ms in grid.items():
         console.print(f"exhaustive grid, first {key}: {ms:.1f} ms median (Apparate reports: greedy 11.9 ms, grid 3.0 s)")
-    default = rows[(0.01, "default")]["median_ms"]
-    console.print(f"default tuner, budget 1 %: {default:.2f} ms median (<= 5 ms: {'PASS' if default <= 5.0 else 'FAIL'})")
+    worst_budget, default = max(((b, rows[(b, "default")]["median_ms"]) for b in args.budgets), key=lambda x: x[1])
+    console.print(f"default tuner: slowest median {default:.2f} ms (budget {worst_budget:g}) over budgets "
+                  f"{', '.join(f'{b:g}' for b in args.budgets)} (<= 5 ms at every budget: {'PASS' if default <= 5.0 else 'FAIL'})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": {f"{b}/{n}": v for (b, n), v in rows.items()}, "grid_ms": grid,

@@ -5,10 +5,19 @@ The data plane only records and applies: the router keeps the last shadow-sample
 worker without a restart). This control loop sits outside it (in `exitplan up`; the operator's
 drift loop can use `decide` the same way): every period it reads the window and
 
-- re-tunes at once when the thresholds in force break the accuracy budget on the window
-  (reason `accuracy`), starting from them (the tuner first repairs, then climbs);
+- re-tunes at once when the thresholds in force break the accuracy budget on the newest samples
+  (reason `accuracy`): a breach is called when the disagreements among the last 50, 100, ... samples
+  are too many for the budget to hold (a one-sided binomial test), so a shift shows within a few
+  dozen samples; the repair only raises thresholds, and the samples from before it no longer count
+  (the workload changed);
+- keeps a safety margin: thresholds are tuned to a fraction (``headroom``) of the budget less its
+  sampling error, because thresholds placed at the edge of a sample's errors do worse on the
+  next inputs (the tuner picks the sample's lucky spots) and a moderate shift must not break the
+  budget before it is detected; thresholds beyond that margin on the window are raised
+  (reason `accuracy`);
 - otherwise re-tunes to claim savings when the tuner finds at least `min_gain_ms` more saving per
-  input (reason `savings`);
+  input, on a window of at least `savings_samples` samples taken since the last breach (reason
+  `savings`);
 - keeps the last good thresholds when the window is short of samples or the tuner rejects it.
 """
 
@@ -25,9 +34,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from exitplan.planner.thresholds import DISABLED, Window, WindowError, evaluate, tune
+from exitplan.planner.thresholds import DISABLED, Window, WindowError, evaluate, outcome, tune
 
 log = logging.getLogger(__name__)
+
+DETECT_TAILS = (50, 100, 200)
+"""Tail lengths (newest samples) the breach test looks at, besides `recent`."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,8 @@ class Decision:
     agreement_after: float = 1.0
     saving_before_ms: float = 0.0
     saving_after_ms: float = 0.0
+    detail: str = ""
+    """Why, in words: which test fired (``breach in the last 100 samples: 4 disagree``, ``margin``...)."""
 
 
 def sample_budget(budget: float, n: int, z: float = 1.645) -> float:
@@ -50,22 +64,74 @@ def sample_budget(budget: float, n: int, z: float = 1.645) -> float:
     return max(0.0, budget - z * math.sqrt(budget * (1.0 - budget) / n))
 
 
+def binomial_tail(x: int, n: int, p: float) -> float:
+    """P(X >= x) for X ~ Binomial(n, p)."""
+    if x <= 0:
+        return 1.0
+    if x > n:
+        return 0.0
+    below = sum(math.comb(n, k) * p**k * (1.0 - p) ** (n - k) for k in range(x))
+    return max(0.0, 1.0 - below)
+
+
+def breach(window: Window, thresholds: np.ndarray, budget: float, tails: tuple[int, ...], alpha: float) -> tuple[int, int] | None:
+    """(tail length, disagreements) of the shortest newest-samples tail on which ``thresholds`` break
+    ``budget`` beyond chance: more disagreements than the budget allows there, and as many or more
+    would happen with probability <= ``alpha`` if the true rate were the budget. None: no breach."""
+    agrees = outcome(window, thresholds).agrees
+    for m in sorted(t for t in tails if t <= window.n_inputs):
+        x = int(m - agrees[-m:].sum())
+        if x > budget * m and binomial_tail(x, m, budget) <= alpha:
+            return m, x
+    return None
+
+
+def exit_shift(window: Window, thresholds: np.ndarray, recent: int, min_before: int = 200) -> float:
+    """z statistic of the change in the share of inputs that exit early (at any ramp, under
+    ``thresholds``) between the last ``recent`` samples and the ones before them (0 when there are
+    fewer than ``min_before`` of those). The share moves as soon as the kind of traffic does, long
+    before enough disagreements have been seen to call a breach."""
+    n = window.n_inputs
+    if n - recent < min_before or recent <= 0:
+        return 0.0
+    exits = outcome(window, thresholds).exit_at < window.n_ramps
+    a, b = float(exits[-recent:].mean()), float(exits[:-recent].mean())
+    pooled = float(exits.mean())
+    se = math.sqrt(max(pooled * (1.0 - pooled), 1e-12) * (1.0 / recent + 1.0 / (n - recent)))
+    return (a - b) / se
+
+
 def _tail(window: Window, k: int) -> Window:
     return Window(conf=window.conf[-k:], pred=window.pred[-k:], final=window.final[-k:],
                   saving_ms=window.saving_ms, cost_ms=window.cost_ms)
 
 
+def raise_to(window: Window, target: float, start: np.ndarray) -> np.ndarray:
+    """The tuner's repair alone: ``start`` with thresholds raised until ``window`` is within ``target``
+    (largest agreement gained per saving lost first); nothing is lowered."""
+    result = tune(window, target, start=start, restart=False, refine_pass=False, max_rounds=0)
+    return np.maximum(np.asarray(result.thresholds, dtype=float), start)
+
+
 def decide(window: Window, ramps: list[str], current: dict[str, float], budget: float, *,
            min_samples: int = 200, recent: int = 300, savings_samples: int = 1000, min_gain_ms: float = 0.05,
-           z: float = 1.645) -> Decision:
+           z: float = 1.645, headroom: float = 1.0, fresh: int | None = None,
+           tails: tuple[int, ...] = DETECT_TAILS, alpha: float = 0.01, drift_z: float = 0.0,
+           drift_recent: int = 100) -> Decision:
     """What to do with the thresholds given one feedback window (samples oldest first; pure).
 
-    Accuracy first, on the most recent `recent` samples (a shift shows there long before it
-    dominates the whole window): if the thresholds in force break the budget there, re-tune on
-    those samples and keep only the raises (reason `accuracy`): a repair never lowers a threshold,
-    because lowering on a few hundred samples overfits them. Savings (lowering) are claimed only on
-    a window of at least `savings_samples`. Thresholds are tuned to `sample_budget` (the budget
-    less its sampling error on the samples used); the breach test uses the budget itself.
+    Accuracy first, on the newest samples (a shift shows there long before it dominates the whole
+    window): if the thresholds in force break the budget on the last `recent` samples (point
+    estimate) or, beyond chance (:func:`breach`, level `alpha`), on a shorter tail of `tails`, they
+    are raised until the last `recent` samples are within the tuning target (reason `accuracy`,
+    detail ``breach...``). Everything else uses only the last `fresh` samples (those since the last
+    breach; None: all of them). The tuning target is `headroom` x `sample_budget` on those samples
+    (the budget less its sampling error, less a safety margin): thresholds that break the budget
+    less its sampling error there are raised until they meet the target (reason `accuracy`, detail
+    ``margin...``; the gap between the two keeps savings and margin raises from taking turns); a repair never lowers a
+    threshold, because lowering on a few hundred samples overfits them. Savings (the tuner's full
+    search, lowering) are claimed only on at least `savings_samples` fresh samples, when they gain
+    at least `min_gain_ms` per input (reason `savings`).
     """
     n = window.n_inputs
     if n < min_samples:
@@ -73,23 +139,61 @@ def decide(window: Window, ramps: list[str], current: dict[str, float], budget: 
     start = np.array([float(current.get(r, DISABLED)) for r in ramps])
     latest = _tail(window, min(recent, n))
     agree_recent, save_recent = evaluate(latest, start)
-    if agree_recent < 1.0 - budget:
-        result = tune(latest, sample_budget(budget, latest.n_inputs, z), start=start)
-        raised = np.maximum(np.asarray(result.thresholds, dtype=float), start)
+    fired = None if agree_recent < 1.0 - budget else breach(window, start, budget, tails, alpha)
+    if agree_recent < 1.0 - budget or fired is not None:
+        raised = raise_to(latest, headroom * sample_budget(budget, latest.n_inputs, z), start)
         agree_after, save_after = evaluate(latest, raised)
+        detail = (f"breach in the last {fired[0]} samples: {fired[1]} disagree" if fired is not None
+                  else f"breach in the last {latest.n_inputs} samples: agreement {agree_recent:.4f}")
         return Decision({r: float(t) for r, t in zip(ramps, raised)}, "accuracy", latest.n_inputs,
-                        agree_recent, agree_after, save_recent, save_after)
+                        agree_recent, agree_after, save_recent, save_after, detail)
+    if fresh is not None and fresh < n:
+        window = _tail(window, max(fresh, 1))
+        n = window.n_inputs
+    if drift_z and drift_recent:
+        z_exit = exit_shift(window, start, drift_recent)
+        if abs(z_exit) > drift_z:  # the traffic changed: only the newest samples speak for it now
+            raised = raise_to(_tail(window, drift_recent), 0.0, start)
+            agree_now, save_now = evaluate(_tail(window, drift_recent), start)
+            agree_after, save_after = evaluate(_tail(window, drift_recent), raised)
+            return Decision({r: float(t) for r, t in zip(ramps, raised)}, "accuracy", drift_recent, agree_now,
+                            agree_after, save_now, save_after,
+                            f"drift: early-exit share moved by z = {z_exit:+.1f} in the last {drift_recent} samples")
+    probation = fresh is not None and n < savings_samples
+    if n < min_samples and not probation:
+        return Decision(None, "short-of-samples", n)
     agree_now, save_now = evaluate(window, start)
-    if n < savings_samples and agree_now >= 1.0 - budget:
+    safe = 0.0 if probation else sample_budget(budget, n, z)
+    target = 0.0 if probation else headroom * safe
+    if n - round(agree_now * n) > math.floor(safe * n + 1e-9):  # past the statistically safe level: back to the target
+        raised = raise_to(window, target, start)
+        agree_after, save_after = evaluate(window, raised)
+        return Decision({r: float(t) for r, t in zip(ramps, raised)}, "accuracy", n, agree_now, agree_after,
+                        save_now, save_after, f"margin: agreement {agree_now:.4f} < target {1 - target:.4f}"
+                        + (" (since the last breach: no disagreement allowed)" if probation else ""))
+    if n < savings_samples:
         return Decision(None, "short-of-samples", n, agree_now, agree_now, save_now, save_now)
-    result = tune(window, sample_budget(budget, n, z), start=start)
+    result = tune(window, target, start=start)
     figures = dict(samples=n, agreement_before=agree_now, agreement_after=result.agreement,
                    saving_before_ms=save_now, saving_after_ms=result.saving_ms)
-    if agree_now < 1.0 - budget:  # the recent samples were fine but the whole window is not
-        return Decision({r: float(t) for r, t in zip(ramps, result.thresholds)}, "accuracy", **figures)
     if result.saving_ms >= save_now + min_gain_ms:
         return Decision({r: float(t) for r, t in zip(ramps, result.thresholds)}, "savings", **figures)
     return Decision(None, "no-gain", **figures)
+
+
+def new_samples(previous: Window | None, window: Window) -> int:
+    """How many of ``window``'s samples came after ``previous`` (both the newest samples of one
+    router's feedback ring, oldest first): the newest samples of ``previous`` are found again in
+    ``window``. All of them when ``previous`` is None or not found (more arrived than fit)."""
+    if previous is None or previous.n_inputs == 0:
+        return window.n_inputs
+    k = min(4, previous.n_inputs)
+    key = np.concatenate([previous.conf[-k:].ravel(), previous.final[-k:].astype(np.float64)])
+    n = window.n_inputs
+    for end in range(n, k - 1, -1):
+        if np.array_equal(np.concatenate([window.conf[end - k:end].ravel(), window.final[end - k:end].astype(np.float64)]), key):
+            return n - end
+    return n
 
 
 def fetch_window(router_url: str, last: int) -> Window | None:
@@ -115,16 +219,23 @@ def push(router_url: str, thresholds: dict[str, float], reason: str) -> None:
 
 
 class AutoTuner:
-    """Runs `decide` every `period` seconds against one router, in a daemon thread."""
+    """Runs `decide` every `period` seconds against one router, in a daemon thread.
+
+    Keeps count of the samples that arrived since the last breach (``fresh``), so that savings are
+    claimed only on samples of the workload as it is now."""
 
     def __init__(self, router_url: str, ramps: list[str], budget: float, *, period: float = 20.0,
                  window: int = 1024, min_samples: int = 200, recent: int = 300, savings_samples: int = 1000,
+                 headroom: float = 1.0, alpha: float = 0.01, drift_z: float = 0.0, drift_recent: int = 100,
                  on_change=None) -> None:
         self.router_url, self.ramps, self.budget = router_url, ramps, budget
         self.period, self.window, self.min_samples, self.recent = period, window, min_samples, recent
-        self.savings_samples = savings_samples
+        self.savings_samples, self.headroom, self.alpha = savings_samples, headroom, alpha
+        self.drift_z, self.drift_recent = drift_z, drift_recent
         self.on_change = on_change
         self.history: list[Decision] = []
+        self.fresh: int | None = None  # samples since the last breach (None: no breach yet)
+        self._previous: Window | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="autotune", daemon=True)
 
@@ -133,16 +244,23 @@ class AutoTuner:
             window = fetch_window(self.router_url, self.window)
             if window is None:
                 return Decision(None, "short-of-samples", 0)
+            if self.fresh is not None:
+                self.fresh += new_samples(self._previous, window)
+            self._previous = window
             decision = decide(window, self.ramps, current_thresholds(self.router_url), self.budget,
-                              min_samples=self.min_samples, recent=self.recent, savings_samples=self.savings_samples)
+                              min_samples=self.min_samples, recent=self.recent, savings_samples=self.savings_samples,
+                              headroom=self.headroom, alpha=self.alpha, fresh=self.fresh, drift_z=self.drift_z,
+                              drift_recent=self.drift_recent)
         except WindowError as err:
             log.warning("feedback window rejected, keeping the last good thresholds: %s", err)
             return Decision(None, f"rejected: {err}", 0)
         if decision.thresholds is not None:
             push(self.router_url, decision.thresholds, f"tune-{decision.reason}")
-            log.info("thresholds re-tuned (%s): agreement %.4f -> %.4f, saving %.2f -> %.2f ms on %d samples",
-                     decision.reason, decision.agreement_before, decision.agreement_after,
-                     decision.saving_before_ms, decision.saving_after_ms, decision.samples)
+            log.info("thresholds re-tuned (%s%s): agreement %.4f -> %.4f, saving %.2f -> %.2f ms on %d samples",
+                     decision.reason, f", {decision.detail}" if decision.detail else "", decision.agreement_before,
+                     decision.agreement_after, decision.saving_before_ms, decision.saving_after_ms, decision.samples)
+            if decision.detail.startswith(("breach in the last", "drift")):
+                self.fresh = 0  # the workload changed: older samples no longer speak for it
             if self.on_change:
                 self.on_change(decision)
         self.history.append(decision)

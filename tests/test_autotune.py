@@ -64,3 +64,78 @@ def test_a_breach_in_the_recent_samples_is_repaired_on_them():
     d = decide(w, ["a", "b"], current, 0.05, recent=300)
     assert d.reason == "accuracy" and d.samples == 300 and d.agreement_before < 0.95
     assert all(t > 0.99 for t in d.thresholds.values())  # those confident wrong exits are shut
+
+
+def _stack(*windows):
+    return Window(conf=np.vstack([w.conf for w in windows]), pred=np.vstack([w.pred for w in windows]),
+                  final=np.concatenate([w.final for w in windows]), saving_ms=windows[0].saving_ms,
+                  cost_ms=windows[0].cost_ms)
+
+
+def test_new_samples_finds_the_previous_fetch_in_the_next():
+    from exitplan.autotune import _tail, new_samples
+
+    w = window(300, seed=3)
+    first = Window(conf=w.conf[:200], pred=w.pred[:200], final=w.final[:200], saving_ms=w.saving_ms, cost_ms=w.cost_ms)
+    assert new_samples(None, w) == 300
+    assert new_samples(first, w) == 100
+    assert new_samples(first, _tail(w, 150)) == 100  # the ring only returns the newest samples
+    assert new_samples(window(50, seed=9), w) == 300  # not found: everything is new
+
+
+def test_binomial_tail_and_breach():
+    from exitplan.autotune import binomial_tail, breach
+
+    assert binomial_tail(0, 10, 0.3) == 1.0 and binomial_tail(11, 10, 0.3) == 0.0
+    assert abs(binomial_tail(2, 3, 0.5) - 0.5) < 1e-12  # P(X >= 2) for 3 fair coins
+    w = window(400, seed=4)
+    t = np.array([2.0, 2.0])
+    assert breach(w, t, 0.01, (50, 100, 200), 0.01) is None  # no ramp active: every answer agrees
+    bad = _stack(w, Window(conf=np.full((50, 2), 0.99), pred=np.stack([(w.final[:50] + 1) % 3] * 2, 1),
+                           final=w.final[:50], saving_ms=w.saving_ms, cost_ms=w.cost_ms))
+    fired = breach(bad, np.array([0.9, 0.9]), 0.01, (50, 100, 200), 0.01)
+    assert fired is not None and fired[0] == 50 and fired[1] >= 45
+
+
+def test_a_shift_in_the_early_exit_share_is_caught_before_the_disagreements_add_up():
+    """The newest 100 samples are confident at ramp a (most exit there), the 600 before were not:
+    one disagreement among them is no breach, but the exit share moved; the drift test resets and
+    shuts the confident wrong exit."""
+    rng = np.random.default_rng(5)
+    old = window(600, seed=6)
+    old = Window(conf=np.minimum(old.conf, 0.5), pred=old.pred, final=old.final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
+    final = rng.integers(0, 3, 100)
+    pred = np.stack([final, final], 1)
+    pred[-1, 0] = (final[-1] + 1) % 3  # one wrong, confident early answer
+    new = Window(conf=np.full((100, 2), 0.95), pred=pred, final=final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
+    w = _stack(old, new)
+    current = {"a": 0.9, "b": 2.0}
+    quiet = decide(w, ["a", "b"], current, 0.01, recent=200, min_samples=100)
+    assert not quiet.detail.startswith(("breach", "drift"))  # 1 disagreement in 200: not a breach
+    d = decide(w, ["a", "b"], current, 0.01, recent=200, min_samples=100, drift_z=3.3, drift_recent=100)
+    assert d.reason == "accuracy" and d.detail.startswith("drift")
+    assert d.thresholds["a"] > 0.95  # the confident wrong exit is shut
+    assert evaluate(new, np.array([d.thresholds["a"], d.thresholds["b"]]))[0] == 1.0
+
+
+def test_since_a_breach_no_disagreement_is_allowed_until_enough_fresh_samples():
+    w = window(1000, seed=7)
+    current = {"a": 0.5, "b": 2.0}
+    agreement_tail, _ = evaluate(Window(conf=w.conf[-80:], pred=w.pred[-80:], final=w.final[-80:],
+                                        saving_ms=w.saving_ms, cost_ms=w.cost_ms), np.array([0.5, 2.0]))
+    assert agreement_tail < 1.0  # some fresh sample disagrees at these thresholds
+    d = decide(w, ["a", "b"], current, 0.5, fresh=80, min_samples=50, savings_samples=500)  # budget 50 %: no breach
+    assert d.reason == "accuracy" and "since the last breach" in d.detail and d.samples == 80
+    assert d.thresholds["a"] > 0.5 and d.agreement_after == 1.0
+
+
+def test_headroom_keeps_a_safety_margin_below_the_budget():
+    from exitplan.autotune import sample_budget
+
+    w = window(2000, seed=8)
+    full = decide(w, ["a", "b"], {"a": 2.0, "b": 2.0}, 0.05, headroom=1.0)
+    half = decide(w, ["a", "b"], {"a": 2.0, "b": 2.0}, 0.05, headroom=0.5)
+    assert full.reason == half.reason == "savings"
+    assert half.agreement_after > full.agreement_after
+    assert 1 - half.agreement_after <= 0.5 * sample_budget(0.05, 2000) + 1e-12
+    assert half.saving_after_ms < full.saving_after_ms
