@@ -248,7 +248,7 @@ def _final_values(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> np
         live_idx = np.flatnonzero(live)
         pos_of = np.full(n, -1)
         pos_of[live_idx] = np.arange(len(live_idx))
-        prev_ext = np.concatenate([F[live_idx], np.full((len(live_idx), 1), np.inf, dtype=np.float32)], axis=1)
+        flat = np.concatenate([F[live_idx], np.full((len(live_idx), 1), np.inf, dtype=np.float32)], axis=1).ravel()
         for p, (a, b, d) in enumerate(opts):
             use = live[a] & end_ok[b]
             if not use.any():
@@ -258,11 +258,19 @@ def _final_values(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> np
                 cand = F[a_] + d_.astype(np.float32)[:, None]
             else:
                 # row i: prev[a_i] moved up by d_i replicas on pool p (the sentinel column where
-                # that would go below 0)
-                cand = prev_ext[pos_of[a_][:, None], grid.shift[p][d_.astype(np.intp)]]
-            starts = np.flatnonzero(np.append(True, b_[1:] != b_[:-1]))
-            red = np.minimum.reduceat(cand, starts, axis=0)
-            tgt = b_[starts] + 1
+                # that would go below 0), gathered from the flattened rows
+                idx = grid.shift[p][d_.astype(np.intp)]
+                idx += (pos_of[a_] * (G + 1))[:, None]
+                cand = flat.take(idx)
+            # the best candidate per end: groups of rows (sorted by end) padded to one length
+            first = np.flatnonzero(np.append(True, b_[1:] != b_[:-1]))
+            sizes = np.diff(np.append(first, len(b_)))
+            slot = np.arange(len(b_)) - np.repeat(first, sizes)
+            rows = np.full((len(first), int(sizes.max())), len(b_), dtype=np.intp)
+            rows[np.repeat(np.arange(len(first)), sizes), slot] = np.arange(len(b_))
+            cand = np.concatenate([cand, np.full((1, G), np.inf, dtype=np.float32)])
+            red = cand[rows].min(axis=1)
+            tgt = b_[first] + 1
             new[tgt] = np.minimum(new[tgt], red)
         F = new
     return F[n]

@@ -85,3 +85,21 @@ def test_splitting_pays_when_survival_drops():
     assert first.replicas.sum() > second.replicas.sum()
     one_split = E3Problem(n, ["gpu"], np.array([10]), np.array([1.0]), np.array([1.0]), sigma, rate[:1], ones[:1], ones[:1])
     assert sol.goodput > max_goodput(one_split).goodput
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_feasibility_probe_matches_the_full_dp(seed):
+    """The probe the search runs (options that fit their pool, grouped by end) keeps the same
+    feasible final states as the full DP with argmins, on instances with larger caps."""
+    from exitplan.planner.e3 import _final_values, _Grid, _run_dp
+
+    rng = np.random.default_rng(200 + seed)
+    problem = random_problem(rng, 7, 3, 2, 4)
+    problem.caps = rng.integers(3, 12, 3)
+    grid = _Grid(problem.caps)
+    cap_v = problem.caps[grid.value_pool]
+    for goodput in rng.uniform(1.0, 60.0, 4):
+        for s in range(1, 5):
+            full = _run_dp(problem, grid, float(goodput), s, track=False)[0]
+            fast = _final_values(problem, grid, float(goodput), s)
+            assert np.array_equal(np.where(full <= cap_v, full, np.inf), np.where(fast <= cap_v, fast, np.inf))
