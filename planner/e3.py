@@ -20,10 +20,11 @@ The solver: for a candidate G, a DP over (splits used, next block, replicas used
 one) keeps the fewest replicas on the remaining pool; it is exact because the per-pool usage is the
 state. Feasibility in G is a step function that changes only where some ceil() steps (r * rate /
 load, with r no more than the pool can hold), so the largest feasible G is one of those
-breakpoints: per split count, a bisection over its sorted breakpoints finds it, starting from a
-few guesses (just below the fractional upper bound for the first split count, just above the
-best so far for the others; a split count infeasible at the best so far costs one probe). The
-probes use a DP restricted to the options whose demand fits their pool. `exhaustive` enumerates
+breakpoints: a race probes the split counts at a level just below the largest fractional upper
+bound until one is feasible; a bisection over that one's sorted breakpoints finds its optimum,
+and every other split count is settled from what the race saw (out without a probe when seen
+infeasible below the best so far) or probed at and just above the best so far. The probes use a
+DP restricted to the options whose demand fits their pool. `exhaustive` enumerates
 every plan for tests.
 """
 
@@ -407,28 +408,33 @@ def _min_cost_at(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> flo
     return float(_feasible_states(problem, grid, _final_values(problem, grid, goodput, s)).min())
 
 
-GALLOP_DOWN = (0.92, 0.85, 0.7, 0.4)
-"""The first split count's first probes, as fractions of its upper bound, until one is feasible:
-the fractional bound is usually 5-10 % above the optimum, so these bracket it in one or two."""
+RACE = (0.92, 0.85, 0.7, 0.4)
+"""The race's probe levels, as fractions of the largest upper bound: the fractional bound is
+usually 5-10 % above the optimum, so the first or second level brackets it."""
 GALLOP_UP = (0.01, 0.03, 0.07, 0.15)
-"""A later split count that beats the best so far (lo) is probed at lo x (1 + these) until one is
+"""A split count that beats the best so far (lo) is probed at lo x (1 + these) until one is
 infeasible: split counts' optima usually lie within a few per cent of each other."""
 
 
 def max_goodput(problem: E3Problem) -> E3Solution:
     """The plan with the largest goodput (ties: the cheapest). Raises PlanInfeasible if none exists.
 
-    Per split count, most promising upper bound first: feasibility changes only at breakpoints
-    (goodputs where some ceil() steps), so a bisection over the sorted breakpoints in
-    (best so far, upper bound] finds the largest feasible one. A later split count is first probed
-    at the best goodput so far (infeasible there: it cannot help, one probe) and then just above it.
-    Every feasible probe records its least cost, so ties between split counts go to the cheapest.
+    Feasibility changes only at breakpoints (goodputs where some ceil() steps), so per split count
+    the optimum is the largest feasible one of its breakpoints. A race first probes the split
+    counts, most promising upper bound first, at a common level just below the largest bound
+    (then lower levels) until one is feasible: that one leads, and a bisection over its breakpoints
+    above the level finds its optimum. Every other split count is then settled from what is known:
+    one seen infeasible at or below the best so far is out without a probe; otherwise it is probed
+    at the best so far (for ties) and, if feasible, searched above it the same way. Every feasible
+    probe records its least cost, so ties between split counts go to the cheapest.
     """
     grid = _Grid(problem.caps)
     ubs = upper_bounds(problem)
     probes = 0
-    lo = 0.0
     cost_at: dict[int, tuple[float, float]] = {}  # s -> (goodput, least cost) of its last feasible probe
+    order = [s for s in sorted(range(1, problem.max_splits + 1), key=lambda x: -ubs[x - 1]) if ubs[s - 1] > 0]
+    lower = dict.fromkeys(order, 0.0)  # the largest goodput probed feasible (0: none)
+    upper = {s: ubs[s - 1] * (1 + 1e-9) for s in order}  # every breakpoint above this is infeasible
 
     def probe(g: float, s: int) -> bool:
         nonlocal probes
@@ -436,46 +442,61 @@ def max_goodput(problem: E3Problem) -> E3Solution:
         c = _min_cost_at(problem, grid, g, s)
         if np.isfinite(c):
             cost_at[s] = (g, c)
+            lower[s] = max(lower[s], g)
             return True
+        upper[s] = min(upper[s], g * (1 - 1e-12))
         return False
 
-    for s in sorted(range(1, problem.max_splits + 1), key=lambda x: -ubs[x - 1]):
-        hi = ubs[s - 1] * (1 + 1e-9)
-        if not hi > 0 or (lo > 0 and hi < lo * (1 - 1e-9)):
-            continue
-        if lo > 0 and not probe(lo, s):
-            continue  # infeasible at the best so far: infeasible above it too
-        bps = _breakpoints(problem, s, lo, hi)
-        if not len(bps):
-            continue
-        known, out = -1, len(bps)  # largest index known feasible, smallest known infeasible
-        if lo > 0:
-            if not probe(float(bps[0]), s):
-                continue
-            known = 0
-            guesses = [lo * (1 + f) for f in GALLOP_UP]  # a later split count: likely just above lo
-        else:
-            guesses = [ubs[s - 1] * f for f in GALLOP_DOWN]  # the first: likely just below its bound
+    def search(s: int, guesses: list[float], gallop_up: bool) -> None:
+        """The largest feasible breakpoint of s in (lower[s], upper[s]], lower[s] known feasible or 0."""
+        bps = _breakpoints(problem, s, lower[s], upper[s])
+        known, out = -1, len(bps)  # index known feasible (-1: lower[s]), smallest known infeasible
         for g in guesses:
             i = int(np.searchsorted(bps, g))
             if not known < i < out:
                 continue
             if probe(float(bps[i]), s):
                 known = i
-                if lo == 0:
-                    break  # galloping down: the first feasible guess brackets the optimum
+                if not gallop_up:
+                    break
             else:
                 out = i
-                if lo > 0:
-                    break  # galloping up: the first infeasible guess brackets it
+                if gallop_up:
+                    break
         while out - known > 1:
             mid = (known + out) // 2
             if probe(float(bps[mid]), s):
                 known = mid
             else:
                 out = mid
-        if known >= 0:
-            lo = float(bps[known])
+
+    lead = None
+    top = max(ubs) if len(order) else 0.0
+    for level in RACE:
+        g = level * top
+        for s in order:
+            if upper[s] < g:
+                continue
+            bps = _breakpoints(problem, s, g * (1 - 1e-12), upper[s])
+            if len(bps) and probe(float(bps[0]), s):
+                lead = s
+                break
+        if lead is not None:
+            break
+    if lead is None and order:  # nothing feasible at any level: search the most promising from 0
+        lead = order[0]
+    if lead is not None:
+        search(lead, [], gallop_up=False)
+    lo = lower[lead] if lead is not None else 0.0
+    for s in order:
+        if s == lead or upper[s] < lo * (1 - 1e-9):
+            continue  # seen infeasible at or below the best so far
+        if lo > 0:
+            if lower[s] < lo and not probe(lo, s):
+                continue  # infeasible at the best so far: infeasible above it too
+            lower[s] = lo
+        search(s, [lo * (1 + f) for f in GALLOP_UP] if lo > 0 else [], gallop_up=lo > 0)
+        lo = max(lo, lower[s])
     ties = [(c, s) for s, (g, c) in cost_at.items() if lo > 0 and g == lo]
     if not ties:
         raise PlanInfeasible("no plan fits: not even one replica per split and bucket fits the caps, cost cap and SLO", field="spec")
