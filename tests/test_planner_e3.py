@@ -103,3 +103,20 @@ def test_feasibility_probe_matches_the_full_dp(seed):
             full = _run_dp(problem, grid, float(goodput), s, track=False)[0]
             fast = _final_values(problem, grid, float(goodput), s)
             assert np.array_equal(np.where(full <= cap_v, full, np.inf), np.where(fast <= cap_v, fast, np.inf))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_max_goodput_equals_exhaustive_random_shapes(seed):
+    """Random sizes too (blocks, pools, buckets, split counts, cost cap or none)."""
+    rng = np.random.default_rng(1000 + seed)
+    n, pools, buckets, splits = int(rng.integers(2, 6)), int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(1, 5))
+    problem = random_problem(rng, n, pools, buckets, splits, float(rng.uniform(3, 12)) if seed % 2 else None)
+    best_goodput, best_cost = exhaustive(problem)
+    if best_goodput <= 0:
+        with pytest.raises(PlanInfeasible):
+            max_goodput(problem)
+        return
+    sol = max_goodput(problem)
+    sol.verify(problem)
+    assert sol.goodput == pytest.approx(best_goodput, rel=1e-7)
+    assert sol.cost == pytest.approx(best_cost, rel=1e-7)
