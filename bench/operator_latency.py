@@ -66,7 +66,7 @@ def main() -> None:
         cluster.create(pool("gpu-a", 4, 3.0))
         cluster.create(pool("gpu-b", 6, 1.0))
         op = subprocess.Popen([str(Path(sys.executable).with_name("exitplan")), "operator", "--kubeconfig",
-                               str(cluster.kubeconfig), "--tick", "1", "--metrics-port", "0"],
+                               str(cluster.kubeconfig), "--tick", "1", "--metrics-port", "0", "--health-port", "0"],
                               stdout=open(tmp / "operator.log", "wb"), stderr=subprocess.STDOUT)
         obs = ObservationServer()
         try:

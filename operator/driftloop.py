@@ -308,7 +308,8 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
         if report is not None:
             await svc.write_status(status)
         task = memo.get("tune_task")
-        if latest.ramps and (task is None or task.done()):  # in the background: never delays a drift check
+        if latest.ramps and (task is None or task.done()) and now - memo.get("last_tune", -period) >= period:
+            memo["last_tune"] = now  # once a period, in the background: never delays a drift check
             memo["tune_task"] = asyncio.create_task(retune(svc, spec, latest.ramps, _service_lock(svc, memo)))
         return
 

@@ -128,7 +128,8 @@ def stack(tmp_path_factory):
     cluster = Proc([*EXITPLAN, "dev-cluster", "--kubeconfig", str(kubeconfig), "--workdir", str(tmp / "work")],
                    tmp / "dev-cluster.log")
     _wait("the dev-cluster's kubeconfig", kubeconfig.exists, 60)
-    operator = Proc([*EXITPLAN, "operator", "--kubeconfig", str(kubeconfig), "--tick", "1", "--metrics-port", "0"],
+    operator = Proc([*EXITPLAN, "operator", "--kubeconfig", str(kubeconfig), "--tick", "1", "--metrics-port", "0",
+                     "--health-port", "0"],
                     tmp / "operator.log")
     try:
         yield {"tmp": tmp, "bundle": bundle, "kubeconfig": kubeconfig, "cluster": cluster, "operator": operator}
@@ -234,8 +235,8 @@ def test_local_end_to_end(stack):
     record = {"profile_smoothed": smoothed, "trigger_length_score": max(scores), "apply_to_ready_s": round(ready_s, 1),
               "shift_to_first_length_drift_apply_periods": round(periods, 2),
               "shift_to_last_replan_s": round(replanned_at - shifted_at, 1),
-              "length_drift_applies_after_shift_s": applied_after, "period_s": PERIOD, "short": {k: short.to_dict()[k] for k in ("requests", "results", "lost", "error_total", "agreement_drop", "goodput_rps")},
-              "long": {k: long.to_dict()[k] for k in ("requests", "results", "lost", "error_total", "agreement_drop", "goodput_rps")}}
+              "length_drift_applies_after_shift_s": applied_after, "period_s": PERIOD, "short": {k: short.to_dict()[k] for k in ("requests", "results", "lost", "error_total", "errors", "agreement_drop", "goodput_rps")},
+              "long": {k: long.to_dict()[k] for k in ("requests", "results", "lost", "error_total", "errors", "agreement_drop", "goodput_rps")}}
     (REPO / "artifacts").mkdir(exist_ok=True)
     (REPO / "artifacts" / "e2e_local.json").write_text(json.dumps(record, indent=2))
     print(json.dumps(record, indent=2))
