@@ -120,3 +120,20 @@ def test_max_goodput_equals_exhaustive_random_shapes(seed):
     sol.verify(problem)
     assert sol.goodput == pytest.approx(best_goodput, rel=1e-7)
     assert sol.cost == pytest.approx(best_cost, rel=1e-7)
+
+
+def test_cheap_slow_pool_takes_the_lightly_loaded_late_split():
+    """Same cost cap: the fast, dear pool serves the block every input needs; the cheap, slow pool
+    (relatively better where batches are small) serves the late block a tenth of the inputs reach."""
+    n = 2
+    sigma = np.array([1.0, 0.1])
+    rate = np.zeros((2, 2, n, n, 1))
+    rate[:, 0, 0, 0, 0], rate[:, 0, 1, 1, 0], rate[:, 0, 0, 1, 0] = 100.0, 100.0, 60.0  # pool "fast"
+    rate[:, 1, 0, 0, 0], rate[:, 1, 1, 1, 0], rate[:, 1, 0, 1, 0] = 20.0, 50.0, 15.0  # pool "cheap"
+    ones = np.ones_like(rate)
+    problem = E3Problem(n, ["fast", "cheap"], np.array([10, 10]), np.array([3.0, 1.0]), np.array([1.0]), sigma, rate, ones, ones, cost_cap=10.0)
+    sol = max_goodput(problem)
+    sol.verify(problem)
+    assert [(s.first, s.last, problem.pool_names[s.pool], int(s.replicas[0])) for s in sol.segments] == [(0, 0, "fast", 3), (1, 1, "cheap", 1)]
+    assert sol.goodput == pytest.approx(300.0)
+    assert exhaustive(problem) == pytest.approx((300.0, 10.0))
