@@ -81,12 +81,12 @@ async def _get(session: aiohttp.ClientSession, url: str) -> Observations:
         return Observations.model_validate(await rsp.json(content_type=None))
 
 
-async def read_routers(svc: rec.Service, seen: dict[str, Observations],
+async def read_routers(svc: rec.Service, seen: dict[str, Observations], urls: list[str] | None = None,
                        timeout: float = 5.0) -> tuple[Observations | None, Observations | None, str]:
     """(what arrived since the previous read, over every router that answers; the newest full
     window, merged over routers; a note on what failed). `seen` (router URL -> that router's
-    window in progress as last read) is updated in place."""
-    urls = await router_urls(svc)
+    window in progress as last read) is updated in place; `urls`: the routers (default: looked up)."""
+    urls = await router_urls(svc) if urls is None else urls
     slices, latest, notes = [], [], []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         for url in urls:
@@ -230,12 +230,21 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
     if status.phase in (Phase.profiling, Phase.pending) or status.plan is None:
         return
     period = float(spec.planner.period_seconds)
+    interval = period / drift.CHECKS_PER_PERIOD
     now = time.monotonic()
-    if now - memo.get("last_check", 0.0) < period / drift.CHECKS_PER_PERIOD:
+    last = memo.get("last_check")
+    if last is not None and now - last < interval:
         return
-    memo["last_check"] = now
+    # reads on a grid of `interval` (a tick longer than it rounds single reads up, not the average)
+    memo["last_check"] = now if last is None or now - last >= 2 * interval else last + interval
     seen: dict[str, Observations] = memo.setdefault("seen", {})
-    piece, latest, note = await read_routers(svc, seen)
+    urls, looked_up = memo.get("router_urls") or (None, 0.0)
+    if not urls or now - looked_up >= period:  # the routers' addresses, looked up once a period
+        urls = await router_urls(svc)
+        memo["router_urls"] = (urls, now)
+    piece, latest, note = await read_routers(svc, seen, urls)
+    if note:
+        memo["router_urls"] = None  # a router did not answer: look them up again next read
     if latest is None:
         log.info("%s/%s: no observations (%s)", svc.namespace, svc.name, note or "no router endpoint")
         return
