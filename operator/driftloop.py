@@ -303,6 +303,10 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
         reason = trigger or pending.reason
     elif trigger:
         reason = trigger
+        if not active and status.proposal and status.proposal.reason == reason and now - memo.get("proposed", -period) < period:
+            await svc.write_status(status)  # advisory: the same proposal at most once a period
+            return
+        memo["proposed"] = now
         wait = drift.cooldown_left(status.last_replan_time, limits.cooldown_seconds)
         if wait > 0 and active:
             status.proposal = Proposal(reason=reason, hash="", held_back=f"cooldown: {wait:.0f}s left")
@@ -322,9 +326,11 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
             memo["tune_task"] = asyncio.create_task(retune(svc, spec, latest.ramps, _service_lock(svc, memo)))
         return
 
-    if report is not None:
+    if trigger:
         svc.event("Normal", "Replan", f"{reason}: length score {report.length_score} (limit {limits.length_score}), "
                   f"survival error {report.survival_error} (limit {limits.survival_error}), p99 {report.p99_ms} ms")
+    else:
+        svc.event("Normal", "ReplanStep", f"{reason}: the next step toward the capped re-plan ({pending.held_back})")
     inputs = await rec.read_inputs(svc.client, spec, svc.namespace)
     if inputs.unknown_pools or inputs.missing_profiles:
         return  # the next spec reconcile reports these
