@@ -167,6 +167,23 @@ def recent(slices: Sequence[Observations], period_s: float) -> Observations | No
     return combine(chosen) if chosen else None
 
 
+def after_change(slices: Sequence[Observations], plan: Plan, min_arrivals: int = MIN_REQUESTS // 2) -> Observations | None:
+    """The traffic after the change point: of the newest slices holding at least `min_arrivals`
+    arrivals (1, 2, ... slices back), the run whose length histogram is furthest from the plan's
+    (the CUSUM-style estimate of where the shift began). A length-drift re-plan sizes buckets for
+    it rather than for the judged window, which mixes traffic from before the shift."""
+    best, best_score, chosen = None, -1.0, []
+    for piece in reversed(slices):
+        chosen.append(piece)
+        if sum(arrivals(p) for p in chosen) < min_arrivals:
+            continue
+        window = combine(chosen)
+        score = tv_distance(bucket_shares(window, plan.buckets), plan.length_histogram)
+        if score > best_score + 1e-9:
+            best, best_score = window, score
+    return best
+
+
 def arrivals(obs: Observations) -> int:
     """Requests that arrived in the window (the length histogram counts each at dispatch)."""
     return int(sum(obs.length_histogram))

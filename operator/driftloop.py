@@ -5,7 +5,9 @@ window when it closed meanwhile (`/v1/observations`, the last closed window). Th
 the newest of those slices covering half a period and drift.MIN_REQUESTS arrivals, judged once per
 read that brought new arrivals; a limit crossed re-plans, with a cooldown and a cap on how many
 replicas move at once (the rest follows in steps, one per period once the previous step is rolled
-out). Advisory mode only reports (status.drift, status.proposal, events).
+out). A length-drift re-plan sizes the buckets for the traffic since the shift (drift.after_change),
+and a new plan is judged only on what arrives after it. Advisory mode only reports (status.drift,
+status.proposal, events).
 
 Why a length shift is re-planned within two periods (P): from its start at t, the judged window
 holds only shifted arrivals by t + P/2 (given MIN_REQUESTS arrivals by then; a mix crosses the
@@ -336,5 +338,12 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
         return  # the next spec reconcile reports these
     status.pools_digest = inputs.digest()
     memo["last_step"] = now
-    await rec.plan_and_apply(svc, spec, inputs, status, reason=reason, previous=plan,
-                             observations=memo.get("judged") or latest, max_move_fraction=limits.max_move_fraction)
+    observed = memo.get("judged") or latest
+    if reason == "length-drift" and (shifted := drift.after_change(slices, plan)) is not None:
+        # size the buckets for the traffic since the shift, not for the mix the judged window holds
+        observed = observed.model_copy(update={"length_buckets": list(shifted.length_buckets),
+                                               "length_histogram": list(shifted.length_histogram)})
+    after = await rec.plan_and_apply(svc, spec, inputs, status, reason=reason, previous=plan,
+                                     observations=observed, max_move_fraction=limits.max_move_fraction)
+    if active and after.plan is not None and after.plan.hash != plan.content_hash():
+        slices.clear()  # judged against the old plan; the new one is judged on what arrives from now on

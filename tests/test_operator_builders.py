@@ -283,3 +283,14 @@ def test_judged_window_is_the_newest_half_period_with_enough_arrivals():
     assert judged.since == 0 and drift.arrivals(judged) == 40
     report = drift.assess(PLAN, drift.recent(slices, 10.0), DriftLimits(), 100.0, [])
     assert report.trigger == "length-drift" and report.length_score == pytest.approx(0.7)
+
+
+def test_after_change_is_the_traffic_since_the_shift():
+    before = [router_window(t, t + 2.5, [18, 2], [0, 0], 20) for t in (0, 2.5, 5.0)]  # like the plan (0.7 / 0.3)... short
+    after = [router_window(t, t + 2.5, [1, 19], [0, 0], 20) for t in (7.5, 10.0)]  # long since 7.5
+    slices = before + after
+    judged = drift.recent(slices, period_s=10.0)
+    shifted = drift.after_change(slices, PLAN)
+    assert shifted.since == 7.5 and shifted.length_histogram == [2, 38]  # only what came after the shift
+    assert drift.bucket_shares(judged, PLAN.buckets)[1] < drift.bucket_shares(shifted, PLAN.buckets)[1]
+    assert drift.after_change(slices[:1], PLAN) is None  # fewer arrivals than it needs
