@@ -230,7 +230,10 @@ def _key(cell: Cell) -> tuple[int, int, str]:
 
 
 def moved_replicas(old: Plan, new: Plan) -> int:
-    """Worker replicas a switch from `old` to `new` starts or stops (each move counts once)."""
+    """Worker replicas a switch from `old` to `new` starts or stops (each move counts once). Across
+    a change of layout every worker runs other blocks or buckets: all of them move."""
+    if not same_layout(old, new):
+        return max(sum(c.replicas for c in old.cells), sum(c.replicas for c in new.cells))
     before = {_key(c): c.replicas for c in old.cells}
     after = {_key(c): c.replicas for c in new.cells}
     delta = sum(abs(after.get(k, 0) - before.get(k, 0)) for k in set(before) | set(after))

@@ -294,3 +294,12 @@ def test_after_change_is_the_traffic_since_the_shift():
     assert shifted.since == 7.5 and shifted.length_histogram == [2, 38]  # only what came after the shift
     assert drift.bucket_shares(judged, PLAN.buckets)[1] < drift.bucket_shares(shifted, PLAN.buckets)[1]
     assert drift.after_change(slices[:1], PLAN) is None  # fewer arrivals than it needs
+
+
+def test_a_new_layout_moves_every_replica():
+    old = make_plan([(0, 32, "gpu-a", 6), (0, 128, "gpu-a", 0), (1, 32, "gpu-a", 2), (1, 128, "gpu-a", 2)])
+    other = old.model_copy(update={"splits": [SplitPlan(index=0, first_block=0, last_block=1),
+                                              SplitPlan(index=1, first_block=2, last_block=5)]})
+    assert not drift.same_layout(old, other) and drift.moved_replicas(old, other) == 10
+    taken, remaining = drift.limit_moves(old, other, 0.25)  # cannot be stepped: taken whole (the caller holds it back)
+    assert taken == other and remaining == 0

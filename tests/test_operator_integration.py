@@ -553,6 +553,9 @@ def test_move_cap_moves_a_fraction_per_step_and_converges(cluster, observations)
             assert st["proposal"]["heldBack"].startswith("move cap") and st["proposal"]["reason"] == "length-drift"
         assert len(seen) >= 3, "the re-plan needed more than one step under the cap"
         assert held >= 1 and len([e for e in cluster.events(ns, "minilm") if e["reason"] == "ReplanHeld"]) == held
+        # Every step kept the layout (a new layout would replace every worker at once: held back,
+        # event LayoutHeldBack, when the planner's best plan has one).
+        assert all(drift.same_layout(seen[0], p) for p in seen)
         assert not status(cluster, ns, "minilm").get("proposal")
         final = seen[-1]
         assert drift.moved_replicas(seen[0], final) > max(1, int(0.25 * sum(c.replicas for c in seen[0].cells)))
