@@ -293,7 +293,7 @@ async def plan_and_apply(svc: Service, spec: EarlyExitServiceSpec, inputs: Input
     status.conditions = set_condition(status.conditions, "PlanInfeasible", False, "Planned", "a plan meets the spec", gen)
     held_back = ""
     target = plan
-    if max_move_fraction is not None and previous is not None:
+    if max_move_fraction is not None and max_move_fraction < 1.0 and previous is not None:  # 1.0: no cap
         budget = drift.move_budget(previous, max_move_fraction)
         if not drift.same_layout(previous, plan) and drift.moved_replicas(previous, plan) > budget:
             # A new layout replaces every instance at once, which the cap forbids: move within the
