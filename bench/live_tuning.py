@@ -1,23 +1,31 @@
 """Continual threshold tuning against one-time tuning, live, with a workload shift halfway (issue 4).
 
-The stream is labelled tweets the bundle never saw (neither trained on nor tuned on): the first
-half drawn from the whole corpus, the second half from one source only — the corpus is several
-tweet collections in file order (airlines, self-driving cars, sports, ...), and the second half
-comes from the block of the file whose early answers agree least with the full model at the
-one-time thresholds (measured on a separate probe sample, printed). The same stream goes, in order, through three live deployments of the MiniLM bundle
-(router + 2 workers, buckets 32 and 128): vanilla (no exits), one-time tuning (thresholds tuned on
-the bundle's held-out window, never changed) and continual tuning (the same start, then the
-`exitplan up` tuning loop on shadow-sampled feedback). Per window of requests: agreement with the
-full model (reference answers computed offline with the whole model), median latency, and the
-thresholds in force. Writes a PNG of agreement per window and of the thresholds over time.
+The stream is labelled tweets the bundle never saw: neither trained on nor in the held-out window
+the one-time thresholds were tuned on. The shift is a change of the traffic's kind that makes the
+early ramps less reliable: first long tweets (>= --long-tokens tokens), then short ones
+(< --short-tokens tokens). Why that shift: on a separate probe sample of unseen tweets (printed),
+the one-time thresholds keep the budget on long tweets and break it on short ones; the class mix
+moves the agreement far less. The same stream goes, in order, through three live deployments of
+the MiniLM bundle (router + 2 workers, buckets 32 and 128): vanilla (no exits), one-time tuning
+(thresholds tuned on the bundle's held-out window, never changed) and continual tuning (the same
+start, then the tuning loop of `exitplan up`, `exitplan.autotune.AutoTuner`, on shadow-sampled
+feedback).
 
-    python bench/live_tuning.py [--bundle artifacts/bundles/minilm] [--per-phase 2400] [--window 400] [--png live_tuning.png]
+Per window of --window consecutive requests: agreement with the full model = the fraction of the
+window's inputs whose served answer equals the full model's answer for that input (every input of
+the window counts; the full model's answers are computed offline by running every block and the
+final head with no exits), the median request latency, the share of inputs that exited early and
+the thresholds in force when the window started. Writes a PNG of agreement per window and of the
+thresholds over time.
+
+    python bench/live_tuning.py [--bundle artifacts/bundles/minilm] [--long 3000] [--short 2000] [--window 1000] [--png live_tuning.png]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import statistics
 import tempfile
@@ -33,7 +41,7 @@ from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.autotune import AutoTuner
 from exitplan.local import LocalDeployment
-from exitplan.planner.thresholds import Window, evaluate
+from exitplan.planner.thresholds import Window, allowed_disagreements, outcome
 from exitplan.planning import tuned_thresholds
 from exitplan.prepare.datasets import load_tweets, tweet_splits
 from exitplan.worker.bundle_runtime import BundleRuntime, pad_batch, softmax
@@ -70,7 +78,20 @@ def offline_outputs(bundle: Path, texts: list[str]) -> tuple[np.ndarray, np.ndar
     return conf, pred, final
 
 
-async def stream(url: str, model: str, texts: list[str], window: int, concurrency: int = 4) -> list[dict]:
+def cached_outputs(bundle: Path, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """offline_outputs, kept under artifacts/live_tuning/ by a digest of the bundle and the texts."""
+    digest = hashlib.sha256((str(bundle) + "\0" + "\0".join(texts)).encode()).hexdigest()[:16]
+    path = Path("artifacts/live_tuning") / f"outputs-{digest}.npz"
+    if path.is_file():
+        with np.load(path) as data:
+            return data["conf"], data["pred"], data["final"]
+    conf, pred, final = offline_outputs(bundle, texts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, conf=conf, pred=pred, final=final)
+    return conf, pred, final
+
+
+async def stream(url: str, model: str, texts: list[str], log_every: int, concurrency: int = 4) -> list[dict]:
     """Send texts in order, `concurrency` at a time; per request: label index, latency, status, thresholds seen."""
     out: list[dict] = [{} for _ in texts]
     labels: dict[str, int] = {}
@@ -86,7 +107,7 @@ async def stream(url: str, model: str, texts: list[str], window: int, concurrenc
             while next_index < len(texts):
                 i = next_index
                 next_index += 1
-                if i % window == 0:
+                if i % log_every == 0:
                     async with s.get(f"{url}/v1/thresholds") as resp:
                         thresholds_log.append((i, (await resp.json())["thresholds"]))
                 body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [texts[i]]}], "parameters": {"truncate": True}}
@@ -110,9 +131,11 @@ def windows(results: list[dict], final: np.ndarray, size: int, head: str) -> lis
     for start in range(0, len(results), size):
         chunk = results[start : start + size]
         ok = [(start + k, r) for k, r in enumerate(chunk) if r.get("status") == 200]
-        agree = np.mean([r["label"] == final[i] for i, r in ok]) if ok else float("nan")
+        same = [r["label"] == final[i] for i, r in ok]  # the served answer vs the full model's, every answered input
+        agree = np.mean(same) if ok else float("nan")
         rows.append({
             "start": start, "answered": len(ok), "errors": len(chunk) - len(ok), "agreement": float(agree),
+            "disagree": int(len(same) - sum(same)),
             "p50_ms": statistics.median(r["latency_ms"] for _, r in ok) if ok else float("nan"),
             "exited": float(np.mean([r["ramp"] != head for _, r in ok])) if ok else 0.0,
             "thresholds": chunk[0].get("thresholds", {}),
@@ -123,15 +146,23 @@ def windows(results: list[dict], final: np.ndarray, size: int, head: str) -> lis
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, default=Path("artifacts/bundles/minilm"))
-    ap.add_argument("--per-phase", type=int, default=2400)
-    ap.add_argument("--window", type=int, default=400)
+    ap.add_argument("--long", type=int, default=3000, help="requests before the shift (long tweets)")
+    ap.add_argument("--short", type=int, default=2000, help="requests after the shift (short tweets)")
+    ap.add_argument("--long-tokens", type=int, default=32)
+    ap.add_argument("--short-tokens", type=int, default=16)
+    ap.add_argument("--window", type=int, default=1000)
     ap.add_argument("--budget", type=float, default=0.01)
-    ap.add_argument("--shadow", type=float, default=0.3)
-    ap.add_argument("--tune-seconds", type=float, default=3.0)
+    ap.add_argument("--shadow", type=float, default=0.5)
+    ap.add_argument("--tune-seconds", type=float, default=1.0)
+    ap.add_argument("--headroom", type=float, default=0.25, help="AutoTuner: share of the budget's safe part to tune to")
+    ap.add_argument("--drift-z", type=float, default=3.3, help="AutoTuner: early-exit share test (0: off)")
+    ap.add_argument("--savings-samples", type=int, default=1000)
+    ap.add_argument("--recent", type=int, default=100, help="AutoTuner: newest samples a breach is judged on")
+    ap.add_argument("--alpha", type=float, default=0.05, help="AutoTuner: level of the binomial breach test")
     ap.add_argument("--port", type=int, default=18880)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--block", type=int, default=4000, help="rows of the corpus file per source block")
-    ap.add_argument("--probe", type=int, default=300, help="probe tweets per block to pick the shift")
+    ap.add_argument("--probe", type=int, default=600, help="unseen tweets (not streamed) to show the shift on")
+    ap.add_argument("--runs", default="vanilla,one-time,continual")
     ap.add_argument("--png", type=Path, default=Path("live_tuning.png"))
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -146,98 +177,133 @@ def main() -> None:
     texts_all, labels_all = load_tweets()
     rng = np.random.default_rng(args.seed)
     unseen = np.array([i for i, t in enumerate(texts_all) if t not in seen])
+    tok = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    tok.no_padding()
+    tokens = np.array([len(e.ids) for e in tok.encode_batch([texts_all[i] for i in unseen])])
     start = tuned_thresholds(bundle, args.budget)
     print(f"one-time thresholds (tuned on the bundle's held-out window, budget {args.budget:.1%}): {start}")
     t = np.array([start[r] for r in ramps])
-    blocks = [unseen[(unseen >= lo) & (unseen < lo + args.block)] for lo in range(0, len(texts_all), args.block)]
-    probe_agreement, probes = [], []
-    for block in blocks:
-        probe = rng.choice(block, size=min(args.probe, len(block)), replace=False)
-        probes.append(set(probe.tolist()))
-        conf, pred, final = offline_outputs(bundle, [texts_all[i] for i in probe])
-        w = Window(conf=conf, pred=pred, final=final, saving_ms=np.zeros(len(ramps)), cost_ms=np.zeros(len(ramps)))
-        probe_agreement.append(evaluate(w, t)[0])
-    worst = int(np.argmin(probe_agreement))
-    print("probe agreement per block of the file at the one-time thresholds: "
-          + ", ".join(f"rows {k * args.block}+ {a:.4f}" for k, a in enumerate(probe_agreement))
-          + f" -> the shift goes to rows {worst * args.block}..{(worst + 1) * args.block - 1}")
-    used = set().union(*probes)
-    shifted = [i for i in blocks[worst] if i not in used]
-    rng.shuffle(shifted)
-    mixed = [i for i in unseen if i not in used and i not in set(shifted)]
-    rng.shuffle(mixed)
-    per_phase = min(args.per_phase, len(shifted))
-    phase1, phase2 = mixed[:per_phase], shifted[:per_phase]
-    order = phase1 + phase2
-    texts = [texts_all[i] for i in order]
-    shift_class = f"rows {worst * args.block}..{(worst + 1) * args.block - 1}"
-    per_class = {f"rows {k * args.block}+": a for k, a in enumerate(probe_agreement)}
-    print(f"stream: {len(phase1)} tweets from the whole corpus, then {len(phase2)} from {shift_class}")
-    _, _, reference = offline_outputs(bundle, texts)
+    probe_rows = rng.choice(unseen.size, size=args.probe, replace=False)
+    conf, pred, final = cached_outputs(bundle, [texts_all[i] for i in unseen[probe_rows]])
+    probe = Window(conf=conf, pred=pred, final=final, saving_ms=np.zeros(len(ramps)), cost_ms=np.zeros(len(ramps)))
+    agrees = outcome(probe, t).agrees
+    lengths, classes = tokens[probe_rows], labels_all[unseen[probe_rows]]
+    print(f"probe ({args.probe} unseen tweets, not streamed): agreement with the full model at the one-time thresholds")
+    for name, mask in ([(f"< {args.short_tokens} tokens", lengths < args.short_tokens),
+                        (f"{args.short_tokens}..{args.long_tokens - 1} tokens", (lengths >= args.short_tokens) & (lengths < args.long_tokens)),
+                        (f">= {args.long_tokens} tokens", lengths >= args.long_tokens)]
+                       + [(f"class {c}", classes == k) for k, c in enumerate(("negative", "neutral", "positive"))]):
+        print(f"  {name:>16}: {agrees[mask].mean():.4f} on {int(mask.sum())}")
+    left = np.setdiff1d(np.arange(unseen.size), probe_rows)
+    long_rows = rng.permutation(left[tokens[left] >= args.long_tokens])
+    short_rows = rng.permutation(left[tokens[left] < args.short_tokens])
+    if short_rows.size < args.short or long_rows.size < args.long:
+        raise SystemExit(f"only {long_rows.size} long and {short_rows.size} short unseen tweets; lower --long/--short")
+    phase1, phase2 = unseen[long_rows[: args.long]].tolist(), unseen[short_rows[: args.short]].tolist()
+    texts = [texts_all[i] for i in phase1 + phase2]
+    print(f"stream: {len(phase1)} tweets of >= {args.long_tokens} tokens, then {len(phase2)} of < {args.short_tokens} tokens "
+          f"(shift at request {len(phase1)})")
+    _, _, reference = cached_outputs(bundle, texts)
 
     spec = EarlyExitServiceSpec.model_validate({
         "model": {"name": manifest.name, "bundle": str(bundle)}, "slo": {"latencyMs": 1000},
         "accuracy": {"maxDrop": args.budget, "shadowFraction": args.shadow}, "pools": [{"name": "cpu"}],
         "router": {"truncate": True},
     })
-    runs = {}
-    for name in ("vanilla", "one-time", "continual"):
+    runs, changes, raw = {}, {}, {}
+    for name in args.runs.split(","):
         thresholds = {r: 2.0 for r in ramps} if name == "vanilla" else dict(start)
         plan = Plan(service="live", model=manifest.name, splits=[SplitPlan(index=0, first_block=0, last_block=len(manifest.blocks) - 1)],
                     buckets=BUCKETS, cells=[Cell(split=0, bucket=b, pool="cpu", replicas=1, batch_size=8) for b in BUCKETS],
                     thresholds=thresholds)
         with tempfile.TemporaryDirectory() as tmp:
             with LocalDeployment(bundle, plan, spec, Path(tmp), port=args.port, base_port=args.port + 1) as dep:
-                tuner = AutoTuner(dep.url, ramps, args.budget, period=args.tune_seconds, window=1500, min_samples=150, recent=200).start() if name == "continual" else None
+                tuner = AutoTuner(dep.url, ramps, args.budget, period=args.tune_seconds, window=1500, min_samples=100,
+                                  recent=args.recent, alpha=args.alpha, savings_samples=args.savings_samples,
+                                  headroom=args.headroom, drift_z=args.drift_z).start() if name == "continual" else None
                 t0 = time.time()
-                results = asyncio.run(stream(dep.url, manifest.name, texts, args.window))
+                results = asyncio.run(stream(dep.url, manifest.name, texts, 100))
                 if tuner:
                     tuner.stop()
+                    changes[name] = [{"reason": d.reason, "detail": d.detail, "samples": d.samples} for d in tuner.history if d.thresholds is not None]
+                    kinds = {}
+                    for c in changes[name]:
+                        key = c["detail"].split(":")[0] if c["detail"] else c["reason"]
+                        key = "breach" if key.startswith("breach") else key
+                        kinds[key] = kinds.get(key, 0) + 1
+                    print(f"{name}: {len(changes[name])} threshold changes ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})")
                 print(f"{name}: {len(texts)} requests in {time.time() - t0:.0f} s")
         runs[name] = windows(results, reference, args.window, manifest.final_ramp().name)
+        raw[name] = results
 
-    print(f"\nagreement with the full model per window of {args.window} requests (budget: >= {1 - args.budget:.2%}); shift after window {len(phase1) // args.window}")
-    print(f"{'window':>6} | " + " | ".join(f"{n:>20}" for n in runs))
-    for k in range(len(runs["vanilla"])):
-        cells = [f"{runs[n][k]['agreement']:.4f} p50 {runs[n][k]['p50_ms']:5.1f}ms" for n in runs]
-        print(f"{k:>6} | " + " | ".join(f"{c:>20}" for c in cells))
+    print(f"\nagreement with the full model per window of {args.window} requests (budget: >= {1 - args.budget:.2%}, i.e. at most "
+          f"{allowed_disagreements(args.window, args.budget)} of {args.window} answers differ); the shift starts window {len(phase1) // args.window}")
+    names = list(runs)
+    head = manifest.final_ramp().name
+    print(f"{'window':>6} | " + " | ".join(f"{n:>34}" for n in names))
+    for k in range(len(runs[names[0]])):
+        cells = [f"{runs[n][k]['agreement']:.4f} p50 {runs[n][k]['p50_ms']:6.1f}ms exit {runs[n][k]['exited']:.2f}" for n in names]
+        print(f"{k:>6} | " + " | ".join(f"{c:>34}" for c in cells))
     summary = {}
-    for n in ("one-time", "continual"):
-        after_first = [w["agreement"] for w in runs[n][1:]]
-        summary[n] = {
-            "windows_over_budget_after_first": int(sum(a < 1 - args.budget for a in after_first)),
-            "min_agreement_after_first": float(min(after_first)),
-            "median_p50_ms": float(statistics.median(w["p50_ms"] for w in runs[n])),
-        }
-    summary["vanilla"] = {"median_p50_ms": float(statistics.median(w["p50_ms"] for w in runs["vanilla"]))}
+    for n in names:
+        rows = runs[n]
+        summary[n] = {"median_p50_ms": float(statistics.median(w["p50_ms"] for w in rows)),
+                      "median_latency_ms": float(statistics.median(r["latency_ms"] for r in raw[n] if r.get("status") == 200)),
+                      "errors": int(sum(w["errors"] for w in rows))}
+        if n != "vanilla":
+            after = rows[1:]
+            summary[n].update({
+                "windows_within_budget_after_first": int(sum(w["disagree"] <= allowed_disagreements(w["answered"], args.budget) for w in after)),
+                "windows_after_first": len(after),
+                "min_agreement_after_first": float(min(w["agreement"] for w in after)),
+            })
     for n, v in summary.items():
         print(f"{n:>10}: " + ", ".join(f"{k} {val:.4f}" if isinstance(val, float) else f"{k} {val}" for k, val in v.items()))
-    print(f"median latency continual / vanilla: {summary['continual']['median_p50_ms'] / summary['vanilla']['median_p50_ms']:.3f}")
-    plot(runs, ramps, args, len(phase1) / args.window)
+    if "vanilla" in summary:
+        for n in names:
+            if n != "vanilla":
+                print(f"median latency {n} / vanilla: {summary[n]['median_p50_ms'] / summary['vanilla']['median_p50_ms']:.3f} "
+                      f"(medians of the per-window p50s; of all requests: "
+                      f"{summary[n]['median_latency_ms'] / summary['vanilla']['median_latency_ms']:.3f})")
+    if "continual" in summary:
+        c = summary["continual"]
+        print(f"continual: every window after the first within the budget: "
+              f"{'PASS' if c['windows_within_budget_after_first'] == c['windows_after_first'] else 'FAIL'}")
+    if "one-time" in summary:
+        o = summary["one-time"]
+        print(f"one-time: the budget breaks: {'yes' if o['windows_within_budget_after_first'] < o['windows_after_first'] else 'no'}")
+    plot(runs, raw, ramps, args, len(phase1))
     if args.json:
-        args.json.write_text(json.dumps({"shift_class": shift_class, "per_class": per_class, "runs": runs, "summary": summary}, indent=2))
+        per_request = {n: [[int(r.get("label") == reference[i]) if r.get("status") == 200 else -1,
+                            int(r.get("ramp", head) != head), round(r.get("latency_ms", -1.0), 2)] for i, r in enumerate(raw[n])]
+                       for n in names}
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "summary": summary,
+                                         "changes": changes, "per_request [agrees, exited, latency_ms]": per_request}))
 
 
-def plot(runs: dict, ramps: list[str], args, shift_window: float) -> None:
+def plot(runs: dict, raw: dict, ramps: list[str], args, shift_at: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True)
     for name, rows in runs.items():
         if name != "vanilla":
-            ax1.plot([r["agreement"] for r in rows], marker="o", label=name)
+            x = [w["start"] + w["answered"] / 2 for w in rows]
+            ax1.plot(x, [w["agreement"] for w in rows], marker="o", label=name)
     ax1.axhline(1 - args.budget, color="red", linestyle="--", label=f"budget ({1 - args.budget:.0%})")
-    ax1.axvline(shift_window - 0.5, color="grey", linestyle=":", label="shift")
-    ax1.set_ylabel("agreement with the full model")
-    ax1.legend()
-    for r in ramps:
-        ax2.plot([min(w["thresholds"].get(r, 2.0), 1.05) for w in runs["continual"]], marker=".", label=r)
-    ax2.axvline(shift_window - 0.5, color="grey", linestyle=":")
-    ax2.set_ylabel("threshold (continual; >1 = off)")
-    ax2.set_xlabel(f"window ({args.window} requests)")
-    ax2.legend(ncol=3, fontsize=8)
+    ax1.axvline(shift_at, color="grey", linestyle=":", label="shift: long -> short tweets")
+    ax1.set_ylabel(f"agreement with the full model\n(per window of {args.window} requests)")
+    ax1.legend(fontsize=8)
+    if "continual" in raw:
+        logged = [(i, r["thresholds"]) for i, r in enumerate(raw["continual"]) if "thresholds" in r]
+        for ramp in ramps:
+            ax2.step([i for i, _ in logged], [min(t.get(ramp, 2.0), 1.02) for _, t in logged], where="post", label=ramp)
+    ax2.axvline(shift_at, color="grey", linestyle=":")
+    ax2.set_ylabel("continual: threshold in force\n(1.02 = ramp off)")
+    ax2.set_xlabel("request")
+    ax2.legend(ncol=5, fontsize=8)
     fig.tight_layout()
     fig.savefig(args.png, dpi=110)
     print(f"plot written to {args.png}")

@@ -6,18 +6,23 @@ worker without a restart). This control loop sits outside it (in `exitplan up`; 
 drift loop can use `decide` the same way): every period it reads the window and
 
 - re-tunes at once when the thresholds in force break the accuracy budget on the newest samples
-  (reason `accuracy`): a breach is called when the disagreements among the last 50, 100, ... samples
-  are too many for the budget to hold (a one-sided binomial test), so a shift shows within a few
-  dozen samples; the repair only raises thresholds, and the samples from before it no longer count
-  (the workload changed);
+  (reason `accuracy`, detail ``breach...``): a breach is called when the disagreements among the
+  last 50, 100 or 200 samples are too many for the budget to hold (a one-sided binomial test) or
+  exceed the budget on the last `recent`; the repair only raises thresholds;
+- watches the kind of traffic: when the share of inputs that exit early (under the thresholds in
+  force) moves in the newest 100 samples (a two-proportion z test, `drift_z`), the traffic changed
+  before enough disagreements could show it, and the thresholds are raised until none of those
+  100 samples disagrees (detail ``drift...``);
+- after a breach or a drift only the samples since count (``fresh``), and until there are
+  `savings_samples` of them no disagreement is allowed among them (raises only);
 - keeps a safety margin: thresholds are tuned to a fraction (``headroom``) of the budget less its
-  sampling error, because thresholds placed at the edge of a sample's errors do worse on the
-  next inputs (the tuner picks the sample's lucky spots) and a moderate shift must not break the
-  budget before it is detected; thresholds beyond that margin on the window are raised
-  (reason `accuracy`);
-- otherwise re-tunes to claim savings when the tuner finds at least `min_gain_ms` more saving per
-  input, on a window of at least `savings_samples` samples taken since the last breach (reason
-  `savings`);
+  sampling error (`sample_budget`), because thresholds placed at the edge of a sample's errors do
+  worse on the next inputs (the tuner finds the sample's lucky spots) and a moderate shift must
+  not break the budget before it is detected; thresholds that break the budget less its sampling
+  error on the window are raised back to the target (detail ``margin...``);
+- otherwise re-tunes to claim savings (the tuner's full search, lowering) when it finds at least
+  `min_gain_ms` more saving per input on at least `savings_samples` fresh samples (reason
+  `savings`), unless the early-exit share is on the move (half the drift test's z: hold);
 - keeps the last good thresholds when the window is short of samples or the tuner rejects it.
 """
 
@@ -117,7 +122,7 @@ def decide(window: Window, ramps: list[str], current: dict[str, float], budget: 
            min_samples: int = 200, recent: int = 300, savings_samples: int = 1000, min_gain_ms: float = 0.05,
            z: float = 1.645, headroom: float = 1.0, fresh: int | None = None,
            tails: tuple[int, ...] = DETECT_TAILS, alpha: float = 0.01, drift_z: float = 0.0,
-           drift_recent: int = 100) -> Decision:
+           drift_recent: int = 100, reference: dict[str, float] | None = None) -> Decision:
     """What to do with the thresholds given one feedback window (samples oldest first; pure).
 
     Accuracy first, on the newest samples (a shift shows there long before it dominates the whole
@@ -131,7 +136,11 @@ def decide(window: Window, ramps: list[str], current: dict[str, float], budget: 
     ``margin...``; the gap between the two keeps savings and margin raises from taking turns); a repair never lowers a
     threshold, because lowering on a few hundred samples overfits them. Savings (the tuner's full
     search, lowering) are claimed only on at least `savings_samples` fresh samples, when they gain
-    at least `min_gain_ms` per input (reason `savings`).
+    at least `min_gain_ms` per input (reason `savings`). With `drift_z` > 0, a move of the early-exit
+    share in the newest `drift_recent` fresh samples (under the thresholds in force, or under
+    `reference` while every ramp is off) by more than `drift_z` standard errors raises the thresholds
+    until none of those samples disagrees (detail ``drift...``; the caller then counts fresh samples
+    from there).
     """
     n = window.n_inputs
     if n < min_samples:
@@ -150,8 +159,13 @@ def decide(window: Window, ramps: list[str], current: dict[str, float], budget: 
     if fresh is not None and fresh < n:
         window = _tail(window, max(fresh, 1))
         n = window.n_inputs
+    z_exit = 0.0
     if drift_z and drift_recent:
-        z_exit = exit_shift(window, start, drift_recent)
+        # Under thresholds that let inputs exit: the ones in force, or `reference` while every ramp is off.
+        probe_t = start
+        if reference is not None and not (start <= 1.0).any():
+            probe_t = np.array([float(reference.get(r, DISABLED)) for r in ramps])
+        z_exit = exit_shift(window, probe_t, drift_recent)
         if abs(z_exit) > drift_z:  # the traffic changed: only the newest samples speak for it now
             raised = raise_to(_tail(window, drift_recent), 0.0, start)
             agree_now, save_now = evaluate(_tail(window, drift_recent), start)
@@ -177,6 +191,8 @@ def decide(window: Window, ramps: list[str], current: dict[str, float], budget: 
     figures = dict(samples=n, agreement_before=agree_now, agreement_after=result.agreement,
                    saving_before_ms=save_now, saving_after_ms=result.saving_ms)
     if result.saving_ms >= save_now + min_gain_ms:
+        if drift_z and abs(z_exit) > drift_z / 2:  # the traffic may be moving: claim nothing yet
+            return Decision(None, "no-gain", **figures, detail=f"hold: early-exit share moving (z = {z_exit:+.1f})")
         return Decision({r: float(t) for r, t in zip(ramps, result.thresholds)}, "savings", **figures)
     return Decision(None, "no-gain", **figures)
 
@@ -221,12 +237,15 @@ def push(router_url: str, thresholds: dict[str, float], reason: str) -> None:
 class AutoTuner:
     """Runs `decide` every `period` seconds against one router, in a daemon thread.
 
-    Keeps count of the samples that arrived since the last breach (``fresh``), so that savings are
-    claimed only on samples of the workload as it is now."""
+    Keeps count of the samples that arrived since the last breach or drift (``fresh``), so that
+    savings are claimed only on samples of the workload as it is now. The defaults are the settings
+    bench/live_tuning.py measured (BENCHMARKS.md, "Threshold tuning (issue 4)"): breach judged on the
+    newest 100 samples, tune to a quarter of the budget's safe part (``headroom``), watch the
+    early-exit share (``drift_z``), claim savings on 1,000 fresh samples."""
 
     def __init__(self, router_url: str, ramps: list[str], budget: float, *, period: float = 20.0,
-                 window: int = 1024, min_samples: int = 200, recent: int = 300, savings_samples: int = 1000,
-                 headroom: float = 1.0, alpha: float = 0.01, drift_z: float = 0.0, drift_recent: int = 100,
+                 window: int = 1500, min_samples: int = 100, recent: int = 100, savings_samples: int = 1000,
+                 headroom: float = 0.25, alpha: float = 0.05, drift_z: float = 3.3, drift_recent: int = 100,
                  on_change=None) -> None:
         self.router_url, self.ramps, self.budget = router_url, ramps, budget
         self.period, self.window, self.min_samples, self.recent = period, window, min_samples, recent
@@ -235,6 +254,7 @@ class AutoTuner:
         self.on_change = on_change
         self.history: list[Decision] = []
         self.fresh: int | None = None  # samples since the last breach (None: no breach yet)
+        self.reference: dict[str, float] | None = None
         self._previous: Window | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="autotune", daemon=True)
@@ -247,10 +267,13 @@ class AutoTuner:
             if self.fresh is not None:
                 self.fresh += new_samples(self._previous, window)
             self._previous = window
-            decision = decide(window, self.ramps, current_thresholds(self.router_url), self.budget,
+            current = current_thresholds(self.router_url)
+            if any(float(current.get(r, DISABLED)) <= 1.0 for r in self.ramps):
+                self.reference = dict(current)  # the last thresholds in force that let inputs exit
+            decision = decide(window, self.ramps, current, self.budget,
                               min_samples=self.min_samples, recent=self.recent, savings_samples=self.savings_samples,
                               headroom=self.headroom, alpha=self.alpha, fresh=self.fresh, drift_z=self.drift_z,
-                              drift_recent=self.drift_recent)
+                              drift_recent=self.drift_recent, reference=self.reference)
         except WindowError as err:
             log.warning("feedback window rejected, keeping the last good thresholds: %s", err)
             return Decision(None, f"rejected: {err}", 0)

@@ -20,7 +20,7 @@ def command(
     threads: int = typer.Option(1, min=1, help="ONNX Runtime threads per worker process."),
     window_seconds: float = typer.Option(30.0, min=0.5, help="Router observation window."),
     autotune: bool = typer.Option(True, help="Re-tune exit thresholds continually from the router's shadow-sampled feedback."),
-    tune_seconds: float = typer.Option(20.0, min=1.0, help="Period of the threshold tuning loop."),
+    tune_seconds: float = typer.Option(2.0, min=0.5, help="Period of the threshold tuning loop (a shift is caught within a period or two of feedback)."),
 ) -> None:
     """Plan the service, start its router and workers on this machine (the same commands pods run), serve until Ctrl-C."""
     from rich.console import Console
