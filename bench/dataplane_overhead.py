@@ -13,7 +13,10 @@ The client keeps one HTTP/1.1 connection open across requests (keep-alive, as an
 does); `--new-connection` opens a new TCP connection per request instead (urllib), which adds the
 connect and teardown to (b).
 
-    python bench/dataplane_overhead.py [--bundle artifacts/bundles/minilm] [--batch 8] [--bucket 32] [--runs 200] [--input text|ids] [--new-connection] [--segments]
+    python bench/dataplane_overhead.py [--bundle artifacts/bundles/minilm] [--batch 8] [--bucket 32] [--runs 200] [--input text|ids] [--new-connection] [--idle-ms 0] [--segments]
+
+`--idle-ms 30` lets the machine idle before each call as it does while MiniLM computes for 30 ms:
+with the digits CNN it shows what the same serving path costs when it starts cold.
 
 `--segments` also times each stretch of (b): a `sitecustomize` put on the router's and worker's
 PYTHONPATH wraps the serving functions and the socket writes with wall-clock timestamps (the
@@ -58,6 +61,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--input", choices=["text", "ids"], default="text", help="text models: send texts (tokenized by the router) or the token ids")
     ap.add_argument("--new-connection", action="store_true", help="a new TCP connection per request (default: one kept-alive connection)")
+    ap.add_argument("--idle-ms", type=float, default=0.0, help="sleep this long before each timed call (both paths): the machine idles as it does during a long compute")
     ap.add_argument("--segments", action="store_true", help="also time each stretch of the path (timestamp hooks in the router and worker)")
     args = ap.parse_args()
 
@@ -142,8 +146,11 @@ def main() -> None:
             worker = dep.procs[0].address
             before = _batch_totals(worker)
             a, b = [], []
+            idle = args.idle_ms / 1000
             for _ in range(args.runs):
+                time.sleep(idle)
                 a.append(in_process())
+                time.sleep(idle)
                 b.append(via_router())
             after = _batch_totals(worker)
             worker_mean = 1000 * (after[0] - before[0]) / max(after[1] - before[1], 1)
@@ -153,14 +160,15 @@ def main() -> None:
     p90_a, p90_b = np.percentile(a, 90), np.percentile(b, 90)
     result = {
         "batch": n_inputs, "bucket": args.bucket, "runs": args.runs, "client": "new-connection" if args.new_connection else "keep-alive",
-        "input": args.input if manifest.seq_axis is not None else "tensor",
+        "input": args.input if manifest.seq_axis is not None else "tensor", "idle_ms": args.idle_ms,
         "ort_direct_p50_ms": round(p50_a, 3), "router_hop_p50_ms": round(p50_b, 3),
         "added_p50_ms": round(p50_b - p50_a, 3), "ratio_p50": round(p50_b / p50_a, 3),
         "ort_direct_p90_ms": round(float(p90_a), 3), "router_hop_p90_ms": round(float(p90_b), 3),
     }
     what = {"text": "texts", "ids": "token ids"}[args.input] if manifest.seq_axis is not None else "tensors"
     print(f"batch {n_inputs} at bucket {args.bucket} ({what}), {args.runs} runs each, alternating; client: "
-          f"{'a new connection per request' if args.new_connection else 'one kept-alive connection'}")
+          f"{'a new connection per request' if args.new_connection else 'one kept-alive connection'}"
+          f"{f'; {args.idle_ms:g} ms idle before each call' if args.idle_ms else ''}")
     print(f"  ORT direct           p50 {p50_a:8.3f} ms   p90 {p90_a:8.3f} ms")
     print(f"  router + 1 split hop p50 {p50_b:8.3f} ms   p90 {p90_b:8.3f} ms")
     print(f"  added at p50: {p50_b - p50_a:.3f} ms   ratio {p50_b / p50_a:.3f}x")
