@@ -14,16 +14,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import kopf
-
 from exitplan.api.bundle import BundleError, read_manifest
-from exitplan.api.resources import EarlyExitServiceSpec, Mode
-from exitplan.operator import apply as applying
+from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.operator import builders, generation_builders
-from exitplan.operator.kube import ApiError
 from exitplan.operator.metrics import METRICS
-from exitplan.operator.reconcile import RETRY_DELAY, Inputs, Service, _infeasible, current_plan
-from exitplan.operator.status import Phase, Proposal, ServiceStatus, now_iso, set_condition, summarize
+from exitplan.operator.reconcile import Inputs, Service, _infeasible, current_plan, propose_or_apply
+from exitplan.operator.status import ServiceStatus, set_condition
 from exitplan.planner.errors import PlannerError
 from exitplan.planner.generation import GenerationPlanResult, measurements_file, plan_generation, read_measurements
 
@@ -65,35 +61,5 @@ async def reconcile_generation(svc: Service, spec: EarlyExitServiceSpec, inputs:
             f"threshold {result.threshold}" + (f"; {result.note}" if result.note else ""))
     status.conditions = set_condition(status.conditions, "PlanInfeasible", False, "Planned", "a plan meets the spec", gen)
     status.waiting_for_profiles = []
-    if spec.planner.mode == Mode.advisory:
-        changes = applying.diff_children(await applying.list_children(svc.client, svc.name, svc.namespace), children)
-        status.proposal = Proposal(reason=reason, hash=plan.content_hash(), changes=changes, held_back="advisory mode: nothing applied")
-        status.plan, status.phase, status.observed_generation = summarize(plan), Phase.advisory, gen
-        status.message = f"advisory: would apply {what}: {len(changes)} change(s)"
-        status.conditions = set_condition(status.conditions, "Planned", True, "Advisory", status.message, gen)
-        status.conditions = set_condition(status.conditions, "Progressing", False, "Advisory", status.message, gen)
-        svc.event("Normal", "WouldApply", f"{what} would: " + "; ".join(changes or ["change nothing"]))
-        await svc.write_status(status)
-        return status
-    try:
-        report = await applying.apply_children(svc.client, children, svc.name, svc.namespace)
-    except ApiError as err:
-        METRICS.applies_failed.labels(svc.name).inc()
-        message = f"applying {what} failed ({err}); the previous plan keeps serving; retrying"
-        status.conditions = set_condition(status.conditions, "Degraded", True, "ApplyFailed", message, gen)
-        status.phase, status.message = Phase.degraded, message
-        svc.event("Warning", "ApplyFailed", message)
-        await svc.write_status(status)
-        raise kopf.TemporaryError(message, delay=RETRY_DELAY) from err
-    status.plan, status.proposal = summarize(plan), None
-    if previous is None or previous.content_hash() != plan.content_hash():
-        status.last_replan_time, status.last_replan_reason = now_iso(), reason
-    status.endpoint = f"http://{builders.dns_name(svc.name)}.{svc.namespace}.svc:{builders.PORT}"
-    status.conditions = set_condition(status.conditions, "Planned", True, "Planned", what, gen)
-    status.conditions = set_condition(status.conditions, "Degraded", False, "Applied", report.summary(), gen)
-    status.conditions = set_condition(status.conditions, "Progressing", True, "Rollout", f"applied: {report.summary()}", gen)
-    status.phase, status.message, status.observed_generation = Phase.deploying, f"applied {what}: {report.summary()}", gen
-    if report.changed():
-        svc.event("Normal", "Applied", f"{what}: {report.summary()}")
-    await svc.write_status(status)
-    return status
+    return await propose_or_apply(svc, spec, status, children, plan=plan, target=plan, previous=previous,
+                                  reason=reason, what=what)

@@ -312,7 +312,20 @@ async def plan_and_apply(svc: Service, spec: EarlyExitServiceSpec, inputs: Input
         if remaining:
             held_back = f"move cap: {remaining} more replica move(s) follow in later periods"
     children = builders.build_children(svc.body, spec, plan, inputs.pools)
+    return await propose_or_apply(svc, spec, status, children, plan=plan, target=target, previous=previous,
+                                  reason=reason, what=f"plan {plan.content_hash()} ({reason})", held_back=held_back)
 
+
+async def propose_or_apply(svc: Service, spec: EarlyExitServiceSpec, status: ServiceStatus,
+                           children: list[dict[str, Any]], *, plan: Plan, target: Plan, previous: Plan | None,
+                           reason: str, what: str, held_back: str = "") -> ServiceStatus:
+    """Advisory: diff the children and report what would change. Active: apply them and report.
+
+    `plan` is what is applied now, `target` where the steps lead (they differ under a move cap, when
+    `held_back` says what follows); `what` names the plan in messages and events. A failed apply leaves
+    the previous plan serving, marks the service Degraded and retries with backoff.
+    """
+    gen = svc.generation
     if spec.planner.mode == Mode.advisory:
         existing = await applying.list_children(svc.client, svc.name, svc.namespace)
         changes = applying.diff_children(existing, children)
@@ -320,11 +333,11 @@ async def plan_and_apply(svc: Service, spec: EarlyExitServiceSpec, inputs: Input
                                    held_back="advisory mode: nothing applied")
         status.plan = summarize(plan)
         status.phase = Phase.advisory
-        status.message = f"advisory: would apply plan {plan.content_hash()} ({reason}): {len(changes)} change(s)"
+        status.message = f"advisory: would apply {what}: {len(changes)} change(s)"
         status.conditions = set_condition(status.conditions, "Planned", True, "Advisory", status.message, gen)
         status.conditions = set_condition(status.conditions, "Progressing", False, "Advisory", status.message, gen)
         status.observed_generation = gen
-        svc.event("Normal", "WouldApply", f"plan {plan.content_hash()} ({reason}) would: " + "; ".join(changes or ["change nothing"]))
+        svc.event("Normal", "WouldApply", f"{what} would: " + "; ".join(changes or ["change nothing"]))
         await svc.write_status(status)
         return status
 
@@ -332,7 +345,7 @@ async def plan_and_apply(svc: Service, spec: EarlyExitServiceSpec, inputs: Input
         report = await applying.apply_children(svc.client, children, svc.name, svc.namespace)
     except ApiError as err:
         METRICS.applies_failed.labels(svc.name).inc()
-        message = (f"applying plan {plan.content_hash()} failed ({err}); the previous plan "
+        message = (f"applying {what} failed ({err}); the previous plan "
                    f"{previous.content_hash() if previous else '(none)'} keeps serving; retrying")
         status.conditions = set_condition(status.conditions, "Degraded", True, "ApplyFailed", message, gen)
         status.phase, status.message = Phase.degraded, message
@@ -345,14 +358,13 @@ async def plan_and_apply(svc: Service, spec: EarlyExitServiceSpec, inputs: Input
     if previous is None or previous.content_hash() != plan.content_hash():
         status.last_replan_time, status.last_replan_reason = now_iso(), reason
     status.endpoint = f"http://{builders.dns_name(svc.name)}.{svc.namespace}.svc:{builders.PORT}"
-    status.conditions = set_condition(status.conditions, "Planned", True, "Planned",
-                                      f"plan {plan.content_hash()} ({reason})", gen)
+    status.conditions = set_condition(status.conditions, "Planned", True, "Planned", what, gen)
     status.conditions = set_condition(status.conditions, "Degraded", False, "Applied", report.summary(), gen)
     status.conditions = set_condition(status.conditions, "Progressing", True, "Rollout",
                                       f"applied: {report.summary()}", gen)
     status.phase, status.message, status.observed_generation = Phase.deploying, f"applied: {report.summary()}", gen
     if report.changed():
-        svc.event("Normal", "Applied", f"plan {plan.content_hash()} ({reason}): {report.summary()}")
+        svc.event("Normal", "Applied", f"{what}: {report.summary()}")
     await svc.write_status(status)
     return status
 
