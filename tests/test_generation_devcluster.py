@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -23,6 +22,7 @@ from exitplan.operator.kube import ApiError, KubeClient, path
 from exitplan.worker.generation import DecoderModel, full_greedy
 
 from generation_helpers import PROMPTS, tiny_decoder_bundle
+from test_operator_support import wait_for
 
 EXITPLAN = [sys.executable, "-c", "from exitplan.cli import app; app()"]
 GUARD = 180.0  # only stops a broken run from hanging the suite; not a performance assertion
@@ -30,14 +30,7 @@ NS = "default"
 
 
 def wait(what: str, probe, guard: float = GUARD):
-    deadline = time.monotonic() + guard
-    last = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.3)
-    raise AssertionError(f"never happened: {what} (last: {str(last)[:800]})")
+    return wait_for(what, probe, guard)
 
 
 class Api:
