@@ -75,6 +75,15 @@ async def resolve(spec: list[tuple[str, int]]) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def hop_capacities(peers: list[Peer]) -> list[float]:
+    """The denominators of "least running / capacity": each pod's reported inputs/s, so that a faster
+    pod (a faster GPU type in a mixed split) takes proportionally more; its batch size while any of
+    them has not reported a rate yet (equal for the replicas of one cell)."""
+    if all(p.capacity > 0 for p in peers):
+        return [p.capacity for p in peers]
+    return [float(p.batch_size) for p in peers]
+
+
 @dataclass
 class Peer:
     address: str
@@ -167,7 +176,7 @@ class PeerSet:
         skip = [p.straggler for p in cands]
         if all(skip):
             skip = None
-        i = least_loaded([p.running for p in cands], [p.batch_size for p in cands], skip)
+        i = least_loaded([p.running for p in cands], hop_capacities(cands), skip)
         return cands[i] if i >= 0 else None
 
     def observe_service(self, peer: Peer, service_ms: float, expected_ms: float) -> None:
