@@ -283,8 +283,8 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
             history.append(list(whole.survival))
             del history[:-HISTORY]
             block.clear()
-        METRICS.length_score.labels(svc.name).set(report.length_score)
-        METRICS.survival_error.labels(svc.name).set(report.survival_error)
+        METRICS.length_score.labels(svc.namespace, svc.name).set(report.length_score)
+        METRICS.survival_error.labels(svc.namespace, svc.name).set(report.survival_error)
         status.drift = report
         memo["judged"] = judged
     held = status.proposal if status.proposal and status.proposal.held_back.startswith("cooldown") else None

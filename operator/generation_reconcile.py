@@ -51,7 +51,7 @@ async def reconcile_generation(svc: Service, spec: EarlyExitServiceSpec, inputs:
         status = _infeasible(status, gen, "GenerationPlan", message)
         await svc.write_status(status)
         return status
-    METRICS.replans.labels(svc.name, reason).inc()
+    METRICS.replans.labels(svc.namespace, svc.name, reason).inc()
     plan = result.plan
     previous = await current_plan(svc.client, svc.name, svc.namespace)
     if previous is not None and previous.content_hash() == plan.content_hash():

@@ -100,11 +100,8 @@ async def resumed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.on.delete(**EES, optional=True)
-async def deleted(name: str, **_: Any) -> None:
-    for gauge in (METRICS.desired, METRICS.ready):
-        for labels in list(gauge._metrics):  # drop this service's per-cell series
-            if labels[0] == name:
-                gauge.remove(*labels)
+async def deleted(name: str, namespace: str, **_: Any) -> None:
+    METRICS.forget(namespace, name)  # the per-cell and per-service gauges; counters keep their history
 
 
 @kopf.timer(**EES, interval=TICK, initial_delay=TICK)

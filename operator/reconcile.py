@@ -134,7 +134,7 @@ def initial_thresholds(spec: EarlyExitServiceSpec, bounds: list[int] | None = No
     return thresholds
 
 
-async def plan_in_executor(name: str, spec: EarlyExitServiceSpec, inputs: Inputs, *, reason: str,
+async def plan_in_executor(name: str, namespace: str, spec: EarlyExitServiceSpec, inputs: Inputs, *, reason: str,
                            previous: Plan | None = None, observations: Observations | None = None,
                            keep_layout: bool = False) -> Plan:
     """The planner's entry point in a worker thread (never on the event loop); solve time is a metric."""
@@ -151,11 +151,11 @@ async def plan_in_executor(name: str, spec: EarlyExitServiceSpec, inputs: Inputs
             result = plan_service(name, spec, inputs.pools, inputs.profiles, thresholds=thresholds,
                                   observations=observations, previous=previous, reason=reason, keep_layout=keep_layout)
         finally:
-            METRICS.solve_seconds.labels(name).observe(time.perf_counter() - started)
+            METRICS.solve_seconds.labels(namespace, name).observe(time.perf_counter() - started)
         return result.plan
 
     plan = await asyncio.get_running_loop().run_in_executor(None, solve)
-    METRICS.replans.labels(name, reason).inc()
+    METRICS.replans.labels(namespace, name, reason).inc()
     return plan
 
 
@@ -273,7 +273,7 @@ async def plan_and_apply(svc: Service, spec: EarlyExitServiceSpec, inputs: Input
 
     gen = svc.generation
     try:
-        plan = await plan_in_executor(svc.name, spec, inputs, reason=reason, previous=previous,
+        plan = await plan_in_executor(svc.name, svc.namespace, spec, inputs, reason=reason, previous=previous,
                                       observations=observations)
     except PlanInfeasible as err:
         message = f"no plan meets the spec: {err}"
@@ -299,7 +299,7 @@ async def plan_and_apply(svc: Service, spec: EarlyExitServiceSpec, inputs: Input
             # A new layout replaces every instance at once, which the cap forbids: move within the
             # current layout instead; the new layout stays a proposal (raise maxMoveFraction to take it).
             try:
-                within = await plan_in_executor(svc.name, spec, inputs, reason=reason, previous=previous,
+                within = await plan_in_executor(svc.name, svc.namespace, spec, inputs, reason=reason, previous=previous,
                                                 observations=observations, keep_layout=True)
             except (PlanInfeasible, PlannerError):
                 within = None
@@ -344,7 +344,7 @@ async def propose_or_apply(svc: Service, spec: EarlyExitServiceSpec, status: Ser
     try:
         report = await applying.apply_children(svc.client, children, svc.name, svc.namespace)
     except ApiError as err:
-        METRICS.applies_failed.labels(svc.name).inc()
+        METRICS.applies_failed.labels(svc.namespace, svc.name).inc()
         message = (f"applying {what} failed ({err}); the previous plan "
                    f"{previous.content_hash() if previous else '(none)'} keeps serving; retrying")
         status.conditions = set_condition(status.conditions, "Degraded", True, "ApplyFailed", message, gen)
@@ -387,8 +387,8 @@ async def refresh_readiness(svc: Service) -> ServiceStatus:
             ready[(int(labels[builders.L_SPLIT]), int(labels[builders.L_BUCKET]), labels[builders.L_POOL])] = have
     for cell in status.plan.cells:
         cell.ready_replicas = ready.get((cell.split, cell.bucket, cell.pool), 0)
-        METRICS.desired.labels(svc.name, str(cell.split), str(cell.bucket), cell.pool).set(cell.replicas)
-        METRICS.ready.labels(svc.name, str(cell.split), str(cell.bucket), cell.pool).set(cell.ready_replicas)
+    METRICS.record_plan(svc.namespace, svc.name, status.plan.cost_per_hour,
+                        [(c.split, c.bucket, c.pool, c.replicas, c.ready_replicas) for c in status.plan.cells])
     all_ready &= bool(deployments)
     stalled = [f"Deployment {d['metadata']['name']}: {c.get('message') or c.get('reason')}"
                for d in deployments for c in (d.get("status") or {}).get("conditions") or []

@@ -152,7 +152,7 @@ def test_declarations_are_read_from_the_code() -> None:
     decl = declared()
     assert decl["exitplan_router_latency_seconds"].kind == "histogram"
     assert decl["exitplan_worker_exits_total"].labels == {"service", "split", "bucket", "pool", "ramp"}
-    assert decl["exitplan_replan_total"].labels == {"service", "reason"}
+    assert decl["exitplan_replan_total"].labels == {"namespace", "service", "reason"}
     # the same names the live registry reports (one component instantiated)
     from prometheus_client import CollectorRegistry
 

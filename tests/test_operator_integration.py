@@ -216,13 +216,20 @@ def test_injected_length_drift_moves_replicas_between_cells(cluster, observation
         # The operator's metrics saw it (the operator runs in this process under KopfRunner).
         from prometheus_client import REGISTRY
 
-        assert REGISTRY.get_sample_value("exitplan_replan_total", {"service": "minilm", "reason": "length-drift"}) >= 1
-        assert REGISTRY.get_sample_value("exitplan_drift_length_score_ratio", {"service": "minilm"}) > 0.15
-        assert REGISTRY.get_sample_value("exitplan_planner_solve_seconds_count", {"service": "minilm"}) >= 2
+        svc = {"namespace": ns, "service": "minilm"}
+        assert REGISTRY.get_sample_value("exitplan_replan_total", {**svc, "reason": "length-drift"}) >= 1
+        assert REGISTRY.get_sample_value("exitplan_drift_length_score_ratio", svc) > 0.15
+        assert REGISTRY.get_sample_value("exitplan_planner_solve_seconds_count", svc) >= 2
         cell = plan1.cells[0]
-        labels = {"service": "minilm", "split": str(cell.split), "bucket": str(cell.bucket), "pool": cell.pool}
+        labels = {**svc, "split": str(cell.split), "bucket": str(cell.bucket), "pool": cell.pool}
         wait_for("desired replicas exported", lambda: REGISTRY.get_sample_value(
             "exitplan_cell_desired_replicas", labels) == cell.replicas)
+        wait_for("the plan's cost exported", lambda: REGISTRY.get_sample_value(
+            "exitplan_plan_cost_per_hour", svc) == pytest.approx(plan1.prediction.cost_per_hour))
+        gone = {(c.split, c.bucket, c.pool) for c in plan0.cells} - {(c.split, c.bucket, c.pool) for c in plan1.cells}
+        for split, bucket, pool in gone:  # a cell the new plan dropped leaves no stale series behind
+            assert REGISTRY.get_sample_value("exitplan_cell_desired_replicas",
+                                             {**svc, "split": str(split), "bucket": str(bucket), "pool": pool}) is None
 
 
 def test_advisory_mode_reports_and_changes_nothing(cluster, observations):
