@@ -5,8 +5,9 @@ the one-time thresholds were tuned on. The shift is a change of the traffic's ki
 early ramps less reliable: first long tweets (>= --long-tokens tokens), then short ones
 (< --short-tokens tokens). Why that shift: on a separate probe sample of unseen tweets (printed),
 the one-time thresholds keep the budget on long tweets and break it on short ones; the class mix
-moves the agreement far less. The same stream goes, in order, through three live deployments of
-the MiniLM bundle (router + 2 workers, buckets 32 and 128): vanilla (no exits), one-time tuning
+moves the agreement far less. The same stream goes, side by side (started together; each input is
+sent to every deployment at the same moment, 4 inputs in flight, so latency ratios compare like
+with like on a shared machine), through three live deployments of the MiniLM bundle (router + 2 workers, buckets 32 and 128): vanilla (no exits), one-time tuning
 (thresholds tuned on the bundle's held-out window, never changed) and continual tuning (the same
 start, then the tuning loop of `exitplan up`, `exitplan.autotune.AutoTuner`, on shadow-sampled
 feedback).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import statistics
@@ -91,38 +93,48 @@ def cached_outputs(bundle: Path, texts: list[str]) -> tuple[np.ndarray, np.ndarr
     return conf, pred, final
 
 
-async def stream(url: str, model: str, texts: list[str], log_every: int, concurrency: int = 4) -> list[dict]:
-    """Send texts in order, `concurrency` at a time; per request: label index, latency, status, thresholds seen."""
-    out: list[dict] = [{} for _ in texts]
-    labels: dict[str, int] = {}
+async def stream(urls: dict[str, str], model: str, texts: list[str], log_every: int, concurrency: int = 4) -> dict[str, list[dict]]:
+    """Send texts in order to every deployment side by side: `concurrency` slots each take the next
+    input i and send it to every deployment at once, then wait for all their answers; so at any
+    time each deployment holds at most `concurrency` requests, the same inputs as the others, on
+    the same machine at the same moment. Per request: label index, latency, status, thresholds seen."""
+    names = list(urls)
+    out: dict[str, list[dict]] = {n: [{} for _ in texts] for n in names}
+    thresholds_log: dict[str, list[tuple[int, dict]]] = {n: [] for n in names}
     next_index = 0
-    thresholds_log: list[tuple[int, dict]] = []
 
-    async with aiohttp.ClientSession() as s:
-        async with s.get(f"{url}/v2/models/{model}") as resp:
-            labels = {name: i for i, name in enumerate((await resp.json())["parameters"]["labels"])}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        labels: dict[str, dict[str, int]] = {}
+        for n in names:
+            async with s.get(f"{urls[n]}/v2/models/{model}") as resp:
+                labels[n] = {name: i for i, name in enumerate((await resp.json())["parameters"]["labels"])}
 
-        async def worker() -> None:
+        async def one(i: int, n: str) -> None:
+            url = urls[n]
+            if i % log_every == 0:
+                async with s.get(f"{url}/v1/thresholds") as resp:
+                    thresholds_log[n].append((i, (await resp.json())["thresholds"]))
+            body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [texts[i]]}], "parameters": {"truncate": True}}
+            t0 = time.perf_counter()
+            async with s.post(f"{url}/v2/models/{model}/infer", json=body) as resp:
+                answer = await resp.json()
+                r = out[n][i] = {"status": resp.status, "latency_ms": (time.perf_counter() - t0) * 1000}
+                if resp.status == 200:
+                    o = {x["name"]: x for x in answer["outputs"]}
+                    r["label"] = labels[n][o["label"]["data"][0]]
+                    r["ramp"] = o["exit_ramp"]["data"][0]
+
+        async def slot() -> None:
             nonlocal next_index
             while next_index < len(texts):
                 i = next_index
                 next_index += 1
-                if i % log_every == 0:
-                    async with s.get(f"{url}/v1/thresholds") as resp:
-                        thresholds_log.append((i, (await resp.json())["thresholds"]))
-                body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [texts[i]]}], "parameters": {"truncate": True}}
-                t0 = time.perf_counter()
-                async with s.post(f"{url}/v2/models/{model}/infer", json=body) as resp:
-                    answer = await resp.json()
-                    out[i] = {"status": resp.status, "latency_ms": (time.perf_counter() - t0) * 1000}
-                    if resp.status == 200:
-                        o = {x["name"]: x for x in answer["outputs"]}
-                        out[i]["label"] = labels[o["label"]["data"][0]]
-                        out[i]["ramp"] = o["exit_ramp"]["data"][0]
+                await asyncio.gather(*(one(i, n) for n in names))
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    for i, t in thresholds_log:
-        out[i]["thresholds"] = t
+        await asyncio.gather(*(slot() for _ in range(concurrency)))
+    for n in names:
+        for i, t in thresholds_log[n]:
+            out[n][i]["thresholds"] = t
     return out
 
 
@@ -156,6 +168,7 @@ def main() -> None:
     ap.add_argument("--tune-seconds", type=float, default=1.0)
     ap.add_argument("--headroom", type=float, default=0.25, help="AutoTuner: share of the budget's safe part to tune to")
     ap.add_argument("--drift-z", type=float, default=3.3, help="AutoTuner: early-exit share test (0: off)")
+    ap.add_argument("--no-drift-confirm", action="store_true", help="AutoTuner: act on the first drift alarm (the old loop)")
     ap.add_argument("--savings-samples", type=int, default=1000)
     ap.add_argument("--recent", type=int, default=100, help="AutoTuner: newest samples a breach is judged on")
     ap.add_argument("--alpha", type=float, default=0.05, help="AutoTuner: level of the binomial breach test")
@@ -211,30 +224,39 @@ def main() -> None:
         "router": {"truncate": True},
     })
     runs, changes, raw = {}, {}, {}
-    for name in args.runs.split(","):
-        thresholds = {r: 2.0 for r in ramps} if name == "vanilla" else dict(start)
-        plan = Plan(service="live", model=manifest.name, splits=[SplitPlan(index=0, first_block=0, last_block=len(manifest.blocks) - 1)],
-                    buckets=BUCKETS, cells=[Cell(split=0, bucket=b, pool="cpu", replicas=1, batch_size=8) for b in BUCKETS],
-                    thresholds=thresholds)
-        with tempfile.TemporaryDirectory() as tmp:
-            with LocalDeployment(bundle, plan, spec, Path(tmp), port=args.port, base_port=args.port + 1) as dep:
-                tuner = AutoTuner(dep.url, ramps, args.budget, period=args.tune_seconds, window=1500, min_samples=100,
-                                  recent=args.recent, alpha=args.alpha, savings_samples=args.savings_samples,
-                                  headroom=args.headroom, drift_z=args.drift_z).start() if name == "continual" else None
-                t0 = time.time()
-                results = asyncio.run(stream(dep.url, manifest.name, texts, 100))
-                if tuner:
-                    tuner.stop()
-                    changes[name] = [{"reason": d.reason, "detail": d.detail, "samples": d.samples} for d in tuner.history if d.thresholds is not None]
-                    kinds = {}
-                    for c in changes[name]:
-                        key = c["detail"].split(":")[0] if c["detail"] else c["reason"]
-                        key = "breach" if key.startswith("breach") else key
-                        kinds[key] = kinds.get(key, 0) + 1
-                    print(f"{name}: {len(changes[name])} threshold changes ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})")
-                print(f"{name}: {len(texts)} requests in {time.time() - t0:.0f} s")
-        runs[name] = windows(results, reference, args.window, manifest.final_ramp().name)
-        raw[name] = results
+    names = args.runs.split(",")
+    with contextlib.ExitStack() as stack:
+        urls, tuner = {}, None
+        for k, name in enumerate(names):
+            thresholds = {r: 2.0 for r in ramps} if name == "vanilla" else dict(start)
+            plan = Plan(service="live", model=manifest.name, splits=[SplitPlan(index=0, first_block=0, last_block=len(manifest.blocks) - 1)],
+                        buckets=BUCKETS, cells=[Cell(split=0, bucket=b, pool="cpu", replicas=1, batch_size=8) for b in BUCKETS],
+                        thresholds=thresholds)
+            tmp = stack.enter_context(tempfile.TemporaryDirectory())
+            port = args.port + 10 * k
+            urls[name] = stack.enter_context(LocalDeployment(bundle, plan, spec, Path(tmp), port=port, base_port=port + 1)).url
+        if "continual" in urls:
+            tuner = AutoTuner(urls["continual"], ramps, args.budget, period=args.tune_seconds, window=1500, min_samples=100,
+                              recent=args.recent, alpha=args.alpha, savings_samples=args.savings_samples,
+                              headroom=args.headroom, drift_z=args.drift_z, drift_confirm=not args.no_drift_confirm).start()
+        t0 = time.time()
+        raw = asyncio.run(stream(urls, manifest.name, texts, 100))
+        print(f"{', '.join(names)} side by side: {len(texts)} requests each in {time.time() - t0:.0f} s")
+        if tuner:
+            tuner.stop()
+            changes["continual"] = [{"reason": d.reason, "detail": d.detail, "samples": d.samples} for d in tuner.history if d.thresholds is not None]
+            kinds = {}
+            for c in changes["continual"]:
+                key = c["detail"].split(":")[0] if c["detail"] else c["reason"]
+                key = "breach" if key.startswith("breach") else key
+                kinds[key] = kinds.get(key, 0) + 1
+            print(f"continual: {len(changes['continual'])} threshold changes ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})")
+            for c in changes["continual"]:
+                print(f"  {c['samples']:>5} samples: {c['reason']} {c['detail']}")
+            print(f"continual: drift alarms: {'; '.join(tuner.alarm_log) or 'none'}")
+            changes["drift_alarms"] = tuner.alarm_log
+    for name in names:
+        runs[name] = windows(raw[name], reference, args.window, manifest.final_ramp().name)
 
     print(f"\nagreement with the full model per window of {args.window} requests (budget: >= {1 - args.budget:.2%}, i.e. at most "
           f"{allowed_disagreements(args.window, args.budget)} of {args.window} answers differ); the shift starts window {len(phase1) // args.window}")

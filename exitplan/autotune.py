@@ -10,7 +10,8 @@ drift loop can use `decide` the same way): every period it reads the window and
   last 50, 100 or 200 samples are too many for the budget to hold (a one-sided binomial test) or
   exceed the budget on the last `recent`; the repair only raises thresholds;
 - watches the kind of traffic: when the share of inputs that exit early (under the thresholds in
-  force) moves in the newest 100 samples (a two-proportion z test, `drift_z`), the traffic changed
+  force) moves in the newest 100 samples (a two-proportion z test, `drift_z`) and, in `AutoTuner`, again on the next 100
+  (an alarm is confirmed on samples it did not see), the traffic changed
   before enough disagreements could show it, and the thresholds are raised until none of those
   100 samples disagrees (detail ``drift...``);
 - after a breach or a drift only the samples since count (``fresh``), and until there are
@@ -59,6 +60,9 @@ class Decision:
     saving_after_ms: float = 0.0
     detail: str = ""
     """Why, in words: which test fired (``breach in the last 100 samples: 4 disagree``, ``margin``...)."""
+    exit_z: float = 0.0
+    """The drift test's statistic on this window (0 when it did not run): the caller keeps an
+    unconfirmed alarm (``abs(exit_z) > drift_z`` without ``drift_armed``) and confirms it later."""
 
 
 def sample_budget(budget: float, n: int, z: float = 1.645) -> float:
@@ -122,7 +126,8 @@ def decide(window: Window, ramps: list[str], current: dict[str, float], budget: 
            min_samples: int = 200, recent: int = 300, savings_samples: int = 1000, min_gain_ms: float = 0.05,
            z: float = 1.645, headroom: float = 1.0, fresh: int | None = None,
            tails: tuple[int, ...] = DETECT_TAILS, alpha: float = 0.01, drift_z: float = 0.0,
-           drift_recent: int = 100, reference: dict[str, float] | None = None) -> Decision:
+           drift_recent: int = 100, reference: dict[str, float] | None = None,
+           drift_armed: bool = True) -> Decision:
     """What to do with the thresholds given one feedback window (samples oldest first; pure).
 
     Accuracy first, on the newest samples (a shift shows there long before it dominates the whole
@@ -140,7 +145,9 @@ def decide(window: Window, ramps: list[str], current: dict[str, float], budget: 
     share in the newest `drift_recent` fresh samples (under the thresholds in force, or under
     `reference` while every ramp is off) by more than `drift_z` standard errors raises the thresholds
     until none of those samples disagrees (detail ``drift...``; the caller then counts fresh samples
-    from there).
+    from there) -- only when `drift_armed`: a caller that wants an alarm confirmed on samples the
+    alarm did not see passes False on the first alarm (the decision then only holds savings and
+    carries the statistic in ``exit_z``) and True once `drift_recent` new samples have arrived.
     """
     n = window.n_inputs
     if n < min_samples:
@@ -166,16 +173,17 @@ def decide(window: Window, ramps: list[str], current: dict[str, float], budget: 
         if reference is not None and not (start <= 1.0).any():
             probe_t = np.array([float(reference.get(r, DISABLED)) for r in ramps])
         z_exit = exit_shift(window, probe_t, drift_recent)
-        if abs(z_exit) > drift_z:  # the traffic changed: only the newest samples speak for it now
+        if abs(z_exit) > drift_z and drift_armed:  # the traffic changed: only the newest samples speak for it now
             raised = raise_to(_tail(window, drift_recent), 0.0, start)
             agree_now, save_now = evaluate(_tail(window, drift_recent), start)
             agree_after, save_after = evaluate(_tail(window, drift_recent), raised)
             return Decision({r: float(t) for r, t in zip(ramps, raised)}, "accuracy", drift_recent, agree_now,
                             agree_after, save_now, save_after,
-                            f"drift: early-exit share moved by z = {z_exit:+.1f} in the last {drift_recent} samples")
+                            f"drift: early-exit share moved by z = {z_exit:+.1f} in the last {drift_recent} samples",
+                            exit_z=z_exit)
     probation = fresh is not None and n < savings_samples
     if n < min_samples and not probation:
-        return Decision(None, "short-of-samples", n)
+        return Decision(None, "short-of-samples", n, exit_z=z_exit)
     agree_now, save_now = evaluate(window, start)
     safe = 0.0 if probation else sample_budget(budget, n, z)
     target = 0.0 if probation else headroom * safe
@@ -183,13 +191,13 @@ def decide(window: Window, ramps: list[str], current: dict[str, float], budget: 
         raised = raise_to(window, target, start)
         agree_after, save_after = evaluate(window, raised)
         return Decision({r: float(t) for r, t in zip(ramps, raised)}, "accuracy", n, agree_now, agree_after,
-                        save_now, save_after, f"margin: agreement {agree_now:.4f} < target {1 - target:.4f}"
+                        save_now, save_after, exit_z=z_exit, detail=f"margin: agreement {agree_now:.4f} < target {1 - target:.4f}"
                         + (" (since the last breach: no disagreement allowed)" if probation else ""))
     if n < savings_samples:
-        return Decision(None, "short-of-samples", n, agree_now, agree_now, save_now, save_now)
+        return Decision(None, "short-of-samples", n, agree_now, agree_now, save_now, save_now, exit_z=z_exit)
     result = tune(window, target, start=start)
     figures = dict(samples=n, agreement_before=agree_now, agreement_after=result.agreement,
-                   saving_before_ms=save_now, saving_after_ms=result.saving_ms)
+                   saving_before_ms=save_now, saving_after_ms=result.saving_ms, exit_z=z_exit)
     if result.saving_ms >= save_now + min_gain_ms:
         if drift_z and abs(z_exit) > drift_z / 2:  # the traffic may be moving: claim nothing yet
             return Decision(None, "no-gain", **figures, detail=f"hold: early-exit share moving (z = {z_exit:+.1f})")
@@ -238,7 +246,9 @@ class AutoTuner:
     """Runs `decide` every `period` seconds against one router, in a daemon thread.
 
     Keeps count of the samples that arrived since the last breach or drift (``fresh``), so that
-    savings are claimed only on samples of the workload as it is now. The defaults are the settings
+    savings are claimed only on samples of the workload as it is now. With ``drift_confirm`` a drift
+    alarm is acted on only when it shows again on ``drift_recent`` samples that arrived after it
+    (savings are held meanwhile; breaches are acted on at once as always). The defaults are the settings
     bench/live_tuning.py measured (BENCHMARKS.md, "Threshold tuning (issue 4)"): breach judged on the
     newest 100 samples, tune to a quarter of the budget's safe part (``headroom``), watch the
     early-exit share (``drift_z``), claim savings on 1,000 fresh samples."""
@@ -246,11 +256,13 @@ class AutoTuner:
     def __init__(self, router_url: str, ramps: list[str], budget: float, *, period: float = 20.0,
                  window: int = 1500, min_samples: int = 100, recent: int = 100, savings_samples: int = 1000,
                  headroom: float = 0.25, alpha: float = 0.05, drift_z: float = 3.3, drift_recent: int = 100,
-                 on_change=None) -> None:
+                 drift_confirm: bool = True, on_change=None) -> None:
         self.router_url, self.ramps, self.budget = router_url, ramps, budget
         self.period, self.window, self.min_samples, self.recent = period, window, min_samples, recent
         self.savings_samples, self.headroom, self.alpha = savings_samples, headroom, alpha
-        self.drift_z, self.drift_recent = drift_z, drift_recent
+        self.drift_z, self.drift_recent, self.drift_confirm = drift_z, drift_recent, drift_confirm
+        self.alarm: tuple[float, int] | None = None  # unconfirmed drift alarm: (sign of z, samples since)
+        self.alarm_log: list[str] = []  # drift alarms raised and dropped, in words
         self.on_change = on_change
         self.history: list[Decision] = []
         self.fresh: int | None = None  # samples since the last breach (None: no breach yet)
@@ -264,16 +276,23 @@ class AutoTuner:
             window = fetch_window(self.router_url, self.window)
             if window is None:
                 return Decision(None, "short-of-samples", 0)
+            arrived = new_samples(self._previous, window)
             if self.fresh is not None:
-                self.fresh += new_samples(self._previous, window)
+                self.fresh += arrived
+            if self.alarm is not None:
+                self.alarm = (self.alarm[0], self.alarm[1] + arrived)
             self._previous = window
+            # An alarm is acted on only when the newest drift_recent samples, none of which the first
+            # alarm saw, show the move again (one look at 100 samples in ~1,000 sees z > 3.3 by chance).
+            armed = not self.drift_confirm or (self.alarm is not None and self.alarm[1] >= self.drift_recent)
             current = current_thresholds(self.router_url)
             if any(float(current.get(r, DISABLED)) <= 1.0 for r in self.ramps):
                 self.reference = dict(current)  # the last thresholds in force that let inputs exit
             decision = decide(window, self.ramps, current, self.budget,
                               min_samples=self.min_samples, recent=self.recent, savings_samples=self.savings_samples,
                               headroom=self.headroom, alpha=self.alpha, fresh=self.fresh, drift_z=self.drift_z,
-                              drift_recent=self.drift_recent, reference=self.reference)
+                              drift_recent=self.drift_recent, reference=self.reference, drift_armed=armed)
+            self._track_alarm(decision, armed)
         except WindowError as err:
             log.warning("feedback window rejected, keeping the last good thresholds: %s", err)
             return Decision(None, f"rejected: {err}", 0)
@@ -288,6 +307,27 @@ class AutoTuner:
                 self.on_change(decision)
         self.history.append(decision)
         return decision
+
+    def _track_alarm(self, decision: Decision, armed: bool) -> None:
+        fired = bool(self.drift_z) and abs(decision.exit_z) > self.drift_z
+        if decision.detail.startswith("drift") or not self.drift_confirm:
+            if decision.detail.startswith("drift"):
+                self.alarm_log.append(f"acted on: z = {decision.exit_z:+.1f}")
+            self.alarm = None
+        elif decision.detail.startswith("breach"):  # repaired already; the samples since start afresh
+            if self.alarm is not None:
+                self.alarm_log.append("superseded by a breach")
+            self.alarm = None
+        elif self.alarm is None:
+            if fired:
+                self.alarm = (math.copysign(1.0, decision.exit_z), 0)
+                self.alarm_log.append(f"alarm z = {decision.exit_z:+.1f} on {decision.samples} samples")
+                log.info("early-exit share moved (z = %+.1f): drift alarm, to be confirmed on the next %d samples",
+                         decision.exit_z, self.drift_recent)
+        elif armed and not (fired and math.copysign(1.0, decision.exit_z) == self.alarm[0]):
+            log.info("drift alarm not confirmed on %d new samples (z = %+.1f): dropped", self.alarm[1], decision.exit_z)
+            self.alarm_log.append(f"dropped: z = {decision.exit_z:+.1f} after {self.alarm[1]} new samples")
+            self.alarm = None
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):

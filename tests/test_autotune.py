@@ -139,3 +139,48 @@ def test_headroom_keeps_a_safety_margin_below_the_budget():
     assert half.agreement_after > full.agreement_after
     assert 1 - half.agreement_after <= 0.5 * sample_budget(0.05, 2000) + 1e-12
     assert half.saving_after_ms < full.saving_after_ms
+
+
+def _drifted():
+    """600 old samples that rarely exit at ramp a, then 100 confident ones (one wrong): the exit share moved."""
+    rng = np.random.default_rng(5)
+    old = window(600, seed=6)
+    old = Window(conf=np.minimum(old.conf, 0.5), pred=old.pred, final=old.final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
+    final = rng.integers(0, 3, 100)
+    pred = np.stack([final, final], 1)
+    pred[-1, 0] = (final[-1] + 1) % 3
+    new = Window(conf=np.full((100, 2), 0.95), pred=pred, final=final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
+    return _stack(old, new)
+
+
+def test_an_unconfirmed_drift_alarm_changes_nothing_but_reports_the_statistic():
+    w = _drifted()
+    current = {"a": 0.9, "b": 2.0}
+    d = decide(w, ["a", "b"], current, 0.01, recent=200, min_samples=100, drift_z=3.3, drift_recent=100, drift_armed=False)
+    assert not d.detail.startswith("drift") and d.reason != "savings"
+    assert d.exit_z > 3.3  # the caller sees the alarm and confirms it on later samples
+    armed = decide(w, ["a", "b"], current, 0.01, recent=200, min_samples=100, drift_z=3.3, drift_recent=100, drift_armed=True)
+    assert armed.detail.startswith("drift") and armed.exit_z == d.exit_z
+
+
+def test_autotuner_acts_on_a_drift_alarm_only_once_new_samples_confirm_it():
+    from exitplan.autotune import AutoTuner, Decision
+
+    t = AutoTuner("http://127.0.0.1:9", ["a", "b"], 0.01, drift_z=3.3, drift_recent=100)
+    alarm = Decision(None, "short-of-samples", 500, exit_z=3.6)
+    quiet = Decision(None, "no-gain", 500, exit_z=0.4)
+    t._track_alarm(alarm, armed=False)
+    assert t.alarm == (1.0, 0)  # raised, not acted on
+    t.alarm = (1.0, 60)
+    t._track_alarm(quiet, armed=False)
+    assert t.alarm is not None  # 60 new samples: too few to judge it yet
+    t.alarm = (1.0, 120)
+    t._track_alarm(quiet, armed=True)
+    assert t.alarm is None  # the next 100 samples did not show the move: a false alarm, dropped
+    t._track_alarm(alarm, armed=False)
+    t.alarm = (1.0, 120)
+    t._track_alarm(Decision(None, "no-gain", 500, exit_z=-3.6), armed=True)
+    assert t.alarm is None  # a move the other way does not confirm it
+    t._track_alarm(alarm, armed=False)
+    t._track_alarm(Decision({"a": 2.0, "b": 2.0}, "accuracy", 100, detail="drift: early-exit share moved", exit_z=3.9), armed=True)
+    assert t.alarm is None  # confirmed and acted on
