@@ -133,9 +133,14 @@ def budget_dp(w: Window, allowed: int, beam: int = 1, max_levels: int = 16, mova
             parents.append(all_src[keep])
             cut = all_cut[keep]
             cuts.append(cut)
-            # Still running after ramp r: sorted positions past the cut (a cut ends a tie group).
-            alive = np.take(alive, all_src[keep], axis=1) & (positions[:, None] > cut[None, :])
             d, total = all_d[keep], all_total[keep]
+            if r + 1 < r_all:  # (after the last ramp nobody asks who is still running)
+                # Still running after ramp r: sorted positions past the cut (a cut ends a tie group),
+                # taken straight into ramp r + 1's confidence order (rows first: the cheaper gather).
+                rank_in[order] = positions
+                rows_next = rank_in[orders[r + 1]]
+                alive = np.take(alive, rows_next, axis=0)[:, all_src[keep]] & (rows_next[:, None] > cut[None, :])
+            continue
         if r + 1 < r_all:  # rows into ramp r + 1's confidence order
             rank_in[order] = positions
             alive = np.take(alive, rank_in[orders[r + 1]], axis=0)
