@@ -208,8 +208,8 @@ async def test_send_retries_a_5xx_on_another_pod_and_observes_service_time():
     bad, bad_address = await _serve(app("bad", 503))
     good, good_address = await _serve(app("good", 200))
     peers = PeerSet([])
-    for address, batch in ((bad_address, 1), (good_address, 8)):  # the bad pod looks least loaded: chosen first
-        peers.peers[address] = Peer(address, split=0, bucket=16, batch_size=batch, ready=True)
+    for address, running in ((bad_address, 0), (good_address, 4)):  # the bad pod is the least loaded: chosen first
+        peers.peers[address] = Peer(address, split=0, bucket=16, batch_size=8, ready=True, running=running)
     client = HopClient()
     try:
         x = np.arange(6, dtype=np.float32).reshape(2, 3)
@@ -219,7 +219,7 @@ async def test_send_retries_a_5xx_on_another_pod_and_observes_service_time():
         np.testing.assert_array_equal(tensors["logits"], x * 2)
         assert [r["id"] for r in meta["results"]] == ["a", "b"]
         assert peers.peers[bad_address].failures == 1 and peers.peers[good_address].ratio_ewma > 1.0
-        assert all(p.running == 0 for p in peers.peers.values())
+        assert [peers.peers[a].running for a in (bad_address, good_address)] == [0, 4]  # each send's load released
         peers.peers[good_address].ready = False
         with pytest.raises(HopFailed, match="503"):
             await send(client, peers, bucket=16, split=0, meta={"items": [{"id": "c"}]}, tensors={"x": x[:1]}, rows=1, timeout_at=time.time() + 5)
