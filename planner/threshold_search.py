@@ -68,10 +68,8 @@ class Search:
             np.append(differs[q], True) if self.ties[q] else None for q in range(self.r)]
         self.cost_l = [float(x) for x in w.cost_ms]
         self.saving_l = [float(x) for x in w.saving_ms]
-        self._before: list[float] | None = None  # cost_before per ramp; None: the active set changed
-        # Per ramp, the inputs going past it (mask over its confidence order, their indices, their
-        # agreement there), kept while no ramp up to it moves (only those change who goes past it).
-        self.going: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._before_key = b""
+        self._before: list[float] = []
         self.set(t)
 
     def order(self, ramp: int) -> np.ndarray:
@@ -80,16 +78,16 @@ class Search:
 
     def cost_before(self, ramp: int) -> float:
         """Overhead of the active ramps before ``ramp``."""
-        if self._before is None:
+        key = (self.t <= 1.0).tobytes()
+        if self._before_key != key:
             paid = np.cumsum(np.where(self.t <= 1.0, self.w.cost_ms, 0.0))
             self._before = [0.0, *paid[:-1].tolist()]
+            self._before_key = key
         return self._before[ramp]
 
     def set(self, t: np.ndarray) -> None:
         out = outcome(self.w, t)
         self.t = out.thresholds.copy()
-        self._before = None
-        self.going = {}
         self.k = out.exit_at
         self.ok = out.agrees.astype(np.int64)
         self.val = out.per_input_ms.copy()
@@ -158,8 +156,6 @@ def _lower(s: Search, ramp: int, new_t: float, newly: np.ndarray, d_agree: int, 
     w = s.w
     if not was_active:
         s.val[s.k > ramp] -= w.cost_ms[ramp]  # inputs going past a newly active ramp pay for it
-        s._before = None
-    s.going = {}
     s.t[ramp] = new_t
     cost_through = float(np.sum(w.cost_ms[: ramp + 1][s.t[: ramp + 1] <= 1.0]))
     s.k[newly] = ramp
@@ -248,8 +244,6 @@ def place(s: Search, p: Profile, pos: int) -> None:
     """Apply placement ``pos`` of a profile (-1 = disable the ramp)."""
     w, ramp = s.w, p.ramp
     s.t[ramp] = p.threshold(pos)
-    s._before = None
-    s.going = {}
     if pos < 0:
         s.k[p.reach], s.val[p.reach], s.ok[p.reach] = p.k_off, p.val_off, p.ok_off
         s.total, s.n_agree = float(p.total_off), int(p.agree_off)
@@ -340,13 +334,9 @@ def lowering(s: Search, ramp: int) -> Lowering | None:
     Those inputs are taken by confidence, highest first; a disabled ramp is switched on by the move
     (every input going past it then pays its overhead). One running sum gives every p.
     """
-    got = s.going.get(ramp)
-    if got is None:
-        order = s.orders[ramp]
-        going = s.k[order] > ramp
-        idx = order.compress(going)
-        got = s.going[ramp] = (going, idx, s.agree_sorted[ramp].compress(going))
-    going, idx, agree_going = got
+    order = s.orders[ramp]
+    going = s.k[order] > ramp
+    idx = order[going]
     m = idx.size
     if m == 0:
         return None
@@ -354,7 +344,8 @@ def lowering(s: Search, ramp: int) -> Lowering | None:
     activates = s.t[ramp] > 1.0
     shift = cost_r if activates else 0.0
     exit_ms = s.saving_l[ramp] - s.cost_before(ramp) - cost_r
-    agrees = agree_going - s.ok.take(idx)
+    agrees = s.agree_sorted[ramp][going]
+    agrees -= s.ok[idx]
     np.add.accumulate(agrees, out=agrees)
     agrees += s.n_agree
     # Positions past the last one within budget can never be proposed (the budget does not move):
@@ -378,10 +369,7 @@ def place_lowering(s: Search, low: Lowering, pos: int) -> None:
     if low.activates:
         s.val[s.k > ramp] -= s.cost_l[ramp]  # everyone going past the ramp now pays for it
         low.activates = False
-        s._before = None
     newly = low.idx[low.done:pos + 1]
-    for q in [q for q in s.going if q >= ramp]:  # the newly exiting inputs no longer go past these
-        del s.going[q]
     s.k[newly] = ramp
     s.ok[newly] = s.agree_ti[ramp][newly]
     s.val[newly] = low.exit_ms
