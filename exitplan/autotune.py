@@ -23,7 +23,8 @@ drift loop can use `decide` the same way): every period it reads the window and
   error on the window are raised back to the target (detail ``margin...``);
 - otherwise re-tunes to claim savings (the tuner's full search, lowering) when it finds at least
   `min_gain_ms` more saving per input on at least `savings_samples` fresh samples (reason
-  `savings`), unless the early-exit share is on the move (half the drift test's z: hold);
+  `savings`), unless the early-exit share is on the move (half the drift test's z: hold) or, in
+  `AutoTuner`, the new thresholds break the budget on the newest 200 samples (hold);
 - keeps the last good thresholds when the window is short of samples or the tuner rejects it.
 """
 
@@ -127,7 +128,7 @@ def decide(window: Window, ramps: list[str], current: dict[str, float], budget: 
            z: float = 1.645, headroom: float = 1.0, fresh: int | None = None,
            tails: tuple[int, ...] = DETECT_TAILS, alpha: float = 0.01, drift_z: float = 0.0,
            drift_recent: int = 100, reference: dict[str, float] | None = None,
-           drift_armed: bool = True) -> Decision:
+           drift_armed: bool = True, savings_check: int = 0) -> Decision:
     """What to do with the thresholds given one feedback window (samples oldest first; pure).
 
     Accuracy first, on the newest samples (a shift shows there long before it dominates the whole
@@ -148,6 +149,9 @@ def decide(window: Window, ramps: list[str], current: dict[str, float], budget: 
     from there) -- only when `drift_armed`: a caller that wants an alarm confirmed on samples the
     alarm did not see passes False on the first alarm (the decision then only holds savings and
     carries the statistic in ``exit_z``) and True once `drift_recent` new samples have arrived.
+    With `savings_check` > 0, savings are claimed only if the new thresholds also keep the budget
+    (point estimate) on the newest `savings_check` samples: a window of 1,000 fresh samples can end
+    in the first ~100 of a shift, which the tuner, fitting the other 900, would ignore.
     """
     n = window.n_inputs
     if n < min_samples:
@@ -201,6 +205,13 @@ def decide(window: Window, ramps: list[str], current: dict[str, float], budget: 
     if result.saving_ms >= save_now + min_gain_ms:
         if drift_z and abs(z_exit) > drift_z / 2:  # the traffic may be moving: claim nothing yet
             return Decision(None, "no-gain", **figures, detail=f"hold: early-exit share moving (z = {z_exit:+.1f})")
+        if savings_check:  # the new thresholds must hold on the newest samples too (a shift may have begun there)
+            tail = _tail(window, min(savings_check, n))
+            agree_tail, _ = evaluate(tail, np.asarray(result.thresholds, dtype=float))
+            x = tail.n_inputs - round(agree_tail * tail.n_inputs)
+            if x > math.floor(budget * tail.n_inputs + 1e-9):
+                return Decision(None, "no-gain", **figures,
+                                detail=f"hold: the new thresholds break the budget on the newest {tail.n_inputs} samples ({x} disagree)")
         return Decision({r: float(t) for r, t in zip(ramps, result.thresholds)}, "savings", **figures)
     return Decision(None, "no-gain", **figures)
 
@@ -256,11 +267,12 @@ class AutoTuner:
     def __init__(self, router_url: str, ramps: list[str], budget: float, *, period: float = 20.0,
                  window: int = 1500, min_samples: int = 100, recent: int = 100, savings_samples: int = 1000,
                  headroom: float = 0.25, alpha: float = 0.05, drift_z: float = 3.3, drift_recent: int = 100,
-                 drift_confirm: bool = True, on_change=None) -> None:
+                 drift_confirm: bool = True, savings_check: int = 200, on_change=None) -> None:
         self.router_url, self.ramps, self.budget = router_url, ramps, budget
         self.period, self.window, self.min_samples, self.recent = period, window, min_samples, recent
         self.savings_samples, self.headroom, self.alpha = savings_samples, headroom, alpha
         self.drift_z, self.drift_recent, self.drift_confirm = drift_z, drift_recent, drift_confirm
+        self.savings_check = savings_check
         self.alarm: tuple[float, int] | None = None  # unconfirmed drift alarm: (sign of z, samples since)
         self.alarm_log: list[str] = []  # drift alarms raised and dropped, in words
         self.on_change = on_change
@@ -291,7 +303,8 @@ class AutoTuner:
             decision = decide(window, self.ramps, current, self.budget,
                               min_samples=self.min_samples, recent=self.recent, savings_samples=self.savings_samples,
                               headroom=self.headroom, alpha=self.alpha, fresh=self.fresh, drift_z=self.drift_z,
-                              drift_recent=self.drift_recent, reference=self.reference, drift_armed=armed)
+                              drift_recent=self.drift_recent, reference=self.reference, drift_armed=armed,
+                              savings_check=self.savings_check)
             self._track_alarm(decision, armed)
         except WindowError as err:
             log.warning("feedback window rejected, keeping the last good thresholds: %s", err)

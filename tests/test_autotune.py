@@ -184,3 +184,21 @@ def test_autotuner_acts_on_a_drift_alarm_only_once_new_samples_confirm_it():
     t._track_alarm(alarm, armed=False)
     t._track_alarm(Decision({"a": 2.0, "b": 2.0}, "accuracy", 100, detail="drift: early-exit share moved", exit_z=3.9), armed=True)
     assert t.alarm is None  # confirmed and acted on
+
+
+def test_savings_are_held_when_the_new_thresholds_break_the_budget_on_the_newest_samples():
+    """1,000 fresh samples whose newest 100 are a new kind of traffic: confident, wrong early answers."""
+    w = window(1000, seed=10)
+    final = w.final[-100:]
+    bad_pred = np.stack([(final + 1) % 3, (final + 1) % 3], 1)
+    shifted = _stack(Window(conf=w.conf[:-100], pred=w.pred[:-100], final=w.final[:-100], saving_ms=w.saving_ms,
+                            cost_ms=w.cost_ms),
+                     Window(conf=np.full((100, 2), 0.97), pred=bad_pred, final=final, saving_ms=w.saving_ms,
+                            cost_ms=w.cost_ms))
+    start = {"a": 2.0, "b": 2.0}
+    plain = decide(shifted, ["a", "b"], start, 0.2, recent=50, tails=(), min_samples=100)
+    assert plain.reason == "savings"  # fitted to the 900 older samples, the move looks good on the window
+    held = decide(shifted, ["a", "b"], start, 0.2, recent=50, tails=(), min_samples=100, savings_check=200)
+    assert held.thresholds is None and "newest 200 samples" in held.detail
+    calm = decide(w, ["a", "b"], start, 0.2, recent=50, tails=(), min_samples=100, savings_check=200)
+    assert calm.reason == "savings"  # without the shift the check lets the savings through
