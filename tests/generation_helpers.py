@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -16,3 +19,13 @@ def tiny_decoder_bundle() -> Path:
 
     options = DecoderOptions(layers=3, hidden=32, heads=2, context=512, steps=80, batch=16, heldout=20, train_tweets=2000)
     return build_decoder_bundle(options, TEST_BUNDLES / "decoder-tiny", bar=tqdm_bar(False), threads=1).path
+
+
+def post(url: str, body: object) -> tuple[int, dict]:
+    """POST JSON; (status, decoded JSON body) for 2xx and HTTP errors alike."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())

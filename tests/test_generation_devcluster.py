@@ -21,7 +21,7 @@ import pytest
 from exitplan.operator.kube import ApiError, KubeClient, path
 from exitplan.worker.generation import DecoderModel, full_greedy
 
-from generation_helpers import PROMPTS, tiny_decoder_bundle
+from generation_helpers import PROMPTS, post, tiny_decoder_bundle
 from test_operator_support import wait_for
 
 EXITPLAN = [sys.executable, "-c", "from exitplan.cli import app; app()"]
@@ -86,15 +86,6 @@ def stack(tmp_path_factory):
         for name, log in logs.items():
             log.close()
             print(f"---- {name} ----\n" + "\n".join((tmp / f"{name}.log").read_text(errors="replace").splitlines()[-40:]))
-
-
-def post(url: str, body: object) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def test_operator_runs_a_generation_service_that_answers_over_http(stack):

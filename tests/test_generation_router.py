@@ -23,7 +23,7 @@ from exitplan.planner.generation import plan_generation
 from exitplan.worker.generation import DecoderModel, RecomputeEngine, full_greedy
 from exitplan.worker.generation_pipeline import PipelineEngine
 
-from generation_helpers import PROMPTS, tiny_decoder_bundle
+from generation_helpers import PROMPTS, post, tiny_decoder_bundle
 
 NAME = "tweets"
 HANG_GUARD = 120.0  # only stops a broken run from hanging the suite; not a performance assertion
@@ -57,15 +57,6 @@ def service_spec(bundle: Path) -> EarlyExitServiceSpec:
     return EarlyExitServiceSpec.model_validate({
         "model": {"name": NAME, "bundle": str(bundle), "task": "text-generation"}, "slo": {"latencyMs": 1000},
         "accuracy": {"maxDrop": 0.02}, "pools": [{"name": "cpu"}]})
-
-
-def post(url: str, body: object) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def get(url: str) -> tuple[int, bytes]:

@@ -30,11 +30,8 @@ CASES = [(seed, n, p, k, s) for seed, (n, p, k, s) in enumerate(
     [(2, 1, 1, 2), (3, 2, 1, 3), (4, 2, 2, 2), (5, 3, 1, 3), (4, 3, 2, 3), (5, 1, 2, 4), (3, 3, 3, 2), (5, 2, 2, 3)] * 3)]
 
 
-@pytest.mark.parametrize("seed,n,pools,buckets,splits", CASES)
-def test_max_goodput_equals_exhaustive(seed, n, pools, buckets, splits):
-    rng = np.random.default_rng(seed)
-    cap = float(rng.uniform(3, 12)) if seed % 2 else None
-    problem = random_problem(rng, n, pools, buckets, splits, cap)
+def assert_matches_exhaustive(problem) -> None:
+    """The DP's max goodput (and its least cost there) equals exhaustive enumeration's; both infeasible alike."""
     best_goodput, best_cost = exhaustive(problem)
     if best_goodput <= 0:
         with pytest.raises(PlanInfeasible):
@@ -44,6 +41,14 @@ def test_max_goodput_equals_exhaustive(seed, n, pools, buckets, splits):
     sol.verify(problem)
     assert sol.goodput == pytest.approx(best_goodput, rel=1e-7)
     assert sol.cost == pytest.approx(best_cost, rel=1e-7)
+
+
+@pytest.mark.parametrize("seed,n,pools,buckets,splits", CASES)
+def test_max_goodput_equals_exhaustive(seed, n, pools, buckets, splits):
+    rng = np.random.default_rng(seed)
+    cap = float(rng.uniform(3, 12)) if seed % 2 else None
+    problem = random_problem(rng, n, pools, buckets, splits, cap)
+    assert_matches_exhaustive(problem)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -111,15 +116,7 @@ def test_max_goodput_equals_exhaustive_random_shapes(seed):
     rng = np.random.default_rng(1000 + seed)
     n, pools, buckets, splits = int(rng.integers(2, 6)), int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(1, 5))
     problem = random_problem(rng, n, pools, buckets, splits, float(rng.uniform(3, 12)) if seed % 2 else None)
-    best_goodput, best_cost = exhaustive(problem)
-    if best_goodput <= 0:
-        with pytest.raises(PlanInfeasible):
-            max_goodput(problem)
-        return
-    sol = max_goodput(problem)
-    sol.verify(problem)
-    assert sol.goodput == pytest.approx(best_goodput, rel=1e-7)
-    assert sol.cost == pytest.approx(best_cost, rel=1e-7)
+    assert_matches_exhaustive(problem)
 
 
 def test_cheap_slow_pool_takes_the_lightly_loaded_late_split():
