@@ -13,6 +13,22 @@ LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2,
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
+class Children:
+    """Labelled children of metrics, each looked up once: on the request path `metric.labels(...)`
+    costs more than the update itself. `fixed` are the leading label values every lookup shares."""
+
+    def __init__(self, *fixed: str) -> None:
+        self.fixed = fixed
+        self.cache: dict[tuple, object] = {}
+
+    def __call__(self, metric, *labels: str):
+        key = (id(metric), labels)
+        child = self.cache.get(key)
+        if child is None:
+            child = self.cache[key] = metric.labels(*self.fixed, *labels)
+        return child
+
+
 class RouterMetrics:
     def __init__(self, service: str) -> None:
         self.registry = CollectorRegistry()

@@ -37,7 +37,7 @@ from .admission import BucketLimiter
 from .bundle_runtime import softmax
 from .discovery import PeerSet, parse_peer_spec
 from .forward import HopClient, HopFailed, NoPeer, send
-from .metrics import RouterMetrics
+from .metrics import Children, RouterMetrics
 from .observe import FeedbackRing, WindowStats
 from .planfile import read_plan, watch_plan
 from .requests import BadRequest, decode_inputs
@@ -95,7 +95,7 @@ class Router:
         self.ids = itertools.count()
         self.prefix = f"{os.getpid():x}{int(time.time()) % 100000:x}"
         self.metrics = RouterMetrics(self.plan.service)
-        self._children: dict[tuple, object] = {}
+        self._child = Children(self.plan.service)
         self.metrics.slo.labels(self.plan.service).set(self.slo_s)
         self.metrics.accuracy_budget.labels(self.plan.service).set(accuracy_budget)
         self.window = self._new_window()
@@ -138,14 +138,6 @@ class Router:
 
     def _new_window(self) -> WindowStats:
         return WindowStats(self.plan.service, self.model, self.exit_ramps, self.buckets)
-
-    def _child(self, metric, *labels: str):
-        """`metric.labels(service, *labels)`, looked up once (the lookup costs more than the update)."""
-        key = (id(metric), labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(self.plan.service, *labels)
-        return child
 
     def _publish_thresholds(self) -> None:
         for name in self.exit_ramps:

@@ -37,7 +37,7 @@ from .bundle_runtime import BundleRuntime, StateError
 from .discovery import PeerSet, parse_peer_spec
 from .executor import execute
 from .forward import HopClient, HopFailed, NoPeer, send
-from .metrics import WorkerMetrics
+from .metrics import Children, WorkerMetrics
 from .planfile import read_plan, watch_plan
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class SplitWorker:
         self.wakeup = asyncio.Event()
         self.pool_exec = ThreadPoolExecutor(1, thread_name_prefix="infer")
         self.metrics = WorkerMetrics(self.plan.service, split, bucket, pool)
-        self._exit_children: dict[str, object] = {}
+        self._child = Children(*self.metrics.labels.values())
         self.metrics.planned_batch.set(self.batch_size)
         self.fit = (1.0, 0.1)  # expected batch ms = a + b * n, refitted at warm-up
         self.slowdown = 1.0
@@ -380,10 +380,7 @@ class SplitWorker:
             per_ramp[ans.ramp] = per_ramp.get(ans.ramp, 0) + 1
             row.pending.answer(row.index, {"id": row.item["id"], "ramp": ans.ramp, "final": ans.final}, ans.logits)
         for ramp, count in per_ramp.items():
-            child = self._exit_children.get(ramp)
-            if child is None:
-                child = self._exit_children[ramp] = self.metrics.exits.labels(**self.metrics.labels, ramp=ramp)
-            child.inc(count)
+            self._child(self.metrics.exits, ramp).inc(count)
         if not self.is_last:
             self.survival = 0.9 * self.survival + 0.1 * (len(outcome.survivors) / len(batch))
         if self.is_last:
