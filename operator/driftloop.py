@@ -271,7 +271,9 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
     if piece is not None and (drift.arrivals(piece) or piece.requests):
         judged = drift.recent(slices, period)
         history: list[list[float]] = memo.setdefault("survival", [])
-        report = drift.assess(plan, judged, spec.planner.drift, spec.slo.latency_ms, history)
+        # the survival forecast fits ARIMA per ramp (tens of ms): off the event loop every service shares
+        report = await asyncio.get_running_loop().run_in_executor(
+            None, drift.assess, plan, judged, spec.planner.drift, spec.slo.latency_ms, list(history))
         log.info("%s/%s: %.1f s until %.1f (%d new, %d judged arrivals; %d answered): length score %.3f, "
                  "survival error %.3f, p99 %.0f ms%s", svc.namespace, svc.name, judged.until - judged.since,
                  judged.until, drift.arrivals(piece), drift.arrivals(judged), judged.requests, report.length_score,
@@ -290,7 +292,8 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
     held = status.proposal if status.proposal and status.proposal.held_back.startswith("cooldown") else None
     if report is None and held is not None and memo.get("judged") is not None:
         # nothing new arrived, but a re-plan waits for its cooldown: the window that raised it still stands
-        report = drift.assess(plan, memo["judged"], spec.planner.drift, spec.slo.latency_ms, memo.get("survival", []))
+        report = await asyncio.get_running_loop().run_in_executor(
+            None, drift.assess, plan, memo["judged"], spec.planner.drift, spec.slo.latency_ms, list(memo.get("survival", [])))
     limits = spec.planner.drift
     trigger = report.trigger if report else ""
     pending = status.proposal if status.proposal and status.proposal.held_back.startswith("move cap") else None
