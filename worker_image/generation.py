@@ -227,6 +227,28 @@ def confidence(logits: np.ndarray) -> tuple[int, float]:
     return token, float(shifted[token] / shifted.sum())
 
 
+
+def forward_stage(model: DecoderModel, keys: list, values: list, x: np.ndarray, start: int, threshold: float,
+                  decide: bool, where: str) -> tuple[np.ndarray, tuple[int, int, str, float, bool] | None]:
+    """Run a stage's blocks (model.first_block..last_block) on `x` at position `start`, appending to the
+    stage's `keys`/`values` (one per block, in place). While `decide`, the first head that is final or
+    confident enough gives the decision (token, block, head, confidence, final); the blocks after it still
+    run, so that every block's cache holds this position (KV compatibility). `where` names the stage in
+    errors."""
+    first, decision = model.first_block, None
+    for block in range(first, model.last_block + 1):
+        slot = block - first
+        if keys[slot].shape[2] != start:
+            raise GenerationError(f"{where}: block {block} holds {keys[slot].shape[2]} positions, expected {start}")
+        x, keys[slot], values[slot] = model.run_block(block, x, start, keys[slot], values[slot])
+        head = model.ramp_after(block)
+        if decide and head is not None and (head.final or threshold < NEVER_EXIT):
+            token, conf = confidence(model.head_logits(block, x[:, -1:, :])[0, -1])
+            if head.final or conf >= threshold:
+                decision = (token, block, head.name, conf, head.final)
+                decide = False  # exited: the rest of the forward only fills the cache
+    return x, decision
+
 # ------------------------------------------------------------------------------------ requests
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from .generation import (
     StreamDecoder,
     TokenEvent,
     check_request,
-    confidence,
+    forward_stage,
 )
 
 
@@ -121,22 +121,14 @@ class StageWorker:
                 work.seq.done_work()
 
     def _run(self, work: _Work) -> None:
-        model, first = self.model, self.model.first_block
+        model = self.model
         keys, values = self.caches[work.seq.handle.id]
-        x, decide = work.x, work.decide
-        for block in range(first, model.last_block + 1):
-            slot = block - first
-            if keys[slot].shape[2] != work.start:
-                raise GenerationError(f"stage {first}-{model.last_block}: block {block} holds {keys[slot].shape[2]} positions, expected {work.start}")
-            x, keys[slot], values[slot] = model.run_block(block, x, work.start, keys[slot], values[slot])
-            head = model.ramp_after(block)
-            if decide and head is not None and (head.final or work.threshold < NEVER_EXIT):
-                token, conf = confidence(model.head_logits(block, x[:, -1:, :])[0, -1])
-                if head.final or conf >= work.threshold:
-                    work.seq.replies.put(_Decision(token, block, head.name, conf, head.final))
-                    decide = False  # exited: the rest of the forward only fills the cache
+        x, decision = forward_stage(model, keys, values, work.x, work.start, work.threshold, work.decide,
+                                    f"stage {model.first_block}-{model.last_block}")
+        if decision is not None:
+            work.seq.replies.put(_Decision(*decision))
         if self.next is not None:
-            self.next.submit(_Work(work.seq, work.start, x, decide, work.threshold))
+            self.next.submit(_Work(work.seq, work.start, x, work.decide and decision is None, work.threshold))
 
 
 def even_stages(n_blocks: int, stages: int) -> list[tuple[int, int]]:

@@ -47,7 +47,7 @@ from aiohttp import web
 from . import wire
 from .discovery import parse_peer_spec, resolve
 from .generation import (NEVER_EXIT, DecoderModel, EngineBase, GenerationError, GenerationHandle, RecomputeEngine, TokenEvent,
-                         check_request, confidence)
+                         check_request, forward_stage)
 
 log = logging.getLogger(__name__)
 INLINE_SECONDS = 0.001
@@ -249,20 +249,12 @@ class StageServer:
                 raise GenerationError(f"sequence {item.seq!r} has no cache on blocks {first}-{model.last_block} (released?)")
             self.caches[item.seq] = ([model.empty_cache()] * n, [model.empty_cache()] * n)
         keys, values = self.caches[item.seq]
-        x, decide, decision = item.x, item.decide, None
-        assert x is not None
-        for block in range(first, model.last_block + 1):
-            slot = block - first
-            if keys[slot].shape[2] != item.start:
-                raise GenerationError(f"block {block} holds {keys[slot].shape[2]} positions of {item.seq!r}, expected {item.start}")
-            x, keys[slot], values[slot] = model.run_block(block, x, item.start, keys[slot], values[slot])
-            head = model.ramp_after(block)
-            if decide and head is not None and (head.final or item.threshold < NEVER_EXIT):
-                token, conf = confidence(model.head_logits(block, x[:, -1:, :])[0, -1])
-                if head.final or conf >= item.threshold:
-                    decision = {"token": token, "block": block, "head": head.name, "confidence": conf, "final": head.final}
-                    decide = False
-        return decision, x, decide
+        assert item.x is not None
+        x, decided = forward_stage(model, keys, values, item.x, item.start, item.threshold, item.decide, f"sequence {item.seq!r}")
+        if decided is None:
+            return None, x, item.decide
+        token, block, head, conf, final = decided
+        return {"token": token, "block": block, "head": head, "confidence": conf, "final": final}, x, False
 
     async def _forward(self, item: _Item, x: np.ndarray, decide: bool) -> None:
         nxt = await self._next()
