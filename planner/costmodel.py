@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.stats import binom
 
 from exitplan.api.resources import GPUPoolSpec, ModelProfileSpec
 
@@ -122,6 +123,12 @@ def survival_before_blocks(n_blocks: int, ramp_after: Sequence[int], survival: S
     return s
 
 
+def survivor_pmf(batch: int, ratio: np.ndarray) -> np.ndarray:
+    """P(x of `batch` rows are still running) for x = 0..batch, each row independently with
+    probability `ratio` (any shape): shape ratio.shape + (batch + 1,)."""
+    return binom.pmf(np.arange(batch + 1), batch, np.clip(ratio, 0.0, 1.0)[..., None])
+
+
 @dataclass
 class CostModel:
     """Latency, transfer and memory of block ranges on one pool, from that pool's ModelProfile."""
@@ -218,9 +225,10 @@ class CostModel:
 
         Entries with b < a are +inf. The batch shrinks inside the split as inputs exit. By default
         the survivors of each block are rounded up (a batch that still holds anyone runs at the
-        latency of a whole input): a bound for the cycle. With `expected`, the mean number of
-        survivors is used instead: the mean batch time, for throughput (block latency is
-        piecewise linear and concave in the batch, so this does not undercount the mean). With
+        latency of a whole input): a bound for the cycle. With `expected`, the mean batch time, for
+        throughput: each block's latency averaged over how many of the batch's rows are still in
+        it (every row survives independently, so that number is binomial; a block no row reaches
+        is not run -- the linear interpolation at the mean number of rows overcounts it). With
         transfer=False the transfer out is left off: the time the batch holds its replica (the
         worker forwards the survivors beside its next batch), for throughput.
         """
@@ -232,13 +240,24 @@ class CostModel:
         ramp_rows = self._at_seq(self.ramp_ms_table, seq) if len(self.ramp_ms_table) else np.zeros((0, len(self.batch_sizes)))
         out = np.full((len(batches), n, n), np.inf)
         for bi, bsz in enumerate(batches):
-            # (a, k): inputs running block k in a split starting at a, rounded up: a batch that
-            # still holds anyone runs at the latency of a whole input (conservative for the cycle)
-            load = bsz * ratio if expected else np.ceil(bsz * ratio - 1e-9)
-            cost = self._interp_batch(per_block, load.T).T  # (a, k)
-            for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
-                if on:
-                    cost[:, after] += self._interp_batch(ramp_rows[r : r + 1], load[:, after][None, :])[0]
+            if expected:
+                # (a, k): the mean time of block k over the number of the batch's rows still in it
+                # (each row survives independently: binomial), a block with no row left not run
+                pmf = survivor_pmf(int(round(bsz)), ratio)  # (a, k, x)
+                rows_x = np.arange(pmf.shape[-1], dtype=np.float64)
+                at_x = self._interp_batch(per_block, np.broadcast_to(rows_x, (n, len(rows_x))))  # (k, x)
+                cost = np.einsum("akx,kx->ak", pmf, at_x)
+                for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
+                    if on:
+                        cost[:, after] += pmf[:, after, :] @ self._interp_batch(ramp_rows[r : r + 1], rows_x[None, :])[0]
+            else:
+                # (a, k): inputs running block k in a split starting at a, rounded up: a batch that
+                # still holds anyone runs at the latency of a whole input (conservative for the cycle)
+                load = np.ceil(bsz * ratio - 1e-9)
+                cost = self._interp_batch(per_block, load.T).T  # (a, k)
+                for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
+                    if on:
+                        cost[:, after] += self._interp_batch(ramp_rows[r : r + 1], load[:, after][None, :])[0]
             cost = np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], cost, 0.0)
             cum = np.cumsum(cost, axis=1)  # cum[a, b] = exec of [a, b]
             bytes_out = np.asarray([self.bytes_per_sample(b, seq) for b in range(n)])
