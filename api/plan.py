@@ -22,6 +22,10 @@ class SplitPlan(Model):
     first_block: Annotated[int, Field(ge=0)]
     last_block: Annotated[int, Field(ge=0)]
     """Inclusive: the split runs blocks first_block..last_block and the ramps after them."""
+    rebatch: bool = False
+    """Regroup rows at every block inside the split: each block has its own fusion queue and runs
+    on a batch of the rows that reached it (from several entering batches), instead of on what is
+    left of one entering batch after its exits."""
 
 
 class Cell(Model):

@@ -42,7 +42,7 @@ import numpy as np
 
 from exitplan.api.plan import Plan
 
-from .costmodel import CostModel, survival_before_blocks
+from .costmodel import CostModel, survival_before_blocks, survivor_pmf
 from .dispatch import QueueParams, choose_bucket, least_loaded
 
 
@@ -83,11 +83,17 @@ class SimResult:
 
 
 class _Worker:
-    __slots__ = ("split", "bucket", "length", "batch", "first", "last", "lat", "ramp_lat", "xfer", "queue", "running", "busy", "timer", "expect_ms", "mean_ms", "rest_ms", "batches", "rows")
+    __slots__ = ("split", "bucket", "length", "batch", "first", "last", "lat", "ramp_lat", "xfer", "queue", "running", "busy", "timer", "expect_ms",
+                 "mean_ms", "rest_ms", "batches", "rows", "stages", "stage_rest_ms", "held")
 
-    def __init__(self, split: int, bucket: int, length: int, batch: int, first: int, last: int) -> None:
+    def __init__(self, split: int, bucket: int, length: int, batch: int, first: int, last: int, rebatch: bool = False) -> None:
         self.split, self.bucket, self.length, self.batch, self.first, self.last = split, bucket, length, batch, first, last
         self.queue: deque = deque()
+        self.stages: list[deque] | None = [self.queue] + [deque() for _ in range(last - first)] if rebatch else None
+        """With rebatching: one fusion queue per block (stages[0] is `queue`), rows enter the next on leaving one."""
+        self.stage_rest_ms: list[float] = []
+        self.held = 0
+        """Rows in the worker's queues (all stages)."""
         self.running = 0
         self.busy = False
         self.timer = math.inf
@@ -132,6 +138,7 @@ class Simulation:
         # fraction of requests that reach block k (k = 0..n_blocks) with the ramps in force
         self._reach = survival_before_blocks(self.n_blocks, self.ramp_after, self.survival, self.enabled)
         layout = {s.index: (s.first_block, s.last_block) for s in plan.splits}
+        rebatch = {s.index for s in plan.splits if s.rebatch}
         self.n_splits = len(plan.splits)
         self.workers: list[list[list[_Worker]]] = [[[] for _ in range(self.n_splits)] for _ in self.buckets]
         all_on = [on or after == self.n_blocks - 1 for on, after in zip(self.enabled, self.ramp_after)]
@@ -149,19 +156,22 @@ class Simulation:
             xfer = np.asarray([model.transfer_ms(b, x, cell.bucket) if b < self.n_blocks - 1 else 0.0 for x in sizes])
             full = float(lat[:, top].sum() + ramp_lat[:, top].sum() + xfer[top])
             for _ in range(cell.replicas):
-                w = _Worker(cell.split, k, cell.bucket, cell.batch_size, a, b)
+                w = _Worker(cell.split, k, cell.bucket, cell.batch_size, a, b, rebatch=cell.split in rebatch)
                 w.lat, w.ramp_lat, w.xfer, w.expect_ms = lat, ramp_lat, xfer, full
-                w.mean_ms = self._mean_batch_ms(lat, ramp_lat, xfer, a, b, top)
+                w.mean_ms = self._mean_batch_ms(lat, ramp_lat, a, top, w.stages is not None)
                 self.workers[k][cell.split].append(w)
-        # expected time to finish the model from each split (for the deadline rule), per bucket
+        # expected time to finish the model from each split (for the deadline rule), per bucket;
+        # from each block of a rebatching split
         for k in range(len(self.buckets)):
             rest = 0.0
             for s in range(self.n_splits - 1, -1, -1):
                 ws = self.workers[k][s]
                 here = max((w.expect_ms for w in ws), default=0.0)
-                rest += here
                 for w in ws:
-                    w.rest_ms = rest
+                    w.rest_ms = rest + here
+                    per_block = w.lat[:, w.batch] + w.ramp_lat[:, w.batch]
+                    w.stage_rest_ms = [rest + float(per_block[j:].sum()) + float(w.xfer[w.batch]) for j in range(len(per_block))]
+                rest += here
         # Admission: requests/s each bucket's pipeline takes, the slowest split's rate at full
         # batches (mean batch time with the exits inside it) over the share of inputs reaching it.
         self.capacity = []
@@ -173,14 +183,18 @@ class Simulation:
                     rates.append(sum(w.batch / max(w.mean_ms, 1e-6) * 1e3 for w in ws) / reach)
             self.capacity.append(min(rates) if rates else 0.0)
 
-    def _mean_batch_ms(self, lat: np.ndarray, ramp_lat: np.ndarray, xfer: np.ndarray, a: int, b: int, top: int) -> float:
-        """Mean time a full batch occupies a replica of blocks a..b: each block at the mean number of
-        rows still in it (from the survival curve), linear between whole rows; the transfer of the
-        survivors runs beside the next batch."""
-        frac = self._reach[a : b + 2] / max(float(self._reach[a]), 1e-12)
-        sizes = np.arange(top + 1, dtype=np.float64)
-        rows = top * frac
-        return sum(float(np.interp(rows[i], sizes, lat[i]) + np.interp(rows[i], sizes, ramp_lat[i])) for i in range(b - a + 1))
+    def _mean_batch_ms(self, lat: np.ndarray, ramp_lat: np.ndarray, a: int, top: int, rebatch: bool) -> float:
+        """Mean time a replica of blocks a.. spends per `top` entering rows: each block over the
+        number of rows still in it (binomial from the survival curve; a block no row reaches is not
+        run), or with rebatching each block at full batches of the share of rows that reach it.
+        The transfer of the survivors runs beside the next batch."""
+        m = lat.shape[0]
+        frac = self._reach[a : a + m] / max(float(self._reach[a]), 1e-12)
+        per_block = lat + ramp_lat  # (m, top + 1)
+        if rebatch:
+            return float(np.sum(frac * per_block[:, top]))
+        pmf = survivor_pmf(top, frac)  # (m, top + 1)
+        return float(np.sum(pmf * per_block))
 
     # ------------------------------------------------------------------ the event loop
 
@@ -210,20 +224,66 @@ class Simulation:
         def pick(ws: list[_Worker]) -> _Worker | None:
             # DensePipe's hop: least (queued + running) / capacity, capacity = the replica's rate
             # (a batch over its mean time), so a slow GPU beside fast ones gets its share, not more
-            i = least_loaded([len(w.queue) + w.running for w in ws], [w.batch / max(w.mean_ms, 1e-6) for w in ws])
+            i = least_loaded([w.held + w.running for w in ws], [w.batch / max(w.mean_ms, 1e-6) for w in ws])
             return ws[i] if i >= 0 else None
+
+        def enqueue(w: _Worker, rows: list, now: float) -> None:
+            for r in rows:
+                w.queue.append((r, now))
+            w.held += len(rows)
+            kick(w, now)
 
         def launch_at(w: _Worker) -> float:
             oldest = w.queue[0][1]
             earliest = min(deadline[r] for r, _ in w.queue)
             return min(oldest + self.max_wait, earliest - w.rest_ms * 1.2 / 1e3)
 
+        def kick_stages(w: _Worker, now: float) -> None:
+            # The deepest stage holding a full batch; else the deepest whose deadline rule fires
+            # (its earliest deadline minus the expected time from its block to the end of the
+            # model, with the same 20 % margin); else sleep until the first of those.
+            stages = w.stages
+            chosen, soonest = -1, math.inf
+            for j in range(len(stages) - 1, -1, -1):
+                if len(stages[j]) >= w.batch:
+                    chosen = j
+                    break
+            if chosen < 0:
+                for j in range(len(stages) - 1, -1, -1):
+                    q = stages[j]
+                    if not q:
+                        continue
+                    at = min(q[0][1] + self.max_wait, min(deadline[r] for r, _ in q) - w.stage_rest_ms[j] * 1.2 / 1e3)
+                    if at <= now:
+                        chosen = j
+                        break
+                    soonest = min(soonest, at)
+            if chosen < 0:
+                if soonest < w.timer:
+                    w.timer = soonest
+                    push(soonest, 2, w)
+                return
+            q = stages[chosen]
+            rows = [q.popleft()[0] for _ in range(min(w.batch, len(q)))]
+            m = len(rows)
+            w.held -= m
+            blk = w.first + chosen
+            t = float(w.lat[chosen, m] + w.ramp_lat[chosen, m])
+            w.busy, w.running = True, m
+            w.batches += 1
+            w.rows += m
+            push(now + t / 1e3, 4, (w, chosen, rows, [r for r in rows if depths[r] > blk + 1]))
+
         def kick(w: _Worker, now: float) -> None:
-            if w.busy or not w.queue:
+            if w.busy or not w.held:
+                return
+            if w.stages is not None:
+                kick_stages(w, now)
                 return
             at = launch_at(w)
             if len(w.queue) >= w.batch or at <= now:
                 rows = [w.queue.popleft()[0] for _ in range(min(w.batch, len(w.queue)))]
+                w.held -= len(rows)
                 d = depths[rows]
                 m = len(rows)
                 ks = np.arange(w.first, w.last + 1)
@@ -254,9 +314,7 @@ class Simulation:
                     continue
                 bucket_of[i] = k
                 outstanding[k] += 1
-                w = pick(self.workers[k][0])
-                w.queue.append((i, now))
-                kick(w, now)
+                enqueue(pick(self.workers[k][0]), [i], now)
             elif kind == 1:  # a batch finished
                 w, rows, surv, xfer_ms = payload
                 w.busy, w.running = False, 0
@@ -268,12 +326,24 @@ class Simulation:
                 if surv:
                     push(now + xfer_ms / 1e3, 3, (w.bucket, w.split + 1, surv))
                 kick(w, now)
+            elif kind == 4:  # one block of a rebatching worker finished
+                w, j, rows, surv = payload
+                w.busy, w.running = False, 0
+                alive = set(surv)
+                for r in rows:
+                    if r not in alive:
+                        done_at[r] = now
+                        outstanding[bucket_of[r]] -= 1
+                if surv and j + 1 < len(w.stages):
+                    for r in surv:
+                        w.stages[j + 1].append((r, now))
+                    w.held += len(surv)
+                elif surv:
+                    push(now + float(w.xfer[len(surv)]) / 1e3, 3, (w.bucket, w.split + 1, surv))
+                kick(w, now)
             elif kind == 3:  # survivors arrive at the next split
                 bucket, split, surv = payload
-                nxt = pick(self.workers[bucket][split])
-                for r in surv:
-                    nxt.queue.append((r, now))
-                kick(nxt, now)
+                enqueue(pick(self.workers[bucket][split]), surv, now)
             else:  # a fusion-queue timer
                 w = payload
                 if w.timer <= now:
