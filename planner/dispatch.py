@@ -5,12 +5,13 @@
   bucket, one level at a time up to `peek` levels, where the congestion threshold tightens by `alpha`
   at each level (a longer runtime costs more per input, so it must be clearly idle to be worth it).
 - `least_loaded`: DensePipe's hop policy: the capable replica with the least running / capacity.
+- `choose_stage`: which fusion queue of a rebatching split worker (one queue per block) runs next.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -68,3 +69,28 @@ def least_loaded(running: Sequence[float], capacity: Sequence[float], skip: Sequ
         if load < best_load:
             best, best_load = i, load
     return best
+
+
+def choose_stage(held: Sequence[int], batch: int, launch_at: Callable[[int], float], now: float) -> tuple[int, float]:
+    """The fusion queue of a rebatching worker (queue j feeds block first + j) to run next.
+
+    The deepest queue holding a full batch (deepest first drains rows already part-way through the
+    split before taking new ones in, so few rows and activations are held); else, among the queues
+    whose launch time (`launch_at(j)`: the deadline rule, or the oldest row's maximum wait) has
+    come, the one that came first (least laxity; rows of one request reach a shallower queue's
+    launch time first, and running it first lets its survivors join the deeper queue's partial
+    batch); else none. Returns (queue, now), or (-1, the earliest launch time; inf when every
+    queue is empty).
+    """
+    for j in range(len(held) - 1, -1, -1):
+        if held[j] >= batch:
+            return j, now
+    best, soonest = -1, float("inf")
+    for j in range(len(held) - 1, -1, -1):
+        if held[j]:
+            at = launch_at(j)
+            if at < soonest:
+                best, soonest = j, at
+    if best >= 0 and soonest <= now:
+        return best, now
+    return -1, soonest

@@ -1,6 +1,7 @@
 """One batch through one split: blocks, exit decisions, shadow recording.
 
-`execute` runs the blocks of a split on a fused batch and decides per row:
+`execute` runs the blocks of a split (or of one block of it, when the split rebatches) on a fused
+batch and decides per row:
 - a row whose confidence at an active exit ramp reaches the ramp's threshold is *answered* there;
 - a *recorded* row (shadow-sampled by the router) is answered the same way, but keeps running to the
   final head, and every exit ramp (active or not) is evaluated on it, so the router gets one complete
@@ -56,19 +57,26 @@ def execute(
     thresholds: dict[str, float],
     answered: np.ndarray,
     recorded: np.ndarray,
+    first: int | None = None,
+    last: int | None = None,
 ) -> BatchOutcome:
-    """Run the runtime's block range on `state` ([n, ...] per tensor).
+    """Run blocks `first`..`last` (default: the runtime's whole range) on `state` ([n, ...] per tensor).
 
     `answered[i]`: row i was already answered upstream (it is a shadow still running for feedback).
     `recorded[i]`: row i is shadow-sampled (all ramps evaluated, runs to the final head).
+    The survivors' state is the input of block `last` + 1.
     """
     manifest: BundleManifest = runtime.manifest
+    first = runtime.first_block if first is None else first
+    last = runtime.last_block if last is None else last
+    if not runtime.first_block <= first <= last <= runtime.last_block:
+        raise ValueError(f"blocks {first}..{last} are outside this runtime's range {runtime.first_block}..{runtime.last_block}")
     rows = np.arange(len(answered))
     answered = answered.copy()
     work = dict(state)
     answers: list[Answer] = []
     records: dict[int, Record] = {int(r): Record() for r in np.flatnonzero(recorded)}
-    for index in range(runtime.first_block, runtime.last_block + 1):
+    for index in range(first, last + 1):
         if rows.size == 0:
             break
         runtime.run_block(index, work, bucket)
@@ -109,6 +117,6 @@ def execute(
                 work = {k: v[keep] for k, v in work.items()}
         live = manifest.live_after(index)
         work = {name: work[name] for name in live if name in work}
-    if runtime.ends_model:
+    if runtime.ends_model and last == runtime.last_block:
         return BatchOutcome(answers, rows[:0], {}, records)
     return BatchOutcome(answers, rows, work, records)

@@ -7,6 +7,8 @@ next split (same bucket) and their answers come back through here. A batch launc
 the planned batch size, or when the oldest deadline needs it to run now (deadline minus the
 expected time to finish the model from this split), or — when `max_wait_ms` is set, which suits
 processors whose batch latency grows with the batch (CPUs) — when its oldest row has waited that long.
+When the plan's split rebatches, every block of the split has such a queue of its own (`stages.py`):
+a batch runs one block and its survivors wait for the next block with the survivors of other batches.
 
 Also: GET /v1/info (what this pod is), /v1/peers (next-split pods with their straggler marks),
 /v2/health/live, /v2/health/ready, /metrics; POST /v1/thresholds (hot update, forwarded to the
@@ -38,6 +40,7 @@ from .discovery import PeerSet, parse_peer_spec
 from .executor import execute
 from .forward import HopClient, HopFailed, NoPeer, send
 from .metrics import Children, WorkerMetrics
+from .stages import StageQueues
 from .planfile import read_plan, watch_plan
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,10 @@ class Row:
     deadline: float
     timeout: float
     item: dict = field(default_factory=dict)
+    enqueued: float = 0.0
+    """When the row entered its current fusion queue."""
+    state: dict[str, np.ndarray] | None = None
+    """The row's own state (input of its next block) while it waits inside a rebatching split."""
 
     @property
     def answered(self) -> bool:
@@ -131,9 +138,9 @@ class SplitWorker:
         self.batch_size = self._planned_batch(self.plan)
         self.thresholds = dict(self.plan.thresholds)
         self.max_wait = None if max_wait_ms is None or max_wait_ms < 0 else max_wait_ms / 1000.0
-        n_blocks = len(manifest.blocks)
-        self.remaining_factor = (n_blocks - sp.first_block) / (sp.last_block - sp.first_block + 1)
-        self.queue: deque[Row] = deque()
+        self.n_blocks = len(manifest.blocks)
+        self.stages = StageQueues(sp.first_block, sp.last_block, sp.rebatch)
+        self.queue: deque[Row] = self.stages.entry
         self.wakeup = asyncio.Event()
         self.pool_exec = ThreadPoolExecutor(1, thread_name_prefix="infer")
         self.metrics = WorkerMetrics(self.plan.service, split, bucket, pool)
@@ -141,7 +148,6 @@ class SplitWorker:
         self.metrics.planned_batch.set(self.batch_size)
         self.fit = (1.0, 0.1)  # expected batch ms = a + b * n, refitted at warm-up
         self.slowdown = 1.0
-        self.survival = 1.0  # EWMA of the fraction of a batch that goes on to the next split
         self.ready = False
         self.served = 0
         self.session: aiohttp.ClientSession | None = None
@@ -160,6 +166,9 @@ class SplitWorker:
         sp = plan.splits[self.split] if self.split < len(plan.splits) else None
         if sp is None or (sp.first_block, sp.last_block) != (self.runtime.first_block, self.runtime.last_block):
             log.warning("the new plan moves this split's blocks; this pod keeps serving its range until it is replaced")
+        elif sp.rebatch != self.stages.rebatch:
+            log.info("rebatching %s (plan update)", "on" if sp.rebatch else "off")
+            self.stages.set_rebatch(sp.rebatch)
         self.plan = plan
         self.batch_size = self._planned_batch(plan)
         self.metrics.planned_batch.set(self.batch_size)
@@ -211,10 +220,17 @@ class SplitWorker:
     def expected_ms(self, n: int) -> float:
         return self.fit[0] + self.fit[1] * n
 
+    @property
+    def survival(self) -> float:
+        """Estimated fraction of the inputs entering this split that go on to the next split."""
+        return self.stages.survival()
+
     def capacity(self) -> float:
-        """Inputs/s this pod and the splits after it can take: its own rate at full batches, capped by
-        the next split's reported capacity divided by the share of inputs that survive this split."""
-        own = self.batch_size / max(self.expected_ms(self.batch_size) * self.slowdown, 1e-3) * 1000.0
+        """Inputs/s this pod and the splits after it can take: its own rate at full batches (with
+        rebatching, each block only for the share of inputs that reach it), capped by the next
+        split's reported capacity divided by the share of inputs that survive this split."""
+        per_batch = self.expected_ms(self.batch_size) * self.slowdown * self.stages.work_fraction()
+        own = self.batch_size / max(per_batch, 1e-3) * 1000.0
         if self.next is None:
             return own
         downstream = sum(p.capacity for p in self.next.candidates(self.bucket, self.split + 1))
@@ -246,11 +262,11 @@ class SplitWorker:
         now = time.time()
         for i, item in enumerate(items):
             deadline = float(item.get("deadline", now + 1.0))
-            row = Row(pending, i, now, deadline, float(item.get("timeout", deadline)), item)
+            row = Row(pending, i, now, deadline, float(item.get("timeout", deadline)), item, now)
             if item.get("answered"):
                 pending.answer(i, {"id": item["id"], "shadow": True}, None)
             self.queue.append(row)
-        self.metrics.queued.set(len(self.queue))
+        self.metrics.queued.set(self.stages.held())
         self.wakeup.set()
         await pending.future
         out_meta = {"results": pending.results, "service_ms": pending.service_ms, "expected_ms": pending.expected_ms}
@@ -261,7 +277,8 @@ class SplitWorker:
             "service": self.plan.service, "model": self.plan.model, "split": self.split, "bucket": self.bucket,
             "pool": self.pool, "batchSize": self.batch_size, "ready": self.ready,
             "firstBlock": self.runtime.first_block, "lastBlock": self.runtime.last_block,
-            "queued": len(self.queue), "served": self.served, "thresholds": self.thresholds,
+            "queued": self.stages.held(), "served": self.served, "thresholds": self.thresholds,
+            "rebatch": self.stages.rebatch, "stages": self.stages.snapshot(),
             "capacity": round(self.capacity(), 3), "survival": round(self.survival, 4),
             "planHash": self.plan.content_hash(), "expectedMs": {"a": self.fit[0], "b": self.fit[1]},
         })
@@ -305,50 +322,55 @@ class SplitWorker:
 
     # ------------------------------------------------------------------ batching
 
-    def _launch_at(self) -> float:
-        oldest = self.queue[0].arrival
-        reserve = self.expected_ms(self.batch_size) * self.remaining_factor * 1.2 / 1000.0
-        by_deadline = min(r.deadline for r in self.queue) - reserve
-        return by_deadline if self.max_wait is None else min(oldest + self.max_wait, by_deadline)
+    def _reserve_s(self, j: int) -> float:
+        """Time to keep for finishing the model from block first + j (the deadline rule), x 1.2."""
+        span = self.runtime.last_block - self.runtime.first_block + 1
+        remaining = (self.n_blocks - self.runtime.first_block - j) / span
+        return self.expected_ms(self.batch_size) * remaining * 1.2 / 1000.0
 
     async def batch_loop(self) -> None:
         while True:
-            if not self.queue:
-                self.wakeup.clear()
-                await self.wakeup.wait()
-                continue
-            wait = self._launch_at() - time.time()
-            if len(self.queue) < self.batch_size and wait > 0:
+            j, at = self.stages.choose(self.batch_size, time.time(), self._reserve_s, self.max_wait)
+            if j < 0:
                 self.wakeup.clear()
                 try:
-                    await asyncio.wait_for(self.wakeup.wait(), wait)
+                    await asyncio.wait_for(self.wakeup.wait(), None if at == float("inf") else max(at - time.time(), 0.0))
                 except asyncio.TimeoutError:
                     pass
                 continue
-            batch = [self.queue.popleft() for _ in range(min(self.batch_size, len(self.queue)))]
-            self.metrics.queued.set(len(self.queue))
+            batch = self.stages.take(j, self.batch_size)
+            self.metrics.queued.set(self.stages.held())
             try:
-                await self.run_batch(batch)
+                await self.run_batch(batch, j)
             except Exception as err:  # keep the loop alive; every row of the batch gets an explicit error
                 log.exception("batch failed")
                 for row in batch:
                     row.pending.fail(row.index, f"worker error in split {self.split}: {err}")
 
-    async def run_batch(self, batch: list[Row]) -> None:
+    async def run_batch(self, batch: list[Row], stage: int = 0) -> None:
+        """Run fusion queue `stage`'s batch over its blocks (the whole split, or one block when the
+        split rebatches); answer the exits; pass the survivors on to the next block's queue or split."""
         now = time.time()
-        for row in batch:
-            self.metrics.queue_seconds.observe(now - row.arrival)
-        state = _batch_state(batch, self.input_names)
+        first, last = self.stages.span(stage)
+        if stage == 0:
+            for row in batch:
+                self.metrics.queue_seconds.observe(now - row.arrival)
+            state = _batch_state(batch, self.input_names)
+        else:
+            state = {name: np.stack([row.state[name] for row in batch]) for name in batch[0].state}
         answered = np.array([row.answered for row in batch], dtype=bool)
         recorded = np.array([bool(row.item.get("record")) for row in batch], dtype=bool)
         thresholds = self.thresholds
         loop = asyncio.get_running_loop()
+        fraction = (last - first + 1) / (self.runtime.last_block - self.runtime.first_block + 1)
+        expected = self.expected_ms(len(batch)) * fraction
         t0 = time.perf_counter()
         try:
-            if self.expected_ms(len(batch)) <= INLINE_BATCH_MS:
-                outcome = execute(self.runtime, state, self.bucket, thresholds, answered, recorded)
+            if expected <= INLINE_BATCH_MS:
+                outcome = execute(self.runtime, state, self.bucket, thresholds, answered, recorded, first, last)
             else:
-                outcome = await loop.run_in_executor(self.pool_exec, execute, self.runtime, state, self.bucket, thresholds, answered, recorded)
+                outcome = await loop.run_in_executor(self.pool_exec, execute, self.runtime, state, self.bucket, thresholds, answered,
+                                                     recorded, first, last)
         except StateError as err:
             for row in batch:
                 row.pending.fail(row.index, f"split {self.split} cannot run this input: {err}")
@@ -358,11 +380,11 @@ class SplitWorker:
             extra = service_ms * (self.slowdown - 1.0)
             await asyncio.sleep(extra / 1000)
             service_ms += extra
-        expected = self.expected_ms(len(batch))
-        self.served += len(batch)
+        if stage == 0:
+            self.served += len(batch)
+            self.metrics.inputs.inc(len(batch))
         self.metrics.batch_size.observe(len(batch))
         self.metrics.batch_seconds.observe(service_ms / 1000)
-        self.metrics.inputs.inc(len(batch))
         for row in batch:
             p = row.pending
             if p.service_ms == 0.0:
@@ -381,9 +403,17 @@ class SplitWorker:
             row.pending.answer(row.index, {"id": row.item["id"], "ramp": ans.ramp, "final": ans.final}, ans.logits)
         for ramp, count in per_ramp.items():
             self._child(self.metrics.exits, ramp).inc(count)
-        if not self.is_last:
-            self.survival = 0.9 * self.survival + 0.1 * (len(outcome.survivors) / len(batch))
-        if self.is_last:
+        self.stages.record(stage, len(batch), len(outcome.survivors))
+        if last < self.runtime.last_block:  # on to the next block's queue, each row with its slice of the state
+            now = time.time()
+            queue = self.stages.queues[stage + last - first + 1]
+            for pos, i in enumerate(outcome.survivors):
+                row = batch[i]
+                row.state = {name: value[pos] for name, value in outcome.state.items()}
+                row.enqueued = now
+                queue.append(row)
+            self.metrics.queued.set(self.stages.held())
+        elif self.is_last:
             self._send_feedback([batch[i].item for i in outcome.records])
         elif len(outcome.survivors):
             rows = [batch[i] for i in outcome.survivors]
@@ -461,8 +491,9 @@ class SplitWorker:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        for row in self.queue:
-            row.pending.fail(row.index, "worker shutting down")
+        for queue in self.stages.queues:
+            for row in queue:
+                row.pending.fail(row.index, "worker shutting down")
         await self.hop.close()
         if self.session:
             await self.session.close()
