@@ -8,9 +8,14 @@
 - A split [a, b] runs block a at the full batch B; block k > a runs the survivors, B * s(k) / s(a)
   rounded up, where s(k) is the fraction of all inputs that reach block k (the survival curve). The exit ramps
   that are enabled run after their block on the batch that block ran.
+- A rebatching split (SplitPlan.rebatch: one fusion queue per block) runs every block on a full
+  batch B of the rows that reached it: per B entering rows it spends, on average,
+  sum_k s(k)/s(a) x (block k + its ramp) at batch B (block k runs once per B / (s(k)/s(a))
+  entering rows); one round, every block once at B, bounds the cycle.
 - Transfer time of the activations leaving a split: survivors x output bytes per sample at that
   boundary / the pool's link bandwidth.
-- Memory per replica: the split's weights plus input and output activations of one batch.
+- Memory per replica: the split's weights plus input and output activations of one batch (with
+  rebatching also up to one batch of rows waiting at every inner block boundary).
 """
 
 from __future__ import annotations
@@ -220,7 +225,7 @@ class CostModel:
     # ------------------------------------------------------------ whole stages
 
     def stage_tables(self, batches: Sequence[float], seq: float, survival_before: np.ndarray, ramps_on: Sequence[bool],
-                     expected: bool = False, transfer: bool = True) -> np.ndarray:
+                     expected: bool = False, transfer: bool = True, rebatch: bool = False) -> np.ndarray:
         """ms[bi, a, b]: time of split [a, b] (exec + enabled ramps + transfer out) at batch batches[bi].
 
         Entries with b < a are +inf. The batch shrinks inside the split as inputs exit. By default
@@ -231,6 +236,11 @@ class CostModel:
         is not run -- the linear interpolation at the mean number of rows overcounts it). With
         transfer=False the transfer out is left off: the time the batch holds its replica (the
         worker forwards the survivors beside its next batch), for throughput.
+
+        With `rebatch` the split regroups rows at every block (a fusion queue per block): with
+        `expected`, the mean time per B entering rows is sum_k s(k)/s(a) x (block k + its enabled
+        ramp at a full batch B); the bound is one round, every block that any row reaches at B.
+        The transfer out is that of the survivors of B entering rows, as without rebatching.
         """
         n = self.n_blocks
         s = np.maximum(survival_before, 1e-12)
@@ -240,7 +250,16 @@ class CostModel:
         ramp_rows = self._at_seq(self.ramp_ms_table, seq) if len(self.ramp_ms_table) else np.zeros((0, len(self.batch_sizes)))
         out = np.full((len(batches), n, n), np.inf)
         for bi, bsz in enumerate(batches):
-            if expected:
+            if rebatch:
+                # (a, k): block k at a full batch B, weighted by the share of entering rows that
+                # reach it (expected), or once per round if any row reaches it (the bound)
+                at_b = self._interp_batch(per_block, np.full((n, 1), bsz))[:, 0]  # (k,)
+                for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
+                    if on:
+                        at_b[after] += self._interp_batch(ramp_rows[r : r + 1], np.asarray([[bsz]]))[0, 0]
+                weight = ratio if expected else (bsz * ratio > 1e-9).astype(np.float64)
+                cost = weight * at_b[None, :]
+            elif expected:
                 # (a, k): the mean time of block k over the number of the batch's rows still in it
                 # (each row survives independently: binomial), a block with no row left not run
                 pmf = survivor_pmf(int(round(bsz)), ratio)  # (a, k, x)
@@ -272,10 +291,13 @@ class CostModel:
             out[bi] = np.where(tri, cum + xfer, np.inf)
         return out
 
-    def replica_bytes(self, first: int, last: int, batch: float, seq: float) -> float:
-        """Memory one replica of split [first, last] needs: weights + one batch of in/out activations."""
+    def replica_bytes(self, first: int, last: int, batch: float, seq: float, rebatch: bool = False) -> float:
+        """Memory one replica of split [first, last] needs: weights + one batch of in/out activations
+        (with `rebatch`, also up to one batch of rows waiting at every inner block boundary)."""
         weights = float(self.weight_bytes[first : last + 1].sum())
         acts = batch * (self.bytes_per_sample(first - 1, seq) + self.bytes_per_sample(last, seq))
+        if rebatch:
+            acts += batch * sum(self.bytes_per_sample(k, seq) for k in range(first, last))
         return weights + acts
 
     def full_model_ms(self, seq: float, batch: float = 1.0) -> float:

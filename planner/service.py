@@ -4,7 +4,9 @@ Stages (timed in `PlanResult.timings`):
 1. inputs: spec values, pools (caps = min(capacity, maxGpus)), one cost model per pool (profile checks);
 2. survival: the thresholds in force (ramps off -> no exits there), observed or forecast survival;
 3. lengths: a histogram on the profile's length grid, the staircase, candidate bucket sets;
-4. solve: E3's exact DP per bucket set (splits x replicas x pool per split, one pipeline per bucket);
+4. solve: E3's exact DP per bucket set (splits x replicas x pool per split, one pipeline per bucket),
+   on the rebatching cost tables when spec.planner.rebatch is on and exits are enabled (every split
+   of the plan then rebatches: a fusion queue per block);
 5. plan: cells, spare replicas to the tightest cells (max-goodput), DensePipe's placement of the
    layout over all pools when it beats one pool per split (one bucket, several pools), prediction,
    smallest change.
@@ -59,6 +61,8 @@ class PlanResult:
     alternatives: list[dict] = field(default_factory=list)
     """The bucket sets tried: buckets, goodput, cost."""
     kept_previous: bool = False
+    rebatch: bool = False
+    """The splits rebatch (a fusion queue per block) and the problem's rates and stage times say so."""
 
     def problems(self) -> list[str]:
         """Every invariant the plan breaks (empty when it is sound)."""
@@ -99,6 +103,8 @@ class PlanResult:
                 out.append(f"cell {key}: a batch takes {ms:.3f} ms, over the cycle {self.cycle_ms:.3f} ms")
         if plan.prediction.p99_ms > inp.budget_ms * (1 + 1e-9):
             out.append(f"predicted p99 {plan.prediction.p99_ms:.3f} ms exceeds the SLO budget {inp.budget_ms:.3f} ms")
+        if any(s.rebatch != self.rebatch for s in plan.splits):
+            out.append(f"splits marked rebatch {[s.rebatch for s in plan.splits]}, but the plan was sized {'with' if self.rebatch else 'without'} rebatching")
         unknown = set(plan.thresholds) - set(inp.ramp_names)
         if unknown:
             out.append(f"thresholds name unknown ramps {sorted(unknown)}")
@@ -114,10 +120,18 @@ class PlanResult:
 # ---------------------------------------------------------------- the solver's problem
 
 
-def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layout: tuple[list[tuple[int, int]], list[int]] | None = None) -> E3Problem:
+def rebatching(spec: EarlyExitServiceSpec, inp: Inputs) -> bool:
+    """Whether the plan's splits rebatch: the spec asks for it and some exit is enabled (without
+    exits every row runs every block of its split and rebatching changes nothing)."""
+    return bool(spec.planner.rebatch and any(inp.enabled))
+
+
+def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layout: tuple[list[tuple[int, int]], list[int]] | None = None,
+                  rebatch: bool = False) -> E3Problem:
     """Rates of every (splits, pool, first, last, bucket) option under the cycle and memory limits.
 
     `layout` = (segments, pool per segment) restricts the problem to one layout (the previous plan's).
+    `rebatch`: every split regroups rows at each block (the cost model's rebatching tables and memory).
     """
     n, P, K = inp.n_blocks, len(inp.pool_names), len(bucket_set)
     sigma = inp.sigma()
@@ -129,10 +143,11 @@ def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layou
     for p, model in enumerate(inp.models):
         sizes = np.asarray(model.profile.batch_sizes, dtype=np.float64)
         for k, length in enumerate(bucket_set):
-            tables = model.stage_tables(sizes, length, sigma, ramps_on)  # (nB, n, n): the bound, for the cycle
+            tables = model.stage_tables(sizes, length, sigma, ramps_on, rebatch=rebatch)  # (nB, n, n): the bound, for the cycle
             # the mean time a batch holds its replica (survivors forwarded beside the next batch), for throughput
-            mean = model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False)
-            mem = np.stack([[[model.replica_bytes(a, b, bsz, length) if b >= a else np.inf for b in range(n)] for a in range(n)] for bsz in sizes])
+            mean = model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False, rebatch=rebatch)
+            mem = np.stack([[[model.replica_bytes(a, b, bsz, length, rebatch=rebatch) if b >= a else np.inf for b in range(n)] for a in range(n)]
+                            for bsz in sizes])
             fits = mem <= model.pool.memory_bytes
             for s in range(1, S + 1):
                 cycle = inp.budget_ms / cycles(s)
@@ -153,7 +168,7 @@ def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layou
     return E3Problem(n, list(inp.pool_names), inp.caps.copy(), inp.costs.copy(), shares, sigma[:n].copy(), rate, batch, stage, inp.cost_cap)
 
 
-def _diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int) -> PlanInfeasible:
+def _diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int, rebatch: bool = False) -> PlanInfeasible:
     """Name the binding constraint when no plan exists."""
     top = max(bucket_set)
     full = {m.pool_name: m.full_model_ms(top, 1.0) for m in inp.models}
@@ -162,7 +177,7 @@ def _diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int) -> PlanIn
     best_bound = math.inf
     sigma = inp.sigma()
     for m in inp.models:
-        t = m.stage_tables([1.0], top, sigma, inp.ramps_on())[0]
+        t = m.stage_tables([1.0], top, sigma, inp.ramps_on(), rebatch=rebatch)[0]
         n = m.n_blocks
         for s in range(1, max_splits + 1):
             # bottleneck path: minimise the slowest stage over layouts with s splits
@@ -181,7 +196,7 @@ def _diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int) -> PlanIn
             "use a faster pool, or cap workload.lengthBuckets lower",
             field="spec.slo.latencyMs",
         )
-    mem_ok = any(m.replica_bytes(a, a, 1, top) <= m.pool.memory_bytes for m in inp.models for a in range(m.n_blocks))
+    mem_ok = any(m.replica_bytes(a, a, 1, top, rebatch=rebatch) <= m.pool.memory_bytes for m in inp.models for a in range(m.n_blocks))
     if not mem_ok:
         return PlanInfeasible("no single block fits the memory of any pool (GPUPool memoryBytes); use pools with more memory", field="pools.memoryBytes")
     return PlanInfeasible(
@@ -225,12 +240,13 @@ def _fill_spare(problem: E3Problem, sol: E3Solution) -> None:
 
 
 def _to_plan(service: str, spec: EarlyExitServiceSpec, inp: Inputs, bucket_set: list[int], problem: E3Problem, sol: E3Solution,
-             thresholds: Mapping[str, float], reason: str, placement: Placement | None = None) -> tuple[Plan, float, dict[tuple[int, int], float]]:
+             thresholds: Mapping[str, float], reason: str, placement: Placement | None = None,
+             rebatch: bool = False) -> tuple[Plan, float, dict[tuple[int, int], float]]:
     s = sol.splits
     cycle = inp.budget_ms / cycles(s)
     splits, cells, stage = [], [], {}
     for i, seg in enumerate(sol.segments):
-        splits.append(SplitPlan(index=i, first_block=seg.first, last_block=seg.last))
+        splits.append(SplitPlan(index=i, first_block=seg.first, last_block=seg.last, rebatch=rebatch))
         for k, length in enumerate(bucket_set):
             if placement is not None:  # one bucket, a split may span pools
                 per_pool = [(p, int(r)) for p, r in enumerate(placement.replicas[i]) if r > 0]
@@ -363,6 +379,7 @@ def plan_service(
 
     t1 = time.perf_counter()
     max_splits = min(spec.planner.max_splits, inp.n_blocks)
+    rebatch = rebatching(spec, inp)
     if inp.fixed_buckets:
         sets = {len(inp.grid): list(inp.grid)}
     else:
@@ -381,7 +398,7 @@ def plan_service(
     tried, chosen = [], None
     last_error: PlanInfeasible | None = None
     for _, bucket_set in sorted(sets.items()):
-        problem = build_problem(inp, bucket_set, max_splits)
+        problem = build_problem(inp, bucket_set, max_splits, rebatch=rebatch)
         try:
             sol = _solve(problem, spec)
         except PlanInfeasible as err:
@@ -397,7 +414,7 @@ def plan_service(
     if chosen is None:
         if last_error is not None and last_error.field == "spec.planner.targetRps":
             raise last_error
-        raise _diagnose(inp, min(sets.values(), key=len), max_splits)
+        raise _diagnose(inp, min(sets.values(), key=len), max_splits, rebatch)
     timings["solve"] = time.perf_counter() - t2
 
     kept = False
@@ -406,7 +423,7 @@ def plan_service(
         if layout is not None:
             prev_buckets, prev_layout = layout
             try:
-                problem = build_problem(inp, prev_buckets, max_splits, layout=prev_layout)
+                problem = build_problem(inp, prev_buckets, max_splits, layout=prev_layout, rebatch=rebatch)
                 sol = _solve(problem, spec)
             except PlanInfeasible:
                 sol = None
@@ -427,10 +444,10 @@ def plan_service(
             inp.notes.append(f"DensePipe placement spreads splits over pools: goodput {sol.goodput:.4g} -> {placement.goodput:.4g} req/s")
     timings["densepipe"] = time.perf_counter() - t3
     t3 = time.perf_counter()
-    plan, cycle, stage = _to_plan(service_name, spec, inp, list(bucket_set), problem, sol, thresholds, reason, placement)
+    plan, cycle, stage = _to_plan(service_name, spec, inp, list(bucket_set), problem, sol, thresholds, reason, placement, rebatch)
     timings["plan"] = time.perf_counter() - t3
     timings["total"] = time.perf_counter() - t0
     notes = list(dict.fromkeys(inp.notes + [n for m in inp.models for n in m.notes]))
-    result = PlanResult(plan, inp, problem, sol, list(bucket_set), cycle, stage, timings, notes, tried, kept)
+    result = PlanResult(plan, inp, problem, sol, list(bucket_set), cycle, stage, timings, notes, tried, kept, rebatch)
     result.verify()  # a broken invariant is a planner bug: a typed PlanInvalid, never a bad plan
     return result

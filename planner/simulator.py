@@ -18,6 +18,19 @@ What it models (the same rules as worker_image/router_app.py and worker_app.py):
   GPU type) of the next split, same bucket.
   The transfer does not hold the replica (the worker forwards in a task of its own and starts
   its next batch): it delays the survivors only.
+- Rebatching worker (a split with SplitPlan.rebatch, as the data plane's rebatching worker): one
+  fusion queue (stage) per block of the split; a row that survives block k joins stage k + 1 of
+  the same worker, where it is batched with rows from other entering batches, and leaves the
+  worker after the split's last block (then transferred as above). The worker runs one block at a
+  time, chosen by the data plane's own policy (`dispatch.choose_stage`): the deepest stage holding
+  a full batch first (it drains rows already part-way through before taking new ones in); else,
+  of the stages whose launch time has come (the earliest deadline minus the expected time from
+  its block to the end of the model, 20 % margin, or its oldest row past `max_wait_ms`), the one
+  whose time came first; else it sleeps until the first launch time. A block's time is the cost
+  model's at the rows it runs (up to the batch size). Its mean time per entering batch is each
+  block at a full batch weighted by the share of rows that reach it (the planner's rebatching
+  table); the admission rate and the next-hop choice use it, and a worker's load counts the rows
+  held in all its stages.
 - Exits: each request draws its exit depth from the survival curve; a ramp that is off lets its
   inputs ride on to the next enabled ramp (the planner assumes the same). An exited row leaves
   its batch: later blocks run at the remaining size (E3's account of early exits: exits shrink
@@ -25,8 +38,9 @@ What it models (the same rules as worker_image/router_app.py and worker_app.py):
   slots until every row of the batch has exited (an implementation that cannot shrink a batch
   mid-model); the batch still ends early when all its rows are done.
 
-Reports goodput (answers within the SLO per second), latency percentiles, SLO violations, drops
-and cost. `oracle_goodput` is the fluid upper bound: every GPU busy on exactly the blocks each
+Reports goodput (answers within the SLO per second), latency percentiles, SLO violations, drops,
+cost, the mean rows per launched batch (per block with rebatching) and the attainment over the
+requests that arrived in the last third of the run (a queue still building shows there). `oracle_goodput` is the fluid upper bound: every GPU busy on exactly the blocks each
 input needs, at its best per-input efficiency, free exits, no padding, no latency limit.
 """
 
@@ -43,7 +57,7 @@ import numpy as np
 from exitplan.api.plan import Plan
 
 from .costmodel import CostModel, survival_before_blocks, survivor_pmf
-from .dispatch import QueueParams, choose_bucket, least_loaded
+from .dispatch import QueueParams, choose_bucket, choose_stage, least_loaded
 
 
 @dataclass
@@ -57,6 +71,16 @@ class SimResult:
     latencies_ms: np.ndarray = field(repr=False)
     cost_per_hour: float = 0.0
     mean_batch: float = 0.0
+    tail_offered: int = 0
+    """Requests that arrived in the last third of the arrival span."""
+    tail_within_slo: int = 0
+    """Of those, answered within the SLO: a queue that is still building shows here first."""
+    block_rows: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    """Rows run through each block, over all workers."""
+    block_runs: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    """Batches that ran each block."""
+    answers: int = 0
+    """Answer events (a request answered twice would count twice here, once in `answered`)."""
 
     @property
     def goodput(self) -> float:
@@ -65,6 +89,16 @@ class SimResult:
     @property
     def attainment(self) -> float:
         return self.within_slo / self.offered if self.offered else 1.0
+
+    @property
+    def block_batch(self) -> np.ndarray:
+        """Mean rows per run of each block (nan for a block never run)."""
+        return np.where(self.block_runs > 0, self.block_rows / np.maximum(self.block_runs, 1), np.nan)
+
+    @property
+    def tail_attainment(self) -> float:
+        """Attainment over the requests that arrived in the last third of the run."""
+        return self.tail_within_slo / self.tail_offered if self.tail_offered else self.attainment
 
     @property
     def violations(self) -> int:
@@ -213,6 +247,9 @@ class Simulation:
             seq += 1
         heapq.heapify(events)
         dropped = 0
+        blk_rows = np.zeros(self.n_blocks)
+        answers = 0
+        blk_runs = np.zeros(self.n_blocks)
         slo = self.slo_s
         caps = self.capacity
 
@@ -239,25 +276,18 @@ class Simulation:
             return min(oldest + self.max_wait, earliest - w.rest_ms * 1.2 / 1e3)
 
         def kick_stages(w: _Worker, now: float) -> None:
-            # The deepest stage holding a full batch; else the deepest whose deadline rule fires
-            # (its earliest deadline minus the expected time from its block to the end of the
-            # model, with the same 20 % margin); else sleep until the first of those.
+            # The data plane's policy (dispatch.choose_stage): the deepest stage holding a full
+            # batch; else, of the stages whose launch time has come (the oldest row's maximum wait,
+            # or the earliest deadline minus the expected time from the stage's block to the end of
+            # the model with the same 20 % margin), the one whose time came first; else sleep until
+            # the first launch time.
             stages = w.stages
-            chosen, soonest = -1, math.inf
-            for j in range(len(stages) - 1, -1, -1):
-                if len(stages[j]) >= w.batch:
-                    chosen = j
-                    break
-            if chosen < 0:
-                for j in range(len(stages) - 1, -1, -1):
-                    q = stages[j]
-                    if not q:
-                        continue
-                    at = min(q[0][1] + self.max_wait, min(deadline[r] for r, _ in q) - w.stage_rest_ms[j] * 1.2 / 1e3)
-                    if at <= now:
-                        chosen = j
-                        break
-                    soonest = min(soonest, at)
+
+            def launch(j: int) -> float:
+                q = stages[j]
+                return min(q[0][1] + self.max_wait, min(deadline[r] for r, _ in q) - w.stage_rest_ms[j] * 1.2 / 1e3)
+
+            chosen, soonest = choose_stage([len(q) for q in stages], w.batch, launch, now)
             if chosen < 0:
                 if soonest < w.timer:
                     w.timer = soonest
@@ -268,6 +298,8 @@ class Simulation:
             m = len(rows)
             w.held -= m
             blk = w.first + chosen
+            blk_rows[blk] += m
+            blk_runs[blk] += 1
             t = float(w.lat[chosen, m] + w.ramp_lat[chosen, m])
             w.busy, w.running = True, m
             w.batches += 1
@@ -291,6 +323,8 @@ class Simulation:
                 if not self.compact_exits:  # exited rows keep their slots until the whole batch is done
                     counts = np.where(counts > 0, m, 0)
                 idx = np.arange(len(ks))
+                blk_rows[w.first : w.last + 1] += counts
+                blk_runs[w.first : w.last + 1] += counts > 0
                 t = float(w.lat[idx, counts].sum() + w.ramp_lat[idx, counts].sum())
                 surv = [r for r, dd in zip(rows, d) if dd > w.last + 1]
                 w.busy, w.running = True, m
@@ -322,6 +356,7 @@ class Simulation:
                 for r in rows:
                     if r not in alive:
                         done_at[r] = now
+                        answers += 1
                         outstanding[bucket_of[r]] -= 1
                 if surv:
                     push(now + xfer_ms / 1e3, 3, (w.bucket, w.split + 1, surv))
@@ -333,6 +368,7 @@ class Simulation:
                 for r in rows:
                     if r not in alive:
                         done_at[r] = now
+                        answers += 1
                         outstanding[bucket_of[r]] -= 1
                 if surv and j + 1 < len(w.stages):
                     for r in surv:
@@ -354,9 +390,13 @@ class Simulation:
         lat = (done_at[answered] - arrivals[answered]) * 1e3
         within = int(np.sum(lat <= self.slo_s * 1e3 + 1e-9))
         duration = float(arrivals[-1] - arrivals[0]) if n > 1 else 1.0
+        tail = arrivals >= arrivals[0] + duration * 2.0 / 3.0 if n > 1 else np.zeros(n, dtype=bool)
+        with np.errstate(invalid="ignore"):
+            tail_within = int(np.sum(tail & ((done_at - arrivals) * 1e3 <= self.slo_s * 1e3 + 1e-9)))
         batches = sum(w.batches for per in self.workers for ws in per for w in ws)
         rows = sum(w.rows for per in self.workers for ws in per for w in ws)
-        return SimResult(self.name, n, int(answered.sum()), within, dropped, max(duration, 1e-9), lat, self.cost, rows / max(batches, 1))
+        return SimResult(self.name, n, int(answered.sum()), within, dropped, max(duration, 1e-9), lat, self.cost, rows / max(batches, 1),
+                         int(tail.sum()), tail_within, blk_rows, blk_runs, answers)
 
 
 def poisson_arrivals(rng: np.random.Generator, rate: float, n: int) -> np.ndarray:

@@ -193,3 +193,63 @@ def test_too_many_pool_states_is_a_typed_error():
     with pytest.raises(PlanInfeasible) as err:
         plan_service("minilm", spec, pools, {n: cpu_profile(n) for n in names})
     assert err.value.field == "spec.pools" and "maxGpus" in str(err.value)
+
+
+def _e3_setting(rebatch: bool, **planner):
+    spec = EarlyExitServiceSpec(model=ModelRef(name="bert-base-ee", bundle="x"), slo=SLO(latency_ms=100), pools=[PoolRef(name="v100")],
+                                planner=PlannerSettings(max_splits=4, rebatch=rebatch, **planner))
+    ramps = {r.name: 0.9 for r in bert_base_profile("v100").ramps}
+    return plan_service("bert", spec, {"v100": gpu_pool("v100", 16)}, {"v100": bert_base_profile("v100")}, thresholds=ramps,
+                        lengths=np.full(1000, 128))
+
+
+def test_rebatching_plan_marks_its_splits_and_plans_more_goodput():
+    on, off = _e3_setting(True), _e3_setting(False)
+    on.verify()
+    off.verify()
+    assert on.rebatch and all(s.rebatch for s in on.plan.splits)
+    assert not off.rebatch and not any(s.rebatch for s in off.plan.splits)
+    assert on.plan.prediction.goodput_rps >= off.plan.prediction.goodput_rps
+    assert on.plan.prediction.cost_per_hour == pytest.approx(off.plan.prediction.cost_per_hour)
+    # a plan whose splits claim the other mode than it was sized for is caught
+    flipped = on.plan.model_copy(update={"splits": [s.model_copy(update={"rebatch": False}) for s in on.plan.splits]})
+    bad = type(on)(**{**on.__dict__, "plan": flipped})
+    assert any("rebatch" in p for p in bad.problems())
+
+
+def test_rebatch_off_reproduces_split_and_replicate():
+    """rebatch=False plans as before rebatching existed: on E3's setting, blocks 0-1 | 2-4 | 5-11 on
+    6 + 6 + 4 V100s at batch 8 (BENCHMARKS.md, issue 3)."""
+    off = _e3_setting(False)
+    assert [(s.first_block, s.last_block) for s in off.plan.splits] == [(0, 1), (2, 4), (5, 11)]
+    assert [(c.replicas, c.batch_size) for c in off.plan.cells] == [(6, 8), (6, 8), (4, 8)]
+
+
+def test_without_exits_nothing_rebatches():
+    spec = cpu_spec(planner=PlannerSettings(max_splits=2, rebatch=True))
+    result = plan_service("minilm", spec, CPU_POOLS, {"cpu": cpu_profile()}, thresholds={"ramp1": 2.0, "ramp3": 2.0})
+    result.verify()
+    assert not result.rebatch and not any(s.rebatch for s in result.plan.splits)
+    plain = plan_service("minilm", cpu_spec(planner=PlannerSettings(max_splits=2, rebatch=False)), CPU_POOLS, {"cpu": cpu_profile()},
+                         thresholds={"ramp1": 2.0, "ramp3": 2.0})
+    assert result.plan.content_hash() == plain.plan.content_hash()
+
+
+@pytest.mark.parametrize("rebatch", [False, True])
+def test_dp_on_the_rebatching_tables_equals_exhaustive_enumeration(rebatch):
+    from exitplan.planner.e3 import exhaustive, max_goodput
+    from exitplan.planner.inputs import resolve_inputs
+    from exitplan.planner.service import build_problem
+
+    pools = {"cpu": CPU_POOLS["cpu"].model_copy(update={"capacity": 5}),
+             "slow": CPU_POOLS["cpu"].model_copy(update={"capacity": 3, "cost_per_hour": 0.4})}
+    profiles = {"cpu": cpu_profile(), "slow": cpu_profile("slow")}
+    spec = cpu_spec(planner=PlannerSettings(max_splits=3, rebatch=rebatch))
+    spec = spec.model_copy(update={"pools": [PoolRef(name="cpu"), PoolRef(name="slow")]})
+    inp = resolve_inputs(spec, pools, profiles, thresholds={"ramp1": 0.8, "ramp3": 0.8})
+    problem = build_problem(inp, [64, 128], 3, rebatch=rebatch)
+    best_goodput, best_cost = exhaustive(problem)
+    sol = max_goodput(problem)
+    sol.verify(problem)
+    assert best_goodput > 0
+    assert sol.goodput == pytest.approx(best_goodput, rel=1e-7) and sol.cost == pytest.approx(best_cost, rel=1e-7)
