@@ -34,6 +34,8 @@ MONOTONE_SLACK = 0.5
 """Measured latencies may dip by this fraction (timer noise on shared machines: profiles measured on
 the 2-core dev machine dip by up to ~30 % at large batches) before the profile counts as
 non-monotone; smaller dips are smoothed to a running maximum and noted."""
+DIVERGED_MS = 1e6
+"""A rebatching split's mean time per batch past this (ms) counts as never settling (see stage_tables)."""
 MONOTONE_FLOOR_MS = 0.05
 """Dips smaller than this many milliseconds are always noise."""
 
@@ -225,7 +227,7 @@ class CostModel:
     # ------------------------------------------------------------ whole stages
 
     def stage_tables(self, batches: Sequence[float], seq: float, survival_before: np.ndarray, ramps_on: Sequence[bool],
-                     expected: bool = False, transfer: bool = True, rebatch: bool = False) -> np.ndarray:
+                     expected: bool = False, transfer: bool = True, rebatch: bool = False, fill_ms: float | None = None) -> np.ndarray:
         """ms[bi, a, b]: time of split [a, b] (exec + enabled ramps + transfer out) at batch batches[bi].
 
         Entries with b < a are +inf. The batch shrinks inside the split as inputs exit. By default
@@ -241,6 +243,16 @@ class CostModel:
         `expected`, the mean time per B entering rows is sum_k s(k)/s(a) x (block k + its enabled
         ramp at a full batch B); the bound is one round, every block that any row reaches at B.
         The transfer out is that of the survivors of B entering rows, as without rebatching.
+        With `fill_ms` as well (expected only), a block's queue may not fill within that wait: a
+        replica busy at its rate B / T (T the mean time per B entering rows) brings block k
+        B s(k)/s(a) x fill_ms / T rows per wait, so block k runs at x_k = min(B, that) rows,
+        x_k / (B s(k)/s(a)) times per B entering rows, and T = sum_k s(k)/s(a) x B / x_k x
+        (block k + ramp at x_k), solved by fixed-point iteration from the full-batch T (inf where
+        it does not converge: the deadline-forced launches alone would keep the replica busy). Also
+        inf where a row's expected time through the split -- at each block half the time its queue
+        takes to gather its rows (at most fill_ms; none for a block fed whole batches by the one
+        before) plus the run -- exceeds two cycles (2 fill_ms), a split's share of the latency
+        without rebatching (wait one cycle, run one).
         """
         n = self.n_blocks
         s = np.maximum(survival_before, 1e-12)
@@ -259,6 +271,17 @@ class CostModel:
                         at_b[after] += self._interp_batch(ramp_rows[r : r + 1], np.asarray([[bsz]]))[0, 0]
                 weight = ratio if expected else (bsz * ratio > 1e-9).astype(np.float64)
                 cost = weight * at_b[None, :]
+                if expected and fill_ms is not None:
+                    filled = self._rebatch_fill(per_block, ramp_rows, ramps_on, ratio, float(bsz), float(fill_ms))
+                    bytes_out = np.asarray([self.bytes_per_sample(b, seq) for b in range(n)])
+                    leaving = bsz * np.minimum(s[None, 1 : n + 1] / s[:n, None], 1.0)
+                    xfer = 8.0 * leaving * bytes_out[None, :] / (self.pool.link_bandwidth_gbps * 1e9) * 1e3
+                    xfer[:, n - 1] = 0.0
+                    if not transfer:
+                        xfer = np.zeros_like(xfer)
+                    tri = np.arange(n)[None, :] >= np.arange(n)[:, None]
+                    out[bi] = np.where(tri, filled + xfer, np.inf)
+                    continue
             elif expected:
                 # (a, k): the mean time of block k over the number of the batch's rows still in it
                 # (each row survives independently: binomial), a block with no row left not run
@@ -290,6 +313,57 @@ class CostModel:
             tri = np.arange(n)[None, :] >= np.arange(n)[:, None]
             out[bi] = np.where(tri, cum + xfer, np.inf)
         return out
+
+    def _rebatch_fill(self, per_block: np.ndarray, ramp_rows: np.ndarray, ramps_on: Sequence[bool], ratio: np.ndarray, bsz: float,
+                      fill_ms: float) -> np.ndarray:
+        """T[a, b]: mean ms per `bsz` entering rows of rebatching split [a, b] when each block's queue
+        launches at the latest every `fill_ms` (see stage_tables); inf where there is no fixed point
+        or a row would take longer than two cycles through the split."""
+        n = self.n_blocks
+        comb = per_block.copy()
+        for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
+            if on:
+                comb[after] += ramp_rows[r]
+        xs = np.concatenate([[0.0], self.batch_sizes])
+        ys = np.concatenate([np.zeros((n, 1)), comb], axis=1)  # (k, len(xs))
+        k_idx = np.arange(n)[None, None, :]
+
+        def at(x: np.ndarray) -> np.ndarray:  # block k (+ ramp) at x[a, b, k] rows, linear, 0 at 0, extrapolated past the top
+            i = np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2)
+            x0, x1 = xs[i], xs[i + 1]
+            y0, y1 = ys[k_idx, i], ys[k_idx, i + 1]
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+        a_, b_, k_ = np.meshgrid(np.arange(n), np.arange(n), np.arange(n), indexing="ij")
+        share = ratio[a_, k_]  # (a, b, k)
+        mask = (k_ >= a_) & (k_ <= b_) & (bsz * share > 1e-9)
+        share = np.where(mask, share, 0.0)
+        total = np.where(mask, share * at(np.full(share.shape, bsz)), 0.0).sum(axis=-1)  # full batches
+        total = np.maximum(total, 1e-12)
+        empty = ~mask.any(axis=-1)  # b < a
+
+        def step(total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            frac = np.where(mask, np.clip(share * fill_ms / total[:, :, None], 1e-12, 1.0), 1.0)
+            return frac, np.where(mask, share / frac * at(bsz * frac), 0.0).sum(axis=-1)
+
+        for _ in range(200):
+            _, nxt = step(total)
+            settled = (np.abs(nxt - total) <= 1e-9 * total) | (nxt > DIVERGED_MS) | empty
+            total = np.minimum(np.maximum(nxt, 1e-12), 2 * DIVERGED_MS)
+            if np.all(settled):
+                break
+        frac, nxt = step(total)
+        total = np.where((np.abs(nxt - total) <= 1e-6 * total) & (nxt <= DIVERGED_MS), nxt, np.inf)
+        # A row's time through the split: at each block it waits on average half the time its queue
+        # takes to gather a batch (B s(k)/s(a) rows per T at the replica's rate, at most fill_ms),
+        # then runs; at most two cycles, the share a split has without rebatching (wait one, run one).
+        with np.errstate(invalid="ignore", divide="ignore"):
+            gather = np.where(mask, np.minimum(frac * total[:, :, None] / np.maximum(share, 1e-12), fill_ms), 0.0)
+        # a block whose rows all come from the block before in whole batches fills at once
+        prev = np.concatenate([np.zeros((n, n, 1)), share[:, :, :-1]], axis=-1)
+        gather = np.where((k_ > a_) & (np.abs(prev - share) <= 1e-12), 0.0, gather)
+        latency = np.where(mask, gather / 2 + at(bsz * frac), 0.0).sum(axis=-1)
+        return np.where(latency <= 2.0 * fill_ms * (1 + 1e-9), total, np.inf)
 
     def replica_bytes(self, first: int, last: int, batch: float, seq: float, rebatch: bool = False) -> float:
         """Memory one replica of split [first, last] needs: weights + one batch of in/out activations

@@ -5,8 +5,8 @@ Stages (timed in `PlanResult.timings`):
 2. survival: the thresholds in force (ramps off -> no exits there), observed or forecast survival;
 3. lengths: a histogram on the profile's length grid, the staircase, candidate bucket sets;
 4. solve: E3's exact DP per bucket set (splits x replicas x pool per split, one pipeline per bucket),
-   on the rebatching cost tables when spec.planner.rebatch is on and exits are enabled (every split
-   of the plan then rebatches: a fusion queue per block);
+   with spec.planner.rebatch on and exits enabled, a split rebatches (a fusion queue per block)
+   where the rebatching cost tables make it at least as fast for every pool and bucket;
 5. plan: cells, spare replicas to the tightest cells (max-goodput), DensePipe's placement of the
    layout over all pools when it beats one pool per split (one bucket, several pools), prediction,
    smallest change.
@@ -62,7 +62,8 @@ class PlanResult:
     """The bucket sets tried: buckets, goodput, cost."""
     kept_previous: bool = False
     rebatch: bool = False
-    """The splits rebatch (a fusion queue per block) and the problem's rates and stage times say so."""
+    """Splits were allowed to rebatch (a fusion queue per block); those that do are marked in the
+    plan, and the problem's rates and stage times are theirs."""
 
     def problems(self) -> list[str]:
         """Every invariant the plan breaks (empty when it is sound)."""
@@ -103,8 +104,10 @@ class PlanResult:
                 out.append(f"cell {key}: a batch takes {ms:.3f} ms, over the cycle {self.cycle_ms:.3f} ms")
         if plan.prediction.p99_ms > inp.budget_ms * (1 + 1e-9):
             out.append(f"predicted p99 {plan.prediction.p99_ms:.3f} ms exceeds the SLO budget {inp.budget_ms:.3f} ms")
-        if any(s.rebatch != self.rebatch for s in plan.splits):
-            out.append(f"splits marked rebatch {[s.rebatch for s in plan.splits]}, but the plan was sized {'with' if self.rebatch else 'without'} rebatching")
+        chosen = getattr(self.problem, "rebatch", None)
+        sized = [bool(chosen is not None and chosen[len(plan.splits) - 1, s.first_block, s.last_block]) for s in plan.splits]
+        if [s.rebatch for s in plan.splits] != sized:
+            out.append(f"splits marked rebatch {[s.rebatch for s in plan.splits]}, but they were sized as {sized}")
         unknown = set(plan.thresholds) - set(inp.ramp_names)
         if unknown:
             out.append(f"thresholds name unknown ramps {sorted(unknown)}")
@@ -126,17 +129,19 @@ def rebatching(spec: EarlyExitServiceSpec, inp: Inputs) -> bool:
     return bool(spec.planner.rebatch and any(inp.enabled))
 
 
-def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layout: tuple[list[tuple[int, int]], list[int]] | None = None,
-                  rebatch: bool = False) -> E3Problem:
-    """Rates of every (splits, pool, first, last, bucket) option under the cycle and memory limits.
+@dataclass
+class PlanProblem(E3Problem):
+    """E3's problem plus, per (splits, first, last), whether that split rebatches (the DP ignores it)."""
 
-    `layout` = (segments, pool per segment) restricts the problem to one layout (the previous plan's).
-    `rebatch`: every split regroups rows at each block (the cost model's rebatching tables and memory).
-    """
+    rebatch: np.ndarray | None = None
+    """bool (max_splits, N, N); None: no split rebatches."""
+
+
+def _options(inp: Inputs, bucket_set: Sequence[int], S: int, rebatch: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """rate, batch and stage time of every (splits, pool, first, last, bucket) option, splits rebatching or not."""
     n, P, K = inp.n_blocks, len(inp.pool_names), len(bucket_set)
     sigma = inp.sigma()
     ramps_on = inp.ramps_on()
-    S = max_splits if layout is None else len(layout[0])
     rate = np.zeros((S, P, n, n, K))
     batch = np.zeros((S, P, n, n, K), dtype=np.int64)
     stage = np.full((S, P, n, n, K), np.inf)
@@ -145,19 +150,43 @@ def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layou
         for k, length in enumerate(bucket_set):
             tables = model.stage_tables(sizes, length, sigma, ramps_on, rebatch=rebatch)  # (nB, n, n): the bound, for the cycle
             # the mean time a batch holds its replica (survivors forwarded beside the next batch), for throughput
-            mean = model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False, rebatch=rebatch)
+            # (with rebatching it depends on the cycle: an inner block's queue launches at the latest every cycle)
+            mean = None if rebatch else model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False)
             mem = np.stack([[[model.replica_bytes(a, b, bsz, length, rebatch=rebatch) if b >= a else np.inf for b in range(n)] for a in range(n)]
                             for bsz in sizes])
             fits = mem <= model.pool.memory_bytes
             for s in range(1, S + 1):
                 cycle = inp.budget_ms / cycles(s)
-                ok = fits & (tables <= cycle) & np.isfinite(tables)
+                if rebatch:
+                    mean = model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False, rebatch=True, fill_ms=cycle)
+                ok = fits & (tables <= cycle) & np.isfinite(tables) & np.isfinite(mean)
                 with np.errstate(divide="ignore", invalid="ignore"):
                     thr = np.where(ok, sizes[:, None, None] / np.where(mean > 0, mean, 1e-9) * 1e3, 0.0)
                 best = np.argmax(thr, axis=0)
                 rate[s - 1, p, :, :, k] = np.take_along_axis(thr, best[None], 0)[0]
                 batch[s - 1, p, :, :, k] = sizes[best].astype(np.int64)
                 stage[s - 1, p, :, :, k] = np.take_along_axis(tables, best[None], 0)[0]
+    return rate, batch, stage
+
+
+def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layout: tuple[list[tuple[int, int]], list[int]] | None = None,
+                  rebatch: bool = False) -> PlanProblem:
+    """Rates of every (splits, pool, first, last, bucket) option under the cycle and memory limits.
+
+    `layout` = (segments, pool per segment) restricts the problem to one layout (the previous plan's).
+    `rebatch`: a split may regroup rows at each block (the cost model's rebatching tables and
+    memory); it does where that is at least as fast as without for every pool and bucket (and some
+    pool can run it so), so no option is slower than E3's own and the DP's optimum is at least E3's.
+    """
+    n = inp.n_blocks
+    S = max_splits if layout is None else len(layout[0])
+    rate, batch, stage = _options(inp, bucket_set, S, False)
+    chosen = None
+    if rebatch:
+        rb_rate, rb_batch, rb_stage = _options(inp, bucket_set, S, True)
+        chosen = np.all(rb_rate >= rate, axis=(1, 4)) & np.any(rb_rate > 0, axis=(1, 4))  # (S, n, n)
+        pick = chosen[:, None, :, :, None]
+        rate, batch, stage = np.where(pick, rb_rate, rate), np.where(pick, rb_batch, batch), np.where(pick, rb_stage, stage)
     if layout is not None:
         keep = np.zeros_like(rate, dtype=bool)
         for (a, b), p in zip(*layout):
@@ -165,7 +194,8 @@ def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layou
         # Fewer splits than the layout's are not this layout.
         rate = np.where(keep, rate, 0.0)
     shares = bk.shares(inp.grid, inp.mass, bucket_set)
-    return E3Problem(n, list(inp.pool_names), inp.caps.copy(), inp.costs.copy(), shares, sigma[:n].copy(), rate, batch, stage, inp.cost_cap)
+    return PlanProblem(n, list(inp.pool_names), inp.caps.copy(), inp.costs.copy(), shares, inp.sigma()[:n].copy(), rate, batch, stage,
+                       inp.cost_cap, rebatch=chosen)
 
 
 def _diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int, rebatch: bool = False) -> PlanInfeasible:
@@ -240,13 +270,13 @@ def _fill_spare(problem: E3Problem, sol: E3Solution) -> None:
 
 
 def _to_plan(service: str, spec: EarlyExitServiceSpec, inp: Inputs, bucket_set: list[int], problem: E3Problem, sol: E3Solution,
-             thresholds: Mapping[str, float], reason: str, placement: Placement | None = None,
-             rebatch: bool = False) -> tuple[Plan, float, dict[tuple[int, int], float]]:
+             thresholds: Mapping[str, float], reason: str, placement: Placement | None = None) -> tuple[Plan, float, dict[tuple[int, int], float]]:
     s = sol.splits
     cycle = inp.budget_ms / cycles(s)
     splits, cells, stage = [], [], {}
     for i, seg in enumerate(sol.segments):
-        splits.append(SplitPlan(index=i, first_block=seg.first, last_block=seg.last, rebatch=rebatch))
+        rb = getattr(problem, "rebatch", None)
+        splits.append(SplitPlan(index=i, first_block=seg.first, last_block=seg.last, rebatch=bool(rb is not None and rb[s - 1, seg.first, seg.last])))
         for k, length in enumerate(bucket_set):
             if placement is not None:  # one bucket, a split may span pools
                 per_pool = [(p, int(r)) for p, r in enumerate(placement.replicas[i]) if r > 0]
@@ -444,7 +474,7 @@ def plan_service(
             inp.notes.append(f"DensePipe placement spreads splits over pools: goodput {sol.goodput:.4g} -> {placement.goodput:.4g} req/s")
     timings["densepipe"] = time.perf_counter() - t3
     t3 = time.perf_counter()
-    plan, cycle, stage = _to_plan(service_name, spec, inp, list(bucket_set), problem, sol, thresholds, reason, placement, rebatch)
+    plan, cycle, stage = _to_plan(service_name, spec, inp, list(bucket_set), problem, sol, thresholds, reason, placement)
     timings["plan"] = time.perf_counter() - t3
     timings["total"] = time.perf_counter() - t0
     notes = list(dict.fromkeys(inp.notes + [n for m in inp.models for n in m.notes]))

@@ -71,3 +71,29 @@ def test_rebatching_replica_holds_a_batch_at_every_inner_boundary(model):
     extra = m.replica_bytes(2, 5, 8, SEQ, rebatch=True) - m.replica_bytes(2, 5, 8, SEQ)
     assert extra == pytest.approx(8 * sum(m.bytes_per_sample(k, SEQ) for k in (2, 3, 4)))
     assert m.replica_bytes(3, 3, 8, SEQ, rebatch=True) == m.replica_bytes(3, 3, 8, SEQ)  # one block: no inner boundary
+
+
+def test_rebatching_queues_that_fill_slowly_cost_more_and_solve_their_fixed_point(model):
+    """With a wait limit W (fill_ms), block k of split [a, b] gathers at most B s(k)/s(a) W / T rows
+    (T: the split's mean time per B entering rows), so it runs at x_k = min(B, that) rows, B s(k)/s(a)
+    / x_k times per B entering rows; T must equal the sum of those runs."""
+    m, sigma, on = model
+    full = m.stage_tables([8], SEQ, sigma, on, expected=True, transfer=False, rebatch=True)[0]
+    loose = m.stage_tables([8], SEQ, sigma, on, expected=True, transfer=False, rebatch=True, fill_ms=1e9)[0]
+    tri = np.triu_indices(12)
+    assert np.allclose(loose[tri], full[tri], rtol=1e-9)
+    tight = m.stage_tables([8], SEQ, sigma, on, expected=True, transfer=False, rebatch=True, fill_ms=30.0)[0]
+    a, b = 0, 11
+    T = tight[a, b]
+    assert np.isfinite(T) and T > full[a, b] * 1.003  # block 11 (7 % of the rows) cannot fill 8 rows in 30 ms
+    again = 0.0
+    for k in range(a, b + 1):
+        share = sigma[k] / sigma[a]
+        x = min(8.0, 8.0 * share * 30.0 / T)
+        t = m.block_ms(k, x, SEQ) + sum(m.ramp_ms(r, x, SEQ) for r, after in enumerate(m.ramp_after) if after == k and on[r])
+        again += 8.0 * share / x * t
+    assert again == pytest.approx(T, rel=1e-5)
+    # a split whose rows would wait longer than two cycles in its queues is not offered; one whose
+    # rows never exit inside it fills every inner queue at once
+    assert np.isinf(m.stage_tables([8], SEQ, sigma, on, expected=True, transfer=False, rebatch=True, fill_ms=20.0)[0][0, 11])
+    assert m.stage_tables([8], SEQ, sigma, on, expected=True, transfer=False, rebatch=True, fill_ms=20.0)[0][5, 9] == pytest.approx(full[5, 9])

@@ -217,6 +217,23 @@ def test_rebatching_plan_marks_its_splits_and_plans_more_goodput():
     assert any("rebatch" in p for p in bad.problems())
 
 
+@pytest.mark.parametrize("gpu,count", [("v100", 16), ("p100", 27), ("k80", 88)])
+def test_a_split_rebatches_only_where_that_is_no_slower(gpu, count):
+    """Per split, rebatching is taken where its tables are at least as fast for every pool and
+    bucket, so the plan's predicted goodput is never below split-and-replicate's (on K80 the
+    inner queues of the later splits fill too slowly within a cycle, and those splits do not)."""
+    spec = EarlyExitServiceSpec(model=ModelRef(name="bert-base-ee", bundle="x"), slo=SLO(latency_ms=100), pools=[PoolRef(name=gpu)],
+                                planner=PlannerSettings(max_splits=4))
+    ramps = {r.name: 0.9 for r in bert_base_profile(gpu).ramps}
+    plans = {rb: plan_service("bert", spec.model_copy(update={"planner": spec.planner.model_copy(update={"rebatch": rb})}),
+                              {gpu: gpu_pool(gpu, count)}, {gpu: bert_base_profile(gpu)}, thresholds=ramps) for rb in (True, False)}
+    plans[True].verify()
+    assert plans[True].plan.prediction.goodput_rps >= plans[False].plan.prediction.goodput_rps * (1 - 1e-9)
+    assert any(s.rebatch for s in plans[True].plan.splits)
+    if gpu == "k80":
+        assert not all(s.rebatch for s in plans[True].plan.splits)
+
+
 def test_rebatch_off_reproduces_split_and_replicate():
     """rebatch=False plans as before rebatching existed: on E3's setting, blocks 0-1 | 2-4 | 5-11 on
     6 + 6 + 4 V100s at batch 8 (BENCHMARKS.md, issue 3)."""
