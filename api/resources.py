@@ -158,12 +158,13 @@ class PlannerSettings(Model):
     drift: DriftLimits = Field(default_factory=DriftLimits)
     max_splits: Annotated[int, Field(ge=1, le=64)] = 4
     rebatch: bool = True
-    """Rebatch inside every split (when exits are on): each block of a split keeps its own fusion
-    queue and runs on a full batch of the rows that reached it, instead of on what is left of one
-    entering batch after its exits, so deep blocks do not run half-empty batches. Turn it off to
-    plan E3's split-and-replicate alone (every block of a split runs the survivors of one batch),
-    e.g. when the workers cannot rebatch or to compare against it; rows then wait less at the
-    inner blocks of a lightly loaded split."""
+    """Let splits rebatch (when exits are on): each block of such a split keeps its own fusion queue
+    and runs on a full batch of the rows that reached it, instead of on what is left of one
+    entering batch after its exits, so deep blocks do not run half-empty batches. The planner
+    rebatches a split where its cost model finds that no slower (the inner queues must fill within
+    a cycle). Turn it off to plan E3's split-and-replicate alone (every block of a split runs the
+    survivors of one batch), e.g. when the workers cannot rebatch or to compare against it; rows
+    then wait less at the inner blocks of a lightly loaded split."""
 
 
 class RouterSettings(Model):
