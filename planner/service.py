@@ -104,10 +104,12 @@ class PlanResult:
                 out.append(f"cell {key}: a batch takes {ms:.3f} ms, over the cycle {self.cycle_ms:.3f} ms")
         if plan.prediction.p99_ms > inp.budget_ms * (1 + 1e-9):
             out.append(f"predicted p99 {plan.prediction.p99_ms:.3f} ms exceeds the SLO budget {inp.budget_ms:.3f} ms")
-        chosen = getattr(self.problem, "rebatch", None)
-        sized = [bool(chosen is not None and chosen[len(plan.splits) - 1, s.first_block, s.last_block]) for s in plan.splits]
-        if [s.rebatch for s in plan.splits] != sized:
-            out.append(f"splits marked rebatch {[s.rebatch for s in plan.splits]}, but they were sized as {sized}")
+        if isinstance(self.problem, PlanProblem):
+            for s in plan.splits:
+                sized = {self.problem.rebatches(len(plan.splits), inp.pool_names.index(c.pool), s.first_block, s.last_block)
+                         for c in plan.cells if c.split == s.index and c.pool in inp.pool_names}
+                if sized and sized != {s.rebatch}:
+                    out.append(f"split {s.index} is marked rebatch={s.rebatch}, but its cells were sized with rebatch={sorted(sized)}")
         unknown = set(plan.thresholds) - set(inp.ramp_names)
         if unknown:
             out.append(f"thresholds name unknown ramps {sorted(unknown)}")
@@ -131,10 +133,13 @@ def rebatching(spec: EarlyExitServiceSpec, inp: Inputs) -> bool:
 
 @dataclass
 class PlanProblem(E3Problem):
-    """E3's problem plus, per (splits, first, last), whether that split rebatches (the DP ignores it)."""
+    """E3's problem plus, per (splits, pool, first, last), whether that split rebatches (the DP ignores it)."""
 
     rebatch: np.ndarray | None = None
-    """bool (max_splits, N, N); None: no split rebatches."""
+    """bool (max_splits, P, N, N); None: no split rebatches."""
+
+    def rebatches(self, splits: int, pool: int, first: int, last: int) -> bool:
+        return bool(self.rebatch is not None and self.rebatch[splits - 1, pool, first, last])
 
 
 def _options(inp: Inputs, bucket_set: Sequence[int], S: int, rebatch: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -175,8 +180,8 @@ def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layou
 
     `layout` = (segments, pool per segment) restricts the problem to one layout (the previous plan's).
     `rebatch`: a split may regroup rows at each block (the cost model's rebatching tables and
-    memory); it does where that is at least as fast as without for every pool and bucket (and some
-    pool can run it so), so no option is slower than E3's own and the DP's optimum is at least E3's.
+    memory); on a pool it does where that is at least as fast as without for every bucket (and
+    feasible for one), so no option is slower than E3's own and the DP's optimum is at least E3's.
     """
     n = inp.n_blocks
     S = max_splits if layout is None else len(layout[0])
@@ -184,8 +189,8 @@ def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layou
     chosen = None
     if rebatch:
         rb_rate, rb_batch, rb_stage = _options(inp, bucket_set, S, True)
-        chosen = np.all(rb_rate >= rate, axis=(1, 4)) & np.any(rb_rate > 0, axis=(1, 4))  # (S, n, n)
-        pick = chosen[:, None, :, :, None]
+        chosen = np.all(rb_rate >= rate, axis=4) & np.any(rb_rate > 0, axis=4)  # (S, P, n, n)
+        pick = chosen[..., None]
         rate, batch, stage = np.where(pick, rb_rate, rate), np.where(pick, rb_batch, batch), np.where(pick, rb_stage, stage)
     if layout is not None:
         keep = np.zeros_like(rate, dtype=bool)
@@ -275,8 +280,8 @@ def _to_plan(service: str, spec: EarlyExitServiceSpec, inp: Inputs, bucket_set: 
     cycle = inp.budget_ms / cycles(s)
     splits, cells, stage = [], [], {}
     for i, seg in enumerate(sol.segments):
-        rb = getattr(problem, "rebatch", None)
-        splits.append(SplitPlan(index=i, first_block=seg.first, last_block=seg.last, rebatch=bool(rb is not None and rb[s - 1, seg.first, seg.last])))
+        rb = isinstance(problem, PlanProblem) and problem.rebatches(s, seg.pool, seg.first, seg.last)
+        splits.append(SplitPlan(index=i, first_block=seg.first, last_block=seg.last, rebatch=rb))
         for k, length in enumerate(bucket_set):
             if placement is not None:  # one bucket, a split may span pools
                 per_pool = [(p, int(r)) for p, r in enumerate(placement.replicas[i]) if r > 0]
@@ -353,7 +358,11 @@ def _densepipe(problem: E3Problem, sol: E3Solution) -> Placement | None:
     """DensePipe's placement of the chosen layout over every pool (a split may span pools); returned
     only when it beats E3's one-pool-per-split replicas."""
     s = sol.splits
-    mu = np.asarray([[problem.rate[s - 1, p, g.first, g.last, 0] for p in range(len(problem.caps))] for g in sol.segments])
+    # a pool joins a split only where it would run it the same way (rebatching or not) as the split's own pool
+    same = [[not isinstance(problem, PlanProblem) or problem.rebatches(s, p, g.first, g.last) == problem.rebatches(s, g.pool, g.first, g.last)
+             for p in range(len(problem.caps))] for g in sol.segments]
+    mu = np.asarray([[problem.rate[s - 1, p, g.first, g.last, 0] if same[i][p] else 0.0 for p in range(len(problem.caps))]
+                     for i, g in enumerate(sol.segments)])
     q = np.asarray([problem.sigma_in[g.first] for g in sol.segments])
     if np.any(q <= 0):
         return None

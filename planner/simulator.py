@@ -49,7 +49,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,7 +155,8 @@ class Simulation:
 
     def __init__(self, plan: Plan, models: dict[str, CostModel], slo_ms: float, *, enabled: Sequence[bool] | None = None,
                  survival: Sequence[float] | None = None, pool_costs: dict[str, float] | None = None, queue: QueueParams = QueueParams(),
-                 max_wait_ms: float = 2.0, seed: int = 0, name: str = "", compact_exits: bool = True) -> None:
+                 max_wait_ms: float = 2.0, seed: int = 0, name: str = "", compact_exits: bool = True,
+                 stage_policy: Callable[..., tuple[int, float]] | None = None) -> None:
         self.plan, self.models, self.slo_s = plan, models, slo_ms / 1e3
         ref = next(iter(models.values()))
         self.n_blocks = ref.n_blocks
@@ -165,6 +166,9 @@ class Simulation:
         self.survival = list(survival) if survival is not None else (list(ref.profile.survival) or [1.0] * len(names))
         self.queue_params, self.max_wait = queue, max_wait_ms / 1e3
         self.compact_exits = compact_exits
+        self.stage_policy = stage_policy or choose_stage
+        """Which queue of a rebatching worker runs next: the data plane's `choose_stage` unless a
+        variant is given (to study another policy; the data plane does not run it)."""
         self.rng = np.random.default_rng(seed)
         self.name = name
         self.cost = sum(c.replicas * (pool_costs or {}).get(c.pool, 1.0) for c in plan.cells)
@@ -287,7 +291,7 @@ class Simulation:
                 q = stages[j]
                 return min(q[0][1] + self.max_wait, min(deadline[r] for r, _ in q) - w.stage_rest_ms[j] * 1.2 / 1e3)
 
-            chosen, soonest = choose_stage([len(q) for q in stages], w.batch, launch, now)
+            chosen, soonest = self.stage_policy([len(q) for q in stages], w.batch, launch, now)
             if chosen < 0:
                 if soonest < w.timer:
                     w.timer = soonest
