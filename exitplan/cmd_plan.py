@@ -116,12 +116,12 @@ def command(
                  f"{result.timings['total']:.3f}")
     console.print(head)
     cells = Table(title="cells (one worker Deployment each)")
-    for col in ("split", "blocks", "bucket", "share", "pool", "replicas", "batch", "batch ms"):
+    for col in ("split", "blocks", "rebatch", "bucket", "share", "pool", "replicas", "batch", "batch ms"):
         cells.add_column(col, justify="right")
     shares = dict(zip(plan.buckets, plan.length_histogram))
     for c in plan.cells:
         s = plan.splits[c.split]
-        cells.add_row(str(c.split), f"{s.first_block}-{s.last_block}", str(c.bucket), f"{shares.get(c.bucket, 0):.1%}", c.pool,
+        cells.add_row(str(c.split), f"{s.first_block}-{s.last_block}", "yes" if s.rebatch else "no", str(c.bucket), f"{shares.get(c.bucket, 0):.1%}", c.pool,
                       str(c.replicas), str(c.batch_size), f"{result.stage_ms[(c.split, c.bucket)]:.2f}")
     console.print(cells)
     if prev is not None:

@@ -17,7 +17,7 @@ def test_plan_prints_tables_and_writes_json_and_png(tmp_path):
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     res = CliRunner().invoke(app, ["plan", str(SERVICE), "--json", str(out), "--png", str(png)])
     assert res.exit_code == 0, res.output
-    assert "cells" in res.output and "goodput" in res.output
+    assert "cells" in res.output and "goodput" in res.output and "rebatch" in res.output
     body = json.loads(out.read_text())
     assert body["plan"]["model"] == "bert-base-ee" and body["plan"]["cells"]
     assert png.read_bytes()[:4] == b"\x89PNG"
