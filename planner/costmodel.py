@@ -34,8 +34,6 @@ MONOTONE_SLACK = 0.5
 """Measured latencies may dip by this fraction (timer noise on shared machines: profiles measured on
 the 2-core dev machine dip by up to ~30 % at large batches) before the profile counts as
 non-monotone; smaller dips are smoothed to a running maximum and noted."""
-DIVERGED_MS = 1e6
-"""A rebatching split's mean time per batch past this (ms) counts as never settling (see stage_tables)."""
 MONOTONE_FLOOR_MS = 0.05
 """Dips smaller than this many milliseconds are always noise."""
 
@@ -247,8 +245,9 @@ class CostModel:
         replica busy at its rate B / T (T the mean time per B entering rows) brings block k
         B s(k)/s(a) x fill_ms / T rows per wait, so block k runs at x_k = min(B, that) rows,
         x_k / (B s(k)/s(a)) times per B entering rows, and T = sum_k s(k)/s(a) x B / x_k x
-        (block k + ramp at x_k), solved by fixed-point iteration from the full-batch T (inf where
-        it does not converge: the deadline-forced launches alone would keep the replica busy). Also
+        (block k + ramp at x_k), solved by fixed-point iteration from the full-batch T (inf where T
+        passes fill_ms: slower than any split without rebatching that fits the cycle, whose mean
+        time per batch is at most its bound, so never the better choice). Also
         inf where a row's expected time through the split -- at each block half the time its queue
         takes to gather its rows (at most fill_ms; none for a block fed whole batches by the one
         before) plus the run -- exceeds two cycles (2 fill_ms), a split's share of the latency
@@ -317,8 +316,9 @@ class CostModel:
     def _rebatch_fill(self, per_block: np.ndarray, ramp_rows: np.ndarray, ramps_on: Sequence[bool], ratio: np.ndarray, bsz: float,
                       fill_ms: float) -> np.ndarray:
         """T[a, b]: mean ms per `bsz` entering rows of rebatching split [a, b] when each block's queue
-        launches at the latest every `fill_ms` (see stage_tables); inf where there is no fixed point
-        or a row would take longer than two cycles through the split."""
+        launches at the latest every `fill_ms` (see stage_tables); inf where T would exceed fill_ms
+        (slower than any split without rebatching that fits the cycle) or a row would take longer
+        than two cycles through the split."""
         n = self.n_blocks
         comb = per_block.copy()
         for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
@@ -326,44 +326,47 @@ class CostModel:
                 comb[after] += ramp_rows[r]
         xs = np.concatenate([[0.0], self.batch_sizes])
         ys = np.concatenate([np.zeros((n, 1)), comb], axis=1)  # (k, len(xs))
-        k_idx = np.arange(n)[None, None, :]
+        slope = np.diff(ys, axis=1) / np.diff(xs)[None, :]  # (k, segments)
+        k_idx = np.arange(n)[None, :]
 
-        def at(x: np.ndarray) -> np.ndarray:  # block k (+ ramp) at x[a, b, k] rows, linear, 0 at 0, extrapolated past the top
+        def at(x: np.ndarray) -> np.ndarray:  # block k (+ ramp) at x[pair, k] rows, linear, 0 at 0, extrapolated past the top
             i = np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2)
-            x0, x1 = xs[i], xs[i + 1]
-            y0, y1 = ys[k_idx, i], ys[k_idx, i + 1]
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+            return ys[k_idx, i] + slope[k_idx, i] * (x - xs[i])
 
-        a_, b_, k_ = np.meshgrid(np.arange(n), np.arange(n), np.arange(n), indexing="ij")
-        share = ratio[a_, k_]  # (a, b, k)
-        mask = (k_ >= a_) & (k_ <= b_) & (bsz * share > 1e-9)
+        a_all, b_all = np.triu_indices(n)  # the splits [a, b], a <= b
+        k_ = np.arange(n)[None, :]
+        share = ratio[a_all][:, :n]  # (pair, k)
+        mask = (k_ >= a_all[:, None]) & (k_ <= b_all[:, None]) & (bsz * share > 1e-9)
         share = np.where(mask, share, 0.0)
         total = np.where(mask, share * at(np.full(share.shape, bsz)), 0.0).sum(axis=-1)  # full batches
-        total = np.maximum(total, 1e-12)
-        empty = ~mask.any(axis=-1)  # b < a
-
-        def step(total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            frac = np.where(mask, np.clip(share * fill_ms / total[:, :, None], 1e-12, 1.0), 1.0)
-            return frac, np.where(mask, share / frac * at(bsz * frac), 0.0).sum(axis=-1)
-
+        out = np.full(len(a_all), np.inf)
+        active = np.flatnonzero(total <= fill_ms)
+        t = total[active]
         for _ in range(200):
-            _, nxt = step(total)
-            settled = (np.abs(nxt - total) <= 1e-9 * total) | (nxt > DIVERGED_MS) | empty
-            total = np.minimum(np.maximum(nxt, 1e-12), 2 * DIVERGED_MS)
-            if np.all(settled):
+            sh, mk = share[active], mask[active]
+            frac = np.where(mk, np.clip(sh * fill_ms / t[:, None], 1e-12, 1.0), 1.0)
+            nxt = np.where(mk, sh / frac * at(bsz * frac), 0.0).sum(axis=-1)
+            done = np.abs(nxt - t) <= 1e-9 * t
+            out[active[done]] = nxt[done]
+            keep = ~done & (nxt <= fill_ms)
+            active, t = active[keep], nxt[keep]
+            if not len(active):
                 break
-        frac, nxt = step(total)
-        total = np.where((np.abs(nxt - total) <= 1e-6 * total) & (nxt <= DIVERGED_MS), nxt, np.inf)
         # A row's time through the split: at each block it waits on average half the time its queue
         # takes to gather a batch (B s(k)/s(a) rows per T at the replica's rate, at most fill_ms),
         # then runs; at most two cycles, the share a split has without rebatching (wait one, run one).
-        with np.errstate(invalid="ignore", divide="ignore"):
-            gather = np.where(mask, np.minimum(frac * total[:, :, None] / np.maximum(share, 1e-12), fill_ms), 0.0)
+        ok = np.flatnonzero(np.isfinite(out))
+        sh, mk, t = share[ok], mask[ok], out[ok]
+        frac = np.where(mk, np.clip(sh * fill_ms / t[:, None], 1e-12, 1.0), 1.0)
+        gather = np.where(mk, np.minimum(frac * t[:, None] / np.maximum(sh, 1e-12), fill_ms), 0.0)
         # a block whose rows all come from the block before in whole batches fills at once
-        prev = np.concatenate([np.zeros((n, n, 1)), share[:, :, :-1]], axis=-1)
-        gather = np.where((k_ > a_) & (np.abs(prev - share) <= 1e-12), 0.0, gather)
-        latency = np.where(mask, gather / 2 + at(bsz * frac), 0.0).sum(axis=-1)
-        return np.where(latency <= 2.0 * fill_ms * (1 + 1e-9), total, np.inf)
+        prev = np.concatenate([np.zeros((len(ok), 1)), sh[:, :-1]], axis=-1)
+        gather = np.where((k_ > a_all[ok][:, None]) & (np.abs(prev - sh) <= 1e-12), 0.0, gather)
+        latency = np.where(mk, gather / 2 + at(bsz * frac), 0.0).sum(axis=-1)
+        out[ok[latency > 2.0 * fill_ms * (1 + 1e-9)]] = np.inf
+        table = np.full((n, n), np.inf)
+        table[a_all, b_all] = out
+        return table
 
     def replica_bytes(self, first: int, last: int, batch: float, seq: float, rebatch: bool = False) -> float:
         """Memory one replica of split [first, last] needs: weights + one batch of in/out activations
