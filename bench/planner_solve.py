@@ -24,7 +24,7 @@ from exitplan.api.resources import SLO, EarlyExitServiceSpec, ModelRef, PlannerS
 from exitplan.planner.arlo import allocate
 from exitplan.planner.dispatch import QueueParams, choose_bucket, least_loaded
 from exitplan.planner.e3 import max_goodput
-from exitplan.planner.service import build_problem, resolve_inputs
+from exitplan.planner.service import build_problem, rebatching, resolve_inputs
 from exitplan.planner.synthetic import GPUS, easy_hard_survival, gpu_pool, layer_ms, synthetic_profile
 from exitplan.planner.traces import default_trace_path, load_trace
 
@@ -55,7 +55,7 @@ def e3_problem():
     spec = EarlyExitServiceSpec(model=ModelRef(name="bert-large-ee", bundle="x"), slo=SLO(latency_ms=200), pools=[PoolRef(name=g) for g in gpus],
                                 planner=PlannerSettings(max_splits=4))
     inp = resolve_inputs(spec, {g: gpu_pool(g, caps[g]) for g in gpus}, profiles)
-    return build_problem(inp, [128], 4)
+    return build_problem(inp, [128], 4, rebatch=rebatching(spec, inp))  # as plan_service builds it (rebatching on by default)
 
 
 def arlo_instance():
