@@ -9,8 +9,9 @@
 | exitplan  | on    | up to maxSplits | spec.planner.rebatch | from the staircase + Algorithm 1 |
 | oracle    | free  | --              | --                   | none needed (fluid bound)        |
 
-Rebatching: every split keeps a fusion queue per block, so each block runs a full batch of the rows
+Rebatching: a split keeps a fusion queue per block, so each block runs a full batch of the rows
 that reached it (SplitPlan.rebatch); without it a block runs what is left of one entering batch.
+With spec.planner.rebatch on, the planner rebatches a split on a pool where that is no slower.
 All share the spec's pools, caps and cost cap (equal cost), the SLO and the dispatch/batching rules.
 """
 
