@@ -6,7 +6,7 @@ Stages (timed in `PlanResult.timings`):
 3. lengths: a histogram on the profile's length grid, the staircase, candidate bucket sets;
 4. solve: E3's exact DP per bucket set (splits x replicas x pool per split, one pipeline per bucket),
    with spec.planner.rebatch on and exits enabled, a split rebatches (a fusion queue per block)
-   where the rebatching cost tables make it at least as fast for every pool and bucket;
+   on a pool where the rebatching cost tables make it at least as fast for every bucket;
 5. plan: cells, spare replicas to the tightest cells (max-goodput), DensePipe's placement of the
    layout over all pools when it beats one pool per split (one bucket, several pools), prediction,
    smallest change.
@@ -456,7 +456,7 @@ def plan_service(
     if chosen is None:
         if last_error is not None and last_error.field == "spec.planner.targetRps":
             raise last_error
-        raise _diagnose(inp, min(sets.values(), key=len), max_splits, rebatch)
+        raise _diagnose(inp, min(sets.values(), key=len), max_splits)  # splits without rebatching are always among the options
     timings["solve"] = time.perf_counter() - t2
 
     kept = False
