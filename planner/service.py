@@ -203,7 +203,7 @@ def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layou
                        inp.cost_cap, rebatch=chosen)
 
 
-def _diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int, rebatch: bool = False) -> PlanInfeasible:
+def _diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int) -> PlanInfeasible:
     """Name the binding constraint when no plan exists."""
     top = max(bucket_set)
     full = {m.pool_name: m.full_model_ms(top, 1.0) for m in inp.models}
@@ -212,7 +212,7 @@ def _diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int, rebatch: 
     best_bound = math.inf
     sigma = inp.sigma()
     for m in inp.models:
-        t = m.stage_tables([1.0], top, sigma, inp.ramps_on(), rebatch=rebatch)[0]
+        t = m.stage_tables([1.0], top, sigma, inp.ramps_on())[0]
         n = m.n_blocks
         for s in range(1, max_splits + 1):
             # bottleneck path: minimise the slowest stage over layouts with s splits
@@ -231,7 +231,7 @@ def _diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int, rebatch: 
             "use a faster pool, or cap workload.lengthBuckets lower",
             field="spec.slo.latencyMs",
         )
-    mem_ok = any(m.replica_bytes(a, a, 1, top, rebatch=rebatch) <= m.pool.memory_bytes for m in inp.models for a in range(m.n_blocks))
+    mem_ok = any(m.replica_bytes(a, a, 1, top) <= m.pool.memory_bytes for m in inp.models for a in range(m.n_blocks))
     if not mem_ok:
         return PlanInfeasible("no single block fits the memory of any pool (GPUPool memoryBytes); use pools with more memory", field="pools.memoryBytes")
     return PlanInfeasible(
