@@ -270,17 +270,6 @@ class CostModel:
                         at_b[after] += self._interp_batch(ramp_rows[r : r + 1], np.asarray([[bsz]]))[0, 0]
                 weight = ratio if expected else (bsz * ratio > 1e-9).astype(np.float64)
                 cost = weight * at_b[None, :]
-                if expected and fill_ms is not None:
-                    filled = self._rebatch_fill(per_block, ramp_rows, ramps_on, ratio, float(bsz), float(fill_ms))
-                    bytes_out = np.asarray([self.bytes_per_sample(b, seq) for b in range(n)])
-                    leaving = bsz * np.minimum(s[None, 1 : n + 1] / s[:n, None], 1.0)
-                    xfer = 8.0 * leaving * bytes_out[None, :] / (self.pool.link_bandwidth_gbps * 1e9) * 1e3
-                    xfer[:, n - 1] = 0.0
-                    if not transfer:
-                        xfer = np.zeros_like(xfer)
-                    tri = np.arange(n)[None, :] >= np.arange(n)[:, None]
-                    out[bi] = np.where(tri, filled + xfer, np.inf)
-                    continue
             elif expected:
                 # (a, k): the mean time of block k over the number of the batch's rows still in it
                 # (each row survives independently: binomial), a block with no row left not run
@@ -301,6 +290,8 @@ class CostModel:
                         cost[:, after] += self._interp_batch(ramp_rows[r : r + 1], load[:, after][None, :])[0]
             cost = np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], cost, 0.0)
             cum = np.cumsum(cost, axis=1)  # cum[a, b] = exec of [a, b]
+            if rebatch and expected and fill_ms is not None:  # queues that may not fill: per split, not a running sum
+                cum = self._rebatch_fill(per_block, ramp_rows, ramps_on, ratio, float(bsz), float(fill_ms))
             bytes_out = np.asarray([self.bytes_per_sample(b, seq) for b in range(n)])
             leaving = bsz * np.minimum(s[None, 1 : n + 1] / s[:n, None], 1.0)  # samples leaving block b
             if not expected:
