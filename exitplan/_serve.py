@@ -1,7 +1,8 @@
-"""Running an aiohttp app as a process: port from the environment, logging, clean shutdown on SIGTERM/SIGINT."""
+"""Running an aiohttp app as a process: uvloop, port from the environment, logging, clean shutdown on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -19,4 +20,12 @@ def serve(app, host: str, port: int, log_level: str = "info") -> None:
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    web.run_app(app, host=host, port=port, print=None, shutdown_timeout=5.0, access_log=None)
+    web.run_app(app, host=host, port=port, print=None, shutdown_timeout=5.0, access_log=None, loop=new_loop())
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop: libuv, its transports and polling in C, which takes ~0.1 ms off each
+    request's hops between router and workers (bench/dataplane_overhead.py)."""
+    import uvloop
+
+    return uvloop.new_event_loop()

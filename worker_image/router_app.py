@@ -26,6 +26,7 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -207,7 +208,7 @@ class Router:
             raw = await request.content.read(self.max_body_bytes + 1)
             if len(raw) > self.max_body_bytes:
                 return _error(413, f"request body is over the limit of {self.max_body_bytes} bytes")
-            body = json.loads(raw)
+            body = orjson.loads(raw)
             batch = decode_inputs(body, self.manifest, self.tokenizer, self.buckets, self.truncate_default)
         except BadRequest as err:
             self.window.record_error("bad_request")
@@ -360,7 +361,7 @@ class Router:
         ramps = [r["ramp"] for r in results]
         self._child(self.metrics.requests, "200").inc()
         n = len(results)
-        return web.json_response({
+        return _json({
             "model_name": self.model,
             "id": request.headers.get("X-Request-Id", ""),
             "outputs": [
@@ -522,6 +523,10 @@ class Router:
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
+
+
+def _json(body: dict) -> web.Response:
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
 def _error(status: int, message: str, retry_after: int | None = None) -> web.Response:

@@ -51,7 +51,9 @@ FAULTS_ENV = "EXITPLAN_ENABLE_FAULTS"
 INLINE_BATCH_MS = 1.0
 """Batches expected to compute within this many ms run on the event loop itself: the round trip to the
 inference thread and back (two wake-ups, ~0.3-0.5 ms on a 2-core VM) would cost more than the batch,
-and blocking the loop for under a millisecond delays nothing that matters."""
+and blocking the loop for under a millisecond delays nothing that matters. Longer batches run on the
+loop too when the worker has nothing else to do (no row queued, no frame out to the next split):
+nothing waits on the loop then, and the hand-off is pure latency."""
 
 
 class Pending:
@@ -154,6 +156,8 @@ class SplitWorker:
         self.hop = HopClient()
         """Frames to the next hop's /v1/run (the session serves probes, thresholds and feedback)."""
         self.tasks: list[asyncio.Task] = []
+        self.forwarding = 0
+        """Frames out to the next split, not yet answered."""
 
     # ------------------------------------------------------------------ plan
 
@@ -366,7 +370,7 @@ class SplitWorker:
         expected = self.expected_ms(len(batch)) * fraction
         t0 = time.perf_counter()
         try:
-            if expected <= INLINE_BATCH_MS:
+            if expected <= INLINE_BATCH_MS or (self.stages.held() == 0 and self.forwarding == 0):
                 outcome = execute(self.runtime, state, self.bucket, thresholds, answered, recorded, first, last)
             else:
                 outcome = await loop.run_in_executor(self.pool_exec, execute, self.runtime, state, self.bucket, thresholds, answered,
@@ -417,9 +421,16 @@ class SplitWorker:
             self._send_feedback([batch[i].item for i in outcome.records])
         elif len(outcome.survivors):
             rows = [batch[i] for i in outcome.survivors]
+            self.forwarding += 1
             asyncio.create_task(self.forward(rows, outcome.state))
 
     async def forward(self, rows: list[Row], state: dict[str, np.ndarray]) -> None:
+        try:
+            await self._forward(rows, state)
+        finally:
+            self.forwarding -= 1
+
+    async def _forward(self, rows: list[Row], state: dict[str, np.ndarray]) -> None:
         assert self.next is not None and self.session is not None
         items = []
         for row in rows:
