@@ -42,3 +42,40 @@ def test_stragglers_and_excluded_and_unready_pods_are_passed_over():
     assert ps.choose(32, 0).address == "d:1"
     assert ps.choose(32, 0, exclude={"d:1"}).address == "b:1"  # the straggler only if every pod is one
     assert ps.choose(64, 0) is None
+
+
+async def test_a_pod_that_misses_one_info_probe_stays_in_the_hop_and_a_dead_one_leaves_at_once():
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    state = {"delay": 0.0}
+
+    async def info(_: web.Request) -> web.Response:
+        await asyncio.sleep(state["delay"])
+        return web.json_response({"split": 1, "bucket": 32, "pool": "cpu", "batchSize": 8, "capacity": 100.0, "ready": True})
+
+    app = web.Application()
+    app.router.add_get("/v1/info", info)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    peers = PeerSet([("127.0.0.1", port)])
+    address = f"127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as session:
+        await peers.refresh(session)
+        assert peers.peers[address].ready
+        state["delay"] = 1.5  # over the probe's 1 s timeout
+        await peers.refresh(session)
+        assert peers.peers[address].ready, "one missed probe took a live pod out of the hop"
+        await peers.refresh(session)
+        assert not peers.peers[address].ready, "two missed probes in a row should take it out"
+        state["delay"] = 0.0
+        await peers.refresh(session)
+        assert peers.peers[address].ready
+        await runner.cleanup()  # the pod is gone: the connection is refused
+        await peers.refresh(session)
+        assert not peers.peers[address].ready

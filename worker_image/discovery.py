@@ -102,6 +102,8 @@ class Peer:
     straggler: bool = False
     last_probe: float = 0.0
     failures: int = 0
+    info_timeouts: int = 0
+    """Consecutive /v1/info probes that timed out."""
     last_seen: float = 0.0
 
     @property
@@ -148,7 +150,14 @@ class PeerSet:
                 peer.capacity = float(info.get("capacity", 0.0))
                 peer.ready = bool(info.get("ready", False))
                 peer.last_seen = time.monotonic()
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+                peer.info_timeouts = 0
+            except asyncio.TimeoutError:
+                # A pod busy with a long batch can miss one probe; two in a row take it out of the hop.
+                # (A pod that dies refuses the connection and leaves at once, below; sends to it fail over.)
+                peer.info_timeouts += 1
+                if peer.info_timeouts >= 2:
+                    peer.ready = False
+            except (aiohttp.ClientError, ValueError, KeyError, TypeError):
                 peer.ready = False
 
         await asyncio.gather(*(probe(a) for a in addresses))
