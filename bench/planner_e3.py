@@ -53,29 +53,9 @@ def spec_for(pools: list[str], cost_cap: float | None = None) -> EarlyExitServic
                                 planner=PlannerSettings(max_splits=4, cost_cap_per_hour=cost_cap))
 
 
-def least_laxity_first(held, batch, launch_at, now):
-    """A variant of the data plane's `dispatch.choose_stage`, studied here only: a queue whose launch
-    time has come (the one whose time came first) runs before any full queue; else the deepest full
-    queue. The data plane's policy runs full queues first, so under load rows whose deadline rule
-    has fired wait behind full batches of other blocks."""
-    best, soonest = -1, float("inf")
-    for j in range(len(held) - 1, -1, -1):
-        if held[j]:
-            at = launch_at(j)
-            if at < soonest:
-                best, soonest = j, at
-    if best >= 0 and soonest <= now:
-        return best, now
-    for j in range(len(held) - 1, -1, -1):
-        if held[j] >= batch:
-            return j, now
-    return -1, soonest
-
-
-def measure(label: str, result, duration: float, iters: int, compact_exits: bool = True, stage_policy=None) -> float:
+def measure(label: str, result, duration: float, iters: int, compact_exits: bool = True) -> float:
     t = time.perf_counter()
-    rate, res = sustainable_rate(result, LENGTHS, SLO_MS, duration_s=duration, iters=iters, max_wait_ms=MAX_WAIT_MS, compact_exits=compact_exits,
-                                 stage_policy=stage_policy)
+    rate, res = sustainable_rate(result, LENGTHS, SLO_MS, duration_s=duration, iters=iters, max_wait_ms=MAX_WAIT_MS, compact_exits=compact_exits)
     plan = result.plan
     layout = " | ".join(f"{s.first_block}-{s.last_block}{' rebatch' if s.rebatch else ''}:" + "+".join(f"{c.replicas}x{c.pool}/b{c.batch_size}" for c in plan.cells if c.split == s.index) for s in plan.splits)
     print(f"  {label:<10} goodput {rate:8.0f} req/s (planned {plan.prediction.goodput_rps:8.0f}; p99 {res.pct(99):5.1f} ms, "
@@ -86,14 +66,14 @@ def measure(label: str, result, duration: float, iters: int, compact_exits: bool
 SWEEP = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
-def sweep(label: str, result, rate: float, duration: float, stage_policy=None) -> float:
+def sweep(label: str, result, rate: float, duration: float) -> float:
     """SLO attainment below the measured goodput (the search above only probes near it): at each
     fraction of `rate`, a run of `duration` seconds of Poisson arrivals. Returns the lowest."""
     out = []
     for f in SWEEP:
         n = max(2000, int(rate * f * duration))
         arrivals = poisson_arrivals(np.random.default_rng(11), rate * f, n)
-        out.append(simulate_plan(result, arrivals, np.full(n, 128), SLO_MS, max_wait_ms=MAX_WAIT_MS, stage_policy=stage_policy).attainment)
+        out.append(simulate_plan(result, arrivals, np.full(n, 128), SLO_MS, max_wait_ms=MAX_WAIT_MS).attainment)
     print(f"  {label:<10} within SLO at " + ", ".join(f"{f:.0%}: {a:.2%}" for f, a in zip(SWEEP, out)) + " of its goodput")
     return min(out)
 
@@ -125,11 +105,6 @@ def main() -> None:
     print("  below the goodput (target 99 % within the SLO at every load):")
     for cfg in ("e3", "exitplan"):
         sweep(cfg, plans[cfg], rates[cfg], duration)
-    print("  study (not the data plane's policy): exitplan's plan with rebatching workers that run a due queue before a full one")
-    lax = measure("exitplan, due first", plans["exitplan"], duration, iters, stage_policy=least_laxity_first)
-    sweep("  ", plans["exitplan"], lax, duration, stage_policy=least_laxity_first)
-    print(f"    exitplan (due first) / naive-ee = {lax / rates['naive-ee']:.2f}x, / oracle = {lax / oracle:.0%}")
-
     print("Part 1b (sensitivity): batches up to 32, extrapolated linearly past the published batch 8")
     wide = {"v100": bert_base_profile("v100", batch_sizes=(1, 2, 4, 8, 16, 24, 32))}
     rates_w = {}

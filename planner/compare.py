@@ -69,12 +69,11 @@ def plan_config(name: str, service: str, spec: EarlyExitServiceSpec, pools: Mapp
 
 
 def simulate_plan(result: PlanResult, arrivals: np.ndarray, lengths: np.ndarray, slo_ms: float, *, seed: int = 0, name: str = "",
-                  depths: np.ndarray | None = None, max_wait_ms: float = 2.0, compact_exits: bool = True, stage_policy=None) -> SimResult:
+                  depths: np.ndarray | None = None, max_wait_ms: float = 2.0, compact_exits: bool = True) -> SimResult:
     inp = result.inputs
     models = {m.pool_name: m for m in inp.models}
     sim = Simulation(result.plan, models, slo_ms, enabled=inp.enabled, survival=_true_survival(result), seed=seed, name=name,
-                     pool_costs=dict(zip(inp.pool_names, inp.costs.tolist())), max_wait_ms=max_wait_ms, compact_exits=compact_exits,
-                     stage_policy=stage_policy)
+                     pool_costs=dict(zip(inp.pool_names, inp.costs.tolist())), max_wait_ms=max_wait_ms, compact_exits=compact_exits)
     return sim.run(arrivals, lengths, depths)
 
 
@@ -85,7 +84,7 @@ def _true_survival(result: PlanResult) -> list[float]:
 
 def sustainable_rate(result: PlanResult, lengths_pool: np.ndarray, slo_ms: float, *, target: float = 0.99, n: int = 6000, seed: int = 0,
                      iters: int = 9, max_wait_ms: float = 2.0, duration_s: float = 0.0, depths_survival: Sequence[float] | None = None,
-                     compact_exits: bool = True, stage_policy=None) -> tuple[float, SimResult]:
+                     compact_exits: bool = True) -> tuple[float, SimResult]:
     """The largest Poisson rate at which >= `target` of requests are answered within the SLO
     (drops count as misses), by bisection between 0 and twice the planned goodput; lengths drawn
     from `lengths_pool`. With `duration_s`, each run holds at least that many seconds of arrivals
@@ -102,15 +101,13 @@ def sustainable_rate(result: PlanResult, lengths_pool: np.ndarray, slo_ms: float
     best = None
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
-        res = simulate_plan(result, base / mid, lengths, slo_ms, seed=seed, max_wait_ms=max_wait_ms, compact_exits=compact_exits,
-                            stage_policy=stage_policy)
+        res = simulate_plan(result, base / mid, lengths, slo_ms, seed=seed, max_wait_ms=max_wait_ms, compact_exits=compact_exits)
         if res.attainment >= target and res.tail_attainment >= target:
             lo, best = mid, res
         else:
             hi = mid
     if best is None:
-        best = simulate_plan(result, base / max(lo, 1e-3), lengths, slo_ms, seed=seed, max_wait_ms=max_wait_ms, compact_exits=compact_exits,
-                             stage_policy=stage_policy)
+        best = simulate_plan(result, base / max(lo, 1e-3), lengths, slo_ms, seed=seed, max_wait_ms=max_wait_ms, compact_exits=compact_exits)
     return lo, best
 
 

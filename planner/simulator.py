@@ -22,11 +22,11 @@ What it models (the same rules as worker_image/router_app.py and worker_app.py):
   fusion queue (stage) per block of the split; a row that survives block k joins stage k + 1 of
   the same worker, where it is batched with rows from other entering batches, and leaves the
   worker after the split's last block (then transferred as above). The worker runs one block at a
-  time, chosen by the data plane's own policy (`dispatch.choose_stage`): the deepest stage holding
-  a full batch first (it drains rows already part-way through before taking new ones in); else,
-  of the stages whose launch time has come (the earliest deadline minus the expected time from
-  its block to the end of the model, 20 % margin, or its oldest row past `max_wait_ms`), the one
-  whose time came first; else it sleeps until the first launch time. A block's time is the cost
+  time, chosen by the data plane's own policy (`dispatch.choose_stage`): of the stages whose
+  launch time has come (the earliest deadline minus the expected time from its block to the end
+  of the model, 20 % margin, or its oldest row past `max_wait_ms`), the one whose time came first;
+  else the deepest stage holding a full batch (it drains rows already part-way through before
+  taking new ones in); else it sleeps until the first launch time. A block's time is the cost
   model's at the rows it runs (up to the batch size). Its mean time per entering batch is each
   block at a full batch weighted by the share of rows that reach it (the planner's rebatching
   table); the admission rate and the next-hop choice use it, and a worker's load counts the rows
@@ -49,7 +49,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,8 +155,7 @@ class Simulation:
 
     def __init__(self, plan: Plan, models: dict[str, CostModel], slo_ms: float, *, enabled: Sequence[bool] | None = None,
                  survival: Sequence[float] | None = None, pool_costs: dict[str, float] | None = None, queue: QueueParams = QueueParams(),
-                 max_wait_ms: float = 2.0, seed: int = 0, name: str = "", compact_exits: bool = True,
-                 stage_policy: Callable[..., tuple[int, float]] | None = None) -> None:
+                 max_wait_ms: float = 2.0, seed: int = 0, name: str = "", compact_exits: bool = True) -> None:
         self.plan, self.models, self.slo_s = plan, models, slo_ms / 1e3
         ref = next(iter(models.values()))
         self.n_blocks = ref.n_blocks
@@ -166,9 +165,6 @@ class Simulation:
         self.survival = list(survival) if survival is not None else (list(ref.profile.survival) or [1.0] * len(names))
         self.queue_params, self.max_wait = queue, max_wait_ms / 1e3
         self.compact_exits = compact_exits
-        self.stage_policy = stage_policy or choose_stage
-        """Which queue of a rebatching worker runs next: the data plane's `choose_stage` unless a
-        variant is given (to study another policy; the data plane does not run it)."""
         self.rng = np.random.default_rng(seed)
         self.name = name
         self.cost = sum(c.replicas * (pool_costs or {}).get(c.pool, 1.0) for c in plan.cells)
@@ -280,10 +276,10 @@ class Simulation:
             return min(oldest + self.max_wait, earliest - w.rest_ms * 1.2 / 1e3)
 
         def kick_stages(w: _Worker, now: float) -> None:
-            # The data plane's policy (dispatch.choose_stage): the deepest stage holding a full
-            # batch; else, of the stages whose launch time has come (the oldest row's maximum wait,
-            # or the earliest deadline minus the expected time from the stage's block to the end of
-            # the model with the same 20 % margin), the one whose time came first; else sleep until
+            # The data plane's policy (dispatch.choose_stage): of the stages whose launch time has
+            # come (the oldest row's maximum wait, or the earliest deadline minus the expected time
+            # from the stage's block to the end of the model with the same 20 % margin), the one
+            # whose time came first; else the deepest stage holding a full batch; else sleep until
             # the first launch time.
             stages = w.stages
 
@@ -291,7 +287,7 @@ class Simulation:
                 q = stages[j]
                 return min(q[0][1] + self.max_wait, min(deadline[r] for r, _ in q) - w.stage_rest_ms[j] * 1.2 / 1e3)
 
-            chosen, soonest = self.stage_policy([len(q) for q in stages], w.batch, launch, now)
+            chosen, soonest = choose_stage([len(q) for q in stages], w.batch, launch, now)
             if chosen < 0:
                 if soonest < w.timer:
                     w.timer = soonest

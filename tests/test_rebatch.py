@@ -28,11 +28,12 @@ from dataplane_helpers import deployment, service_spec
 BATCH = 8
 
 
-def test_choose_stage_prefers_the_deepest_full_queue_then_the_first_due_one():
+def test_choose_stage_runs_the_first_due_queue_then_the_deepest_full_one():
     due = {0: 5.0, 1: 3.0, 2: 9.0}
-    assert choose_stage([8, 8, 3], 8, due.__getitem__, now=0.0) == (1, 0.0)
+    assert choose_stage([8, 8, 3], 8, due.__getitem__, now=0.0) == (1, 0.0)  # nothing due: the deepest full
     assert choose_stage([9, 2, 3], 8, due.__getitem__, now=0.0) == (0, 0.0)
     assert choose_stage([2, 2, 3], 8, due.__getitem__, now=6.0) == (1, 6.0)  # 0 and 1 due, 1 since 3.0; 2 not yet
+    assert choose_stage([8, 2, 3], 8, due.__getitem__, now=6.0) == (1, 6.0)  # a due queue goes before a full one
     assert choose_stage([2, 0, 3], 8, due.__getitem__, now=6.0) == (0, 6.0)
     assert choose_stage([2, 2, 3], 8, due.__getitem__, now=4.0) == (1, 4.0)
     assert choose_stage([2, 2, 3], 8, {0: 1.0, 1: 1.0, 2: 1.0}.__getitem__, now=4.0) == (2, 4.0)  # a tie: the deeper
