@@ -8,8 +8,9 @@ where they are batched with survivors of other batches. The rows in queue j > 0 
 slice of the state (the input of their next block).
 
 Which queue runs next is `exitplan.planner.dispatch.choose_stage`, the policy the simulator uses:
-the deepest full queue, else the deepest whose launch time has come (its earliest deadline minus
-the expected time from its block to the end of the model, x 1.2; or its oldest row's maximum wait).
+of the queues whose launch time has come (its earliest deadline minus the expected time from its
+block to the end of the model, x 1.2; or its oldest row's maximum wait), the one whose time came
+first; else the deepest full queue.
 
 Queues exist for every block in both modes: a plan update that turns rebatching off leaves rows in
 inner queues, which then run from their block to the end of the split.
