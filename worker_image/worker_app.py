@@ -51,9 +51,13 @@ FAULTS_ENV = "EXITPLAN_ENABLE_FAULTS"
 INLINE_BATCH_MS = 1.0
 """Batches expected to compute within this many ms run on the event loop itself: the round trip to the
 inference thread and back (two wake-ups, ~0.3-0.5 ms on a 2-core VM) would cost more than the batch,
-and blocking the loop for under a millisecond delays nothing that matters. Longer batches run on the
-loop too when the worker has nothing else to do (no row queued, no frame out to the next split):
-nothing waits on the loop then, and the hand-off is pure latency."""
+and blocking the loop for under a millisecond delays nothing that matters. Longer batches, up to
+INLINE_IDLE_MAX_MS, run on the loop too when the worker has nothing else to do (no row queued, no
+frame out to the next split): nothing waits on the loop then, and the hand-off is pure latency."""
+
+INLINE_IDLE_MAX_MS = 150.0
+"""The longest batch an idle worker runs on its event loop: health and /v1/info probes (1 s
+timeouts, the kubelet's default included) and arriving frames wait at most this long behind it."""
 
 
 class Pending:
@@ -370,7 +374,7 @@ class SplitWorker:
         expected = self.expected_ms(len(batch)) * fraction
         t0 = time.perf_counter()
         try:
-            if expected <= INLINE_BATCH_MS or (self.stages.held() == 0 and self.forwarding == 0):
+            if expected <= INLINE_BATCH_MS or (expected <= INLINE_IDLE_MAX_MS and self.stages.held() == 0 and self.forwarding == 0):
                 outcome = execute(self.runtime, state, self.bucket, thresholds, answered, recorded, first, last)
             else:
                 outcome = await loop.run_in_executor(self.pool_exec, execute, self.runtime, state, self.bucket, thresholds, answered,
