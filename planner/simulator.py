@@ -306,6 +306,17 @@ class Simulation:
             w.rows += m
             push(now + t / 1e3, 4, (w, chosen, rows, [r for r in rows if depths[r] > blk + 1]))
 
+        def finish(w: _Worker, rows: list[int], surv: list[int], now: float) -> int:
+            """A batch or block of `w` finished: the rows that did not survive are answered now.
+            Returns how many."""
+            w.busy, w.running = False, 0
+            alive = set(surv)
+            done = [r for r in rows if r not in alive]
+            for r in done:
+                done_at[r] = now
+                outstanding[bucket_of[r]] -= 1
+            return len(done)
+
         def kick(w: _Worker, now: float) -> None:
             if w.busy or not w.held:
                 return
@@ -351,25 +362,13 @@ class Simulation:
                 enqueue(pick(self.workers[k][0]), [i], now)
             elif kind == 1:  # a batch finished
                 w, rows, surv, xfer_ms = payload
-                w.busy, w.running = False, 0
-                alive = set(surv)
-                for r in rows:
-                    if r not in alive:
-                        done_at[r] = now
-                        answers += 1
-                        outstanding[bucket_of[r]] -= 1
+                answers += finish(w, rows, surv, now)
                 if surv:
                     push(now + xfer_ms / 1e3, 3, (w.bucket, w.split + 1, surv))
                 kick(w, now)
             elif kind == 4:  # one block of a rebatching worker finished
                 w, j, rows, surv = payload
-                w.busy, w.running = False, 0
-                alive = set(surv)
-                for r in rows:
-                    if r not in alive:
-                        done_at[r] = now
-                        answers += 1
-                        outstanding[bucket_of[r]] -= 1
+                answers += finish(w, rows, surv, now)
                 if surv and j + 1 < len(w.stages):
                     for r in surv:
                         w.stages[j + 1].append((r, now))

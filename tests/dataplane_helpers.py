@@ -5,6 +5,9 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import numpy as np
+
+from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.local import LocalDeployment
@@ -56,3 +59,13 @@ def deployment(bundle: Path, plan: Plan, spec: EarlyExitServiceSpec, workdir: Pa
     n = sum(c.replicas for c in plan.cells) + 1
     base = free_port_block(n + 1)
     return LocalDeployment(bundle, plan, spec, workdir, port=base + n, base_port=base, window_seconds=3600, env=dict(env))
+
+
+def ramp_names(bundle: Path) -> list[str]:
+    return [r.name for r in read_manifest(bundle).exit_ramps()]
+
+
+def heldout_texts(bundle: Path, n: int) -> list[str]:
+    """The first `n` texts of the bundle's held-out set."""
+    with np.load(bundle / "data" / "heldout.npz", allow_pickle=True) as data:
+        return [str(t) for t in data["text"][:n]]

@@ -22,20 +22,19 @@ from exitplan.api.bundle import read_manifest
 from exitplan.worker.bundle_runtime import BundleRuntime, pad_batch, softmax
 from exitplan.worker.discovery import StragglerPolicy
 
-from dataplane_helpers import deployment, service_spec, two_split_plan
+from dataplane_helpers import deployment, heldout_texts, ramp_names, service_spec, two_split_plan
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def ramps(minilm_bundle):
-    return [r.name for r in read_manifest(minilm_bundle).exit_ramps()]
+    return ramp_names(minilm_bundle)
 
 
 @pytest.fixture(scope="module")
 def texts(minilm_bundle):
-    with np.load(minilm_bundle / "data" / "heldout.npz", allow_pickle=True) as data:
-        return [str(t) for t in data["text"][:40]]
+    return heldout_texts(minilm_bundle, 40)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from exitplan.planner.dispatch import choose_stage
 from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, pad_batch, softmax
 from exitplan.worker.stages import StageQueues
 
-from dataplane_helpers import deployment, service_spec
+from dataplane_helpers import deployment, heldout_texts, ramp_names, service_spec
 
 BATCH = 8
 
@@ -67,13 +67,12 @@ def test_stage_queues_spans_survival_and_work():
 
 @pytest.fixture(scope="module")
 def ramps(minilm_bundle):
-    return [r.name for r in read_manifest(minilm_bundle).exit_ramps()]
+    return ramp_names(minilm_bundle)
 
 
 @pytest.fixture(scope="module")
 def texts(minilm_bundle):
-    with np.load(minilm_bundle / "data" / "heldout.npz", allow_pickle=True) as data:
-        return [str(t) for t in data["text"][:48]]
+    return heldout_texts(minilm_bundle, 48)
 
 
 THRESHOLD = 0.9
