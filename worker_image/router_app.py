@@ -526,7 +526,8 @@ class Router:
 
 
 def _json(body: dict) -> web.Response:
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
+    """A JSON answer via orjson (numpy scalars and arrays serialize as their values)."""
+    return web.Response(body=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), content_type="application/json")
 
 
 def _error(status: int, message: str, retry_after: int | None = None) -> web.Response:
