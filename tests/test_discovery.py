@@ -63,19 +63,22 @@ async def test_a_pod_that_misses_one_info_probe_stays_in_the_hop_and_a_dead_one_
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]
-    peers = PeerSet([("127.0.0.1", port)])
+    peers = PeerSet([("127.0.0.1", port)], info_timeout_s=0.3)
     address = f"127.0.0.1:{port}"
-    async with aiohttp.ClientSession() as session:
-        await peers.refresh(session)
-        assert peers.peers[address].ready
-        state["delay"] = 1.5  # over the probe's 1 s timeout
-        await peers.refresh(session)
-        assert peers.peers[address].ready, "one missed probe took a live pod out of the hop"
-        await peers.refresh(session)
-        assert not peers.peers[address].ready, "two missed probes in a row should take it out"
-        state["delay"] = 0.0
-        await peers.refresh(session)
-        assert peers.peers[address].ready
-        await runner.cleanup()  # the pod is gone: the connection is refused
-        await peers.refresh(session)
-        assert not peers.peers[address].ready
+    try:
+        async with aiohttp.ClientSession() as session:
+            await peers.refresh(session)
+            assert peers.peers[address].ready
+            state["delay"] = 0.6  # over the probe's timeout
+            await peers.refresh(session)
+            assert peers.peers[address].ready, "one missed probe took a live pod out of the hop"
+            await peers.refresh(session)
+            assert not peers.peers[address].ready, "two missed probes in a row should take it out"
+            state["delay"] = 0.0
+            await peers.refresh(session)
+            assert peers.peers[address].ready
+            await runner.cleanup()  # the pod is gone: the connection is refused
+            await peers.refresh(session)
+            assert not peers.peers[address].ready
+    finally:
+        await runner.cleanup()

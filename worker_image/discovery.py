@@ -129,6 +129,8 @@ class PeerSet:
 
     spec: list[tuple[str, int]]
     refresh_seconds: float = 2.0
+    info_timeout_s: float = 1.0
+    """How long a /v1/info probe may take; a pod that misses two in a row leaves the hop."""
     policy: StragglerPolicy = field(default_factory=StragglerPolicy)
     peers: dict[str, Peer] = field(default_factory=dict)
 
@@ -143,7 +145,7 @@ class PeerSet:
         async def probe(address: str) -> None:
             peer = self.peers.setdefault(address, Peer(address))
             try:
-                async with session.get(f"http://{address}/v1/info", timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
+                async with session.get(f"http://{address}/v1/info", timeout=aiohttp.ClientTimeout(total=self.info_timeout_s)) as resp:
                     info = await resp.json()
                 peer.split, peer.bucket, peer.pool = int(info["split"]), int(info["bucket"]), str(info.get("pool", ""))
                 peer.batch_size = int(info.get("batchSize", 1))
