@@ -86,8 +86,15 @@ async def test_chained_splits_give_the_full_models_outputs(served, minilm_bundle
     for ex in result.exits:
         expected[ex.row] = softmax(ex.logits[None])[0]
     async with aiohttp.ClientSession() as s:
-        status, answer, _ = await post(s, f"{served.url}/v2/models/minilm/infer", infer_body(texts))
+        t0 = time.perf_counter()
+        status, answer, headers = await post(s, f"{served.url}/v2/models/minilm/infer", infer_body(texts))
+        client_ms = (time.perf_counter() - t0) * 1000
     assert status == 200, answer
+    # Server-Timing: the router's latency holds split 0's compute, and the client's holds both.
+    timing = dict(part.strip().split(";dur=") for part in headers["Server-Timing"].split(","))
+    router_ms, split0_ms = float(timing["router"]), float(timing["split0"])
+    assert 0 < split0_ms < router_ms < client_ms
+    assert router_ms == pytest.approx(answer["parameters"]["latency_ms"], abs=1e-3)
     out = outputs(answer)
     got = np.asarray(out["scores"]["data"], np.float32).reshape(out["scores"]["shape"])
     assert np.abs(got - expected).max() <= 1e-4

@@ -14,6 +14,7 @@ Pure compute: no I/O, called from the worker's inference thread.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +49,8 @@ class BatchOutcome:
     state: dict[str, np.ndarray]
     records: dict[int, Record]
     """Row -> what this split added to the row's feedback record (recorded rows only)."""
+    compute_ms: float = 0.0
+    """Wall time of this call, measured on the thread that ran it (no hand-off or queueing in it)."""
 
 
 def execute(
@@ -66,6 +69,7 @@ def execute(
     `recorded[i]`: row i is shadow-sampled (all ramps evaluated, runs to the final head).
     The survivors' state is the input of block `last` + 1.
     """
+    started = time.perf_counter()
     manifest: BundleManifest = runtime.manifest
     first = runtime.first_block if first is None else first
     last = runtime.last_block if last is None else last
@@ -118,5 +122,5 @@ def execute(
         live = manifest.live_after(index)
         work = {name: work[name] for name in live if name in work}
     if runtime.ends_model and last == runtime.last_block:
-        return BatchOutcome(answers, rows[:0], {}, records)
-    return BatchOutcome(answers, rows, work, records)
+        rows, work = rows[:0], {}
+    return BatchOutcome(answers, rows, work, records, (time.perf_counter() - started) * 1000)

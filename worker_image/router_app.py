@@ -261,17 +261,19 @@ class Router:
                 groups.setdefault(b, []).append(i)
             results: list[dict | None] = [None] * n
             scores = np.zeros((n, len(self.manifest.labels)), dtype=np.float32)
+            compute_ms: list[float] = []
             if len(groups) == 1:  # the common case: no task to schedule
                 (b, rows), = groups.items()
-                await self._dispatch(b, rows, batch, deadline, timeout_at, results, scores)
+                await self._dispatch(b, rows, batch, deadline, timeout_at, results, scores, compute_ms)
             else:
-                await asyncio.gather(*(self._dispatch(b, rows, batch, deadline, timeout_at, results, scores) for b, rows in groups.items()))
+                await asyncio.gather(*(self._dispatch(b, rows, batch, deadline, timeout_at, results, scores, compute_ms)
+                                       for b, rows in groups.items()))
         finally:
             self.inflight -= n
             inflight.set(self.inflight)
-        return self._respond(results, scores, started, chosen, request)
+        return self._respond(results, scores, started, chosen, request, compute_ms)
 
-    async def _dispatch(self, b, rows, batch, deadline, timeout_at, results, scores) -> None:
+    async def _dispatch(self, b, rows, batch, deadline, timeout_at, results, scores, compute_ms) -> None:
         bucket = self.buckets[b]
         ids = [f"{self.prefix}-{next(self.ids)}" for _ in rows]
         frac = self.shadow_fraction
@@ -301,6 +303,7 @@ class Router:
             for _ in rows:
                 self.limiters[b].on_answer(latency, self.outstanding[b], now)
             self.outstanding[b] -= len(rows)
+        compute_ms.append(float(meta.get("compute_ms") or 0.0))
         logits = out.get("logits")
         by_id = {item["id"]: (i, item) for item, i in zip(items, rows)}
         answered_k, answered_i = [], []
@@ -323,7 +326,7 @@ class Router:
         for i, _ in by_id.values():
             results[i] = {"error": "the worker returned no answer for this input", "reason": "worker", "status": 502}
 
-    def _respond(self, results, scores, started, chosen, request) -> web.Response:
+    def _respond(self, results, scores, started, chosen, request, compute_ms) -> web.Response:
         latency = time.time() - started
         within = latency <= self.slo_s
         errors = [r for r in results if r is None or "error" in r]
@@ -361,6 +364,10 @@ class Router:
         ramps = [r["ramp"] for r in results]
         self._child(self.metrics.requests, "200").inc()
         n = len(results)
+        # Server-Timing (W3C): the router's own latency and the split-0 pod's compute for the batch
+        # that carried these inputs (the slowest, when they went to several buckets); what the path
+        # adds over the model is the client's latency minus split0.
+        timing = f"router;dur={latency * 1000:.3f}, split0;dur={max(compute_ms, default=0.0):.3f}"
         return _json({
             "model_name": self.model,
             "id": request.headers.get("X-Request-Id", ""),
@@ -370,7 +377,7 @@ class Router:
                 {"name": "exit_ramp", "datatype": "BYTES", "shape": [n], "data": ramps},
             ],
             "parameters": {"latency_ms": round(latency * 1000, 3)},
-        })
+        }, headers={"Server-Timing": timing})
 
     # ------------------------------------------------------------------ feedback and control
 
@@ -525,9 +532,9 @@ class Router:
         return app
 
 
-def _json(body: dict) -> web.Response:
+def _json(body: dict, headers: dict[str, str] | None = None) -> web.Response:
     """A JSON answer via orjson (numpy scalars and arrays serialize as their values)."""
-    return web.Response(body=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), content_type="application/json")
+    return web.Response(body=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), content_type="application/json", headers=headers)
 
 
 def _error(status: int, message: str, retry_after: int | None = None) -> web.Response:

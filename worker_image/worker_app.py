@@ -63,7 +63,7 @@ timeouts, the kubelet's default included) and arriving frames wait at most this 
 class Pending:
     """One incoming frame: answered when every row has a result or an error."""
 
-    __slots__ = ("items", "tensors", "results", "logits", "remaining", "future", "service_ms", "expected_ms")
+    __slots__ = ("items", "tensors", "results", "logits", "remaining", "future", "service_ms", "expected_ms", "compute_ms")
 
     def __init__(self, items: list[dict], n_labels: int, tensors: dict[str, np.ndarray] | None = None) -> None:
         self.items = items
@@ -75,6 +75,8 @@ class Pending:
         self.future: asyncio.Future = asyncio.get_running_loop().create_future()
         self.service_ms = 0.0
         self.expected_ms = 0.0
+        self.compute_ms = 0.0
+        """The first batch's compute alone (service_ms may also hold a hand-off to the inference thread)."""
 
     def answer(self, index: int, result: dict, logits: np.ndarray | None) -> None:
         if self.results[index] is not None:
@@ -277,7 +279,8 @@ class SplitWorker:
         self.metrics.queued.set(self.stages.held())
         self.wakeup.set()
         await pending.future
-        out_meta = {"results": pending.results, "service_ms": pending.service_ms, "expected_ms": pending.expected_ms}
+        out_meta = {"results": pending.results, "service_ms": pending.service_ms, "expected_ms": pending.expected_ms,
+                    "compute_ms": pending.compute_ms}
         return web.Response(body=wire.encode(out_meta, {"logits": pending.logits}), content_type=wire.CONTENT_TYPE)
 
     async def handle_info(self, _: web.Request) -> web.Response:
@@ -396,7 +399,7 @@ class SplitWorker:
         for row in batch:
             p = row.pending
             if p.service_ms == 0.0:
-                p.service_ms, p.expected_ms = service_ms, expected
+                p.service_ms, p.expected_ms, p.compute_ms = service_ms, expected, outcome.compute_ms
         for i, rec in outcome.records.items():
             item = batch[i].item
             item_rec = item.setdefault("rec", {"conf": {}, "pred": {}})
