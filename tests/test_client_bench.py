@@ -82,7 +82,7 @@ def test_matched_texts_tokenize_to_the_lengths_reported(minilm_bundle):
     assert again.bodies == inputs.bodies  # deterministic given the seed
 
 
-def test_replay_accounts_for_every_request_and_agrees_with_the_routers_counts(served, setup, manifest):
+def test_replay_accounts_for_every_request_and_agrees_with_the_routers_counts(served, setup, manifest, shared_trace):
     before = router_observations(served.url)
     report = run_bench(served.url, "minilm", served.bundle, setup=setup, rps=25.0, limit=120, slo_ms=SLO_MS, seed=1)
     after = router_observations(served.url)
@@ -99,7 +99,7 @@ def test_replay_accounts_for_every_request_and_agrees_with_the_routers_counts(se
     assert report.router is not None and report.router["model"] == "minilm"
 
 
-def test_without_exits_every_answer_is_the_full_models(served, setup, manifest):
+def test_without_exits_every_answer_is_the_full_models(served, setup, manifest, shared_trace):
     """Thresholds above 1: the router answers with the final head, so agreement must be exact, concatenations included."""
     exit_ramps = [r.name for r in manifest.exit_ramps()]
     _set_thresholds(served.url, {r: 2.0 for r in exit_ramps})
@@ -132,7 +132,7 @@ def test_a_burst_far_above_capacity_is_shed_with_explicit_overload_errors(served
     assert report.results > 0
 
 
-def test_capacity_search_then_1_2x_capacity_loses_nothing(served, setup):
+def test_capacity_search_then_1_2x_capacity_loses_nothing(served, setup, shared_trace):
     result = find_capacity(served.url, "minilm", served.bundle, setup=setup, start_rps=8.0, factor=2.0, step_duration=2.0,
                            max_steps=3, slo_ms=SLO_MS)
     assert 1 <= len(result.steps) <= 3
@@ -147,7 +147,7 @@ def test_capacity_search_then_1_2x_capacity_loses_nothing(served, setup):
     _assert_all_answered(report)
 
 
-def test_cli_writes_the_report_as_json(served, minilm_bundle, tmp_path):
+def test_cli_writes_the_report_as_json(served, minilm_bundle, tmp_path, shared_trace):
     out = tmp_path / "bench.json"
     done = CliRunner().invoke(app, [
         "bench", "--url", served.url, "--model", "minilm", "--bundle", str(minilm_bundle), "--rps", "20", "--limit", "25",
@@ -168,7 +168,7 @@ def test_cli_names_what_is_wrong(served, minilm_bundle):
         BenchSetup.connect("http://127.0.0.1:9", "minilm", minilm_bundle)
 
 
-def test_fixed_size_model_bench(digits_bundle, setup, tmp_path):
+def test_fixed_size_model_bench(digits_bundle, setup, tmp_path, shared_trace):
     """A model without a sequence axis: held-out images in seeded order, checked against the full model."""
     manifest = read_manifest(digits_bundle)
     spec = service_spec(digits_bundle, slo_ms=SLO_MS).model_copy(
