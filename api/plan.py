@@ -17,6 +17,19 @@ from pydantic import Field, model_validator
 from .resources import Model
 
 
+def even_ranges(n_blocks: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous (first, last) block ranges of near-equal size covering blocks 0..n_blocks-1 (the
+    first ranges take the extra blocks). The even split both the planner and a worker fall back on."""
+    if not 1 <= parts <= n_blocks:
+        raise ValueError(f"parts must be within 1..{n_blocks} (the model's blocks), got {parts}")
+    sizes = [n_blocks // parts + (1 if i < n_blocks % parts else 0) for i in range(parts)]
+    out, start = [], 0
+    for size in sizes:
+        out.append((start, start + size - 1))
+        start += size
+    return out
+
+
 class SplitPlan(Model):
     index: Annotated[int, Field(ge=0)]
     first_block: Annotated[int, Field(ge=0)]

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from math import comb
 from pathlib import Path
 
-from exitplan.api.plan import Cell, Plan, Prediction, SplitPlan
+from exitplan.api.plan import Cell, Plan, Prediction, SplitPlan, even_ranges
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
 
 from .errors import PlanInfeasible, PlanInvalid, PlannerError
@@ -170,12 +170,7 @@ def even_splits(n_blocks: int, stages: int) -> list[tuple[int, int]]:
     """Contiguous block ranges of near-equal size (the first stages take the extra blocks)."""
     if not 1 <= stages <= n_blocks:
         raise GenerationPlanError(f"stages must be within 1..{n_blocks} (the model's blocks), got {stages}", field="stages")
-    sizes = [n_blocks // stages + (1 if i < n_blocks % stages else 0) for i in range(stages)]
-    out, start = [], 0
-    for size in sizes:
-        out.append((start, start + size - 1))
-        start += size
-    return out
+    return even_ranges(n_blocks, stages)
 
 
 # ------------------------------------------------------------------------------------ threshold

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from exitplan.api.plan import even_ranges
+
 from .generation import (
     NEVER_EXIT,
     DecoderModel,
@@ -135,12 +137,7 @@ def even_stages(n_blocks: int, stages: int) -> list[tuple[int, int]]:
     """Contiguous block ranges of near-equal size (the first stages take the extra blocks)."""
     if not 1 <= stages <= n_blocks:
         raise GenerationError(f"stages must be within 1..{n_blocks} (the bundle's blocks), got {stages}")
-    sizes = [n_blocks // stages + (1 if i < n_blocks % stages else 0) for i in range(stages)]
-    bounds, start = [], 0
-    for size in sizes:
-        bounds.append((start, start + size - 1))
-        start += size
-    return bounds
+    return even_ranges(n_blocks, stages)
 
 
 class PipelineEngine(EngineBase):
