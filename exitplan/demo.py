@@ -174,4 +174,17 @@ def summary_table(result: DemoResult, slo_ms: float):
         f"best goodput: vanilla {best['vanilla']:.1f}, naive-ee {best['naive-ee']:.1f}, exitplan {best['exitplan']:.1f} rps; "
         f"exitplan = {best['exitplan'] / max(best['vanilla'], 1e-9):.2f}x vanilla, {best['exitplan'] / max(best['naive-ee'], 1e-9):.2f}x naive-ee"
     )
+    if not any(saturated(result, c) for c in CONFIGS):
+        top = max(r["load"] for r in result.runs)
+        table.caption += (f"\nevery configuration kept up with the highest load (x{top:g}): the ratios are lower bounds; "
+                          f"add higher loads (--loads ...,{2 * top:g}) to see where each one falls behind")
     return table
+
+
+def saturated(result: DemoResult, config: str) -> bool:
+    """Whether `config` fell behind at its highest load: goodput under 95 % of the offered rate, or errors."""
+    runs = [r for r in result.runs if r["config"] == config]
+    if not runs:
+        return False
+    top = max(runs, key=lambda r: r["load"])
+    return top["goodput_rps"] < 0.95 * top["offered_rps"] or top["errors"] > 0
