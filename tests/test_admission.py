@@ -9,10 +9,10 @@ def test_limit_starts_from_reported_capacity_and_unknown_is_infinite_load():
     lim = BucketLimiter(target_s=0.08)
     assert lim.load(0) == math.inf
     lim.ensure(capacity_rps=100.0, budget_s=0.1)
-    assert lim.limit == 5.0  # half of 100/s x 0.1 s
+    assert lim.limit == 10.0  # 100/s x 0.1 s
     lim.ensure(capacity_rps=1000.0, budget_s=0.1)
-    assert lim.limit == 5.0  # set once; answers move it from there
-    assert lim.load(5) == 1.0
+    assert lim.limit == 10.0  # set once; answers move it from there
+    assert lim.load(10) == 1.0
 
 
 def test_late_answers_cut_once_per_cooldown_and_timely_busy_answers_grow():

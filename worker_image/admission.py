@@ -1,7 +1,8 @@
 """Admission control per length bucket: an AIMD limit on inputs in flight, driven by latency.
 
-The limit starts from what the bucket's pods report (inputs/s they can take, times the SLO, halved
-to be safe before anything was measured) and then follows the latency of the answers: an answer
+The limit starts from what the bucket's pods report: the inputs/s they can take times the SLO, the
+most inputs that can be in flight and still be answered within it (Little's law). It then follows the
+latency of the answers: an answer
 later than `target` (a fraction of the SLO) cuts the limit by `decrease` (at most once per
 `cooldown`, so one late batch counts once); an answer in time while the limit was at least half
 used raises it by 1/limit (about +1 per limit answers). A request whose bucket is at its limit is
@@ -20,7 +21,9 @@ class BucketLimiter:
     target_s: float
     """Answers later than this shrink the limit (e.g. 0.8 x the SLO)."""
     decrease: float = 0.9
-    initial_fraction: float = 0.5
+    initial_fraction: float = 1.0
+    """Of capacity x SLO. Half of it refused bursts of a bursty trace that the pods went on to serve:
+    the limit grows only while at least half used, so at low load it stays where it starts."""
     cooldown_s: float = 0.1
     min_limit: float = 1.0
     limit: float = 0.0
