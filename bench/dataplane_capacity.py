@@ -2,7 +2,7 @@
 
 Serves a bundle with a real router and real worker processes (one split, one worker per length
 bucket), measures its capacity with `find_capacity` (the offered load stepped up until goodput stops
-growing or errors appear), then replays the trace open-loop at fixed multiples of that capacity,
+growing, a request is lost or over 1 % get errors), then replays the trace open-loop at fixed multiples of that capacity,
 all in one run, and prints per load: offered rate, goodput, latency, results, overload errors
 (429/503, with or without Retry-After), other errors and lost requests.
 

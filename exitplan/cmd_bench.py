@@ -29,7 +29,7 @@ def command(
     reference_max: int | None = typer.Option(None, "--reference-max", min=1, help="With --length-mode scale: the trace length (tokens) that maps onto the largest bucket (default: the trace's longest; the shared trace's p99 is 4142)."),
     seed: int = typer.Option(0, "--seed", help="Seed for the choice of texts."),
     timeout_s: float = typer.Option(30.0, "--timeout-s", min=0.1, help="A request with no answer by then counts as lost."),
-    capacity: bool = typer.Option(False, "--find-capacity", help="Step the load up (from --rps, default 5) until goodput stops growing or errors appear; report the capacity."),
+    capacity: bool = typer.Option(False, "--find-capacity", help="Step the load up (from --rps, default 5) until goodput stops growing, a request is lost or over 1 % get errors; report the capacity."),
     step_duration: float = typer.Option(10.0, "--step-duration", min=1.0, help="Seconds per load step with --find-capacity."),
     json_path: Path | None = typer.Option(None, "--json", dir_okay=False, help="Also write every figure as JSON here."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
