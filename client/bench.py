@@ -370,10 +370,9 @@ def find_capacity(
 
     Each step replays `step_duration` seconds of the trace at its rate. The capacity is the highest
     goodput measured (results within the SLO per second). A few overload answers do not end the search:
-    a fresh deployment's admission limit starts at half the pods' reported capacity and grows with
-    answers in time, so the first bursts of a bursty trace can be refused well below what the pods
-    sustain (one 429 at 15 rps once put vanilla's capacity at 14.9 rps in `make demo`, which then
-    served 23.8 rps without one).
+    the router's admission limit follows the answers' latency, so a burst of a bursty trace can be
+    refused at a rate the pods sustain (one 429 at 15 rps once put vanilla's capacity at 14.9 rps in
+    `make demo`, which then served 23.8 rps without one).
     """
     setup = setup.retarget(url, model) if setup is not None else BenchSetup.connect(url, model, bundle)
     if factor <= 1.0:

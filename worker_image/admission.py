@@ -2,10 +2,9 @@
 
 The limit starts from what the bucket's pods report: the inputs/s they can take times the SLO, the
 most inputs that can be in flight and still be answered within it (Little's law). It then follows the
-latency of the answers: an answer
-later than `target` (a fraction of the SLO) cuts the limit by `decrease` (at most once per
-`cooldown`, so one late batch counts once); an answer in time while the limit was at least half
-used raises it by 1/limit (about +1 per limit answers). A request whose bucket is at its limit is
+latency of the answers: an answer later than `target` (a fraction of the SLO) cuts the limit by
+`decrease` (at most once per `cooldown`, so one late batch counts once); an answer in time while the
+limit was at least half used raises it by 1/limit (about +1 per limit answers). A request whose bucket is at its limit is
 refused with 429 rather than admitted to miss its deadline. Pure bookkeeping: no I/O, no clock of
 its own (callers pass `now`).
 """
