@@ -31,6 +31,8 @@ COPY operator/ operator/
 COPY worker_image/ worker_image/
 COPY prepare/ prepare/
 COPY client/ client/
+COPY localrun/ localrun/
+COPY devcluster/ devcluster/
 RUN pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels .
 
 # ---------------------------------------------------------------- slim images (operator, worker-cpu)

@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from .resources import KINDS, Resource
+from exitplan.api.resources import KINDS, Resource
 
 
 class SpecError(ValueError):

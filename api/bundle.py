@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from .resources import Model, Task
+from exitplan.api.resources import Model, Task
 
 DType = Literal["float32", "float16", "int64", "int32", "uint8"]
 

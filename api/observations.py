@@ -10,7 +10,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from .resources import Model
+from exitplan.api.resources import Model
 
 
 class LatencySummary(Model):

@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from .resources import Model
+from exitplan.api.resources import Model
 
 
 def even_ranges(n_blocks: int, parts: int) -> list[tuple[int, int]]:

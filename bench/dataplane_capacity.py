@@ -24,8 +24,8 @@ from rich.table import Table
 from exitplan.api.bundle import read_manifest
 from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.client.bench import BenchSetup, find_capacity, run_bench
-from exitplan.local import LocalDeployment
-from exitplan.planning import ServiceSetup, single_split_plan, tuned_thresholds
+from exitplan.localrun.deployment import LocalDeployment
+from exitplan.localrun.service_setup import ServiceSetup, single_split_plan, tuned_thresholds
 
 
 def thresholds_for(bundle: Path, how: str, budget: float) -> dict[str, float]:

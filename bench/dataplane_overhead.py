@@ -70,7 +70,7 @@ from tokenizers import Tokenizer
 from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec
-from exitplan.local import LocalDeployment
+from exitplan.localrun.deployment import LocalDeployment
 from exitplan.worker.bundle_runtime import BundleRuntime, pad_batch
 
 
@@ -241,7 +241,7 @@ _HOOKS = textwrap.dedent('''
         import json
         import time
         import aiohttp.web_protocol as web_protocol
-        from exitplan.worker import executor, forward, requests, router_app, wire, worker_app
+        from exitplan.worker.classify import executor, forward, requests, router_app, wire, worker_app
         MARKS = []
 
         def mark(name):
@@ -380,7 +380,7 @@ def _floor_framed(on_frame):
 def _floor_worker(port: int, bundle: str, runtime_kw: dict) -> None:
     """Decode a frame, run the same ORT calls, answer a frame with the compute time."""
     from exitplan.worker import wire
-    from exitplan._serve import new_loop
+    from exitplan.worker.serve import new_loop
 
     runtime = BundleRuntime(bundle, threads=1, **runtime_kw)
 
@@ -402,7 +402,7 @@ def _floor_proxy(port: int, worker_port: int, state: dict) -> None:
     import orjson
 
     from exitplan.worker import wire
-    from exitplan._serve import new_loop
+    from exitplan.worker.serve import new_loop
 
     loop = new_loop()
 

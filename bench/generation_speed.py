@@ -33,8 +33,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from exitplan.worker.generation import DecoderModel, RecomputeEngine, full_greedy
-from exitplan.worker.generation_pipeline import PipelineEngine
+from exitplan.worker.generate.decoder import DecoderModel, RecomputeEngine, full_greedy
+from exitplan.worker.generate.local_pipeline import PipelineEngine
 
 
 def bits_per_byte(model: DecoderModel, texts: list[str], thresholds: list[float]) -> dict[float, float]:
@@ -104,7 +104,7 @@ class RouterClient:
         import socket
 
         from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
-        from exitplan.local import LocalDeployment
+        from exitplan.localrun.deployment import LocalDeployment
         from exitplan.planner.generation import plan_generation
 
         manifest = DecoderModel(bundle, last_block=0).manifest
@@ -168,7 +168,7 @@ def main() -> None:
     engines = {"recompute": recompute, "pipeline": pipeline}
     stage_procs = []
     if args.remote:
-        from exitplan.worker.generation_remote import RemotePipelineEngine
+        from exitplan.worker.generate.remote_pipeline import RemotePipelineEngine
 
         stage_procs, urls = start_stages(args.bundle, pipeline.splits)
         engines["pipeline-remote"] = RemotePipelineEngine(args.bundle, urls)

@@ -9,7 +9,7 @@ moves the agreement far less. The same stream goes, side by side (started togeth
 sent to every deployment at the same moment, 4 inputs in flight, so latency ratios compare like
 with like on a shared machine), through three live deployments of the MiniLM bundle (router + 2 workers, buckets 32 and 128): vanilla (no exits), one-time tuning
 (thresholds tuned on the bundle's held-out window, never changed) and continual tuning (the same
-start, then the tuning loop of `exitplan up`, `exitplan.autotune.AutoTuner`, on shadow-sampled
+start, then the tuning loop of `exitplan up`, `exitplan.planner.tuning.autotune.AutoTuner`, on shadow-sampled
 feedback).
 
 Per window of --window consecutive requests: agreement with the full model = the fraction of the
@@ -41,10 +41,10 @@ from tokenizers import Tokenizer
 from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec
-from exitplan.autotune import AutoTuner
-from exitplan.local import LocalDeployment
-from exitplan.planner.thresholds import Window, allowed_disagreements, outcome
-from exitplan.planning import tuned_thresholds
+from exitplan.planner.tuning.autotune import AutoTuner
+from exitplan.localrun.deployment import LocalDeployment
+from exitplan.planner.tuning.thresholds import FeedbackWindow, allowed_disagreements, outcome
+from exitplan.localrun.service_setup import tuned_thresholds
 from exitplan.prepare.datasets import load_tweets, tweet_splits
 from exitplan.worker.bundle_runtime import BundleRuntime, pad_batch, softmax
 
@@ -198,7 +198,7 @@ def main() -> None:
     t = np.array([start[r] for r in ramps])
     probe_rows = rng.choice(unseen.size, size=args.probe, replace=False)
     conf, pred, final = cached_outputs(bundle, [texts_all[i] for i in unseen[probe_rows]])
-    probe = Window(conf=conf, pred=pred, final=final, saving_ms=np.zeros(len(ramps)), cost_ms=np.zeros(len(ramps)))
+    probe = FeedbackWindow(conf=conf, pred=pred, final=final, saving_ms=np.zeros(len(ramps)), cost_ms=np.zeros(len(ramps)))
     agrees = outcome(probe, t).agrees
     lengths, classes = tokens[probe_rows], labels_all[unseen[probe_rows]]
     print(f"probe ({args.probe} unseen tweets, not streamed): agreement with the full model at the one-time thresholds")

@@ -1,6 +1,6 @@
 """How long the threshold tuner takes: 12 ramps over a 1,024-input window (issue 4, "Must show" 1).
 
-Each window is a fresh synthetic window (``exitplan.planner.window_synth``: per-input difficulty,
+Each window is a fresh synthetic window (``exitplan.planner.tuning.synthetic_windows``: per-input difficulty,
 confidence rising with depth, agreement probability conf ** gamma) built before the clock starts;
 every call tunes from all-disabled thresholds (nothing cached between calls: each call builds its
 own search state and sorts). Reported: the median and p90 wall time per call over all windows and
@@ -25,9 +25,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from exitplan.planner.threshold_grid import grid_search
-from exitplan.planner.thresholds import tune
-from exitplan.planner.window_synth import synthetic_window
+from exitplan.planner.tuning.grid import grid_search
+from exitplan.planner.tuning.thresholds import tune
+from exitplan.planner.tuning.synthetic_windows import synthetic_window
 
 VARIANTS = {
     "default": {},

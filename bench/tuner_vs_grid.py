@@ -7,7 +7,7 @@ variants: the default (``profile`` climb, budget-programme restart, refinement),
 without its restart, and Apparate's plain step climb (``steps``: no restart, no refinement).
 
 Windows:
-- synthetic: ``exitplan.planner.window_synth.synthetic_window`` (per-input difficulty, confidence
+- synthetic: ``exitplan.planner.tuning.synthetic_windows.synthetic_window`` (per-input difficulty, confidence
   rising with depth, agreement probability conf ** gamma), 1,024 inputs, 2/3/4 ramps, knobs drawn
   per window;
 - MiniLM: the real ramp outputs of the bundle's held-out set (``--window``, default
@@ -31,9 +31,9 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from exitplan.planner.threshold_grid import grid_search
-from exitplan.planner.thresholds import Window, allowed_disagreements, outcome, tune
-from exitplan.planner.window_synth import synthetic_window
+from exitplan.planner.tuning.grid import grid_search
+from exitplan.planner.tuning.thresholds import FeedbackWindow, allowed_disagreements, outcome, tune
+from exitplan.planner.tuning.synthetic_windows import synthetic_window
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WINDOW = REPO / "artifacts" / "bundles" / "minilm" / "data" / "window.npz"
@@ -53,7 +53,7 @@ def synthetic_windows(count: int, rng: np.random.Generator):
         yield "synthetic", synthetic_window(rng, n=N_INPUTS, r=r), float(rng.choice(BUDGETS))
 
 
-def real_windows(source: Window, count: int, rng: np.random.Generator):
+def real_windows(source: FeedbackWindow, count: int, rng: np.random.Generator):
     for i in range(count):
         r = 2 + i % 3
         ramps = sorted(rng.choice(source.n_ramps, size=r, replace=False).tolist())
@@ -137,7 +137,7 @@ def main() -> int:
     records = run(synthetic_windows(args.windows, rng), args.windows, console)
     real_note = None
     if args.window.exists():
-        source = Window.load(args.window)
+        source = FeedbackWindow.load(args.window)
         console.print(f"MiniLM window: {args.window} ({source.n_inputs} held-out inputs, {source.n_ramps} ramps: "
                       f"{', '.join(source.ramps)}); {N_INPUTS} inputs per window drawn "
                       f"{'with' if source.n_inputs < N_INPUTS else 'without'} replacement")

@@ -19,9 +19,9 @@ import numpy as np
 
 from exitplan.planner.traces import LengthMode, Trace, TraceError, default_trace_path, load_trace
 
-from .loadgen import Outcome, replay
-from .report import BenchReport, summarize
-from .texts import HeldoutPool, ReferenceCache, build_inputs, check_labels, load_pool
+from exitplan.client.loadgen import Outcome, replay
+from exitplan.client.report import BenchReport, summarize
+from exitplan.client.texts import HeldoutPool, ReferenceCache, build_inputs, check_labels, load_pool
 
 DEFAULT_TIMEOUT_S = 30.0
 """Client-side patience per request: far above any SLO the router enforces (its hard timeout is

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .loadgen import ERROR_KINDS, Outcome
+from exitplan.client.loadgen import ERROR_KINDS, Outcome
 
 PERCENTILES = (50, 95, 99)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from . import __version__
+from exitplan import __version__
 
 app = typer.Typer(
     name="exitplan",
@@ -33,15 +33,15 @@ def main(
 
 def _register() -> None:
     # One line per command; each module holds `command` (and sometimes more sub-commands).
-    from . import cmd_demo, cmd_router, cmd_up, cmd_version, cmd_worker
-    from . import cmd_bench
-    from . import cmd_prepare
-    from . import cmd_profile
-    from . import cmd_operator
-    from . import cmd_dev_cluster
-    from . import cmd_tune
-    from . import cmd_plan, cmd_simulate
-    from . import cmd_generate
+    from exitplan import cmd_demo, cmd_router, cmd_up, cmd_version, cmd_worker
+    from exitplan import cmd_bench
+    from exitplan import cmd_prepare
+    from exitplan import cmd_profile
+    from exitplan import cmd_operator
+    from exitplan import cmd_dev_cluster
+    from exitplan import cmd_tune
+    from exitplan import cmd_plan, cmd_simulate
+    from exitplan import cmd_generate
 
     app.command("version", help=cmd_version.command.__doc__)(cmd_version.command)
     app.command("worker")(cmd_worker.command)

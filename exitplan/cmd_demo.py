@@ -26,9 +26,9 @@ def command(
     from exitplan.client.bench import BenchError
     from exitplan.prepare.build import BuildOptions, prepare_bundle, tqdm_bar
 
-    from .demo import DemoOptions, run_demo
-    from .local import StartError
-    from .planning import ServiceFileError
+    from exitplan.localrun.demo import DemoOptions, run_demo
+    from exitplan.localrun.deployment import StartError
+    from exitplan.localrun.service_setup import ServiceFileError
 
     import sys
 

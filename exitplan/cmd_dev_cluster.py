@@ -26,7 +26,7 @@ def command(
     from rich.console import Console
     from rich.table import Table
 
-    from exitplan.operator.devcluster import run_dev_cluster
+    from exitplan.devcluster.cluster import run_dev_cluster
 
     console = Console()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

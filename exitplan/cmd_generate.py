@@ -11,11 +11,11 @@ DEFAULT_BUNDLE = Path("artifacts") / "bundles" / "tweet-decoder"
 
 
 def _engine(bundle: Path, mode: str, splits: int, max_pending: int, threads: int, stage_urls: list[str] | None = None):
-    from exitplan.worker.generation import DecoderModel, GenerationError, RecomputeEngine
-    from exitplan.worker.generation_pipeline import PipelineEngine
+    from exitplan.worker.generate.decoder import DecoderModel, GenerationError, RecomputeEngine
+    from exitplan.worker.generate.local_pipeline import PipelineEngine
 
     if stage_urls:
-        from exitplan.worker.generation_remote import RemotePipelineEngine
+        from exitplan.worker.generate.remote_pipeline import RemotePipelineEngine
 
         return RemotePipelineEngine(bundle, stage_urls)
     if mode == "recompute":
@@ -84,7 +84,7 @@ def command(
     from rich.table import Table
 
     from exitplan.api.bundle import BundleError
-    from exitplan.worker.generation import GenerationError
+    from exitplan.worker.generate.decoder import GenerationError
 
     console = Console()
     try:
@@ -129,8 +129,8 @@ def server_command(
     from rich.console import Console
 
     from exitplan.api.bundle import BundleError
-    from exitplan.worker.generation import GenerationError
-    from exitplan.worker.generation_routes import generation_app
+    from exitplan.worker.generate.decoder import GenerationError
+    from exitplan.worker.generate.routes import generation_app
 
     console = Console()
     if not 0.0 <= threshold <= 1.0:
@@ -166,10 +166,10 @@ def stage_command(
     from rich.console import Console
 
     from exitplan.api.bundle import BundleError
-    from exitplan.worker.generation import DecoderModel, GenerationError
-    from exitplan.worker.generation_remote import RecomputeStageServer, StageServer
+    from exitplan.worker.generate.decoder import DecoderModel, GenerationError
+    from exitplan.worker.generate.remote_pipeline import RecomputeStageServer, StageServer
 
-    from ._serve import port_from_env
+    from exitplan.worker.serve import port_from_env
 
     console = Console()
     port = port_from_env(port)
@@ -208,8 +208,8 @@ def plan_command(
 
     from exitplan.api.bundle import BundleError
     from exitplan.planner.generation import GenerationPlanError, GenerationProfile, plan_splits
-    from exitplan.worker.generation import DecoderModel, GenerationError
-    from exitplan.worker.generation_measure import measure_profile
+    from exitplan.worker.generate.decoder import DecoderModel, GenerationError
+    from exitplan.worker.generate.measure import measure_profile
 
     console = Console()
     try:

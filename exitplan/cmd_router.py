@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from ._serve import port_from_env, serve
+from exitplan.worker.serve import port_from_env, serve
 
 
 def command(
@@ -32,12 +32,12 @@ def command(
 ) -> None:
     """Run the router: KServe v2 inference endpoints, Arlo dispatch, admission control, observations."""
     from exitplan.planner.dispatch import QueueParams
-    from exitplan.worker.router_app import Router
+    from exitplan.worker.classify.router import Router
 
     port = port_from_env(port)
     advertise = advertise or f"{os.environ.get('POD_IP', '127.0.0.1')}:{port}"
     try:
-        from exitplan.worker.router_generation import GenerationRouter, is_generative
+        from exitplan.worker.generate.router import GenerationRouter, is_generative
 
         # a decoder bundle: the generation router (issue 7) drives the stage workers instead
         generation = GenerationRouter(bundle, plan, peers=peers) if is_generative(bundle) else None

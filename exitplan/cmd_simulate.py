@@ -55,7 +55,7 @@ def command(
     from exitplan.planner.errors import PlannerError
     from exitplan.planner.traces import TraceError, default_trace_path, load_trace
 
-    from .cmd_plan import load_inputs
+    from exitplan.cmd_plan import load_inputs
 
     console = Console()
     name, spec, pools, profiles = load_inputs(service_file, with_files)

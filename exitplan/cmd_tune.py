@@ -15,7 +15,7 @@ class MethodOption(str, Enum):
 
 
 def _parse_thresholds(text: str) -> list[float]:
-    from exitplan.planner.thresholds import WindowError
+    from exitplan.planner.tuning.thresholds import WindowError
 
     try:
         return [float(x) for x in text.split(",") if x.strip()]
@@ -38,12 +38,12 @@ def command(
     from rich.markup import escape
     from rich.table import Table
 
-    from exitplan.planner.thresholds import Window, WindowError, outcome, tune
+    from exitplan.planner.tuning.thresholds import FeedbackWindow, WindowError, outcome, tune
 
     console = Console()
     err = Console(stderr=True)
     try:
-        w = Window.load(window)
+        w = FeedbackWindow.load(window)
         start_t = _parse_thresholds(start) if start is not None else None
         began = time.perf_counter()
         result = tune(w, budget, start_t, method=method.value, refine_pass=refine)

@@ -30,8 +30,8 @@ def command(
     from exitplan.api.bundle import BundleError
     from exitplan.api.plan import Plan
 
-    from .local import LocalDeployment, StartError
-    from .planning import ServiceFileError, ensure_profiles, load_setup, planned, trace_lengths, tuned_thresholds
+    from exitplan.localrun.deployment import LocalDeployment, StartError
+    from exitplan.localrun.service_setup import ServiceFileError, ensure_profiles, load_setup, planned, trace_lengths, tuned_thresholds
 
     console = Console()
     try:
@@ -39,7 +39,7 @@ def command(
         if plan is not None:
             the_plan = Plan.from_file(plan)
         elif setup.manifest.decoder is not None:  # a generative bundle (issue 7): its own measurements and planner
-            from .generation_setup import plan_generation_service
+            from exitplan.localrun.generation import plan_generation_service
 
             the_plan = plan_generation_service(setup, console.print)
         else:
@@ -73,7 +73,7 @@ def command(
     console.print("Ctrl-C stops every process.")
     tuner = None
     if autotune and setup.manifest.decoder is None:  # generation: one threshold from the plan (POST /v1/thresholds)
-        from .autotune import AutoTuner
+        from exitplan.planner.tuning.autotune import AutoTuner
 
         ramps = [r.name for r in setup.manifest.exit_ramps()]
         tuner = AutoTuner(deployment.url, ramps, setup.spec.accuracy.max_drop, period=tune_seconds,

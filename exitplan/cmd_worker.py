@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ._serve import port_from_env, serve
+from exitplan.worker.serve import port_from_env, serve
 
 
 def command(
@@ -24,7 +24,7 @@ def command(
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
     """Run one split worker: a contiguous range of blocks for one length bucket, with exits and a fusion queue."""
-    from exitplan.worker.worker_app import SplitWorker
+    from exitplan.worker.classify.worker import SplitWorker
 
     from exitplan.worker.bundle_runtime import choose_providers
 

@@ -125,8 +125,8 @@ async def fetch_observations(svc: rec.Service, timeout: float = 5.0) -> tuple[Ob
 
 
 def _retune_step(urls: list[str], ramps: list[str], budget: float, apply: bool) -> Any:
-    from exitplan import autotune
-    from exitplan.planner.thresholds import WindowError
+    from exitplan.planner.tuning import autotune
+    from exitplan.planner.tuning.thresholds import WindowError
 
     try:
         window = autotune.fetch_window(urls[0], TUNE_WINDOW)
@@ -143,7 +143,7 @@ def _retune_step(urls: list[str], ramps: list[str], budget: float, apply: bool) 
 
 
 async def retune(svc: rec.Service, spec: EarlyExitServiceSpec, ramps: list[str], lock: asyncio.Lock | None = None) -> None:
-    """Apparate's continual tuning on the routers' shadow-sampled feedback (exitplan.autotune):
+    """Apparate's continual tuning on the routers' shadow-sampled feedback (exitplan.planner.tuning.autotune):
     new thresholds when the ones in force break the accuracy budget or leave savings unclaimed.
     Advisory mode computes but does not push. Pushed thresholds are written into the plan
     ConfigMap at once (under the service's lock), so a router that restarts keeps them."""

@@ -18,7 +18,7 @@ from exitplan.api.bundle import BundleError, read_manifest
 from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.operator import builders, generation_builders
 from exitplan.operator.metrics import METRICS
-from exitplan.operator.reconcile import Inputs, Service, _infeasible, current_plan, propose_or_apply
+from exitplan.operator.reconcile import ServiceResources, Service, _infeasible, current_plan, propose_or_apply
 from exitplan.operator.status import ServiceStatus, set_condition
 from exitplan.planner.errors import PlannerError
 from exitplan.planner.generation import GenerationPlanResult, measurements_file, plan_generation, read_measurements
@@ -26,7 +26,7 @@ from exitplan.planner.generation import GenerationPlanResult, measurements_file,
 is_generation = generation_builders.is_generation
 
 
-def plan_for(name: str, spec: EarlyExitServiceSpec, inputs: Inputs, reason: str) -> GenerationPlanResult:
+def plan_for(name: str, spec: EarlyExitServiceSpec, inputs: ServiceResources, reason: str) -> GenerationPlanResult:
     """The generation plan from the bundle's manifest and, when present, its measurements (blocking I/O)."""
     bundle = Path(builders.bundle_path(spec.model.bundle))
     manifest = read_manifest(bundle)
@@ -39,7 +39,7 @@ def plan_for(name: str, spec: EarlyExitServiceSpec, inputs: Inputs, reason: str)
                            profile=profile, thresholds=points, reason=reason)
 
 
-async def reconcile_generation(svc: Service, spec: EarlyExitServiceSpec, inputs: Inputs, status: ServiceStatus,
+async def reconcile_generation(svc: Service, spec: EarlyExitServiceSpec, inputs: ServiceResources, status: ServiceStatus,
                                reason: str) -> ServiceStatus:
     gen = svc.generation
     try:

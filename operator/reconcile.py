@@ -35,7 +35,7 @@ RETRY_DELAY = 10.0
 
 
 @dataclass
-class Inputs:
+class ServiceResources:
     pools: dict[str, GPUPoolSpec] = field(default_factory=dict)
     profiles: dict[str, ModelProfileSpec] = field(default_factory=dict)
     unknown_pools: list[str] = field(default_factory=list)
@@ -84,9 +84,9 @@ class Service:
         self.body["status"] = patch["status"]
 
 
-async def read_inputs(client: KubeClient, spec: EarlyExitServiceSpec, namespace: str) -> Inputs:
+async def read_inputs(client: KubeClient, spec: EarlyExitServiceSpec, namespace: str) -> ServiceResources:
     """The service's GPUPools (by name) and its model's ModelProfiles (by pool)."""
-    inputs = Inputs()
+    inputs = ServiceResources()
     for ref in spec.pools:
         try:
             raw = await client.get(path("GPUPool", None, ref.name))
@@ -118,7 +118,7 @@ def initial_thresholds(spec: EarlyExitServiceSpec, bounds: list[int] | None = No
     and the live tuner in the drift loop sets them from the routers' feedback."""
     from pathlib import Path
 
-    from exitplan.operator.calibration import stratified_thresholds
+    from exitplan.planner.tuning.initial import stratified_thresholds
 
     bundle = Path(builders.bundle_path(spec.model.bundle))
     if not (bundle / "bundle.yaml").is_file():
@@ -134,7 +134,7 @@ def initial_thresholds(spec: EarlyExitServiceSpec, bounds: list[int] | None = No
     return thresholds
 
 
-async def plan_in_executor(name: str, namespace: str, spec: EarlyExitServiceSpec, inputs: Inputs, *, reason: str,
+async def plan_in_executor(name: str, namespace: str, spec: EarlyExitServiceSpec, inputs: ServiceResources, *, reason: str,
                            previous: Plan | None = None, observations: Observations | None = None,
                            keep_layout: bool = False) -> Plan:
     """The planner's entry point in a worker thread (never on the event loop); solve time is a metric."""
@@ -179,7 +179,7 @@ def _finished(job: dict[str, Any]) -> bool:
                                                  for c in status.get("conditions") or [])
 
 
-async def ensure_profiling(svc: Service, spec: EarlyExitServiceSpec, inputs: Inputs) -> list[str]:
+async def ensure_profiling(svc: Service, spec: EarlyExitServiceSpec, inputs: ServiceResources) -> list[str]:
     """A profiling Job per pool without a ModelProfile; returns what the status should say.
 
     While a Job for the pool runs, nothing new starts. When every Job for the pool has finished
@@ -265,7 +265,7 @@ async def reconcile(svc: Service, reason: str) -> ServiceStatus:
     return await plan_and_apply(svc, spec, inputs, status, reason=reason, previous=previous)
 
 
-async def plan_and_apply(svc: Service, spec: EarlyExitServiceSpec, inputs: Inputs, status: ServiceStatus, *,
+async def plan_and_apply(svc: Service, spec: EarlyExitServiceSpec, inputs: ServiceResources, status: ServiceStatus, *,
                          reason: str, previous: Plan | None, observations: Observations | None = None,
                          max_move_fraction: float | None = None) -> ServiceStatus:
     """Plan, then apply (active) or propose (advisory); the status says which and why."""

@@ -27,8 +27,8 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .errors import PlanInfeasible, PlanInvalid, PlannerError, ProfileError, SpecError
-    from .service import PlanChange, PlanResult, plan_change, plan_service
+    from exitplan.planner.errors import PlanInfeasible, PlanInvalid, PlannerError, ProfileError, SpecError
+    from exitplan.planner.service import PlanChange, PlanResult, plan_change, plan_service
 
 
 def __getattr__(name: str) -> Any:

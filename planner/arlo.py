@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import PlanInfeasible
+from exitplan.planner.errors import PlanInfeasible
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Allocation:
     """flows[i, j]: requests/s of class j on runtime i (greedy: each class as short as it fits)."""
 
     def verify(self, demand: np.ndarray, mu: np.ndarray, total: int) -> None:
-        from .errors import PlanInvalid
+        from exitplan.planner.errors import PlanInvalid
 
         if self.instances.sum() > total or np.any(self.instances < 0):
             raise PlanInvalid(f"allocation {self.instances.tolist()} uses more than {total} instances")

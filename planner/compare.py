@@ -24,9 +24,9 @@ import numpy as np
 
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec
 
-from .errors import PlanInfeasible
-from .service import PlanResult, plan_service
-from .simulator import SimResult, Simulation, depths_from_survival, oracle_goodput, poisson_arrivals
+from exitplan.planner.errors import PlanInfeasible
+from exitplan.planner.service import PlanResult, plan_service
+from exitplan.planner.simulator import SimResult, Simulation, depths_from_survival, oracle_goodput, poisson_arrivals
 
 CONFIGS = ("vanilla", "naive-ee", "e3", "arlo", "exitplan", "oracle")
 

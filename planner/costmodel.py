@@ -28,7 +28,7 @@ from scipy.stats import binom
 
 from exitplan.api.resources import GPUPoolSpec, ModelProfileSpec
 
-from .errors import ProfileError
+from exitplan.planner.errors import ProfileError
 
 MONOTONE_SLACK = 0.5
 """Measured latencies may dip by this fraction (timer noise on shared machines: profiles measured on

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import PlanInfeasible, PlanInvalid
+from exitplan.planner.errors import PlanInfeasible, PlanInvalid
 
 SCALE = 10_000
 

@@ -5,7 +5,7 @@
   bucket, one level at a time up to `peek` levels, where the congestion threshold tightens by `alpha`
   at each level (a longer runtime costs more per input, so it must be clearly idle to be worth it).
 - `least_loaded`: DensePipe's hop policy: the capable replica with the least running / capacity.
-- `choose_stage`: which fusion queue of a rebatching split worker (one queue per block) runs next.
+- `choose_queue`: which fusion queue of a rebatching split worker (one queue per block) runs next.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def least_loaded(running: Sequence[float], capacity: Sequence[float], skip: Sequ
     return best
 
 
-def choose_stage(held: Sequence[int], batch: int, launch_at: Callable[[int], float], now: float) -> tuple[int, float]:
+def choose_queue(held: Sequence[int], batch: int, launch_at: Callable[[int], float], now: float) -> tuple[int, float]:
     """The fusion queue of a rebatching worker (queue j feeds block first + j) to run next.
 
     First, among the queues whose launch time (`launch_at(j)`: the deadline rule, or the oldest

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import PlanInfeasible
+from exitplan.planner.errors import PlanInfeasible
 
 EPS = 1e-9
 MAX_GRID_STATES = 20_000
@@ -113,7 +113,7 @@ class E3Solution:
 
     def verify(self, problem: E3Problem) -> None:
         """Raise AssertionError-free typed checks: coverage, caps, cost, goodput as claimed."""
-        from .errors import PlanInvalid
+        from exitplan.planner.errors import PlanInvalid
 
         if not self.segments or self.segments[0].first != 0 or self.segments[-1].last != problem.n_blocks - 1:
             raise PlanInvalid("the splits do not cover every block")

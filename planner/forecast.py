@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import SpecError
+from exitplan.planner.errors import SpecError
 
 Predictor = Callable[[np.ndarray], float]
 """history (1-D, oldest first, >= 1 value) -> forecast of the next value."""

@@ -19,7 +19,7 @@ when compute-bound), so the predicted time per token is the decision time plus t
 blocks an exited token skipped.
 
 The inputs are data: a `GenerationProfile` (block and head times, the share of tokens each head
-decides, the hop time), measured on a machine (exitplan.worker.generation_measure) or written by hand
+decides, the hop time), measured on a machine (exitplan.worker.generate.measure) or written by hand
 from a GPU profile, and `ThresholdPoint`s (per candidate threshold, how often the deciding head
 disagrees with the final head, teacher-forced on held-out text).
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 from exitplan.api.plan import Cell, Plan, Prediction, SplitPlan, even_ranges
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
 
-from .errors import PlanInfeasible, PlanInvalid, PlannerError
+from exitplan.planner.errors import PlanInfeasible, PlanInvalid, PlannerError
 
 MAX_CANDIDATES = 200_000
 NEVER_EXIT = 1.0

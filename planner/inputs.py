@@ -14,10 +14,10 @@ import numpy as np
 from exitplan.api.observations import Observations
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec
 
-from . import buckets as bk
-from .costmodel import CostModel, survival_before_blocks
-from .errors import PlanInfeasible, ProfileError, SpecError
-from .forecast import forecast_survival
+from exitplan.planner import buckets as bk
+from exitplan.planner.costmodel import CostModel, survival_before_blocks
+from exitplan.planner.errors import PlanInfeasible, ProfileError, SpecError
+from exitplan.planner.forecast import forecast_survival
 
 
 @dataclass

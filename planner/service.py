@@ -25,11 +25,11 @@ from exitplan.api.observations import Observations
 from exitplan.api.plan import Cell, Plan, Prediction, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec, Objective
 
-from . import buckets as bk
-from .inputs import Inputs, _windows, resolve_inputs
-from .densepipe import Placement, place
-from .e3 import E3Problem, E3Solution, max_goodput, min_cost
-from .errors import PlanInfeasible, PlanInvalid
+from exitplan.planner import buckets as bk
+from exitplan.planner.inputs import Inputs, _windows, resolve_inputs
+from exitplan.planner.densepipe import Placement, place
+from exitplan.planner.e3 import E3Problem, E3Solution, max_goodput, min_cost
+from exitplan.planner.errors import PlanInfeasible, PlanInvalid
 
 MAX_BUCKETS = 6
 

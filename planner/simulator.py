@@ -22,7 +22,7 @@ What it models (the same rules as worker_image/router_app.py and worker_app.py):
   fusion queue (stage) per block of the split; a row that survives block k joins stage k + 1 of
   the same worker, where it is batched with rows from other entering batches, and leaves the
   worker after the split's last block (then transferred as above). The worker runs one block at a
-  time, chosen by the data plane's own policy (`dispatch.choose_stage`): of the stages whose
+  time, chosen by the data plane's own policy (`dispatch.choose_queue`): of the stages whose
   launch time has come (the earliest deadline minus the expected time from its block to the end
   of the model, 20 % margin, or its oldest row past `max_wait_ms`), the one whose time came first;
   else the deepest stage holding a full batch (it drains rows already part-way through before
@@ -56,8 +56,8 @@ import numpy as np
 
 from exitplan.api.plan import Plan
 
-from .costmodel import CostModel, survival_before_blocks, survivor_pmf
-from .dispatch import QueueParams, choose_bucket, choose_stage, least_loaded
+from exitplan.planner.costmodel import CostModel, survival_before_blocks, survivor_pmf
+from exitplan.planner.dispatch import QueueParams, choose_bucket, choose_queue, least_loaded
 
 
 @dataclass
@@ -276,7 +276,7 @@ class Simulation:
             return min(oldest + self.max_wait, earliest - w.rest_ms * 1.2 / 1e3)
 
         def kick_stages(w: _Worker, now: float) -> None:
-            # The data plane's policy (dispatch.choose_stage): of the stages whose launch time has
+            # The data plane's policy (dispatch.choose_queue): of the stages whose launch time has
             # come (the oldest row's maximum wait, or the earliest deadline minus the expected time
             # from the stage's block to the end of the model with the same 20 % margin), the one
             # whose time came first; else the deepest stage holding a full batch; else sleep until
@@ -287,7 +287,7 @@ class Simulation:
                 q = stages[j]
                 return min(q[0][1] + self.max_wait, min(deadline[r] for r, _ in q) - w.stage_rest_ms[j] * 1.2 / 1e3)
 
-            chosen, soonest = choose_stage([len(q) for q in stages], w.batch, launch, now)
+            chosen, soonest = choose_queue([len(q) for q in stages], w.batch, launch, now)
             if chosen < 0:
                 if soonest < w.timer:
                     w.timer = soonest

@@ -25,8 +25,8 @@ import yaml
 
 from exitplan.worker.bundle_runtime import BundleRuntime
 
-from .measure import Heldout, all_ramp_logits
-from .window import build_window
+from exitplan.prepare.measure import Heldout, all_ramp_logits
+from exitplan.prepare.window import build_window
 
 FORMAT_VERSION = 1
 """Bump when the bundle layout or training changes, so old bundles are rebuilt."""
@@ -169,7 +169,7 @@ def build_once(out: Path, options: Any, build: Callable[[Path], dict[str, Any]],
 def _build(options: BuildOptions, directory: Path, bar: Bar) -> dict[str, Any]:
     started = time.perf_counter()
     if options.model == "minilm":
-        from . import minilm
+        from exitplan.prepare import minilm
 
         built = minilm.build(
             directory,
@@ -180,7 +180,7 @@ def _build(options: BuildOptions, directory: Path, bar: Bar) -> dict[str, Any]:
             bar=bar,
         )
     else:
-        from . import digits_cnn
+        from exitplan.prepare import digits_cnn
 
         built = digits_cnn.build(
             directory, train_size=options.train_size, heldout_size=options.heldout_size, seed=options.seed, bar=bar

@@ -186,7 +186,7 @@ def encode_bytes(text: str, context: int) -> list[int]:
 
 def tweet_corpus(heldout: int, seed: int, train_tweets: int | None = None) -> tuple[list[str], list[str]]:
     """(training tweets, held-out tweets): a seeded shuffle of every tweet, deduplicated."""
-    from .datasets import load_tweets
+    from exitplan.prepare.datasets import load_tweets
 
     texts, _ = load_tweets()
     unique = list(dict.fromkeys(texts))
@@ -287,7 +287,7 @@ def manifest(options: DecoderOptions, name: str = "tweet-decoder"):
 def export(model, options: DecoderOptions, bundle, directory: Path) -> None:
     """Every block and head to ONNX (free axes: batch, seq = new positions, past, total = past + seq)."""
     torch = _torch()
-    from .export import export_module
+    from exitplan.prepare.export import export_module
 
     b, q, past, hd = 1, 3, 5, options.hidden // options.heads
     cache_in = {0: "batch", 2: "past"}
@@ -356,7 +356,7 @@ def build_decoder_bundle(
     """Train, export and verify the decoder bundle at `out` (or reuse a finished one with the same options)."""
     options = options.check()
     out = Path(out)
-    from .build import PrepareError, build_once
+    from exitplan.prepare.build import PrepareError, build_once
 
     try:
         path, reused, report = build_once(out, options, lambda work: _build(options, work, bar), force=force, threads=threads)
@@ -376,7 +376,7 @@ def _build(options: DecoderOptions, directory: Path, bar: Bar | None) -> dict[st
     (directory / "bundle.yaml").write_text(yaml.safe_dump(bundle.model_dump(mode="json", exclude_none=True), sort_keys=False))
     (directory / "data" / "heldout.json").write_text(json.dumps(heldout))
     # Check the export: ONNX Runtime (no cache, whole sequence) against PyTorch on held-out tweets.
-    from exitplan.worker.generation import DecoderModel
+    from exitplan.worker.generate.decoder import DecoderModel
 
     runtime = DecoderModel(directory)
     diffs = []

@@ -17,9 +17,9 @@ from torch import nn
 from exitplan.api.bundle import BlockSpec, BundleManifest, RampSpec, TensorSpec
 from exitplan.api.resources import Task
 
-from .datasets import digits_splits
-from .export import export_module
-from .heads import LinearFit, train_linear
+from exitplan.prepare.datasets import digits_splits
+from exitplan.prepare.export import export_module
+from exitplan.prepare.heads import LinearFit, train_linear
 
 NAME = "digits-cnn"
 CHANNELS = (16, 32, 64)

@@ -21,9 +21,9 @@ from torch import nn
 from exitplan.api.bundle import BlockSpec, BundleManifest, RampSpec, TensorSpec
 from exitplan.api.resources import Task
 
-from .datasets import tweet_splits
-from .export import export_module
-from .heads import LinearFit, train_linear
+from exitplan.prepare.datasets import tweet_splits
+from exitplan.prepare.export import export_module
+from exitplan.prepare.heads import LinearFit, train_linear
 
 NAME = "minilm"
 

@@ -25,7 +25,7 @@ from exitplan.api.bundle import BundleError, BundleManifest
 from exitplan.api.resources import BlockProfile, ModelProfile, ModelProfileSpec, RampProfile
 from exitplan.worker.bundle_runtime import FIXED_SIZE_BUCKET, BundleRuntime
 
-from .measure import batch_state, load_heldout, time_chain
+from exitplan.prepare.measure import batch_state, load_heldout, time_chain
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_THRESHOLD = 0.9

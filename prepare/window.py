@@ -22,13 +22,13 @@ import numpy as np
 from exitplan.api.bundle import BundleManifest
 from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, softmax
 
-from .measure import Heldout, batch_state, time_chain
+from exitplan.prepare.measure import Heldout, batch_state, time_chain
 
 WINDOW_BATCH_SIZES = (1, 2, 4, 8)
 
 
 @dataclass
-class Window:
+class CalibrationWindow:
     ramps: list[str]
     conf: np.ndarray
     pred: np.ndarray
@@ -94,11 +94,11 @@ def measure_savings(
     return saving, cost
 
 
-def build_window(runtime: BundleRuntime, heldout: Heldout, logits: dict[str, np.ndarray], repeats: int = 5) -> Window:
+def build_window(runtime: BundleRuntime, heldout: Heldout, logits: dict[str, np.ndarray], repeats: int = 5) -> CalibrationWindow:
     conf, pred, final = ramp_window(runtime.manifest, logits)
     bucket = window_bucket(runtime, heldout)
     saving, cost = measure_savings(runtime, heldout, bucket, WINDOW_BATCH_SIZES, repeats)
-    return Window(
+    return CalibrationWindow(
         ramps=[r.name for r in runtime.manifest.exit_ramps()],
         conf=conf,
         pred=pred,

@@ -10,7 +10,7 @@ import numpy as np
 from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec
-from exitplan.local import LocalDeployment
+from exitplan.localrun.deployment import LocalDeployment
 
 
 def free_port_block(n: int) -> int:

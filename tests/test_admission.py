@@ -2,7 +2,7 @@
 
 import math
 
-from exitplan.worker.admission import BucketLimiter
+from exitplan.worker.classify.admission import BucketLimiter
 
 
 def test_limit_starts_from_reported_capacity_and_unknown_is_infinite_load():

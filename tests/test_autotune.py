@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from exitplan.autotune import decide
-from exitplan.planner.thresholds import Window, evaluate
+from exitplan.planner.tuning.autotune import decide
+from exitplan.planner.tuning.thresholds import FeedbackWindow, evaluate
 
 
 def window(n=1000, seed=0):
@@ -14,7 +14,7 @@ def window(n=1000, seed=0):
     conf[:, 1] = np.clip(conf[:, 1] + 0.1, 0, 1)
     right = rng.uniform(0, 1, (n, 2)) < conf ** 2
     pred = np.where(right, final[:, None], (final[:, None] + 1) % 3)
-    return Window(conf=conf, pred=pred, final=final, saving_ms=np.array([20.0, 10.0]), cost_ms=np.array([0.1, 0.1]))
+    return FeedbackWindow(conf=conf, pred=pred, final=final, saving_ms=np.array([20.0, 10.0]), cost_ms=np.array([0.1, 0.1]))
 
 
 def test_short_window_keeps_the_thresholds():
@@ -44,7 +44,7 @@ def test_no_gain_keeps_the_thresholds():
 
 
 def test_sample_budget_is_below_the_budget_and_approaches_it_with_more_samples():
-    from exitplan.autotune import sample_budget
+    from exitplan.planner.tuning.autotune import sample_budget
 
     values = [sample_budget(0.01, n) for n in (100, 600, 2000, 100000)]
     assert values[0] == 0.0  # 100 samples cannot vouch for 1 %
@@ -58,7 +58,7 @@ def test_a_breach_in_the_recent_samples_is_repaired_on_them():
     easy, hard = window(2000, seed=1), window(300, seed=2)
     hard_pred = (hard.final + 1) % 3  # the hard inputs' early answers are all wrong...
     hard_conf = np.full_like(hard.conf, 0.99)  # ...and confident
-    w = Window(conf=np.vstack([easy.conf, hard_conf]), pred=np.vstack([easy.pred, np.stack([hard_pred] * 2, 1)]),
+    w = FeedbackWindow(conf=np.vstack([easy.conf, hard_conf]), pred=np.vstack([easy.pred, np.stack([hard_pred] * 2, 1)]),
                final=np.concatenate([easy.final, hard.final]), saving_ms=easy.saving_ms, cost_ms=easy.cost_ms)
     current = decide(easy, ["a", "b"], {"a": 2.0, "b": 2.0}, 0.05).thresholds
     d = decide(w, ["a", "b"], current, 0.05, recent=300)
@@ -67,16 +67,16 @@ def test_a_breach_in_the_recent_samples_is_repaired_on_them():
 
 
 def _stack(*windows):
-    return Window(conf=np.vstack([w.conf for w in windows]), pred=np.vstack([w.pred for w in windows]),
+    return FeedbackWindow(conf=np.vstack([w.conf for w in windows]), pred=np.vstack([w.pred for w in windows]),
                   final=np.concatenate([w.final for w in windows]), saving_ms=windows[0].saving_ms,
                   cost_ms=windows[0].cost_ms)
 
 
 def test_new_samples_finds_the_previous_fetch_in_the_next():
-    from exitplan.autotune import _tail, new_samples
+    from exitplan.planner.tuning.autotune import _tail, new_samples
 
     w = window(300, seed=3)
-    first = Window(conf=w.conf[:200], pred=w.pred[:200], final=w.final[:200], saving_ms=w.saving_ms, cost_ms=w.cost_ms)
+    first = FeedbackWindow(conf=w.conf[:200], pred=w.pred[:200], final=w.final[:200], saving_ms=w.saving_ms, cost_ms=w.cost_ms)
     assert new_samples(None, w) == 300
     assert new_samples(first, w) == 100
     assert new_samples(first, _tail(w, 150)) == 100  # the ring only returns the newest samples
@@ -84,14 +84,14 @@ def test_new_samples_finds_the_previous_fetch_in_the_next():
 
 
 def test_binomial_tail_and_breach():
-    from exitplan.autotune import binomial_tail, breach
+    from exitplan.planner.tuning.autotune import binomial_tail, breach
 
     assert binomial_tail(0, 10, 0.3) == 1.0 and binomial_tail(11, 10, 0.3) == 0.0
     assert abs(binomial_tail(2, 3, 0.5) - 0.5) < 1e-12  # P(X >= 2) for 3 fair coins
     w = window(400, seed=4)
     t = np.array([2.0, 2.0])
     assert breach(w, t, 0.01, (50, 100, 200), 0.01) is None  # no ramp active: every answer agrees
-    bad = _stack(w, Window(conf=np.full((50, 2), 0.99), pred=np.stack([(w.final[:50] + 1) % 3] * 2, 1),
+    bad = _stack(w, FeedbackWindow(conf=np.full((50, 2), 0.99), pred=np.stack([(w.final[:50] + 1) % 3] * 2, 1),
                            final=w.final[:50], saving_ms=w.saving_ms, cost_ms=w.cost_ms))
     fired = breach(bad, np.array([0.9, 0.9]), 0.01, (50, 100, 200), 0.01)
     assert fired is not None and fired[0] == 50 and fired[1] >= 45
@@ -103,11 +103,11 @@ def test_a_shift_in_the_early_exit_share_is_caught_before_the_disagreements_add_
     shuts the confident wrong exit."""
     rng = np.random.default_rng(5)
     old = window(600, seed=6)
-    old = Window(conf=np.minimum(old.conf, 0.5), pred=old.pred, final=old.final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
+    old = FeedbackWindow(conf=np.minimum(old.conf, 0.5), pred=old.pred, final=old.final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
     final = rng.integers(0, 3, 100)
     pred = np.stack([final, final], 1)
     pred[-1, 0] = (final[-1] + 1) % 3  # one wrong, confident early answer
-    new = Window(conf=np.full((100, 2), 0.95), pred=pred, final=final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
+    new = FeedbackWindow(conf=np.full((100, 2), 0.95), pred=pred, final=final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
     w = _stack(old, new)
     current = {"a": 0.9, "b": 2.0}
     quiet = decide(w, ["a", "b"], current, 0.01, recent=200, min_samples=100)
@@ -121,7 +121,7 @@ def test_a_shift_in_the_early_exit_share_is_caught_before_the_disagreements_add_
 def test_since_a_breach_no_disagreement_is_allowed_until_enough_fresh_samples():
     w = window(1000, seed=7)
     current = {"a": 0.5, "b": 2.0}
-    agreement_tail, _ = evaluate(Window(conf=w.conf[-80:], pred=w.pred[-80:], final=w.final[-80:],
+    agreement_tail, _ = evaluate(FeedbackWindow(conf=w.conf[-80:], pred=w.pred[-80:], final=w.final[-80:],
                                         saving_ms=w.saving_ms, cost_ms=w.cost_ms), np.array([0.5, 2.0]))
     assert agreement_tail < 1.0  # some fresh sample disagrees at these thresholds
     d = decide(w, ["a", "b"], current, 0.5, fresh=80, min_samples=50, savings_samples=500)  # budget 50 %: no breach
@@ -130,7 +130,7 @@ def test_since_a_breach_no_disagreement_is_allowed_until_enough_fresh_samples():
 
 
 def test_headroom_keeps_a_safety_margin_below_the_budget():
-    from exitplan.autotune import sample_budget
+    from exitplan.planner.tuning.autotune import sample_budget
 
     w = window(2000, seed=8)
     full = decide(w, ["a", "b"], {"a": 2.0, "b": 2.0}, 0.05, headroom=1.0)
@@ -145,11 +145,11 @@ def _drifted():
     """600 old samples that rarely exit at ramp a, then 100 confident ones (one wrong): the exit share moved."""
     rng = np.random.default_rng(5)
     old = window(600, seed=6)
-    old = Window(conf=np.minimum(old.conf, 0.5), pred=old.pred, final=old.final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
+    old = FeedbackWindow(conf=np.minimum(old.conf, 0.5), pred=old.pred, final=old.final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
     final = rng.integers(0, 3, 100)
     pred = np.stack([final, final], 1)
     pred[-1, 0] = (final[-1] + 1) % 3
-    new = Window(conf=np.full((100, 2), 0.95), pred=pred, final=final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
+    new = FeedbackWindow(conf=np.full((100, 2), 0.95), pred=pred, final=final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
     return _stack(old, new)
 
 
@@ -164,7 +164,7 @@ def test_an_unconfirmed_drift_alarm_changes_nothing_but_reports_the_statistic():
 
 
 def test_autotuner_acts_on_a_drift_alarm_only_once_new_samples_confirm_it():
-    from exitplan.autotune import AutoTuner, Decision
+    from exitplan.planner.tuning.autotune import AutoTuner, Decision
 
     t = AutoTuner("http://127.0.0.1:9", ["a", "b"], 0.01, drift_z=3.3, drift_recent=100)
     alarm = Decision(None, "short-of-samples", 500, exit_z=3.6)
@@ -191,9 +191,9 @@ def test_savings_are_held_when_the_new_thresholds_break_the_budget_on_the_newest
     w = window(1000, seed=10)
     final = w.final[-100:]
     bad_pred = np.stack([(final + 1) % 3, (final + 1) % 3], 1)
-    shifted = _stack(Window(conf=w.conf[:-100], pred=w.pred[:-100], final=w.final[:-100], saving_ms=w.saving_ms,
+    shifted = _stack(FeedbackWindow(conf=w.conf[:-100], pred=w.pred[:-100], final=w.final[:-100], saving_ms=w.saving_ms,
                             cost_ms=w.cost_ms),
-                     Window(conf=np.full((100, 2), 0.97), pred=bad_pred, final=final, saving_ms=w.saving_ms,
+                     FeedbackWindow(conf=np.full((100, 2), 0.97), pred=bad_pred, final=final, saving_ms=w.saving_ms,
                             cost_ms=w.cost_ms))
     start = {"a": 2.0, "b": 2.0}
     plain = decide(shifted, ["a", "b"], start, 0.2, recent=50, tails=(), min_samples=100)

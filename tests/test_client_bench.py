@@ -18,7 +18,7 @@ from exitplan.api.resources import Workload
 from exitplan.cli import app
 from exitplan.client.bench import BenchError, BenchSetup, find_capacity, router_observations, run_bench
 from exitplan.client.texts import build_inputs, load_pool
-from exitplan.planning import ServiceSetup, single_split_plan
+from exitplan.localrun.service_setup import ServiceSetup, single_split_plan
 
 from dataplane_helpers import deployment, service_spec
 

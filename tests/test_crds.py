@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from exitplan.api.resources import KINDS as MODELS
 from exitplan.operator import crdgen
-from exitplan.operator.devschema import Validator
+from exitplan.devcluster.schema import Validator
 
 
 def test_generated_crds_are_up_to_date(tmp_path):

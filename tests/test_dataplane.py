@@ -205,7 +205,7 @@ async def test_shadow_feedback_fills_the_tuning_window(served, texts, ramps):
 
 
 async def test_autotune_step_reads_the_window_and_pushes_to_every_worker(served, ramps, texts):
-    from exitplan.autotune import AutoTuner
+    from exitplan.planner.tuning.autotune import AutoTuner
 
     async with aiohttp.ClientSession() as s:  # feedback to tune on (shadow fraction 0.5)
         await post_each(s, f"{served.url}/v2/models/minilm/infer", texts)
@@ -216,7 +216,7 @@ async def test_autotune_step_reads_the_window_and_pushes_to_every_worker(served,
     assert decision.samples >= 5 and decision.reason in {"accuracy", "savings", "no-gain"}
     if decision.thresholds is None:  # nothing to gain on this window: make a change to see it travel
         decision_thresholds = {r: 0.97 for r in ramps}
-        await asyncio.to_thread(__import__("exitplan.autotune", fromlist=["push"]).push, served.url, decision_thresholds, "test")
+        await asyncio.to_thread(__import__("exitplan.planner.tuning.autotune", fromlist=["push"]).push, served.url, decision_thresholds, "test")
     else:
         decision_thresholds = decision.thresholds
     async with aiohttp.ClientSession() as s:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from exitplan.demo import CONFIGS, DemoResult, saturated, summary_table
+from exitplan.localrun.demo import CONFIGS, DemoResult, saturated, summary_table
 
 
 def _result(goodput_at_top: dict[str, float], errors_at_top: dict[str, int] | None = None) -> DemoResult:

@@ -13,7 +13,7 @@ import kmock
 import pytest
 
 from exitplan.operator import crdgen
-from exitplan.operator.devapi import ApiServer
+from exitplan.devcluster.apiserver import ApiServer
 from exitplan.operator.kube import ApiError, KubeClient, path
 
 

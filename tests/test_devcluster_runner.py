@@ -12,7 +12,7 @@ import time
 import aiohttp
 import pytest
 
-from exitplan.operator.devcluster import DevCluster, run_dev_cluster
+from exitplan.devcluster.cluster import DevCluster, run_dev_cluster
 from exitplan.operator.kube import KubeClient, path
 
 # A tiny "pod": serves its config file, its name and readiness on $EXITPLAN_PORT.

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from exitplan.worker import wire
 from exitplan.worker.discovery import Peer, PeerSet
-from exitplan.worker.forward import HopClient, HopConnectionError, HopFailed, send
+from exitplan.worker.hop_client import HopClient, HopConnectionError, HopFailed, send
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:

@@ -16,13 +16,13 @@ import pytest
 import yaml
 
 from exitplan.api.bundle import BundleError
-from exitplan.worker.generation import (
+from exitplan.worker.generate.decoder import (
     DecoderModel,
     GenerationError,
     RecomputeEngine,
     full_greedy,
 )
-from exitplan.worker.generation_pipeline import PipelineEngine, even_stages
+from exitplan.worker.generate.local_pipeline import PipelineEngine, even_stages
 
 from generation_helpers import PROMPTS, tiny_decoder_bundle
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from exitplan.operator.kube import ApiError, KubeClient, path
-from exitplan.worker.generation import DecoderModel, full_greedy
+from exitplan.worker.generate.decoder import DecoderModel, full_greedy
 
 from generation_helpers import PROMPTS, post, tiny_decoder_bundle
 from test_operator_support import wait_for

@@ -8,8 +8,8 @@ import itertools
 import pytest
 
 from exitplan.planner.generation import GenerationPlanError, GenerationProfile, evaluate, plan_splits
-from exitplan.worker.generation import DecoderModel
-from exitplan.worker.generation_measure import measure_profile
+from exitplan.worker.generate.decoder import DecoderModel
+from exitplan.worker.generate.measure import measure_profile
 
 from generation_helpers import PROMPTS, tiny_decoder_bundle
 
@@ -68,7 +68,7 @@ def test_measured_profile_on_the_tiny_bundle():
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec  # noqa: E402
 from exitplan.planner.errors import PlanInfeasible  # noqa: E402
 from exitplan.planner.generation import ThresholdPoint, choose_threshold, generation_threshold, plan_generation  # noqa: E402
-from exitplan.worker.generation_measure import measure_thresholds  # noqa: E402
+from exitplan.worker.generate.measure import measure_thresholds  # noqa: E402
 
 
 def points(*pairs) -> list[ThresholdPoint]:

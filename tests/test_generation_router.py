@@ -18,10 +18,10 @@ import pytest
 import yaml
 
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
-from exitplan.local import LocalDeployment
+from exitplan.localrun.deployment import LocalDeployment
 from exitplan.planner.generation import plan_generation
-from exitplan.worker.generation import DecoderModel, RecomputeEngine, full_greedy
-from exitplan.worker.generation_pipeline import PipelineEngine
+from exitplan.worker.generate.decoder import DecoderModel, RecomputeEngine, full_greedy
+from exitplan.worker.generate.local_pipeline import PipelineEngine
 
 from generation_helpers import PROMPTS, post, tiny_decoder_bundle
 
@@ -256,7 +256,7 @@ async def test_no_reachable_stage_is_503_with_the_reason_not_a_hang(bundle, tmp_
     import aiohttp
     from aiohttp.test_utils import TestServer
 
-    from exitplan.worker.router_generation import GenerationRouter
+    from exitplan.worker.generate.router import GenerationRouter
 
     manifest = DecoderModel(bundle, last_block=0).manifest
     plan = plan_generation(NAME, service_spec(bundle), {"cpu": GPUPoolSpec(capacity=1)}, n_blocks=len(manifest.blocks),

@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from exitplan.worker.generation import DecoderModel, RecomputeEngine, full_greedy
-from exitplan.worker.generation_pipeline import PipelineEngine
-from exitplan.worker.generation_routes import generation_app
+from exitplan.worker.generate.decoder import DecoderModel, RecomputeEngine, full_greedy
+from exitplan.worker.generate.local_pipeline import PipelineEngine
+from exitplan.worker.generate.routes import generation_app
 
 from generation_helpers import PROMPTS, tiny_decoder_bundle
 

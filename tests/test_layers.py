@@ -29,7 +29,7 @@ CONTRACTS = {
     "exitplan.planner": (("exitplan.api", "exitplan.planner"), ("aiohttp", "onnxruntime") + HEAVY),
     "exitplan.worker": (("exitplan.api", "exitplan.worker", "exitplan.planner.dispatch"), HEAVY),
     "exitplan.client": (("exitplan.api", "exitplan.client", "exitplan.planner.traces", "exitplan.worker.bundle_runtime"), HEAVY),
-    "exitplan.operator": (("exitplan.api", "exitplan.planner", "exitplan.operator", "exitplan.local", "exitplan.planning", "exitplan.autotune"), ("torch", "transformers")),
+    "exitplan.operator": (("exitplan.api", "exitplan.planner", "exitplan.operator", "exitplan.localrun.deployment", "exitplan.localrun.service_setup", "exitplan.planner.tuning.autotune"), ("torch", "transformers")),
 }
 
 
@@ -94,8 +94,8 @@ def test_the_checker_catches_violations():
     found = violations("exitplan.planner", "exitplan.planner.e3", names)
     assert any("kubernetes" in v for v in found) and any("exitplan.operator" in v for v in found)
     worker = imports_of("from exitplan.planner.e3 import solve\nfrom exitplan.planner.dispatch import least_loaded\n",
-                        "exitplan.worker.router_app", False)
-    found = violations("exitplan.worker", "exitplan.worker.router_app", worker)
+                        "exitplan.worker.classify.router", False)
+    found = violations("exitplan.worker", "exitplan.worker.classify.router", worker)
     assert found and all("exitplan.planner.e3" in v for v in found)
-    sneaky = imports_of("from exitplan.planner import plan_service\n", "exitplan.worker.router_app", False)
-    assert violations("exitplan.worker", "exitplan.worker.router_app", sneaky)
+    sneaky = imports_of("from exitplan.planner import plan_service\n", "exitplan.worker.classify.router", False)
+    assert violations("exitplan.worker", "exitplan.worker.classify.router", sneaky)

@@ -4,7 +4,7 @@ import io
 
 import numpy as np
 
-from exitplan.worker.observe import FeedbackRing, WindowStats, wilson
+from exitplan.worker.classify.observe import FeedbackRing, WindowStats, wilson
 
 
 def test_wilson_interval_contains_the_estimate_and_narrows_with_samples():

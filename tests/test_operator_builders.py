@@ -217,9 +217,9 @@ def test_initial_thresholds_keep_the_budget_in_every_length_stratum():
     inputs (their mistakes hide among the long inputs' agreement); per stratum it holds in each."""
     import numpy as np
 
-    from exitplan.autotune import sample_budget
-    from exitplan.operator.calibration import stratify
-    from exitplan.planner.thresholds import Window, evaluate, tune
+    from exitplan.planner.tuning.autotune import sample_budget
+    from exitplan.planner.tuning.initial import stratify
+    from exitplan.planner.tuning.thresholds import FeedbackWindow, evaluate, tune
 
     rng = np.random.default_rng(0)
     n = 800
@@ -230,11 +230,11 @@ def test_initial_thresholds_keep_the_budget_in_every_length_stratum():
     short = lengths <= 32
     wrong = short & (rng.uniform(size=n) < 0.15)  # short inputs: 15 % of early answers are wrong
     pred[wrong, 0] = 1 - final[wrong]
-    window = Window(conf=conf, pred=pred, final=final, saving_ms=np.array([1.0]), cost_ms=np.array([0.01]))
+    window = FeedbackWindow(conf=conf, pred=pred, final=final, saving_ms=np.array([1.0]), cost_ms=np.array([0.01]))
     budget = 0.03
 
     def sub(mask):
-        return Window(conf=conf[mask], pred=pred[mask], final=final[mask], saving_ms=window.saving_ms, cost_ms=window.cost_ms)
+        return FeedbackWindow(conf=conf[mask], pred=pred[mask], final=final[mask], saving_ms=window.saving_ms, cost_ms=window.cost_ms)
 
     whole = np.asarray(tune(window, sample_budget(budget, n)).thresholds)
     assert 1 - evaluate(sub(short), whole)[0] > budget  # the whole-window tune breaks the short stratum

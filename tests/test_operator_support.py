@@ -23,7 +23,7 @@ import yaml
 os.environ.setdefault("EXITPLAN_TICK_SECONDS", "0.5")
 
 from exitplan.operator import crdgen  # noqa: E402
-from exitplan.operator.devapi import ApiServer  # noqa: E402
+from exitplan.devcluster.apiserver import ApiServer  # noqa: E402
 from exitplan.operator.kube import ApiError, KubeClient, path  # noqa: E402
 
 DATA = Path(__file__).parent / "test_operator_data"

@@ -19,9 +19,9 @@ from tokenizers import Tokenizer
 
 from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Cell, Plan, SplitPlan
-from exitplan.planner.dispatch import choose_stage
+from exitplan.planner.dispatch import choose_queue
 from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, pad_batch, softmax
-from exitplan.worker.stages import StageQueues
+from exitplan.worker.classify.fusion import FusionQueues
 
 from dataplane_helpers import deployment, heldout_texts, ramp_names, service_spec
 
@@ -30,19 +30,19 @@ BATCH = 8
 
 def test_choose_stage_runs_the_first_due_queue_then_the_deepest_full_one():
     due = {0: 5.0, 1: 3.0, 2: 9.0}
-    assert choose_stage([8, 8, 3], 8, due.__getitem__, now=0.0) == (1, 0.0)  # nothing due: the deepest full
-    assert choose_stage([9, 2, 3], 8, due.__getitem__, now=0.0) == (0, 0.0)
-    assert choose_stage([2, 2, 3], 8, due.__getitem__, now=6.0) == (1, 6.0)  # 0 and 1 due, 1 since 3.0; 2 not yet
-    assert choose_stage([8, 2, 3], 8, due.__getitem__, now=6.0) == (1, 6.0)  # a due queue goes before a full one
-    assert choose_stage([2, 0, 3], 8, due.__getitem__, now=6.0) == (0, 6.0)
-    assert choose_stage([2, 2, 3], 8, due.__getitem__, now=4.0) == (1, 4.0)
-    assert choose_stage([2, 2, 3], 8, {0: 1.0, 1: 1.0, 2: 1.0}.__getitem__, now=4.0) == (2, 4.0)  # a tie: the deeper
-    assert choose_stage([2, 0, 3], 8, due.__getitem__, now=4.0) == (-1, 5.0)
-    assert choose_stage([0, 0, 0], 8, due.__getitem__, now=4.0) == (-1, math.inf)
+    assert choose_queue([8, 8, 3], 8, due.__getitem__, now=0.0) == (1, 0.0)  # nothing due: the deepest full
+    assert choose_queue([9, 2, 3], 8, due.__getitem__, now=0.0) == (0, 0.0)
+    assert choose_queue([2, 2, 3], 8, due.__getitem__, now=6.0) == (1, 6.0)  # 0 and 1 due, 1 since 3.0; 2 not yet
+    assert choose_queue([8, 2, 3], 8, due.__getitem__, now=6.0) == (1, 6.0)  # a due queue goes before a full one
+    assert choose_queue([2, 0, 3], 8, due.__getitem__, now=6.0) == (0, 6.0)
+    assert choose_queue([2, 2, 3], 8, due.__getitem__, now=4.0) == (1, 4.0)
+    assert choose_queue([2, 2, 3], 8, {0: 1.0, 1: 1.0, 2: 1.0}.__getitem__, now=4.0) == (2, 4.0)  # a tie: the deeper
+    assert choose_queue([2, 0, 3], 8, due.__getitem__, now=4.0) == (-1, 5.0)
+    assert choose_queue([0, 0, 0], 8, due.__getitem__, now=4.0) == (-1, math.inf)
 
 
 def test_stage_queues_spans_survival_and_work():
-    q = StageQueues(2, 4, rebatch=True)
+    q = FusionQueues(2, 4, rebatch=True)
     assert [q.span(j) for j in range(3)] == [(2, 2), (3, 3), (4, 4)]
     for _ in range(200):  # half of the rows go on at every block
         q.record(0, 8, 4)
@@ -152,7 +152,7 @@ async def test_rebatching_split_answers_like_the_model_in_one_piece_and_runs_ful
 async def test_rows_left_inside_a_split_when_rebatching_turns_off_run_to_its_end(minilm_bundle, ramps, texts, tmp_path):
     """A plan update that turns rebatching off: rows already waiting at an inner block run from there
     to the end of the split and get the same answers."""
-    from exitplan.worker.worker_app import Pending, Row, SplitWorker
+    from exitplan.worker.classify.worker import Pending, Row, SplitWorker
 
     n_blocks = len(read_manifest(minilm_bundle).blocks)
     plan = rebatch_plan(ramps, n_blocks, buckets=(128,))

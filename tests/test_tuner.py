@@ -7,11 +7,11 @@ import itertools
 import numpy as np
 import pytest
 
-from exitplan.planner.threshold_grid import grid_search, grid_values
-from exitplan.planner.thresholds import (
+from exitplan.planner.tuning.grid import grid_search, grid_values
+from exitplan.planner.tuning.thresholds import (
     DISABLED,
     InfeasibleBudget,
-    Window,
+    FeedbackWindow,
     WindowError,
     allowed_disagreements,
     evaluate,
@@ -19,10 +19,10 @@ from exitplan.planner.thresholds import (
     outcome,
     tune,
 )
-from exitplan.planner.window_synth import synthetic_window
+from exitplan.planner.tuning.synthetic_windows import synthetic_window
 
 
-def _by_hand(w: Window, t: np.ndarray) -> tuple[float, float]:
+def _by_hand(w: FeedbackWindow, t: np.ndarray) -> tuple[float, float]:
     """The issue's definitions, input by input, in plain Python."""
     agree, saving = 0, 0.0
     for i in range(w.n_inputs):
@@ -43,11 +43,11 @@ def _by_hand(w: Window, t: np.ndarray) -> tuple[float, float]:
     return agree / w.n_inputs, saving / w.n_inputs
 
 
-def _tiny() -> Window:
+def _tiny() -> FeedbackWindow:
     conf = np.array([[0.9, 0.95], [0.5, 0.8], [0.2, 0.3]])
     pred = np.array([[1, 1], [0, 2], [0, 0]])
     final = np.array([1, 2, 1])
-    return Window(conf, pred, final, saving_ms=np.array([10.0, 4.0]), cost_ms=np.array([1.0, 0.5]))
+    return FeedbackWindow(conf, pred, final, saving_ms=np.array([10.0, 4.0]), cost_ms=np.array([1.0, 0.5]))
 
 
 def test_exit_index_takes_the_earliest_active_ramp_and_r_for_never():
@@ -116,7 +116,7 @@ def test_tune_holds_the_budget_and_reports_what_evaluate_says(method, seed):
 def test_tune_handles_tied_confidences():
     rng = np.random.default_rng(7)
     w = synthetic_window(rng, n=400, r=4)
-    w = Window(np.round(w.conf, 1), w.pred, w.final, w.saving_ms, w.cost_ms)
+    w = FeedbackWindow(np.round(w.conf, 1), w.pred, w.final, w.saving_ms, w.cost_ms)
     for method in ("profile", "steps"):
         res = tune(w, 0.02, method=method)
         res.verify(w)
@@ -161,7 +161,7 @@ def test_tune_is_close_to_the_grid_optimum_on_small_windows():
 def test_steps_method_doubles_a_chosen_step():
     # One ramp, every answer right, confidences dense: nothing overshoots, so each move doubles the step.
     conf = np.linspace(0.0, 1.0, 2001)[:, None]
-    w = Window(conf, np.zeros((2001, 1), int), np.zeros(2001, int), np.array([10.0]), np.array([0.0]))
+    w = FeedbackWindow(conf, np.zeros((2001, 1), int), np.zeros(2001, int), np.array([10.0]), np.array([0.0]))
     res = tune(w, 0.0, method="steps", refine_pass=False, init_step=0.05, max_step=0.2)
     news = [1.0] + [m.new for m in res.moves if m.phase == "climb"]
     drops = np.round(-np.diff(news), 6).tolist()
@@ -174,7 +174,7 @@ def test_steps_method_halves_on_overshoot_and_stops_at_the_budget_edge():
     # at the lowest confidence >= 0.8.
     conf = np.linspace(0.0, 1.0, 1001)[:, None]
     pred = np.where(conf[:, 0] >= 0.8, 0, 1)[:, None]
-    w = Window(conf, pred, np.zeros(1001, int), np.array([10.0]), np.array([0.1]))
+    w = FeedbackWindow(conf, pred, np.zeros(1001, int), np.array([10.0]), np.array([0.1]))
     res = tune(w, 0.0, method="steps", refine_pass=False)
     assert res.thresholds[0] == pytest.approx(conf[conf[:, 0] >= 0.8, 0].min())
     assert res.agreement == 1.0
@@ -232,21 +232,21 @@ def test_bad_windows_name_the_field(field, bad):
     arrays = _arrays()
     bad(arrays)
     with pytest.raises(WindowError) as err:
-        Window(**arrays)
+        FeedbackWindow(**arrays)
     assert err.value.field == field
     assert str(err.value).startswith(field)
 
 
 @pytest.mark.parametrize("budget", [-0.01, 1.0, 1.5, float("nan")])
 def test_bad_budgets_are_refused(budget):
-    w = Window(**_arrays())
+    w = FeedbackWindow(**_arrays())
     with pytest.raises(WindowError) as err:
         tune(w, budget)
     assert err.value.field == "budget"
 
 
 def test_thresholds_for_a_ramp_that_no_longer_exists_are_refused():
-    w = Window(**_arrays())
+    w = FeedbackWindow(**_arrays())
     with pytest.raises(WindowError) as err:
         tune(w, 0.01, start=[0.9, 0.9, 0.9, 0.9])
     assert err.value.field == "start"
@@ -256,9 +256,9 @@ def test_thresholds_for_a_ramp_that_no_longer_exists_are_refused():
 
 
 def test_window_roundtrip_and_missing_arrays(tmp_path):
-    w = Window(**_arrays(), ramps=("a", "b", "c"))
+    w = FeedbackWindow(**_arrays(), ramps=("a", "b", "c"))
     w.save(tmp_path / "w.npz")
-    back = Window.load(tmp_path / "w.npz")
+    back = FeedbackWindow.load(tmp_path / "w.npz")
     assert back.ramps == ("a", "b", "c")
     for name in ("conf", "pred", "final", "saving_ms", "cost_ms"):
         assert np.array_equal(getattr(back, name), getattr(w, name))
@@ -266,10 +266,10 @@ def test_window_roundtrip_and_missing_arrays(tmp_path):
     del arrays["cost_ms"]
     np.savez(tmp_path / "bad.npz", **arrays)
     with pytest.raises(WindowError) as err:
-        Window.load(tmp_path / "bad.npz")
+        FeedbackWindow.load(tmp_path / "bad.npz")
     assert err.value.field == "cost_ms"
     with pytest.raises(WindowError) as err:
-        Window.load(tmp_path / "missing.npz")
+        FeedbackWindow.load(tmp_path / "missing.npz")
     assert err.value.field == "window"
 
 
@@ -277,18 +277,18 @@ def test_float32_confidences_a_hair_past_one_are_accepted():
     arrays = _arrays()
     arrays["conf"] = arrays["conf"].astype(np.float32)
     arrays["conf"][0, 0] = np.float32(1.0000001)
-    w = Window(**arrays)
+    w = FeedbackWindow(**arrays)
     assert w.conf.max() == 1.0
 
 
-def _all_thresholds(w: Window, r: int) -> list[float]:
+def _all_thresholds(w: FeedbackWindow, r: int) -> list[float]:
     return sorted(set(w.conf[:, r].tolist())) + [DISABLED]
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_budget_programme_is_exact_for_one_and_two_ramps(seed):
     # Exhaustive over every distinct confidence of every ramp (savings shrink with depth).
-    from exitplan.planner.threshold_dp import budget_dp
+    from exitplan.planner.tuning.dp import budget_dp
 
     rng = np.random.default_rng(200 + seed)
     for r in (1, 2):
@@ -309,7 +309,7 @@ def test_budget_programme_is_exact_for_one_and_two_ramps(seed):
 
 
 def test_budget_programme_respects_fixed_ramps():
-    from exitplan.planner.threshold_dp import budget_dp
+    from exitplan.planner.tuning.dp import budget_dp
 
     rng = np.random.default_rng(12)
     w = synthetic_window(rng, n=300, r=4)
@@ -326,7 +326,7 @@ def test_repair_when_no_single_ramp_helps():
     conf = np.full((n, 2), 0.9)
     pred = np.zeros((n, 2), int)
     pred[:20] = 1  # 20 % wrong at both ramps
-    w = Window(conf, pred, np.zeros(n, int), np.array([10.0, 5.0]), np.array([0.1, 0.1]))
+    w = FeedbackWindow(conf, pred, np.zeros(n, int), np.array([10.0, 5.0]), np.array([0.1, 0.1]))
     res = tune(w, 0.05, start=[0.5, 0.5], restart=False, refine_pass=False)
     assert res.repaired
     res.verify(w)

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from exitplan.cli import app
-from exitplan.planner.thresholds import Window, evaluate
-from exitplan.planner.window_synth import synthetic_window
+from exitplan.planner.tuning.thresholds import FeedbackWindow, evaluate
+from exitplan.planner.tuning.synthetic_windows import synthetic_window
 
 runner = CliRunner()
 
@@ -33,7 +33,7 @@ def test_tune_writes_exactly_the_three_keys(tmp_path):
     doc = json.loads(out.read_text())
     assert set(doc) == {"thresholds", "agreement", "saving_ms"}
     assert len(doc["thresholds"]) == 4
-    w = Window.load(path)
+    w = FeedbackWindow.load(path)
     agreement, saving = evaluate(w, doc["thresholds"])
     assert doc["agreement"] == pytest.approx(agreement) and doc["saving_ms"] == pytest.approx(saving)
     assert agreement >= 0.98
@@ -81,7 +81,7 @@ def test_missing_window_file(tmp_path):
 def test_tune_on_the_minilm_bundle_window(minilm_bundle, tmp_path):
     """The real ramp outputs the bundle ships (data/window.npz) tune within budget."""
     path = minilm_bundle / "data" / "window.npz"
-    w = Window.load(path)
+    w = FeedbackWindow.load(path)
     assert w.n_ramps == 5
     out = tmp_path / "t.json"
     result = runner.invoke(app, ["tune", str(path), "--budget", "0.01", "--json", str(out)])

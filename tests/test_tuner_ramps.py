@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from exitplan.planner.ramps import manage_ramps, ramp_utilities
-from exitplan.planner.thresholds import DISABLED, Window, WindowError, evaluate, tune
-from exitplan.planner.window_synth import synthetic_window
+from exitplan.planner.tuning.ramps import manage_ramps, ramp_utilities
+from exitplan.planner.tuning.thresholds import DISABLED, FeedbackWindow, WindowError, evaluate, tune
+from exitplan.planner.tuning.synthetic_windows import synthetic_window
 
 
-def _full_latency(w: Window) -> float:
+def _full_latency(w: FeedbackWindow) -> float:
     # synthetic_window: exiting at depth f saves latency * (1 - f); f_0 = 1 / (R + 1).
     return float(w.saving_ms[0]) * (w.n_ramps + 1) / w.n_ramps
 
@@ -47,7 +47,7 @@ def test_a_negative_ramp_is_switched_off_with_its_reason():
     w = synthetic_window(rng, n=500, r=3)
     cost = w.cost_ms.copy()
     cost[1] = 0.2 * w.saving_ms[1]  # overhead paid by everyone reaching it, far above what it saves
-    w = Window(w.conf, w.pred, w.final, w.saving_ms, cost)
+    w = FeedbackWindow(w.conf, w.pred, w.final, w.saving_ms, cost)
     start = np.array([DISABLED, 0.95, DISABLED])
     assert ramp_utilities(w, start)[1].utility_ms < 0
     plan = manage_ramps(w, 0.01, _full_latency(w), start, overhead_frac=0.5)

@@ -169,7 +169,7 @@ def within_budget(report) -> bool:
     figure by ~2 points. The allowance is the one-sided 95 % error of a proportion at the budget
     over the distinct texts (`autotune.sample_budget`'s, the other way); thresholds that ignored
     the budget (every input out at its first ramp) disagree far beyond it."""
-    from exitplan.autotune import sample_budget
+    from exitplan.planner.tuning.autotune import sample_budget
 
     distinct = int(report.run["inputs"]["distinct_inputs"])
     allowed = BUDGET + (BUDGET - sample_budget(BUDGET, distinct))

@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 
 from exitplan.operator.kube import ApiError, KubeClient, path
-from exitplan.operator.svcproxy import TcpProxy, service_hostnames, write_resolve_file
+from exitplan.devcluster.svcproxy import TcpProxy, service_hostnames, write_resolve_file
 
 log = logging.getLogger("exitplan.devcluster")
 SYNC_SECONDS = 0.5
@@ -48,7 +48,7 @@ CRASH_LOOP = 3
 
 
 def exitplan_argv() -> list[str]:
-    from exitplan.local import exitplan_command
+    from exitplan.localrun.deployment import exitplan_command
 
     return exitplan_command()
 

@@ -21,8 +21,8 @@ import time
 import httptools
 import numpy as np
 
-from . import wire
-from .discovery import Peer, PeerSet
+from exitplan.worker import wire
+from exitplan.worker.discovery import Peer, PeerSet
 
 log = logging.getLogger(__name__)
 

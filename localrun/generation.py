@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from exitplan.api.plan import Plan
 
 if TYPE_CHECKING:
-    from .local import LocalDeployment, Proc
-    from .planning import ServiceSetup
+    from exitplan.localrun.deployment import LocalDeployment, Proc
+    from exitplan.localrun.service_setup import ServiceSetup
 
 HELD_OUT_TEXTS = 100
 
@@ -27,8 +27,8 @@ HELD_OUT_TEXTS = 100
 def measure(bundle: Path, pool: str, echo=print) -> Path:
     """Measure the bundle here unless its measurements file exists; returns the file."""
     from exitplan.planner.generation import measurements_file
-    from exitplan.worker.generation import DecoderModel
-    from exitplan.worker.generation_measure import measure_hop, measure_recompute_ratio, measure_thresholds, measure_times
+    from exitplan.worker.generate.decoder import DecoderModel
+    from exitplan.worker.generate.measure import measure_hop, measure_recompute_ratio, measure_thresholds, measure_times
 
     path = measurements_file(bundle, pool)
     if path.is_file():
@@ -76,7 +76,7 @@ def is_generation_bundle(bundle: Path) -> bool:
 
 def stage_commands(deployment: LocalDeployment) -> list[Proc]:
     """The stage processes (last split first) and the router of a generation plan."""
-    from .local import Proc, exitplan_command
+    from exitplan.localrun.deployment import Proc, exitplan_command
 
     cli = exitplan_command()
     logs = deployment.workdir / "logs"

@@ -46,7 +46,7 @@ import jsonpatch
 import kmock
 from kmock._internal import rendering
 
-from exitplan.operator import devschema
+from exitplan.devcluster import schema as devschema
 
 Payload = dict[str, Any]
 

@@ -1,6 +1,6 @@
 """The feedback window and what a set of exit thresholds does on it (pure numpy).
 
-The tuner itself lives in :mod:`exitplan.planner.thresholds` (which re-exports these names).
+The tuner itself lives in :mod:`exitplan.planner.tuning.thresholds` (which re-exports these names).
 
 A *window* records, for N inputs and R exit ramps (block order, the final head excluded):
 ``conf`` [N, R] (exit confidence at each ramp, in [0, 1]), ``pred`` [N, R] (each ramp's answer),
@@ -83,7 +83,7 @@ def _float_array(name: str, value: object, ndim: int) -> np.ndarray:
 
 
 @dataclass(frozen=True, eq=False)
-class Window:
+class FeedbackWindow:
     """One feedback window (see the module docstring); validated on construction."""
 
     conf: np.ndarray
@@ -139,7 +139,7 @@ class Window:
         return int(self.conf.shape[1])
 
     @classmethod
-    def load(cls, path: str | Path) -> Window:
+    def load(cls, path: str | Path) -> FeedbackWindow:
         """Read the ``.npz`` format (arrays conf, pred, final, saving_ms, cost_ms; optional ramps)."""
         path = Path(path)
         try:
@@ -161,11 +161,11 @@ class Window:
         np.savez(Path(path), conf=self.conf, pred=self.pred, final=self.final, saving_ms=self.saving_ms,
                  cost_ms=self.cost_ms, ramps=np.asarray(self.ramps, dtype=str))
 
-    def subset(self, rows: np.ndarray | slice | None = None, ramps: list[int] | None = None) -> Window:
+    def subset(self, rows: np.ndarray | slice | None = None, ramps: list[int] | None = None) -> FeedbackWindow:
         """A window over some inputs (rows) and/or some ramps (columns, kept in block order)."""
         rows = slice(None) if rows is None else rows
         cols = list(range(self.n_ramps)) if ramps is None else sorted(ramps)
-        return Window(self.conf[rows][:, cols], self.pred[rows][:, cols], self.final[rows],
+        return FeedbackWindow(self.conf[rows][:, cols], self.pred[rows][:, cols], self.final[rows],
                       self.saving_ms[cols], self.cost_ms[cols], tuple(self.ramps[c] for c in cols))
 
 
@@ -236,7 +236,7 @@ class Outcome:
         return self.thresholds <= 1.0
 
 
-def outcome(w: Window, thresholds: object) -> Outcome:
+def outcome(w: FeedbackWindow, thresholds: object) -> Outcome:
     t = check_thresholds(thresholds, w.n_ramps)
     n, r = w.n_inputs, w.n_ramps
     k = _exit_index(w.conf_t, t)
@@ -255,11 +255,11 @@ def outcome(w: Window, thresholds: object) -> Outcome:
                    reached.astype(np.int64), per_input, agrees)
 
 
-def evaluate(w: Window, thresholds: object) -> tuple[float, float]:
+def evaluate(w: FeedbackWindow, thresholds: object) -> tuple[float, float]:
     """(agreement, saving_ms) of ``thresholds`` on the window, exactly as the module docstring defines them."""
     out = outcome(w, thresholds)
     return out.agreement, out.saving_ms
 
 
-def within_budget(w: Window, thresholds: object, budget: float) -> bool:
+def within_budget(w: FeedbackWindow, thresholds: object, budget: float) -> bool:
     return w.n_inputs - outcome(w, thresholds).agree_count <= allowed_disagreements(w.n_inputs, budget)

@@ -1,4 +1,4 @@
-"""The search behind :func:`exitplan.planner.thresholds.tune` (pure numpy; internal).
+"""The search behind :func:`exitplan.planner.tuning.thresholds.tune` (pure numpy; internal).
 
 State: :class:`Search` holds the thresholds and, per input, its exit ramp, whether its answer
 agrees with the full model and its saving. Three ways to move:
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .exit_window import DISABLED, Window, outcome
+from exitplan.planner.tuning.feedback import DISABLED, FeedbackWindow, outcome
 
 EPS_MS = 1e-9
 
@@ -34,7 +34,7 @@ class Move:
 
     phase: str
     """"repair" (raising to get back within budget), "climb" (the hill-climb), "restart" (taken from the
-    budget programme, :mod:`exitplan.planner.threshold_dp`) or "refine"."""
+    budget programme, :mod:`exitplan.planner.tuning.dp`) or "refine"."""
     ramp: int
     old: float
     new: float
@@ -48,7 +48,7 @@ class Search:
     Arrays are kept ramp-major ([R, N]) so per-ramp reductions run over contiguous rows.
     """
 
-    def __init__(self, w: Window, t: np.ndarray, allowed: int) -> None:
+    def __init__(self, w: FeedbackWindow, t: np.ndarray, allowed: int) -> None:
         self.w = w
         self.n, self.r = w.n_inputs, w.n_ramps
         self.allowed = allowed

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exitplan.operator import crdgen
-from exitplan.operator.devapi import ApiServer
+from exitplan.devcluster.apiserver import ApiServer
 from exitplan.operator.kube import ApiError, KubeClient
-from exitplan.operator.localrun import PodRunner
+from exitplan.devcluster.pods import PodRunner
 
 PEERING = "exitplan"
 

@@ -1,8 +1,8 @@
 """Exit thresholds under an accuracy budget: Apparate's greedy hill-climb (pure numpy).
 
 The window format and the exact semantics (exit rule, agreement, saving, which ramps an input
-reaches, the budget test) are in :mod:`exitplan.planner.exit_window`; this module re-exports them,
-so ``from exitplan.planner.thresholds import Window, TuneResult, tune, evaluate, exit_index,
+reaches, the budget test) are in :mod:`exitplan.planner.tuning.feedback`; this module re-exports them,
+so ``from exitplan.planner.tuning.thresholds import FeedbackWindow, TuneResult, tune, evaluate, exit_index,
 WindowError`` is the whole interface.
 
 :func:`tune` starts from the current thresholds (default: every ramp disabled). If they break the
@@ -25,7 +25,7 @@ breaking the budget. Two climbs (``method``):
 
 Ratio-first greedy spending can leave a knapsack gap (an efficient early move leaves too little
 budget for the move that pays most), so (``restart=True``, default) a budget-indexed dynamic
-programme over the ramps (:mod:`exitplan.planner.threshold_dp`) builds a configuration from
+programme over the ramps (:mod:`exitplan.planner.tuning.dp`) builds a configuration from
 scratch and replaces the climb's if it saves more. Then (``refine_pass=True``, default) coordinate
 ascent re-places one active ramp at a time at its exact best threshold given the others (raising,
 lowering or disabling it, within budget) until R ramps in a row bring nothing. Thresholds placed
@@ -41,11 +41,11 @@ from typing import Literal
 
 import numpy as np
 
-from .exit_window import (
+from exitplan.planner.tuning.feedback import (
     DISABLED,
     InfeasibleBudget,
     Outcome,
-    Window,
+    FeedbackWindow,
     WindowError,
     allowed_disagreements,
     check_budget,
@@ -55,8 +55,8 @@ from .exit_window import (
     outcome,
     within_budget,
 )
-from .threshold_dp import budget_dp
-from .threshold_search import Move, Search, climb_profiles, climb_steps, refine, repair
+from exitplan.planner.tuning.dp import budget_dp
+from exitplan.planner.tuning.search import Move, Search, climb_profiles, climb_steps, refine, repair
 
 __all__ = [
     "DISABLED", "InfeasibleBudget", "Move", "Outcome", "TuneResult", "Window", "WindowError",
@@ -94,7 +94,7 @@ class TuneResult:
     def changed(self, start: np.ndarray) -> list[int]:
         return [int(i) for i in np.flatnonzero(self.thresholds != np.asarray(start))]
 
-    def verify(self, w: Window) -> None:
+    def verify(self, w: FeedbackWindow) -> None:
         """Re-evaluate on the window: the figures must match and the budget must hold."""
         out = outcome(w, self.thresholds)
         if abs(out.agreement - self.agreement) > 1e-12 or abs(out.saving_ms - self.saving_ms) > 1e-6:
@@ -109,7 +109,7 @@ class TuneResult:
                 "saving_ms": float(self.saving_ms)}
 
 
-def tune(w: Window, budget: float, start: object | None = None, *, method: Method = "profile",
+def tune(w: FeedbackWindow, budget: float, start: object | None = None, *, method: Method = "profile",
          restart: bool = True, refine_pass: bool = True, movable: object | None = None, beam: int = 1,
          min_step: float = 0.005, max_step: float = 0.2, init_step: float = 0.05, max_rounds: int = 100_000,
          max_sweeps: int = 1) -> TuneResult:

@@ -44,9 +44,9 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from . import wire
-from .discovery import parse_peer_spec, resolve
-from .generation import (NEVER_EXIT, DecoderModel, EngineBase, GenerationError, GenerationHandle, RecomputeEngine, TokenEvent,
+from exitplan.worker import wire
+from exitplan.worker.discovery import parse_peer_spec, resolve
+from exitplan.worker.generate.decoder import (NEVER_EXIT, DecoderModel, EngineBase, GenerationError, GenerationHandle, RecomputeEngine, TokenEvent,
                          check_request, forward_stage)
 
 log = logging.getLogger(__name__)

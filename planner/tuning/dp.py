@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .exit_window import DISABLED, Window
+from exitplan.planner.tuning.feedback import DISABLED, FeedbackWindow
 
 
-def budget_dp(w: Window, allowed: int, beam: int = 1, max_levels: int = 16, movable: np.ndarray | None = None,
+def budget_dp(w: FeedbackWindow, allowed: int, beam: int = 1, max_levels: int = 16, movable: np.ndarray | None = None,
               fixed: np.ndarray | None = None, orders: list[np.ndarray] | None = None,
               ties: np.ndarray | None = None) -> tuple[np.ndarray, float]:
     """(thresholds [R], their total saving over the window's inputs) from the programme.

@@ -34,14 +34,14 @@ from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Plan
 from exitplan.planner.dispatch import QueueParams, choose_bucket, ideal_bucket
 
-from .admission import BucketLimiter
-from .bundle_runtime import softmax
-from .discovery import PeerSet, parse_peer_spec
-from .forward import HopClient, HopFailed, NoPeer, send
-from .metrics import Children, RouterMetrics
-from .observe import FeedbackRing, WindowStats
-from .planfile import read_plan, watch_plan
-from .requests import BadRequest, decode_inputs
+from exitplan.worker.classify.admission import BucketLimiter
+from exitplan.worker.bundle_runtime import softmax
+from exitplan.worker.discovery import PeerSet, parse_peer_spec
+from exitplan.worker.hop_client import HopClient, HopFailed, NoPeer, send
+from exitplan.worker.metrics import Children, RouterMetrics
+from exitplan.worker.classify.observe import FeedbackRing, WindowStats
+from exitplan.worker.planfile import read_plan, watch_plan
+from exitplan.worker.classify.decode import BadRequest, decode_inputs
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from exitplan.planner.thresholds import DISABLED, Window, WindowError, evaluate, outcome, tune
+from exitplan.planner.tuning.thresholds import DISABLED, FeedbackWindow, WindowError, evaluate, outcome, tune
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def binomial_tail(x: int, n: int, p: float) -> float:
     return max(0.0, 1.0 - below)
 
 
-def breach(window: Window, thresholds: np.ndarray, budget: float, tails: tuple[int, ...], alpha: float) -> tuple[int, int] | None:
+def breach(window: FeedbackWindow, thresholds: np.ndarray, budget: float, tails: tuple[int, ...], alpha: float) -> tuple[int, int] | None:
     """(tail length, disagreements) of the shortest newest-samples tail on which ``thresholds`` break
     ``budget`` beyond chance: more disagreements than the budget allows there, and as many or more
     would happen with probability <= ``alpha`` if the true rate were the budget. None: no breach."""
@@ -96,7 +96,7 @@ def breach(window: Window, thresholds: np.ndarray, budget: float, tails: tuple[i
     return None
 
 
-def exit_shift(window: Window, thresholds: np.ndarray, recent: int, min_before: int = 200) -> float:
+def exit_shift(window: FeedbackWindow, thresholds: np.ndarray, recent: int, min_before: int = 200) -> float:
     """z statistic of the change in the share of inputs that exit early (at any ramp, under
     ``thresholds``) between the last ``recent`` samples and the ones before them (0 when there are
     fewer than ``min_before`` of those). The share moves as soon as the kind of traffic does, long
@@ -111,19 +111,19 @@ def exit_shift(window: Window, thresholds: np.ndarray, recent: int, min_before: 
     return (a - b) / se
 
 
-def _tail(window: Window, k: int) -> Window:
-    return Window(conf=window.conf[-k:], pred=window.pred[-k:], final=window.final[-k:],
+def _tail(window: FeedbackWindow, k: int) -> FeedbackWindow:
+    return FeedbackWindow(conf=window.conf[-k:], pred=window.pred[-k:], final=window.final[-k:],
                   saving_ms=window.saving_ms, cost_ms=window.cost_ms)
 
 
-def raise_to(window: Window, target: float, start: np.ndarray) -> np.ndarray:
+def raise_to(window: FeedbackWindow, target: float, start: np.ndarray) -> np.ndarray:
     """The tuner's repair alone: ``start`` with thresholds raised until ``window`` is within ``target``
     (largest agreement gained per saving lost first); nothing is lowered."""
     result = tune(window, target, start=start, restart=False, refine_pass=False, max_rounds=0)
     return np.maximum(np.asarray(result.thresholds, dtype=float), start)
 
 
-def decide(window: Window, ramps: list[str], current: dict[str, float], budget: float, *,
+def decide(window: FeedbackWindow, ramps: list[str], current: dict[str, float], budget: float, *,
            min_samples: int = 200, recent: int = 300, savings_samples: int = 1000, min_gain_ms: float = 0.05,
            z: float = 1.645, headroom: float = 1.0, fresh: int | None = None,
            tails: tuple[int, ...] = DETECT_TAILS, alpha: float = 0.01, drift_z: float = 0.0,
@@ -216,7 +216,7 @@ def decide(window: Window, ramps: list[str], current: dict[str, float], budget: 
     return Decision(None, "no-gain", **figures)
 
 
-def new_samples(previous: Window | None, window: Window) -> int:
+def new_samples(previous: FeedbackWindow | None, window: FeedbackWindow) -> int:
     """How many of ``window``'s samples came after ``previous`` (both the newest samples of one
     router's feedback ring, oldest first): the newest samples of ``previous`` are found again in
     ``window``. All of them when ``previous`` is None or not found (more arrived than fit)."""
@@ -231,13 +231,13 @@ def new_samples(previous: Window | None, window: Window) -> int:
     return n
 
 
-def fetch_window(router_url: str, last: int) -> Window | None:
+def fetch_window(router_url: str, last: int) -> FeedbackWindow | None:
     """The router's newest `last` feedback samples, or None while it has none."""
     with urllib.request.urlopen(f"{router_url}/v1/window.npz?last={last}", timeout=10) as resp:
         data = np.load(io.BytesIO(resp.read()))
         if data["final"].size == 0:
             return None
-        return Window(conf=data["conf"], pred=data["pred"], final=data["final"],
+        return FeedbackWindow(conf=data["conf"], pred=data["pred"], final=data["final"],
                       saving_ms=data["saving_ms"], cost_ms=data["cost_ms"])
 
 
@@ -279,7 +279,7 @@ class AutoTuner:
         self.history: list[Decision] = []
         self.fresh: int | None = None  # samples since the last breach (None: no breach yet)
         self.reference: dict[str, float] | None = None
-        self._previous: Window | None = None
+        self._previous: FeedbackWindow | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="autotune", daemon=True)
 

@@ -100,7 +100,7 @@ class LocalDeployment:
         return f"http://127.0.0.1:{self.port}"
 
     def _commands(self) -> list[Proc]:
-        from .generation_setup import is_generation_bundle, stage_commands
+        from exitplan.localrun.generation import is_generation_bundle, stage_commands
 
         if is_generation_bundle(self.bundle):  # a decoder: generation stages + their router (issue 7)
             return stage_commands(self)

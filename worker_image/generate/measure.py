@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .generation import NEVER_EXIT, DecoderModel, GenerationError
+from exitplan.worker.generate.decoder import NEVER_EXIT, DecoderModel, GenerationError
 
 DEFAULT_CANDIDATES = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
@@ -128,7 +128,7 @@ def measure_hop(model: DecoderModel, *, repeats: int = 50) -> float:
 
     import aiohttp
 
-    from . import wire
+    from exitplan.worker import wire
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

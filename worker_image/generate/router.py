@@ -29,11 +29,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Plan
 
-from .discovery import parse_peer_spec, resolve
-from .generation import NEVER_EXIT
-from .generation_remote import RemotePipelineEngine
-from .generation_routes import GenerationMetrics, add_generate_routes
-from .planfile import read_plan, watch_plan
+from exitplan.worker.discovery import parse_peer_spec, resolve
+from exitplan.worker.generate.decoder import NEVER_EXIT
+from exitplan.worker.generate.remote_pipeline import RemotePipelineEngine
+from exitplan.worker.generate.routes import GenerationMetrics, add_generate_routes
+from exitplan.worker.planfile import read_plan, watch_plan
 
 log = logging.getLogger(__name__)
 RESOLVE_SECONDS = 2.0

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .exit_window import Window
+from exitplan.planner.tuning.feedback import FeedbackWindow
 
 
 def synthetic_window(rng: np.random.Generator, n: int = 1024, r: int = 4, *, classes: int | None = None,
                      latency_ms: float | None = None, sharpness: float | None = None, noise: float | None = None,
-                     gamma: float | None = None) -> Window:
+                     gamma: float | None = None) -> FeedbackWindow:
     k = int(classes if classes is not None else rng.integers(2, 11))
     latency = float(latency_ms if latency_ms is not None else rng.uniform(20.0, 200.0))
     sharp = float(sharpness if sharpness is not None else rng.uniform(3.0, 10.0))
@@ -36,4 +36,4 @@ def synthetic_window(rng: np.random.Generator, n: int = 1024, r: int = 4, *, cla
     pred = np.where(agrees, final[:, None], other)
     saving = latency * (1.0 - depth)
     cost = latency * rng.uniform(0.002, 0.02, size=r)
-    return Window(conf, pred, final, saving, cost)
+    return FeedbackWindow(conf, pred, final, saving, cost)

@@ -1,6 +1,6 @@
 """Ramp management (Apparate): which exit ramps to keep active, by their utility (pure numpy).
 
-Definitions, on a feedback window (:class:`~exitplan.planner.exit_window.Window`) under thresholds t:
+Definitions, on a feedback window (:class:`~exitplan.planner.tuning.feedback.FeedbackWindow`) under thresholds t:
 
 - **utility** of an active ramp r = latency saved by the inputs that exit there minus latency it
   added to the inputs that reached it and went on. *Saved*: for each input exiting at r, its
@@ -17,7 +17,7 @@ Definitions, on a feedback window (:class:`~exitplan.planner.exit_window.Window`
   runs to the end pays); it must stay within ``overhead_frac`` (default 2 %) of ``worst_case_ms``,
   the latency of an input that runs the whole model.
 
-:func:`manage_ramps` (1) re-tunes the thresholds with :func:`~exitplan.planner.thresholds.tune`
+:func:`manage_ramps` (1) re-tunes the thresholds with :func:`~exitplan.planner.tuning.thresholds.tune`
 over the active ramps, (2) switches off ramps whose utility is negative, worst first, re-tuning
 after each, (3) switches off the least useful ramps while the overhead exceeds its budget, and
 (4) tries the inactive ramps by decreasing upper bound: a candidate that fits in the overhead
@@ -31,16 +31,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .exit_window import (
+from exitplan.planner.tuning.feedback import (
     DISABLED,
-    Window,
+    FeedbackWindow,
     WindowError,
     allowed_disagreements,
     check_budget,
     check_thresholds,
     outcome,
 )
-from .thresholds import tune
+from exitplan.planner.tuning.thresholds import tune
 
 _EPS_MS = 1e-9
 
@@ -81,7 +81,7 @@ class RampPlan:
     utilities: tuple[RampUtility, ...]
     actions: tuple[RampAction, ...] = field(default=())
 
-    def verify(self, w: Window, budget: float) -> None:
+    def verify(self, w: FeedbackWindow, budget: float) -> None:
         """The plan's figures re-evaluated; the budgets hold; no active ramp has negative utility."""
         out = outcome(w, self.thresholds)
         if abs(out.agreement - self.agreement) > 1e-12 or abs(out.saving_ms - self.saving_ms) > 1e-6:
@@ -94,7 +94,7 @@ class RampPlan:
             raise AssertionError("an active ramp has negative utility")
 
 
-def ramp_utilities(w: Window, thresholds: object) -> list[RampUtility]:
+def ramp_utilities(w: FeedbackWindow, thresholds: object) -> list[RampUtility]:
     """Utility and upper bound of every ramp under ``thresholds`` (see the module docstring)."""
     t = check_thresholds(thresholds, w.n_ramps)
     base = outcome(w, t)
@@ -121,7 +121,7 @@ def ramp_utilities(w: Window, thresholds: object) -> list[RampUtility]:
     return result
 
 
-def manage_ramps(w: Window, budget: float, worst_case_ms: float, thresholds: object | None = None, *,
+def manage_ramps(w: FeedbackWindow, budget: float, worst_case_ms: float, thresholds: object | None = None, *,
                  overhead_frac: float = 0.02, max_candidates: int | None = None) -> RampPlan:
     """Choose the active ramps and their thresholds (see the module docstring).
 

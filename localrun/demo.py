@@ -24,8 +24,8 @@ import numpy as np
 from exitplan.api.plan import Plan
 from exitplan.api.resources import ModelProfileSpec
 
-from .local import LocalDeployment
-from .planning import ServiceSetup, ensure_profiles, load_setup, planned, single_split_plan, trace_lengths, tuned_thresholds
+from exitplan.localrun.deployment import LocalDeployment
+from exitplan.localrun.service_setup import ServiceSetup, ensure_profiles, load_setup, planned, single_split_plan, trace_lengths, tuned_thresholds
 
 CONFIGS = ("vanilla", "naive-ee", "exitplan")
 

@@ -2,7 +2,7 @@
 
 Every ramp takes each value of ``grid`` (e.g. 0.00, 0.01, ..., 1.00) or is disabled; the search
 returns the configuration with the largest saving whose agreement holds the budget (ties: higher
-agreement, then the first found). The same semantics as :mod:`exitplan.planner.exit_window`.
+agreement, then the first found). The same semantics as :mod:`exitplan.planner.tuning.feedback`.
 
 It is exact and vectorised: the thresholds of all ramps but the last two are enumerated (a Python
 loop over |grid + 1| ** (R - 2) combinations); for the last two ramps every pair of thresholds is
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .exit_window import DISABLED, Window, allowed_disagreements, outcome
+from exitplan.planner.tuning.feedback import DISABLED, FeedbackWindow, allowed_disagreements, outcome
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def grid_values(step: float) -> np.ndarray:
     return np.round(np.arange(count + 1) * step, 9)
 
 
-def grid_search(w: Window, budget: float, step: float) -> GridResult:
+def grid_search(w: FeedbackWindow, budget: float, step: float) -> GridResult:
     """The best grid configuration within ``budget``; all ramps disabled is always a candidate."""
     grid = grid_values(step)
     g = grid.size  # active values; index g means disabled

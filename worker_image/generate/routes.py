@@ -24,7 +24,7 @@ from dataclasses import asdict
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .generation import EngineBase, GenerationError, GenerationHandle, TokenEvent
+from exitplan.worker.generate.decoder import EngineBase, GenerationError, GenerationHandle, TokenEvent
 
 TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 DEFAULT_MAX_TOKENS = 32

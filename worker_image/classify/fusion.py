@@ -7,7 +7,7 @@ waiting for block first + j: a batch runs one block, its survivors join the next
 where they are batched with survivors of other batches. The rows in queue j > 0 carry their own
 slice of the state (the input of their next block).
 
-Which queue runs next is `exitplan.planner.dispatch.choose_stage`, the policy the simulator uses:
+Which queue runs next is `exitplan.planner.dispatch.choose_queue`, the policy the simulator uses:
 of the queues whose launch time has come (its earliest deadline minus the expected time from its
 block to the end of the model, x 1.2; or its oldest row's maximum wait), the one whose time came
 first; else the deepest full queue.
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from exitplan.planner.dispatch import choose_stage
+from exitplan.planner.dispatch import choose_queue
 
 SURVIVAL_EWMA = 0.1
 
@@ -34,18 +34,18 @@ class Queued(Protocol):
 
 
 @dataclass
-class StageStats:
+class QueueStats:
     batches: int = 0
     rows: int = 0
     survival: float = 1.0
     """EWMA of the fraction of a batch of this queue that goes on past its last block."""
 
 
-class StageQueues:
+class FusionQueues:
     def __init__(self, first_block: int, last_block: int, rebatch: bool) -> None:
         self.first, self.last = first_block, last_block
         self.queues: list[deque] = [deque() for _ in range(last_block - first_block + 1)]
-        self.stats = [StageStats() for _ in self.queues]
+        self.stats = [QueueStats() for _ in self.queues]
         self.rebatch = rebatch
 
     @property
@@ -74,7 +74,7 @@ class StageQueues:
             by_deadline = min(r.deadline for r in q) - reserve_s(j)
             return by_deadline if max_wait is None else min(q[0].enqueued + max_wait, by_deadline)
 
-        return choose_stage([len(q) for q in self.queues], batch, launch_at, now)
+        return choose_queue([len(q) for q in self.queues], batch, launch_at, now)
 
     def take(self, j: int, batch: int) -> list:
         q = self.queues[j]

@@ -34,14 +34,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from exitplan.api.plan import Plan
 
-from . import wire
-from .bundle_runtime import BundleRuntime, StateError
-from .discovery import PeerSet, parse_peer_spec
-from .executor import execute
-from .forward import HopClient, HopFailed, NoPeer, send
-from .metrics import Children, WorkerMetrics
-from .stages import StageQueues
-from .planfile import read_plan, watch_plan
+from exitplan.worker import wire
+from exitplan.worker.bundle_runtime import BundleRuntime, StateError
+from exitplan.worker.discovery import PeerSet, parse_peer_spec
+from exitplan.worker.classify.executor import execute
+from exitplan.worker.hop_client import HopClient, HopFailed, NoPeer, send
+from exitplan.worker.metrics import Children, WorkerMetrics
+from exitplan.worker.classify.fusion import FusionQueues
+from exitplan.worker.planfile import read_plan, watch_plan
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class SplitWorker:
         self.thresholds = dict(self.plan.thresholds)
         self.max_wait = None if max_wait_ms is None or max_wait_ms < 0 else max_wait_ms / 1000.0
         self.n_blocks = len(manifest.blocks)
-        self.stages = StageQueues(sp.first_block, sp.last_block, sp.rebatch)
+        self.stages = FusionQueues(sp.first_block, sp.last_block, sp.rebatch)
         self.queue: deque[Row] = self.stages.entry
         self.wakeup = asyncio.Event()
         self.pool_exec = ThreadPoolExecutor(1, thread_name_prefix="infer")

@@ -21,7 +21,7 @@ import numpy as np
 
 from exitplan.api.bundle import BundleManifest
 
-from .bundle_runtime import BundleRuntime, softmax
+from exitplan.worker.bundle_runtime import BundleRuntime, softmax
 
 
 @dataclass

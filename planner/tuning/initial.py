@@ -39,13 +39,13 @@ def length_strata(lengths: np.ndarray, bounds: Sequence[int]) -> list[np.ndarray
 def stratified_thresholds(bundle: Path, budget: float, bounds: Sequence[int]) -> tuple[dict[str, float], list[tuple[int, float]]]:
     """(thresholds per exit ramp, per stratum (inputs, disagreement)) on the bundle's calibration
     window, its inputs' lengths read from the held-out set (`stratify`)."""
-    from exitplan.planner.thresholds import Window
+    from exitplan.planner.tuning.thresholds import FeedbackWindow
 
     manifest = read_manifest(bundle)
     ramps = [r.name for r in manifest.exit_ramps()]
     if not ramps:
         return {}, []
-    window = Window.load(bundle / "data" / "window.npz")
+    window = FeedbackWindow.load(bundle / "data" / "window.npz")
     lengths = None
     heldout = bundle / manifest.data.heldout
     if heldout.is_file():
@@ -63,15 +63,15 @@ def stratify(window, lengths: np.ndarray | None, budget: float, bounds: Sequence
     its own sample budget re-tunes on that stratum from the current thresholds and keeps only the
     raises, until no stratum breaks (or every ramp is disabled, which disagrees nowhere). Without
     lengths (or with one bucket) the window is the one stratum."""
-    from exitplan.autotune import sample_budget
-    from exitplan.planner.thresholds import DISABLED, Window, evaluate, tune
+    from exitplan.planner.tuning.autotune import sample_budget
+    from exitplan.planner.tuning.thresholds import DISABLED, FeedbackWindow, evaluate, tune
 
     thresholds = np.asarray(tune(window, sample_budget(budget, window.n_inputs)).thresholds, dtype=float)
     if lengths is None or len(bounds) < 2:
         return thresholds, [(window.n_inputs, 1.0 - evaluate(window, thresholds)[0])]
 
-    def part(mask: np.ndarray) -> Window:
-        return Window(conf=window.conf[mask], pred=window.pred[mask], final=window.final[mask],
+    def part(mask: np.ndarray) -> FeedbackWindow:
+        return FeedbackWindow(conf=window.conf[mask], pred=window.pred[mask], final=window.final[mask],
                       saving_ms=window.saving_ms, cost_ms=window.cost_ms)
 
     strata = [part(m) for m in length_strata(np.asarray(lengths), bounds)]

@@ -20,7 +20,7 @@ from exitplan.api.bundle import BundleManifest, read_manifest, resolve_bundle_ur
 from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import EarlyExitService, EarlyExitServiceSpec, GPUPool, GPUPoolSpec, ModelProfile, ModelProfileSpec
 
-from .local import exitplan_command
+from exitplan.localrun.deployment import exitplan_command
 
 
 class ServiceFileError(ValueError):
@@ -85,9 +85,9 @@ def tuned_thresholds(bundle: Path, budget: float) -> dict[str, float]:
     """Initial thresholds: the tuner on the bundle's calibration window (held-out data), tuned to the
     budget less its sampling error on that window (`autotune.sample_budget`), so that traffic the
     window did not see stays within `budget`."""
-    from exitplan.planner.thresholds import Window, tune
+    from exitplan.planner.tuning.thresholds import FeedbackWindow, tune
 
-    from .autotune import sample_budget
+    from exitplan.planner.tuning.autotune import sample_budget
 
     manifest = read_manifest(bundle)
     ramps = [r.name for r in manifest.exit_ramps()]
@@ -96,7 +96,7 @@ def tuned_thresholds(bundle: Path, budget: float) -> dict[str, float]:
         return {}
     if not path.is_file():
         raise ServiceFileError(f"{path}: the bundle has no calibration window; rebuild it with `exitplan prepare --force`")
-    window = Window.load(path)
+    window = FeedbackWindow.load(path)
     result = tune(window, sample_budget(budget, window.n_inputs))
     return {name: float(t) for name, t in zip(ramps, np.asarray(result.thresholds))}
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from exitplan.api.plan import even_ranges
 
-from .generation import (
+from exitplan.worker.generate.decoder import (
     NEVER_EXIT,
     DecoderModel,
     EngineBase,

@@ -1,0 +1,111 @@
+"""The one client of the control endpoints a router (and a split worker) serves.
+
+Used by the operator's drift loop, by the threshold tuning loop of `exitplan up`, by the router
+(pushing thresholds to split 0) and by the workers (forwarding them down the chain):
+
+- ``GET  /v1/observations[?window=current]``: the last closed observation window, or the one in progress;
+- ``GET  /v1/window.npz?last=N``: the newest N shadow-sampled feedback samples (the `exitplan tune` format);
+- ``GET  /v1/thresholds`` / ``POST /v1/thresholds``: the exit thresholds in force / a hot update.
+
+Every call raises :class:`ControlError` (with the URL and the HTTP status, when there was one) on a
+failed request, a non-2xx answer or a body that does not parse, so callers handle one error type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from types import TracebackType
+
+import aiohttp
+import numpy as np
+import orjson
+from pydantic import ValidationError
+
+from exitplan.api.observations import Observations
+
+FEEDBACK_ARRAYS = ("conf", "pred", "final", "saving_ms", "cost_ms")
+"""The arrays of a feedback window that the tuner reads."""
+
+
+class ControlError(RuntimeError):
+    """A control request failed; `url` names the endpoint, `status` the HTTP status (None: no answer)."""
+
+    def __init__(self, url: str, message: str, status: int | None = None) -> None:
+        super().__init__(f"{url}: {message}")
+        self.url, self.status = url, status
+
+
+class ControlClient:
+    """Async client of one pod's control endpoints (``base_url`` like ``http://10.0.0.7:8080``).
+
+    Pass a shared ``session`` to reuse its connections (it is not closed here); without one, the
+    client opens its own, closed by :meth:`close` or ``async with``."""
+
+    def __init__(self, base_url: str, *, session: aiohttp.ClientSession | None = None, timeout_s: float = 5.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session = session
+        self._owned = session is None
+
+    async def __aenter__(self) -> ControlClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._owned and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        return self._session
+
+    async def _request(self, method: str, route: str, json: object = None) -> bytes:
+        url = f"{self.base_url}{route}"
+        try:
+            async with self._client().request(method, url, json=json, timeout=self.timeout) as resp:
+                body = await resp.read()
+                if resp.status // 100 != 2:
+                    raise ControlError(url, f"HTTP {resp.status}: {body[:200].decode(errors='replace')}", resp.status)
+                return body
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+            raise ControlError(url, f"{type(err).__name__}: {err}") from err
+
+    async def observations(self, *, current: bool = False) -> Observations:
+        """The last closed observation window (``current``: the one in progress)."""
+        route = "/v1/observations" + ("?window=current" if current else "")
+        body = await self._request("GET", route)
+        try:
+            return Observations.model_validate_json(body)
+        except ValidationError as err:
+            raise ControlError(f"{self.base_url}{route}", f"not an observation window: {err.errors()[0]['msg']}") from err
+
+    async def feedback(self, last: int) -> dict[str, np.ndarray] | None:
+        """The newest ``last`` shadow-sampled feedback samples as arrays (see FEEDBACK_ARRAYS), or
+        None while the router has none."""
+        route = f"/v1/window.npz?last={int(last)}"
+        body = await self._request("GET", route)
+        try:
+            with np.load(io.BytesIO(body)) as data:
+                arrays = {name: data[name] for name in FEEDBACK_ARRAYS}
+        except (ValueError, KeyError, OSError) as err:
+            raise ControlError(f"{self.base_url}{route}", f"not a feedback window: {err}") from err
+        return None if arrays["final"].size == 0 else arrays
+
+    async def thresholds(self) -> dict[str, float]:
+        """The exit thresholds in force."""
+        body = await self._request("GET", "/v1/thresholds")
+        try:
+            return {str(k): float(v) for k, v in orjson.loads(body)["thresholds"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ControlError(f"{self.base_url}/v1/thresholds", f"not a thresholds answer: {err}") from err
+
+    async def push_thresholds(self, thresholds: dict[str, float], reason: str) -> None:
+        """A hot threshold update (a router forwards it to every split-0 pod, which forward it down)."""
+        await self._request("POST", "/v1/thresholds", json={"thresholds": thresholds, "reason": reason})
