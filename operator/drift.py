@@ -1,4 +1,5 @@
-"""The drift loop's decisions, as pure functions of (plan, observations, limits, state).
+"""The drift loop's statistics and re-plan steps, as pure functions of (plan, observations, limits);
+what the loop does about them (re-plan, hold, propose, re-tune) is drift_policy.decide's.
 
 Statistics and thresholds (spec.planner.drift):
 

@@ -9,6 +9,10 @@ out). A length-drift re-plan sizes the buckets for the traffic since the shift (
 and a new plan is judged only on what arrives after it. Advisory mode only reports (status.drift,
 status.proposal, events).
 
+This module does the I/O (routers through ControlClient, the API server, events); what to do after
+a read (re-plan, step, hold, propose, re-tune) is drift_policy.decide's, on the service's
+drift_policy.DriftState (kept in kopf's per-object memo under STATE_KEY).
+
 Why a length shift is re-planned within two periods (P): from its start at t, the judged window
 holds only shifted arrivals by t + P/2 (given MIN_REQUESTS arrivals by then; a mix crosses the
 limit sooner), a read falls at most P/4 (or one timer tick, if longer) later, and the plan and the
@@ -28,27 +32,42 @@ Where the routers' `/v1/observations` is read from, first that answers:
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import time
 from typing import Any
 
-import aiohttp
 from pydantic import ValidationError
 
 from exitplan.api.observations import Observations
+from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec, Mode
 from exitplan.operator import apply as applying
 from exitplan.operator import builders, drift
 from exitplan.operator import reconcile as rec
+from exitplan.operator.drift_policy import Action, Do, DriftState, decide, needs_reassess
 from exitplan.operator.kube import ApiError, path
 from exitplan.operator.metrics import METRICS
-from exitplan.operator.status import Phase, Proposal, parse_status, summarize
+from exitplan.operator.status import DriftReport, Phase, ServiceStatus, parse_status, summarize
+from exitplan.planner.tuning import autotune
+from exitplan.planner.tuning.feedback import FeedbackWindow, WindowError
+from exitplan.worker.control_client import ControlClient, ControlError
 
 log = logging.getLogger("exitplan.operator.drift")
-HISTORY = 12
-"""Observation windows kept per service (in the handler memo) for the survival forecast."""
+STATE_KEY = "drift"
+"""The key of the service's DriftState in kopf's per-object memo."""
 TUNE_WINDOW = 1024
 """Shadow-sampled inputs read from the router for threshold tuning."""
+TUNE_TIMEOUT = 10.0
+"""Seconds a threshold-tuning request to a router may take."""
+
+
+def drift_state(memo: Any) -> DriftState:
+    """The service's drift-loop state, kept in kopf's per-object memo (created at the first tick)."""
+    state = memo.get(STATE_KEY)
+    if state is None:
+        state = memo[STATE_KEY] = DriftState()
+    return state
 
 
 async def router_urls(svc: rec.Service) -> list[str]:
@@ -76,13 +95,6 @@ def merge_windows(windows: list[Observations]) -> Observations:
     return drift.combine(windows)
 
 
-async def _get(session: aiohttp.ClientSession, url: str) -> Observations:
-    async with session.get(url) as rsp:
-        if rsp.status != 200:
-            raise aiohttp.ClientResponseError(rsp.request_info, (), status=rsp.status, message=f"HTTP {rsp.status}")
-        return Observations.model_validate(await rsp.json(content_type=None))
-
-
 async def read_routers(svc: rec.Service, seen: dict[str, Observations], urls: list[str] | None = None,
                        timeout: float = 5.0) -> tuple[Observations | None, Observations | None, str]:
     """(what arrived since the previous read, over every router that answers; the newest full
@@ -90,21 +102,21 @@ async def read_routers(svc: rec.Service, seen: dict[str, Observations], urls: li
     window in progress as last read) is updated in place; `urls`: the routers (default: looked up)."""
     urls = await router_urls(svc) if urls is None else urls
     slices, latest, notes = [], [], []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-        for url in urls:
-            try:
-                current = await _get(session, f"{url}/v1/observations?window=current")
-                closed = await _get(session, f"{url}/v1/observations")
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValidationError, ValueError) as err:
-                notes.append(f"{url}: {type(err).__name__} {getattr(err, 'status', '')}".strip())
-                continue
-            windows = [closed, current]  # before the first roll `closed` is the window in progress too
-            piece = drift.since_last(windows, seen.get(url))
-            newest = max(windows, key=lambda w: (w.since, w.until))
-            seen[url] = newest
-            latest.append(newest)
-            if piece is not None:
-                slices.append(piece)
+    for url in urls:
+        try:
+            async with ControlClient(url, timeout_s=timeout) as router:
+                current = await router.observations(current=True)
+                closed = await router.observations()
+        except ControlError as err:
+            notes.append(str(err))  # the URL and what failed
+            continue
+        windows = [closed, current]  # before the first roll `closed` is the window in progress too
+        piece = drift.since_last(windows, seen.get(url))
+        newest = max(windows, key=lambda w: (w.since, w.until))
+        seen[url] = newest
+        latest.append(newest)
+        if piece is not None:
+            slices.append(piece)
     for url in list(seen):
         if url not in urls:
             del seen[url]
@@ -113,31 +125,37 @@ async def read_routers(svc: rec.Service, seen: dict[str, Observations], urls: li
 
 async def fetch_observations(svc: rec.Service, timeout: float = 5.0) -> tuple[Observations | None, str]:
     """The merged last closed window of every router that answers, and a note on what failed."""
-    urls = await router_urls(svc)
     windows, notes = [], []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-        for url in urls:
-            try:
-                windows.append(await _get(session, f"{url}/v1/observations"))
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValidationError, ValueError) as err:
-                notes.append(f"{url}: {type(err).__name__}")
+    for url in await router_urls(svc):
+        try:
+            async with ControlClient(url, timeout_s=timeout) as router:
+                windows.append(await router.observations())
+        except ControlError as err:
+            notes.append(str(err))  # the URL and what failed
     return (merge_windows(windows) if windows else None), "; ".join(notes)
 
 
-def _retune_step(urls: list[str], ramps: list[str], budget: float, apply: bool) -> Any:
-    from exitplan.planner.tuning import autotune
-    from exitplan.planner.tuning.thresholds import WindowError
+def _tune(arrays: dict[str, Any], ramps: list[str], current: dict[str, float], budget: float) -> autotune.Decision:
+    """The tuning policy on one feedback window (numpy work: run it off the event loop)."""
+    return autotune.decide(FeedbackWindow(**arrays), ramps, current, budget, autotune.TuneConfig())
 
+
+async def _retune_step(urls: list[str], ramps: list[str], budget: float, apply: bool) -> autotune.Decision | None:
+    """Read the first router's feedback and thresholds, decide (in a worker thread), and push new
+    thresholds to every router when `apply`. None when there is no feedback yet or a step failed."""
     try:
-        window = autotune.fetch_window(urls[0], TUNE_WINDOW)
-        if window is None:  # no feedback yet
-            return None
-        decision = autotune.decide(window, ramps, autotune.current_thresholds(urls[0]), budget)
+        async with ControlClient(urls[0], timeout_s=TUNE_TIMEOUT) as router:
+            arrays = await router.feedback(TUNE_WINDOW)
+            if arrays is None:  # no feedback yet
+                return None
+            current = await router.thresholds()
+        decision = await asyncio.to_thread(_tune, arrays, ramps, current, budget)
         if decision.thresholds is not None and apply:
             for url in urls:
-                autotune.push(url, decision.thresholds, f"tune-{decision.reason}")
+                async with ControlClient(url, timeout_s=TUNE_TIMEOUT) as router:
+                    await router.push_thresholds(decision.thresholds, f"tune-{decision.reason}")
         return decision
-    except (OSError, ValueError, KeyError, WindowError) as err:  # unreachable router, short/odd window
+    except (ControlError, WindowError, KeyError) as err:  # unreachable router, short/odd window
         log.info("threshold re-tune skipped: %s", err)
         return None
 
@@ -155,8 +173,7 @@ async def retune(svc: rec.Service, spec: EarlyExitServiceSpec, ramps: list[str],
     if not urls:
         return
     active = spec.planner.mode == Mode.active
-    decision = await asyncio.get_running_loop().run_in_executor(
-        None, _retune_step, urls, ramps, spec.accuracy.max_drop, active)
+    decision = await _retune_step(urls, ramps, spec.accuracy.max_drop, active)
     if decision is not None and decision.thresholds is not None:
         verb = "re-tuned" if active else "would re-tune"
         svc.event("Normal", "ThresholdsTuned", f"{verb} exit thresholds ({decision.reason}): agreement "
@@ -208,8 +225,9 @@ async def on_tick(svc: rec.Service, memo: Any) -> None:
     """One timer tick: re-check a profiling wait, refresh readiness, read the routers for drift."""
     if (svc.body.get("status") or {}).get("phase") == "Profiling":
         now = time.monotonic()
-        if now - memo.get("profile_check", 0.0) > PROFILE_RECHECK_SECONDS:
-            memo["profile_check"] = now
+        state = drift_state(memo)
+        if now - state.profile_check > PROFILE_RECHECK_SECONDS:
+            state.profile_check = now
             await rec.reconcile(svc, reason="initial")
         return
     await rec.refresh_readiness(svc)
@@ -222,8 +240,66 @@ def _service_lock(svc: rec.Service, memo: Any) -> asyncio.Lock | None:
     return locks[(svc.namespace, svc.name)] if locks is not None else None
 
 
+async def _read(svc: rec.Service, state: DriftState, now: float, period: float) -> tuple[Observations | None, Observations | None]:
+    """(what arrived since the previous read, the newest full window) over the routers that answer."""
+    if state.urls_due(now, period):  # the routers' addresses, looked up once a period
+        state.router_urls, state.urls_looked_up = await router_urls(svc), now
+    piece, latest, note = await read_routers(svc, state.seen, state.router_urls)
+    if note:
+        state.router_urls = None  # a router did not answer: look them up again next read
+    if latest is None:
+        log.info("%s/%s: no observations (%s)", svc.namespace, svc.name, note or "no router endpoint")
+    return piece, latest
+
+
+async def _assess(spec: EarlyExitServiceSpec, plan: Plan, judged: Observations, state: DriftState) -> DriftReport:
+    # the survival forecast fits ARIMA per ramp (tens of ms): off the event loop every service shares
+    return await asyncio.get_running_loop().run_in_executor(
+        None, drift.assess, plan, judged, spec.planner.drift, spec.slo.latency_ms, list(state.survival))
+
+
+async def _score_new(svc: rec.Service, state: DriftState, spec: EarlyExitServiceSpec, plan: Plan,
+                     piece: Observations, status: ServiceStatus, period: float) -> DriftReport | None:
+    """Score the judged window after a read that brought new arrivals (status.drift, the metrics,
+    the survival series)."""
+    judged = drift.recent(state.slices, period)
+    if judged is None:
+        return None
+    report = await _assess(spec, plan, judged, state)
+    log.info("%s/%s: %.1f s until %.1f (%d new, %d judged arrivals; %d answered): length score %.3f, "
+             "survival error %.3f, p99 %.0f ms%s", svc.namespace, svc.name, judged.until - judged.since,
+             judged.until, drift.arrivals(piece), drift.arrivals(judged), judged.requests, report.length_score,
+             report.survival_error, report.p99_ms, f" -> {report.trigger}" if report.trigger else "")
+    state.add_to_survival(piece, period)
+    METRICS.length_score.labels(svc.namespace, svc.name).set(report.length_score)
+    METRICS.survival_error.labels(svc.namespace, svc.name).set(report.survival_error)
+    status.drift = report
+    state.judged = judged
+    return report
+
+
+async def _judge(svc: rec.Service, state: DriftState, spec: EarlyExitServiceSpec, plan: Plan,
+                 piece: Observations | None, status: ServiceStatus, period: float) -> DriftReport | None:
+    """Keep the new slice and score the judged window when new arrivals came; a cooldown hold with
+    nothing new re-scores the window that raised it. None: nothing to score."""
+    report = None
+    if piece is not None:
+        state.add_slice(piece, period)
+        if drift.arrivals(piece) or piece.requests:
+            report = await _score_new(svc, state, spec, plan, piece, status, period)
+    if needs_reassess(state, report, status.proposal) and state.judged is not None:
+        report = await _assess(spec, plan, state.judged, state)
+    return report
+
+
+def _tuning(state: DriftState) -> bool:
+    """A background re-tune is still running."""
+    return isinstance(state.tune_task, asyncio.Future) and not state.tune_task.done()
+
+
 async def check_drift(svc: rec.Service, memo: Any) -> None:
-    """One drift-loop read (the timer calls it every tick; it reads CHECKS_PER_PERIOD times a period)."""
+    """One drift-loop read (the timer calls it every tick; it reads CHECKS_PER_PERIOD times a period):
+    read the routers, score the judged window, ask drift_policy.decide, carry its Action out."""
     status = parse_status(svc.body.get("status"))
     try:
         spec = EarlyExitServiceSpec.model_validate(svc.body.get("spec") or {})
@@ -231,24 +307,13 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
         return
     if status.phase in (Phase.profiling, Phase.pending) or status.plan is None:
         return
+    state = drift_state(memo)
     period = float(spec.planner.period_seconds)
-    interval = period / drift.CHECKS_PER_PERIOD
     now = time.monotonic()
-    last = memo.get("last_check")
-    if last is not None and now - last < interval:
+    if not state.take_read(now, period / drift.CHECKS_PER_PERIOD):
         return
-    # reads on a grid of `interval` (a tick longer than it rounds single reads up, not the average)
-    memo["last_check"] = now if last is None or now - last >= 2 * interval else last + interval
-    seen: dict[str, Observations] = memo.setdefault("seen", {})
-    urls, looked_up = memo.get("router_urls") or (None, 0.0)
-    if not urls or now - looked_up >= period:  # the routers' addresses, looked up once a period
-        urls = await router_urls(svc)
-        memo["router_urls"] = (urls, now)
-    piece, latest, note = await read_routers(svc, seen, urls)
-    if note:
-        memo["router_urls"] = None  # a router did not answer: look them up again next read
+    piece, latest = await _read(svc, state, now, period)
     if latest is None:
-        log.info("%s/%s: no observations (%s)", svc.namespace, svc.name, note or "no router endpoint")
         return
     plan = await rec.current_plan(svc.client, svc.name, svc.namespace)
     if plan is None:  # advisory from the start: nothing applied to compare against
@@ -260,93 +325,45 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
         if await persist_thresholds(svc, latest.thresholds, "observed on the routers"):
             plan = await rec.current_plan(svc.client, svc.name, svc.namespace) or plan
             status = parse_status(svc.body.get("status"))
+    report = await _judge(svc, state, spec, plan, piece, status, period)
+    action = decide(state, report, spec.planner.drift, now, active=active, phase=status.phase,
+                    proposal=status.proposal, last_replan_time=status.last_replan_time, period=period,
+                    ramps=latest.ramps, tuning=_tuning(state), utc_now=dt.datetime.now(dt.UTC))
+    state.record(action, now)
+    await _carry_out(svc, memo, state, spec, status, plan, latest, action, now)
 
-    slices: list[Observations] = memo.setdefault("slices", [])
-    report = None
-    if piece is not None:
-        slices.append(piece)
-        del slices[:-64]
-        while slices and slices[-1].until - slices[0].until > drift.KEEP_PERIODS * period:
-            slices.pop(0)
-    if piece is not None and (drift.arrivals(piece) or piece.requests):
-        judged = drift.recent(slices, period)
-        history: list[list[float]] = memo.setdefault("survival", [])
-        # the survival forecast fits ARIMA per ramp (tens of ms): off the event loop every service shares
-        report = await asyncio.get_running_loop().run_in_executor(
-            None, drift.assess, plan, judged, spec.planner.drift, spec.slo.latency_ms, list(history))
-        log.info("%s/%s: %.1f s until %.1f (%d new, %d judged arrivals; %d answered): length score %.3f, "
-                 "survival error %.3f, p99 %.0f ms%s", svc.namespace, svc.name, judged.until - judged.since,
-                 judged.until, drift.arrivals(piece), drift.arrivals(judged), judged.requests, report.length_score,
-                 report.survival_error, report.p99_ms, f" -> {report.trigger}" if report.trigger else "")
-        block: list[Observations] = memo.setdefault("survival_block", [])
-        block.append(piece)  # the forecaster's series: consecutive half-period blocks
-        whole = drift.combine(block)
-        if whole.until - whole.since >= drift.JUDGED_PERIODS * period and whole.requests >= drift.MIN_REQUESTS:
-            history.append(list(whole.survival))
-            del history[:-HISTORY]
-            block.clear()
-        METRICS.length_score.labels(svc.namespace, svc.name).set(report.length_score)
-        METRICS.survival_error.labels(svc.namespace, svc.name).set(report.survival_error)
-        status.drift = report
-        memo["judged"] = judged
-    held = status.proposal if status.proposal and status.proposal.held_back.startswith("cooldown") else None
-    if report is None and held is not None and memo.get("judged") is not None:
-        # nothing new arrived, but a re-plan waits for its cooldown: the window that raised it still stands
-        report = await asyncio.get_running_loop().run_in_executor(
-            None, drift.assess, plan, memo["judged"], spec.planner.drift, spec.slo.latency_ms, list(memo.get("survival", [])))
-    limits = spec.planner.drift
-    trigger = report.trigger if report else ""
-    pending = status.proposal if status.proposal and status.proposal.held_back.startswith("move cap") else None
 
-    if pending is not None and active:
-        # the next step of a capped re-plan: once the previous step is rolled out, one per period
-        due = status.phase == Phase.ready and now - memo.get("last_step", 0.0) >= period
-        if not due:
-            if report is not None:
-                await svc.write_status(status)
-            return
-        reason = trigger or pending.reason
-    elif trigger:
-        reason = trigger
-        if not active and status.proposal and status.proposal.reason == reason and now - memo.get("proposed", -period) < period:
-            await svc.write_status(status)  # advisory: the same proposal at most once a period
-            return
-        memo["proposed"] = now
-        wait = drift.cooldown_left(status.last_replan_time, limits.cooldown_seconds)
-        if wait > 0 and active:
-            status.proposal = Proposal(reason=reason, hash="", held_back=f"cooldown: {wait:.0f}s left")
-            await svc.write_status(status)
-            if held is None or held.reason != reason:  # once per hold, not every read
-                svc.event("Normal", "ReplanHeld", f"{reason} (length score {report.length_score}, survival error "
-                          f"{report.survival_error}, p99 {report.p99_ms} ms): cooldown, {wait:.0f}s left")
-            return
-    else:  # no re-plan: the thresholds may still need re-tuning
-        if status.proposal and status.proposal.held_back.startswith("cooldown"):
-            status.proposal = None  # the drift that was held back is gone
-        if report is not None:
-            await svc.write_status(status)
-        task = memo.get("tune_task")
-        if latest.ramps and (task is None or task.done()) and now - memo.get("last_tune", -period) >= period:
-            memo["last_tune"] = now  # once a period, in the background: never delays a drift check
-            memo["tune_task"] = asyncio.create_task(retune(svc, spec, latest.ramps, _service_lock(svc, memo)))
-        return
+async def _carry_out(svc: rec.Service, memo: Any, state: DriftState, spec: EarlyExitServiceSpec,
+                     status: ServiceStatus, plan: Plan, latest: Observations, action: Action, now: float) -> None:
+    """Do what `decide` chose: the status and event of a hold, a re-plan or step, a background re-tune."""
+    if action.proposal is not None:
+        status.proposal = action.proposal
+    if action.clear_proposal:
+        status.proposal = None
+    if action.write_status:
+        await svc.write_status(status)
+    if action.event is not None:
+        svc.event("Normal", action.event.reason, action.event.message)
+    if action.do is Do.retune:  # once a period, in the background: never delays a drift check
+        state.tune_task = asyncio.create_task(retune(svc, spec, latest.ramps, _service_lock(svc, memo)))
+    elif action.plans:
+        await _replan(svc, state, spec, status, plan, latest, action, now)
 
-    if trigger:
-        svc.event("Normal", "Replan", f"{reason}: length score {report.length_score} (limit {limits.length_score}), "
-                  f"survival error {report.survival_error} (limit {limits.survival_error}), p99 {report.p99_ms} ms")
-    else:
-        svc.event("Normal", "ReplanStep", f"{reason}: the next step toward the capped re-plan ({pending.held_back})")
+
+async def _replan(svc: rec.Service, state: DriftState, spec: EarlyExitServiceSpec, status: ServiceStatus,
+                  plan: Plan, latest: Observations, action: Action, now: float) -> None:
+    """Plan again for the judged window and apply it (capped by maxMoveFraction) or propose it."""
     inputs = await rec.read_inputs(svc.client, spec, svc.namespace)
     if inputs.unknown_pools or inputs.missing_profiles:
         return  # the next spec reconcile reports these
     status.pools_digest = inputs.digest()
-    memo["last_step"] = now
-    observed = memo.get("judged") or latest
-    if reason == "length-drift" and (shifted := drift.after_change(slices, plan)) is not None:
+    state.last_step = now
+    observed = state.judged if state.judged is not None else latest
+    if action.reason == "length-drift" and (shifted := drift.after_change(state.slices, plan)) is not None:
         # size the buckets for the traffic since the shift, not for the mix the judged window holds
         observed = observed.model_copy(update={"length_buckets": list(shifted.length_buckets),
                                                "length_histogram": list(shifted.length_histogram)})
-    after = await rec.plan_and_apply(svc, spec, inputs, status, reason=reason, previous=plan,
-                                     observations=observed, max_move_fraction=limits.max_move_fraction)
-    if active and after.plan is not None and after.plan.hash != plan.content_hash():
-        slices.clear()  # judged against the old plan; the new one is judged on what arrives from now on
+    after = await rec.plan_and_apply(svc, spec, inputs, status, reason=action.reason, previous=plan,
+                                     observations=observed, max_move_fraction=spec.planner.drift.max_move_fraction)
+    if action.do is not Do.propose and after.plan is not None and after.plan.hash != plan.content_hash():
+        state.slices.clear()  # judged against the old plan; the new one is judged on what arrives from now on

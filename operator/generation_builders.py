@@ -1,4 +1,4 @@
-"""Pure manifest builders of a generation service (task text-generation, a decoder bundle; issue 7).
+"""Pure manifest builders of a generation service (task text-generation, a decoder bundle).
 
 The children differ from a classification service's (builders.py) only in the workers:
 

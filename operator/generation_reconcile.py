@@ -1,4 +1,4 @@
-"""Reconcile a generation service (task text-generation; issue 7): plan, build its children, apply, report.
+"""Reconcile a generation service (task text-generation, a decoder in stages): plan, build its children, apply, report.
 
 `reconcile.reconcile` hands a service over here once its spec is valid and its pools exist. A generation
 service needs no ModelProfile: the planner (exitplan.planner.generation) splits the decoder's blocks

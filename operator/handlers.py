@@ -31,7 +31,8 @@ TICK = float(os.environ.get("EXITPLAN_TICK_SECONDS", "5"))
 
 # Per operator (kopf's operator-wide memo, shared by reference into every object's memo):
 # memo.client, the API client; memo.locks, one asyncio.Lock per (namespace, name). Several
-# operators in one process (tests, peering) each keep their own.
+# operators in one process (tests, peering) each keep their own. Per object, the drift loop keeps
+# its drift_policy.DriftState in the object's memo (driftloop.drift_state creates it at the first tick).
 
 
 async def _service(memo: Any, body: Any) -> reconcile.Service | None:
