@@ -1,4 +1,4 @@
-"""Operator latencies on the emulated API (issue 5), measured side by side in one run:
+"""Operator latencies on the emulated API, measured side by side in one run:
 
 - apply -> children: `kubectl apply` of an EarlyExitService until every child the plan needs
   exists (ConfigMap, router Deployment + Service, split Services, one Deployment per cell);

@@ -1,4 +1,4 @@
-"""How long the threshold tuner takes: 12 ramps over a 1,024-input window (issue 4, "Must show" 1).
+"""How long the threshold tuner takes: 12 ramps over a 1,024-input window.
 
 Each window is a fresh synthetic window (``exitplan.planner.tuning.synthetic_windows``: per-input difficulty,
 confidence rising with depth, agreement probability conf ** gamma) built before the clock starts;

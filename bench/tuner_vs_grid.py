@@ -1,4 +1,4 @@
-"""Threshold tuner vs exhaustive grid search (issue 4, "Must show" 1).
+"""Threshold tuner vs exhaustive grid search.
 
 For every window: the grid optimum (every ramp at 0.00, 0.01, ..., 1.00 or disabled for 2-3 ramps;
 step 0.05 for 4 ramps), then the tuner from all-disabled thresholds, side by side, each checked on

@@ -39,7 +39,7 @@ def command(
     try:
         from exitplan.worker.generate.router import GenerationRouter, is_generative
 
-        # a decoder bundle: the generation router (issue 7) drives the stage workers instead
+        # a decoder bundle: the generation router drives the stage workers instead
         generation = GenerationRouter(bundle, plan, peers=peers) if is_generative(bundle) else None
         router = generation or Router(
             bundle, plan, peers=peers, slo_ms=slo_ms, accuracy_budget=accuracy_budget, shadow_fraction=shadow_fraction,

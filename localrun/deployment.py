@@ -102,7 +102,7 @@ class LocalDeployment:
     def _commands(self) -> list[Proc]:
         from exitplan.localrun.generation import is_generation_bundle, stage_commands
 
-        if is_generation_bundle(self.bundle):  # a decoder: generation stages + their router (issue 7)
+        if is_generation_bundle(self.bundle):  # a decoder: generation stages + their router
             return stage_commands(self)
         cli = exitplan_command()
         logs = self.workdir / "logs"

@@ -1,4 +1,4 @@
-"""Generation services on this machine (issue 7): `exitplan up` with a decoder bundle.
+"""Generation services on this machine: `exitplan up` with a decoder bundle.
 
 - `plan_generation_service`: measure the bundle here once (block and head times, one stage-to-stage
   hop, the threshold table on held-out text; cached in `<bundle>/profiles/generation-<pool>.json`,

@@ -86,13 +86,12 @@ def _torch():
     return torch
 
 
-def make_model(options: DecoderOptions):
-    """The PyTorch early-exit decoder (module classes are built lazily: torch is a prepare-only import)."""
+def _block_classes(d: int, n_heads: int):
+    """(Layer, Head): a pre-norm transformer layer with an explicit KV cache, and an exit head."""
     torch = _torch()
     from torch import nn
     from torch.nn import functional as F
 
-    d, n_heads = options.hidden, options.heads
     head_dim = d // n_heads
 
     class Layer(nn.Module):
@@ -134,6 +133,40 @@ def make_model(options: DecoderOptions):
         def forward(self, hidden):
             return self.out(self.norm(hidden))
 
+    return Layer, Head
+
+
+def _export_wrappers():
+    """(FirstBlock, LayerBlock): the modules exported as the bundle's first block and later blocks."""
+    from torch import nn
+
+    class FirstBlock(nn.Module):
+        def __init__(self, model) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, position_ids, past_key, past_value):
+            return self.model.layers[0](self.model.embed(input_ids, position_ids), past_key, past_value)
+
+    class LayerBlock(nn.Module):
+        def __init__(self, layer) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, hidden, past_key, past_value):
+            return self.layer(hidden, past_key, past_value)
+
+    return FirstBlock, LayerBlock
+
+
+def make_model(options: DecoderOptions):
+    """The PyTorch early-exit decoder (module classes are built lazily: torch is a prepare-only import)."""
+    torch = _torch()
+    from torch import nn
+
+    d, n_heads = options.hidden, options.heads
+    Layer, Head = _block_classes(d, n_heads)
+
     class EarlyExitDecoder(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -155,25 +188,9 @@ def make_model(options: DecoderOptions):
                 out.append(head(x))
             return out
 
-    class FirstBlock(nn.Module):
-        def __init__(self, model) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, position_ids, past_key, past_value):
-            return self.model.layers[0](self.model.embed(input_ids, position_ids), past_key, past_value)
-
-    class LayerBlock(nn.Module):
-        def __init__(self, layer) -> None:
-            super().__init__()
-            self.layer = layer
-
-        def forward(self, hidden, past_key, past_value):
-            return self.layer(hidden, past_key, past_value)
-
     model = EarlyExitDecoder()
     model._n_heads = n_heads
-    model.FirstBlock, model.LayerBlock = FirstBlock, LayerBlock  # export wrappers
+    model.FirstBlock, model.LayerBlock = _export_wrappers()
     return model
 
 

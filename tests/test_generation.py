@@ -1,4 +1,4 @@
-"""Early-exit generation with a KV cache (issue 7): KV recomputation and the pipeline-based mode.
+"""Early-exit generation with a KV cache: KV recomputation and the pipeline-based mode.
 
 A tiny decoder bundle (3 blocks, exits after blocks 0 and 1) is trained for a few seconds on the
 tweets and exported per block with explicit KV inputs/outputs; the engines run it through ONNX

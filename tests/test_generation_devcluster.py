@@ -1,4 +1,4 @@
-"""A generation service end to end in the dev-cluster (issue 7): `exitplan dev-cluster` and `exitplan operator`
+"""A generation service end to end in the dev-cluster: `exitplan dev-cluster` and `exitplan operator`
 as processes; the operator builds the stage Deployments, the pod runner starts `exitplan generate-stage` and
 `exitplan router` from them (the same commands pods run), and requests go through the router Service's local
 endpoint over HTTP."""

@@ -1,4 +1,4 @@
-"""E3-style planning for generation (issue 7): the split cost model and search, the threshold under the accuracy
+"""E3-style planning for generation: the split cost model and search, the threshold under the accuracy
 budget, the service plan (exitplan.planner.generation), and the measurements that feed it."""
 
 from __future__ import annotations

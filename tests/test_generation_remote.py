@@ -1,4 +1,4 @@
-"""The pipeline-based mode across real split worker processes (`exitplan generate-stage`), issue 7."""
+"""The pipeline-based mode across real split worker processes (`exitplan generate-stage`)."""
 
 from __future__ import annotations
 

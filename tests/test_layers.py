@@ -14,23 +14,57 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FOLDERS = {
+    "exitplan": "exitplan",
     "api": "exitplan.api",
     "planner": "exitplan.planner",
     "operator": "exitplan.operator",
     "worker_image": "exitplan.worker",
     "prepare": "exitplan.prepare",
     "client": "exitplan.client",
+    "localrun": "exitplan.localrun",
+    "devcluster": "exitplan.devcluster",
 }
 HEAVY = ("kopf", "kubernetes", "torch", "transformers")
+HTTP = ("aiohttp", "urllib", "http", "httptools", "requests", "socket")
 
 # layer -> (allowed exitplan modules (prefixes), forbidden third-party top-level names)
 CONTRACTS = {
+    # typed contracts only
     "exitplan.api": (("exitplan.api",), ("aiohttp", "numpy", "onnxruntime") + HEAVY),
-    "exitplan.planner": (("exitplan.api", "exitplan.planner"), ("aiohttp", "onnxruntime") + HEAVY),
+    # pure planning: no Kubernetes, no HTTP, no inference runtime
+    "exitplan.planner": (("exitplan.api", "exitplan.planner"), ("onnxruntime",) + HTTP + HEAVY),
+    # the data plane takes only the dispatch policy from the planner
     "exitplan.worker": (("exitplan.api", "exitplan.worker", "exitplan.planner.dispatch"), HEAVY),
-    "exitplan.client": (("exitplan.api", "exitplan.client", "exitplan.planner.traces", "exitplan.worker.bundle_runtime"), HEAVY),
-    "exitplan.operator": (("exitplan.api", "exitplan.planner", "exitplan.operator", "exitplan.localrun.deployment", "exitplan.localrun.service_setup", "exitplan.planner.tuning.autotune"), ("torch", "transformers")),
+    "exitplan.client": (
+        ("exitplan.api", "exitplan.client", "exitplan.planner.traces", "exitplan.worker.bundle_runtime"),
+        HEAVY,
+    ),
+    # the operator: never the CLI, the local process runner or the dev cluster; of the data plane
+    # only the client of its control endpoints
+    "exitplan.operator": (
+        ("exitplan.api", "exitplan.planner", "exitplan.operator", "exitplan.worker.control_client"),
+        ("torch", "transformers"),
+    ),
+    "exitplan.prepare": (
+        ("exitplan.api", "exitplan.planner", "exitplan.prepare", "exitplan.worker.bundle_runtime",
+         "exitplan.worker.generate.decoder"),
+        ("kopf", "kubernetes", "aiohttp"),
+    ),
+    # `exitplan up`'s process runner: what a pod would run, started as local processes
+    "exitplan.localrun": (
+        ("exitplan.api", "exitplan.planner", "exitplan.worker", "exitplan.client", "exitplan.localrun"),
+        ("kopf", "kubernetes"),
+    ),
+    # the emulated cluster: its API server, the local pod runner; the operator's API client and
+    # CRD generator to install CRDs, and how to start the CLI's pod commands
+    "exitplan.devcluster": (
+        ("exitplan.api", "exitplan.devcluster", "exitplan.operator.kube", "exitplan.operator.crdgen",
+         "exitplan.localrun.deployment"),
+        ("torch", "transformers"),
+    ),
 }
+USED_ONLY_BY_CLI = ("exitplan.devcluster",)
+"""Packages that only the CLI (and tests) may import."""
 
 
 def imports_of(source: str, module: str, is_package: bool) -> list[str]:
@@ -67,13 +101,21 @@ def violations(layer: str, module: str, names: list[str]) -> list[str]:
 
 
 def layer_sources():
+    """(package, module, path) of every source file, sub-packages included."""
     for folder, package in FOLDERS.items():
-        if package not in CONTRACTS:
-            continue
-        for path in sorted((REPO / folder).glob("*.py")):
-            stem = path.stem
-            module = package if stem == "__init__" else f"{package}.{stem}"
-            yield package, module, path
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = list(path.relative_to(REPO / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            yield package, ".".join([package, *parts]), path
+
+
+def test_every_source_folder_is_checked():
+    """A new top-level folder of Python code gets a contract (or is named here as not a layer)."""
+    not_layers = {"tests", "e2e", "bench", "tools", "examples", "charts", "crds"}
+    folders = {p.parent.relative_to(REPO).parts[0] for p in REPO.glob("*/**/*.py") if not p.parts[-2].startswith(".")}
+    unknown = sorted(f for f in folders - set(FOLDERS) - not_layers if not f.startswith("."))
+    assert not unknown, f"folders of code with no layer contract: {unknown}"
 
 
 @pytest.mark.parametrize("layer", sorted(CONTRACTS))
@@ -99,3 +141,20 @@ def test_the_checker_catches_violations():
     assert found and all("exitplan.planner.e3" in v for v in found)
     sneaky = imports_of("from exitplan.planner import plan_service\n", "exitplan.worker.classify.router", False)
     assert violations("exitplan.worker", "exitplan.worker.classify.router", sneaky)
+
+
+def test_the_dev_cluster_is_used_only_by_the_cli_and_tests():
+    problems = []
+    for package, module, path in layer_sources():
+        if package in ("exitplan", *USED_ONLY_BY_CLI):
+            continue
+        for name in imports_of(path.read_text(), module, path.stem == "__init__"):
+            if any(name == p or name.startswith(p + ".") for p in USED_ONLY_BY_CLI):
+                problems.append(f"{module} imports {name}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_cli_package_holds_only_the_cli():
+    """exitplan/ is the CLI: `cli.py`, one `cmd_*.py` per command, nothing the other rooms import."""
+    names = sorted(p.name for p in (REPO / "exitplan").glob("*.py"))
+    assert all(n in ("__init__.py", "__main__.py", "cli.py") or n.startswith("cmd_") for n in names), names

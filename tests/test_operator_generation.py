@@ -1,4 +1,4 @@
-"""The operator's children of a generation service (issue 7): the pure builders, then the real operator under
+"""The operator's children of a generation service: the pure builders, then the real operator under
 kopf against the emulated API server (the harness of test_operator_integration.py)."""
 
 from __future__ import annotations

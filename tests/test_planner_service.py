@@ -236,7 +236,7 @@ def test_a_split_rebatches_only_where_that_is_no_slower(gpu, count):
 
 def test_rebatch_off_reproduces_split_and_replicate():
     """rebatch=False plans as before rebatching existed: on E3's setting, blocks 0-1 | 2-4 | 5-11 on
-    6 + 6 + 4 V100s at batch 8 (BENCHMARKS.md, issue 3)."""
+    6 + 6 + 4 V100s at batch 8 (BENCHMARKS.md)."""
     off = _e3_setting(False)
     assert [(s.first_block, s.last_block) for s in off.plan.splits] == [(0, 1), (2, 4), (5, 11)]
     assert [(c.replicas, c.batch_size) for c in off.plan.cells] == [(6, 8), (6, 8), (4, 8)]

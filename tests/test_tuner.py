@@ -1,4 +1,4 @@
-"""Threshold tuning (issue 4): window semantics, the tuner against exhaustive search, bad input."""
+"""Threshold tuning: window semantics, the tuner against exhaustive search, bad input."""
 
 from __future__ import annotations
 

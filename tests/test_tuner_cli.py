@@ -1,4 +1,4 @@
-"""`exitplan tune WINDOW.npz` (issue 4, item 5): the JSON it writes and its errors."""
+"""`exitplan tune WINDOW.npz`: the JSON it writes and its errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Ramp management (issue 4, item 3): utilities, upper bounds, the overhead budget, decisions."""
+"""Ramp management: utilities, upper bounds, the overhead budget, decisions."""
 
 from __future__ import annotations
 
