@@ -28,10 +28,10 @@ from exitplan.localrun.deployment import LocalDeployment
 from exitplan.localrun.service_setup import ServiceSetup, single_split_plan, tuned_thresholds
 
 
-def thresholds_for(bundle: Path, how: str, budget: float) -> dict[str, float]:
+def thresholds_for(bundle: Path, how: str, budget: float, bounds: list[int]) -> dict[str, float]:
     ramps = [r.name for r in read_manifest(bundle).exit_ramps()]
     if how == "tuned":
-        return tuned_thresholds(bundle, budget)
+        return tuned_thresholds(bundle, budget, bounds)
     if how == "off":
         return {r: 2.0 for r in ramps}
     return {r: float(how) for r in ramps}
@@ -64,7 +64,7 @@ def main() -> None:
         "pools": [{"name": "cpu"}], "workload": {"lengthBuckets": buckets},
     })
     setup = ServiceSetup("capacity", spec, bundle, manifest)
-    thresholds = thresholds_for(bundle, args.thresholds, spec.accuracy.max_drop)
+    thresholds = thresholds_for(bundle, args.thresholds, spec.accuracy.max_drop, spec.workload.length_buckets)
     plan = single_split_plan(setup, thresholds=thresholds, replicas=1, batch_size=args.batch, reason="bench")
     loads = [float(x) for x in args.loads.split(",")]
     common = dict(slo_ms=args.slo_ms, length_mode=args.length_mode, reference_max=args.reference_max)

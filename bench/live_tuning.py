@@ -9,7 +9,7 @@ moves the agreement far less. The same stream goes, side by side (started togeth
 sent to every deployment at the same moment, 4 inputs in flight, so latency ratios compare like
 with like on a shared machine), through three live deployments of the MiniLM bundle (router + 2 workers, buckets 32 and 128): vanilla (no exits), one-time tuning
 (thresholds tuned on the bundle's held-out window, never changed) and continual tuning (the same
-start, then the tuning loop of `exitplan up`, `exitplan.planner.tuning.autotune.AutoTuner`, on shadow-sampled
+start, then the tuning loop of `exitplan up`, `exitplan.localrun.autotune.AutoTuner`, on shadow-sampled
 feedback).
 
 Per window of --window consecutive requests: agreement with the full model = the fraction of the
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -41,8 +42,9 @@ from tokenizers import Tokenizer
 from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec
-from exitplan.planner.tuning.autotune import AutoTuner
+from exitplan.localrun.autotune import AutoTuner
 from exitplan.localrun.deployment import LocalDeployment
+from exitplan.planner.tuning.autotune import LIVE
 from exitplan.planner.tuning.thresholds import FeedbackWindow, allowed_disagreements, outcome
 from exitplan.localrun.service_setup import tuned_thresholds
 from exitplan.prepare.datasets import load_tweets, tweet_splits
@@ -155,7 +157,7 @@ def windows(results: list[dict], final: np.ndarray, size: int, head: str) -> lis
     return rows
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, default=Path("artifacts/bundles/minilm"))
     ap.add_argument("--long", type=int, default=3000, help="requests before the shift (long tweets)")
@@ -178,12 +180,36 @@ def main() -> None:
     ap.add_argument("--runs", default="vanilla,one-time,continual")
     ap.add_argument("--png", type=Path, default=Path("live_tuning.png"))
     ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     bundle = args.bundle.resolve()
-    options = json.loads((bundle / ".complete.json").read_text())["options"]
     manifest = read_manifest(bundle)
     ramps = [r.name for r in manifest.exit_ramps()]
+    start = tuned_thresholds(bundle, args.budget, [])  # no service file: the whole window, one stratum
+    print(f"one-time thresholds (tuned on the bundle's held-out window, budget {args.budget:.1%}): {start}")
+    texts, shift_at = pick_stream(args, bundle, ramps, start)
+    _, _, reference = cached_outputs(bundle, texts)
+    raw, changes = run_side_by_side(args, bundle, manifest, ramps, start, texts)
+    runs = {name: windows(raw[name], reference, args.window, manifest.final_ramp().name) for name in args.runs.split(",")}
+    summary = report(args, runs, raw, shift_at)
+    plot(runs, raw, ramps, args, shift_at)
+    if args.json:
+        head = manifest.final_ramp().name
+        per_request = {n: [[int(r.get("label") == reference[i]) if r.get("status") == 200 else -1,
+                            int(r.get("ramp", head) != head), round(r.get("latency_ms", -1.0), 2)] for i, r in enumerate(raw[n])]
+                       for n in runs}
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "summary": summary,
+                                         "changes": changes, "per_request [agrees, exited, latency_ms]": per_request}))
 
+
+def pick_stream(args: argparse.Namespace, bundle: Path, ramps: list[str], start: dict[str, float]) -> tuple[list[str], int]:
+    """(the stream's texts: --long long tweets the bundle never saw, then --short short ones; the
+    request the shift starts at), after printing the one-time thresholds' agreement per length and
+    class on a separate probe of unseen tweets."""
+    options = json.loads((bundle / ".complete.json").read_text())["options"]
     # Tweets the bundle never saw: not in its training or held-out split.
     splits = tweet_splits(options["train_size"], options["heldout_size"], options["seed"])
     seen = set(splits.train_text) | set(splits.heldout_text)
@@ -193,8 +219,6 @@ def main() -> None:
     tok = Tokenizer.from_file(str(bundle / "tokenizer.json"))
     tok.no_padding()
     tokens = np.array([len(e.ids) for e in tok.encode_batch([texts_all[i] for i in unseen])])
-    start = tuned_thresholds(bundle, args.budget)
-    print(f"one-time thresholds (tuned on the bundle's held-out window, budget {args.budget:.1%}): {start}")
     t = np.array([start[r] for r in ramps])
     probe_rows = rng.choice(unseen.size, size=args.probe, replace=False)
     conf, pred, final = cached_outputs(bundle, [texts_all[i] for i in unseen[probe_rows]])
@@ -213,17 +237,21 @@ def main() -> None:
     if short_rows.size < args.short or long_rows.size < args.long:
         raise SystemExit(f"only {long_rows.size} long and {short_rows.size} short unseen tweets; lower --long/--short")
     phase1, phase2 = unseen[long_rows[: args.long]].tolist(), unseen[short_rows[: args.short]].tolist()
-    texts = [texts_all[i] for i in phase1 + phase2]
     print(f"stream: {len(phase1)} tweets of >= {args.long_tokens} tokens, then {len(phase2)} of < {args.short_tokens} tokens "
           f"(shift at request {len(phase1)})")
-    _, _, reference = cached_outputs(bundle, texts)
+    return [texts_all[i] for i in phase1 + phase2], len(phase1)
 
+
+def run_side_by_side(args: argparse.Namespace, bundle: Path, manifest, ramps: list[str], start: dict[str, float],
+                     texts: list[str]) -> tuple[dict[str, list[dict]], dict]:
+    """Serve every run of --runs at once, the continual one with the tuning loop, stream `texts`
+    through them all; (per run, per request results; the continual run's threshold changes and drift alarms)."""
     spec = EarlyExitServiceSpec.model_validate({
         "model": {"name": manifest.name, "bundle": str(bundle)}, "slo": {"latencyMs": 1000},
         "accuracy": {"maxDrop": args.budget, "shadowFraction": args.shadow}, "pools": [{"name": "cpu"}],
         "router": {"truncate": True},
     })
-    runs, changes, raw = {}, {}, {}
+    changes: dict = {}
     names = args.runs.split(",")
     with contextlib.ExitStack() as stack:
         urls, tuner = {}, None
@@ -236,9 +264,10 @@ def main() -> None:
             port = args.port + 10 * k
             urls[name] = stack.enter_context(LocalDeployment(bundle, plan, spec, Path(tmp), port=port, base_port=port + 1)).url
         if "continual" in urls:
-            tuner = AutoTuner(urls["continual"], ramps, args.budget, period=args.tune_seconds, window=1500, min_samples=100,
-                              recent=args.recent, alpha=args.alpha, savings_samples=args.savings_samples,
-                              headroom=args.headroom, drift_z=args.drift_z, drift_confirm=not args.no_drift_confirm).start()
+            config = dataclasses.replace(LIVE, period_s=args.tune_seconds, window=1500, min_samples=100, recent=args.recent,
+                                         alpha=args.alpha, savings_samples=args.savings_samples, headroom=args.headroom,
+                                         drift_z=args.drift_z, drift_confirm=not args.no_drift_confirm)
+            tuner = AutoTuner(urls["continual"], ramps, args.budget, config=config).start()
         t0 = time.time()
         raw = asyncio.run(stream(urls, manifest.name, texts, 100))
         print(f"{', '.join(names)} side by side: {len(texts)} requests each in {time.time() - t0:.0f} s")
@@ -253,15 +282,16 @@ def main() -> None:
             print(f"continual: {len(changes['continual'])} threshold changes ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})")
             for c in changes["continual"]:
                 print(f"  {c['samples']:>5} samples: {c['reason']} {c['detail']}")
-            print(f"continual: drift alarms: {'; '.join(tuner.alarm_log) or 'none'}")
-            changes["drift_alarms"] = tuner.alarm_log
-    for name in names:
-        runs[name] = windows(raw[name], reference, args.window, manifest.final_ramp().name)
+            print(f"continual: drift alarms: {'; '.join(tuner.state.alarm_log) or 'none'}")
+            changes["drift_alarms"] = tuner.state.alarm_log
+    return raw, changes
 
+
+def report(args: argparse.Namespace, runs: dict[str, list[dict]], raw: dict[str, list[dict]], shift_at: int) -> dict:
+    """Print the per-window table and the summary (returned): latency, errors, windows within the budget."""
     print(f"\nagreement with the full model per window of {args.window} requests (budget: >= {1 - args.budget:.2%}, i.e. at most "
-          f"{allowed_disagreements(args.window, args.budget)} of {args.window} answers differ); the shift starts window {len(phase1) // args.window}")
+          f"{allowed_disagreements(args.window, args.budget)} of {args.window} answers differ); the shift starts window {shift_at // args.window}")
     names = list(runs)
-    head = manifest.final_ramp().name
     print(f"{'window':>6} | " + " | ".join(f"{n:>34}" for n in names))
     for k in range(len(runs[names[0]])):
         cells = [f"{runs[n][k]['agreement']:.4f} p50 {runs[n][k]['p50_ms']:6.1f}ms exit {runs[n][k]['exited']:.2f}" for n in names]
@@ -294,13 +324,7 @@ def main() -> None:
     if "one-time" in summary:
         o = summary["one-time"]
         print(f"one-time: the budget breaks: {'yes' if o['windows_within_budget_after_first'] < o['windows_after_first'] else 'no'}")
-    plot(runs, raw, ramps, args, len(phase1))
-    if args.json:
-        per_request = {n: [[int(r.get("label") == reference[i]) if r.get("status") == 200 else -1,
-                            int(r.get("ramp", head) != head), round(r.get("latency_ms", -1.0), 2)] for i, r in enumerate(raw[n])]
-                       for n in names}
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "summary": summary,
-                                         "changes": changes, "per_request [agrees, exited, latency_ms]": per_request}))
+    return summary
 
 
 def plot(runs: dict, raw: dict, ramps: list[str], args, shift_at: int) -> None:

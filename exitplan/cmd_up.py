@@ -44,7 +44,7 @@ def command(
             the_plan = plan_generation_service(setup, console.print)
         else:
             ensure_profiles(setup, console.print)
-            thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop)
+            thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop, setup.spec.workload.length_buckets)
             lengths = trace_lengths(trace, int(setup.manifest.max_length or 1))[0] if trace else None
             the_plan = planned(setup, thresholds, lengths=lengths)
     except (SpecError, ServiceFileError, BundleError, ValueError) as err:
@@ -73,11 +73,7 @@ def command(
     console.print("Ctrl-C stops every process.")
     tuner = None
     if autotune and setup.manifest.decoder is None:  # generation: one threshold from the plan (POST /v1/thresholds)
-        from exitplan.planner.tuning.autotune import AutoTuner
-
-        ramps = [r.name for r in setup.manifest.exit_ramps()]
-        tuner = AutoTuner(deployment.url, ramps, setup.spec.accuracy.max_drop, period=tune_seconds,
-                          on_change=lambda d: console.print(f"thresholds re-tuned ({d.reason}): {d.thresholds}")).start()
+        tuner = _start_tuner(setup, deployment.url, tune_seconds, console)
     stop = {"now": False}
 
     def _stop(*_):
@@ -99,3 +95,16 @@ def command(
         with console.status("stopping..."):
             deployment.stop()
         console.print("stopped.")
+
+
+def _start_tuner(setup, url: str, period_s: float, console):
+    """The threshold tuning loop (exitplan.localrun.autotune.AutoTuner, the live settings, every
+    `period_s` seconds) on the router at `url`, started."""
+    from dataclasses import replace
+
+    from exitplan.localrun.autotune import AutoTuner
+    from exitplan.planner.tuning.autotune import LIVE
+
+    ramps = [r.name for r in setup.manifest.exit_ramps()]
+    return AutoTuner(url, ramps, setup.spec.accuracy.max_drop, config=replace(LIVE, period_s=period_s),
+                     on_change=lambda d: console.print(f"thresholds re-tuned ({d.reason}): {d.thresholds}")).start()

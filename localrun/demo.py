@@ -93,7 +93,7 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
 
     setup = load_setup(opts.service_file)
     ensure_profiles(setup, console.print)
-    thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop)
+    thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop, setup.spec.workload.length_buckets)
     console.print(f"thresholds tuned on the held-out window (budget {setup.spec.accuracy.max_drop:.1%}): {thresholds}")
     lengths, reference = trace_lengths(opts.trace, int(setup.manifest.max_length or 1))
     console.print(f"trace lengths scaled so that {reference} tokens (the trace's p99) = {setup.manifest.max_length}; "

@@ -9,6 +9,7 @@ compares against: vanilla (no exits, one split) and naive early exit (exits, one
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,24 +82,16 @@ def ensure_profiles(setup: ServiceSetup, echo=print) -> None:
         setup.profiles[ref.name] = ModelProfile.model_validate(doc).spec
 
 
-def tuned_thresholds(bundle: Path, budget: float) -> dict[str, float]:
-    """Initial thresholds: the tuner on the bundle's calibration window (held-out data), tuned to the
-    budget less its sampling error on that window (`autotune.sample_budget`), so that traffic the
-    window did not see stays within `budget`."""
-    from exitplan.planner.tuning.thresholds import FeedbackWindow, tune
+def tuned_thresholds(bundle: Path, budget: float, bounds: Sequence[int]) -> dict[str, float]:
+    """Initial thresholds, computed as the operator computes them
+    (`exitplan.planner.tuning.initial.initial_thresholds`): tuned on the bundle's calibration window
+    (held-out data) within `budget` less its sampling error in every length stratum (`bounds`: the
+    service's ``spec.workload.length_buckets``; [] = the whole window), so that traffic the window did
+    not see stays within `budget`. Raises a ValueError (``MissingCalibrationWindow``) when the bundle
+    has exit ramps but no calibration window."""
+    from exitplan.planner.tuning.initial import initial_thresholds
 
-    from exitplan.planner.tuning.autotune import sample_budget
-
-    manifest = read_manifest(bundle)
-    ramps = [r.name for r in manifest.exit_ramps()]
-    path = bundle / "data" / "window.npz"
-    if not ramps:
-        return {}
-    if not path.is_file():
-        raise ServiceFileError(f"{path}: the bundle has no calibration window; rebuild it with `exitplan prepare --force`")
-    window = FeedbackWindow.load(path)
-    result = tune(window, sample_budget(budget, window.n_inputs))
-    return {name: float(t) for name, t in zip(ramps, np.asarray(result.thresholds))}
+    return initial_thresholds(bundle, budget, bounds)[0]
 
 
 def trace_lengths(trace: Path | None, max_length: int) -> tuple[np.ndarray, int]:

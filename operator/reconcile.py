@@ -118,13 +118,13 @@ def initial_thresholds(spec: EarlyExitServiceSpec, bounds: list[int] | None = No
     and the live tuner in the drift loop sets them from the routers' feedback."""
     from pathlib import Path
 
-    from exitplan.planner.tuning.initial import stratified_thresholds
+    from exitplan.planner.tuning.initial import initial_thresholds as tune_initial
 
     bundle = Path(builders.bundle_path(spec.model.bundle))
     if not (bundle / "bundle.yaml").is_file():
         return None
     try:
-        thresholds, strata = stratified_thresholds(bundle, spec.accuracy.max_drop, bounds or [])
+        thresholds, strata = tune_initial(bundle, spec.accuracy.max_drop, bounds or [])
     except (ValueError, OSError, KeyError) as err:
         log.warning("initial thresholds not tuned (%s); the drift loop tunes them from live feedback", err)
         return None
@@ -246,7 +246,7 @@ async def reconcile(svc: Service, reason: str) -> ServiceStatus:
 
     from exitplan.operator.generation_reconcile import is_generation, reconcile_generation
 
-    if is_generation(spec):  # issue 7: a decoder's stages, planned without ModelProfiles
+    if is_generation(spec):  # text generation: a decoder's stages, planned without ModelProfiles
         return await reconcile_generation(svc, spec, inputs, status, reason)
 
     if inputs.missing_profiles:

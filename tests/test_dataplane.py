@@ -205,18 +205,24 @@ async def test_shadow_feedback_fills_the_tuning_window(served, texts, ramps):
 
 
 async def test_autotune_step_reads_the_window_and_pushes_to_every_worker(served, ramps, texts):
-    from exitplan.planner.tuning.autotune import AutoTuner
+    from dataclasses import replace
+
+    from exitplan.localrun.autotune import AutoTuner
+    from exitplan.planner.tuning.autotune import LIVE
+    from exitplan.worker.control_client import ControlClient
 
     async with aiohttp.ClientSession() as s:  # feedback to tune on (shadow fraction 0.5)
         await post_each(s, f"{served.url}/v2/models/minilm/infer", texts)
     await asyncio.sleep(1.0)
 
-    tuner = AutoTuner(served.url, ramps, budget=0.05, min_samples=5, savings_samples=5)
+    tuner = AutoTuner(served.url, ramps, budget=0.05, config=replace(LIVE, min_samples=5, savings_samples=5))
     decision = await asyncio.to_thread(tuner.step)
+    await asyncio.to_thread(tuner.stop)  # closes its client and event loop
     assert decision.samples >= 5 and decision.reason in {"accuracy", "savings", "no-gain"}
     if decision.thresholds is None:  # nothing to gain on this window: make a change to see it travel
         decision_thresholds = {r: 0.97 for r in ramps}
-        await asyncio.to_thread(__import__("exitplan.planner.tuning.autotune", fromlist=["push"]).push, served.url, decision_thresholds, "test")
+        async with ControlClient(served.url) as control:
+            await control.push_thresholds(decision_thresholds, "test")
     else:
         decision_thresholds = decision.thresholds
     async with aiohttp.ClientSession() as s:

@@ -17,35 +17,55 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from exitplan.api.bundle import read_manifest
+from exitplan.planner.tuning.autotune import sample_budget
+from exitplan.planner.tuning.feedback import DISABLED, FeedbackWindow, evaluate
+from exitplan.planner.tuning.thresholds import tune
 
 MAX_ROUNDS = 20
 
+Strata = list[tuple[int, float]]
+"""Per length stratum: (inputs, disagreement with the full model at the thresholds)."""
 
-def length_strata(lengths: np.ndarray, bounds: Sequence[int]) -> list[np.ndarray]:
+
+class MissingCalibrationWindow(ValueError):
+    """The bundle has exit ramps but no calibration window (``data/window.npz``) to tune them on."""
+
+
+def length_strata(lengths: npt.NDArray[np.int64], bounds: Sequence[int]) -> list[npt.NDArray[np.bool_]]:
     """Boolean masks, one per bucket (lengths up to its bound, above the previous one; the last
     takes everything longer too), empty ones left out."""
-    masks, low = [], 0
-    bounds = sorted(int(b) for b in bounds)
-    for i, high in enumerate(bounds):
-        mask = (lengths > low) & ((lengths <= high) if i < len(bounds) - 1 else True)
+    masks: list[npt.NDArray[np.bool_]] = []
+    low = 0
+    ordered = sorted(int(b) for b in bounds)
+    for i, high in enumerate(ordered):
+        mask: npt.NDArray[np.bool_] = (lengths > low) & ((lengths <= high) if i < len(ordered) - 1 else True)
         if mask.any():
             masks.append(mask)
         low = high
     return masks
 
 
-def stratified_thresholds(bundle: Path, budget: float, bounds: Sequence[int]) -> tuple[dict[str, float], list[tuple[int, float]]]:
-    """(thresholds per exit ramp, per stratum (inputs, disagreement)) on the bundle's calibration
-    window, its inputs' lengths read from the held-out set (`stratify`)."""
-    from exitplan.planner.tuning.thresholds import FeedbackWindow
-
+def initial_thresholds(bundle: Path, budget: float, bounds: Sequence[int]) -> tuple[dict[str, float], Strata]:
+    """A service's first thresholds: (thresholds per exit ramp, per stratum (inputs, disagreement))
+    on the bundle's calibration window, within `budget` in every length stratum (`bounds`: the
+    service's length buckets; fewer than two, or no input lengths in the held-out set: the whole
+    window is the one stratum), the inputs' lengths read from the held-out set (`stratify`).
+    The one way initial thresholds are computed: the operator's first plan and `exitplan up` /
+    `exitplan demo` both call it. ({}, []) for a bundle without exit ramps; raises
+    :class:`MissingCalibrationWindow` when the bundle has ramps but no calibration window."""
     manifest = read_manifest(bundle)
     ramps = [r.name for r in manifest.exit_ramps()]
     if not ramps:
         return {}, []
-    window = FeedbackWindow.load(bundle / "data" / "window.npz")
+    path = bundle / "data" / "window.npz"
+    if not path.is_file():
+        raise MissingCalibrationWindow(
+            f"{path}: the bundle has exit ramps but no calibration window to tune their thresholds on; "
+            f"rebuild it with `exitplan prepare --force`")
+    window = FeedbackWindow.load(path)
     lengths = None
     heldout = bundle / manifest.data.heldout
     if heldout.is_file():
@@ -53,38 +73,37 @@ def stratified_thresholds(bundle: Path, budget: float, bounds: Sequence[int]) ->
             if "length" in data.files and data["length"].shape == (window.n_inputs,):
                 lengths = data["length"].astype(np.int64)
     thresholds, report = stratify(window, lengths, budget, bounds)
-    return dict(zip(ramps, thresholds.tolist())), report
+    return {name: float(t) for name, t in zip(ramps, thresholds)}, report
 
 
-def stratify(window, lengths: np.ndarray | None, budget: float, bounds: Sequence[int]) -> tuple[np.ndarray, list[tuple[int, float]]]:
+def stratify(window: FeedbackWindow, lengths: npt.NDArray[np.int64] | None, budget: float,
+             bounds: Sequence[int]) -> tuple[npt.NDArray[np.float64], Strata]:
     """Thresholds within `budget` in every length stratum of `window` (pure).
 
     Starts from the whole window tuned to its sample budget, then for each stratum that breaks
     its own sample budget re-tunes on that stratum from the current thresholds and keeps only the
     raises, until no stratum breaks (or every ramp is disabled, which disagrees nowhere). Without
     lengths (or with one bucket) the window is the one stratum."""
-    from exitplan.planner.tuning.autotune import sample_budget
-    from exitplan.planner.tuning.thresholds import DISABLED, FeedbackWindow, evaluate, tune
-
-    thresholds = np.asarray(tune(window, sample_budget(budget, window.n_inputs)).thresholds, dtype=float)
+    thresholds: npt.NDArray[np.float64] = np.asarray(tune(window, sample_budget(budget, window.n_inputs)).thresholds,
+                                                     dtype=np.float64)
     if lengths is None or len(bounds) < 2:
         return thresholds, [(window.n_inputs, 1.0 - evaluate(window, thresholds)[0])]
 
-    def part(mask: np.ndarray) -> FeedbackWindow:
+    def part(mask: npt.NDArray[np.bool_]) -> FeedbackWindow:
         return FeedbackWindow(conf=window.conf[mask], pred=window.pred[mask], final=window.final[mask],
                       saving_ms=window.saving_ms, cost_ms=window.cost_ms)
 
-    strata = [part(m) for m in length_strata(np.asarray(lengths), bounds)]
+    strata = [part(m) for m in length_strata(np.asarray(lengths, dtype=np.int64), bounds)]
     for _ in range(MAX_ROUNDS):
         broken = False
         for stratum in strata:
             allowed = sample_budget(budget, stratum.n_inputs)
             if 1.0 - evaluate(stratum, thresholds)[0] > allowed + 1e-12:
                 broken = True
-                tuned = np.asarray(tune(stratum, allowed, start=thresholds).thresholds, dtype=float)
+                tuned = np.asarray(tune(stratum, allowed, start=thresholds).thresholds, dtype=np.float64)
                 thresholds = np.maximum(thresholds, tuned)
         if not broken:
             break
     else:
-        thresholds = np.full(window.n_ramps, DISABLED)
+        thresholds = np.full(window.n_ramps, DISABLED, dtype=np.float64)
     return thresholds, [(s.n_inputs, 1.0 - evaluate(s, thresholds)[0]) for s in strata]
