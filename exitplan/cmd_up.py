@@ -24,43 +24,16 @@ def command(
 ) -> None:
     """Plan the service, start its router and workers on this machine (the same commands pods run), serve until Ctrl-C."""
     from rich.console import Console
-    from rich.table import Table
-
-    from exitplan.api import SpecError
-    from exitplan.api.bundle import BundleError
-    from exitplan.api.plan import Plan
 
     from exitplan.localrun.deployment import LocalDeployment, StartError
-    from exitplan.localrun.service_setup import ServiceFileError, ensure_profiles, load_setup, planned, trace_lengths, tuned_thresholds
 
     console = Console()
-    try:
-        setup = load_setup(service, list(resources))
-        if plan is not None:
-            the_plan = Plan.from_file(plan)
-        elif setup.manifest.decoder is not None:  # a generative bundle (issue 7): its own measurements and planner
-            from exitplan.localrun.generation import plan_generation_service
-
-            the_plan = plan_generation_service(setup, console.print)
-        else:
-            ensure_profiles(setup, console.print)
-            thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop, setup.spec.workload.length_buckets)
-            lengths = trace_lengths(trace, int(setup.manifest.max_length or 1))[0] if trace else None
-            the_plan = planned(setup, thresholds, lengths=lengths)
-    except (SpecError, ServiceFileError, BundleError, ValueError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from err
+    setup, the_plan = _plan(service, resources, plan, trace, console)
     deployment = LocalDeployment(
         setup.bundle, the_plan, setup.spec, workdir / setup.name, port=port, base_port=base_port, threads=threads,
         window_seconds=window_seconds,
     )
-    table = Table(title=f"plan {the_plan.content_hash()} for {setup.name}")
-    for col in ("split", "blocks", "bucket", "pool", "replicas", "batch"):
-        table.add_column(col)
-    for cell in sorted(the_plan.cells, key=lambda c: (c.split, c.bucket)):
-        sp = the_plan.splits[cell.split]
-        table.add_row(str(cell.split), f"{sp.first_block}-{sp.last_block}", str(cell.bucket), cell.pool, str(cell.replicas), str(cell.batch_size))
-    console.print(table)
+    console.print(_plan_table(the_plan, setup.name))
     console.print(f"thresholds: {the_plan.thresholds}")
     with console.status("starting workers and router..."):
         try:
@@ -74,6 +47,57 @@ def command(
     tuner = None
     if autotune and setup.manifest.decoder is None:  # generation: one threshold from the plan (POST /v1/thresholds)
         tuner = _start_tuner(setup, deployment.url, tune_seconds, console)
+    try:
+        _serve_until_stopped(deployment, console)
+    finally:
+        if tuner:
+            tuner.stop()
+        with console.status("stopping..."):
+            deployment.stop()
+        console.print("stopped.")
+
+
+def _plan(service: Path, resources: list[Path], plan: Path | None, trace: Path | None, console):
+    """(the service setup, the plan to serve): `plan` if given, else planned here; a user error exits 2."""
+    from exitplan.api import SpecError
+    from exitplan.api.bundle import BundleError
+    from exitplan.api.plan import Plan
+    from exitplan.localrun.service_setup import (
+        ServiceFileError, ensure_profiles, load_setup, planned, trace_lengths, tuned_thresholds,
+    )
+
+    try:
+        setup = load_setup(service, list(resources))
+        if plan is not None:
+            return setup, Plan.from_file(plan)
+        if setup.manifest.decoder is not None:  # a generative bundle: its own measurements and planner
+            from exitplan.localrun.generation import plan_generation_service
+
+            return setup, plan_generation_service(setup, console.print)
+        ensure_profiles(setup, console.print)
+        thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop, setup.spec.workload.length_buckets)
+        lengths = trace_lengths(trace, int(setup.manifest.max_length or 1))[0] if trace else None
+        return setup, planned(setup, thresholds, lengths=lengths)
+    except (SpecError, ServiceFileError, BundleError, ValueError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from err
+
+
+def _plan_table(plan, name: str):
+    from rich.table import Table
+
+    table = Table(title=f"plan {plan.content_hash()} for {name}")
+    for col in ("split", "blocks", "bucket", "pool", "replicas", "batch"):
+        table.add_column(col)
+    for cell in sorted(plan.cells, key=lambda c: (c.split, c.bucket)):
+        sp = plan.splits[cell.split]
+        table.add_row(str(cell.split), f"{sp.first_block}-{sp.last_block}", str(cell.bucket), cell.pool,
+                      str(cell.replicas), str(cell.batch_size))
+    return table
+
+
+def _serve_until_stopped(deployment, console) -> None:
+    """Until SIGTERM, Ctrl-C or a process of the deployment exits (shown with its log tail)."""
     stop = {"now": False}
 
     def _stop(*_):
@@ -89,12 +113,6 @@ def command(
                 break
     except KeyboardInterrupt:
         pass
-    finally:
-        if tuner:
-            tuner.stop()
-        with console.status("stopping..."):
-            deployment.stop()
-        console.print("stopped.")
 
 
 def _start_tuner(setup, url: str, period_s: float, console):
