@@ -17,6 +17,7 @@ from aiohttp import web
 from exitplan.worker import wire
 from exitplan.worker.discovery import Peer, PeerSet
 from exitplan.worker.hop_client import HopClient, HopConnectionError, HopFailed, send
+from exitplan.worker.wire import HopItem
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -213,16 +214,16 @@ async def test_send_retries_a_5xx_on_another_pod_and_observes_service_time():
     client = HopClient()
     try:
         x = np.arange(6, dtype=np.float32).reshape(2, 3)
-        meta, tensors, peer = await send(client, peers, bucket=16, split=0, meta={"items": [{"id": "a"}, {"id": "b"}]},
-                                         tensors={"x": x}, rows=2, timeout_at=time.time() + 5)
+        answer, tensors, peer = await send(client, peers, bucket=16, split=0, items=[HopItem("a"), HopItem("b")],
+                                           tensors={"x": x}, timeout_at=time.time() + 5)
         assert calls == ["bad", "good"] and peer.address == good_address
         np.testing.assert_array_equal(tensors["logits"], x * 2)
-        assert [r["id"] for r in meta["results"]] == ["a", "b"]
+        assert [r.id for r in answer.results] == ["a", "b"]
         assert peers.peers[bad_address].failures == 1 and peers.peers[good_address].ratio_ewma > 1.0
         assert [peers.peers[a].running for a in (bad_address, good_address)] == [0, 4]  # each send's load released
         peers.peers[good_address].ready = False
         with pytest.raises(HopFailed, match="503"):
-            await send(client, peers, bucket=16, split=0, meta={"items": [{"id": "c"}]}, tensors={"x": x[:1]}, rows=1, timeout_at=time.time() + 5)
+            await send(client, peers, bucket=16, split=0, items=[HopItem("c")], tensors={"x": x[:1]}, timeout_at=time.time() + 5)
     finally:
         await client.close()
         await bad.cleanup()

@@ -1,4 +1,4 @@
-"""Generation through the real router process (issue 7): `exitplan router` with a decoder bundle drives
+"""Early-exit generation through the real router process: `exitplan router` with a decoder bundle drives
 `exitplan generate-stage` processes, started by `exitplan up`'s LocalDeployment; everything over real HTTP."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Generation over HTTP (issue 7): the generate / generate_stream routes on a real aiohttp server."""
+"""Early-exit generation over HTTP: the generate / generate_stream routes on a real aiohttp server."""
 
 from __future__ import annotations
 

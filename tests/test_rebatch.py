@@ -153,6 +153,7 @@ async def test_rows_left_inside_a_split_when_rebatching_turns_off_run_to_its_end
     """A plan update that turns rebatching off: rows already waiting at an inner block run from there
     to the end of the split and get the same answers."""
     from exitplan.worker.classify.worker import Pending, Row, SplitWorker
+    from exitplan.worker.wire import HopItem
 
     n_blocks = len(read_manifest(minilm_bundle).blocks)
     plan = rebatch_plan(ramps, n_blocks, buckets=(128,))
@@ -170,10 +171,10 @@ async def test_rows_left_inside_a_split_when_rebatching_turns_off_run_to_its_end
     for block in (0, 1):
         runtime.run_block(block, work, 128)
         work = {k: v for k, v in work.items() if k in runtime.manifest.live_after(block)}
-    items = [{"id": f"r{i}", "deadline": time.time() + 60} for i in range(len(sample))]
+    items = [HopItem(f"r{i}", deadline=time.time() + 60) for i in range(len(sample))]
     pending = Pending(items, len(runtime.manifest.labels))
     for i in range(len(sample)):
-        worker.stages.queues[2].append(Row(pending, i, 0.0, items[i]["deadline"], items[i]["deadline"], items[i], 0.0,
+        worker.stages.queues[2].append(Row(pending, i, 0.0, items[i].deadline, items[i].deadline, items[i], 0.0,
                                            {k: v[i] for k, v in work.items()}))
     worker.apply_plan(plan.model_copy(update={"splits": [plan.splits[0].model_copy(update={"rebatch": False})]}))
     assert worker.stages.span(2) == (2, n_blocks - 1)
@@ -183,5 +184,5 @@ async def test_rows_left_inside_a_split_when_rebatching_turns_off_run_to_its_end
     # the same rows, blocks 2.. run in one piece with the earlier ramps off (they passed them already)
     late = {r.name: THRESHOLD for r in runtime.manifest.exit_ramps() if r.after >= 2}
     direct = BundleRuntime(minilm_bundle, first_block=2, buckets=[128]).run_range(work, 128, late)
-    assert sorted((ex.row, ex.ramp) for ex in direct.exits) == sorted((i, r["ramp"]) for i, r in enumerate(pending.results))
+    assert sorted((ex.row, ex.ramp) for ex in direct.exits) == sorted((i, r.ramp) for i, r in enumerate(pending.results))
     worker.pool_exec.shutdown(wait=False)

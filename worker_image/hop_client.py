@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 import httptools
 import numpy as np
 
 from exitplan.worker import wire
+from exitplan.worker.wire import HopAnswer, HopItem, HopRequest
 from exitplan.worker.discovery import Peer, PeerSet
 
 log = logging.getLogger(__name__)
@@ -224,14 +226,15 @@ async def send(
     *,
     bucket: int,
     split: int | None,
-    meta: dict,
+    items: Sequence[HopItem],
     tensors: dict[str, np.ndarray],
-    rows: int,
     timeout_at: float,
     attempts: int = 3,
-) -> tuple[dict, dict[str, np.ndarray], Peer]:
-    """POST the frame to /v1/run of a pod of (split, bucket); (meta, tensors, pod) of its answer."""
-    body = wire.encode(meta, tensors)
+) -> tuple[HopAnswer, dict[str, np.ndarray], Peer]:
+    """POST a frame of `items` (row i of `tensors` is item i) to /v1/run of a pod of (split, bucket);
+    (answer, tensors, pod) of its answer. While the frame is out, its rows count as the pod's load."""
+    body = wire.encode(HopRequest(items, bucket).to_meta(), tensors)
+    rows = len(items)
     tried: list[str] = []
     last_error = ""
     for _ in range(attempts):
@@ -251,9 +254,10 @@ async def send(
                 # A 4xx is our bug or a version skew: another pod would answer the same.
                 raise HopFailed(f"pod {peer.address} rejected the frame ({status}): {payload[:300].decode(errors='replace')}")
             out_meta, out_tensors = wire.decode(payload)
+            answer = HopAnswer.from_meta(out_meta)
             peer.failures = 0
-            peers.observe_service(peer, float(out_meta.get("service_ms", 0.0)), float(out_meta.get("expected_ms", 0.0)))
-            return out_meta, out_tensors, peer
+            peers.observe_service(peer, answer.service_ms, answer.expected_ms)
+            return answer, out_tensors, peer
         except (ConnectionError, TimeoutError, wire.WireError) as err:
             peer.failures += 1
             peer.ready = peer.failures < 3 and peer.ready

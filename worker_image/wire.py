@@ -5,6 +5,11 @@
 
 Tensor data is never JSON: each tensor is its C-contiguous bytes at `offset` (from the start of the
 tensor area, 8-byte aligned). Decoding is zero-copy (`np.frombuffer` views into the body).
+
+The meta of a /v1/run frame (router -> split 0, split k -> split k + 1) and of its answer is typed
+here: `HopRequest` (a `HopItem` per row of the tensors) and `HopAnswer` (a `HopResult` per row, row k
+of its `logits`). Their `to_meta()` is exactly the JSON the untyped code built, so pods of either
+version read each other's frames; `from_meta()` raises `WireError` naming the field that is wrong.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -78,3 +84,240 @@ def decode(body: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             raise WireError(f"tensor {name!r}: {nbytes} bytes at offset {offset} do not hold {dtype}{list(shape)}")
         tensors[name] = np.frombuffer(view[offset : offset + nbytes], dtype=dtype).reshape(shape)
     return meta, tensors
+
+
+# ---------------------------------------------------------------- the meta of /v1/run frames
+
+
+_NUMBER = (float, int)  # JSON numbers as parsed (`type(x) in _NUMBER` leaves out bool)
+_KINDS = {"string": (str,), "number": _NUMBER, "bool": (bool,)}
+_KIND_TEXT = {"string": "a string", "number": "a number", "bool": "true or false"}
+
+
+def _named_error(meta: Any, where: str, fields: tuple[tuple[str, str, bool], ...]) -> WireError:
+    """The error naming the first of `fields` (key, kind, required) that `meta` gets wrong. Optional
+    fields may be absent or null. Only called once a fast check failed, so this path may be slow."""
+    if not isinstance(meta, Mapping):
+        return WireError(f"{where} must be a JSON object, got {meta!r}"[:300])
+    for key, kind, required in fields:
+        value = meta.get(key)
+        if value is None:
+            if required:
+                return WireError(f"{where}: field {key!r} is missing")
+            continue
+        if type(value) not in _KINDS[kind]:
+            return WireError(f"{where}: field {key!r} must be {_KIND_TEXT[kind]}, got {value!r}"[:300])
+    return WireError(f"{where} is malformed: {meta!r}"[:300])
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowRecord:
+    """A shadow-sampled row's feedback so far: confidence and answer at every exit ramp the splits ran
+    on it (active or not, in block order) and, once the final head ran, the full model's answer."""
+
+    conf: dict[str, float]
+    pred: dict[str, int]
+    final: int | None = None
+
+    def merged(self, conf: Mapping[str, float], pred: Mapping[str, int], final: int | None) -> ShadowRecord:
+        """This record with a split's additions (a ramp seen before keeps its place, as dict.update)."""
+        return ShadowRecord({**self.conf, **conf}, {**self.pred, **pred}, self.final if final is None else final)
+
+    def to_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"conf": self.conf, "pred": self.pred}
+        if self.final is not None:
+            meta["final"] = self.final
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Any, where: str = "rec") -> ShadowRecord:
+        if not isinstance(meta, dict):
+            raise _named_error(meta, where, ())
+        conf, pred = meta.get("conf", {}), meta.get("pred", {})
+        if not isinstance(conf, dict) or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in conf.values()):
+            raise WireError(f"{where}: field 'conf' must map ramp names to numbers, got {conf!r}")
+        if not isinstance(pred, dict) or any(isinstance(v, bool) or not isinstance(v, int) for v in pred.values()):
+            raise WireError(f"{where}: field 'pred' must map ramp names to class indices, got {pred!r}")
+        final = meta.get("final")
+        if final is not None and (isinstance(final, bool) or not isinstance(final, int)):
+            raise WireError(f"{where}: field 'final' must be a class index, got {final!r}")
+        return cls(conf, pred, final)
+
+
+@dataclass(frozen=True, slots=True)
+class HopItem:
+    """One input travelling down the chain of splits: the header of one row of a /v1/run frame."""
+
+    id: str
+    """The router's id for the input; its answer names it."""
+    deadline: float | None = None
+    """Epoch seconds by which the router must answer (its SLO). None: not given (a worker allows 1 s)."""
+    timeout: float | None = None
+    """Epoch seconds after which the router gives up on the input. None: the deadline."""
+    record: bool = False
+    """Shadow-sampled: answered as usual, but keeps running to the final head with every exit ramp
+    evaluated, so the last split can post a complete feedback sample."""
+    reply_to: str | None = None
+    """host:port of the router that takes the feedback sample (shadow-sampled inputs only)."""
+    rec: ShadowRecord | None = None
+    """The feedback sample so far (shadow-sampled inputs, from the first split that ran them)."""
+    answered: bool | None = None
+    """Already answered upstream (a shadow-sampled input still running for its feedback). None: not
+    said (the router's frames to split 0); a worker always says."""
+
+    def onward(self, rec: ShadowRecord | None, answered: bool) -> HopItem:
+        """This item as a worker forwards it to the next split."""
+        return HopItem(self.id, self.deadline, self.timeout, self.record, self.reply_to, rec, answered)
+
+    def to_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"id": self.id}
+        if self.deadline is not None:
+            meta["deadline"] = self.deadline
+        if self.timeout is not None:
+            meta["timeout"] = self.timeout
+        meta["record"] = self.record
+        if self.reply_to is not None:
+            meta["reply_to"] = self.reply_to
+        if self.rec is not None:
+            meta["rec"] = self.rec.to_meta()
+        if self.answered is not None:
+            meta["answered"] = self.answered
+        return meta
+
+    _FIELDS = (("id", "string", True), ("deadline", "number", False), ("timeout", "number", False),
+               ("record", "bool", False), ("reply_to", "string", False), ("answered", "bool", False))
+
+    @classmethod
+    def from_meta(cls, meta: Any, where: str = "item") -> HopItem:
+        if type(meta) is not dict:
+            raise _named_error(meta, where, cls._FIELDS)
+        get = meta.get
+        id_, deadline, timeout, record = get("id"), get("deadline"), get("timeout"), get("record", False)
+        reply_to, rec, answered = get("reply_to"), get("rec"), get("answered")
+        if not (type(id_) is str and (deadline is None or type(deadline) in _NUMBER) and (timeout is None or type(timeout) in _NUMBER)
+                and (record is None or type(record) is bool) and (reply_to is None or type(reply_to) is str)
+                and (answered is None or type(answered) is bool)):
+            raise _named_error(meta, where, cls._FIELDS)
+        return cls(id_, deadline, timeout, bool(record), reply_to,
+                   None if rec is None else ShadowRecord.from_meta(rec, f"{where}: field 'rec'"), answered)
+
+
+@dataclass(frozen=True, slots=True)
+class HopResult:
+    """The answer for one row of a frame: the ramp that answered it, an error, or (a shadow-sampled
+    row answered upstream) that it needs no answer from here."""
+
+    id: str
+    ramp: str | None = None
+    """The exit ramp (or the final head) that answered; None for an error or a shadow marker."""
+    final: bool = False
+    """Answered by the final head."""
+    error: str | None = None
+    shadow: bool = False
+
+    @classmethod
+    def answer(cls, id: str, ramp: str, final: bool) -> HopResult:
+        return cls(id, ramp, final)
+
+    @classmethod
+    def failure(cls, id: str, error: str) -> HopResult:
+        return cls(id, error=error)
+
+    @classmethod
+    def shadow_of(cls, id: str) -> HopResult:
+        return cls(id, shadow=True)
+
+    def to_meta(self) -> dict[str, Any]:
+        if self.error is not None:
+            return {"id": self.id, "error": self.error}
+        if self.shadow:
+            return {"id": self.id, "shadow": True}
+        return {"id": self.id, "ramp": self.ramp, "final": self.final}
+
+    _FIELDS = (("id", "string", True), ("error", "string", False), ("shadow", "bool", False), ("final", "bool", False))
+
+    @classmethod
+    def from_meta(cls, meta: Any, where: str = "result") -> HopResult:
+        if type(meta) is not dict:
+            raise _named_error(meta, where, cls._FIELDS)
+        get = meta.get
+        id_, ramp, final, error, shadow = get("id"), get("ramp"), get("final", False), get("error"), get("shadow", False)
+        if not (type(id_) is str and (final is None or type(final) is bool) and (error is None or type(error) is str)
+                and (shadow is None or type(shadow) is bool)):
+            raise _named_error(meta, where, cls._FIELDS)
+        if error is not None or shadow:
+            ramp = None
+        elif type(ramp) is not str:
+            raise _named_error(meta, where, (("ramp", "string", True),))
+        return cls(id_, ramp, bool(final), error, bool(shadow))
+
+
+@dataclass(frozen=True, slots=True)
+class HopRequest:
+    """The meta of a /v1/run frame: one item per row of its tensors."""
+
+    items: Sequence[HopItem]
+    bucket: int | None = None
+    """The length bucket the rows are padded to (informational; a pod serves one bucket)."""
+
+    def to_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"items": [item.to_meta() for item in self.items]}
+        if self.bucket is not None:
+            meta["bucket"] = self.bucket
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> HopRequest:
+        if not isinstance(meta, dict):
+            raise _named_error(meta, "meta", ())
+        items = meta.get("items")
+        if not isinstance(items, list) or not items:
+            raise WireError(f"meta: field 'items' must be a non-empty list, got {items!r}"[:300])
+        bucket = meta.get("bucket")
+        if bucket is not None and type(bucket) is not int:
+            raise WireError(f"meta: field 'bucket' must be an integer, got {bucket!r}")
+        try:
+            return cls([HopItem.from_meta(item) for item in items], bucket)
+        except WireError:  # once more, naming the row
+            for i, item in enumerate(items):
+                HopItem.from_meta(item, f"items[{i}]")
+            raise
+
+
+@dataclass(frozen=True, slots=True)
+class HopAnswer:
+    """The meta of a pod's answer to a /v1/run frame: result k goes with row k of its `logits`."""
+
+    results: Sequence[HopResult]
+    service_ms: float = 0.0
+    """The pod's time for the frame's first batch, hand-off to its inference thread included."""
+    expected_ms: float = 0.0
+    """What the pod expected that batch to take (the straggler detector compares the two)."""
+    compute_ms: float = 0.0
+    """The first batch's compute alone."""
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"results": [r.to_meta() for r in self.results], "service_ms": self.service_ms,
+                "expected_ms": self.expected_ms, "compute_ms": self.compute_ms}
+
+    _TIMINGS = (("service_ms", "number", False), ("expected_ms", "number", False), ("compute_ms", "number", False))
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> HopAnswer:
+        if not isinstance(meta, dict):
+            raise _named_error(meta, "meta", ())
+        results = meta.get("results")
+        if results is None:
+            results = []  # every row then counts as unanswered
+        if not isinstance(results, list):
+            raise WireError(f"meta: field 'results' must be a list, got {results!r}"[:300])
+        service, expected, compute = meta.get("service_ms"), meta.get("expected_ms"), meta.get("compute_ms")
+        if not all(t is None or type(t) in _NUMBER for t in (service, expected, compute)):
+            raise _named_error(meta, "meta", cls._TIMINGS)
+        try:
+            parsed = [HopResult.from_meta(r) for r in results]
+        except WireError:  # once more, naming the row
+            for k, r in enumerate(results):
+                HopResult.from_meta(r, f"results[{k}]")
+            raise
+        return cls(parsed, float(service or 0.0), float(expected or 0.0), float(compute or 0.0))

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import math
 import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -32,18 +32,56 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Plan
-from exitplan.planner.dispatch import QueueParams, choose_bucket, ideal_bucket
+from exitplan.planner.dispatch import QueueParams
 
-from exitplan.worker.classify.admission import BucketLimiter
+from exitplan.worker import protocol
 from exitplan.worker.bundle_runtime import softmax
+from exitplan.worker.classify.admission import Admission, Admitted, Refusal
+from exitplan.worker.classify.decode import BadRequest, DecodedBatch, decode_inputs
+from exitplan.worker.classify.observe import FeedbackRing, WindowStats
+from exitplan.worker.control_client import ControlClient
 from exitplan.worker.discovery import PeerSet, parse_peer_spec
 from exitplan.worker.hop_client import HopClient, HopFailed, NoPeer, send
 from exitplan.worker.metrics import Children, RouterMetrics
-from exitplan.worker.classify.observe import FeedbackRing, WindowStats
 from exitplan.worker.planfile import read_plan, watch_plan
-from exitplan.worker.classify.decode import BadRequest, decode_inputs
+from exitplan.worker.protocol import error_response as _error
+from exitplan.worker.wire import HopAnswer, HopItem
 
 log = logging.getLogger(__name__)
+
+SHADOW_RECORDS_KEPT = 8192
+"""Shadow-sampled inputs whose feedback is awaited; beyond this the oldest is forgotten (a lost post)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of one input of a request: the ramp that answered it, or why it failed."""
+
+    ramp: str = ""
+    final: bool = False
+    error: str | None = None
+    reason: str = "worker"
+    """The error counter's label (worker, deadline)."""
+    status: int = 502
+    """The HTTP status of a request failed by this input."""
+
+
+NO_ANSWER = Outcome(error="no answer")
+
+
+@dataclass(slots=True)
+class InferCall:
+    """One admitted request while its inputs are out to split 0."""
+
+    batch: DecodedBatch
+    started: float
+    deadline: float
+    timeout_at: float
+    outcomes: list[Outcome]
+    scores: np.ndarray
+    """[inputs, classes]: the answers' softmax scores."""
+    compute_ms: list[float]
+    """Per bucket the request went to: split 0's compute for the batch that carried its inputs."""
 
 
 class Router:
@@ -90,9 +128,7 @@ class Router:
         self.thresholds = dict(self.plan.thresholds)
         self.tokenizer = self._load_tokenizer()
         self.buckets = list(self.plan.buckets)
-        self.outstanding = [0] * len(self.buckets)
-        self.limiters = [BucketLimiter(target_s=0.8 * self.slo_s) for _ in self.buckets]
-        self.inflight = 0
+        self.admission = Admission(self.buckets, self.slo_s, self._capacity, queue=queue, max_inflight=max_inflight)
         self.ids = itertools.count()
         self.prefix = f"{os.getpid():x}{int(time.time()) % 100000:x}"
         self.metrics = RouterMetrics(self.plan.service)
@@ -159,22 +195,10 @@ class Router:
         """Inputs/s bucket b's split-0 pods report for their pipelines (0 when none is ready)."""
         return sum(p.capacity for p in self.peers.candidates(self.buckets[b], 0))
 
-    def _loads(self) -> list[float]:
-        """Per bucket: inputs in flight over its admission limit (inf when it has no ready pod)."""
-        loads = []
-        for b, limiter in enumerate(self.limiters):
-            cap = self._capacity(b)
-            if cap <= 0:
-                loads.append(math.inf)
-                continue
-            limiter.ensure(cap, self.slo_s)
-            loads.append(limiter.load(self.outstanding[b]))
-        return loads
-
     async def _gauge_loop(self, tick: float = 1.0) -> None:
         while True:
             await asyncio.sleep(tick)
-            for b, load in enumerate(self._loads()):
+            for b, load in enumerate(self.admission.loads()):
                 self.metrics.bucket_load.labels(self.plan.service, str(self.buckets[b])).set(load if math.isfinite(load) else -1.0)
 
     async def _window_loop(self) -> None:
@@ -190,7 +214,7 @@ class Router:
         self.window = self._new_window()
 
     def _snapshot(self, now: float):
-        loads = self._loads()
+        loads = self.admission.loads()
         return self.window.observations(
             now, {str(b): (l if math.isfinite(l) else -1.0) for b, l in zip(self.buckets, loads)}, self.thresholds,
             self.plan.content_hash(), self.saving_ms, self.cost_ms,
@@ -199,6 +223,27 @@ class Router:
     # ------------------------------------------------------------------ inference
 
     async def handle_infer(self, request: web.Request) -> web.Response:
+        batch = await self._decode(request)
+        if isinstance(batch, web.Response):
+            return batch
+        verdict = self.admission.admit(batch.lengths.tolist())
+        self._observe_lengths(verdict.ideal)
+        if isinstance(verdict, Refusal):
+            return self._refuse(verdict, batch.n)
+        started = time.time()
+        call = InferCall(batch, started, started + self.slo_s, started + self.timeout_s, [NO_ANSWER] * batch.n,
+                         np.zeros((batch.n, len(self.manifest.labels)), dtype=np.float32), [])
+        inflight = self._child(self.metrics.inflight)
+        inflight.set(self.admission.inflight)
+        try:
+            await self._dispatch_all(call, verdict)
+        finally:
+            self.admission.release(batch.n)
+            inflight.set(self.admission.inflight)
+        return self._respond(call, verdict.buckets, request)
+
+    async def _decode(self, request: web.Request) -> DecodedBatch | web.Response:
+        """The request's inputs, or the answer that refuses it (404, 413, 400)."""
         name = request.match_info["name"]
         if name != self.model:
             return _error(404, f"unknown model {name!r}; this router serves {self.model!r}")
@@ -208,140 +253,111 @@ class Router:
             raw = await request.content.read(self.max_body_bytes + 1)
             if len(raw) > self.max_body_bytes:
                 return _error(413, f"request body is over the limit of {self.max_body_bytes} bytes")
-            body = orjson.loads(raw)
-            batch = decode_inputs(body, self.manifest, self.tokenizer, self.buckets, self.truncate_default)
+            return decode_inputs(orjson.loads(raw), self.manifest, self.tokenizer, self.buckets, self.truncate_default)
         except BadRequest as err:
-            self.window.record_error("bad_request")
-            self.metrics.requests.labels(self.plan.service, "400").inc()
-            return _error(400, str(err))
+            return self._bad_request(str(err))
         except (ValueError, UnicodeDecodeError) as err:
-            self.window.record_error("bad_request")
-            self.metrics.requests.labels(self.plan.service, "400").inc()
-            return _error(400, f"body is not valid JSON: {err}")
-        n = batch.n
-        if self.inflight + n > self.max_inflight:
-            self.window.record_error("overload", n)
-            self.metrics.errors.labels(self.plan.service, "overload").inc(n)
-            self.metrics.requests.labels(self.plan.service, "503").inc()
-            return _error(503, f"router is at its limit of {self.max_inflight} inputs in flight; retry later", retry_after=1)
-        loads = self._loads()
-        lengths = batch.lengths.tolist()
-        per_ideal: dict[int, int] = {}
-        for length in lengths:
-            ideal = ideal_bucket(length, self.buckets)
-            self.window.record_length(ideal)
-            if ideal >= 0:
-                per_ideal[ideal] = per_ideal.get(ideal, 0) + 1
-        for ideal, count in per_ideal.items():
-            self._child(self.metrics.length_inputs, str(self.buckets[ideal])).inc(count)
-        chosen = []
-        for length in lengths:
-            b = choose_bucket(length, self.buckets, loads, self.queue_params)
-            # An idle bucket takes a request whatever its size (else a batch above the limit would starve).
-            if b < 0 or (loads[b] >= 1.0 and self.outstanding[b] > 0):
-                wait = self.limiters[b].retry_after_s(self.outstanding[b]) if b >= 0 else 1
-                self.window.record_error("overload", n)
-                self.metrics.errors.labels(self.plan.service, "overload").inc(n)
-                self.metrics.requests.labels(self.plan.service, "429").inc()
-                what = f"bucket {self.buckets[b]}" if b >= 0 else "every bucket"
-                return _error(429, f"{what} cannot answer within the SLO of {self.slo_s * 1000:.0f} ms at the current load", retry_after=max(1, math.ceil(wait)))
-            loads[b] += 1.0 / self.limiters[b].limit
-            chosen.append(b)
-        for b in chosen:  # counted before any await, so concurrent admissions see each other
-            self.outstanding[b] += 1
-        started = time.time()
-        deadline = started + self.slo_s
-        timeout_at = started + self.timeout_s
-        self.inflight += n
-        inflight = self._child(self.metrics.inflight)
-        inflight.set(self.inflight)
-        try:
-            groups: dict[int, list[int]] = {}
-            for i, b in enumerate(chosen):
-                groups.setdefault(b, []).append(i)
-            results: list[dict | None] = [None] * n
-            scores = np.zeros((n, len(self.manifest.labels)), dtype=np.float32)
-            compute_ms: list[float] = []
-            if len(groups) == 1:  # the common case: no task to schedule
-                (b, rows), = groups.items()
-                await self._dispatch(b, rows, batch, deadline, timeout_at, results, scores, compute_ms)
-            else:
-                await asyncio.gather(*(self._dispatch(b, rows, batch, deadline, timeout_at, results, scores, compute_ms)
-                                       for b, rows in groups.items()))
-        finally:
-            self.inflight -= n
-            inflight.set(self.inflight)
-        return self._respond(results, scores, started, chosen, request, compute_ms)
+            return self._bad_request(f"body is not valid JSON: {err}")
 
-    async def _dispatch(self, b, rows, batch, deadline, timeout_at, results, scores, compute_ms) -> None:
-        bucket = self.buckets[b]
-        ids = [f"{self.prefix}-{next(self.ids)}" for _ in rows]
+    def _bad_request(self, message: str) -> web.Response:
+        self.window.record_error("bad_request")
+        self.metrics.requests.labels(self.plan.service, "400").inc()
+        return _error(400, message)
+
+    def _observe_lengths(self, ideal: list[int] | tuple[int, ...]) -> None:
+        """Count the inputs per ideal bucket (the length histogram the planner sizes buckets from)."""
+        per_ideal: dict[int, int] = {}
+        for b in ideal:
+            self.window.record_length(b)
+            if b >= 0:
+                per_ideal[b] = per_ideal.get(b, 0) + 1
+        for b, count in per_ideal.items():
+            self._child(self.metrics.length_inputs, str(self.buckets[b])).inc(count)
+
+    def _refuse(self, refusal: Refusal, n: int) -> web.Response:
+        self.window.record_error("overload", n)
+        self.metrics.errors.labels(self.plan.service, "overload").inc(n)
+        self.metrics.requests.labels(self.plan.service, str(refusal.status)).inc()
+        return _error(refusal.status, refusal.reason, retry_after=math.ceil(refusal.retry_after_s))
+
+    async def _dispatch_all(self, call: InferCall, admitted: Admitted) -> None:
+        groups = admitted.groups()
+        if len(groups) == 1:  # the common case: no task to schedule
+            (b, rows), = groups.items()
+            await self._dispatch(call, b, rows)
+        else:
+            await asyncio.gather(*(self._dispatch(call, b, rows) for b, rows in groups.items()))
+
+    def _items(self, call: InferCall, n: int) -> list[HopItem]:
+        """The hop items of n inputs, a shadow-sampled share of them recorded for feedback."""
         frac = self.shadow_fraction
         if self.window.samples.sum() < 50 * max(len(self.exit_ramps), 1):
             frac = min(4 * frac, 0.5)  # short of feedback in this window: sample more
         items = []
-        for k, _ in enumerate(rows):
+        for _ in range(n):
             record = frac > 0 and self.rng.random() < frac
-            item = {"id": ids[k], "deadline": deadline, "timeout": timeout_at, "record": record}
-            if record and self.advertise:
-                item["reply_to"] = self.advertise
-            items.append(item)
-        tensors = batch.state_for(rows, bucket)
+            reply_to = self.advertise if record and self.advertise else None
+            items.append(HopItem(f"{self.prefix}-{next(self.ids)}", call.deadline, call.timeout_at, record, reply_to))
+        return items
+
+    async def _dispatch(self, call: InferCall, b: int, rows: list[int]) -> None:
+        """Send the inputs `rows` of the request to a split-0 pod of bucket b; fill in their outcomes."""
+        bucket = self.buckets[b]
+        items = self._items(call, len(rows))
+        tensors = call.batch.state_for(rows, bucket)
         try:
-            meta, out, _ = await send(self.hop, self.peers, bucket=bucket, split=0, meta={"items": items, "bucket": bucket},
-                                      tensors=tensors, rows=len(rows), timeout_at=timeout_at)
+            answer, out, _ = await send(self.hop, self.peers, bucket=bucket, split=0, items=items, tensors=tensors,
+                                        timeout_at=call.timeout_at)
         except NoPeer as err:
             for i in rows:
-                results[i] = {"error": str(err), "reason": "worker", "status": 503}
+                call.outcomes[i] = Outcome(error=str(err), reason="worker", status=503)
             return
         except HopFailed as err:
+            late = time.time() >= call.timeout_at
             for i in rows:
-                results[i] = {"error": str(err), "reason": "deadline" if time.time() >= timeout_at else "worker", "status": 504 if time.time() >= timeout_at else 502}
+                call.outcomes[i] = Outcome(error=str(err), reason="deadline" if late else "worker", status=504 if late else 502)
             return
         finally:
-            latency, now = time.time() - (deadline - self.slo_s), time.time()
-            for _ in rows:
-                self.limiters[b].on_answer(latency, self.outstanding[b], now)
-            self.outstanding[b] -= len(rows)
-        compute_ms.append(float(meta.get("compute_ms") or 0.0))
-        logits = out.get("logits")
-        by_id = {item["id"]: (i, item) for item, i in zip(items, rows)}
+            self.admission.answered(b, len(rows), time.time() - call.started, time.time())
+        self._take_answer(call, rows, items, answer, out.get("logits"))
+
+    def _take_answer(self, call: InferCall, rows: list[int], items: list[HopItem], answer: HopAnswer,
+                     logits: np.ndarray | None) -> None:
+        call.compute_ms.append(answer.compute_ms)
+        by_id = {item.id: (i, item) for item, i in zip(items, rows)}
         answered_k, answered_i = [], []
-        for k, res in enumerate(meta.get("results") or []):
-            i, item = by_id.pop(res.get("id"), (None, None)) if res else (None, None)
-            if i is None:
+        for k, res in enumerate(answer.results):
+            i, item = by_id.pop(res.id, (None, None))
+            if i is None or item is None:
                 continue
-            if "error" in res:
-                results[i] = {"error": res["error"], "reason": "worker", "status": 502}
+            if res.error is not None or res.ramp is None:
+                call.outcomes[i] = Outcome(error=res.error or "the worker answered no ramp for this input")
                 continue
-            results[i] = {"ramp": res["ramp"], "final": bool(res.get("final"))}
+            call.outcomes[i] = Outcome(res.ramp, res.final)
             answered_k.append(k)
             answered_i.append(i)
-            if item.get("record"):
-                self.pending_records[item["id"]] = res["ramp"]
-                if len(self.pending_records) > 8192:  # feedback that never came (a lost post): forget the oldest
+            if item.record:
+                self.pending_records[item.id] = res.ramp
+                if len(self.pending_records) > SHADOW_RECORDS_KEPT:
                     self.pending_records.pop(next(iter(self.pending_records)))
         if logits is not None and answered_k:
-            scores[answered_i] = softmax(logits[answered_k])
+            call.scores[answered_i] = softmax(logits[answered_k])
         for i, _ in by_id.values():
-            results[i] = {"error": "the worker returned no answer for this input", "reason": "worker", "status": 502}
+            call.outcomes[i] = Outcome(error="the worker returned no answer for this input")
 
-    def _respond(self, results, scores, started, chosen, request, compute_ms) -> web.Response:
-        latency = time.time() - started
+    def _account(self, outcomes: list[Outcome], chosen: list[int], latency: float) -> None:
+        """The request's answers and errors into the window and the metrics."""
         within = latency <= self.slo_s
-        errors = [r for r in results if r is None or "error" in r]
         per_exit: dict[str, int] = {}
         per_bucket: dict[int, int] = {}
-        for r, b in zip(results, chosen):
-            if r is None or "error" in r:
-                reason = (r or {}).get("reason", "worker")
-                self.window.record_error(reason)
-                self._child(self.metrics.errors, reason).inc()
+        for r, b in zip(outcomes, chosen):
+            if r.error is not None:
+                self.window.record_error(r.reason)
+                self._child(self.metrics.errors, r.reason).inc()
                 continue
-            ramp = r["ramp"]
-            index = len(self.exit_ramps) if r["final"] else self.ramp_index.get(ramp, len(self.exit_ramps))
+            index = len(self.exit_ramps) if r.final else self.ramp_index.get(r.ramp, len(self.exit_ramps))
             self.window.record_answer(index, latency, within)
-            label = "final" if r["final"] else ramp
+            label = "final" if r.final else r.ramp
             per_exit[label] = per_exit.get(label, 0) + 1
             per_bucket[b] = per_bucket.get(b, 0) + 1
         # Metrics once per label set rather than per input (the labels() lookups were most of the cost).
@@ -354,30 +370,25 @@ class Router:
             self._child(self.metrics.inputs, str(self.buckets[b])).inc(count)
         if within and per_bucket:
             self._child(self.metrics.within_slo).inc(sum(per_bucket.values()))
+
+    def _respond(self, call: InferCall, chosen: list[int], request: web.Request) -> web.Response:
+        latency = time.time() - call.started
+        self._account(call.outcomes, chosen, latency)
+        errors = [r for r in call.outcomes if r.error is not None]
         if errors:
-            first = errors[0] or {"error": "no answer", "status": 502}
-            status = first.get("status", 502)
-            self._child(self.metrics.requests, str(status)).inc()
-            return _error(status, f"{len(errors)} of {len(results)} inputs failed: {first['error']}")
+            first = errors[0]
+            self._child(self.metrics.requests, str(first.status)).inc()
+            return _error(first.status, f"{len(errors)} of {len(call.outcomes)} inputs failed: {first.error}")
         names = self.manifest.labels
-        labels = [names[k] for k in scores.argmax(axis=1).tolist()]
-        ramps = [r["ramp"] for r in results]
+        labels = [names[k] for k in call.scores.argmax(axis=1).tolist()]
         self._child(self.metrics.requests, "200").inc()
-        n = len(results)
         # Server-Timing (W3C): the router's own latency and the split-0 pod's compute for the batch
         # that carried these inputs (the slowest, when they went to several buckets); what the path
         # adds over the model is the client's latency minus split0.
-        timing = f"router;dur={latency * 1000:.3f}, split0;dur={max(compute_ms, default=0.0):.3f}"
-        return _json({
-            "model_name": self.model,
-            "id": request.headers.get("X-Request-Id", ""),
-            "outputs": [
-                {"name": "label", "datatype": "BYTES", "shape": [n], "data": labels},
-                {"name": "scores", "datatype": "FP32", "shape": [n, scores.shape[1]], "data": scores.ravel().round(6).tolist()},
-                {"name": "exit_ramp", "datatype": "BYTES", "shape": [n], "data": ramps},
-            ],
-            "parameters": {"latency_ms": round(latency * 1000, 3)},
-        }, headers={"Server-Timing": timing})
+        timing = f"router;dur={latency * 1000:.3f}, split0;dur={max(call.compute_ms, default=0.0):.3f}"
+        body = protocol.infer_response(self.model, request.headers.get("X-Request-Id", ""), labels, call.scores,
+                                       [r.ramp for r in call.outcomes], latency)
+        return protocol.orjson_response(body, headers={"Server-Timing": timing})
 
     # ------------------------------------------------------------------ feedback and control
 
@@ -415,13 +426,8 @@ class Router:
     async def push_thresholds(self, new: dict[str, float], reason: str) -> None:
         """Apply new thresholds here and on every split-0 pod (which forward them down the chain)."""
         assert self.session is not None
-        body = {"thresholds": new, "reason": reason}
-
-        async def push(url: str) -> None:
-            async with self.session.post(f"{url}/v1/thresholds", json=body, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                resp.raise_for_status()
-
-        results = await asyncio.gather(*(push(p.url) for p in self.peers.peers.values() if p.ready), return_exceptions=True)
+        clients = [ControlClient(p.url, session=self.session, timeout_s=5.0) for p in self.peers.peers.values() if p.ready]
+        results = await asyncio.gather(*(c.push_thresholds(new, reason) for c in clients), return_exceptions=True)
         for r in results:
             if isinstance(r, Exception):
                 log.warning("threshold push failed: %s", r)
@@ -449,21 +455,8 @@ class Router:
     async def handle_model(self, request: web.Request) -> web.Response:
         if request.match_info["name"] != self.model:
             return _error(404, f"unknown model {request.match_info['name']!r}; this router serves {self.model!r}")
-        m = self.manifest
-        inputs = (
-            [{"name": "text", "datatype": "BYTES", "shape": [-1]}, {"name": "input_ids", "datatype": "INT64", "shape": [-1, -1]}]
-            if m.tokenizer else [{"name": t.name, "datatype": _kserve_dtype(t.dtype), "shape": [-1 if isinstance(d, str) else d for d in t.shape]} for t in m.inputs]
-        )
-        return web.json_response({
-            "name": self.model, "versions": [self.plan.content_hash()], "platform": "exitplan-early-exit-onnx",
-            "inputs": inputs,
-            "outputs": [
-                {"name": "label", "datatype": "BYTES", "shape": [-1]},
-                {"name": "scores", "datatype": "FP32", "shape": [-1, len(m.labels)]},
-                {"name": "exit_ramp", "datatype": "BYTES", "shape": [-1]},
-            ],
-            "parameters": {"labels": m.labels, "buckets": self.buckets, "ramps": self.exit_ramps, "thresholds": self.thresholds},
-        })
+        parameters = {"labels": self.manifest.labels, "buckets": self.buckets, "ramps": self.exit_ramps, "thresholds": self.thresholds}
+        return web.json_response(protocol.classifier_metadata(self.manifest, self.model, self.plan.content_hash(), parameters))
 
     async def handle_model_ready(self, request: web.Request) -> web.Response:
         if request.match_info["name"] != self.model:
@@ -471,18 +464,17 @@ class Router:
         return await self.handle_ready(request)
 
     async def handle_server(self, _: web.Request) -> web.Response:
-        return web.json_response({"name": "exitplan-router", "version": "0.1.0", "extensions": ["observations", "thresholds"]})
+        return web.json_response(protocol.server_metadata(["observations", "thresholds"]))
 
     async def handle_live(self, _: web.Request) -> web.Response:
-        return web.json_response({"live": True})
+        return protocol.live_response()
 
     def is_ready(self) -> bool:
         """Ready when every bucket has a ready split-0 pod."""
         return all(self.peers.candidates(b, 0) for b in self.buckets)
 
     async def handle_ready(self, _: web.Request) -> web.Response:
-        ok = self.is_ready()
-        return web.json_response({"ready": ok}, status=200 if ok else 503)
+        return protocol.ready_response(self.is_ready())
 
     async def handle_metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -530,17 +522,3 @@ class Router:
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
-
-
-def _json(body: dict, headers: dict[str, str] | None = None) -> web.Response:
-    """A JSON answer via orjson (numpy scalars and arrays serialize as their values)."""
-    return web.Response(body=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), content_type="application/json", headers=headers)
-
-
-def _error(status: int, message: str, retry_after: int | None = None) -> web.Response:
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return web.json_response({"error": message}, status=status, headers=headers)
-
-
-def _kserve_dtype(dtype: str) -> str:
-    return {"float32": "FP32", "float16": "FP16", "int64": "INT64", "int32": "INT32", "uint8": "UINT8"}[dtype]

@@ -7,7 +7,7 @@ next split (same bucket) and their answers come back through here. A batch launc
 the planned batch size, or when the oldest deadline needs it to run now (deadline minus the
 expected time to finish the model from this split), or — when `max_wait_ms` is set, which suits
 processors whose batch latency grows with the batch (CPUs) — when its oldest row has waited that long.
-When the plan's split rebatches, every block of the split has such a queue of its own (`stages.py`):
+When the plan's split rebatches, every block of the split has such a queue of its own (`fusion.py`):
 a batch runs one block and its survivors wait for the next block with the survivors of other batches.
 
 Also: GET /v1/info (what this pod is), /v1/peers (next-split pods with their straggler marks),
@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -36,14 +36,18 @@ from exitplan.api.plan import Plan
 
 from exitplan.worker import wire
 from exitplan.worker.bundle_runtime import BundleRuntime, StateError
-from exitplan.worker.discovery import PeerSet, parse_peer_spec
 from exitplan.worker.classify.executor import execute
+from exitplan.worker.classify.fusion import FusionQueues
+from exitplan.worker.control_client import ControlClient
+from exitplan.worker.discovery import PeerSet, parse_peer_spec
 from exitplan.worker.hop_client import HopClient, HopFailed, NoPeer, send
 from exitplan.worker.metrics import Children, WorkerMetrics
-from exitplan.worker.classify.fusion import FusionQueues
 from exitplan.worker.planfile import read_plan, watch_plan
+from exitplan.worker.wire import HopAnswer, HopItem, HopRequest, HopResult, ShadowRecord
 
 log = logging.getLogger(__name__)
+
+_NO_RECORD = ShadowRecord({}, {})
 
 FAULTS_ENV = "EXITPLAN_ENABLE_FAULTS"
 """Set to 1 to enable POST /v1/faults (slow-down injection for straggler tests and chaos drills)."""
@@ -65,11 +69,11 @@ class Pending:
 
     __slots__ = ("items", "tensors", "results", "logits", "remaining", "future", "service_ms", "expected_ms", "compute_ms")
 
-    def __init__(self, items: list[dict], n_labels: int, tensors: dict[str, np.ndarray] | None = None) -> None:
+    def __init__(self, items: Sequence[HopItem], n_labels: int, tensors: dict[str, np.ndarray] | None = None) -> None:
         self.items = items
         self.tensors = tensors or {}
         """The frame's input tensors, [len(items), ...] each: row i of each is item i's input."""
-        self.results: list[dict | None] = [None] * len(items)
+        self.results: list[HopResult | None] = [None] * len(items)
         self.logits = np.zeros((len(items), n_labels), dtype=np.float32)
         self.remaining = len(items)
         self.future: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -78,7 +82,7 @@ class Pending:
         self.compute_ms = 0.0
         """The first batch's compute alone (service_ms may also hold a hand-off to the inference thread)."""
 
-    def answer(self, index: int, result: dict, logits: np.ndarray | None) -> None:
+    def answer(self, index: int, result: HopResult, logits: np.ndarray | None) -> None:
         if self.results[index] is not None:
             return  # a shadow row's second answer: the first one stands
         self.results[index] = result
@@ -89,7 +93,12 @@ class Pending:
             self.future.set_result(None)
 
     def fail(self, index: int, reason: str) -> None:
-        self.answer(index, {"id": self.items[index]["id"], "error": reason}, None)
+        self.answer(index, HopResult.failure(self.items[index].id, reason), None)
+
+    def reply(self) -> HopAnswer:
+        """The frame's answer (once every row has its result)."""
+        results = [r if r is not None else HopResult.failure(item.id, "no answer") for r, item in zip(self.results, self.items)]
+        return HopAnswer(results, self.service_ms, self.expected_ms, self.compute_ms)
 
 
 @dataclass(slots=True)
@@ -99,11 +108,13 @@ class Row:
     arrival: float
     deadline: float
     timeout: float
-    item: dict = field(default_factory=dict)
+    item: HopItem
     enqueued: float = 0.0
     """When the row entered its current fusion queue."""
     state: dict[str, np.ndarray] | None = None
     """The row's own state (input of its next block) while it waits inside a rebatching split."""
+    rec: ShadowRecord | None = None
+    """A shadow-sampled row's feedback sample so far (the item's, plus what this split adds)."""
 
     @property
     def answered(self) -> bool:
@@ -254,34 +265,34 @@ class SplitWorker:
         body = await request.read()
         try:
             meta, tensors = wire.decode(body)
-            items = meta["items"]
-            if not isinstance(items, list) or not items:
-                raise ValueError("meta.items must be a non-empty list")
-            n = len(items)
-            for name in self.input_names:
-                if name not in tensors:
-                    raise ValueError(f"tensor {name!r} missing; this split reads {self.input_names}")
-                t = tensors[name]
-                if t.shape[0] != n:
-                    raise ValueError(f"tensor {name!r} has {t.shape[0]} rows for {n} items")
-                if self.runtime.is_sequence_model and (t.ndim < 2 or t.shape[1] != self.bucket):
-                    raise ValueError(f"tensor {name!r} shape {list(t.shape)}: axis 1 must be this bucket's length {self.bucket}")
+            items = HopRequest.from_meta(meta).items
+            self._check_tensors(tensors, len(items))
         except (wire.WireError, KeyError, TypeError, ValueError) as err:
             return web.Response(status=400, text=f"bad frame: {err}")
         pending = Pending(items, self.n_labels, {k: tensors[k] for k in self.input_names})
         now = time.time()
         for i, item in enumerate(items):
-            deadline = float(item.get("deadline", now + 1.0))
-            row = Row(pending, i, now, deadline, float(item.get("timeout", deadline)), item, now)
-            if item.get("answered"):
-                pending.answer(i, {"id": item["id"], "shadow": True}, None)
+            deadline = now + 1.0 if item.deadline is None else float(item.deadline)
+            timeout = deadline if item.timeout is None else float(item.timeout)
+            row = Row(pending, i, now, deadline, timeout, item, now, rec=item.rec)
+            if item.answered:
+                pending.answer(i, HopResult.shadow_of(item.id), None)
             self.queue.append(row)
         self.metrics.queued.set(self.stages.held())
         self.wakeup.set()
         await pending.future
-        out_meta = {"results": pending.results, "service_ms": pending.service_ms, "expected_ms": pending.expected_ms,
-                    "compute_ms": pending.compute_ms}
-        return web.Response(body=wire.encode(out_meta, {"logits": pending.logits}), content_type=wire.CONTENT_TYPE)
+        return web.Response(body=wire.encode(pending.reply().to_meta(), {"logits": pending.logits}), content_type=wire.CONTENT_TYPE)
+
+    def _check_tensors(self, tensors: dict[str, np.ndarray], n: int) -> None:
+        """Raise ValueError unless the frame holds this split's inputs, n rows each, padded to this bucket."""
+        for name in self.input_names:
+            if name not in tensors:
+                raise ValueError(f"tensor {name!r} missing; this split reads {self.input_names}")
+            t = tensors[name]
+            if t.shape[0] != n:
+                raise ValueError(f"tensor {name!r} has {t.shape[0]} rows for {n} items")
+            if self.runtime.is_sequence_model and (t.ndim < 2 or t.shape[1] != self.bucket):
+                raise ValueError(f"tensor {name!r} shape {list(t.shape)}: axis 1 must be this bucket's length {self.bucket}")
 
     async def handle_info(self, _: web.Request) -> web.Response:
         return web.json_response({
@@ -316,14 +327,10 @@ class SplitWorker:
             self.set_thresholds(thresholds, reason)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             return web.Response(status=400, text=f"bad thresholds: {err}")
-        if self.next and self.session:
-            await asyncio.gather(*(self._push(p.url, body) for p in self.next.peers.values() if p.ready), return_exceptions=True)
+        if self.next and self.session:  # on down the chain
+            clients = [ControlClient(p.url, session=self.session, timeout_s=2.0) for p in self.next.peers.values() if p.ready]
+            await asyncio.gather(*(c.push_thresholds(thresholds, reason) for c in clients), return_exceptions=True)
         return web.json_response({"thresholds": self.thresholds})
-
-    async def _push(self, url: str, body: dict) -> None:
-        assert self.session is not None
-        async with self.session.post(f"{url}/v1/thresholds", json=body, timeout=aiohttp.ClientTimeout(total=2)) as resp:
-            resp.raise_for_status()
 
     async def handle_faults(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -370,7 +377,7 @@ class SplitWorker:
         else:
             state = {name: np.stack([row.state[name] for row in batch]) for name in batch[0].state}
         answered = np.array([row.answered for row in batch], dtype=bool)
-        recorded = np.array([bool(row.item.get("record")) for row in batch], dtype=bool)
+        recorded = np.array([row.item.record for row in batch], dtype=bool)
         thresholds = self.thresholds
         loop = asyncio.get_running_loop()
         fraction = (last - first + 1) / (self.runtime.last_block - self.runtime.first_block + 1)
@@ -401,17 +408,13 @@ class SplitWorker:
             if p.service_ms == 0.0:
                 p.service_ms, p.expected_ms, p.compute_ms = service_ms, expected, outcome.compute_ms
         for i, rec in outcome.records.items():
-            item = batch[i].item
-            item_rec = item.setdefault("rec", {"conf": {}, "pred": {}})
-            item_rec["conf"].update(rec.conf)
-            item_rec["pred"].update(rec.pred)
-            if rec.final_pred is not None:
-                item_rec["final"] = rec.final_pred
+            row = batch[i]
+            row.rec = (row.rec or _NO_RECORD).merged(rec.conf, rec.pred, rec.final_pred)
         per_ramp: dict[str, int] = {}
         for ans in outcome.answers:
             row = batch[ans.row]
             per_ramp[ans.ramp] = per_ramp.get(ans.ramp, 0) + 1
-            row.pending.answer(row.index, {"id": row.item["id"], "ramp": ans.ramp, "final": ans.final}, ans.logits)
+            row.pending.answer(row.index, HopResult.answer(row.item.id, ans.ramp, ans.final), ans.logits)
         for ramp, count in per_ramp.items():
             self._child(self.metrics.exits, ramp).inc(count)
         self.stages.record(stage, len(batch), len(outcome.survivors))
@@ -425,7 +428,7 @@ class SplitWorker:
                 queue.append(row)
             self.metrics.queued.set(self.stages.held())
         elif self.is_last:
-            self._send_feedback([batch[i].item for i in outcome.records])
+            self._send_feedback([batch[i] for i in outcome.records])
         elif len(outcome.survivors):
             rows = [batch[i] for i in outcome.survivors]
             self.forwarding += 1
@@ -439,16 +442,12 @@ class SplitWorker:
 
     async def _forward(self, rows: list[Row], state: dict[str, np.ndarray]) -> None:
         assert self.next is not None and self.session is not None
-        items = []
-        for row in rows:
-            item = dict(row.item)
-            item["answered"] = row.answered
-            items.append(item)
+        items = [row.item.onward(row.rec, row.answered) for row in rows]
         self.metrics.forward_bytes.inc(sum(v.nbytes for v in state.values()))
         try:
-            meta, tensors, _ = await send(
-                self.hop, self.next, bucket=self.bucket, split=self.split + 1, meta={"items": items, "bucket": self.bucket},
-                tensors=state, rows=len(rows), timeout_at=max(r.timeout for r in rows),
+            answer, tensors, _ = await send(
+                self.hop, self.next, bucket=self.bucket, split=self.split + 1, items=items,
+                tensors=state, timeout_at=max(r.timeout for r in rows),
             )
         except (NoPeer, HopFailed) as err:
             self.metrics.forward_errors.inc()
@@ -456,29 +455,30 @@ class SplitWorker:
                 row.pending.fail(row.index, str(err))
             return
         logits = tensors.get("logits")
-        by_id = {row.item["id"]: row for row in rows}
-        for k, result in enumerate(meta.get("results") or []):
-            row = by_id.pop(result.get("id") if result else None, None)
-            if row is None or result.get("shadow"):
+        by_id = {row.item.id: row for row in rows}
+        for k, result in enumerate(answer.results):
+            row = by_id.pop(result.id, None)
+            if row is None or result.shadow:
                 continue
-            if "error" in result:
-                row.pending.fail(row.index, result["error"])
+            if result.error is not None:
+                row.pending.fail(row.index, result.error)
             else:
                 row.pending.answer(row.index, result, logits[k] if logits is not None else None)
         for row in by_id.values():
             if not row.answered:
                 row.pending.fail(row.index, f"split {self.split + 1} returned no answer for this input")
 
-    def _send_feedback(self, items: list[dict]) -> None:
+    def _send_feedback(self, rows: list[Row]) -> None:
+        """Post the complete feedback samples of shadow-sampled rows to the routers that want them."""
         by_target: dict[str, list[dict]] = {}
-        for item in items:
-            target, rec = item.get("reply_to"), item.get("rec") or {}
-            if not target or "final" not in rec:
+        for row in rows:
+            target, rec = row.item.reply_to, row.rec
+            if not target or rec is None or rec.final is None:
                 continue
             by_target.setdefault(target, []).append({
-                "id": item["id"], "final": rec["final"],
-                "conf": [rec["conf"].get(r) for r in self.exit_ramps],
-                "pred": [rec["pred"].get(r) for r in self.exit_ramps],
+                "id": row.item.id, "final": rec.final,
+                "conf": [rec.conf.get(r) for r in self.exit_ramps],
+                "pred": [rec.pred.get(r) for r in self.exit_ramps],
             })
         for target, samples in by_target.items():
             asyncio.create_task(self._post_feedback(target, samples))

@@ -1,5 +1,5 @@
 """The router of a generation service (a bundle with a `decoder` section): the cluster entry point for
-early-exit generation (issue 7), started by the same `exitplan router` command as every router.
+early-exit text generation, started by the same `exitplan router` command as every router.
 
 It coordinates the plan's stage workers (`exitplan generate-stage`, one replica per split, chained by
 `--next`): the first stage is the router's `--peers` (the split-0 headless Service in a cluster),
@@ -9,7 +9,7 @@ in that worker; several are EE-LLM's pipeline-based mode. The router tokenizes, 
 the stages, streams tokens as server-sent events, and releases the sequence's cache on every stage
 when it ends or the client goes away.
 
-Endpoints: POST /v2/models/{name}/generate and /generate_stream (see generation_routes.py),
+Endpoints: POST /v2/models/{name}/generate and /generate_stream (see routes.py),
 GET /v2/models/{name}, GET /v2/models/{name}/ready, GET /v2, GET /v2/health/live|ready, GET /metrics,
 GET/POST /v1/thresholds (one exit threshold for every head; the plan's thresholds are hot-updated),
 POST /v2/models/{name}/infer answers 400 (this model generates).
@@ -29,11 +29,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Plan
 
+from exitplan.worker import protocol
 from exitplan.worker.discovery import parse_peer_spec, resolve
 from exitplan.worker.generate.decoder import NEVER_EXIT
 from exitplan.worker.generate.remote_pipeline import RemotePipelineEngine
 from exitplan.worker.generate.routes import GenerationMetrics, add_generate_routes
 from exitplan.worker.planfile import read_plan, watch_plan
+from exitplan.worker.protocol import error_response as _error
 
 log = logging.getLogger(__name__)
 RESOLVE_SECONDS = 2.0
@@ -115,13 +117,12 @@ class GenerationRouter:
     # ------------------------------------------------------------------ handlers
 
     async def handle_live(self, _: web.Request) -> web.Response:
-        return web.json_response({"live": True})
+        return protocol.live_response()
 
     async def handle_ready(self, _: web.Request) -> web.Response:
         if not self.first_stage_ready:
             await self.refresh()
-        return web.json_response({"ready": self.first_stage_ready, **({"reason": self.reason} if self.reason else {})},
-                                 status=200 if self.first_stage_ready else 503)
+        return protocol.ready_response(self.first_stage_ready, self.reason)
 
     async def handle_model_ready(self, request: web.Request) -> web.Response:
         if request.match_info["name"] != self.model:
@@ -129,20 +130,16 @@ class GenerationRouter:
         return await self.handle_ready(request)
 
     async def handle_server(self, _: web.Request) -> web.Response:
-        return web.json_response({"name": "exitplan-router", "version": "0.1.0", "extensions": ["generate", "generate_stream", "thresholds"]})
+        return web.json_response(protocol.server_metadata(["generate", "generate_stream", "thresholds"]))
 
     async def handle_model(self, request: web.Request) -> web.Response:
         if request.match_info["name"] != self.model:
             return _error(404, f"unknown model {request.match_info['name']!r}; this router serves {self.model!r}")
         spec = self.manifest.decoder
         assert spec is not None
-        return web.json_response({
-            "name": self.model, "versions": [self.plan.content_hash()], "platform": "exitplan-early-exit-generation",
-            "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
-            "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1]}],
-            "parameters": {"mode": self.mode, "threshold": self.threshold, "max_context": spec.max_context,
-                           "ramps": self.exit_ramps, "splits": [[s.first_block, s.last_block] for s in self.plan.splits]},
-        })
+        parameters = {"mode": self.mode, "threshold": self.threshold, "max_context": spec.max_context,
+                      "ramps": self.exit_ramps, "splits": [[s.first_block, s.last_block] for s in self.plan.splits]}
+        return web.json_response(protocol.generator_metadata(self.model, self.plan.content_hash(), parameters))
 
     async def handle_infer(self, request: web.Request) -> web.Response:
         return _error(400, f"model {self.model!r} generates text: POST /v2/models/{self.model}/generate "
@@ -208,6 +205,3 @@ class GenerationRouter:
         app.on_cleanup.append(self._cleanup)
         return app
 
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from exitplan.worker import protocol
 from exitplan.worker.generate.decoder import EngineBase, GenerationError, GenerationHandle, TokenEvent
 
 TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
@@ -82,22 +83,119 @@ def _parse(body: object, default_threshold: float) -> tuple[str, int, float, boo
     return text, params.get("max_tokens", DEFAULT_MAX_TOKENS), params.get("threshold", default_threshold), ignore_eos
 
 
-def _summary(model_name: str, handle: GenerationHandle, events: list[TokenEvent], started: float) -> dict:
-    steps = [e.seconds for e in events[1:]]
-    return {
-        "model_name": model_name,
-        "text_output": "".join(e.text for e in events),
-        "token_ids": [e.token_id for e in events],
-        "exits": [e.exit for e in events],
-        "confidences": [round(e.confidence, 6) for e in events],
-        "recomputed": sum(e.recomputed for e in events),
-        "finish_reason": handle.finish_reason or "stopped",
-        "threshold": handle.threshold,
-        "prompt_tokens": handle.prompt_len,
-        "first_token_seconds": events[0].seconds if events else None,
-        "time_per_token_seconds": sum(steps) / len(steps) if steps else None,
-        "total_seconds": time.perf_counter() - started,
-    }
+def _summary(model_name: str, handle: GenerationHandle, events: list[TokenEvent], started: float) -> protocol.GenerateResponse:
+    return protocol.generate_response(model_name, events, finish_reason=handle.finish_reason or "stopped", threshold=handle.threshold,
+                                      prompt_tokens=handle.prompt_len, total_seconds=time.perf_counter() - started)
+
+
+class GenerateRoutes:
+    """The generate and generate_stream handlers of one served model (registered by add_generate_routes).
+
+    `threshold()`: the exit threshold in force; `unavailable()`: why the engine cannot take a request
+    now (answered 503), or None."""
+
+    def __init__(self, engine: EngineBase, model_name: str, metrics: GenerationMetrics, threshold: Callable[[], float],
+                 unavailable: Callable[[], str | None] | None = None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.threshold = threshold
+        self.unavailable = unavailable
+        self.astep = getattr(engine, "astep", None)
+
+    def error(self, code: int, message: str) -> web.Response:
+        self.metrics.answered(code)
+        return protocol.error_response(code, message)
+
+    async def opened(self, request: web.Request) -> GenerationHandle | web.Response:
+        """The request's sequence, opened on the engine; or the answer that refuses it (404, 400, 503)."""
+        if request.match_info["name"] != self.model_name:
+            return self.error(404, f"model {request.match_info['name']!r} is not served here; this server serves {self.model_name!r}")
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return self.error(400, "the body is not valid JSON")
+        try:
+            text, max_tokens, chosen, ignore_eos = _parse(body, self.threshold())
+            handle = self.engine.open(text, max_tokens, chosen, ignore_eos)
+        except (_BadRequest, GenerationError) as err:
+            return self.error(400, str(err))
+        reason = self.unavailable() if self.unavailable is not None else None
+        if reason:
+            self.engine.release(handle)
+            return self.error(503, reason)
+        return handle
+
+    def start_step(self, handle: GenerationHandle) -> asyncio.Future:
+        """The next token: on this loop when the engine awaits remote stages, else in a thread (ONNX Runtime)."""
+        if self.astep is not None:
+            return asyncio.ensure_future(self.astep(handle))
+        return asyncio.get_running_loop().run_in_executor(None, self.engine.step, handle)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """POST /v2/models/{name}/generate: the whole generation in one answer."""
+        started = time.perf_counter()
+        handle = await self.opened(request)
+        if isinstance(handle, web.Response):
+            return handle
+        loop = asyncio.get_running_loop()
+        events: list[TokenEvent] = []
+        try:
+            while not handle.finished:
+                step = self.start_step(handle)
+                try:
+                    event = await asyncio.shield(step)
+                except asyncio.CancelledError:  # let the step in flight finish before its cache goes
+                    await asyncio.wait([step])
+                    raise
+                self.metrics.token(event)
+                events.append(event)
+        except GenerationError as err:
+            return self.error(500, f"generation failed: {err}")
+        finally:
+            await loop.run_in_executor(None, self.engine.release, handle)
+        self.metrics.answered(200)
+        return web.json_response(_summary(self.model_name, handle, events, started))
+
+    async def generate_stream(self, request: web.Request) -> web.StreamResponse:
+        """POST /v2/models/{name}/generate_stream: one server-sent event per token, then the summary."""
+        started = time.perf_counter()
+        handle = await self.opened(request)
+        if isinstance(handle, web.Response):
+            return handle
+        loop = asyncio.get_running_loop()
+        metrics = self.metrics
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        events: list[TokenEvent] = []
+        step: asyncio.Future | None = None
+        try:
+            await response.prepare(request)
+            while not handle.finished:
+                step = self.start_step(handle)
+                event = await asyncio.shield(step)
+                step = None
+                metrics.token(event)
+                events.append(event)
+                await response.write(protocol.sse_event({"model_name": self.model_name, **asdict(event)}))
+            await loop.run_in_executor(None, self.engine.release, handle)  # before the client hears "done"
+            await response.write(protocol.sse_event({"done": True, **_summary(self.model_name, handle, events, started)}))
+            await response.write_eof()
+            metrics.answered(200)
+        except ConnectionResetError:  # the client went away: stop here
+            metrics.disconnects.inc()
+            metrics.answered(499)
+        except asyncio.CancelledError:  # the server cancelled the handler (client gone, or shutdown)
+            metrics.disconnects.inc()
+            metrics.answered(499)
+            if step is not None:  # let the step in flight finish before its cache goes
+                await asyncio.wait([step])
+            raise
+        except GenerationError as err:
+            metrics.answered(500)
+            await response.write(protocol.sse_event(protocol.error_body(str(err)), event="error"))
+        finally:
+            await loop.run_in_executor(None, self.engine.release, handle)
+        return response
 
 
 def add_generate_routes(
@@ -117,102 +215,9 @@ def add_generate_routes(
     metrics = metrics or GenerationMetrics(service or model_name, engine.mode)
     metrics.sequences.set_function(lambda: engine.active_caches)
     current_threshold = threshold if callable(threshold) else (lambda: threshold)
-
-    def error(code: int, message: str) -> web.Response:
-        metrics.answered(code)
-        return web.json_response({"error": message}, status=code)
-
-    async def opened(request: web.Request) -> GenerationHandle | web.Response:
-        if request.match_info["name"] != model_name:
-            return error(404, f"model {request.match_info['name']!r} is not served here; this server serves {model_name!r}")
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error(400, "the body is not valid JSON")
-        try:
-            text, max_tokens, chosen, ignore_eos = _parse(body, current_threshold())
-            handle = engine.open(text, max_tokens, chosen, ignore_eos)
-        except (_BadRequest, GenerationError) as err:
-            return error(400, str(err))
-        reason = unavailable() if unavailable is not None else None
-        if reason:
-            engine.release(handle)
-            return error(503, reason)
-        return handle
-
-    astep = getattr(engine, "astep", None)
-
-    def start_step(handle: GenerationHandle) -> asyncio.Future:
-        """The next token: on this loop when the engine awaits remote stages, else in a thread (ONNX Runtime)."""
-        if astep is not None:
-            return asyncio.ensure_future(astep(handle))
-        return asyncio.get_running_loop().run_in_executor(None, engine.step, handle)
-
-    async def generate(request: web.Request) -> web.Response:
-        started = time.perf_counter()
-        handle = await opened(request)
-        if isinstance(handle, web.Response):
-            return handle
-        loop = asyncio.get_running_loop()
-        events: list[TokenEvent] = []
-        try:
-            while not handle.finished:
-                step = start_step(handle)
-                try:
-                    event = await asyncio.shield(step)
-                except asyncio.CancelledError:  # let the step in flight finish before its cache goes
-                    await asyncio.wait([step])
-                    raise
-                metrics.token(event)
-                events.append(event)
-        except GenerationError as err:
-            return error(500, f"generation failed: {err}")
-        finally:
-            await loop.run_in_executor(None, engine.release, handle)
-        metrics.answered(200)
-        return web.json_response(_summary(model_name, handle, events, started))
-
-    async def generate_stream(request: web.Request) -> web.StreamResponse:
-        started = time.perf_counter()
-        handle = await opened(request)
-        if isinstance(handle, web.Response):
-            return handle
-        loop = asyncio.get_running_loop()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        events: list[TokenEvent] = []
-        step: asyncio.Future | None = None
-        try:
-            await response.prepare(request)
-            while not handle.finished:
-                step = start_step(handle)
-                event = await asyncio.shield(step)
-                step = None
-                metrics.token(event)
-                events.append(event)
-                await response.write(f"data: {json.dumps({'model_name': model_name, **asdict(event)})}\n\n".encode())
-            await loop.run_in_executor(None, engine.release, handle)  # before the client hears "done"
-            final = {"done": True, **_summary(model_name, handle, events, started)}
-            await response.write(f"data: {json.dumps(final)}\n\n".encode())
-            await response.write_eof()
-            metrics.answered(200)
-        except ConnectionResetError:  # the client went away: stop here
-            metrics.disconnects.inc()
-            metrics.answered(499)
-        except asyncio.CancelledError:  # the server cancelled the handler (client gone, or shutdown)
-            metrics.disconnects.inc()
-            metrics.answered(499)
-            if step is not None:  # let the step in flight finish before its cache goes
-                await asyncio.wait([step])
-            raise
-        except GenerationError as err:
-            metrics.answered(500)
-            await response.write(f"event: error\ndata: {json.dumps({'error': str(err)})}\n\n".encode())
-        finally:
-            await loop.run_in_executor(None, engine.release, handle)
-        return response
-
-    app.router.add_post("/v2/models/{name}/generate", generate)
-    app.router.add_post("/v2/models/{name}/generate_stream", generate_stream)
+    routes = GenerateRoutes(engine, model_name, metrics, current_threshold, unavailable)
+    app.router.add_post("/v2/models/{name}/generate", routes.generate)
+    app.router.add_post("/v2/models/{name}/generate_stream", routes.generate_stream)
     return metrics
 
 
@@ -225,7 +230,7 @@ def generation_app(engine: EngineBase, model_name: str, *, threshold: float = 1.
         return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def handle_ready(_: web.Request) -> web.Response:
-        return web.json_response({"ready": True})
+        return protocol.ready_response(True)
 
     async def close_engine(_: web.Application) -> None:
         close = getattr(engine, "close", None)
