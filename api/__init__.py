@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -14,7 +15,7 @@ class SpecError(ValueError):
     """A resource document that does not validate; the message names the document and field."""
 
 
-def parse_resource(doc: dict, source: str = "<input>") -> Resource:
+def parse_resource(doc: dict[str, Any], source: str = "<input>") -> Resource:
     """Validate one resource document by its `kind`."""
     kind = doc.get("kind") if isinstance(doc, dict) else None
     if kind not in KINDS:

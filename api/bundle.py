@@ -107,7 +107,7 @@ class BundleManifest(Model):
     pad_token_id: int = 0
     data: BundleData = Field(default_factory=BundleData)
     decoder: DecoderSpec | None = None
-    """Set for generative (decoder-only) bundles: the KV cache layout and tokenizer (issue 7)."""
+    """Set for generative (decoder-only) bundles, for early-exit generation: the KV cache layout and tokenizer."""
 
     @model_validator(mode="after")
     def _consistent(self) -> BundleManifest:

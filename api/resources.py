@@ -8,7 +8,7 @@ The CRD schemas in ``crds/`` are generated from these models.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -23,7 +23,7 @@ class Model(BaseModel):
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
-    def dump(self) -> dict:
+    def dump(self) -> dict[str, Any]:
         """The wire form (camelCase, no unset optionals)."""
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
@@ -244,7 +244,7 @@ class Resource(BaseModel):
 
     api_version: str = Field(API_VERSION, alias="apiVersion")
     kind: str
-    metadata: dict = Field(default_factory=dict)
+    metadata: dict[Any, Any] = Field(default_factory=dict)
 
 
 class GPUPool(Resource):

@@ -239,10 +239,9 @@ def replacement(old: Sequence[int], new: Sequence[int]) -> list[Move]:
     source) and stops (-1 as target) only for the net change. Moves sum(max(0, new - old)) at most,
     the fewest possible."""
     o, n = np.asarray(old, dtype=np.int64), np.asarray(new, dtype=np.int64)
-    give = [(i, int(o[i] - n[i])) for i in range(len(o)) if o[i] > n[i]]
+    give = [[i, int(o[i] - n[i])] for i in range(len(o)) if o[i] > n[i]]  # [bucket, instances left to give]
     take = [(i, int(n[i] - o[i])) for i in range(len(o)) if n[i] > o[i]]
     moves: list[Move] = []
-    give = [list(x) for x in give]
     for j, want in take:
         while want > 0 and give:
             give.sort(key=lambda g: abs(g[0] - j))

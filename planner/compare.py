@@ -119,7 +119,8 @@ def oracle_for(result: PlanResult, lengths: np.ndarray, rate: float, seed: int =
     return oracle_goodput({m.pool_name: m for m in inp.models}, dict(zip(inp.pool_names, inp.caps.tolist())), np.asarray(lengths), depths, rate)
 
 
-def plan_all(service: str, spec: EarlyExitServiceSpec, pools, profiles, lengths=None, configs: Sequence[str] = CONFIGS) -> dict[str, PlanResult | str]:
+def plan_all(service: str, spec: EarlyExitServiceSpec, pools: Mapping[str, GPUPoolSpec], profiles: Mapping[str, ModelProfileSpec],
+             lengths: Sequence[int] | None = None, configs: Sequence[str] = CONFIGS) -> dict[str, PlanResult | str]:
     """Every configuration's plan, or the reason it has none."""
     out: dict[str, PlanResult | str] = {}
     for name in configs:

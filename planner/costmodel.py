@@ -24,11 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 from scipy.stats import binom
 
 from exitplan.api.resources import GPUPoolSpec, ModelProfileSpec
 
 from exitplan.planner.errors import ProfileError
+
+FloatArray = npt.NDArray[np.float64]
 
 MONOTONE_SLACK = 0.5
 """Measured latencies may dip by this fraction (timer noise on shared machines: profiles measured on
@@ -74,7 +77,7 @@ def validate_profile(profile: ModelProfileSpec, where: str = "profile") -> list[
     return notes
 
 
-def _validated_arrays(profile: ModelProfileSpec, where: str, notes: list[str]) -> dict:
+def _validated_arrays(profile: ModelProfileSpec, where: str, notes: list[str]) -> dict[str, FloatArray]:
     bs, sl = list(profile.batch_sizes), list(profile.seq_lens)
     if not bs or any(b >= c for b, c in zip(bs, bs[1:])) or bs[0] < 1:
         raise ProfileError(f"batch sizes must be >= 1 and increase strictly, got {bs}", field=f"{where}.batchSizes")
@@ -131,7 +134,8 @@ def survival_before_blocks(n_blocks: int, ramp_after: Sequence[int], survival: S
 def survivor_pmf(batch: int, ratio: np.ndarray) -> np.ndarray:
     """P(x of `batch` rows are still running) for x = 0..batch, each row independently with
     probability `ratio` (any shape): shape ratio.shape + (batch + 1,)."""
-    return binom.pmf(np.arange(batch + 1), batch, np.clip(ratio, 0.0, 1.0)[..., None])
+    pmf: FloatArray = binom.pmf(np.arange(batch + 1), batch, np.clip(ratio, 0.0, 1.0)[..., None])
+    return pmf
 
 
 @dataclass
@@ -224,7 +228,7 @@ class CostModel:
 
     # ------------------------------------------------------------ whole stages
 
-    def stage_tables(self, batches: Sequence[float], seq: float, survival_before: np.ndarray, ramps_on: Sequence[bool],
+    def stage_tables(self, batches: Sequence[float] | FloatArray, seq: float, survival_before: np.ndarray, ramps_on: Sequence[bool],
                      expected: bool = False, transfer: bool = True, rebatch: bool = False, fill_ms: float | None = None) -> np.ndarray:
         """ms[bi, a, b]: time of split [a, b] (exec + enabled ramps + transfer out) at batch batches[bi].
 
@@ -255,12 +259,12 @@ class CostModel:
         """
         n = self.n_blocks
         s = np.maximum(survival_before, 1e-12)
-        batches = np.asarray(batches, dtype=np.float64)
+        batch_arr = np.asarray(batches, dtype=np.float64)
         ratio = np.minimum(s[None, :n] / s[:n, None], 1.0)  # ratio[a, k] = s(k)/s(a) for k >= a
         per_block = self._at_seq(self.block_ms_table, seq)  # (n, n_batch)
         ramp_rows = self._at_seq(self.ramp_ms_table, seq) if len(self.ramp_ms_table) else np.zeros((0, len(self.batch_sizes)))
-        out = np.full((len(batches), n, n), np.inf)
-        for bi, bsz in enumerate(batches):
+        out = np.full((len(batch_arr), n, n), np.inf)
+        for bi, bsz in enumerate(batch_arr):
             if rebatch:
                 # (a, k): block k at a full batch B, weighted by the share of entering rows that
                 # reach it (expected), or once per round if any row reaches it (the bound)
@@ -322,7 +326,8 @@ class CostModel:
 
         def at(x: np.ndarray) -> np.ndarray:  # block k (+ ramp) at x[pair, k] rows, linear, 0 at 0, extrapolated past the top
             i = np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2)
-            return ys[k_idx, i] + slope[k_idx, i] * (x - xs[i])
+            y: FloatArray = ys[k_idx, i] + slope[k_idx, i] * (x - xs[i])
+            return y
 
         a_all, b_all = np.triu_indices(n)  # the splits [a, b], a <= b
         k_ = np.arange(n)[None, :]

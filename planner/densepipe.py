@@ -24,10 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from exitplan.planner.errors import PlanInfeasible, PlanInvalid
 
 SCALE = 10_000
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
 
 @dataclass
@@ -48,8 +52,9 @@ class Placement:
             raise PlanInvalid("a split cannot keep up with the claimed goodput")
 
 
-def place(mu: Sequence[Sequence[float]], q: Sequence[float], caps: Sequence[int], costs: Sequence[float], fits: np.ndarray | None = None,
-          balance: float | None = None, time_limit_s: float = 5.0, cost_cap: float | None = None) -> Placement:
+def place(mu: Sequence[Sequence[float]] | FloatArray, q: Sequence[float] | FloatArray, caps: Sequence[int] | IntArray,
+          costs: Sequence[float] | FloatArray, fits: np.ndarray | None = None, balance: float | None = None, time_limit_s: float = 5.0,
+          cost_cap: float | None = None) -> Placement:
     """Maximise goodput (then minimise cost) over integer replica placements; see the module docstring.
 
     mu[i][p]: requests/s one replica of split i on pool p takes in (0 = cannot run there).
@@ -72,48 +77,49 @@ def place(mu: Sequence[Sequence[float]], q: Sequence[float], caps: Sequence[int]
     scale = SCALE / unit.max()
     w = np.round(unit * scale).astype(np.int64)
 
-    def build(fix_goodput: int | None):
+    def build(fix_goodput: int | None) -> tuple[cp_model.CpModel, list[list[cp_model.IntVar]], cp_model.IntVar]:
         m = cp_model.CpModel()
-        x = [[m.NewIntVar(0, int(caps_a[p]) if fits_a[i, p] else 0, f"x{i}_{p}") for p in range(P)] for i in range(n)]
+        x = [[m.new_int_var(0, int(caps_a[p]) if fits_a[i, p] else 0, f"x{i}_{p}") for p in range(P)] for i in range(n)]
         ub = int(w.max() * caps_a.sum()) + 1
-        z = m.NewIntVar(0, ub, "z")
+        z = m.new_int_var(0, ub, "z")
         for p in range(P):  # (a)
-            m.Add(sum(x[i][p] for i in range(n)) <= int(caps_a[p]))
+            m.add(sum(x[i][p] for i in range(n)) <= int(caps_a[p]))
         if cost_cap is not None:  # the service's cost cap, in thousandths
-            m.Add(sum(int(round(costs_a[p] * 1000)) * x[i][p] for i in range(n) for p in range(P)) <= int(cost_cap * 1000 + 1e-6))
+            m.add(sum(int(round(costs_a[p] * 1000)) * x[i][p] for i in range(n) for p in range(P)) <= int(cost_cap * 1000 + 1e-6))
         level = [sum(int(w[i, p]) * x[i][p] for p in range(P)) for i in range(n)]
         for i in range(n):  # (c)
-            m.Add(level[i] >= z)
+            m.add(level[i] >= z)
         if balance is not None:  # (d)
             num, den = int(round((1 + balance) * 1000)), 1000
             for i in range(n - 1):
-                m.Add(den * level[i] <= num * level[i + 1])
-                m.Add(den * level[i + 1] <= num * level[i])
+                m.add(den * level[i] <= num * level[i + 1])
+                m.add(den * level[i + 1] <= num * level[i])
         if fix_goodput is None:
-            m.Maximize(z)
+            m.maximize(z)
         else:
-            m.Add(z >= fix_goodput)
-            m.Minimize(sum(int(round(costs_a[p] * 1000)) * x[i][p] for i in range(n) for p in range(P)))
+            m.add(z >= fix_goodput)
+            m.minimize(sum(int(round(costs_a[p] * 1000)) * x[i][p] for i in range(n) for p in range(P)))
         return m, x, z
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 1
     model, x, z = build(None)
-    status = solver.Solve(model)
+    status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise PlanInfeasible("no placement fits the pools' capacities and the balance limit; raise capacity or the balance", field="pools")
     optimal = status == cp_model.OPTIMAL
-    best_z = int(solver.Value(z))
+    best_z = int(solver.value(z))
     model, x, z = build(best_z)
-    status = solver.Solve(model)
+    status = solver.solve(model)
     optimal = optimal and status == cp_model.OPTIMAL
-    reps = np.asarray([[solver.Value(x[i][p]) for p in range(P)] for i in range(n)], dtype=np.int64)
+    reps = np.asarray([[solver.value(x[i][p]) for p in range(P)] for i in range(n)], dtype=np.int64)
     goodput = float(((reps * mu_a).sum(axis=1) / q_a).min())
     return Placement(reps, goodput, float((reps.sum(axis=0) * costs_a).sum()), optimal)
 
 
-def exhaustive(mu, q, caps, costs, balance: float | None = None) -> float:
+def exhaustive(mu: Sequence[Sequence[float]], q: Sequence[float], caps: Sequence[int], costs: Sequence[float],
+               balance: float | None = None) -> float:
     """The best goodput over every placement (tests; balance checked on the same scaled units)."""
     from itertools import product
 

@@ -82,7 +82,7 @@ def choose_queue(held: Sequence[int], batch: int, launch_at: Callable[[int], flo
     Due rows go before full batches because under load a full batch is always ready somewhere,
     and rows whose deadline rule has fired would wait behind them and miss the SLO (the simulator
     measured 96.8-98.9 % within the SLO at 10-70 % load with full batches first, >= 99.1 % with
-    due queues first and more goodput; BENCHMARKS.md, issue 3). Returns (queue, now), or
+    due queues first and more goodput; BENCHMARKS.md, Planner). Returns (queue, now), or
     (-1, the earliest launch time; inf when every queue is empty).
     """
     best, soonest = -1, float("inf")

@@ -35,8 +35,13 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
-from exitplan.planner.errors import PlanInfeasible
+from exitplan.planner.errors import PlanInfeasible, PlanInvalid
+
+FloatArray = npt.NDArray[np.float64]
+F32Array = npt.NDArray[np.float32]
+_Layer = tuple[F32Array, npt.NDArray[np.int32], npt.NDArray[np.int32]]  # a DP layer's values and argmins (start, pool)
 
 EPS = 1e-9
 MAX_GRID_STATES = 20_000
@@ -67,15 +72,16 @@ class E3Problem:
 
     @property
     def max_splits(self) -> int:
-        return self.rate.shape[0]
+        return int(self.rate.shape[0])
 
-    def demand(self, goodput: float, s: int) -> np.ndarray:
+    def demand(self, goodput: float, s: int) -> FloatArray:
         """Replicas per option (P, N, N) at `goodput` with `s` splits in all; inf where infeasible."""
         rate = self.rate[s - 1]  # (P, N, N, K)
         need = goodput * self.shares[None, None, None, :] * self.sigma_in[None, :, None, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             reps = np.where(rate > 0, np.maximum(1.0, np.ceil(need / np.where(rate > 0, rate, 1.0) - EPS)), np.inf)
-        return reps.sum(axis=-1)
+        total: FloatArray = reps.sum(axis=-1)
+        return total
 
     def split_goodput(self, s: int, p: int, a: int, b: int, replicas: np.ndarray) -> float:
         """Goodput one split sustains with `replicas` per bucket (inf when it carries no traffic)."""
@@ -113,8 +119,6 @@ class E3Solution:
 
     def verify(self, problem: E3Problem) -> None:
         """Raise AssertionError-free typed checks: coverage, caps, cost, goodput as claimed."""
-        from exitplan.planner.errors import PlanInvalid
-
         if not self.segments or self.segments[0].first != 0 or self.segments[-1].last != problem.n_blocks - 1:
             raise PlanInvalid("the splits do not cover every block")
         for x, y in zip(self.segments, self.segments[1:]):
@@ -166,7 +170,7 @@ class _Grid:
             self.shift[p] = tab
 
 
-def _run_dp(problem: E3Problem, grid: _Grid, goodput: float, s: int, track: bool = True):
+def _run_dp(problem: E3Problem, grid: _Grid, goodput: float, s: int, track: bool = True) -> tuple[F32Array, list[_Layer], FloatArray]:
     """Layers F[k][pos, f] = fewest value-pool replicas covering blocks < pos with k splits.
 
     With track=False only the final layer's values are kept (a feasibility probe, no argmins).
@@ -176,7 +180,7 @@ def _run_dp(problem: E3Problem, grid: _Grid, goodput: float, s: int, track: bool
     ends_ok = np.ones(n, dtype=bool) if problem.cuts is None else np.append(problem.cuts.astype(bool), True)
     F = np.full((n + 1, grid.size), np.inf, dtype=np.float32)  # replica counts: exact in float32
     F[0, 0] = 0.0
-    layers = []
+    layers: list[_Layer] = []
     for k in range(1, s + 1):
         ends = np.array([n - 1]) if k == s else np.flatnonzero(ends_ok[: n - 1])
         new = np.full((n + 1, grid.size), np.inf, dtype=np.float32)
@@ -223,7 +227,7 @@ def _run_dp(problem: E3Problem, grid: _Grid, goodput: float, s: int, track: bool
     return F[n], layers, demand
 
 
-def _final_values(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> np.ndarray:
+def _final_values(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> F32Array:
     """F[n] of `_run_dp` without argmins (a feasibility probe): the same recursion, but only over
     the options whose demand fits their pool's cap, each end's candidates reduced in one call."""
     n = problem.n_blocks
@@ -240,7 +244,7 @@ def _final_values(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> np
     F = np.full((n + 1, G), np.inf, dtype=np.float32)
     F[0, 0] = 0.0
     for k in range(1, s + 1):
-        live = np.isfinite(F[:n]).any(axis=1)
+        live: npt.NDArray[np.bool_] = np.any(np.isfinite(F[:n]), axis=1)
         end_ok = ends_ok.copy() if k < s else np.zeros(n, dtype=bool)
         end_ok[n - 1 - (s - k) + 1 :] = False  # leave a block for each later split
         if k == s:
@@ -274,10 +278,11 @@ def _final_values(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> np
             tgt = b_[first] + 1
             new[tgt] = np.minimum(new[tgt], red)
         F = new
-    return F[n]
+    final: F32Array = F[n]
+    return final
 
 
-def _feasible_states(problem: E3Problem, grid: _Grid, final: np.ndarray) -> np.ndarray:
+def _feasible_states(problem: E3Problem, grid: _Grid, final: F32Array) -> FloatArray:
     cap_v = problem.caps[grid.value_pool]
     cost = final * problem.costs[grid.value_pool]
     for p in grid.grid_pools:
@@ -285,10 +290,11 @@ def _feasible_states(problem: E3Problem, grid: _Grid, final: np.ndarray) -> np.n
     ok = final <= cap_v + EPS
     if problem.cost_cap is not None:
         ok &= cost <= problem.cost_cap + 1e-9
-    return np.where(ok, cost, np.inf)
+    costs: FloatArray = np.where(ok, cost, np.inf)
+    return costs
 
 
-def _reconstruct(problem: E3Problem, grid: _Grid, goodput: float, s: int, layers, demand, f: int) -> E3Solution:
+def _reconstruct(problem: E3Problem, grid: _Grid, goodput: float, s: int, layers: list[_Layer], demand: FloatArray, f: int) -> E3Solution:
     n = problem.n_blocks
     pos = n
     segs: list[Segment] = []
@@ -303,11 +309,10 @@ def _reconstruct(problem: E3Problem, grid: _Grid, goodput: float, s: int, layers
             f -= int(demand[p, a, b]) * grid.strides[p]
         pos = a
     segs.reverse()
-    use = np.zeros(len(problem.caps), dtype=np.int64)
-    for seg in segs:
-        use[seg.pool] += int(seg.replicas.sum())
     actual = min(problem.split_goodput(s, g.pool, g.first, g.last, g.replicas) for g in segs)
-    return E3Solution(s, segs, actual, float(use @ problem.costs))
+    sol = E3Solution(s, segs, actual, 0.0)
+    sol.cost = float(sol.replicas_per_pool(len(problem.caps)) @ problem.costs)
+    return sol
 
 
 def _probe(problem: E3Problem, grid: _Grid, goodput: float, cheapest: bool = True, order: list[int] | None = None) -> E3Solution | None:
@@ -329,7 +334,7 @@ def _probe(problem: E3Problem, grid: _Grid, goodput: float, cheapest: bool = Tru
     return None if best is None else best[2]
 
 
-def _breakpoints(problem: E3Problem, s: int, lo: float, hi: float) -> np.ndarray:
+def _breakpoints(problem: E3Problem, s: int, lo: float, hi: float) -> FloatArray:
     """The goodputs in (lo, hi] at which some option's replica count steps, with `s` splits, sorted.
 
     Option (pool p, blocks [a, b], bucket k) needs r replicas up to G = r * rate / load; only
@@ -359,10 +364,11 @@ def _breakpoints(problem: E3Problem, s: int, lo: float, hi: float) -> np.ndarray
         return vals
     # breakpoints closer than 1e-9 (relative) are one: keep the largest of each run
     last = np.append(vals[1:] > vals[:-1] * (1 + 1e-9), True)
-    return vals[last]
+    distinct: FloatArray = vals[last]
+    return distinct
 
 
-def upper_bounds(problem: E3Problem) -> np.ndarray:
+def upper_bounds(problem: E3Problem) -> FloatArray:
     """A goodput bound per split count (index s-1) from the fractional relaxation.
 
     Any plan with goodput G puts G * w replicas' worth of work on its splits, w = sum over buckets of
@@ -416,6 +422,81 @@ GALLOP_UP = (0.01, 0.03, 0.07, 0.15)
 infeasible: split counts' optima usually lie within a few per cent of each other."""
 
 
+class _GoodputSearch:
+    """`max_goodput`'s state per split count (`order`: those with a positive bound, most promising first): the largest
+    goodput probed feasible (`lower`, 0: none), a bound above which every breakpoint is infeasible (`upper`), and the
+    (goodput, least cost) of its last feasible probe (`cost_at`); `probes` counts the probes."""
+
+    def __init__(self, problem: E3Problem) -> None:
+        self.problem, self.grid = problem, _Grid(problem.caps)
+        self.ubs = ubs = upper_bounds(problem)
+        self.probes = 0
+        self.cost_at: dict[int, tuple[float, float]] = {}
+        self.order = [s for s in sorted(range(1, problem.max_splits + 1), key=lambda x: -ubs[x - 1]) if ubs[s - 1] > 0]
+        self.lower = dict.fromkeys(self.order, 0.0)
+        self.upper = {s: ubs[s - 1] * (1 + 1e-9) for s in self.order}
+
+    def probe(self, g: float, s: int) -> bool:
+        self.probes += 1
+        c = _min_cost_at(self.problem, self.grid, g, s)
+        if np.isfinite(c):
+            self.cost_at[s] = (g, c)
+            self.lower[s] = max(self.lower[s], g)
+            return True
+        self.upper[s] = min(self.upper[s], g * (1 - 1e-12))
+        return False
+
+    def search(self, s: int, guesses: list[float], gallop_up: bool) -> None:
+        """The largest feasible breakpoint of s in (lower[s], upper[s]], lower[s] known feasible or 0."""
+        bps = _breakpoints(self.problem, s, self.lower[s], self.upper[s])
+        known, out = -1, len(bps)  # index known feasible (-1: lower[s]), smallest known infeasible
+        for g in guesses:
+            i = int(np.searchsorted(bps, g))
+            if not known < i < out:
+                continue
+            if self.probe(float(bps[i]), s):
+                known = i
+                if not gallop_up:
+                    break
+            else:
+                out = i
+                if gallop_up:
+                    break
+        while out - known > 1:
+            mid = (known + out) // 2
+            if self.probe(float(bps[mid]), s):
+                known = mid
+            else:
+                out = mid
+
+    def race(self) -> int | None:
+        """The first split count probed feasible at a level of the race (None: none at any level)."""
+        top = max(self.ubs) if len(self.order) else 0.0
+        for level in RACE:
+            g = level * top
+            for s in self.order:
+                if self.upper[s] < g:
+                    continue
+                bps = _breakpoints(self.problem, s, g * (1 - 1e-12), self.upper[s])
+                if len(bps) and self.probe(float(bps[0]), s):
+                    return s
+        return None
+
+    def settle(self, lead: int | None) -> float:
+        """Every split count but the lead settled against the best so far; returns the optimum (0: none)."""
+        lo = self.lower[lead] if lead is not None else 0.0
+        for s in self.order:
+            if s == lead or self.upper[s] < lo * (1 - 1e-9):
+                continue  # seen infeasible at or below the best so far
+            if lo > 0:
+                if self.lower[s] < lo and not self.probe(lo, s):
+                    continue  # infeasible at the best so far: infeasible above it too
+                self.lower[s] = lo
+            self.search(s, [lo * (1 + f) for f in GALLOP_UP] if lo > 0 else [], gallop_up=lo > 0)
+            lo = max(lo, self.lower[s])
+        return lo
+
+
 def max_goodput(problem: E3Problem) -> E3Solution:
     """The plan with the largest goodput (ties: the cheapest). Raises PlanInfeasible if none exists.
 
@@ -428,83 +509,19 @@ def max_goodput(problem: E3Problem) -> E3Solution:
     at the best so far (for ties) and, if feasible, searched above it the same way. Every feasible
     probe records its least cost, so ties between split counts go to the cheapest.
     """
-    grid = _Grid(problem.caps)
-    ubs = upper_bounds(problem)
-    probes = 0
-    cost_at: dict[int, tuple[float, float]] = {}  # s -> (goodput, least cost) of its last feasible probe
-    order = [s for s in sorted(range(1, problem.max_splits + 1), key=lambda x: -ubs[x - 1]) if ubs[s - 1] > 0]
-    lower = dict.fromkeys(order, 0.0)  # the largest goodput probed feasible (0: none)
-    upper = {s: ubs[s - 1] * (1 + 1e-9) for s in order}  # every breakpoint above this is infeasible
-
-    def probe(g: float, s: int) -> bool:
-        nonlocal probes
-        probes += 1
-        c = _min_cost_at(problem, grid, g, s)
-        if np.isfinite(c):
-            cost_at[s] = (g, c)
-            lower[s] = max(lower[s], g)
-            return True
-        upper[s] = min(upper[s], g * (1 - 1e-12))
-        return False
-
-    def search(s: int, guesses: list[float], gallop_up: bool) -> None:
-        """The largest feasible breakpoint of s in (lower[s], upper[s]], lower[s] known feasible or 0."""
-        bps = _breakpoints(problem, s, lower[s], upper[s])
-        known, out = -1, len(bps)  # index known feasible (-1: lower[s]), smallest known infeasible
-        for g in guesses:
-            i = int(np.searchsorted(bps, g))
-            if not known < i < out:
-                continue
-            if probe(float(bps[i]), s):
-                known = i
-                if not gallop_up:
-                    break
-            else:
-                out = i
-                if gallop_up:
-                    break
-        while out - known > 1:
-            mid = (known + out) // 2
-            if probe(float(bps[mid]), s):
-                known = mid
-            else:
-                out = mid
-
-    lead = None
-    top = max(ubs) if len(order) else 0.0
-    for level in RACE:
-        g = level * top
-        for s in order:
-            if upper[s] < g:
-                continue
-            bps = _breakpoints(problem, s, g * (1 - 1e-12), upper[s])
-            if len(bps) and probe(float(bps[0]), s):
-                lead = s
-                break
-        if lead is not None:
-            break
-    if lead is None and order:  # nothing feasible at any level: search the most promising from 0
-        lead = order[0]
+    search = _GoodputSearch(problem)
+    lead = search.race() or (search.order[0] if search.order else None)  # none feasible at any level: the most promising, from 0
     if lead is not None:
-        search(lead, [], gallop_up=False)
-    lo = lower[lead] if lead is not None else 0.0
-    for s in order:
-        if s == lead or upper[s] < lo * (1 - 1e-9):
-            continue  # seen infeasible at or below the best so far
-        if lo > 0:
-            if lower[s] < lo and not probe(lo, s):
-                continue  # infeasible at the best so far: infeasible above it too
-            lower[s] = lo
-        search(s, [lo * (1 + f) for f in GALLOP_UP] if lo > 0 else [], gallop_up=lo > 0)
-        lo = max(lo, lower[s])
-    ties = [(c, s) for s, (g, c) in cost_at.items() if lo > 0 and g == lo]
+        search.search(lead, [], gallop_up=False)
+    lo = search.settle(lead)
+    ties = [(c, s) for s, (g, c) in search.cost_at.items() if lo > 0 and g == lo]
     if not ties:
         raise PlanInfeasible("no plan fits: not even one replica per split and bucket fits the caps, cost cap and SLO", field="spec")
     _, s = min(ties)
-    best = _probe(problem, grid, lo, order=[s])  # the cheapest plan at the optimum, with its argmins
+    best = _probe(problem, search.grid, lo, order=[s])  # the cheapest plan at the optimum, with its argmins
     if best is None:  # cannot happen: lo was probed feasible for s
         raise PlanInfeasible("the planner lost its own feasible plan; please report this", field="spec")
-    best.probes = probes + 1
+    best.probes = search.probes + 1
     return best
 
 
@@ -543,7 +560,8 @@ def exhaustive(problem: E3Problem, target: float | None = None) -> tuple[float, 
     return best
 
 
-def _structure_frontier(problem: E3Problem, s: int, bounds, pools, target: float | None):
+def _structure_frontier(problem: E3Problem, s: int, bounds: list[tuple[int, int]], pools: tuple[int, ...],
+                        target: float | None) -> list[tuple[float, float]]:
     """(goodput, cost) of one structure at its largest feasible goodput, or at `target`."""
     rates = [problem.rate[s - 1, p, a, b] for (a, b), p in zip(bounds, pools)]
     if any(np.any(r <= 0) for r in rates):

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import comb
 from pathlib import Path
+from typing import Any
 
 from exitplan.api.plan import Cell, Plan, Prediction, SplitPlan, even_ranges
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
@@ -82,13 +83,13 @@ class GenerationProfile:
     def with_shares(self, decide_share: dict[int, float]) -> GenerationProfile:
         return GenerationProfile(list(self.block_ms), dict(self.head_ms), dict(decide_share), self.hop_ms, self.recompute_ratio)
 
-    def dump(self) -> dict:
+    def dump(self) -> dict[str, object]:
         return {"block_ms": list(self.block_ms), "head_ms": {str(k): v for k, v in self.head_ms.items()},
                 "decide_share": {str(k): v for k, v in self.decide_share.items()}, "hop_ms": self.hop_ms,
                 "recompute_ratio": self.recompute_ratio}
 
     @classmethod
-    def load(cls, data: dict) -> GenerationProfile:
+    def load(cls, data: dict[str, Any]) -> GenerationProfile:
         try:
             return cls([float(t) for t in data["block_ms"]], {int(k): float(v) for k, v in data["head_ms"].items()},
                        {int(k): float(v) for k, v in data["decide_share"].items()}, float(data.get("hop_ms", 0.0)),
@@ -186,12 +187,12 @@ class ThresholdPoint:
     decide_share: dict[int, float]
     """Share of positions each head (by the block it follows) decides."""
 
-    def dump(self) -> dict:
+    def dump(self) -> dict[str, object]:
         return {"threshold": self.threshold, "disagreement": self.disagreement,
                 "decide_share": {str(k): v for k, v in self.decide_share.items()}}
 
     @classmethod
-    def load(cls, data: dict) -> ThresholdPoint:
+    def load(cls, data: dict[str, Any]) -> ThresholdPoint:
         try:
             return cls(float(data["threshold"]), float(data["disagreement"]),
                        {int(k): float(v) for k, v in data["decide_share"].items()})

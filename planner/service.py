@@ -58,7 +58,7 @@ class PlanResult:
     """(split, bucket) -> time of one batch of that cell (exec + ramps + transfer)."""
     timings: dict[str, float]
     notes: list[str]
-    alternatives: list[dict] = field(default_factory=list)
+    alternatives: list[dict[str, object]] = field(default_factory=list)
     """The bucket sets tried: buckets, goodput, cost."""
     kept_previous: bool = False
     rebatch: bool = False
@@ -156,13 +156,14 @@ def _options(inp: Inputs, bucket_set: Sequence[int], S: int, rebatch: bool) -> t
             tables = model.stage_tables(sizes, length, sigma, ramps_on, rebatch=rebatch)  # (nB, n, n): the bound, for the cycle
             # the mean time a batch holds its replica (survivors forwarded beside the next batch), for throughput
             # (with rebatching it depends on the cycle: an inner block's queue launches at the latest every cycle)
-            mean = None if rebatch else model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False)
+            plain_mean = None if rebatch else model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False)
             mem = np.stack([[[model.replica_bytes(a, b, bsz, length, rebatch=rebatch) if b >= a else np.inf for b in range(n)] for a in range(n)]
                             for bsz in sizes])
             fits = mem <= model.pool.memory_bytes
             for s in range(1, S + 1):
                 cycle = inp.budget_ms / cycles(s)
-                if rebatch:
+                mean = plain_mean
+                if mean is None:  # rebatching: at this cycle
                     mean = model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False, rebatch=True, fill_ms=cycle)
                 ok = fits & (tables <= cycle) & np.isfinite(tables) & np.isfinite(mean)
                 with np.errstate(divide="ignore", invalid="ignore"):
@@ -207,7 +208,7 @@ def _diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int) -> PlanIn
     """Name the binding constraint when no plan exists."""
     top = max(bucket_set)
     full = {m.pool_name: m.full_model_ms(top, 1.0) for m in inp.models}
-    fastest_pool = min(full, key=full.get)
+    fastest_pool = min(full, key=lambda name: full[name])
     # The best pipeline for single inputs: the smallest cycles(S) x slowest stage at batch 1.
     best_bound = math.inf
     sigma = inp.sigma()
@@ -278,7 +279,9 @@ def _to_plan(service: str, spec: EarlyExitServiceSpec, inp: Inputs, bucket_set: 
              thresholds: Mapping[str, float], reason: str, placement: Placement | None = None) -> tuple[Plan, float, dict[tuple[int, int], float]]:
     s = sol.splits
     cycle = inp.budget_ms / cycles(s)
-    splits, cells, stage = [], [], {}
+    splits: list[SplitPlan] = []
+    cells: list[Cell] = []
+    stage: dict[tuple[int, int], float] = {}
     for i, seg in enumerate(sol.segments):
         rb = isinstance(problem, PlanProblem) and problem.rebatches(s, seg.pool, seg.first, seg.last)
         splits.append(SplitPlan(index=i, first_block=seg.first, last_block=seg.last, rebatch=rb))
@@ -330,9 +333,9 @@ class PlanChange:
 
 def plan_change(previous: Plan | None, plan: Plan) -> PlanChange:
     """Per cell (split layout, bucket, pool): replicas kept, added and removed between two plans."""
-    def key_map(p: Plan) -> dict[tuple, int]:
+    def key_map(p: Plan) -> dict[tuple[tuple[int, int], int, str, int], int]:
         layout = {s.index: (s.first_block, s.last_block) for s in p.splits}
-        out: dict[tuple, int] = {}
+        out: dict[tuple[tuple[int, int], int, str, int], int] = {}
         for c in p.cells:
             k = (layout[c.split], c.bucket, c.pool, c.batch_size)
             out[k] = out.get(k, 0) + c.replicas
@@ -385,6 +388,85 @@ def _solve(problem: E3Problem, spec: EarlyExitServiceSpec) -> E3Solution:
     return sol
 
 
+_Choice = tuple[list[int], PlanProblem, E3Solution]
+"""A bucket set, the problem built for it and the solver's solution."""
+
+
+def _default_thresholds(observations: Observations | Sequence[Observations] | None, previous: Plan | None,
+                        inp: Inputs) -> Mapping[str, float]:
+    """The thresholds a plan names when the caller gives none: the latest observation window's, else the
+    previous plan's, else none."""
+    windows = _windows(observations)
+    latest = windows[-1].thresholds if windows and windows[-1].thresholds else None
+    thresholds = latest or (previous.thresholds if previous else None) or {}
+    if not thresholds and inp.ramp_names:
+        inp.notes.append("no thresholds given: the plan names none, so the data plane exits nowhere until thresholds are set")
+    return thresholds
+
+
+def _bucket_sets(inp: Inputs) -> dict[int, list[int]]:
+    """Candidate bucket sets by their number of buckets: the spec's fixed buckets, or the best set of each size
+    from the staircase of per-input costs, keeping only buckets that some input falls into (and the longest)."""
+    if inp.fixed_buckets:
+        return {len(inp.grid): list(inp.grid)}
+    ref = inp.models[0]
+    top_batch = float(ref.profile.batch_sizes[-1])
+    per_input = [min(m.full_model_ms(length, top_batch) for m in inp.models) / top_batch for length in inp.grid]
+    candidates = bk.staircase(inp.grid, per_input)
+    useful = [g for g, w in zip(inp.grid, inp.mass) if w > 0]
+    candidates = [c for c in candidates if c == inp.grid[-1] or any(u <= c for u in useful)]
+    limit = min(MAX_BUCKETS, int(inp.caps.sum()))
+    sets = bk.best_bucket_sets(inp.grid, inp.mass, per_input, candidates, limit)
+    return {m: b for m, b in sets.items() if all(inp.mass[inp.grid.index(x)] > 0 or x == inp.grid[-1] for x in b) or m == 1}
+
+
+def _best_bucket_set(inp: Inputs, spec: EarlyExitServiceSpec, sets: dict[int, list[int]], max_splits: int,
+                     rebatch: bool) -> tuple[_Choice, list[dict[str, object]]]:
+    """The best plan over the bucket sets (most goodput, or least cost for min-cost) and what each set gave.
+
+    Raises the min-cost target's PlanInfeasible, or one naming the binding constraint, when no set has a plan."""
+    tried: list[dict[str, object]] = []
+    chosen: _Choice | None = None
+    last_error: PlanInfeasible | None = None
+    for _, bucket_set in sorted(sets.items()):
+        problem = build_problem(inp, bucket_set, max_splits, rebatch=rebatch)
+        try:
+            sol = _solve(problem, spec)
+        except PlanInfeasible as err:
+            last_error = err
+            tried.append({"buckets": bucket_set, "goodput": 0.0, "cost": 0.0, "error": str(err)})
+            continue
+        tried.append({"buckets": bucket_set, "goodput": sol.goodput, "cost": sol.cost, "splits": sol.splits})
+        better = chosen is None or (
+            sol.goodput > chosen[2].goodput * (1 + 1e-9) if spec.planner.objective == Objective.max_goodput else sol.cost < chosen[2].cost - 1e-9
+        )
+        if better:
+            chosen = (bucket_set, problem, sol)
+    if chosen is None:
+        if last_error is not None and last_error.field == "spec.planner.targetRps":
+            raise last_error
+        raise _diagnose(inp, min(sets.values(), key=len), max_splits)  # splits without rebatching are always among the options
+    return chosen, tried
+
+
+def _previous_if_close(previous: Plan, inp: Inputs, spec: EarlyExitServiceSpec, best: E3Solution, max_splits: int,
+                       rebatch: bool, keep_layout: bool) -> _Choice | None:
+    """The previous plan's buckets and layout, re-solved, when they still apply and reach within HYSTERESIS of
+    `best` (or at all, with `keep_layout`); else None."""
+    layout = _previous_layout(previous, inp)
+    if layout is None:
+        return None
+    prev_buckets, prev_layout = layout
+    try:
+        problem = build_problem(inp, prev_buckets, max_splits, layout=prev_layout, rebatch=rebatch)
+        sol = _solve(problem, spec)
+    except PlanInfeasible:
+        return None
+    close = keep_layout or (sol.goodput >= (1 - HYSTERESIS) * best.goodput if spec.planner.objective == Objective.max_goodput
+                            else sol.cost <= (1 + HYSTERESIS) * best.cost)
+    return (prev_buckets, problem, sol) if close else None
+
+
 def plan_service(
     service_name: str,
     spec: EarlyExitServiceSpec,
@@ -413,69 +495,25 @@ def plan_service(
     t0 = time.perf_counter()
     inp = resolve_inputs(spec, pools, profiles, thresholds=thresholds, observations=observations, lengths=lengths, forecaster=forecaster)
     if thresholds is None:
-        windows = _windows(observations)
-        thresholds = (windows[-1].thresholds if windows and windows[-1].thresholds else None) or (previous.thresholds if previous else None) or {}
-        if not thresholds and inp.ramp_names:
-            inp.notes.append("no thresholds given: the plan names none, so the data plane exits nowhere until thresholds are set")
+        thresholds = _default_thresholds(observations, previous, inp)
     timings["inputs"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
     max_splits = min(spec.planner.max_splits, inp.n_blocks)
     rebatch = rebatching(spec, inp)
-    if inp.fixed_buckets:
-        sets = {len(inp.grid): list(inp.grid)}
-    else:
-        ref = inp.models[0]
-        top_batch = float(ref.profile.batch_sizes[-1])
-        per_input = [min(m.full_model_ms(length, top_batch) for m in inp.models) / top_batch for length in inp.grid]
-        candidates = bk.staircase(inp.grid, per_input)
-        useful = [g for g, w in zip(inp.grid, inp.mass) if w > 0]
-        candidates = [c for c in candidates if c == inp.grid[-1] or any(u <= c for u in useful)]
-        limit = min(MAX_BUCKETS, int(inp.caps.sum()))
-        sets = bk.best_bucket_sets(inp.grid, inp.mass, per_input, candidates, limit)
-        sets = {m: b for m, b in sets.items() if all(inp.mass[inp.grid.index(x)] > 0 or x == inp.grid[-1] for x in b) or m == 1}
+    sets = _bucket_sets(inp)
     timings["buckets"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()
-    tried, chosen = [], None
-    last_error: PlanInfeasible | None = None
-    for _, bucket_set in sorted(sets.items()):
-        problem = build_problem(inp, bucket_set, max_splits, rebatch=rebatch)
-        try:
-            sol = _solve(problem, spec)
-        except PlanInfeasible as err:
-            last_error = err
-            tried.append({"buckets": bucket_set, "goodput": 0.0, "cost": 0.0, "error": str(err)})
-            continue
-        tried.append({"buckets": bucket_set, "goodput": sol.goodput, "cost": sol.cost, "splits": sol.splits})
-        better = chosen is None or (
-            sol.goodput > chosen[2].goodput * (1 + 1e-9) if spec.planner.objective == Objective.max_goodput else sol.cost < chosen[2].cost - 1e-9
-        )
-        if better:
-            chosen = (bucket_set, problem, sol)
-    if chosen is None:
-        if last_error is not None and last_error.field == "spec.planner.targetRps":
-            raise last_error
-        raise _diagnose(inp, min(sets.values(), key=len), max_splits)  # splits without rebatching are always among the options
+    chosen, tried = _best_bucket_set(inp, spec, sets, max_splits, rebatch)
     timings["solve"] = time.perf_counter() - t2
 
     kept = False
     if previous is not None:
-        layout = _previous_layout(previous, inp)
-        if layout is not None:
-            prev_buckets, prev_layout = layout
-            try:
-                problem = build_problem(inp, prev_buckets, max_splits, layout=prev_layout, rebatch=rebatch)
-                sol = _solve(problem, spec)
-            except PlanInfeasible:
-                sol = None
-            if sol is not None:
-                best = chosen[2]
-                close = keep_layout or (sol.goodput >= (1 - HYSTERESIS) * best.goodput if spec.planner.objective == Objective.max_goodput
-                                        else sol.cost <= (1 + HYSTERESIS) * best.cost)
-                if close:
-                    chosen, kept = (prev_buckets, problem, sol), True
-                    inp.notes.append("kept the previous layout (within 5 % of the optimum): fewest replaced instances")
+        again = _previous_if_close(previous, inp, spec, chosen[2], max_splits, rebatch, keep_layout)
+        if again is not None:
+            chosen, kept = again, True
+            inp.notes.append("kept the previous layout (within 5 % of the optimum): fewest replaced instances")
 
     t3 = time.perf_counter()
     bucket_set, problem, sol = chosen

@@ -51,13 +51,17 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from exitplan.api.plan import Plan
 
 from exitplan.planner.costmodel import CostModel, survival_before_blocks, survivor_pmf
 from exitplan.planner.dispatch import QueueParams, choose_bucket, choose_queue, least_loaded
+
+FloatArray = npt.NDArray[np.float64]
 
 
 @dataclass
@@ -107,7 +111,7 @@ class SimResult:
     def pct(self, q: float) -> float:
         return float(np.percentile(self.latencies_ms, q)) if len(self.latencies_ms) else float("nan")
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, object]:
         return {
             "config": self.name, "offered": self.offered, "answered": self.answered, "within_slo": self.within_slo,
             "dropped": self.dropped, "violations": self.violations, "goodput_rps": self.goodput, "attainment": self.attainment,
@@ -116,14 +120,31 @@ class SimResult:
         }
 
 
+_Queue = deque[tuple[int, float]]
+"""A fusion queue: (request, time it joined)."""
+
+
 class _Worker:
     __slots__ = ("split", "bucket", "length", "batch", "first", "last", "lat", "ramp_lat", "xfer", "queue", "running", "busy", "timer", "expect_ms",
                  "mean_ms", "rest_ms", "batches", "rows", "stages", "stage_rest_ms", "held")
+    # Set by Simulation once the worker's cell is known:
+    lat: FloatArray
+    """[block of the split, rows]: a block's time at that many rows."""
+    ramp_lat: FloatArray
+    """The same for the enabled ramp after each block (0 where there is none)."""
+    xfer: FloatArray
+    """[rows]: the transfer of that many survivors to the next split."""
+    expect_ms: float
+    """A full batch through the split, transfer included."""
+    mean_ms: float
+    """Mean time the replica spends per full entering batch (exits counted)."""
+    rest_ms: float
+    """Expected time from this split to the end of the model (the deadline rule)."""
 
     def __init__(self, split: int, bucket: int, length: int, batch: int, first: int, last: int, rebatch: bool = False) -> None:
         self.split, self.bucket, self.length, self.batch, self.first, self.last = split, bucket, length, batch, first, last
-        self.queue: deque = deque()
-        self.stages: list[deque] | None = [self.queue] + [deque() for _ in range(last - first)] if rebatch else None
+        self.queue: _Queue = deque()
+        self.stages: list[_Queue] | None = [self.queue] + [deque() for _ in range(last - first)] if rebatch else None
         """With rebatching: one fusion queue per block (stages[0] is `queue`), rows enter the next on leaving one."""
         self.stage_rest_ms: list[float] = []
         self.held = 0
@@ -233,169 +254,246 @@ class Simulation:
     # ------------------------------------------------------------------ the event loop
 
     def run(self, arrivals: np.ndarray, lengths: np.ndarray, depths: np.ndarray | None = None) -> SimResult:
-        n = len(arrivals)
         if depths is None:
-            depths = depths_from_survival(self.rng, n, self.n_blocks, self.ramp_after, self.survival, self.enabled)
-        deadline = arrivals + self.slo_s
-        done_at = np.full(n, np.nan)
-        outstanding = [0] * len(self.buckets)
-        bucket_of = np.full(n, -1, dtype=np.int64)
-        events: list = []
-        seq = 0
-        for i in range(n):
-            events.append((float(arrivals[i]), seq, 0, i))
-            seq += 1
-        heapq.heapify(events)
-        dropped = 0
-        blk_rows = np.zeros(self.n_blocks)
-        answers = 0
-        blk_runs = np.zeros(self.n_blocks)
-        slo = self.slo_s
-        caps = self.capacity
+            depths = depths_from_survival(self.rng, len(arrivals), self.n_blocks, self.ramp_after, self.survival, self.enabled)
+        events = _EventLoop(self, arrivals, lengths, depths)
+        events.run()
+        return events.result()
 
-        def push(t: float, kind: int, payload) -> None:
-            nonlocal seq
-            seq += 1
-            heapq.heappush(events, (t, seq, kind, payload))
 
-        def pick(ws: list[_Worker]) -> _Worker | None:
-            # DensePipe's hop: least (queued + running) / capacity, capacity = the replica's rate
-            # (a batch over its mean time), so a slow GPU beside fast ones gets its share, not more
-            i = least_loaded([w.held + w.running for w in ws], [w.batch / max(w.mean_ms, 1e-6) for w in ws])
-            return ws[i] if i >= 0 else None
+# Events, in the order of (time, sequence number); each names what happened.
+class _Arrival(NamedTuple):
+    """Request `i` reaches the router."""
 
-        def enqueue(w: _Worker, rows: list, now: float) -> None:
-            for r in rows:
-                w.queue.append((r, now))
-            w.held += len(rows)
-            kick(w, now)
+    i: int
 
-        def launch_at(w: _Worker) -> float:
-            oldest = w.queue[0][1]
-            earliest = min(deadline[r] for r, _ in w.queue)
-            return min(oldest + self.max_wait, earliest - w.rest_ms * 1.2 / 1e3)
 
-        def kick_stages(w: _Worker, now: float) -> None:
-            # The data plane's policy (dispatch.choose_queue): of the stages whose launch time has
-            # come (the oldest row's maximum wait, or the earliest deadline minus the expected time
-            # from the stage's block to the end of the model with the same 20 % margin), the one
-            # whose time came first; else the deepest stage holding a full batch; else sleep until
-            # the first launch time.
-            stages = w.stages
+class _BatchDone(NamedTuple):
+    """A batch of a worker without rebatching finished; its survivors reach the next split after `xfer_ms`."""
 
-            def launch(j: int) -> float:
-                q = stages[j]
-                return min(q[0][1] + self.max_wait, min(deadline[r] for r, _ in q) - w.stage_rest_ms[j] * 1.2 / 1e3)
+    worker: _Worker
+    rows: list[int]
+    surv: list[int]
+    xfer_ms: float
 
-            chosen, soonest = choose_queue([len(q) for q in stages], w.batch, launch, now)
-            if chosen < 0:
-                if soonest < w.timer:
-                    w.timer = soonest
-                    push(soonest, 2, w)
-                return
-            q = stages[chosen]
-            rows = [q.popleft()[0] for _ in range(min(w.batch, len(q)))]
+
+class _BlockDone(NamedTuple):
+    """Block `stage` (of its split) of a rebatching worker finished."""
+
+    worker: _Worker
+    stage: int
+    rows: list[int]
+    surv: list[int]
+
+
+class _Hop(NamedTuple):
+    """Survivors arrive at the next split of their bucket."""
+
+    bucket: int
+    split: int
+    rows: list[int]
+
+
+class _Timer(NamedTuple):
+    """A worker's fusion-queue timer fires."""
+
+    worker: _Worker
+
+
+_Event = _Arrival | _BatchDone | _BlockDone | _Hop | _Timer
+
+
+class _EventLoop:
+    """One `Simulation.run`: the event queue, every request's state, and a handler per event."""
+
+    def __init__(self, sim: Simulation, arrivals: np.ndarray, lengths: np.ndarray, depths: np.ndarray) -> None:
+        n = len(arrivals)
+        self.sim, self.arrivals, self.lengths, self.depths = sim, arrivals, lengths, depths
+        self.deadline = arrivals + sim.slo_s
+        self.done_at = np.full(n, np.nan)
+        self.outstanding = [0] * len(sim.buckets)
+        self.bucket_of = np.full(n, -1, dtype=np.int64)
+        self.events: list[tuple[float, int, _Event]] = [(float(arrivals[i]), i, _Arrival(i)) for i in range(n)]
+        heapq.heapify(self.events)
+        self.seq = n
+        self.dropped = 0
+        self.answers = 0
+        """Answer events (a request answered twice would count twice)."""
+        self.blk_rows = np.zeros(sim.n_blocks)
+        self.blk_runs = np.zeros(sim.n_blocks)
+
+    def run(self) -> None:
+        events = self.events
+        while events:
+            now, _, event = heapq.heappop(events)
+            if isinstance(event, _Arrival):
+                self.arrive(event.i, now)
+            elif isinstance(event, _BatchDone):
+                self.batch_done(event, now)
+            elif isinstance(event, _BlockDone):
+                self.block_done(event, now)
+            elif isinstance(event, _Hop):
+                self.enqueue(self.pick(self.sim.workers[event.bucket][event.split]), event.rows, now)
+            else:  # a fusion-queue timer
+                w = event.worker
+                if w.timer <= now:
+                    w.timer = math.inf
+                self.kick(w, now)
+
+    def push(self, t: float, event: _Event) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, event))
+
+    # ------------------------------------------------------------------ events
+
+    def arrive(self, i: int, now: float) -> None:
+        """The router admits the request to a bucket's runtime (Arlo's Algorithm 1), or refuses it."""
+        sim, caps, outstanding = self.sim, self.sim.capacity, self.outstanding
+        loads = [outstanding[k] / (caps[k] * sim.slo_s) if caps[k] > 0 else math.inf for k in range(len(caps))]
+        k = choose_bucket(int(self.lengths[i]), sim.buckets, loads, sim.queue_params)
+        if k < 0 or loads[k] >= 1.0:
+            self.dropped += 1
+            return
+        self.bucket_of[i] = k
+        outstanding[k] += 1
+        self.enqueue(self.pick(sim.workers[k][0]), [i], now)
+
+    def batch_done(self, event: _BatchDone, now: float) -> None:
+        w, rows, surv, xfer_ms = event
+        self.answers += self.finish(w, rows, surv, now)
+        if surv:
+            self.push(now + xfer_ms / 1e3, _Hop(w.bucket, w.split + 1, surv))
+        self.kick(w, now)
+
+    def block_done(self, event: _BlockDone, now: float) -> None:
+        """Survivors of an inner block join the worker's next stage; those of its last block go on to the next split."""
+        w, j, rows, surv = event
+        self.answers += self.finish(w, rows, surv, now)
+        stages = w.stages
+        assert stages is not None  # only rebatching workers run single blocks
+        if surv and j + 1 < len(stages):
+            for r in surv:
+                stages[j + 1].append((r, now))
+            w.held += len(surv)
+        elif surv:
+            self.push(now + float(w.xfer[len(surv)]) / 1e3, _Hop(w.bucket, w.split + 1, surv))
+        self.kick(w, now)
+
+    # ------------------------------------------------------------------ workers
+
+    def pick(self, ws: list[_Worker]) -> _Worker:
+        # DensePipe's hop: least (queued + running) / capacity, capacity = the replica's rate
+        # (a batch over its mean time), so a slow GPU beside fast ones gets its share, not more
+        i = least_loaded([w.held + w.running for w in ws], [w.batch / max(w.mean_ms, 1e-6) for w in ws])
+        if i < 0:
+            raise ValueError("no replica serves this split and bucket")  # a verified plan has one for every pair
+        return ws[i]
+
+    def enqueue(self, w: _Worker, rows: list[int], now: float) -> None:
+        for r in rows:
+            w.queue.append((r, now))
+        w.held += len(rows)
+        self.kick(w, now)
+
+    def finish(self, w: _Worker, rows: list[int], surv: list[int], now: float) -> int:
+        """A batch or block of `w` finished: the rows that did not survive are answered now.
+        Returns how many."""
+        w.busy, w.running = False, 0
+        alive = set(surv)
+        done = [r for r in rows if r not in alive]
+        for r in done:
+            self.done_at[r] = now
+            self.outstanding[self.bucket_of[r]] -= 1
+        return len(done)
+
+    def kick(self, w: _Worker, now: float) -> None:
+        """Launch the worker's next batch if it is idle and one is due, else set its timer."""
+        if w.busy or not w.held:
+            return
+        if w.stages is not None:
+            self.kick_stages(w, w.stages, now)
+            return
+        at = self.launch_at(w)
+        if len(w.queue) >= w.batch or at <= now:
+            rows = [w.queue.popleft()[0] for _ in range(min(w.batch, len(w.queue)))]
+            w.held -= len(rows)
+            d = self.depths[rows]
             m = len(rows)
-            w.held -= m
-            blk = w.first + chosen
-            blk_rows[blk] += m
-            blk_runs[blk] += 1
-            t = float(w.lat[chosen, m] + w.ramp_lat[chosen, m])
+            ks = np.arange(w.first, w.last + 1)
+            counts = (d[:, None] > ks[None, :]).sum(axis=0)  # rows running each block
+            if not self.sim.compact_exits:  # exited rows keep their slots until the whole batch is done
+                counts = np.where(counts > 0, m, 0)
+            idx = np.arange(len(ks))
+            self.blk_rows[w.first : w.last + 1] += counts
+            self.blk_runs[w.first : w.last + 1] += counts > 0
+            t = float(w.lat[idx, counts].sum() + w.ramp_lat[idx, counts].sum())
+            surv = [r for r, dd in zip(rows, d) if dd > w.last + 1]
             w.busy, w.running = True, m
             w.batches += 1
             w.rows += m
-            push(now + t / 1e3, 4, (w, chosen, rows, [r for r in rows if depths[r] > blk + 1]))
+            # the survivors' transfer runs beside the next batch (the worker forwards in a
+            # task of its own): it delays them, not the replica
+            self.push(now + t / 1e3, _BatchDone(w, rows, surv, float(w.xfer[len(surv)])))
+        elif at < w.timer:
+            w.timer = at
+            self.push(at, _Timer(w))
 
-        def finish(w: _Worker, rows: list[int], surv: list[int], now: float) -> int:
-            """A batch or block of `w` finished: the rows that did not survive are answered now.
-            Returns how many."""
-            w.busy, w.running = False, 0
-            alive = set(surv)
-            done = [r for r in rows if r not in alive]
-            for r in done:
-                done_at[r] = now
-                outstanding[bucket_of[r]] -= 1
-            return len(done)
+    def launch_at(self, w: _Worker) -> float:
+        """When the queue of a worker without rebatching must launch: its oldest row's maximum wait,
+        or the earliest deadline minus the expected time to the end of the model (20 % margin)."""
+        oldest = w.queue[0][1]
+        earliest = min(self.deadline[r] for r, _ in w.queue)
+        at: float = min(oldest + self.sim.max_wait, earliest - w.rest_ms * 1.2 / 1e3)
+        return at
 
-        def kick(w: _Worker, now: float) -> None:
-            if w.busy or not w.held:
-                return
-            if w.stages is not None:
-                kick_stages(w, now)
-                return
-            at = launch_at(w)
-            if len(w.queue) >= w.batch or at <= now:
-                rows = [w.queue.popleft()[0] for _ in range(min(w.batch, len(w.queue)))]
-                w.held -= len(rows)
-                d = depths[rows]
-                m = len(rows)
-                ks = np.arange(w.first, w.last + 1)
-                counts = (d[:, None] > ks[None, :]).sum(axis=0)  # rows running each block
-                if not self.compact_exits:  # exited rows keep their slots until the whole batch is done
-                    counts = np.where(counts > 0, m, 0)
-                idx = np.arange(len(ks))
-                blk_rows[w.first : w.last + 1] += counts
-                blk_runs[w.first : w.last + 1] += counts > 0
-                t = float(w.lat[idx, counts].sum() + w.ramp_lat[idx, counts].sum())
-                surv = [r for r, dd in zip(rows, d) if dd > w.last + 1]
-                w.busy, w.running = True, m
-                w.batches += 1
-                w.rows += m
-                # the survivors' transfer runs beside the next batch (the worker forwards in a
-                # task of its own): it delays them, not the replica
-                push(now + t / 1e3, 1, (w, rows, surv, float(w.xfer[len(surv)])))
-            elif at < w.timer:
-                w.timer = at
-                push(at, 2, w)
+    def kick_stages(self, w: _Worker, stages: list[_Queue], now: float) -> None:
+        # The data plane's policy (dispatch.choose_queue): of the stages whose launch time has
+        # come (the oldest row's maximum wait, or the earliest deadline minus the expected time
+        # from the stage's block to the end of the model with the same 20 % margin), the one
+        # whose time came first; else the deepest stage holding a full batch; else sleep until
+        # the first launch time.
+        deadline, max_wait = self.deadline, self.sim.max_wait
 
-        while events:
-            now, _, kind, payload = heapq.heappop(events)
-            if kind == 0:  # arrival at the router
-                i = payload
-                loads = [outstanding[k] / (caps[k] * slo) if caps[k] > 0 else math.inf for k in range(len(caps))]
-                k = choose_bucket(int(lengths[i]), self.buckets, loads, self.queue_params)
-                if k < 0 or loads[k] >= 1.0:
-                    dropped += 1
-                    continue
-                bucket_of[i] = k
-                outstanding[k] += 1
-                enqueue(pick(self.workers[k][0]), [i], now)
-            elif kind == 1:  # a batch finished
-                w, rows, surv, xfer_ms = payload
-                answers += finish(w, rows, surv, now)
-                if surv:
-                    push(now + xfer_ms / 1e3, 3, (w.bucket, w.split + 1, surv))
-                kick(w, now)
-            elif kind == 4:  # one block of a rebatching worker finished
-                w, j, rows, surv = payload
-                answers += finish(w, rows, surv, now)
-                if surv and j + 1 < len(w.stages):
-                    for r in surv:
-                        w.stages[j + 1].append((r, now))
-                    w.held += len(surv)
-                elif surv:
-                    push(now + float(w.xfer[len(surv)]) / 1e3, 3, (w.bucket, w.split + 1, surv))
-                kick(w, now)
-            elif kind == 3:  # survivors arrive at the next split
-                bucket, split, surv = payload
-                enqueue(pick(self.workers[bucket][split]), surv, now)
-            else:  # a fusion-queue timer
-                w = payload
-                if w.timer <= now:
-                    w.timer = math.inf
-                kick(w, now)
+        def launch(j: int) -> float:
+            q = stages[j]
+            at: float = min(q[0][1] + max_wait, min(deadline[r] for r, _ in q) - w.stage_rest_ms[j] * 1.2 / 1e3)
+            return at
 
+        chosen, soonest = choose_queue([len(q) for q in stages], w.batch, launch, now)
+        if chosen < 0:
+            if soonest < w.timer:
+                w.timer = soonest
+                self.push(soonest, _Timer(w))
+            return
+        q = stages[chosen]
+        rows = [q.popleft()[0] for _ in range(min(w.batch, len(q)))]
+        m = len(rows)
+        w.held -= m
+        blk = w.first + chosen
+        self.blk_rows[blk] += m
+        self.blk_runs[blk] += 1
+        t = float(w.lat[chosen, m] + w.ramp_lat[chosen, m])
+        w.busy, w.running = True, m
+        w.batches += 1
+        w.rows += m
+        self.push(now + t / 1e3, _BlockDone(w, chosen, rows, [r for r in rows if self.depths[r] > blk + 1]))
+
+    # ------------------------------------------------------------------ the report
+
+    def result(self) -> SimResult:
+        sim, arrivals, done_at = self.sim, self.arrivals, self.done_at
+        n = len(arrivals)
         answered = ~np.isnan(done_at)
         lat = (done_at[answered] - arrivals[answered]) * 1e3
-        within = int(np.sum(lat <= self.slo_s * 1e3 + 1e-9))
+        within = int(np.sum(lat <= sim.slo_s * 1e3 + 1e-9))
         duration = float(arrivals[-1] - arrivals[0]) if n > 1 else 1.0
         tail = arrivals >= arrivals[0] + duration * 2.0 / 3.0 if n > 1 else np.zeros(n, dtype=bool)
         with np.errstate(invalid="ignore"):
-            tail_within = int(np.sum(tail & ((done_at - arrivals) * 1e3 <= self.slo_s * 1e3 + 1e-9)))
-        batches = sum(w.batches for per in self.workers for ws in per for w in ws)
-        rows = sum(w.rows for per in self.workers for ws in per for w in ws)
-        return SimResult(self.name, n, int(answered.sum()), within, dropped, max(duration, 1e-9), lat, self.cost, rows / max(batches, 1),
-                         int(tail.sum()), tail_within, blk_rows, blk_runs, answers)
+            tail_within = int(np.sum(tail & ((done_at - arrivals) * 1e3 <= sim.slo_s * 1e3 + 1e-9)))
+        batches = sum(w.batches for per in sim.workers for ws in per for w in ws)
+        rows = sum(w.rows for per in sim.workers for ws in per for w in ws)
+        return SimResult(sim.name, n, int(answered.sum()), within, self.dropped, max(duration, 1e-9), lat, sim.cost, rows / max(batches, 1),
+                         int(tail.sum()), tail_within, self.blk_rows, self.blk_runs, self.answers)
 
 
 def poisson_arrivals(rng: np.random.Generator, rate: float, n: int) -> np.ndarray:

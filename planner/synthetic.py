@@ -95,7 +95,9 @@ def published_model_ms(gpu_name: str, batch: float) -> float:
         if batch <= sizes[-1]:
             return float(np.interp(batch, np.r_[0.0, sizes], np.r_[fixed, times]))
         return float(times[-1] + (times[-1] - times[-2]) / (sizes[-1] - sizes[-2]) * (batch - sizes[-1]))
-    per_input = PUBLISHED_V100_FP32_PER_INPUT_MS * GPUS["v100"].peak_tflops / PER_INPUT_PEAK_TFLOPS[gpu_name]
+    peak = PER_INPUT_PEAK_TFLOPS[gpu_name]
+    assert peak is not None, "only V100 scales with its own figures (handled above)"
+    per_input = PUBLISHED_V100_FP32_PER_INPUT_MS * GPUS["v100"].peak_tflops / peak
     return fixed * FIXED_MS[gpu_name] + per_input * batch
 
 
@@ -114,7 +116,8 @@ def published_layer_ms(gpu_name: str, batch: float, length: float) -> float:
     fixed, _ = _v100_fixed_and_slope()
     fixed *= FIXED_MS.get(gpu_name, 1.0)
     at128 = published_model_ms(gpu_name, batch)
-    return (fixed + (at128 - fixed) * (length / 128.0) ** length_exponent()) / 12
+    growth: float = (length / 128.0) ** length_exponent()  # real: length > 0 (typeshed types float ** float as Any)
+    return (fixed + (at128 - fixed) * growth) / 12
 
 HIDDEN = 768
 

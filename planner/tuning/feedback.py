@@ -8,7 +8,7 @@ A *window* records, for N inputs and R exit ramps (block order, the final head e
 instead of running to the end) and ``cost_ms`` [R] (a ramp's overhead, paid by every input that
 reaches it while it is active).
 
-Semantics (issue 4), used everywhere in exitplan:
+Semantics of thresholds, agreement and savings, used everywhere in exitplan:
 
 - A ramp is *active* when its threshold is <= 1; any threshold above 1 disables it (the tuner writes
   :data:`DISABLED`). An input exits at the earliest active ramp whose confidence is >= that ramp's

@@ -137,82 +137,105 @@ def manage_ramps(w: FeedbackWindow, budget: float, worst_case_ms: float, thresho
     r_all = w.n_ramps
     t = np.full(r_all, DISABLED) if thresholds is None else check_thresholds(thresholds, r_all).copy()
     cap_ms = overhead_frac * worst_case_ms
-    allowed = allowed_disagreements(w.n_inputs, budget)
-    actions: list[RampAction] = []
+    manager = _RampManager(w, budget, cap_ms)
+    active = t <= 1.0
+    if active.any():  # (1)
+        t = manager.retune(t, active)
+    t = manager.drop_negative(t)
+    t = manager.fit_overhead(t)
+    t = manager.try_candidates(t, max_candidates)
+    out = outcome(w, t)
+    return RampPlan(t, t <= 1.0, out.agreement, out.saving_ms, float(w.cost_ms[t <= 1.0].sum()), cap_ms,
+                    tuple(ramp_utilities(w, t)), tuple(manager.actions))
 
-    def retune(current: np.ndarray, active: np.ndarray) -> np.ndarray:
-        new = _retune(current, active)
-        for r in np.flatnonzero(active & (new > 1.0)):
-            actions.append(RampAction(int(r), w.ramps[r], "deactivate",
-                                      "re-tuning the thresholds switched it off (the others use the budget better)"))
-        return new
 
-    def _retune(current: np.ndarray, active: np.ndarray) -> np.ndarray:
-        # From scratch over the given ramps (the others stay off), so a new set of ramps can claim
-        # budget that the current thresholds hand to others; keep the current thresholds if they
-        # do better (the tuner is a heuristic).
+class _RampManager:
+    """The steps of :func:`manage_ramps` on one window, recording every decision in ``actions``."""
+
+    def __init__(self, w: FeedbackWindow, budget: float, cap_ms: float) -> None:
+        self.w, self.budget, self.cap_ms = w, budget, cap_ms
+        self.allowed = allowed_disagreements(w.n_inputs, budget)
+        self.actions: list[RampAction] = []
+
+    def tuned(self, current: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """Thresholds tuned from scratch over the ``active`` ramps (the others stay off), so a new set of
+        ramps can claim budget that the current thresholds hand to others; the current thresholds
+        re-tuned instead if they do better (the tuner is a heuristic)."""
+        w, budget = self.w, self.budget
         fresh = tune(w, budget, None, movable=active).thresholds
         kept = np.where(active, current, DISABLED)
-        if (current[active] <= 1.0).all() and w.n_inputs - outcome(w, kept).agree_count <= allowed:
+        if (current[active] <= 1.0).all() and w.n_inputs - outcome(w, kept).agree_count <= self.allowed:
             kept = tune(w, budget, kept, movable=active).thresholds
             if outcome(w, kept).saving_ms > outcome(w, fresh).saving_ms:
                 return kept
         return fresh
 
-    active = t <= 1.0
-    if active.any():
-        t = retune(t, active)
-    # (2) negative utility, worst first.
-    while True:
-        utils = ramp_utilities(w, t)
-        worst = min((u for u in utils if u.active), key=lambda u: u.utility_ms, default=None)
-        if worst is None or worst.utility_ms >= -_EPS_MS:
-            break
-        actions.append(RampAction(worst.ramp, worst.name, "deactivate",
-                                  f"utility {worst.utility_ms:.4f} ms/input < 0 (saved {worst.saved_ms:.4f}, "
-                                  f"added {worst.added_ms:.4f})"))
-        t[worst.ramp] = DISABLED
-        t = retune(t, t <= 1.0)
-    # (3) overhead over budget: least useful first.
-    while float(w.cost_ms[t <= 1.0].sum()) > cap_ms + _EPS_MS:
-        utils = ramp_utilities(w, t)
-        least = min((u for u in utils if u.active), key=lambda u: u.utility_ms)
-        actions.append(RampAction(least.ramp, least.name, "deactivate",
-                                  f"ramp overhead {w.cost_ms[t <= 1.0].sum():.4f} ms over its budget {cap_ms:.4f} ms; "
-                                  f"lowest utility {least.utility_ms:.4f} ms/input"))
-        t[least.ramp] = DISABLED
-        t = retune(t, t <= 1.0)
-    # (4) candidates by upper bound (re-ranked after every change).
-    saving = outcome(w, t).saving_ms
-    tried: set[int] = set()
-    while max_candidates is None or len(tried) < max_candidates:
-        pool = [u for u in ramp_utilities(w, t) if not u.active and u.ramp not in tried and u.upper_bound_ms > _EPS_MS]
-        if not pool:
-            break
-        u = max(pool, key=lambda c: c.upper_bound_ms)
-        tried.add(u.ramp)
-        overhead = float(w.cost_ms[t <= 1.0].sum()) + float(w.cost_ms[u.ramp])
-        if overhead > cap_ms + _EPS_MS:
-            actions.append(RampAction(u.ramp, u.name, "reject",
-                                      f"would bring the ramp overhead to {overhead:.4f} ms, over its budget {cap_ms:.4f} ms"))
-            continue
-        trial_active = t <= 1.0
-        trial_active[u.ramp] = True
-        trial = _retune(t, trial_active)
-        trial_saving = outcome(w, trial).saving_ms
-        trial_util = ramp_utilities(w, trial)[u.ramp]
-        if trial[u.ramp] <= 1.0 and trial_saving > saving + _EPS_MS and trial_util.utility_ms > _EPS_MS:
-            for r in np.flatnonzero((t <= 1.0) & (trial > 1.0)):
-                actions.append(RampAction(int(r), w.ramps[r], "deactivate",
-                                          f"re-tuned with {u.name} on, the thresholds switch it off"))
-            actions.append(RampAction(u.ramp, u.name, "activate",
-                                      f"upper bound {u.upper_bound_ms:.4f} ms/input; saving {saving:.4f} -> "
-                                      f"{trial_saving:.4f} ms, utility {trial_util.utility_ms:.4f}"))
-            t, saving = trial, trial_saving
-        else:
-            actions.append(RampAction(u.ramp, u.name, "reject",
-                                      f"upper bound {u.upper_bound_ms:.4f} ms/input, but the tuned window saves "
-                                      f"{trial_saving:.4f} ms (now {saving:.4f})"))
-    out = outcome(w, t)
-    return RampPlan(t, t <= 1.0, out.agreement, out.saving_ms, float(w.cost_ms[t <= 1.0].sum()), cap_ms,
-                    tuple(ramp_utilities(w, t)), tuple(actions))
+    def retune(self, current: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """:meth:`tuned`, recording the ramps that re-tuning switches off."""
+        new = self.tuned(current, active)
+        for r in np.flatnonzero(active & (new > 1.0)):
+            self.actions.append(RampAction(int(r), self.w.ramps[r], "deactivate",
+                                           "re-tuning the thresholds switched it off (the others use the budget better)"))
+        return new
+
+    def drop_negative(self, t: np.ndarray) -> np.ndarray:
+        """(2) Switch off the ramps of negative utility, worst first, re-tuning after each."""
+        while True:
+            utils = ramp_utilities(self.w, t)
+            worst = min((u for u in utils if u.active), key=lambda u: u.utility_ms, default=None)
+            if worst is None or worst.utility_ms >= -_EPS_MS:
+                return t
+            self.actions.append(RampAction(worst.ramp, worst.name, "deactivate",
+                                           f"utility {worst.utility_ms:.4f} ms/input < 0 (saved {worst.saved_ms:.4f}, "
+                                           f"added {worst.added_ms:.4f})"))
+            t[worst.ramp] = DISABLED
+            t = self.retune(t, t <= 1.0)
+
+    def fit_overhead(self, t: np.ndarray) -> np.ndarray:
+        """(3) While the overhead is over its budget, switch off the least useful ramp and re-tune."""
+        w, cap_ms = self.w, self.cap_ms
+        while float(w.cost_ms[t <= 1.0].sum()) > cap_ms + _EPS_MS:
+            utils = ramp_utilities(w, t)
+            least = min((u for u in utils if u.active), key=lambda u: u.utility_ms)
+            self.actions.append(RampAction(least.ramp, least.name, "deactivate",
+                                           f"ramp overhead {w.cost_ms[t <= 1.0].sum():.4f} ms over its budget {cap_ms:.4f} ms; "
+                                           f"lowest utility {least.utility_ms:.4f} ms/input"))
+            t[least.ramp] = DISABLED
+            t = self.retune(t, t <= 1.0)
+        return t
+
+    def try_candidates(self, t: np.ndarray, max_candidates: int | None) -> np.ndarray:
+        """(4) Try the inactive ramps by decreasing upper bound (re-ranked after every change): one that
+        fits the overhead budget stays on if the re-tuned window saves more and its utility is positive."""
+        w, cap_ms, actions = self.w, self.cap_ms, self.actions
+        saving = outcome(w, t).saving_ms
+        tried: set[int] = set()
+        while max_candidates is None or len(tried) < max_candidates:
+            pool = [u for u in ramp_utilities(w, t) if not u.active and u.ramp not in tried and u.upper_bound_ms > _EPS_MS]
+            if not pool:
+                break
+            u = max(pool, key=lambda c: c.upper_bound_ms)
+            tried.add(u.ramp)
+            overhead = float(w.cost_ms[t <= 1.0].sum()) + float(w.cost_ms[u.ramp])
+            if overhead > cap_ms + _EPS_MS:
+                actions.append(RampAction(u.ramp, u.name, "reject",
+                                          f"would bring the ramp overhead to {overhead:.4f} ms, over its budget {cap_ms:.4f} ms"))
+                continue
+            trial_active = t <= 1.0
+            trial_active[u.ramp] = True
+            trial = self.tuned(t, trial_active)
+            trial_saving = outcome(w, trial).saving_ms
+            trial_util = ramp_utilities(w, trial)[u.ramp]
+            if trial[u.ramp] <= 1.0 and trial_saving > saving + _EPS_MS and trial_util.utility_ms > _EPS_MS:
+                for r in np.flatnonzero((t <= 1.0) & (trial > 1.0)):
+                    actions.append(RampAction(int(r), w.ramps[r], "deactivate",
+                                              f"re-tuned with {u.name} on, the thresholds switch it off"))
+                actions.append(RampAction(u.ramp, u.name, "activate",
+                                          f"upper bound {u.upper_bound_ms:.4f} ms/input; saving {saving:.4f} -> "
+                                          f"{trial_saving:.4f} ms, utility {trial_util.utility_ms:.4f}"))
+                t, saving = trial, trial_saving
+            else:
+                actions.append(RampAction(u.ramp, u.name, "reject",
+                                          f"upper bound {u.upper_bound_ms:.4f} ms/input, but the tuned window saves "
+                                          f"{trial_saving:.4f} ms (now {saving:.4f})"))
+        return t

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from exitplan.planner.tuning.feedback import DISABLED, FeedbackWindow, outcome
 
@@ -72,9 +73,10 @@ class Search:
         self._before: list[float] = []
         self.set(t)
 
-    def order(self, ramp: int) -> np.ndarray:
+    def order(self, ramp: int) -> npt.NDArray[np.intp]:
         """Inputs by confidence at ``ramp``, highest first."""
-        return self.orders[ramp]
+        row: npt.NDArray[np.intp] = self.orders[ramp]
+        return row
 
     def cost_before(self, ramp: int) -> float:
         """Overhead of the active ramps before ``ramp``."""
@@ -165,15 +167,27 @@ def _lower(s: Search, ramp: int, new_t: float, newly: np.ndarray, d_agree: int, 
     s.total += d_total
 
 
+@dataclass(slots=True, eq=False)
 class Profile:
     """Every placement of one ramp's threshold with the others fixed (see :func:`profile`)."""
 
-    __slots__ = ("ramp", "reach", "val_off", "ok_off", "k_off", "conf", "ends", "totals", "agrees",
-                 "total_off", "agree_off")
-
-    def __init__(self, **kw: object) -> None:
-        for key, value in kw.items():
-            setattr(self, key, value)
+    ramp: int
+    reach: npt.NDArray[np.intp]
+    """The inputs reaching the ramp, highest confidence first."""
+    val_off: npt.NDArray[np.float64]
+    """Per reaching input: its saving, agreement (0/1) and exit ramp if the ramp let it go on."""
+    ok_off: npt.NDArray[np.int64]
+    k_off: npt.NDArray[np.int64]
+    conf: npt.NDArray[np.float64]
+    """Their confidences at the ramp."""
+    ends: npt.NDArray[np.intp]
+    """Last index of each tie group of ``conf``: the distinct placements."""
+    totals: npt.NDArray[np.float64]
+    """Per placement: the window's total saving and agreement count."""
+    agrees: npt.NDArray[np.int64]
+    total_off: float
+    """The same with the ramp disabled."""
+    agree_off: int
 
     def threshold(self, pos: int) -> float:
         """The threshold letting out the first ``ends[pos] + 1`` reaching inputs (-1: disabled)."""
@@ -359,7 +373,8 @@ def lowering(s: Search, ramp: int) -> Lowering | None:
     totals += s.total - shift * m
     # A cut must not split inputs of equal confidence (a tie with an input that does not go past
     # the ramp is harmless, so the whole-column tie marks are a safe, slightly strict filter).
-    ends = s.group_end[ramp][going][:size] if s.ties[ramp] else None
+    group_end = s.group_end[ramp]  # None: no tied confidences at this ramp
+    ends = group_end[going][:size] if group_end is not None else None
     return Lowering(ramp, idx, going, s.conf_sorted[ramp], ends, totals, agrees, exit_ms, activates)
 
 
@@ -410,7 +425,7 @@ def climb_profiles(s: Search, movable: np.ndarray, max_rounds: int, moves: list[
         ramp = max(proposals, key=proposals.__getitem__)
         low = fresh(ramp)
         move = low.proposal(s) if low is not None else None
-        if move is None:
+        if low is None or move is None:
             del proposals[ramp]
             continue
         proposals[ramp] = move[:2]
@@ -455,7 +470,7 @@ def repair(s: Search, movable: np.ndarray, init_step: float, moves: list[Move]) 
     steps = np.full(s.r, init_step)
     while not s.feasible:
         best, best_key = None, -np.inf
-        for ramp in np.flatnonzero(movable & (s.t <= 1.0)):
+        for ramp in np.flatnonzero(movable & (s.t <= 1.0)).tolist():
             t = s.t.copy()
             t[ramp] = t[ramp] + steps[ramp] if t[ramp] + steps[ramp] <= 1.0 else DISABLED
             out = outcome(s.w, t)
