@@ -20,6 +20,9 @@ demo: install
 	$(EXITPLAN) demo $(ARGS)
 
 test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -P tools/typecheck.py
 	$(PY) -P -m pytest -q -p no:cacheprovider
 
 clean:

@@ -262,5 +262,9 @@ class ModelProfile(Resource):
     spec: ModelProfileSpec
 
 
-KINDS: dict[str, type[Resource]] = {"GPUPool": GPUPool, "EarlyExitService": EarlyExitService, "ModelProfile": ModelProfile}
+KINDS: dict[str, type[Resource]] = {
+    "GPUPool": GPUPool,
+    "EarlyExitService": EarlyExitService,
+    "ModelProfile": ModelProfile,
+}
 PLURALS = {"GPUPool": "gpupools", "EarlyExitService": "earlyexitservices", "ModelProfile": "modelprofiles"}

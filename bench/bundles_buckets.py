@@ -72,8 +72,21 @@ def main() -> None:
         by_bucket.setdefault(bucket_for(len(seq), full.buckets), []).append(seq)
 
     console = Console(width=140)
-    table = Table(title=f"{manifest.name}: whole model, one batch, ms (median of {args.repeats}; ONNX Runtime, 1 thread)")
-    for col in ("bucket", "batch", "mean len", "own", "max", "dynamic", "split3", "max/own", "dynamic/own", "split3/own"):
+    table = Table(
+        title=f"{manifest.name}: whole model, one batch, ms (median of {args.repeats}; ONNX Runtime, 1 thread)"
+    )
+    for col in (
+        "bucket",
+        "batch",
+        "mean len",
+        "own",
+        "max",
+        "dynamic",
+        "split3",
+        "max/own",
+        "dynamic/own",
+        "split3/own",
+    ):
         table.add_column(col, justify="right")
     for bucket in sorted(by_bucket):
         pool = by_bucket[bucket]
@@ -97,9 +110,13 @@ def main() -> None:
                     samples[name].append((time.perf_counter() - start) * 1e3)
             ms = {k: float(np.median(v)) for k, v in samples.items()}
             table.add_row(
-                str(bucket), str(batch), f"{np.mean([len(s) for s in rows]):.1f}",
+                str(bucket),
+                str(batch),
+                f"{np.mean([len(s) for s in rows]):.1f}",
                 *(f"{ms[k]:.2f}" for k in variants),
-                f"{ms['max'] / ms['own']:.2f}", f"{ms['dynamic'] / ms['own']:.2f}", f"{ms['split3'] / ms['own']:.2f}",
+                f"{ms['max'] / ms['own']:.2f}",
+                f"{ms['dynamic'] / ms['own']:.2f}",
+                f"{ms['split3'] / ms['own']:.2f}",
             )
     console.print(table)
 

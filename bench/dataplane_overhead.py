@@ -54,9 +54,9 @@ import json
 import multiprocessing
 import os
 import shutil
-import subprocess
 import socket
 import statistics
+import subprocess
 import tempfile
 import textwrap
 import time
@@ -82,15 +82,50 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--port", type=int, default=18480)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--input", choices=["text", "ids"], default="text", help="text models: send texts (tokenized by the router) or the token ids")
-    ap.add_argument("--client", choices=["both", "httptools", "http.client"], default="both",
-                    help="HTTP client(s) of the served path, each on one kept-alive connection (both: alternating)")
-    ap.add_argument("--baseline-commit", default=None, help="also serve with this commit's code (git archive, laid out as the package): side by side")
-    ap.add_argument("--baseline-code", type=Path, default=None, help="also serve with the `exitplan` package under this folder (on PYTHONPATH)")
-    ap.add_argument("--floor", action="store_true", help="also the machine's floor: the same three processes and bytes over raw length-prefixed sockets")
-    ap.add_argument("--new-connection", action="store_true", help="also a client that opens a new TCP connection per request (urllib)")
-    ap.add_argument("--idle-ms", type=float, default=0.0, help="sleep this long before each timed call (both paths): the machine idles as it does during a long compute")
-    ap.add_argument("--segments", action="store_true", help="also time each stretch of the path (timestamp hooks in the router and worker)")
+    ap.add_argument(
+        "--input",
+        choices=["text", "ids"],
+        default="text",
+        help="text models: send texts (tokenized by the router) or the token ids",
+    )
+    ap.add_argument(
+        "--client",
+        choices=["both", "httptools", "http.client"],
+        default="both",
+        help="HTTP client(s) of the served path, each on one kept-alive connection (both: alternating)",
+    )
+    ap.add_argument(
+        "--baseline-commit",
+        default=None,
+        help="also serve with this commit's code (git archive, laid out as the package): side by side",
+    )
+    ap.add_argument(
+        "--baseline-code",
+        type=Path,
+        default=None,
+        help="also serve with the `exitplan` package under this folder (on PYTHONPATH)",
+    )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also the machine's floor: the same three processes and bytes over raw length-prefixed sockets",
+    )
+    ap.add_argument(
+        "--new-connection",
+        action="store_true",
+        help="also a client that opens a new TCP connection per request (urllib)",
+    )
+    ap.add_argument(
+        "--idle-ms",
+        type=float,
+        default=0.0,
+        help="sleep this long before each timed call (both paths): the machine idles as it does during a long compute",
+    )
+    ap.add_argument(
+        "--segments",
+        action="store_true",
+        help="also time each stretch of the path (timestamp hooks in the router and worker)",
+    )
     args = ap.parse_args()
 
     manifest = read_manifest(args.bundle)
@@ -116,33 +151,56 @@ def main() -> None:
             body_inputs = [{"name": "text", "datatype": "BYTES", "shape": [n_inputs], "data": texts}]
         else:
             body_inputs = [
-                {"name": name, "datatype": "INT64", "shape": list(state[name].shape), "data": state[name].ravel().tolist()}
+                {
+                    "name": name,
+                    "datatype": "INT64",
+                    "shape": list(state[name].shape),
+                    "data": state[name].ravel().tolist(),
+                }
                 for name in ("input_ids", "attention_mask")
             ]
         direct = BundleRuntime(args.bundle, buckets=[args.bucket], threads=1)
     plan = Plan(
-        service="bench", model=manifest.name,
+        service="bench",
+        model=manifest.name,
         splits=[SplitPlan(index=0, first_block=0, last_block=len(manifest.blocks) - 1)],
-        buckets=[args.bucket], cells=[Cell(split=0, bucket=args.bucket, pool="cpu", replicas=1, batch_size=args.batch)],
+        buckets=[args.bucket],
+        cells=[Cell(split=0, bucket=args.bucket, pool="cpu", replicas=1, batch_size=args.batch)],
         thresholds={},
     )
-    spec = EarlyExitServiceSpec.model_validate({
-        "model": {"name": manifest.name, "bundle": str(args.bundle)}, "slo": {"latencyMs": 1000},
-        "accuracy": {"shadowFraction": 0.0}, "pools": [{"name": "cpu"}],
-    })
+    spec = EarlyExitServiceSpec.model_validate(
+        {
+            "model": {"name": manifest.name, "bundle": str(args.bundle)},
+            "slo": {"latencyMs": 1000},
+            "accuracy": {"shadowFraction": 0.0},
+            "pools": [{"name": "cpu"}],
+        }
+    )
     body = json.dumps({"inputs": body_inputs}).encode()
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         env = _trace_env(Path(tmp)) if args.segments else {}
         client_marks: list[tuple[float, float]] = []
         path = f"/v2/models/{manifest.name}/infer"
-        dep = stack.enter_context(LocalDeployment(args.bundle.resolve(), plan, spec, Path(tmp) / "this", port=args.port,
-                                                  base_port=args.port + 1, env=env))
+        dep = stack.enter_context(
+            LocalDeployment(
+                args.bundle.resolve(), plan, spec, Path(tmp) / "this", port=args.port, base_port=args.port + 1, env=env
+            )
+        )
         clients = {name: _CLIENTS[name](dep.url, path, body) for name in _client_names(args)}
         if args.baseline_commit or args.baseline_code:
             code = args.baseline_code or _lay_out_commit(args.baseline_commit, Path(tmp) / "baseline-code")
             label = f"baseline {args.baseline_commit or code}"
-            other = stack.enter_context(LocalDeployment(args.bundle.resolve(), plan, spec, Path(tmp) / "baseline", port=args.port + 100,
-                                                        base_port=args.port + 101, env={"PYTHONPATH": str(code)}))
+            other = stack.enter_context(
+                LocalDeployment(
+                    args.bundle.resolve(),
+                    plan,
+                    spec,
+                    Path(tmp) / "baseline",
+                    port=args.port + 100,
+                    base_port=args.port + 101,
+                    env={"PYTHONPATH": str(code)},
+                )
+            )
             for name in list(clients):
                 clients[f"{name}, {label}"] = _CLIENTS[name](other.url, path, body)
         if args.floor:
@@ -188,37 +246,58 @@ def main() -> None:
     p50_a, p90_a = statistics.median(direct_ms), float(np.percentile(direct_ms, 90))
     what = {"text": "texts", "ids": "token ids"}[args.input] if manifest.seq_axis is not None else "tensors"
     result = {
-        "batch": n_inputs, "bucket": args.bucket, "runs": args.runs, "input": args.input if manifest.seq_axis is not None else "tensor",
-        "idle_ms": args.idle_ms, "ort_direct_p50_ms": round(p50_a, 3), "ort_direct_p90_ms": round(p90_a, 3),
-        "worker_batch_mean_ms": round(worker_mean, 3), "clients": {},
+        "batch": n_inputs,
+        "bucket": args.bucket,
+        "runs": args.runs,
+        "input": args.input if manifest.seq_axis is not None else "tensor",
+        "idle_ms": args.idle_ms,
+        "ort_direct_p50_ms": round(p50_a, 3),
+        "ort_direct_p90_ms": round(p90_a, 3),
+        "worker_batch_mean_ms": round(worker_mean, 3),
+        "clients": {},
     }
-    print(f"batch {n_inputs} at bucket {args.bucket} ({what}), {args.runs} runs each, alternating"
-          f"{f'; {args.idle_ms:g} ms idle before each call' if args.idle_ms else ''}")
+    print(
+        f"batch {n_inputs} at bucket {args.bucket} ({what}), {args.runs} runs each, alternating"
+        f"{f'; {args.idle_ms:g} ms idle before each call' if args.idle_ms else ''}"
+    )
     print(f"  ORT direct (this process)            p50 {p50_a:8.3f} ms   p90 {p90_a:8.3f} ms")
     for name, rows in served.items():
         elapsed = [r[0] for r in rows]
         p50_b = statistics.median(elapsed)
         row = {
-            "router_hop_p50_ms": round(p50_b, 3), "router_hop_p90_ms": round(float(np.percentile(elapsed, 90)), 3),
-            "difference_of_p50s_ms": round(p50_b - p50_a, 3), "ratio_p50": round(p50_b / p50_a, 3),
+            "router_hop_p50_ms": round(p50_b, 3),
+            "router_hop_p90_ms": round(float(np.percentile(elapsed, 90)), 3),
+            "difference_of_p50s_ms": round(p50_b - p50_a, 3),
+            "ratio_p50": round(p50_b / p50_a, 3),
         }
-        print(f"  router + 1 split hop, {name:<15} p50 {p50_b:8.3f} ms   p90 {row['router_hop_p90_ms']:8.3f} ms   ratio {row['ratio_p50']:.3f}x")
+        print(
+            f"  router + 1 split hop, {name:<15} p50 {p50_b:8.3f} ms   p90 {row['router_hop_p90_ms']:8.3f} ms   ratio {row['ratio_p50']:.3f}x"
+        )
         if all(r[2] is not None for r in rows):
             added = [r[0] - r[2] for r in rows]  # the client's latency minus the worker's compute of that very batch
-            row.update({
-                "added_p50_ms": round(statistics.median(added), 3), "added_p90_ms": round(float(np.percentile(added, 90)), 3),
-                "worker_compute_p50_ms": round(statistics.median(r[2] for r in rows), 3),
-            })
+            row.update(
+                {
+                    "added_p50_ms": round(statistics.median(added), 3),
+                    "added_p90_ms": round(float(np.percentile(added, 90)), 3),
+                    "worker_compute_p50_ms": round(statistics.median(r[2] for r in rows), 3),
+                }
+            )
             inner = ""
             if all(r[1] is not None for r in rows):
                 row["router_to_worker_and_back_p50_ms"] = round(statistics.median(r[1] - r[2] for r in rows), 3)
                 inner = f"; of it router <-> worker {row['router_to_worker_and_back_p50_ms']:.3f} ms"
-            print(f"      added per request (latency - the worker's compute of its batch): p50 {row['added_p50_ms']:.3f} ms, "
-                  f"p90 {row['added_p90_ms']:.3f} ms{inner}")
-            print(f"      difference of the p50s {row['difference_of_p50s_ms']:+.3f} ms (worker compute p50 {row['worker_compute_p50_ms']:.3f} "
-                  f"ms vs direct {p50_a:.3f} ms: the two computes' own spread is in this figure)")
+            print(
+                f"      added per request (latency - the worker's compute of its batch): p50 {row['added_p50_ms']:.3f} ms, "
+                f"p90 {row['added_p90_ms']:.3f} ms{inner}"
+            )
+            print(
+                f"      difference of the p50s {row['difference_of_p50s_ms']:+.3f} ms (worker compute p50 {row['worker_compute_p50_ms']:.3f} "
+                f"ms vs direct {p50_a:.3f} ms: the two computes' own spread is in this figure)"
+            )
         else:
-            print(f"      difference of the p50s {row['difference_of_p50s_ms']:+.3f} ms (this code sends no Server-Timing: no per-request figure)")
+            print(
+                f"      difference of the p50s {row['difference_of_p50s_ms']:+.3f} ms (this code sends no Server-Timing: no per-request figure)"
+            )
         result["clients"][name] = row
     if segments:
         result["segments_p50_ms"] = segments
@@ -229,7 +308,7 @@ def main() -> None:
         args.json.write_text(json.dumps(result, indent=2))
 
 
-_HOOKS = textwrap.dedent('''
+_HOOKS = textwrap.dedent("""
     # Written by bench/dataplane_overhead.py --segments: wall-clock marks around the serving path.
     import os
     OUT = os.environ.get("EXITPLAN_BENCH_TRACE")
@@ -284,7 +363,7 @@ _HOOKS = textwrap.dedent('''
         wrap(web_protocol.RequestHandler, "data_received", "http.server.recv")
         wrap(forward._Connection, "data_received", "http.hop.recv")
         wrap(selector_events._SelectorSocketTransport, "write", "socket.write")
-''')
+""")
 
 _STRETCHES = [
     # (name, from mark, to mark): each is the first `to` after the first `from` within one request.
@@ -353,6 +432,7 @@ def _lay_out_commit(rev: str, dest: Path) -> Path:
 
 # ---- the machine's floor: the same three processes and bytes, raw length-prefixed sockets, no serving logic
 
+
 def _floor_framed(on_frame):
     import asyncio
 
@@ -408,16 +488,21 @@ def _floor_proxy(port: int, worker_port: int, state: dict) -> None:
 
     async def serve() -> None:
         waiting: list = []
-        _, upstream = await loop.create_connection(_floor_framed(lambda conn, frame: waiting.pop(0).set_result(frame)), "127.0.0.1", worker_port)
+        _, upstream = await loop.create_connection(
+            _floor_framed(lambda conn, frame: waiting.pop(0).set_result(frame)), "127.0.0.1", worker_port
+        )
 
         def on_request(conn, body):
             async def answer():
                 orjson.loads(body)
                 future = loop.create_future()
                 waiting.append(future)
-                upstream.send(wire.encode({"items": [{"id": str(i)} for i in range(len(next(iter(state.values()))))]}, state))
+                upstream.send(
+                    wire.encode({"items": [{"id": str(i)} for i in range(len(next(iter(state.values()))))]}, state)
+                )
                 meta, _ = wire.decode(await future)
                 conn.send(orjson.dumps({"compute_ms": meta["compute_ms"]}))
+
             loop.create_task(answer())
 
         await loop.create_server(_floor_framed(on_request), "127.0.0.1", port)
@@ -481,8 +566,10 @@ class _HttptoolsClient:
     def __init__(self, url: str, path: str, body: bytes) -> None:
         host, _, port = url.removeprefix("http://").rpartition(":")
         self.address = (host, int(port))
-        self.request = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                        f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+        self.request = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
         self.sock: socket.socket | None = None
 
     def __call__(self) -> tuple[bytes, dict[str, float]]:
@@ -551,7 +638,11 @@ class _NewConnectionClient:
             return resp.read(), _server_timing(resp.headers.get("Server-Timing", ""))
 
 
-_CLIENTS = {"httptools": _HttptoolsClient, "http.client": _StdlibClient, "new connection (urllib)": _NewConnectionClient}
+_CLIENTS = {
+    "httptools": _HttptoolsClient,
+    "http.client": _StdlibClient,
+    "new connection (urllib)": _NewConnectionClient,
+}
 
 
 def _client_names(args: argparse.Namespace) -> list[str]:

@@ -84,9 +84,26 @@ def start_stages(bundle: Path, splits: list[tuple[int, int]]):
     procs = []
     for i, (first, last) in enumerate(splits):
         nxt = ["--next", urls[i + 1]] if i + 1 < len(splits) else []
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", "from exitplan.cli import app; app()", "generate-stage", "--bundle", str(bundle),
-             "--first", str(first), "--last", str(last), "--port", str(ports[i]), *nxt], stdout=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    "from exitplan.cli import app; app()",
+                    "generate-stage",
+                    "--bundle",
+                    str(bundle),
+                    "--first",
+                    str(first),
+                    "--last",
+                    str(last),
+                    "--port",
+                    str(ports[i]),
+                    *nxt,
+                ],
+                stdout=subprocess.DEVNULL,
+            )
+        )
     for url in urls:
         for _ in range(600):
             try:
@@ -108,11 +125,22 @@ class RouterClient:
         from exitplan.planner.generation import plan_generation
 
         manifest = DecoderModel(bundle, last_block=0).manifest
-        spec = EarlyExitServiceSpec.model_validate({"model": {"name": "bench", "bundle": str(bundle), "task": "text-generation"},
-                                                    "slo": {"latencyMs": 1000}, "pools": [{"name": "cpu"}]})
-        plan = plan_generation("bench", spec, {"cpu": GPUPoolSpec(capacity=stages)}, n_blocks=len(manifest.blocks),
-                               exit_ramps=[r.name for r in manifest.exit_ramps()], max_context=manifest.decoder.max_context,
-                               stages=stages).plan
+        spec = EarlyExitServiceSpec.model_validate(
+            {
+                "model": {"name": "bench", "bundle": str(bundle), "task": "text-generation"},
+                "slo": {"latencyMs": 1000},
+                "pools": [{"name": "cpu"}],
+            }
+        )
+        plan = plan_generation(
+            "bench",
+            spec,
+            {"cpu": GPUPoolSpec(capacity=stages)},
+            n_blocks=len(manifest.blocks),
+            exit_ramps=[r.name for r in manifest.exit_ramps()],
+            max_context=manifest.decoder.max_context,
+            stages=stages,
+        ).plan
         ports = []
         for _ in range(2):
             with socket.socket() as sock:
@@ -126,7 +154,9 @@ class RouterClient:
         import urllib.request
         from types import SimpleNamespace
 
-        body = json.dumps({"text_input": prompt, "parameters": {"max_tokens": max_tokens, "threshold": threshold}}).encode()
+        body = json.dumps(
+            {"text_input": prompt, "parameters": {"max_tokens": max_tokens, "threshold": threshold}}
+        ).encode()
         request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
         last = time.perf_counter()
         with urllib.request.urlopen(request, timeout=120) as response:
@@ -137,7 +167,9 @@ class RouterClient:
                 if event.get("done"):
                     break
                 now = time.perf_counter()
-                yield SimpleNamespace(token_id=event["token_id"], exit=event["exit"], block=event["block"], seconds=now - last)
+                yield SimpleNamespace(
+                    token_id=event["token_id"], exit=event["exit"], block=event["block"], seconds=now - last
+                )
                 last = now
 
     def close(self) -> None:
@@ -153,8 +185,12 @@ def main() -> None:
     parser.add_argument("--thresholds", type=float, nargs="+", default=[1.0, 0.9, 0.8, 0.6, 0.4])
     parser.add_argument("--splits", type=int, default=2)
     parser.add_argument("--max-pending", type=int, default=8)
-    parser.add_argument("--remote", action="store_true", help="also run the pipeline across stage processes (exitplan generate-stage)")
-    parser.add_argument("--router", action="store_true", help="also run the serving path: exitplan router + generate-stage processes")
+    parser.add_argument(
+        "--remote", action="store_true", help="also run the pipeline across stage processes (exitplan generate-stage)"
+    )
+    parser.add_argument(
+        "--router", action="store_true", help="also run the serving path: exitplan router + generate-stage processes"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -179,7 +215,19 @@ def main() -> None:
         engines["router-recompute"] = RouterClient(args.bundle, 1, workdir / "recompute")
         engines["router-pipeline"] = RouterClient(args.bundle, args.splits, workdir / "pipeline")
     configs = [("full", 1.0)] + [(mode, t) for mode in engines for t in args.thresholds]
-    stats = {c: {"step_s": 0.0, "steps": 0, "total_s": 0.0, "tokens": 0, "exits": {}, "agree": 0, "same_output": 0, "blocks": 0} for c in configs}
+    stats = {
+        c: {
+            "step_s": 0.0,
+            "steps": 0,
+            "total_s": 0.0,
+            "tokens": 0,
+            "exits": {},
+            "agree": 0,
+            "same_output": 0,
+            "blocks": 0,
+        }
+        for c in configs
+    }
     full_outputs: dict[int, list[int]] = {}
     for mode, threshold in configs[1:]:  # warm-up: first runs of each session shape are slow
         engine = engines[mode]
@@ -231,10 +279,23 @@ def main() -> None:
     full = stats[("full", 1.0)]
     full_tps = full["tokens"] / full["total_s"]
     reference_ms = 1000 * full_step["step_s"] / full_step["steps"] if full_step else float("nan")
-    table = Table(title=f"{len(prompts)} held-out prompts, up to {args.max_tokens} tokens, {model.n_blocks} blocks; "
-                        "speedups against full decoding")
-    for col in ("mode", "threshold", "ms/token", "speedup/token", "blocks/token", "tokens/s", "vs full tokens/s", "heads (share)",
-                "agree w/ full", "same output", "bits/byte"):
+    table = Table(
+        title=f"{len(prompts)} held-out prompts, up to {args.max_tokens} tokens, {model.n_blocks} blocks; "
+        "speedups against full decoding"
+    )
+    for col in (
+        "mode",
+        "threshold",
+        "ms/token",
+        "speedup/token",
+        "blocks/token",
+        "tokens/s",
+        "vs full tokens/s",
+        "heads (share)",
+        "agree w/ full",
+        "same output",
+        "bits/byte",
+    ):
         table.add_column(col, justify="left" if col in ("mode", "heads (share)") else "right")
     rows = []
     for (mode, threshold), s in stats.items():
@@ -243,12 +304,34 @@ def main() -> None:
         share = {k: v / s["tokens"] for k, v in sorted(s["exits"].items())}
         agree = 1.0 if mode == "full" else s["agree"] / s["tokens"]
         same = 1.0 if mode == "full" else s["same_output"] / len(prompts)
-        row = {"mode": mode, "threshold": threshold, "ms_per_token": ms, "speedup_per_token": reference_ms / ms,
-               "tokens_per_s": tps, "vs_full_tokens_per_s": tps / full_tps, "head_share": share, "agreement": agree,
-               "same_output": same, "blocks_per_token": s["blocks"] / s["steps"], "bits_per_byte": bpb[threshold] if mode != "full" else bpb[1.0], "tokens": s["tokens"]}
+        row = {
+            "mode": mode,
+            "threshold": threshold,
+            "ms_per_token": ms,
+            "speedup_per_token": reference_ms / ms,
+            "tokens_per_s": tps,
+            "vs_full_tokens_per_s": tps / full_tps,
+            "head_share": share,
+            "agreement": agree,
+            "same_output": same,
+            "blocks_per_token": s["blocks"] / s["steps"],
+            "bits_per_byte": bpb[threshold] if mode != "full" else bpb[1.0],
+            "tokens": s["tokens"],
+        }
         rows.append(row)
-        table.add_row(mode, f"{threshold:.2f}", f"{ms:.2f}", f"{row['speedup_per_token']:.2f}x", f"{row['blocks_per_token']:.2f}", f"{tps:.0f}", f"{row['vs_full_tokens_per_s']:.2f}x",
-                      " ".join(f"{k}:{v:.2f}" for k, v in share.items()), f"{agree:.3f}", f"{same:.2f}", f"{row['bits_per_byte']:.3f}")
+        table.add_row(
+            mode,
+            f"{threshold:.2f}",
+            f"{ms:.2f}",
+            f"{row['speedup_per_token']:.2f}x",
+            f"{row['blocks_per_token']:.2f}",
+            f"{tps:.0f}",
+            f"{row['vs_full_tokens_per_s']:.2f}x",
+            " ".join(f"{k}:{v:.2f}" for k, v in share.items()),
+            f"{agree:.3f}",
+            f"{same:.2f}",
+            f"{row['bits_per_byte']:.3f}",
+        )
     console.print(table)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

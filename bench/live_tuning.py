@@ -44,9 +44,9 @@ from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.localrun.autotune import AutoTuner
 from exitplan.localrun.deployment import LocalDeployment
+from exitplan.localrun.service_setup import tuned_thresholds
 from exitplan.planner.tuning.autotune import LIVE
 from exitplan.planner.tuning.thresholds import FeedbackWindow, allowed_disagreements, outcome
-from exitplan.localrun.service_setup import tuned_thresholds
 from exitplan.prepare.datasets import load_tweets, tweet_splits
 from exitplan.worker.bundle_runtime import BundleRuntime, pad_batch, softmax
 
@@ -66,7 +66,11 @@ def offline_outputs(bundle: Path, texts: list[str]) -> tuple[np.ndarray, np.ndar
     pred = np.zeros((len(texts), len(ramps)), np.int64)
     final = np.zeros(len(texts), np.int64)
     for bucket in BUCKETS:
-        rows = [i for i, seq in enumerate(ids) if len(seq) <= bucket and (bucket == BUCKETS[0] or len(seq) > BUCKETS[BUCKETS.index(bucket) - 1])]
+        rows = [
+            i
+            for i, seq in enumerate(ids)
+            if len(seq) <= bucket and (bucket == BUCKETS[0] or len(seq) > BUCKETS[BUCKETS.index(bucket) - 1])
+        ]
         for start in range(0, len(rows), 64):
             chunk = rows[start : start + 64]
             state = pad_batch([ids[i] for i in chunk], bucket)
@@ -95,7 +99,9 @@ def cached_outputs(bundle: Path, texts: list[str]) -> tuple[np.ndarray, np.ndarr
     return conf, pred, final
 
 
-async def stream(urls: dict[str, str], model: str, texts: list[str], log_every: int, concurrency: int = 4) -> dict[str, list[dict]]:
+async def stream(
+    urls: dict[str, str], model: str, texts: list[str], log_every: int, concurrency: int = 4
+) -> dict[str, list[dict]]:
     """Send texts in order to every deployment side by side: `concurrency` slots each take the next
     input i and send it to every deployment at once, then wait for all their answers; so at any
     time each deployment holds at most `concurrency` requests, the same inputs as the others, on
@@ -116,7 +122,10 @@ async def stream(urls: dict[str, str], model: str, texts: list[str], log_every: 
             if i % log_every == 0:
                 async with s.get(f"{url}/v1/thresholds") as resp:
                     thresholds_log[n].append((i, (await resp.json())["thresholds"]))
-            body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [texts[i]]}], "parameters": {"truncate": True}}
+            body = {
+                "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [texts[i]]}],
+                "parameters": {"truncate": True},
+            }
             t0 = time.perf_counter()
             async with s.post(f"{url}/v2/models/{model}/infer", json=body) as resp:
                 answer = await resp.json()
@@ -147,13 +156,18 @@ def windows(results: list[dict], final: np.ndarray, size: int, head: str) -> lis
         ok = [(start + k, r) for k, r in enumerate(chunk) if r.get("status") == 200]
         same = [r["label"] == final[i] for i, r in ok]  # the served answer vs the full model's, every answered input
         agree = np.mean(same) if ok else float("nan")
-        rows.append({
-            "start": start, "answered": len(ok), "errors": len(chunk) - len(ok), "agreement": float(agree),
-            "disagree": int(len(same) - sum(same)),
-            "p50_ms": statistics.median(r["latency_ms"] for _, r in ok) if ok else float("nan"),
-            "exited": float(np.mean([r["ramp"] != head for _, r in ok])) if ok else 0.0,
-            "thresholds": chunk[0].get("thresholds", {}),
-        })
+        rows.append(
+            {
+                "start": start,
+                "answered": len(ok),
+                "errors": len(chunk) - len(ok),
+                "agreement": float(agree),
+                "disagree": int(len(same) - sum(same)),
+                "p50_ms": statistics.median(r["latency_ms"] for _, r in ok) if ok else float("nan"),
+                "exited": float(np.mean([r["ramp"] != head for _, r in ok])) if ok else 0.0,
+                "thresholds": chunk[0].get("thresholds", {}),
+            }
+        )
     return rows
 
 
@@ -168,9 +182,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--budget", type=float, default=0.01)
     ap.add_argument("--shadow", type=float, default=0.5)
     ap.add_argument("--tune-seconds", type=float, default=1.0)
-    ap.add_argument("--headroom", type=float, default=0.25, help="AutoTuner: share of the budget's safe part to tune to")
+    ap.add_argument(
+        "--headroom", type=float, default=0.25, help="AutoTuner: share of the budget's safe part to tune to"
+    )
     ap.add_argument("--drift-z", type=float, default=3.3, help="AutoTuner: early-exit share test (0: off)")
-    ap.add_argument("--no-drift-confirm", action="store_true", help="AutoTuner: act on the first drift alarm (the old loop)")
+    ap.add_argument(
+        "--no-drift-confirm", action="store_true", help="AutoTuner: act on the first drift alarm (the old loop)"
+    )
     ap.add_argument("--savings-samples", type=int, default=1000)
     ap.add_argument("--recent", type=int, default=100, help="AutoTuner: newest samples a breach is judged on")
     ap.add_argument("--alpha", type=float, default=0.05, help="AutoTuner: level of the binomial breach test")
@@ -193,19 +211,40 @@ def main() -> None:
     texts, shift_at = pick_stream(args, bundle, ramps, start)
     _, _, reference = cached_outputs(bundle, texts)
     raw, changes = run_side_by_side(args, bundle, manifest, ramps, start, texts)
-    runs = {name: windows(raw[name], reference, args.window, manifest.final_ramp().name) for name in args.runs.split(",")}
+    runs = {
+        name: windows(raw[name], reference, args.window, manifest.final_ramp().name) for name in args.runs.split(",")
+    }
     summary = report(args, runs, raw, shift_at)
     plot(runs, raw, ramps, args, shift_at)
     if args.json:
         head = manifest.final_ramp().name
-        per_request = {n: [[int(r.get("label") == reference[i]) if r.get("status") == 200 else -1,
-                            int(r.get("ramp", head) != head), round(r.get("latency_ms", -1.0), 2)] for i, r in enumerate(raw[n])]
-                       for n in runs}
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "summary": summary,
-                                         "changes": changes, "per_request [agrees, exited, latency_ms]": per_request}))
+        per_request = {
+            n: [
+                [
+                    int(r.get("label") == reference[i]) if r.get("status") == 200 else -1,
+                    int(r.get("ramp", head) != head),
+                    round(r.get("latency_ms", -1.0), 2),
+                ]
+                for i, r in enumerate(raw[n])
+            ]
+            for n in runs
+        }
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "runs": runs,
+                    "summary": summary,
+                    "changes": changes,
+                    "per_request [agrees, exited, latency_ms]": per_request,
+                }
+            )
+        )
 
 
-def pick_stream(args: argparse.Namespace, bundle: Path, ramps: list[str], start: dict[str, float]) -> tuple[list[str], int]:
+def pick_stream(
+    args: argparse.Namespace, bundle: Path, ramps: list[str], start: dict[str, float]
+) -> tuple[list[str], int]:
     """(the stream's texts: --long long tweets the bundle never saw, then --short short ones; the
     request the shift starts at), after printing the one-time thresholds' agreement per length and
     class on a separate probe of unseen tweets."""
@@ -222,14 +261,20 @@ def pick_stream(args: argparse.Namespace, bundle: Path, ramps: list[str], start:
     t = np.array([start[r] for r in ramps])
     probe_rows = rng.choice(unseen.size, size=args.probe, replace=False)
     conf, pred, final = cached_outputs(bundle, [texts_all[i] for i in unseen[probe_rows]])
-    probe = FeedbackWindow(conf=conf, pred=pred, final=final, saving_ms=np.zeros(len(ramps)), cost_ms=np.zeros(len(ramps)))
+    probe = FeedbackWindow(
+        conf=conf, pred=pred, final=final, saving_ms=np.zeros(len(ramps)), cost_ms=np.zeros(len(ramps))
+    )
     agrees = outcome(probe, t).agrees
     lengths, classes = tokens[probe_rows], labels_all[unseen[probe_rows]]
     print(f"probe ({args.probe} unseen tweets, not streamed): agreement with the full model at the one-time thresholds")
-    for name, mask in ([(f"< {args.short_tokens} tokens", lengths < args.short_tokens),
-                        (f"{args.short_tokens}..{args.long_tokens - 1} tokens", (lengths >= args.short_tokens) & (lengths < args.long_tokens)),
-                        (f">= {args.long_tokens} tokens", lengths >= args.long_tokens)]
-                       + [(f"class {c}", classes == k) for k, c in enumerate(("negative", "neutral", "positive"))]):
+    for name, mask in [
+        (f"< {args.short_tokens} tokens", lengths < args.short_tokens),
+        (
+            f"{args.short_tokens}..{args.long_tokens - 1} tokens",
+            (lengths >= args.short_tokens) & (lengths < args.long_tokens),
+        ),
+        (f">= {args.long_tokens} tokens", lengths >= args.long_tokens),
+    ] + [(f"class {c}", classes == k) for k, c in enumerate(("negative", "neutral", "positive"))]:
         print(f"  {name:>16}: {agrees[mask].mean():.4f} on {int(mask.sum())}")
     left = np.setdiff1d(np.arange(unseen.size), probe_rows)
     long_rows = rng.permutation(left[tokens[left] >= args.long_tokens])
@@ -237,49 +282,78 @@ def pick_stream(args: argparse.Namespace, bundle: Path, ramps: list[str], start:
     if short_rows.size < args.short or long_rows.size < args.long:
         raise SystemExit(f"only {long_rows.size} long and {short_rows.size} short unseen tweets; lower --long/--short")
     phase1, phase2 = unseen[long_rows[: args.long]].tolist(), unseen[short_rows[: args.short]].tolist()
-    print(f"stream: {len(phase1)} tweets of >= {args.long_tokens} tokens, then {len(phase2)} of < {args.short_tokens} tokens "
-          f"(shift at request {len(phase1)})")
+    print(
+        f"stream: {len(phase1)} tweets of >= {args.long_tokens} tokens, then {len(phase2)} of < {args.short_tokens} tokens "
+        f"(shift at request {len(phase1)})"
+    )
     return [texts_all[i] for i in phase1 + phase2], len(phase1)
 
 
-def run_side_by_side(args: argparse.Namespace, bundle: Path, manifest, ramps: list[str], start: dict[str, float],
-                     texts: list[str]) -> tuple[dict[str, list[dict]], dict]:
+def run_side_by_side(
+    args: argparse.Namespace, bundle: Path, manifest, ramps: list[str], start: dict[str, float], texts: list[str]
+) -> tuple[dict[str, list[dict]], dict]:
     """Serve every run of --runs at once, the continual one with the tuning loop, stream `texts`
     through them all; (per run, per request results; the continual run's threshold changes and drift alarms)."""
-    spec = EarlyExitServiceSpec.model_validate({
-        "model": {"name": manifest.name, "bundle": str(bundle)}, "slo": {"latencyMs": 1000},
-        "accuracy": {"maxDrop": args.budget, "shadowFraction": args.shadow}, "pools": [{"name": "cpu"}],
-        "router": {"truncate": True},
-    })
+    spec = EarlyExitServiceSpec.model_validate(
+        {
+            "model": {"name": manifest.name, "bundle": str(bundle)},
+            "slo": {"latencyMs": 1000},
+            "accuracy": {"maxDrop": args.budget, "shadowFraction": args.shadow},
+            "pools": [{"name": "cpu"}],
+            "router": {"truncate": True},
+        }
+    )
     changes: dict = {}
     names = args.runs.split(",")
     with contextlib.ExitStack() as stack:
         urls, tuner = {}, None
         for k, name in enumerate(names):
             thresholds = {r: 2.0 for r in ramps} if name == "vanilla" else dict(start)
-            plan = Plan(service="live", model=manifest.name, splits=[SplitPlan(index=0, first_block=0, last_block=len(manifest.blocks) - 1)],
-                        buckets=BUCKETS, cells=[Cell(split=0, bucket=b, pool="cpu", replicas=1, batch_size=8) for b in BUCKETS],
-                        thresholds=thresholds)
+            plan = Plan(
+                service="live",
+                model=manifest.name,
+                splits=[SplitPlan(index=0, first_block=0, last_block=len(manifest.blocks) - 1)],
+                buckets=BUCKETS,
+                cells=[Cell(split=0, bucket=b, pool="cpu", replicas=1, batch_size=8) for b in BUCKETS],
+                thresholds=thresholds,
+            )
             tmp = stack.enter_context(tempfile.TemporaryDirectory())
             port = args.port + 10 * k
-            urls[name] = stack.enter_context(LocalDeployment(bundle, plan, spec, Path(tmp), port=port, base_port=port + 1)).url
+            urls[name] = stack.enter_context(
+                LocalDeployment(bundle, plan, spec, Path(tmp), port=port, base_port=port + 1)
+            ).url
         if "continual" in urls:
-            config = dataclasses.replace(LIVE, period_s=args.tune_seconds, window=1500, min_samples=100, recent=args.recent,
-                                         alpha=args.alpha, savings_samples=args.savings_samples, headroom=args.headroom,
-                                         drift_z=args.drift_z, drift_confirm=not args.no_drift_confirm)
+            config = dataclasses.replace(
+                LIVE,
+                period_s=args.tune_seconds,
+                window=1500,
+                min_samples=100,
+                recent=args.recent,
+                alpha=args.alpha,
+                savings_samples=args.savings_samples,
+                headroom=args.headroom,
+                drift_z=args.drift_z,
+                drift_confirm=not args.no_drift_confirm,
+            )
             tuner = AutoTuner(urls["continual"], ramps, args.budget, config=config).start()
         t0 = time.time()
         raw = asyncio.run(stream(urls, manifest.name, texts, 100))
         print(f"{', '.join(names)} side by side: {len(texts)} requests each in {time.time() - t0:.0f} s")
         if tuner:
             tuner.stop()
-            changes["continual"] = [{"reason": d.reason, "detail": d.detail, "samples": d.samples} for d in tuner.history if d.thresholds is not None]
+            changes["continual"] = [
+                {"reason": d.reason, "detail": d.detail, "samples": d.samples}
+                for d in tuner.history
+                if d.thresholds is not None
+            ]
             kinds = {}
             for c in changes["continual"]:
                 key = c["detail"].split(":")[0] if c["detail"] else c["reason"]
                 key = "breach" if key.startswith("breach") else key
                 kinds[key] = kinds.get(key, 0) + 1
-            print(f"continual: {len(changes['continual'])} threshold changes ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})")
+            print(
+                f"continual: {len(changes['continual'])} threshold changes ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})"
+            )
             for c in changes["continual"]:
                 print(f"  {c['samples']:>5} samples: {c['reason']} {c['detail']}")
             print(f"continual: drift alarms: {'; '.join(tuner.state.alarm_log) or 'none'}")
@@ -289,41 +363,61 @@ def run_side_by_side(args: argparse.Namespace, bundle: Path, manifest, ramps: li
 
 def report(args: argparse.Namespace, runs: dict[str, list[dict]], raw: dict[str, list[dict]], shift_at: int) -> dict:
     """Print the per-window table and the summary (returned): latency, errors, windows within the budget."""
-    print(f"\nagreement with the full model per window of {args.window} requests (budget: >= {1 - args.budget:.2%}, i.e. at most "
-          f"{allowed_disagreements(args.window, args.budget)} of {args.window} answers differ); the shift starts window {shift_at // args.window}")
+    print(
+        f"\nagreement with the full model per window of {args.window} requests (budget: >= {1 - args.budget:.2%}, i.e. at most "
+        f"{allowed_disagreements(args.window, args.budget)} of {args.window} answers differ); the shift starts window {shift_at // args.window}"
+    )
     names = list(runs)
     print(f"{'window':>6} | " + " | ".join(f"{n:>34}" for n in names))
     for k in range(len(runs[names[0]])):
-        cells = [f"{runs[n][k]['agreement']:.4f} p50 {runs[n][k]['p50_ms']:6.1f}ms exit {runs[n][k]['exited']:.2f}" for n in names]
+        cells = [
+            f"{runs[n][k]['agreement']:.4f} p50 {runs[n][k]['p50_ms']:6.1f}ms exit {runs[n][k]['exited']:.2f}"
+            for n in names
+        ]
         print(f"{k:>6} | " + " | ".join(f"{c:>34}" for c in cells))
     summary = {}
     for n in names:
         rows = runs[n]
-        summary[n] = {"median_p50_ms": float(statistics.median(w["p50_ms"] for w in rows)),
-                      "median_latency_ms": float(statistics.median(r["latency_ms"] for r in raw[n] if r.get("status") == 200)),
-                      "errors": int(sum(w["errors"] for w in rows))}
+        summary[n] = {
+            "median_p50_ms": float(statistics.median(w["p50_ms"] for w in rows)),
+            "median_latency_ms": float(statistics.median(r["latency_ms"] for r in raw[n] if r.get("status") == 200)),
+            "errors": int(sum(w["errors"] for w in rows)),
+        }
         if n != "vanilla":
             after = rows[1:]
-            summary[n].update({
-                "windows_within_budget_after_first": int(sum(w["disagree"] <= allowed_disagreements(w["answered"], args.budget) for w in after)),
-                "windows_after_first": len(after),
-                "min_agreement_after_first": float(min(w["agreement"] for w in after)),
-            })
+            summary[n].update(
+                {
+                    "windows_within_budget_after_first": int(
+                        sum(w["disagree"] <= allowed_disagreements(w["answered"], args.budget) for w in after)
+                    ),
+                    "windows_after_first": len(after),
+                    "min_agreement_after_first": float(min(w["agreement"] for w in after)),
+                }
+            )
     for n, v in summary.items():
-        print(f"{n:>10}: " + ", ".join(f"{k} {val:.4f}" if isinstance(val, float) else f"{k} {val}" for k, val in v.items()))
+        print(
+            f"{n:>10}: "
+            + ", ".join(f"{k} {val:.4f}" if isinstance(val, float) else f"{k} {val}" for k, val in v.items())
+        )
     if "vanilla" in summary:
         for n in names:
             if n != "vanilla":
-                print(f"median latency {n} / vanilla: {summary[n]['median_p50_ms'] / summary['vanilla']['median_p50_ms']:.3f} "
-                      f"(medians of the per-window p50s; of all requests: "
-                      f"{summary[n]['median_latency_ms'] / summary['vanilla']['median_latency_ms']:.3f})")
+                print(
+                    f"median latency {n} / vanilla: {summary[n]['median_p50_ms'] / summary['vanilla']['median_p50_ms']:.3f} "
+                    f"(medians of the per-window p50s; of all requests: "
+                    f"{summary[n]['median_latency_ms'] / summary['vanilla']['median_latency_ms']:.3f})"
+                )
     if "continual" in summary:
         c = summary["continual"]
-        print(f"continual: every window after the first within the budget: "
-              f"{'PASS' if c['windows_within_budget_after_first'] == c['windows_after_first'] else 'FAIL'}")
+        print(
+            f"continual: every window after the first within the budget: "
+            f"{'PASS' if c['windows_within_budget_after_first'] == c['windows_after_first'] else 'FAIL'}"
+        )
     if "one-time" in summary:
         o = summary["one-time"]
-        print(f"one-time: the budget breaks: {'yes' if o['windows_within_budget_after_first'] < o['windows_after_first'] else 'no'}")
+        print(
+            f"one-time: the budget breaks: {'yes' if o['windows_within_budget_after_first'] < o['windows_after_first'] else 'no'}"
+        )
     return summary
 
 

@@ -26,10 +26,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from exitplan.api.plan import Plan  # noqa: E402
-from exitplan.operator import builders  # noqa: E402
 from test_operator_integration import ObservationServer, publish_endpoint, window  # noqa: E402
 from test_operator_support import ClusterThread, install_profiles, pool, service, wait_for  # noqa: E402
+
+from exitplan.api.plan import Plan  # noqa: E402
+from exitplan.operator import builders  # noqa: E402
 
 
 def children_complete(cluster: ClusterThread, ns: str, name: str) -> bool:
@@ -65,9 +66,22 @@ def main() -> None:
     with ClusterThread(tmp) as cluster:
         cluster.create(pool("gpu-a", 4, 3.0))
         cluster.create(pool("gpu-b", 6, 1.0))
-        op = subprocess.Popen([str(Path(sys.executable).with_name("exitplan")), "operator", "--kubeconfig",
-                               str(cluster.kubeconfig), "--tick", "1", "--metrics-port", "0", "--health-port", "0"],
-                              stdout=open(tmp / "operator.log", "wb"), stderr=subprocess.STDOUT)
+        op = subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("exitplan")),
+                "operator",
+                "--kubeconfig",
+                str(cluster.kubeconfig),
+                "--tick",
+                "1",
+                "--metrics-port",
+                "0",
+                "--health-port",
+                "0",
+            ],
+            stdout=open(tmp / "operator.log", "wb"),
+            stderr=subprocess.STDOUT,
+        )
         obs = ObservationServer()
         try:
             for i in range(args.services):
@@ -77,8 +91,19 @@ def main() -> None:
                 manifest = tmp / f"svc{i}.yaml"
                 manifest.write_text(json.dumps(service("minilm", ns, planner=drift)))
                 t0 = time.perf_counter()
-                subprocess.run(["kubectl", f"--kubeconfig={cluster.kubeconfig}", f"--cache-dir={tmp / 'kc'}", "apply",
-                                "--validate=false", "-f", str(manifest)], check=True, capture_output=True)
+                subprocess.run(
+                    [
+                        "kubectl",
+                        f"--kubeconfig={cluster.kubeconfig}",
+                        f"--cache-dir={tmp / 'kc'}",
+                        "apply",
+                        "--validate=false",
+                        "-f",
+                        str(manifest),
+                    ],
+                    check=True,
+                    capture_output=True,
+                )
                 wait_for("children created", lambda: children_complete(cluster, ns, "minilm"), 120)
                 apply_s.append(time.perf_counter() - t0)
                 obs.window = window(950, 50)
@@ -90,15 +115,25 @@ def main() -> None:
             obs.close()
             op.terminate()
             op.wait(30)
-    figures = {"services": args.services,
-               "apply_to_children_s": {"median": statistics.median(apply_s), "max": max(apply_s), "all": apply_s},
-               "drift_to_replan_applied_s": {"median": statistics.median(drift_s), "max": max(drift_s), "all": drift_s,
-                                             "period_s": 5}}
-    print(f"kubectl apply -> all children created: median {figures['apply_to_children_s']['median']:.2f} s, "
-          f"max {figures['apply_to_children_s']['max']:.2f} s over {args.services} services")
-    print(f"drift visible -> re-plan applied:      median {figures['drift_to_replan_applied_s']['median']:.2f} s, "
-          f"max {figures['drift_to_replan_applied_s']['max']:.2f} s (period 5 s; ratio to period "
-          f"{figures['drift_to_replan_applied_s']['median'] / 5:.2f})")
+    figures = {
+        "services": args.services,
+        "apply_to_children_s": {"median": statistics.median(apply_s), "max": max(apply_s), "all": apply_s},
+        "drift_to_replan_applied_s": {
+            "median": statistics.median(drift_s),
+            "max": max(drift_s),
+            "all": drift_s,
+            "period_s": 5,
+        },
+    }
+    print(
+        f"kubectl apply -> all children created: median {figures['apply_to_children_s']['median']:.2f} s, "
+        f"max {figures['apply_to_children_s']['max']:.2f} s over {args.services} services"
+    )
+    print(
+        f"drift visible -> re-plan applied:      median {figures['drift_to_replan_applied_s']['median']:.2f} s, "
+        f"max {figures['drift_to_replan_applied_s']['max']:.2f} s (period 5 s; ratio to period "
+        f"{figures['drift_to_replan_applied_s']['median'] / 5:.2f})"
+    )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

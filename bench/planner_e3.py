@@ -36,8 +36,8 @@ import time
 import numpy as np
 
 from exitplan.api.resources import SLO, EarlyExitServiceSpec, ModelRef, PlannerSettings, PoolRef
-from exitplan.planner.errors import PlanInfeasible
 from exitplan.planner.compare import oracle_for, plan_config, simulate_plan, sustainable_rate
+from exitplan.planner.errors import PlanInfeasible
 from exitplan.planner.simulator import poisson_arrivals
 from exitplan.planner.synthetic import GPUS, bert_base_profile, gpu_pool
 
@@ -49,17 +49,29 @@ LENGTHS = np.array([128])
 
 
 def spec_for(pools: list[str], cost_cap: float | None = None) -> EarlyExitServiceSpec:
-    return EarlyExitServiceSpec(model=ModelRef(name="bert-base-ee", bundle="x"), slo=SLO(latency_ms=SLO_MS), pools=[PoolRef(name=p) for p in pools],
-                                planner=PlannerSettings(max_splits=4, cost_cap_per_hour=cost_cap))
+    return EarlyExitServiceSpec(
+        model=ModelRef(name="bert-base-ee", bundle="x"),
+        slo=SLO(latency_ms=SLO_MS),
+        pools=[PoolRef(name=p) for p in pools],
+        planner=PlannerSettings(max_splits=4, cost_cap_per_hour=cost_cap),
+    )
 
 
 def measure(label: str, result, duration: float, iters: int, compact_exits: bool = True) -> float:
     t = time.perf_counter()
-    rate, res = sustainable_rate(result, LENGTHS, SLO_MS, duration_s=duration, iters=iters, max_wait_ms=MAX_WAIT_MS, compact_exits=compact_exits)
+    rate, res = sustainable_rate(
+        result, LENGTHS, SLO_MS, duration_s=duration, iters=iters, max_wait_ms=MAX_WAIT_MS, compact_exits=compact_exits
+    )
     plan = result.plan
-    layout = " | ".join(f"{s.first_block}-{s.last_block}{' rebatch' if s.rebatch else ''}:" + "+".join(f"{c.replicas}x{c.pool}/b{c.batch_size}" for c in plan.cells if c.split == s.index) for s in plan.splits)
-    print(f"  {label:<10} goodput {rate:8.0f} req/s (planned {plan.prediction.goodput_rps:8.0f}; p99 {res.pct(99):5.1f} ms, "
-          f"cost {plan.prediction.cost_per_hour:5.2f}/h)  {layout}  [{time.perf_counter() - t:.0f} s]")
+    layout = " | ".join(
+        f"{s.first_block}-{s.last_block}{' rebatch' if s.rebatch else ''}:"
+        + "+".join(f"{c.replicas}x{c.pool}/b{c.batch_size}" for c in plan.cells if c.split == s.index)
+        for s in plan.splits
+    )
+    print(
+        f"  {label:<10} goodput {rate:8.0f} req/s (planned {plan.prediction.goodput_rps:8.0f}; p99 {res.pct(99):5.1f} ms, "
+        f"cost {plan.prediction.cost_per_hour:5.2f}/h)  {layout}  [{time.perf_counter() - t:.0f} s]"
+    )
     return rate
 
 
@@ -74,7 +86,9 @@ def sweep(label: str, result, rate: float, duration: float) -> float:
         n = max(2000, int(rate * f * duration))
         arrivals = poisson_arrivals(np.random.default_rng(11), rate * f, n)
         out.append(simulate_plan(result, arrivals, np.full(n, 128), SLO_MS, max_wait_ms=MAX_WAIT_MS).attainment)
-    print(f"  {label:<10} within SLO at " + ", ".join(f"{f:.0%}: {a:.2%}" for f, a in zip(SWEEP, out)) + " of its goodput")
+    print(
+        f"  {label:<10} within SLO at " + ", ".join(f"{f:.0%}: {a:.2%}" for f, a in zip(SWEEP, out)) + " of its goodput"
+    )
     return min(out)
 
 
@@ -84,7 +98,9 @@ def main() -> None:
     if het_cfg not in ("e3", "exitplan"):
         raise SystemExit(f"--het must be e3 or exitplan, got {het_cfg!r}")
     duration, iters = (1.0, 7) if quick else (3.0, 10)
-    print("Part 1: 16 x V100, SLO 100 ms, 80:20 easy:hard (e3: split and replicate; exitplan: the same DP on rebatching splits)")
+    print(
+        "Part 1: 16 x V100, SLO 100 ms, 80:20 easy:hard (e3: split and replicate; exitplan: the same DP on rebatching splits)"
+    )
     pools = {"v100": gpu_pool("v100", 16)}
     profiles = {"v100": bert_base_profile("v100")}
     spec = spec_for(["v100"])
@@ -95,12 +111,16 @@ def main() -> None:
         rates[cfg] = measure(cfg, plans[cfg], duration, iters)
     padded = measure("naive-ee, exited rows keep their slots", plans["naive-ee"], duration, iters, compact_exits=False)
     oracle = oracle_for(plans["e3"], np.full(20000, 128), 1e12)
-    print(f"  {'oracle':<10} goodput {oracle:8.0f} req/s (fluid bound: every GPU busy on exactly the blocks each input needs, best batch, free exits)")
+    print(
+        f"  {'oracle':<10} goodput {oracle:8.0f} req/s (fluid bound: every GPU busy on exactly the blocks each input needs, best batch, free exits)"
+    )
     print("  ratios:")
     for cfg in ("exitplan", "e3"):
         best = rates[cfg]
-        print(f"    {cfg:<8} / naive-ee = {best / rates['naive-ee']:.2f}x (E3 paper: 1.44x), / vanilla = {best / rates['vanilla']:.2f}x "
-              f"(E3 paper: 1.30x), / oracle = {best / oracle:.0%}, / naive-ee with slots kept = {best / padded:.2f}x")
+        print(
+            f"    {cfg:<8} / naive-ee = {best / rates['naive-ee']:.2f}x (E3 paper: 1.44x), / vanilla = {best / rates['vanilla']:.2f}x "
+            f"(E3 paper: 1.30x), / oracle = {best / oracle:.0%}, / naive-ee with slots kept = {best / padded:.2f}x"
+        )
     print(f"    exitplan / e3 = {rates['exitplan'] / rates['e3']:.2f}x (rebatching on top of split and replicate)")
     print("  below the goodput (target 99 % within the SLO at every load):")
     for cfg in ("e3", "exitplan"):
@@ -109,12 +129,18 @@ def main() -> None:
     wide = {"v100": bert_base_profile("v100", batch_sizes=(1, 2, 4, 8, 16, 24, 32))}
     rates_w = {}
     for cfg in ("vanilla", "naive-ee", "e3", "exitplan"):
-        rates_w[cfg] = measure(cfg, plan_config(cfg, "bert", spec, pools, wide, lengths=np.full(1000, 128)), duration, iters)
-    oracle_w = oracle_for(plan_config("e3", "bert", spec, pools, wide, lengths=np.full(1000, 128)), np.full(20000, 128), 1e12)
+        rates_w[cfg] = measure(
+            cfg, plan_config(cfg, "bert", spec, pools, wide, lengths=np.full(1000, 128)), duration, iters
+        )
+    oracle_w = oracle_for(
+        plan_config("e3", "bert", spec, pools, wide, lengths=np.full(1000, 128)), np.full(20000, 128), 1e12
+    )
     print(f"  oracle {oracle_w:.0f} req/s; ratios:")
     for cfg in ("exitplan", "e3"):
-        print(f"    {cfg:<8} / naive-ee = {rates_w[cfg] / rates_w['naive-ee']:.2f}x, / vanilla = {rates_w[cfg] / rates_w['vanilla']:.2f}x, "
-              f"/ oracle = {rates_w[cfg] / oracle_w:.0%}")
+        print(
+            f"    {cfg:<8} / naive-ee = {rates_w[cfg] / rates_w['naive-ee']:.2f}x, / vanilla = {rates_w[cfg] / rates_w['vanilla']:.2f}x, "
+            f"/ oracle = {rates_w[cfg] / oracle_w:.0%}"
+        )
 
     budget = 16 * GPUS["v100"].cost_per_hour
     print(f"Part 2 ({het_cfg}): equal cost {budget:.2f}/h (16 x V100) as V100 only, P100 only, K80 only, or a mix")
@@ -128,8 +154,13 @@ def main() -> None:
             continue
         homo[g] = measure(f"{n} x {g}", res, duration, iters)
     t = time.perf_counter()
-    mix = plan_config(het_cfg, "bert", spec_for(list(counts), budget), {g: gpu_pool(g, n) for g, n in counts.items()},
-                      {g: bert_base_profile(g) for g in counts})
+    mix = plan_config(
+        het_cfg,
+        "bert",
+        spec_for(list(counts), budget),
+        {g: gpu_pool(g, n) for g, n in counts.items()},
+        {g: bert_base_profile(g) for g in counts},
+    )
     solve = time.perf_counter() - t
     het = measure("mix", mix, duration, iters)
     best_g = max(homo, key=homo.get)
@@ -145,8 +176,13 @@ def main() -> None:
             print(f"  {f'{n} x {g}':<10} no plan: {err}")
             continue
         homo[g] = measure(f"{n} x {g}", res, duration, iters)
-    mix = plan_config(het_cfg, "bert", spec_for(list(avail), budget), {g: gpu_pool(g, n) for g, n in avail.items()},
-                      {g: bert_base_profile(g) for g in avail})
+    mix = plan_config(
+        het_cfg,
+        "bert",
+        spec_for(list(avail), budget),
+        {g: gpu_pool(g, n) for g, n in avail.items()},
+        {g: bert_base_profile(g) for g in avail},
+    )
     het = measure("mix", mix, duration, iters)
     best_g = max(homo, key=homo.get)
     print(f"  heterogeneous / best homogeneous ({best_g}) = {het / homo[best_g]:.2f}x within the same cost cap")

@@ -40,12 +40,18 @@ def main() -> None:
         if phase[i] != phase[i - 1]:
             after_switch[i : i + 3] = True
     mask = after_switch[warm:]
-    print(f"{len(s)} windows, 3 phases (80:20, 50:50, 20:80), 11 ramps; one-step-ahead mean absolute error of the survival curve")
+    print(
+        f"{len(s)} windows, 3 phases (80:20, 50:50, 20:80), 11 ramps; one-step-ahead mean absolute error of the survival curve"
+    )
     for b in backtest(s, ("constant", "ewma", "arima"), warmup=warm):
-        print(f"  {b.predictor:<9} overall {b.mae:.4f}  steady {b.errors[~mask].mean():.4f}  3 windows after a switch {b.errors[mask].mean():.4f}  "
-              f"worst {b.max_error:.4f}")
+        print(
+            f"  {b.predictor:<9} overall {b.mae:.4f}  steady {b.errors[~mask].mean():.4f}  3 windows after a switch {b.errors[mask].mean():.4f}  "
+            f"worst {b.max_error:.4f}"
+        )
     jump = np.abs(s[phase == 1].mean(0) - s[phase == 0].mean(0)).mean()
-    print(f"  (the curve moves by {jump:.4f} on average at each switch; the drift limit survivalError defaults to 0.1 max-abs)")
+    print(
+        f"  (the curve moves by {jump:.4f} on average at each switch; the drift limit survivalError defaults to 0.1 max-abs)"
+    )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from exitplan.planner.service import build_problem, rebatching, resolve_inputs
 from exitplan.planner.synthetic import GPUS, easy_hard_survival, gpu_pool, layer_ms, synthetic_profile
 from exitplan.planner.traces import default_trace_path, load_trace
 
-
 CPU_TIMES: dict[str, float] = {}
 
 
@@ -49,13 +48,32 @@ def e3_problem():
     caps = {"v100": 32, "p100": 16, "k80": 16}
     n = 24
     survival = easy_hard_survival(n, 0.8, easy_exit=(4, 10), hard_exit=(20, 24))
-    profiles = {g: synthetic_profile("bert-large-ee", g, n, [128], [1, 2, 4, 8, 16, 24, 32, 48, 64], lambda k, b, L, g=g: layer_ms(GPUS[g], b, L),
-                                     ramp_after=list(range(n - 1)), ramp_ms=lambda b, L, g=g: 0.02 * layer_ms(GPUS[g], b, L),
-                                     survival=survival, output_bytes=lambda L: 768 * 4 * L, weight_bytes=int(7.1e6 * 4)) for g in gpus}
-    spec = EarlyExitServiceSpec(model=ModelRef(name="bert-large-ee", bundle="x"), slo=SLO(latency_ms=200), pools=[PoolRef(name=g) for g in gpus],
-                                planner=PlannerSettings(max_splits=4))
+    profiles = {
+        g: synthetic_profile(
+            "bert-large-ee",
+            g,
+            n,
+            [128],
+            [1, 2, 4, 8, 16, 24, 32, 48, 64],
+            lambda k, b, L, g=g: layer_ms(GPUS[g], b, L),
+            ramp_after=list(range(n - 1)),
+            ramp_ms=lambda b, L, g=g: 0.02 * layer_ms(GPUS[g], b, L),
+            survival=survival,
+            output_bytes=lambda L: 768 * 4 * L,
+            weight_bytes=int(7.1e6 * 4),
+        )
+        for g in gpus
+    }
+    spec = EarlyExitServiceSpec(
+        model=ModelRef(name="bert-large-ee", bundle="x"),
+        slo=SLO(latency_ms=200),
+        pools=[PoolRef(name=g) for g in gpus],
+        planner=PlannerSettings(max_splits=4),
+    )
     inp = resolve_inputs(spec, {g: gpu_pool(g, caps[g]) for g in gpus}, profiles)
-    return build_problem(inp, [128], 4, rebatch=rebatching(spec, inp))  # as plan_service builds it (rebatching on by default)
+    return build_problem(
+        inp, [128], 4, rebatch=rebatching(spec, inp)
+    )  # as plan_service builds it (rebatching on by default)
 
 
 def arlo_instance():
@@ -123,19 +141,25 @@ def main() -> None:
     problem = e3_problem()
     e3_time, sol = median_time(lambda: max_goodput(problem), 11, "e3")
     sol.verify(problem)
-    print(f"E3 DP, 24 blocks x 3 pools (32/16/16 = 64 GPUs), <= 4 splits: median {e3_time * 1e3:.1f} ms wall ({CPU_TIMES['e3'] * 1e3:.1f} ms CPU) over 11 runs "
-          f"({sol.probes} DP probes; {sol.splits} splits, goodput {sol.goodput:.0f} req/s)  [E3 paper: 1.5-3.6 s -> x{1.5 / e3_time:.0f}-{3.6 / e3_time:.0f} faster]")
+    print(
+        f"E3 DP, 24 blocks x 3 pools (32/16/16 = 64 GPUs), <= 4 splits: median {e3_time * 1e3:.1f} ms wall ({CPU_TIMES['e3'] * 1e3:.1f} ms CPU) over 11 runs "
+        f"({sol.probes} DP probes; {sol.splits} splits, goodput {sol.goodput:.0f} req/s)  [E3 paper: 1.5-3.6 s -> x{1.5 / e3_time:.0f}-{3.6 / e3_time:.0f} faster]"
+    )
     demand, mu = arlo_instance()
     arlo_time, alloc = median_time(lambda: allocate(demand, mu, 1000), 21, "arlo")
     alloc.verify(demand, mu, 1000)
     t = time.perf_counter()
     ref = scip_utilisation(demand, mu, 1000)
     scip_s = time.perf_counter() - t
-    print(f"Arlo allocation, 1,000 instances x 16 buckets: median {arlo_time * 1e3:.2f} ms over 21 runs; peak utilisation "
-          f"{alloc.utilisation:.6f} vs SCIP MIP bisection {ref:.6f} (rel. diff {abs(alloc.utilisation - ref) / ref:.1e}, SCIP took {scip_s:.1f} s)  "
-          f"[Arlo paper: 2.6 s with Gurobi]")
+    print(
+        f"Arlo allocation, 1,000 instances x 16 buckets: median {arlo_time * 1e3:.2f} ms over 21 runs; peak utilisation "
+        f"{alloc.utilisation:.6f} vs SCIP MIP bisection {ref:.6f} (rel. diff {abs(alloc.utilisation - ref) / ref:.1e}, SCIP took {scip_s:.1f} s)  "
+        f"[Arlo paper: 2.6 s with Gurobi]"
+    )
     bucket_rate, hop_rate = dispatch_rates()
-    print(f"Algorithm 1 at 1,200 instances x 12 buckets: {bucket_rate:,.0f} bucket decisions/s; DensePipe hop over 100 replicas: {hop_rate:,.0f}/s")
+    print(
+        f"Algorithm 1 at 1,200 instances x 12 buckets: {bucket_rate:,.0f} bucket decisions/s; DensePipe hop over 100 replicas: {hop_rate:,.0f}/s"
+    )
 
 
 if __name__ == "__main__":

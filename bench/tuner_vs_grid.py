@@ -32,8 +32,8 @@ from rich.table import Table
 from tqdm import tqdm
 
 from exitplan.planner.tuning.grid import grid_search
-from exitplan.planner.tuning.thresholds import FeedbackWindow, allowed_disagreements, outcome, tune
 from exitplan.planner.tuning.synthetic_windows import synthetic_window
+from exitplan.planner.tuning.thresholds import FeedbackWindow, allowed_disagreements, outcome, tune
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WINDOW = REPO / "artifacts" / "bundles" / "minilm" / "data" / "window.npz"
@@ -70,15 +70,25 @@ def run(windows, total: int, console: Console) -> list[dict]:
         grid = grid_search(w, budget, step)
         grid_s = time.perf_counter() - began
         allowed = allowed_disagreements(w.n_inputs, budget)
-        rec = {"source": source, "ramps": w.n_ramps, "budget": budget, "grid_step": step,
-               "grid_saving_ms": grid.saving_ms, "grid_agreement": grid.agreement, "grid_s": grid_s, "tuners": {}}
+        rec = {
+            "source": source,
+            "ramps": w.n_ramps,
+            "budget": budget,
+            "grid_step": step,
+            "grid_saving_ms": grid.saving_ms,
+            "grid_agreement": grid.agreement,
+            "grid_s": grid_s,
+            "tuners": {},
+        }
         for name, kwargs in METHODS.items():
             began = time.perf_counter()
             res = tune(w, budget, **kwargs)
             took = time.perf_counter() - began
             out = outcome(w, res.thresholds)  # judged on the window, not on what the tuner says
             rec["tuners"][name] = {
-                "saving_ms": out.saving_ms, "agreement": out.agreement, "s": took,
+                "saving_ms": out.saving_ms,
+                "agreement": out.agreement,
+                "s": took,
                 "budget_held": bool(w.n_inputs - out.agree_count <= allowed),
                 "ratio": out.saving_ms / grid.saving_ms if grid.saving_ms > 1e-9 else None,
                 "not_below_grid": bool(out.saving_ms >= grid.saving_ms - 1e-9),
@@ -90,8 +100,20 @@ def run(windows, total: int, console: Console) -> list[dict]:
 def summarize(records: list[dict], console: Console) -> dict:
     summary = {}
     table = Table(title="tuner saving / grid-optimum saving (same window, budget checked on the window)")
-    for col in ("source", "ramps", "tuner", "windows", "median", "p5", "worst", ">= 99.5 %", "budget held",
-                "grid saves 0: tuner >= grid", "tune ms (median)", "grid ms (median)"):
+    for col in (
+        "source",
+        "ramps",
+        "tuner",
+        "windows",
+        "median",
+        "p5",
+        "worst",
+        ">= 99.5 %",
+        "budget held",
+        "grid saves 0: tuner >= grid",
+        "tune ms (median)",
+        "grid ms (median)",
+    ):
         table.add_column(col, justify="left" if col in ("source", "tuner") else "right")
     groups = sorted({(r["source"], r["ramps"]) for r in records}) + sorted({(r["source"], 0) for r in records})
     for source, ramps in groups:
@@ -102,19 +124,26 @@ def summarize(records: list[dict], console: Console) -> dict:
             held = sum(r["tuners"][name]["budget_held"] for r in rows)
             key = f"{source}/{'all' if ramps == 0 else ramps}/{name}"
             summary[key] = {
-                "windows": len(rows), "median": float(np.median(ratios)) if ratios.size else None,
+                "windows": len(rows),
+                "median": float(np.median(ratios)) if ratios.size else None,
                 "p5": float(np.percentile(ratios, 5)) if ratios.size else None,
                 "worst": float(ratios.min()) if ratios.size else None,
                 "share_ge_0995": float((ratios >= 0.995).mean()) if ratios.size else None,
-                "budget_held": held, "grid_zero": len(zero),
+                "budget_held": held,
+                "grid_zero": len(zero),
                 "grid_zero_not_below": sum(r["tuners"][name]["not_below_grid"] for r in zero),
             }
             s = summary[key]
             table.add_row(
-                source, "all" if ramps == 0 else str(ramps), name, str(len(rows)),
-                f"{s['median']:.4f}" if ratios.size else "-", f"{s['p5']:.4f}" if ratios.size else "-",
+                source,
+                "all" if ramps == 0 else str(ramps),
+                name,
+                str(len(rows)),
+                f"{s['median']:.4f}" if ratios.size else "-",
+                f"{s['p5']:.4f}" if ratios.size else "-",
                 f"{s['worst']:.4f}" if ratios.size else "-",
-                f"{s['share_ge_0995']:.1%}" if ratios.size else "-", f"{held}/{len(rows)}",
+                f"{s['share_ge_0995']:.1%}" if ratios.size else "-",
+                f"{held}/{len(rows)}",
                 f"{s['grid_zero_not_below']}/{len(zero)}",
                 f"{1e3 * np.median([r['tuners'][name]['s'] for r in rows]):.2f}",
                 f"{1e3 * np.median([r['grid_s'] for r in rows]):.1f}",
@@ -138,9 +167,11 @@ def main() -> int:
     real_note = None
     if args.window.exists():
         source = FeedbackWindow.load(args.window)
-        console.print(f"MiniLM window: {args.window} ({source.n_inputs} held-out inputs, {source.n_ramps} ramps: "
-                      f"{', '.join(source.ramps)}); {N_INPUTS} inputs per window drawn "
-                      f"{'with' if source.n_inputs < N_INPUTS else 'without'} replacement")
+        console.print(
+            f"MiniLM window: {args.window} ({source.n_inputs} held-out inputs, {source.n_ramps} ramps: "
+            f"{', '.join(source.ramps)}); {N_INPUTS} inputs per window drawn "
+            f"{'with' if source.n_inputs < N_INPUTS else 'without'} replacement"
+        )
         records += run(real_windows(source, args.windows, rng), args.windows, console)
     else:
         real_note = f"NO REAL WINDOWS: {args.window} does not exist (build the bundle with `exitplan prepare`); only synthetic windows were measured"
@@ -149,15 +180,23 @@ def main() -> int:
     verdicts = []
     for source in sorted({r["source"] for r in records}):
         s = summary[f"{source}/all/{DEFAULT}"]
-        ok = (s["median"] is not None and s["median"] >= 0.995 and s["worst"] >= 0.97
-              and s["budget_held"] == s["windows"] and s["grid_zero_not_below"] == s["grid_zero"])
+        ok = (
+            s["median"] is not None
+            and s["median"] >= 0.995
+            and s["worst"] >= 0.97
+            and s["budget_held"] == s["windows"]
+            and s["grid_zero_not_below"] == s["grid_zero"]
+        )
         verdicts.append(ok)
-        console.print(f"{source}: default tuner median {s['median']:.4f} (>= 0.995), worst {s['worst']:.4f} (>= 0.97), "
-                      f"budget held {s['budget_held']}/{s['windows']}: {'PASS' if ok else 'FAIL'}")
+        console.print(
+            f"{source}: default tuner median {s['median']:.4f} (>= 0.995), worst {s['worst']:.4f} (>= 0.97), "
+            f"budget held {s['budget_held']}/{s['windows']}: {'PASS' if ok else 'FAIL'}"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"summary": summary, "real_windows_missing": real_note, "records": records},
-                                        indent=1))
+        args.json.write_text(
+            json.dumps({"summary": summary, "real_windows_missing": real_note, "records": records}, indent=1)
+        )
     return 0 if all(verdicts) and real_note is None else 1
 
 

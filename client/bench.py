@@ -17,11 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from exitplan.planner.traces import LengthMode, Trace, TraceError, default_trace_path, load_trace
-
 from exitplan.client.loadgen import Outcome, replay
 from exitplan.client.report import BenchReport, summarize
 from exitplan.client.texts import HeldoutPool, ReferenceCache, build_inputs, check_labels, load_pool
+from exitplan.planner.traces import LengthMode, Trace, TraceError, default_trace_path, load_trace
 
 DEFAULT_TIMEOUT_S = 30.0
 """Client-side patience per request: far above any SLO the router enforces (its hard timeout is
@@ -69,7 +68,9 @@ def model_info(url: str, model: str) -> ModelInfo:
         buckets = [int(b) for b in params["buckets"]]
         ramps = [str(r) for r in params.get("ramps", [])]
     except (KeyError, TypeError, ValueError) as err:
-        raise BenchError(f"{base}/v2/models/{model}: metadata lacks parameters.labels/buckets ({err}); is this an exitplan router?") from err
+        raise BenchError(
+            f"{base}/v2/models/{model}: metadata lacks parameters.labels/buckets ({err}); is this an exitplan router?"
+        ) from err
     return ModelInfo(base, model, labels, buckets, ramps, _router_slo_ms(base))
 
 
@@ -143,8 +144,16 @@ def schedule(
         raise BenchError(f"--start must be >= 0 seconds, got {start}")
 
     def window(s: float) -> Schedule:
-        cut = load_trace(path, max_length=max_length, length_mode=length_mode, reference_max=reference_max, speed=s,
-                         start=start, duration=duration, limit=limit)
+        cut = load_trace(
+            path,
+            max_length=max_length,
+            length_mode=length_mode,
+            reference_max=reference_max,
+            speed=s,
+            start=start,
+            duration=duration,
+            limit=limit,
+        )
         return Schedule(cut, s, duration if duration is not None else cut.duration)
 
     try:
@@ -234,28 +243,61 @@ async def run_bench_async(
     if timeout_s <= 0:
         raise BenchError(f"the client timeout must be > 0 seconds, got {timeout_s}")
     plan = await asyncio.to_thread(
-        schedule, trace, max_length=max(info.buckets), length_mode=length_mode, reference_max=reference_max, rps=rps,
-        speed=speed, start=start, duration=duration, limit=limit,
+        schedule,
+        trace,
+        max_length=max(info.buckets),
+        length_mode=length_mode,
+        reference_max=reference_max,
+        rps=rps,
+        speed=speed,
+        start=start,
+        duration=duration,
+        limit=limit,
     )
     window = plan.trace
     inputs = await asyncio.to_thread(  # may run the full model on concatenations: off the event loop
-        build_inputs, setup.pool, window.lengths, max_length=max(info.buckets), seed=seed, references=setup.references,
+        build_inputs,
+        setup.pool,
+        window.lengths,
+        max_length=max(info.buckets),
+        seed=seed,
+        references=setup.references,
         progress=progress,
     )
     outcomes = await _replay_with_progress(info, inputs.bodies, window.timestamps, timeout_s, progress)
     run = {
-        "trace": window.source, "trace_name": Path(window.source).name, "length_mode": length_mode,
-        "reference_max": reference_max, "speed": plan.speed, "target_rps": rps, "start_s": start, "duration_s": duration,
-        "limit": limit, "window_s": plan.window_s, "seed": seed, "timeout_s": timeout_s, "buckets": info.buckets,
+        "trace": window.source,
+        "trace_name": Path(window.source).name,
+        "length_mode": length_mode,
+        "reference_max": reference_max,
+        "speed": plan.speed,
+        "target_rps": rps,
+        "start_s": start,
+        "duration_s": duration,
+        "limit": limit,
+        "window_s": plan.window_s,
+        "seed": seed,
+        "timeout_s": timeout_s,
+        "buckets": info.buckets,
         "inputs": {
-            "target_length_mean": float(window.lengths.mean()), "sent_length_mean": float(inputs.lengths.mean()),
+            "target_length_mean": float(window.lengths.mean()),
+            "sent_length_mean": float(inputs.lengths.mean()),
             "length_abs_error_mean": float(abs(inputs.lengths - window.lengths).mean()),
-            "concatenated": inputs.concatenated, "distinct_inputs": len(set(inputs.parts)), "heldout_size": len(setup.pool),
+            "concatenated": inputs.concatenated,
+            "distinct_inputs": len(set(inputs.parts)),
+            "heldout_size": len(setup.pool),
         },
     }
     report = summarize(
-        outcomes, inputs.reference, inputs.truth, slo_ms=slo, url=info.url, model=info.model,
-        ramp_order=info.ramps, window_s=plan.window_s, run=run,
+        outcomes,
+        inputs.reference,
+        inputs.truth,
+        slo_ms=slo,
+        url=info.url,
+        model=info.model,
+        ramp_order=info.ramps,
+        window_s=plan.window_s,
+        run=run,
     )
     report.router = await asyncio.to_thread(router_observations, info.url)
     return report
@@ -267,8 +309,13 @@ async def _replay_with_progress(info: ModelInfo, bodies, arrivals, timeout_s: fl
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     counts = {"ok": 0, "err": 0, "lost": 0}
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("ok {task.fields[ok]}  errors {task.fields[err]}  lost {task.fields[lost]}")]
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ok {task.fields[ok]}  errors {task.fields[err]}  lost {task.fields[lost]}"),
+    ]
     with Progress(*columns, transient=False) as bar:
         task = bar.add_task(f"replaying {len(bodies)} requests", total=len(bodies), **counts)
 
@@ -309,10 +356,23 @@ def run_bench(
     full model's answers for concatenations across runs (the router's metadata is read again each run).
     """
     setup = setup.retarget(url, model) if setup is not None else BenchSetup.connect(url, model, bundle)
-    return asyncio.run(run_bench_async(
-        setup, trace, rps=rps, speed=speed, start=start, duration=duration, limit=limit, slo_ms=slo_ms, seed=seed,
-        length_mode=length_mode, reference_max=reference_max, timeout_s=timeout_s, progress=progress,
-    ))
+    return asyncio.run(
+        run_bench_async(
+            setup,
+            trace,
+            rps=rps,
+            speed=speed,
+            start=start,
+            duration=duration,
+            limit=limit,
+            slo_ms=slo_ms,
+            seed=seed,
+            length_mode=length_mode,
+            reference_max=reference_max,
+            timeout_s=timeout_s,
+            progress=progress,
+        )
+    )
 
 
 # ---------------------------------------------------------------------------- capacity
@@ -328,7 +388,8 @@ class CapacityResult:
 
     def to_dict(self) -> dict:
         return {
-            "capacity_rps": self.capacity_rps, "reason": self.reason,
+            "capacity_rps": self.capacity_rps,
+            "reason": self.reason,
             "steps": [s.to_dict() for s in self.steps],
         }
 
@@ -340,8 +401,14 @@ class CapacityResult:
             table.add_column(col, justify="right")
         for s in self.steps:
             p99 = s.latency_ms["p99"]
-            table.add_row(f"{s.offered_rps:.1f}", f"{s.goodput_rps:.1f}", "-" if p99 is None else f"{p99:.1f}",
-                          str(s.results), str(s.error_total), str(s.lost))
+            table.add_row(
+                f"{s.offered_rps:.1f}",
+                f"{s.goodput_rps:.1f}",
+                "-" if p99 is None else f"{p99:.1f}",
+                str(s.results),
+                str(s.error_total),
+                str(s.lost),
+            )
         return table
 
 
@@ -386,10 +453,20 @@ def find_capacity(
     rps = start_rps
     reason = f"reached {max_steps} steps"
     for _ in range(max_steps):
-        report = asyncio.run(run_bench_async(
-            setup, trace, rps=rps, duration=step_duration, slo_ms=slo_ms, seed=seed, length_mode=length_mode,
-            reference_max=reference_max, timeout_s=timeout_s, progress=progress,
-        ))
+        report = asyncio.run(
+            run_bench_async(
+                setup,
+                trace,
+                rps=rps,
+                duration=step_duration,
+                slo_ms=slo_ms,
+                seed=seed,
+                length_mode=length_mode,
+                reference_max=reference_max,
+                timeout_s=timeout_s,
+                progress=progress,
+            )
+        )
         steps.append(report)
         grew = report.goodput_rps > best * (1.0 + min_growth)
         best = max(best, report.goodput_rps)

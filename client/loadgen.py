@@ -110,9 +110,13 @@ async def _one(
     except TimeoutError:
         return Outcome(index, scheduled, sent, "lost", error=f"no answer within {timeout_s:g} s")
     except (aiohttp.ClientError, OSError) as err:
-        return Outcome(index, scheduled, sent, "transport", done_s=loop.time() - start, error=f"{type(err).__name__}: {err}")
+        return Outcome(
+            index, scheduled, sent, "transport", done_s=loop.time() - start, error=f"{type(err).__name__}: {err}"
+        )
     if status != 200:
-        return Outcome(index, scheduled, sent, classify(status), status, done, retry_after=retry_after, error=_error_text(payload))
+        return Outcome(
+            index, scheduled, sent, classify(status), status, done, retry_after=retry_after, error=_error_text(payload)
+        )
     try:
         label, ramp = parse_answer(payload)
     except ValueError as err:
@@ -151,6 +155,8 @@ async def replay(
                 await asyncio.sleep(delay)
             task = asyncio.create_task(_one(session, endpoint, index, body, float(at), start, timeout_s))
             if on_done is not None:
-                task.add_done_callback(lambda t: on_done(t.result()) if not t.cancelled() and t.exception() is None else None)
+                task.add_done_callback(
+                    lambda t: on_done(t.result()) if not t.cancelled() and t.exception() is None else None
+                )
             tasks.append(task)
         return list(await asyncio.gather(*tasks))

@@ -60,7 +60,9 @@ def closest_choice(target: int, sorted_lengths: np.ndarray, order: np.ndarray, r
     return int(order[lo + int(rng.integers(hi - lo))])
 
 
-def match_lengths(targets: Sequence[int], lengths: Sequence[int], max_length: int, seed: int = 0) -> list[tuple[int, ...]]:
+def match_lengths(
+    targets: Sequence[int], lengths: Sequence[int], max_length: int, seed: int = 0
+) -> list[tuple[int, ...]]:
     """For each target length, the pool indices whose texts (concatenated if more than one) match it.
 
     `lengths` are token lengths of separately tokenized texts (special tokens included). Only texts
@@ -211,7 +213,9 @@ def text_body(text: str) -> bytes:
 
 
 def tensor_body(name: str, array: np.ndarray) -> bytes:
-    datatype = {"float32": "FP32", "float16": "FP16", "int64": "INT64", "int32": "INT32", "uint8": "UINT8"}[str(array.dtype)]
+    datatype = {"float32": "FP32", "float16": "FP16", "int64": "INT64", "int32": "INT32", "uint8": "UINT8"}[
+        str(array.dtype)
+    ]
     return json.dumps(
         {"inputs": [{"name": name, "datatype": datatype, "shape": [1, *array.shape], "data": array.ravel().tolist()}]}
     ).encode()
@@ -238,7 +242,9 @@ class ReferenceCache:
         preds = np.zeros(len(token_lists), dtype=np.int64)
         buckets = np.array([bucket_for(len(t), runtime.buckets) for t in token_lists])
         final = self.pool.manifest.final_ramp().name
-        bar = tqdm(total=len(token_lists), desc="full-model answers for concatenated texts", disable=not progress, leave=False)
+        bar = tqdm(
+            total=len(token_lists), desc="full-model answers for concatenated texts", disable=not progress, leave=False
+        )
         for bucket in np.unique(buckets):
             rows = np.flatnonzero(buckets == bucket)
             for start in range(0, rows.size, 32):
@@ -293,8 +299,11 @@ def build_inputs(
         want = np.dtype(pool.manifest.inputs[0].dtype)
         return RequestInputs(
             bodies=[tensor_body(name, pool.x[p].astype(want)) for p in picks],
-            target_lengths=targets, lengths=np.ones(targets.size, dtype=np.int64), parts=[(p,) for p in picks],
-            reference=[labels[int(pool.full_pred[p])] for p in picks], truth=[labels[int(pool.labels[p])] for p in picks],
+            target_lengths=targets,
+            lengths=np.ones(targets.size, dtype=np.int64),
+            parts=[(p,) for p in picks],
+            reference=[labels[int(pool.full_pred[p])] for p in picks],
+            truth=[labels[int(pool.labels[p])] for p in picks],
         )
     assert pool.texts is not None and pool.lengths is not None
     parts = match_lengths(targets, pool.lengths, max_length, seed)

@@ -60,7 +60,13 @@ BUILTINS: list[tuple[str, str, bool, list[str], list[str]]] = [
     ("v1/endpoints", "Endpoints", True, ["ep"], []),
     ("apps/v1/deployments", "Deployment", True, ["deploy"], ["status"]),
     ("batch/v1/jobs", "Job", True, [], ["status"]),
-    ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, ["crd", "crds"], ["status"]),
+    (
+        "apiextensions.k8s.io/v1/customresourcedefinitions",
+        "CustomResourceDefinition",
+        False,
+        ["crd", "crds"],
+        ["status"],
+    ),
     ("kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering", False, [], ["status"]),
     ("kopf.dev/v1/kopfpeerings", "KopfPeering", True, [], ["status"]),
 ]
@@ -73,7 +79,7 @@ MAX_EVENTS_STORED = 2000
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def _error(status: int, reason: str, message: str) -> kmock.KubernetesError:
@@ -101,9 +107,14 @@ def parse_label_selector(text: str) -> list[tuple[str, str, tuple[str, ...]]]:
 def labels_match(labels: dict[str, str], terms: list[tuple[str, str, tuple[str, ...]]]) -> bool:
     for key, op, values in terms:
         have = labels.get(key)
-        ok = {"=": have == values[0] if values else False, "!=": have != values[0],
-              "exists": key in labels, "!": key not in labels,
-              "in": have in values, "notin": have not in values}[op]
+        ok = {
+            "=": have == values[0] if values else False,
+            "!=": have != values[0],
+            "exists": key in labels,
+            "!": key not in labels,
+            "in": have in values,
+            "notin": have not in values,
+        }[op]
         if not ok:
             return False
     return True
@@ -149,8 +160,9 @@ class DevKubeAPI(kmock.KubernetesEmulator):
     kopf, kubectl and the exitplan operator rely on (see the module docstring)."""
 
     _rv: int = attrs.field(default=0, init=False)
-    _log: dict[Any, collections.deque] = attrs.field(factory=lambda: collections.defaultdict(
-        lambda: collections.deque(maxlen=EVENT_LOG)), init=False)
+    _log: dict[Any, collections.deque] = attrs.field(
+        factory=lambda: collections.defaultdict(lambda: collections.deque(maxlen=EVENT_LOG)), init=False
+    )
     _first_rv: dict[Any, int] = attrs.field(factory=dict, init=False)
     _validators: dict[Any, devschema.Validator] = attrs.field(factory=dict, init=False)
     _columns: dict[Any, list[dict[str, Any]]] = attrs.field(factory=dict, init=False)
@@ -159,8 +171,14 @@ class DevKubeAPI(kmock.KubernetesEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         for key, kind, namespaced, short, subresources in BUILTINS:
-            self.resources[key] = kmock.ResourceInfo(kind=kind, singular=kind.lower(), namespaced=namespaced,
-                                                     verbs=VERBS, shortnames=short, subresources=subresources)
+            self.resources[key] = kmock.ResourceInfo(
+                kind=kind,
+                singular=kind.lower(),
+                namespaced=namespaced,
+                verbs=VERBS,
+                shortnames=short,
+                subresources=subresources,
+            )
         for name in ("default", "kube-system"):
             self.put_object("v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
 
@@ -181,8 +199,11 @@ class DevKubeAPI(kmock.KubernetesEmulator):
     def list_objects(self, resource: str, namespace: str | None = None, selector: str = "") -> list[Payload]:
         res = kmock.resource(resource)
         terms = parse_label_selector(selector)
-        return [copy.deepcopy(o) for o in self._live(res, namespace)
-                if labels_match(o.get("metadata", {}).get("labels") or {}, terms)]
+        return [
+            copy.deepcopy(o)
+            for o in self._live(res, namespace)
+            if labels_match(o.get("metadata", {}).get("labels") or {}, terms)
+        ]
 
     # ------------------------------------------------------------ helpers
 
@@ -199,8 +220,11 @@ class DevKubeAPI(kmock.KubernetesEmulator):
         return res
 
     def _live(self, res: kmock.resource, namespace: str | None) -> list[Payload]:
-        return [obj.raw for (r, ns, _), obj in self._objects.items()
-                if r == res and not obj.deleted and (namespace is None or ns == namespace)]
+        return [
+            obj.raw
+            for (r, ns, _), obj in self._objects.items()
+            if r == res and not obj.deleted and (namespace is None or ns == namespace)
+        ]
 
     def _record(self, res: kmock.resource, kind: str, obj: Payload, notify: bool = True) -> None:
         event = {"type": kind, "object": copy.deepcopy(obj)}
@@ -287,13 +311,21 @@ class DevKubeAPI(kmock.KubernetesEmulator):
                 data = _strip_directives(data)
                 want_rv = (data.get("metadata") or {}).get("resourceVersion")
                 if want_rv and want_rv != old["metadata"]["resourceVersion"]:
-                    raise _error(409, "Conflict", f'Operation cannot be fulfilled on {res.plural} "{request.name}": '
-                                 "the object has been modified; please apply your changes to the latest version")
+                    raise _error(
+                        409,
+                        "Conflict",
+                        f'Operation cannot be fulfilled on {res.plural} "{request.name}": '
+                        "the object has been modified; please apply your changes to the latest version",
+                    )
                 new = merge_patch(old, data)
         except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict, jsonpatch.InvalidJsonPatch) as err:
             raise _error(422, "Invalid", f"the JSON patch does not apply: {err}") from err
         if status_only:  # the status subresource changes only the status
-            new = {**old, "status": new.get("status")} if "status" in new else {k: v for k, v in old.items() if k != "status"}
+            new = (
+                {**old, "status": new.get("status")}
+                if "status" in new
+                else {k: v for k, v in old.items() if k != "status"}
+            )
         elif has_status:  # ... and the main endpoint never changes it
             new = {k: v for k, v in new.items() if k != "status"}
             if "status" in old:
@@ -372,9 +404,14 @@ class DevKubeAPI(kmock.KubernetesEmulator):
         for version in spec.get("versions", []):
             res = kmock.resource(spec.get("group", ""), version["name"], names.get("plural"))
             self.resources[res] = kmock.ResourceInfo(
-                kind=names.get("kind"), singular=names.get("singular") or names.get("kind", "").lower(),
-                namespaced=spec.get("scope") == "Namespaced", verbs=VERBS, shortnames=names.get("shortNames", []),
-                categories=names.get("categories", []), subresources=list(version.get("subresources", {})))
+                kind=names.get("kind"),
+                singular=names.get("singular") or names.get("kind", "").lower(),
+                namespaced=spec.get("scope") == "Namespaced",
+                verbs=VERBS,
+                shortnames=names.get("shortNames", []),
+                categories=names.get("categories", []),
+                subresources=list(version.get("subresources", {})),
+            )
             schema = (version.get("schema") or {}).get("openAPIV3Schema")
             if schema:
                 self._validators[res] = devschema.Validator(schema)
@@ -430,15 +467,22 @@ class DevKubeAPI(kmock.KubernetesEmulator):
         res = self._known(request.resource)
         terms = parse_label_selector(request.params.get("labelSelector", ""))
         fields = request.params.get("fieldSelector", "")
-        items = [copy.deepcopy(o) for o in self._live(res, request.namespace)
-                 if labels_match(o.get("metadata", {}).get("labels") or {}, terms) and _field_match(o, fields)]
+        items = [
+            copy.deepcopy(o)
+            for o in self._live(res, request.namespace)
+            if labels_match(o.get("metadata", {}).get("labels") or {}, terms) and _field_match(o, fields)
+        ]
         items.sort(key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
         if self._wants_table(request):
             return self._table(res, items)
         info = self.resources[res]
         api_version = f"{res.group}/{res.version}" if res.group else res.version
-        return {"apiVersion": api_version, "kind": f"{info.kind}List",
-                "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+        return {
+            "apiVersion": api_version,
+            "kind": f"{info.kind}List",
+            "metadata": {"resourceVersion": str(self._rv)},
+            "items": items,
+        }
 
     async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
         yield b""
@@ -453,8 +497,19 @@ class DevKubeAPI(kmock.KubernetesEmulator):
             if since and since != "0":
                 first = self._first_rv.get(res, 0)
                 if len(self._log[res]) == EVENT_LOG and int(since) < first:
-                    backlog = [{"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                "code": 410, "reason": "Expired", "message": f"too old resource version: {since}"}}]
+                    backlog = [
+                        {
+                            "type": "ERROR",
+                            "object": {
+                                "kind": "Status",
+                                "apiVersion": "v1",
+                                "status": "Failure",
+                                "code": 410,
+                                "reason": "Expired",
+                                "message": f"too old resource version: {since}",
+                            },
+                        }
+                    ]
                 else:
                     backlog = [e for rv, e in self._log[res] if rv > int(since)]
             else:
@@ -465,8 +520,11 @@ class DevKubeAPI(kmock.KubernetesEmulator):
             if event.get("type") == "ERROR":
                 return True
             meta = obj.get("metadata", {})
-            return ((request.namespace is None or meta.get("namespace") == request.namespace)
-                    and labels_match(meta.get("labels") or {}, terms) and _field_match(obj, fields))
+            return (
+                (request.namespace is None or meta.get("namespace") == request.namespace)
+                and labels_match(meta.get("labels") or {}, terms)
+                and _field_match(obj, fields)
+            )
 
         try:
             for event in backlog:
@@ -508,7 +566,9 @@ class DevKubeAPI(kmock.KubernetesEmulator):
     def _table(self, res: kmock.resource, items: list[Payload]) -> Payload:
         columns = [{"name": "Name", "type": "string", "format": "name", "priority": 0}]
         extra = self._columns.get(res) or []
-        columns += [{"name": c["name"], "type": c.get("type", "string"), "priority": c.get("priority", 0)} for c in extra]
+        columns += [
+            {"name": c["name"], "type": c.get("type", "string"), "priority": c.get("priority", 0)} for c in extra
+        ]
         rows = []
         for obj in items:
             cells: list[Any] = [obj["metadata"]["name"]]
@@ -517,10 +577,19 @@ class DevKubeAPI(kmock.KubernetesEmulator):
                 if col.get("type") == "date" and isinstance(value, str):
                     value = devschema.age(value)
                 cells.append(value)
-            partial = {"apiVersion": obj.get("apiVersion"), "kind": "PartialObjectMetadata", "metadata": obj["metadata"]}
+            partial = {
+                "apiVersion": obj.get("apiVersion"),
+                "kind": "PartialObjectMetadata",
+                "metadata": obj["metadata"],
+            }
             rows.append({"cells": cells, "object": partial})
-        return {"apiVersion": "meta.k8s.io/v1", "kind": "Table",
-                "metadata": {"resourceVersion": str(self._rv)}, "columnDefinitions": columns, "rows": rows}
+        return {
+            "apiVersion": "meta.k8s.io/v1",
+            "kind": "Table",
+            "metadata": {"resourceVersion": str(self._rv)},
+            "columnDefinitions": columns,
+            "rows": rows,
+        }
 
 
 class ApiServer:
@@ -552,10 +621,19 @@ class ApiServer:
 
     def kubeconfig(self, namespace: str = "default") -> str:
         """A kubeconfig (YAML text) for kubectl and the operator."""
-        return json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "exitplan-dev",
-            "clusters": [{"name": "exitplan-dev", "cluster": {"server": self.url}}],
-            "users": [{"name": "exitplan-dev", "user": {"token": "exitplan-dev"}}],
-            "contexts": [{"name": "exitplan-dev", "context": {"cluster": "exitplan-dev", "user": "exitplan-dev",
-                                                              "namespace": namespace}}],
-        }, indent=2)
+        return json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "exitplan-dev",
+                "clusters": [{"name": "exitplan-dev", "cluster": {"server": self.url}}],
+                "users": [{"name": "exitplan-dev", "user": {"token": "exitplan-dev"}}],
+                "contexts": [
+                    {
+                        "name": "exitplan-dev",
+                        "context": {"cluster": "exitplan-dev", "user": "exitplan-dev", "namespace": namespace},
+                    }
+                ],
+            },
+            indent=2,
+        )

@@ -13,10 +13,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from exitplan.operator import crdgen
 from exitplan.devcluster.apiserver import ApiServer
-from exitplan.operator.kube import ApiError, KubeClient
 from exitplan.devcluster.pods import PodRunner
+from exitplan.operator import crdgen
+from exitplan.operator.kube import ApiError, KubeClient
 
 PEERING = "exitplan"
 
@@ -36,16 +36,25 @@ async def install(client: KubeClient) -> None:
     """exitplan's CRDs and the operator's peering object (idempotent)."""
     for kind in crdgen.KINDS:
         with contextlib.suppress(ApiError):
-            await client.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
-                                 body=crdgen.build_crd(kind))
+            await client.request(
+                "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", body=crdgen.build_crd(kind)
+            )
     with contextlib.suppress(ApiError):
-        await client.request("POST", "/apis/kopf.dev/v1/clusterkopfpeerings",
-                             body={"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": PEERING}})
+        await client.request(
+            "POST",
+            "/apis/kopf.dev/v1/clusterkopfpeerings",
+            body={"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": PEERING}},
+        )
 
 
-async def run_dev_cluster(kubeconfig: Path, workdir: Path, port: int = 0, crds: bool = True,
-                          stop: asyncio.Event | None = None,
-                          on_ready: Callable[[DevCluster], Awaitable[None] | None] | None = None) -> None:
+async def run_dev_cluster(
+    kubeconfig: Path,
+    workdir: Path,
+    port: int = 0,
+    crds: bool = True,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[DevCluster], Awaitable[None] | None] | None = None,
+) -> None:
     """Serve until `stop` is set (or the task is cancelled), then stop every local process."""
     stop = stop or asyncio.Event()
     async with ApiServer(port=port) as server:

@@ -37,8 +37,8 @@ from typing import Any
 
 import aiohttp
 
-from exitplan.operator.kube import ApiError, KubeClient, path
 from exitplan.devcluster.svcproxy import TcpProxy, service_hostnames, write_resolve_file
+from exitplan.operator.kube import ApiError, KubeClient, path
 
 log = logging.getLogger("exitplan.devcluster")
 SYNC_SECONDS = 0.5
@@ -124,7 +124,9 @@ class PodRunner:
     async def sync(self) -> None:
         deployments = await self.client.list(path("Deployment"))
         jobs = await self.client.list(path("Job"))
-        configmaps = {(c["metadata"]["namespace"], c["metadata"]["name"]): c for c in await self.client.list(path("ConfigMap"))}
+        configmaps = {
+            (c["metadata"]["namespace"], c["metadata"]["name"]): c for c in await self.client.list(path("ConfigMap"))
+        }
         services = await self.client.list(path("Service"))
         self._sync_deployments(deployments, configmaps)
         self._sync_jobs(jobs, configmaps)
@@ -159,7 +161,11 @@ class PodRunner:
             template = dep["spec"]["template"]
             want = int(dep["spec"].get("replicas", 1))
             current_hash = template_hash(template)
-            mine = [p for p in self.pods.values() if p.owner == ("Deployment", name) and p.namespace == ns and not p.stopping]
+            mine = [
+                p
+                for p in self.pods.values()
+                if p.owner == ("Deployment", name) and p.namespace == ns and not p.stopping
+            ]
             fresh = [p for p in mine if p.hash == current_hash]
             stale = [p for p in mine if p.hash != current_hash]
             for _ in range(want - len(fresh)):
@@ -184,9 +190,14 @@ class PodRunner:
             if pod.restart_at == 0.0:
                 pod.restarts += 1
                 pod.ready = False
-                pod.restart_at = time.monotonic() + min(10.0, 0.5 * 2 ** pod.restarts)
-                log.warning("%s/%s exited with %s; restarting (log: %s)", pod.namespace, pod.name,
-                            pod.proc.returncode, pod.log_path)
+                pod.restart_at = time.monotonic() + min(10.0, 0.5 * 2**pod.restarts)
+                log.warning(
+                    "%s/%s exited with %s; restarting (log: %s)",
+                    pod.namespace,
+                    pod.name,
+                    pod.proc.returncode,
+                    pod.log_path,
+                )
                 return
             if time.monotonic() < pod.restart_at:
                 return
@@ -202,7 +213,9 @@ class PodRunner:
             live.add(("Job", ns, name))
             if uid in self.jobs_done:
                 continue
-            running = [p for p in self.pods.values() if p.owner == ("Job", name) and p.namespace == ns and not p.stopping]
+            running = [
+                p for p in self.pods.values() if p.owner == ("Job", name) and p.namespace == ns and not p.stopping
+            ]
             if not running:
                 pod = self._start_pod(ns, ("Job", name), job["spec"]["template"], uid[:8], configmaps, job=True)
                 pod.labels["job-uid"] = uid
@@ -220,8 +233,15 @@ class PodRunner:
                 self._stop(pod)
             elif pod.restarts < int(job["spec"].get("backoffLimit", 6)):
                 pod.restarts += 1
-                log.warning("Job %s/%s: %s failed (%s); retry %d (log: %s)", ns, name,
-                            pod.containers[pod.step]["name"], code, pod.restarts, pod.log_path)
+                log.warning(
+                    "Job %s/%s: %s failed (%s); retry %d (log: %s)",
+                    ns,
+                    name,
+                    pod.containers[pod.step]["name"],
+                    code,
+                    pod.restarts,
+                    pod.log_path,
+                )
                 pod.step = 0
                 self._launch(pod, pod.containers[0])
             else:
@@ -238,22 +258,37 @@ class PodRunner:
             running = any(p.owner == ("Job", job["metadata"]["name"]) and p.alive() for p in self.pods.values())
             status: dict[str, Any] = {"active": int(running)}
             if done:
-                status = {"active": 0, "succeeded": done["succeeded"], "failed": done["failed"],
-                          "conditions": [{"type": done["type"], "status": "True"}]}
+                status = {
+                    "active": 0,
+                    "succeeded": done["succeeded"],
+                    "failed": done["failed"],
+                    "conditions": [{"type": done["type"], "status": "True"}],
+                }
             await self._report("Job", job, status)
 
     # ------------------------------------------------------------ processes
 
-    def _start_pod(self, ns: str, owner: tuple[str, str], template: dict, tmpl_hash: str, configmaps: dict,
-                   job: bool = False) -> LocalPod:
+    def _start_pod(
+        self, ns: str, owner: tuple[str, str], template: dict, tmpl_hash: str, configmaps: dict, job: bool = False
+    ) -> LocalPod:
         used = {int(p.name.rsplit("-", 1)[1]) for p in self.pods.values() if p.owner == owner and p.namespace == ns}
         index = next(i for i in range(len(used) + 1) if i not in used)
         name = f"{owner[1]}-{tmpl_hash[:5]}-{index}"
         spec = template.get("spec", {})
-        containers = (spec.get("initContainers", []) + spec.get("containers", [])) if job else spec.get("containers", [])[:1]
-        pod = LocalPod(name=name, namespace=ns, owner=owner, labels=dict(template.get("metadata", {}).get("labels", {})),
-                       spec=spec, hash=tmpl_hash, port=self._port(), folder=self.workdir / "pods" / ns / name,
-                       containers=containers)
+        containers = (
+            (spec.get("initContainers", []) + spec.get("containers", [])) if job else spec.get("containers", [])[:1]
+        )
+        pod = LocalPod(
+            name=name,
+            namespace=ns,
+            owner=owner,
+            labels=dict(template.get("metadata", {}).get("labels", {})),
+            spec=spec,
+            hash=tmpl_hash,
+            port=self._port(),
+            folder=self.workdir / "pods" / ns / name,
+            containers=containers,
+        )
         pod.folder.mkdir(parents=True, exist_ok=True)
         self._mount(pod, configmaps)
         self.pods[f"{ns}/{name}"] = pod
@@ -308,21 +343,31 @@ class PodRunner:
     def _local(self, pod: LocalPod, value: str) -> str:
         for mount_path in sorted(pod.mounts, key=len, reverse=True):
             if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
-                return str(pod.mounts[mount_path]) + value[len(mount_path.rstrip("/")):]
+                return str(pod.mounts[mount_path]) + value[len(mount_path.rstrip("/")) :]
         return value
 
     def _env(self, pod: LocalPod, container: dict) -> dict[str, str]:
         env = dict(os.environ)
-        fields = {"metadata.name": pod.name, "metadata.namespace": pod.namespace, "status.podIP": "127.0.0.1",
-                  "spec.nodeName": "localhost"}
+        fields = {
+            "metadata.name": pod.name,
+            "metadata.namespace": pod.namespace,
+            "status.podIP": "127.0.0.1",
+            "spec.nodeName": "localhost",
+        }
         for item in container.get("env", []):
             if "value" in item:
                 env[item["name"]] = self._local(pod, str(item["value"]))
             elif "fieldRef" in item.get("valueFrom", {}):
                 env[item["name"]] = fields.get(item["valueFrom"]["fieldRef"]["fieldPath"], "")
-        env.update(EXITPLAN_PORT=str(pod.port), EXITPLAN_RESOLVE_FILE=str(self.resolve_file),
-                   KUBECONFIG=str(self.kubeconfig), POD_IP="127.0.0.1", TMPDIR=str(pod.folder / "volumes" / "tmp")
-                   if (pod.folder / "volumes" / "tmp").exists() else env.get("TMPDIR", "/tmp"))
+        env.update(
+            EXITPLAN_PORT=str(pod.port),
+            EXITPLAN_RESOLVE_FILE=str(self.resolve_file),
+            KUBECONFIG=str(self.kubeconfig),
+            POD_IP="127.0.0.1",
+            TMPDIR=str(pod.folder / "volumes" / "tmp")
+            if (pod.folder / "volumes" / "tmp").exists()
+            else env.get("TMPDIR", "/tmp"),
+        )
         return env
 
     def _launch(self, pod: LocalPod, container: dict) -> None:
@@ -332,8 +377,14 @@ class PodRunner:
         argv = command + [self._local(pod, str(a)) for a in container.get("args", [])]
         with open(pod.log_path, "ab") as out:
             out.write(f"\n--- {time.strftime('%H:%M:%S')} {container.get('name')}: {' '.join(argv)}\n".encode())
-            pod.proc = subprocess.Popen(argv, env=self._env(pod, container), stdout=out, stderr=subprocess.STDOUT,
-                                        cwd=pod.folder, start_new_session=True)
+            pod.proc = subprocess.Popen(
+                argv,
+                env=self._env(pod, container),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=pod.folder,
+                start_new_session=True,
+            )
         pod.phase, pod.ready = "Running", False
 
     def _stop(self, pod: LocalPod) -> None:
@@ -368,7 +419,7 @@ class PodRunner:
             try:
                 async with self._http.get(f"http://127.0.0.1:{pod.port}{probe.get('path', '/')}") as rsp:
                     pod.ready = rsp.status < 400
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 pod.ready = False
 
         await asyncio.gather(*(one(p) for p in self.pods.values()))
@@ -379,9 +430,14 @@ class PodRunner:
             h = template_hash(dep["spec"]["template"])
             mine = [p for p in self.pods.values() if p.owner == ("Deployment", name) and p.namespace == ns]
             ready = sum(p.ready for p in mine)
-            status = {"observedGeneration": dep["metadata"].get("generation", 1), "replicas": len(mine),
-                      "updatedReplicas": sum(p.hash == h for p in mine), "readyReplicas": ready, "availableReplicas": ready,
-                      "conditions": [self._progressing(mine)]}
+            status = {
+                "observedGeneration": dep["metadata"].get("generation", 1),
+                "replicas": len(mine),
+                "updatedReplicas": sum(p.hash == h for p in mine),
+                "readyReplicas": ready,
+                "availableReplicas": ready,
+                "conditions": [self._progressing(mine)],
+            }
             await self._report("Deployment", dep, status)
 
     def _progressing(self, pods: list[LocalPod]) -> dict[str, str]:
@@ -392,10 +448,17 @@ class PodRunner:
         if not crashing:
             return {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable", "message": ""}
         pod = crashing[0]
-        lines = [line for line in pod.log_path.read_text(errors="replace").splitlines() if line.strip()] \
-            if pod.log_path.exists() else []
-        return {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
-                "message": f"pod {pod.name} exited {pod.restarts} times; last log line: {lines[-1][:300] if lines else '-'}"}
+        lines = (
+            [line for line in pod.log_path.read_text(errors="replace").splitlines() if line.strip()]
+            if pod.log_path.exists()
+            else []
+        )
+        return {
+            "type": "Progressing",
+            "status": "False",
+            "reason": "ProgressDeadlineExceeded",
+            "message": f"pod {pod.name} exited {pod.restarts} times; last log line: {lines[-1][:300] if lines else '-'}",
+        }
 
     async def _report(self, kind: str, obj: dict[str, Any], status: dict[str, Any]) -> None:
         key = (kind, obj["metadata"]["namespace"], obj["metadata"]["name"])
@@ -416,8 +479,11 @@ class PodRunner:
             if not selector:
                 continue
             live.add((ns, name))
-            endpoints = sorted(("127.0.0.1", p.port) for p in self.pods.values()
-                               if p.namespace == ns and p.ready and selector.items() <= p.labels.items())
+            endpoints = sorted(
+                ("127.0.0.1", p.port)
+                for p in self.pods.values()
+                if p.namespace == ns and p.ready and selector.items() <= p.labels.items()
+            )
             if svc["spec"].get("clusterIP") == "None":
                 addresses = [f"{h}:{port}" for h, port in endpoints]
             else:
@@ -428,7 +494,11 @@ class PodRunner:
                     log.info("Service %s/%s: local endpoint 127.0.0.1:%d", ns, name, proxy.port)
                 proxy.endpoints = endpoints
                 addresses = [f"127.0.0.1:{proxy.port}"]
-                ingress = {"loadBalancer": {"ingress": [{"ip": "127.0.0.1", "ports": [{"port": proxy.port, "protocol": "TCP"}]}]}}
+                ingress = {
+                    "loadBalancer": {
+                        "ingress": [{"ip": "127.0.0.1", "ports": [{"port": proxy.port, "protocol": "TCP"}]}]
+                    }
+                }
                 if (svc.get("status") or {}) != ingress:
                     with contextlib.suppress(ApiError):
                         await self.client.merge_patch(path("Service", ns, name, "status"), {"status": ingress})

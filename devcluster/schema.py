@@ -126,7 +126,7 @@ def age(timestamp: str) -> str:
         then = dt.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
     except ValueError:
         return timestamp
-    secs = max(0, int((dt.datetime.now(dt.timezone.utc) - then).total_seconds()))
+    secs = max(0, int((dt.datetime.now(dt.UTC) - then).total_seconds()))
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if secs >= size:
             return f"{secs // size}{unit}"

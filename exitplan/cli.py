@@ -33,15 +33,22 @@ def main(
 
 def _register() -> None:
     # One line per command; each module holds `command` (and sometimes more sub-commands).
-    from exitplan import cmd_demo, cmd_router, cmd_up, cmd_version, cmd_worker
-    from exitplan import cmd_bench
-    from exitplan import cmd_prepare
-    from exitplan import cmd_profile
-    from exitplan import cmd_operator
-    from exitplan import cmd_dev_cluster
-    from exitplan import cmd_tune
-    from exitplan import cmd_plan, cmd_simulate
-    from exitplan import cmd_generate
+    from exitplan import (
+        cmd_bench,
+        cmd_demo,
+        cmd_dev_cluster,
+        cmd_generate,
+        cmd_operator,
+        cmd_plan,
+        cmd_prepare,
+        cmd_profile,
+        cmd_router,
+        cmd_simulate,
+        cmd_tune,
+        cmd_up,
+        cmd_version,
+        cmd_worker,
+    )
 
     app.command("version", help=cmd_version.command.__doc__)(cmd_version.command)
     app.command("worker")(cmd_worker.command)

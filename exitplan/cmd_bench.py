@@ -17,20 +17,49 @@ class LengthModeOption(str, Enum):
 def command(
     url: str = typer.Option("http://127.0.0.1:8080", "--url", help="The router's base URL."),
     model: str = typer.Option(..., "--model", help="Model name served at /v2/models/{name}."),
-    bundle: Path = typer.Option(..., "--bundle", exists=True, file_okay=False, help="The bundle the router serves (its held-out texts and full-model answers)."),
-    trace: Path | None = typer.Option(None, "--trace", dir_okay=False, help="Trace file (Azure CSV or JSON lines); default: the shared Azure trace."),
-    rps: float | None = typer.Option(None, "--rps", min=0.001, help="Rescale the trace window to this mean rate (requests/s)."),
-    speed: float = typer.Option(1.0, "--speed", min=0.001, help="Speed the trace up by this factor (ignored with --rps)."),
+    bundle: Path = typer.Option(
+        ...,
+        "--bundle",
+        exists=True,
+        file_okay=False,
+        help="The bundle the router serves (its held-out texts and full-model answers).",
+    ),
+    trace: Path | None = typer.Option(
+        None, "--trace", dir_okay=False, help="Trace file (Azure CSV or JSON lines); default: the shared Azure trace."
+    ),
+    rps: float | None = typer.Option(
+        None, "--rps", min=0.001, help="Rescale the trace window to this mean rate (requests/s)."
+    ),
+    speed: float = typer.Option(
+        1.0, "--speed", min=0.001, help="Speed the trace up by this factor (ignored with --rps)."
+    ),
     start: float = typer.Option(0.0, "--start", min=0.0, help="Skip this many seconds of the (sped-up) trace."),
     duration: float | None = typer.Option(60.0, "--duration", help="Seconds of trace to replay (0: no time bound)."),
     limit: int | None = typer.Option(None, "--limit", min=1, help="Send at most this many requests."),
     slo_ms: float | None = typer.Option(None, "--slo-ms", help="Latency SLO for goodput (default: the router's own)."),
-    length_mode: LengthModeOption = typer.Option(LengthModeOption.scale, "--length-mode", help="Fit trace lengths to the largest bucket: scale (proportionally) or clip."),
-    reference_max: int | None = typer.Option(None, "--reference-max", min=1, help="With --length-mode scale: the trace length (tokens) that maps onto the largest bucket (default: the trace's longest; the shared trace's p99 is 4142)."),
+    length_mode: LengthModeOption = typer.Option(
+        LengthModeOption.scale,
+        "--length-mode",
+        help="Fit trace lengths to the largest bucket: scale (proportionally) or clip.",
+    ),
+    reference_max: int | None = typer.Option(
+        None,
+        "--reference-max",
+        min=1,
+        help="With --length-mode scale: the trace length (tokens) that maps onto the largest bucket (default: the trace's longest; the shared trace's p99 is 4142).",
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed for the choice of texts."),
-    timeout_s: float = typer.Option(30.0, "--timeout-s", min=0.1, help="A request with no answer by then counts as lost."),
-    capacity: bool = typer.Option(False, "--find-capacity", help="Step the load up (from --rps, default 5) until goodput stops growing, a request is lost or over 1 % get errors; report the capacity."),
-    step_duration: float = typer.Option(10.0, "--step-duration", min=1.0, help="Seconds per load step with --find-capacity."),
+    timeout_s: float = typer.Option(
+        30.0, "--timeout-s", min=0.1, help="A request with no answer by then counts as lost."
+    ),
+    capacity: bool = typer.Option(
+        False,
+        "--find-capacity",
+        help="Step the load up (from --rps, default 5) until goodput stops growing, a request is lost or over 1 % get errors; report the capacity.",
+    ),
+    step_duration: float = typer.Option(
+        10.0, "--step-duration", min=1.0, help="Seconds per load step with --find-capacity."
+    ),
     json_path: Path | None = typer.Option(None, "--json", dir_okay=False, help="Also write every figure as JSON here."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
 ) -> None:
@@ -44,22 +73,49 @@ def command(
     console = Console()
     bounded_duration = duration if duration else None
     if bounded_duration is None and limit is None and not capacity:
-        console.print("[red]error:[/red] give --duration (seconds) and/or --limit (requests): the whole trace runs for about an hour")
+        console.print(
+            "[red]error:[/red] give --duration (seconds) and/or --limit (requests): the whole trace runs for about an hour"
+        )
         raise typer.Exit(2)
     try:
         with console.status("reading the router's metadata and tokenizing held-out texts..."):
             setup = BenchSetup.connect(url, model, bundle)
         if capacity:
             result = find_capacity(
-                url, model, bundle, trace, setup=setup, start_rps=rps or 5.0, step_duration=step_duration,
-                slo_ms=slo_ms, seed=seed, length_mode=length_mode.value, reference_max=reference_max, timeout_s=timeout_s, progress=progress,
+                url,
+                model,
+                bundle,
+                trace,
+                setup=setup,
+                start_rps=rps or 5.0,
+                step_duration=step_duration,
+                slo_ms=slo_ms,
+                seed=seed,
+                length_mode=length_mode.value,
+                reference_max=reference_max,
+                timeout_s=timeout_s,
+                progress=progress,
             )
             console.print(result.table())
             doc = result.to_dict()
         else:
             report = run_bench(
-                url, model, bundle, trace, setup=setup, rps=rps, speed=speed, start=start, duration=bounded_duration,
-                limit=limit, slo_ms=slo_ms, seed=seed, length_mode=length_mode.value, reference_max=reference_max, timeout_s=timeout_s, progress=progress,
+                url,
+                model,
+                bundle,
+                trace,
+                setup=setup,
+                rps=rps,
+                speed=speed,
+                start=start,
+                duration=bounded_duration,
+                limit=limit,
+                slo_ms=slo_ms,
+                seed=seed,
+                length_mode=length_mode.value,
+                reference_max=reference_max,
+                timeout_s=timeout_s,
+                progress=progress,
             )
             for table in report.tables():
                 console.print(table)

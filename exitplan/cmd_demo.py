@@ -9,7 +9,9 @@ import typer
 
 
 def command(
-    service: Path = typer.Option(Path("examples/minilm-local.yaml"), help="The service file (its bundle path is where the bundle is prepared)."),
+    service: Path = typer.Option(
+        Path("examples/minilm-local.yaml"), help="The service file (its bundle path is where the bundle is prepared)."
+    ),
     trace: Path | None = typer.Option(None, help="Trace to replay (default: the shared Azure LLM inference trace)."),
     loads: str = typer.Option("0.5,1.0,1.2,1.6", help="Offered loads, as multiples of vanilla's measured capacity."),
     duration: float = typer.Option(15.0, min=2.0, help="Seconds of trace replayed per load level."),
@@ -19,18 +21,17 @@ def command(
     json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON."),
 ) -> None:
     """Prepare, profile, plan, and compare vanilla, naive early exit and exitplan on the same trace and loads."""
+    import sys
+
     from rich.console import Console
 
     from exitplan.api import SpecError
     from exitplan.api.resources import EarlyExitService
     from exitplan.client.bench import BenchError
-    from exitplan.prepare.build import BuildOptions, prepare_bundle, tqdm_bar
-
     from exitplan.localrun.demo import DemoOptions, run_demo
     from exitplan.localrun.deployment import StartError
     from exitplan.localrun.service_setup import ServiceFileError
-
-    import sys
+    from exitplan.prepare.build import BuildOptions, prepare_bundle, tqdm_bar
 
     console = Console(width=None if sys.stdout.isatty() else 160)  # the comparison table needs the width in logs too
     try:
@@ -39,7 +40,7 @@ def command(
             raise ValueError
     except ValueError:
         console.print(f"[red]error:[/red] --loads must be positive numbers separated by commas, got {loads!r}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     try:
         import yaml
 
@@ -47,7 +48,13 @@ def command(
         bundle_dir = Path(EarlyExitService.model_validate(docs[0]).spec.model.bundle)
         console.rule("prepare")
         prepare_bundle(BuildOptions(model="minilm"), bundle_dir, bar=tqdm_bar(enabled=True))
-        result = run_demo(DemoOptions(service_file=service, trace=trace, loads=levels, duration=duration, port=port, base_port=base_port), console, keep=keep)
+        result = run_demo(
+            DemoOptions(
+                service_file=service, trace=trace, loads=levels, duration=duration, port=port, base_port=base_port
+            ),
+            console,
+            keep=keep,
+        )
     except (SpecError, ServiceFileError, StartError, BenchError, OSError, IndexError, ValueError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(1) from err

@@ -8,9 +8,13 @@ import typer
 
 
 def command(
-    kubeconfig: Path = typer.Option(Path("exitplan-dev.kubeconfig"), help="Where to write the kubeconfig for kubectl and `exitplan operator`."),
+    kubeconfig: Path = typer.Option(
+        Path("exitplan-dev.kubeconfig"), help="Where to write the kubeconfig for kubectl and `exitplan operator`."
+    ),
     port: int = typer.Option(0, min=0, max=65535, help="API server port on 127.0.0.1 (0: any free port)."),
-    workdir: Path = typer.Option(Path(".exitplan-dev"), help="Folder for the local pods (logs, mounted ConfigMaps) and the resolve file."),
+    workdir: Path = typer.Option(
+        Path(".exitplan-dev"), help="Folder for the local pods (logs, mounted ConfigMaps) and the resolve file."
+    ),
     crds: bool = typer.Option(True, help="Install exitplan's CRDs at start (else: kubectl apply -f crds/)."),
 ) -> None:
     """Run an emulated Kubernetes API server and a local pod runner (one process per replica).

@@ -27,15 +27,21 @@ def _engine(bundle: Path, mode: str, splits: int, max_pending: int, threads: int
 
 def prepare_command(
     out: Path = typer.Option(DEFAULT_BUNDLE, "--out", help="Bundle directory."),
-    layers: int = typer.Option(4, "--layers", help="Decoder layers (one block each; an exit head after every block but the last)."),
+    layers: int = typer.Option(
+        4, "--layers", help="Decoder layers (one block each; an exit head after every block but the last)."
+    ),
     hidden: int = typer.Option(128, "--hidden", help="Hidden size."),
     heads: int = typer.Option(4, "--heads", help="Attention heads."),
     context: int = typer.Option(128, "--context", help="Most positions (prompt + generated) a sequence holds."),
     steps: int = typer.Option(1500, "--steps", help="Training steps."),
     batch: int = typer.Option(16, "--batch", help="Tweets per training step."),
     seed: int = typer.Option(0, "--seed", help="Seed of the split and the training."),
-    force: bool = typer.Option(False, "--force", help="Rebuild even if a finished bundle with the same options exists."),
-    threads: int | None = typer.Option(None, "--threads", min=1, help="PyTorch threads (default: every core when idle, 1 when busy)."),
+    force: bool = typer.Option(
+        False, "--force", help="Rebuild even if a finished bundle with the same options exists."
+    ),
+    threads: int | None = typer.Option(
+        None, "--threads", min=1, help="PyTorch threads (default: every core when idle, 1 when busy)."
+    ),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the build report as JSON."),
 ) -> None:
     """Train a byte-level early-exit decoder on the tweets (EE-LLM: weighted sum of every exit's LM loss) and export
@@ -48,7 +54,9 @@ def prepare_command(
     from exitplan.prepare.decoder import DecoderBuildError, DecoderOptions, build_decoder_bundle
 
     console = Console()
-    options = DecoderOptions(layers=layers, hidden=hidden, heads=heads, context=context, steps=steps, batch=batch, seed=seed)
+    options = DecoderOptions(
+        layers=layers, hidden=hidden, heads=heads, context=context, steps=steps, batch=batch, seed=seed
+    )
     try:
         result = build_decoder_bundle(options, out, force=force, threads=threads)
     except (DecoderBuildError, DatasetError, BundleError) as err:
@@ -71,12 +79,18 @@ def prepare_command(
 
 def command(
     prompt: str = typer.Argument(..., help="The prompt."),
-    bundle: Path = typer.Option(DEFAULT_BUNDLE, "--bundle", help="Generative bundle directory (exitplan prepare-decoder)."),
+    bundle: Path = typer.Option(
+        DEFAULT_BUNDLE, "--bundle", help="Generative bundle directory (exitplan prepare-decoder)."
+    ),
     max_tokens: int = typer.Option(48, "--max-tokens", help="Tokens to generate at most."),
     threshold: float = typer.Option(0.8, "--threshold", help="Exit confidence threshold in 0..1 (1 never exits)."),
-    mode: str = typer.Option("recompute", "--mode", help="recompute (KV recomputation, one worker) or pipeline (split stages)."),
+    mode: str = typer.Option(
+        "recompute", "--mode", help="recompute (KV recomputation, one worker) or pipeline (split stages)."
+    ),
     splits: int = typer.Option(2, "--splits", help="Pipeline stages (pipeline mode)."),
-    max_pending: int = typer.Option(8, "--max-pending", help="KV recomputation: force a full pass when this many positions lack entries."),
+    max_pending: int = typer.Option(
+        8, "--max-pending", help="KV recomputation: force a full pass when this many positions lack entries."
+    ),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the tokens and their exits as JSON."),
 ) -> None:
     """Generate from a prompt with early exits, and show which head chose each token."""
@@ -112,16 +126,28 @@ def command(
 
 
 def server_command(
-    bundle: Path = typer.Option(DEFAULT_BUNDLE, "--bundle", help="Generative bundle directory (exitplan prepare-decoder)."),
+    bundle: Path = typer.Option(
+        DEFAULT_BUNDLE, "--bundle", help="Generative bundle directory (exitplan prepare-decoder)."
+    ),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
-    model_name: str | None = typer.Option(None, "--model-name", help="Name served at /v2/models/{name} (default: the bundle's name)."),
-    threshold: float = typer.Option(1.0, "--threshold", help="The service's exit threshold (requests may send their own)."),
-    mode: str = typer.Option("recompute", "--mode", help="recompute (KV recomputation) or pipeline (split stages in-process)."),
+    model_name: str | None = typer.Option(
+        None, "--model-name", help="Name served at /v2/models/{name} (default: the bundle's name)."
+    ),
+    threshold: float = typer.Option(
+        1.0, "--threshold", help="The service's exit threshold (requests may send their own)."
+    ),
+    mode: str = typer.Option(
+        "recompute", "--mode", help="recompute (KV recomputation) or pipeline (split stages in-process)."
+    ),
     splits: int = typer.Option(2, "--splits", help="Pipeline stages (pipeline mode)."),
     max_pending: int = typer.Option(8, "--max-pending", help="KV recomputation bound before a forced full pass."),
     threads: int = typer.Option(1, "--threads", min=1, help="ONNX Runtime threads per session."),
-    stage_urls: list[str] = typer.Option([], "--stage-url", help="Pipeline across stage servers (exitplan generate-stage), first stage first; overrides --mode."),
+    stage_urls: list[str] = typer.Option(
+        [],
+        "--stage-url",
+        help="Pipeline across stage servers (exitplan generate-stage), first stage first; overrides --mode.",
+    ),
 ) -> None:
     """Serve early-exit generation: POST /v2/models/{name}/generate and /generate_stream (server-sent events),
     GET /metrics, /v2/health/ready."""
@@ -147,16 +173,23 @@ def server_command(
     web.run_app(app, host=host, port=port, print=None)
 
 
-
 def stage_command(
     bundle: Path = typer.Option(DEFAULT_BUNDLE, "--bundle", help="Generative bundle directory."),
     first: int = typer.Option(..., "--first", help="First block this stage runs."),
     last: int = typer.Option(..., "--last", help="Last block this stage runs."),
     port: int = typer.Option(8090, "--port", help="Port to listen on (EXITPLAN_PORT overrides)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
-    next_url: str | None = typer.Option(None, "--next", help="The next stage: a URL or host:port (a headless Service); none for the last stage."),
-    mode: str = typer.Option("pipeline", "--mode", help="pipeline (a split of the pipeline-based mode) or recompute (KV recomputation: the stage holds every block)."),
-    max_pending: int = typer.Option(8, "--max-pending", min=1, help="recompute: force a full pass when this many positions lack entries."),
+    next_url: str | None = typer.Option(
+        None, "--next", help="The next stage: a URL or host:port (a headless Service); none for the last stage."
+    ),
+    mode: str = typer.Option(
+        "pipeline",
+        "--mode",
+        help="pipeline (a split of the pipeline-based mode) or recompute (KV recomputation: the stage holds every block).",
+    ),
+    max_pending: int = typer.Option(
+        8, "--max-pending", min=1, help="recompute: force a full pass when this many positions lack entries."
+    ),
     threads: int = typer.Option(1, "--threads", min=1, help="ONNX Runtime threads per session."),
 ) -> None:
     """Serve one stage of early-exit generation: blocks FIRST..LAST with their heads and KV cache, in the
@@ -168,7 +201,6 @@ def stage_command(
     from exitplan.api.bundle import BundleError
     from exitplan.worker.generate.decoder import DecoderModel, GenerationError
     from exitplan.worker.generate.remote_pipeline import RecomputeStageServer, StageServer
-
     from exitplan.worker.serve import port_from_env
 
     console = Console()
@@ -187,19 +219,30 @@ def stage_command(
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err
     if mode == "pipeline" and (next_url is None) != (last == model.n_blocks - 1):
-        console.print(f"[red]error:[/red] only the stage ending at block {model.n_blocks - 1} has no --next; this one runs {first}..{last}")
+        console.print(
+            f"[red]error:[/red] only the stage ending at block {model.n_blocks - 1} has no --next; this one runs {first}..{last}"
+        )
         raise typer.Exit(2)
-    console.print(f"stage blocks {first}..{last} ({mode}) on http://{host}:{port}" + (f" -> {next_url}" if next_url else " (last)"))
+    console.print(
+        f"stage blocks {first}..{last} ({mode}) on http://{host}:{port}"
+        + (f" -> {next_url}" if next_url else " (last)")
+    )
     web.run_app(server.app(), host=host, port=port, print=None)
 
 
 def plan_command(
     bundle: Path = typer.Option(DEFAULT_BUNDLE, "--bundle", help="Generative bundle directory."),
     stages: int = typer.Option(2, "--stages", help="Pipeline stages to split the blocks into."),
-    threshold: float = typer.Option(0.8, "--threshold", help="Exit threshold the shares of decided tokens are measured at."),
-    hop_ms: float = typer.Option(0.0, "--hop-ms", help="Time to hand a token from one stage to the next (e.g. measured HTTP hop)."),
+    threshold: float = typer.Option(
+        0.8, "--threshold", help="Exit threshold the shares of decided tokens are measured at."
+    ),
+    hop_ms: float = typer.Option(
+        0.0, "--hop-ms", help="Time to hand a token from one stage to the next (e.g. measured HTTP hop)."
+    ),
     texts: int = typer.Option(100, "--texts", help="Held-out tweets to measure the exit shares on."),
-    json_path: Path | None = typer.Option(None, "--json", help="Also write the profile and every candidate split as JSON."),
+    json_path: Path | None = typer.Option(
+        None, "--json", help="Also write the profile and every candidate split as JSON."
+    ),
 ) -> None:
     """Plan the pipeline splits for generation (E3-style): measure block/head times and exit shares on this machine,
     then rank every contiguous split by predicted time per token."""
@@ -225,10 +268,31 @@ def plan_command(
     for col in ("splits", "decision ms", "bottleneck ms", "ms/token"):
         table.add_column(col, justify="left" if col == "splits" else "right")
     for c in plan.candidates[:10]:
-        table.add_row(" | ".join(f"{a}-{b}" for a, b in c.splits), f"{c.decision_ms:.3f}", f"{c.bottleneck_ms:.3f}", f"{c.time_per_token_ms:.3f}")
+        table.add_row(
+            " | ".join(f"{a}-{b}" for a, b in c.splits),
+            f"{c.decision_ms:.3f}",
+            f"{c.bottleneck_ms:.3f}",
+            f"{c.time_per_token_ms:.3f}",
+        )
     console.print(table)
-    console.print("decided per head: " + ", ".join(f"after block {b}: {p:.2f}" for b, p in sorted(profile.decide_share.items())))
+    console.print(
+        "decided per head: " + ", ".join(f"after block {b}: {p:.2f}" for b, p in sorted(profile.decide_share.items()))
+    )
     if json_path is not None:
-        json_path.write_text(json.dumps({"profile": profile.dump(), "candidates": [
-            {"splits": c.splits, "decision_ms": c.decision_ms, "bottleneck_ms": c.bottleneck_ms, "time_per_token_ms": c.time_per_token_ms}
-            for c in plan.candidates]}, indent=2))
+        json_path.write_text(
+            json.dumps(
+                {
+                    "profile": profile.dump(),
+                    "candidates": [
+                        {
+                            "splits": c.splits,
+                            "decision_ms": c.decision_ms,
+                            "bottleneck_ms": c.bottleneck_ms,
+                            "time_per_token_ms": c.time_per_token_ms,
+                        }
+                        for c in plan.candidates
+                    ],
+                },
+                indent=2,
+            )
+        )

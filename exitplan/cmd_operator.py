@@ -8,19 +8,33 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(help="Run the exitplan operator, or publish a profile to the cluster.", add_completion=False,
-                  pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="Run the exitplan operator, or publish a profile to the cluster.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
 
 
 @app.callback(invoke_without_command=True)
 def command(
     ctx: typer.Context,
-    kubeconfig: Path = typer.Option(None, help="Kubeconfig to use (default: in-cluster, then $KUBECONFIG or ~/.kube/config)."),
+    kubeconfig: Path = typer.Option(
+        None, help="Kubeconfig to use (default: in-cluster, then $KUBECONFIG or ~/.kube/config)."
+    ),
     namespace: list[str] = typer.Option([], "--namespace", "-n", help="Serve only these namespaces (default: all)."),
-    peering: str = typer.Option("", help="Leader election: the kopf peering name shared by the replicas (empty: standalone)."),
-    priority: int = typer.Option(0, help="Peering priority: the replica with the highest priority serves, others wait."),
+    peering: str = typer.Option(
+        "", help="Leader election: the kopf peering name shared by the replicas (empty: standalone)."
+    ),
+    priority: int = typer.Option(
+        0, help="Peering priority: the replica with the highest priority serves, others wait."
+    ),
     metrics_port: int = typer.Option(9090, min=0, max=65535, help="Port of the Prometheus /metrics endpoint (0: off)."),
-    health_port: int = typer.Option(8081, min=0, max=65535, help="Port of kopf's liveness endpoint /healthz (0: off); it fails when the operator's event loop is stuck."),
+    health_port: int = typer.Option(
+        8081,
+        min=0,
+        max=65535,
+        help="Port of kopf's liveness endpoint /healthz (0: off); it fails when the operator's event loop is stuck.",
+    ),
     tick: float = typer.Option(5.0, min=0.1, help="Seconds between timer ticks (readiness; drift once per period)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at debug level."),
 ) -> None:
@@ -32,8 +46,12 @@ def command(
 
     if kubeconfig is not None:
         if not kubeconfig.exists():
-            typer.secho(f"error: --kubeconfig {kubeconfig} does not exist; run `exitplan dev-cluster` or pass "
-                        "a kubeconfig that kubectl can use", fg="red", err=True)
+            typer.secho(
+                f"error: --kubeconfig {kubeconfig} does not exist; run `exitplan dev-cluster` or pass "
+                "a kubeconfig that kubectl can use",
+                fg="red",
+                err=True,
+            )
             raise typer.Exit(2)
         os.environ["KUBECONFIG"] = str(kubeconfig)
     os.environ["EXITPLAN_TICK_SECONDS"] = str(tick)
@@ -43,8 +61,9 @@ def command(
     import exitplan.operator.handlers  # noqa: F401  (registers the handlers)
     from exitplan.operator.peering import ensure_peering
 
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if not verbose:  # one line per timer tick is noise; everything else stays
         logging.getLogger("kopf.objects").addFilter(lambda rec: "Timer 'tick' succeeded" not in rec.getMessage())
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
@@ -52,14 +71,21 @@ def command(
         asyncio.run(ensure_peering(peering, os.environ.get("KUBECONFIG")))
     if metrics_port:
         start_http_server(metrics_port)
-    kopf.run(clusterwide=not namespace, namespaces=list(namespace), standalone=not peering,
-             peering_name=peering or None, priority=priority,
-             liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz" if health_port else None)
+    kopf.run(
+        clusterwide=not namespace,
+        namespaces=list(namespace),
+        standalone=not peering,
+        peering_name=peering or None,
+        priority=priority,
+        liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz" if health_port else None,
+    )
 
 
 @app.command("publish-profile")
 def publish_profile(
-    file: Path = typer.Argument(..., help="Profile YAML written by `exitplan profile` (a ModelProfile document or its spec)."),
+    file: Path = typer.Argument(
+        ..., help="Profile YAML written by `exitplan profile` (a ModelProfile document or its spec)."
+    ),
     namespace: str = typer.Option("default", help="Namespace of the ModelProfile."),
     name: str = typer.Option("", help="ModelProfile name (default: <model>-<pool>)."),
     model: str = typer.Option("", help="Model name to publish under (must match the file when the file names one)."),
@@ -94,8 +120,12 @@ def publish_profile(
         typer.secho(f"error: {file}: {err}", fg="red", err=True)
         raise typer.Exit(2) from err
     name = name or builders.profile_name(spec.model, spec.pool)
-    body = {"apiVersion": API_VERSION, "kind": "ModelProfile", "metadata": {"name": name, "namespace": namespace},
-            "spec": spec.dump()}
+    body = {
+        "apiVersion": API_VERSION,
+        "kind": "ModelProfile",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec.dump(),
+    }
 
     async def publish() -> ApplyReport:
         async with KubeClient.from_config(str(kubeconfig) if kubeconfig else None) as client:

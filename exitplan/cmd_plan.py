@@ -26,7 +26,9 @@ def load_inputs(service_file: Path, extra: list[Path]):
         raise typer.BadParameter(f"{service_file}: expected exactly one EarlyExitService, found {len(services)}")
     svc = services[0]
     pools = {d.metadata.get("name", ""): d.spec for d in docs if isinstance(d, GPUPool)}
-    profiles = {d.spec.pool: d.spec for d in docs if isinstance(d, ModelProfile) and d.spec.model == svc.spec.model.name}
+    profiles = {
+        d.spec.pool: d.spec for d in docs if isinstance(d, ModelProfile) and d.spec.model == svc.spec.model.name
+    }
     bundle = Path(svc.spec.model.bundle.removeprefix("file://"))
     for ref in svc.spec.pools:
         cached = bundle / "profiles" / f"{ref.name}.yaml"
@@ -41,7 +43,11 @@ def trace_lengths(trace: Path | None, spec, profiles, length_mode: str, limit: i
         return None
     from exitplan.planner.traces import load_trace
 
-    top = max(spec.workload.length_buckets) if spec.workload.length_buckets else max(max(p.seq_lens) for p in profiles.values())
+    top = (
+        max(spec.workload.length_buckets)
+        if spec.workload.length_buckets
+        else max(max(p.seq_lens) for p in profiles.values())
+    )
     return load_trace(trace, max_length=int(top), length_mode=length_mode, limit=limit)
 
 
@@ -61,14 +67,27 @@ def plan_png(result, path: Path) -> None:
             cells = [c for c in plan.cells if c.split == split.index and c.bucket == bucket]
             label = " + ".join(f"{c.replicas}x{c.pool} b{c.batch_size}" for c in cells)
             pool = cells[0].pool if cells else ""
-            ax.barh(row, split.last_block - split.first_block + 1, left=split.first_block, height=0.6,
-                    color=colors.get(pool, "lightgray"), edgecolor="black", alpha=0.8)
+            ax.barh(
+                row,
+                split.last_block - split.first_block + 1,
+                left=split.first_block,
+                height=0.6,
+                color=colors.get(pool, "lightgray"),
+                edgecolor="black",
+                alpha=0.8,
+            )
             ax.text((split.first_block + split.last_block + 1) / 2, row, label, ha="center", va="center", fontsize=8)
-    ax.set_yticks(range(len(plan.buckets)), [f"len<={b} ({s:.0%})" for b, s in zip(plan.buckets, plan.length_histogram or [0] * len(plan.buckets))])
+    ax.set_yticks(
+        range(len(plan.buckets)),
+        [f"len<={b} ({s:.0%})" for b, s in zip(plan.buckets, plan.length_histogram or [0] * len(plan.buckets))],
+    )
     ax.set_xlim(0, n_blocks)
     ax.set_xlabel("block")
     p = plan.prediction
-    ax.set_title(f"{plan.service}: {len(plan.splits)} split(s), goodput {p.goodput_rps:.0f} req/s, p99 <= {p.p99_ms:.0f} ms, cost {p.cost_per_hour:.2f}/h", fontsize=9)
+    ax.set_title(
+        f"{plan.service}: {len(plan.splits)} split(s), goodput {p.goodput_rps:.0f} req/s, p99 <= {p.p99_ms:.0f} ms, cost {p.cost_per_hour:.2f}/h",
+        fontsize=9,
+    )
     for name, color in colors.items():
         ax.barh([], [], color=color, label=name)
     ax.legend(loc="upper right", fontsize=7)
@@ -78,12 +97,18 @@ def plan_png(result, path: Path) -> None:
 
 
 def command(
-    service_file: Path = typer.Argument(..., help="EarlyExitService YAML (may also hold GPUPool and ModelProfile documents)."),
+    service_file: Path = typer.Argument(
+        ..., help="EarlyExitService YAML (may also hold GPUPool and ModelProfile documents)."
+    ),
     with_files: list[Path] = typer.Option([], "--with", "-w", help="More YAML files with GPUPools / ModelProfiles."),
     trace: Path | None = typer.Option(None, "--trace", help="Size the length buckets from this trace's input lengths."),
     length_mode: str = typer.Option("scale", help="Fit trace lengths to the model: scale or clip."),
-    thresholds_file: Path | None = typer.Option(None, "--thresholds", help="JSON {ramp: threshold}; default: every ramp as profiled."),
-    previous: Path | None = typer.Option(None, "--previous", help="A previous plan.json: keep its layout when close (fewest changes)."),
+    thresholds_file: Path | None = typer.Option(
+        None, "--thresholds", help="JSON {ramp: threshold}; default: every ramp as profiled."
+    ),
+    previous: Path | None = typer.Option(
+        None, "--previous", help="A previous plan.json: keep its layout when close (fewest changes)."
+    ),
     json_out: Path | None = typer.Option(None, "--json", help="Write the plan and solver details as JSON here."),
     png: Path | None = typer.Option(None, "--png", help="Draw the plan's pipeline into this PNG."),
 ) -> None:
@@ -101,19 +126,35 @@ def command(
     thresholds = json.loads(thresholds_file.read_text()) if thresholds_file else None
     prev = Plan.from_file(previous) if previous else None
     try:
-        result = plan_service(name, spec, pools, profiles, thresholds=thresholds, previous=prev,
-                              lengths=None if lengths is None else lengths.lengths, reason="cli")
+        result = plan_service(
+            name,
+            spec,
+            pools,
+            profiles,
+            thresholds=thresholds,
+            previous=prev,
+            lengths=None if lengths is None else lengths.lengths,
+            reason="cli",
+        )
         result.verify()
     except PlannerError as err:
-        console.print(f"[red]cannot plan {escape(name)}[/red] ({type(err).__name__}, field {escape(err.field or '-')}): {escape(str(err))}")
+        console.print(
+            f"[red]cannot plan {escape(name)}[/red] ({type(err).__name__}, field {escape(err.field or '-')}): {escape(str(err))}"
+        )
         raise typer.Exit(2) from err
     plan, pred = result.plan, result.plan.prediction
     head = Table(title=f"plan for {name} ({spec.model.name})")
     for col in ("splits", "buckets", "goodput req/s", "p99 bound ms", "cost /h", "cycle ms", "solve s"):
         head.add_column(col, justify="right")
-    head.add_row(" | ".join(f"{s.first_block}-{s.last_block}" for s in plan.splits), ",".join(map(str, plan.buckets)),
-                 f"{pred.goodput_rps:.1f}", f"{pred.p99_ms:.1f}", f"{pred.cost_per_hour:.2f}", f"{result.cycle_ms:.1f}",
-                 f"{result.timings['total']:.3f}")
+    head.add_row(
+        " | ".join(f"{s.first_block}-{s.last_block}" for s in plan.splits),
+        ",".join(map(str, plan.buckets)),
+        f"{pred.goodput_rps:.1f}",
+        f"{pred.p99_ms:.1f}",
+        f"{pred.cost_per_hour:.2f}",
+        f"{result.cycle_ms:.1f}",
+        f"{result.timings['total']:.3f}",
+    )
     console.print(head)
     cells = Table(title="cells (one worker Deployment each)")
     for col in ("split", "blocks", "rebatch", "bucket", "share", "pool", "replicas", "batch", "batch ms"):
@@ -121,17 +162,34 @@ def command(
     shares = dict(zip(plan.buckets, plan.length_histogram))
     for c in plan.cells:
         s = plan.splits[c.split]
-        cells.add_row(str(c.split), f"{s.first_block}-{s.last_block}", "yes" if s.rebatch else "no", str(c.bucket), f"{shares.get(c.bucket, 0):.1%}", c.pool,
-                      str(c.replicas), str(c.batch_size), f"{result.stage_ms[(c.split, c.bucket)]:.2f}")
+        cells.add_row(
+            str(c.split),
+            f"{s.first_block}-{s.last_block}",
+            "yes" if s.rebatch else "no",
+            str(c.bucket),
+            f"{shares.get(c.bucket, 0):.1%}",
+            c.pool,
+            str(c.replicas),
+            str(c.batch_size),
+            f"{result.stage_ms[(c.split, c.bucket)]:.2f}",
+        )
     console.print(cells)
     if prev is not None:
         change = plan_change(prev, plan)
-        console.print(f"change from the previous plan: {change.added} instance(s) started, {change.removed} stopped, {change.kept} kept")
+        console.print(
+            f"change from the previous plan: {change.added} instance(s) started, {change.removed} stopped, {change.kept} kept"
+        )
     for note in result.notes:
         console.print(f"[dim]note: {escape(note)}[/dim]")
     if json_out:
-        body = {"plan": plan.dump(), "timings": result.timings, "cycle_ms": result.cycle_ms, "notes": result.notes,
-                "alternatives": result.alternatives, "kept_previous": result.kept_previous}
+        body = {
+            "plan": plan.dump(),
+            "timings": result.timings,
+            "cycle_ms": result.cycle_ms,
+            "notes": result.notes,
+            "alternatives": result.alternatives,
+            "kept_previous": result.kept_previous,
+        }
         json_out.write_text(json.dumps(body, indent=2, default=float))
         console.print(f"wrote {json_out}")
     if png:

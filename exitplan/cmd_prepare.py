@@ -9,15 +9,34 @@ import typer
 
 
 def command(
-    model: str = typer.Option("minilm", "--model", help="Model to prepare: minilm (text, 6 blocks) or digits-cnn (images, 3 blocks)."),
-    out: Path | None = typer.Option(None, "--out", help="Bundle directory (default: artifacts/bundles/<model> under the current directory)."),
-    train_size: int | None = typer.Option(None, "--train-size", help="Training inputs (default: 8000 for minilm, 1437 for digits-cnn)."),
-    heldout_size: int | None = typer.Option(None, "--heldout-size", help="Held-out inputs kept in the bundle (default: 2000 for minilm, 360 for digits-cnn)."),
+    model: str = typer.Option(
+        "minilm", "--model", help="Model to prepare: minilm (text, 6 blocks) or digits-cnn (images, 3 blocks)."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", help="Bundle directory (default: artifacts/bundles/<model> under the current directory)."
+    ),
+    train_size: int | None = typer.Option(
+        None, "--train-size", help="Training inputs (default: 8000 for minilm, 1437 for digits-cnn)."
+    ),
+    heldout_size: int | None = typer.Option(
+        None,
+        "--heldout-size",
+        help="Held-out inputs kept in the bundle (default: 2000 for minilm, 360 for digits-cnn).",
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the data splits and the training."),
     max_length: int = typer.Option(128, "--max-length", help="Longest token sequence the MiniLM bundle accepts."),
-    force: bool = typer.Option(False, "--force", help="Rebuild even if a finished bundle with the same options exists."),
-    threads: int | None = typer.Option(None, "--threads", min=1, help="PyTorch threads for training (default: every core when the machine is idle, 1 when it is busy)."),
-    json_path: Path | None = typer.Option(None, "--json", help="Also write the build report (accuracy, agreement, timings) as JSON."),
+    force: bool = typer.Option(
+        False, "--force", help="Rebuild even if a finished bundle with the same options exists."
+    ),
+    threads: int | None = typer.Option(
+        None,
+        "--threads",
+        min=1,
+        help="PyTorch threads for training (default: every core when the machine is idle, 1 when it is busy).",
+    ),
+    json_path: Path | None = typer.Option(
+        None, "--json", help="Also write the build report (accuracy, agreement, timings) as JSON."
+    ),
 ) -> None:
     """Build an early-exit bundle: train the head and the ramps (backbone frozen), export each block and ramp to
     ONNX, and write bundle.yaml, the tokenizer, the held-out data and a calibration window. A rerun with the same
@@ -31,7 +50,9 @@ def command(
     from exitplan.prepare.minilm import ModelNotInstalled
 
     console = Console()
-    options = BuildOptions(model=model, train_size=train_size, heldout_size=heldout_size, seed=seed, max_length=max_length)
+    options = BuildOptions(
+        model=model, train_size=train_size, heldout_size=heldout_size, seed=seed, max_length=max_length
+    )
     target = out if out is not None else Path("artifacts") / "bundles" / model
     try:
         result = prepare_bundle(options, target, force=force, threads=threads)
@@ -40,7 +61,11 @@ def command(
         raise typer.Exit(2) from err
 
     report = result.report
-    state = "reused (same options; --force rebuilds)" if result.reused else f"built in {report.get('total_seconds', 0):.1f} s"
+    state = (
+        "reused (same options; --force rebuilds)"
+        if result.reused
+        else f"built in {report.get('total_seconds', 0):.1f} s"
+    )
     console.print(f"bundle [bold]{result.path}[/bold]: {state}")
     table = Table(title=f"{report['model']}: held-out ({report['heldout_size']} inputs)")
     table.add_column("ramp")

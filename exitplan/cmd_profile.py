@@ -22,15 +22,37 @@ def _ints(text: str | None, option: str) -> list[int] | None:
 
 def command(
     bundle: Path = typer.Argument(..., help="Bundle directory (holding bundle.yaml), e.g. artifacts/bundles/minilm."),
-    pool: str = typer.Option(..., "--pool", help="Name of the GPUPool this profile describes (the profile's spec.pool)."),
+    pool: str = typer.Option(
+        ..., "--pool", help="Name of the GPUPool this profile describes (the profile's spec.pool)."
+    ),
     out: Path = typer.Option(..., "--out", help="Where to write the ModelProfile resource (YAML)."),
-    batch_sizes: str = typer.Option("1,2,4,8,16,32,64", "--batch-sizes", help="Comma-separated batch sizes to measure."),
-    seq_lens: str | None = typer.Option(None, "--seq-lens", help="Comma-separated sequence lengths (length buckets); default: 16,32,64,...,max_length. Ignored for fixed-size models."),
-    repeats: int = typer.Option(5, "--repeats", help="Timed runs per cell (median taken) after one warm-up; batches over 1,024 tokens use half, over 4,096 use 2."),
+    batch_sizes: str = typer.Option(
+        "1,2,4,8,16,32,64", "--batch-sizes", help="Comma-separated batch sizes to measure."
+    ),
+    seq_lens: str | None = typer.Option(
+        None,
+        "--seq-lens",
+        help="Comma-separated sequence lengths (length buckets); default: 16,32,64,...,max_length. Ignored for fixed-size models.",
+    ),
+    repeats: int = typer.Option(
+        5,
+        "--repeats",
+        help="Timed runs per cell (median taken) after one warm-up; batches over 1,024 tokens use half, over 4,096 use 2.",
+    ),
     threads: int = typer.Option(1, "--threads", help="ONNX Runtime intra-op threads (use what the workers will use)."),
-    thresholds: Path | None = typer.Option(None, "--thresholds", help="JSON {ramp: threshold} for the survival curve (default: 0.9 at every exit ramp)."),
-    providers: str = typer.Option("CPUExecutionProvider", "--providers", help="Comma-separated ONNX Runtime execution providers in order of preference (e.g. CUDAExecutionProvider,CPUExecutionProvider on a GPU pool)."),
-    model_name: str | None = typer.Option(None, "--model-name", help="The profile's spec.model (default: the bundle's name); match the EarlyExitService's model.name."),
+    thresholds: Path | None = typer.Option(
+        None, "--thresholds", help="JSON {ramp: threshold} for the survival curve (default: 0.9 at every exit ramp)."
+    ),
+    providers: str = typer.Option(
+        "CPUExecutionProvider",
+        "--providers",
+        help="Comma-separated ONNX Runtime execution providers in order of preference (e.g. CUDAExecutionProvider,CPUExecutionProvider on a GPU pool).",
+    ),
+    model_name: str | None = typer.Option(
+        None,
+        "--model-name",
+        help="The profile's spec.model (default: the bundle's name); match the EarlyExitService's model.name.",
+    ),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the profile document as JSON."),
 ) -> None:
     """Measure per-block and per-ramp latency (batch x sequence length) with ONNX Runtime on this machine,
@@ -65,7 +87,9 @@ def command(
         with Progress(console=console, transient=True) as bar:
             total = (n_lengths or _default_lengths(manifest)) * len(set(sizes))
             task = bar.add_task("profiling", total=total)
-            profile = profile_bundle(bundle, options, lambda n, what: bar.update(task, advance=n, description=f"profiling {what}"))
+            profile = profile_bundle(
+                bundle, options, lambda n, what: bar.update(task, advance=n, description=f"profiling {what}")
+            )
         elapsed = time.perf_counter() - started
     except (BundleError, ProfileError) as err:
         console.print(f"[red]error:[/red] {err}")

@@ -33,11 +33,19 @@ def cdf_png(results, slo_ms: float, path: Path) -> None:
 
 
 def command(
-    service_file: Path = typer.Argument(..., help="EarlyExitService YAML (may also hold GPUPool and ModelProfile documents)."),
-    trace: Path | None = typer.Option(None, "--trace", help="Trace (Azure CSV or JSON lines); default: the shared Azure trace."),
+    service_file: Path = typer.Argument(
+        ..., help="EarlyExitService YAML (may also hold GPUPool and ModelProfile documents)."
+    ),
+    trace: Path | None = typer.Option(
+        None, "--trace", help="Trace (Azure CSV or JSON lines); default: the shared Azure trace."
+    ),
     with_files: list[Path] = typer.Option([], "--with", "-w", help="More YAML files with GPUPools / ModelProfiles."),
-    configs: str = typer.Option("vanilla,naive-ee,e3,arlo,exitplan,oracle", help="Comma-separated configurations to compare."),
-    rate: float | None = typer.Option(None, help="Replay at this mean request rate (req/s) instead of the trace's own."),
+    configs: str = typer.Option(
+        "vanilla,naive-ee,e3,arlo,exitplan,oracle", help="Comma-separated configurations to compare."
+    ),
+    rate: float | None = typer.Option(
+        None, help="Replay at this mean request rate (req/s) instead of the trace's own."
+    ),
     duration: float = typer.Option(60.0, help="Seconds of (sped-up) trace to replay."),
     length_mode: str = typer.Option("scale", help="Fit trace lengths to the model: scale or clip."),
     seed: int = typer.Option(0, help="Seed of the exit-depth draws."),
@@ -51,28 +59,35 @@ def command(
     from rich.progress import track
     from rich.table import Table
 
+    from exitplan.cmd_plan import load_inputs
     from exitplan.planner.compare import CONFIGS, oracle_for, plan_config, simulate_plan
     from exitplan.planner.errors import PlannerError
     from exitplan.planner.traces import TraceError, default_trace_path, load_trace
-
-    from exitplan.cmd_plan import load_inputs
 
     console = Console()
     name, spec, pools, profiles = load_inputs(service_file, with_files)
     wanted = [c.strip() for c in configs.split(",") if c.strip()]
     unknown = [c for c in wanted if c not in CONFIGS]
     if unknown:
-        raise typer.BadParameter(f"unknown configurations {unknown}; choose from {list(CONFIGS)}", param_hint="--configs")
+        raise typer.BadParameter(
+            f"unknown configurations {unknown}; choose from {list(CONFIGS)}", param_hint="--configs"
+        )
     try:
         path = trace or default_trace_path()
-        top = max(spec.workload.length_buckets) if spec.workload.length_buckets else max(max(p.seq_lens) for p in profiles.values())
+        top = (
+            max(spec.workload.length_buckets)
+            if spec.workload.length_buckets
+            else max(max(p.seq_lens) for p in profiles.values())
+        )
         full = load_trace(path, max_length=int(top), length_mode=length_mode)  # type: ignore[arg-type]
         speed = rate / full.mean_rate if rate else 1.0
         tr = load_trace(path, max_length=int(top), length_mode=length_mode, speed=speed, duration=duration)  # type: ignore[arg-type]
     except TraceError as err:
         console.print(f"[red]trace:[/red] {escape(str(err))}")
         raise typer.Exit(2) from err
-    console.print(f"trace {path}: {len(tr)} requests over {tr.duration:.1f} s ({tr.mean_rate:.1f} req/s), lengths fitted to {top} ({length_mode})")
+    console.print(
+        f"trace {path}: {len(tr)} requests over {tr.duration:.1f} s ({tr.mean_rate:.1f} req/s), lengths fitted to {top} ({length_mode})"
+    )
     results, rows, plans = [], [], {}
     for cfg in track([c for c in wanted if c != "oracle"], description="planning and simulating"):
         try:
@@ -83,14 +98,37 @@ def command(
         plans[cfg] = res_plan
         res = simulate_plan(res_plan, tr.timestamps, tr.lengths, spec.slo.latency_ms, seed=seed, name=cfg)
         results.append(res)
-        rows.append({**res.summary(), "planned_goodput_rps": res_plan.plan.prediction.goodput_rps,
-                     "splits": len(res_plan.plan.splits), "buckets": res_plan.plan.buckets})
+        rows.append(
+            {
+                **res.summary(),
+                "planned_goodput_rps": res_plan.plan.prediction.goodput_rps,
+                "splits": len(res_plan.plan.splits),
+                "buckets": res_plan.plan.buckets,
+            }
+        )
     if "oracle" in wanted and plans:
         any_plan = plans.get("exitplan") or next(iter(plans.values()))
         bound = oracle_for(any_plan, tr.lengths, tr.mean_rate, seed=seed)
-        rows.append({"config": "oracle", "goodput_rps": bound, "note": "fluid bound: min(offered rate, capacity with perfect batching and free exits)"})
+        rows.append(
+            {
+                "config": "oracle",
+                "goodput_rps": bound,
+                "note": "fluid bound: min(offered rate, capacity with perfect batching and free exits)",
+            }
+        )
     table = Table(title=f"{name}: {len(tr)} requests, SLO {spec.slo.latency_ms:g} ms")
-    for col in ("config", "splits", "buckets", "goodput req/s", "within SLO", "p50 ms", "p99 ms", "violations", "drops", "cost /h"):
+    for col in (
+        "config",
+        "splits",
+        "buckets",
+        "goodput req/s",
+        "within SLO",
+        "p50 ms",
+        "p99 ms",
+        "violations",
+        "drops",
+        "cost /h",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
         if "error" in r:
@@ -99,12 +137,27 @@ def command(
         elif r["config"] == "oracle":
             table.add_row("oracle", "-", "-", f"{r['goodput_rps']:.1f}", "-", "-", "-", "-", "-", "(bound)")
         else:
-            table.add_row(r["config"], str(r["splits"]), ",".join(map(str, r["buckets"])), f"{r['goodput_rps']:.1f}", f"{r['attainment']:.1%}",
-                          f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", str(r["violations"]), str(r["dropped"]), f"{r['cost_per_hour']:.2f}")
+            table.add_row(
+                r["config"],
+                str(r["splits"]),
+                ",".join(map(str, r["buckets"])),
+                f"{r['goodput_rps']:.1f}",
+                f"{r['attainment']:.1%}",
+                f"{r['p50_ms']:.1f}",
+                f"{r['p99_ms']:.1f}",
+                str(r["violations"]),
+                str(r["dropped"]),
+                f"{r['cost_per_hour']:.2f}",
+            )
     console.print(table)
     if json_out:
-        json_out.write_text(json.dumps({"service": name, "trace": str(path), "requests": len(tr), "rows": rows}, indent=2,
-                                       default=lambda x: x.tolist() if isinstance(x, np.ndarray) else float(x)))
+        json_out.write_text(
+            json.dumps(
+                {"service": name, "trace": str(path), "requests": len(tr), "rows": rows},
+                indent=2,
+                default=lambda x: x.tolist() if isinstance(x, np.ndarray) else float(x),
+            )
+        )
         console.print(f"wrote {json_out}")
     if png and results:
         cdf_png(results, spec.slo.latency_ms, png)

@@ -24,12 +24,34 @@ def _parse_thresholds(text: str) -> list[float]:
 
 
 def command(
-    window: Path = typer.Argument(..., dir_okay=False, help="Recorded window (.npz with conf [N,R], pred [N,R], final [N], saving_ms [R], cost_ms [R])."),
-    budget: float = typer.Option(0.01, "--budget", help="Accuracy budget: the largest fraction of inputs that may disagree with the full model, in [0, 1)."),
-    start: str | None = typer.Option(None, "--start", help="Current thresholds, comma-separated, one per ramp (> 1 = disabled); default: all disabled."),
-    method: MethodOption = typer.Option(MethodOption.profile, "--method", help="profile: every ramp proposes its best move over all distinct confidences; steps: Apparate's adaptive steps."),
-    refine: bool = typer.Option(True, "--refine/--no-refine", help="Finish with coordinate ascent (each ramp at its exact best given the others)."),
-    json_path: Path | None = typer.Option(None, "--json", dir_okay=False, help="Write {thresholds, agreement, saving_ms} as JSON here."),
+    window: Path = typer.Argument(
+        ...,
+        dir_okay=False,
+        help="Recorded window (.npz with conf [N,R], pred [N,R], final [N], saving_ms [R], cost_ms [R]).",
+    ),
+    budget: float = typer.Option(
+        0.01,
+        "--budget",
+        help="Accuracy budget: the largest fraction of inputs that may disagree with the full model, in [0, 1).",
+    ),
+    start: str | None = typer.Option(
+        None,
+        "--start",
+        help="Current thresholds, comma-separated, one per ramp (> 1 = disabled); default: all disabled.",
+    ),
+    method: MethodOption = typer.Option(
+        MethodOption.profile,
+        "--method",
+        help="profile: every ramp proposes its best move over all distinct confidences; steps: Apparate's adaptive steps.",
+    ),
+    refine: bool = typer.Option(
+        True,
+        "--refine/--no-refine",
+        help="Finish with coordinate ascent (each ramp at its exact best given the others).",
+    ),
+    json_path: Path | None = typer.Option(
+        None, "--json", dir_okay=False, help="Write {thresholds, agreement, saving_ms} as JSON here."
+    ),
 ) -> None:
     """Tune exit thresholds on a recorded window so agreement with the full model stays >= 1 - budget while the latency saving is largest; print a table per ramp."""
     import time
@@ -59,11 +81,18 @@ def command(
         on = result.thresholds[r] <= 1.0
         exits = int(out.exits[r])
         table.add_row(
-            w.ramps[r], f"{result.thresholds[r]:.4f}" if on else "off", str(int(out.reached[r])), str(exits),
-            f"{exits / w.n_inputs:.1%}", f"{out.exit_agree[r] / exits:.1%}" if exits else "-",
-            f"{w.saving_ms[r]:.3f}", f"{w.cost_ms[r]:.3f}",
+            w.ramps[r],
+            f"{result.thresholds[r]:.4f}" if on else "off",
+            str(int(out.reached[r])),
+            str(exits),
+            f"{exits / w.n_inputs:.1%}",
+            f"{out.exit_agree[r] / exits:.1%}" if exits else "-",
+            f"{w.saving_ms[r]:.3f}",
+            f"{w.cost_ms[r]:.3f}",
         )
-    table.add_row("(full model)", "", "", str(int(out.exits[-1])), f"{out.exits[-1] / w.n_inputs:.1%}", "100.0%", "0", "")
+    table.add_row(
+        "(full model)", "", "", str(int(out.exits[-1])), f"{out.exits[-1] / w.n_inputs:.1%}", "100.0%", "0", ""
+    )
     console.print(table)
     console.print(
         f"agreement {result.agreement:.4f} (needs >= {1 - budget:.4f}), saving {result.saving_ms:.3f} ms per input "

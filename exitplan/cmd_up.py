@@ -10,17 +10,30 @@ import typer
 
 
 def command(
-    service: Path = typer.Argument(..., exists=True, dir_okay=False, help="YAML with an EarlyExitService (and its GPUPools, optionally ModelProfiles)."),
-    resources: list[Path] = typer.Option([], "--resources", "-f", help="More YAML files with GPUPools / ModelProfiles."),
+    service: Path = typer.Argument(
+        ...,
+        exists=True,
+        dir_okay=False,
+        help="YAML with an EarlyExitService (and its GPUPools, optionally ModelProfiles).",
+    ),
+    resources: list[Path] = typer.Option(
+        [], "--resources", "-f", help="More YAML files with GPUPools / ModelProfiles."
+    ),
     plan: Path | None = typer.Option(None, help="Serve this plan file instead of planning."),
-    trace: Path | None = typer.Option(None, help="Size the length buckets from this trace's input lengths (scaled: its p99 = the model's max length)."),
+    trace: Path | None = typer.Option(
+        None, help="Size the length buckets from this trace's input lengths (scaled: its p99 = the model's max length)."
+    ),
     port: int = typer.Option(8080, help="Router port on localhost."),
     base_port: int = typer.Option(9100, help="First port for worker processes."),
     workdir: Path = typer.Option(Path("artifacts/up"), help="Where the plan file and process logs go."),
     threads: int = typer.Option(1, min=1, help="ONNX Runtime threads per worker process."),
     window_seconds: float = typer.Option(30.0, min=0.5, help="Router observation window."),
-    autotune: bool = typer.Option(True, help="Re-tune exit thresholds continually from the router's shadow-sampled feedback."),
-    tune_seconds: float = typer.Option(2.0, min=0.5, help="Period of the threshold tuning loop (a shift is caught within a period or two of feedback)."),
+    autotune: bool = typer.Option(
+        True, help="Re-tune exit thresholds continually from the router's shadow-sampled feedback."
+    ),
+    tune_seconds: float = typer.Option(
+        2.0, min=0.5, help="Period of the threshold tuning loop (a shift is caught within a period or two of feedback)."
+    ),
 ) -> None:
     """Plan the service, start its router and workers on this machine (the same commands pods run), serve until Ctrl-C."""
     from rich.console import Console
@@ -30,7 +43,13 @@ def command(
     console = Console()
     setup, the_plan = _plan(service, resources, plan, trace, console)
     deployment = LocalDeployment(
-        setup.bundle, the_plan, setup.spec, workdir / setup.name, port=port, base_port=base_port, threads=threads,
+        setup.bundle,
+        the_plan,
+        setup.spec,
+        workdir / setup.name,
+        port=port,
+        base_port=base_port,
+        threads=threads,
         window_seconds=window_seconds,
     )
     console.print(_plan_table(the_plan, setup.name))
@@ -42,7 +61,9 @@ def command(
             console.print(f"[red]error:[/red] {err}")
             raise typer.Exit(1) from err
     verb = "generate" if setup.manifest.decoder is not None else "infer"
-    console.print(f"[green]serving[/green] {the_plan.model} at {deployment.url}/v2/models/{the_plan.model}/{verb}  (logs: {deployment.workdir / 'logs'})")
+    console.print(
+        f"[green]serving[/green] {the_plan.model} at {deployment.url}/v2/models/{the_plan.model}/{verb}  (logs: {deployment.workdir / 'logs'})"
+    )
     console.print("Ctrl-C stops every process.")
     tuner = None
     if autotune and setup.manifest.decoder is None:  # generation: one threshold from the plan (POST /v1/thresholds)
@@ -63,7 +84,12 @@ def _plan(service: Path, resources: list[Path], plan: Path | None, trace: Path |
     from exitplan.api.bundle import BundleError
     from exitplan.api.plan import Plan
     from exitplan.localrun.service_setup import (
-        ServiceFileError, ensure_profiles, load_setup, planned, trace_lengths, tuned_thresholds,
+        ServiceFileError,
+        ensure_profiles,
+        load_setup,
+        planned,
+        trace_lengths,
+        tuned_thresholds,
     )
 
     try:
@@ -91,8 +117,14 @@ def _plan_table(plan, name: str):
         table.add_column(col)
     for cell in sorted(plan.cells, key=lambda c: (c.split, c.bucket)):
         sp = plan.splits[cell.split]
-        table.add_row(str(cell.split), f"{sp.first_block}-{sp.last_block}", str(cell.bucket), cell.pool,
-                      str(cell.replicas), str(cell.batch_size))
+        table.add_row(
+            str(cell.split),
+            f"{sp.first_block}-{sp.last_block}",
+            str(cell.bucket),
+            cell.pool,
+            str(cell.replicas),
+            str(cell.batch_size),
+        )
     return table
 
 
@@ -124,5 +156,10 @@ def _start_tuner(setup, url: str, period_s: float, console):
     from exitplan.planner.tuning.autotune import LIVE
 
     ramps = [r.name for r in setup.manifest.exit_ramps()]
-    return AutoTuner(url, ramps, setup.spec.accuracy.max_drop, config=replace(LIVE, period_s=period_s),
-                     on_change=lambda d: console.print(f"thresholds re-tuned ({d.reason}): {d.thresholds}")).start()
+    return AutoTuner(
+        url,
+        ramps,
+        setup.spec.accuracy.max_drop,
+        config=replace(LIVE, period_s=period_s),
+        on_change=lambda d: console.print(f"thresholds re-tuned ({d.reason}): {d.thresholds}"),
+    ).start()

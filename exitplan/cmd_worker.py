@@ -11,27 +11,47 @@ from exitplan.worker.serve import port_from_env, serve
 
 def command(
     bundle: Path = typer.Option(..., help="Model bundle directory (holds bundle.yaml)."),
-    plan: Path = typer.Option(..., help="Plan file (plan.json; the plan ConfigMap in a cluster). Re-read when it changes."),
+    plan: Path = typer.Option(
+        ..., help="Plan file (plan.json; the plan ConfigMap in a cluster). Re-read when it changes."
+    ),
     split: int = typer.Option(..., min=0, help="Index of the split this worker runs."),
-    bucket: int = typer.Option(..., min=1, help="Length bucket (max sequence length) of this worker's runtime; 1 for fixed-size models."),
+    bucket: int = typer.Option(
+        ..., min=1, help="Length bucket (max sequence length) of this worker's runtime; 1 for fixed-size models."
+    ),
     pool: str = typer.Option("", help="GPUPool this worker runs on (a label for metrics and dispatch)."),
-    next: str = typer.Option("", "--next", help="host:port[,host:port...] of the next split (a headless Service); omit for the last split."),
+    next: str = typer.Option(
+        "", "--next", help="host:port[,host:port...] of the next split (a headless Service); omit for the last split."
+    ),
     host: str = typer.Option("0.0.0.0", help="Address to listen on."),
     port: int = typer.Option(8080, help="Port to listen on (EXITPLAN_PORT overrides)."),
-    max_wait_ms: float = typer.Option(-1.0, help="Longest time the oldest input waits for the batch to fill; negative = until the batch is full or the oldest deadline needs it (E3; best on GPUs)."),
+    max_wait_ms: float = typer.Option(
+        -1.0,
+        help="Longest time the oldest input waits for the batch to fill; negative = until the batch is full or the oldest deadline needs it (E3; best on GPUs).",
+    ),
     threads: int = typer.Option(1, min=1, help="ONNX Runtime intra-op threads."),
-    providers: str = typer.Option("auto", help="ONNX Runtime execution providers, comma-separated; auto = CUDA when this onnxruntime has it and a GPU is visible, else CPU."),
+    providers: str = typer.Option(
+        "auto",
+        help="ONNX Runtime execution providers, comma-separated; auto = CUDA when this onnxruntime has it and a GPU is visible, else CPU.",
+    ),
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
     """Run one split worker: a contiguous range of blocks for one length bucket, with exits and a fusion queue."""
-    from exitplan.worker.classify.worker import SplitWorker
-
     from exitplan.worker.bundle_runtime import choose_providers
+    from exitplan.worker.classify.worker import SplitWorker
 
     try:
         chosen = choose_providers(providers)
-        worker = SplitWorker(bundle, plan, split=split, bucket=bucket, pool=pool, next_peers=next or None,
-                             max_wait_ms=max_wait_ms, threads=threads, providers=chosen)
+        worker = SplitWorker(
+            bundle,
+            plan,
+            split=split,
+            bucket=bucket,
+            pool=pool,
+            next_peers=next or None,
+            max_wait_ms=max_wait_ms,
+            threads=threads,
+            providers=chosen,
+        )
     except (ValueError, OSError) as err:
         typer.secho(f"error: {err}", fg="red", err=True)
         raise typer.Exit(2) from err

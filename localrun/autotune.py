@@ -34,8 +34,15 @@ class AutoTuner:
     thread, after new thresholds were pushed. ``client`` is the router's control client (replace it
     before the first step to talk to something else)."""
 
-    def __init__(self, router_url: str, ramps: list[str], budget: float, *, config: TuneConfig = LIVE,
-                 on_change: Callable[[Decision], object] | None = None) -> None:
+    def __init__(
+        self,
+        router_url: str,
+        ramps: list[str],
+        budget: float,
+        *,
+        config: TuneConfig = LIVE,
+        on_change: Callable[[Decision], object] | None = None,
+    ) -> None:
         self.router_url, self.ramps, self.budget, self.config = router_url, ramps, budget, config
         self.on_change = on_change
         self.client = ControlClient(router_url, timeout_s=10.0)
@@ -63,10 +70,17 @@ class AutoTuner:
                 return Decision(None, f"rejected: {err}", 0)
             if decision.thresholds is not None:
                 await self.client.push_thresholds(decision.thresholds, f"tune-{decision.reason}")
-                log.info("thresholds re-tuned (%s%s): agreement %.4f -> %.4f, saving %.2f -> %.2f ms on %d samples",
-                         decision.reason, f", {decision.detail}" if decision.detail else "", decision.agreement_before,
-                         decision.agreement_after, decision.saving_before_ms, decision.saving_after_ms, decision.samples)
-            for words in state.alarm_log[len(self.state.alarm_log):]:
+                log.info(
+                    "thresholds re-tuned (%s%s): agreement %.4f -> %.4f, saving %.2f -> %.2f ms on %d samples",
+                    decision.reason,
+                    f", {decision.detail}" if decision.detail else "",
+                    decision.agreement_before,
+                    decision.agreement_after,
+                    decision.saving_before_ms,
+                    decision.saving_after_ms,
+                    decision.samples,
+                )
+            for words in state.alarm_log[len(self.state.alarm_log) :]:
                 log.info("drift alarm: %s", words)
             self.state = state
             if decision.thresholds is not None and self.on_change:

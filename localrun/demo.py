@@ -23,9 +23,16 @@ import numpy as np
 
 from exitplan.api.plan import Plan
 from exitplan.api.resources import ModelProfileSpec
-
 from exitplan.localrun.deployment import LocalDeployment
-from exitplan.localrun.service_setup import ServiceSetup, ensure_profiles, load_setup, planned, single_split_plan, trace_lengths, tuned_thresholds
+from exitplan.localrun.service_setup import (
+    ServiceSetup,
+    ensure_profiles,
+    load_setup,
+    planned,
+    single_split_plan,
+    trace_lengths,
+    tuned_thresholds,
+)
 
 CONFIGS = ("vanilla", "naive-ee", "exitplan")
 
@@ -55,7 +62,10 @@ class DemoResult:
 
     def to_dict(self) -> dict:
         return {
-            "thresholds": self.thresholds, "vanilla_capacity_rps": self.capacity_rps, "plans": self.plans, "runs": self.runs,
+            "thresholds": self.thresholds,
+            "vanilla_capacity_rps": self.capacity_rps,
+            "plans": self.plans,
+            "runs": self.runs,
             "best_goodput_rps": {c: self.best_goodput(c) for c in CONFIGS},
         }
 
@@ -77,13 +87,19 @@ def baseline_batch(setup: ServiceSetup) -> int:
     return max(fitting, default=min(profile.batch_sizes))
 
 
-def build_plans(setup: ServiceSetup, thresholds: dict[str, float], lengths: np.ndarray | None = None) -> dict[str, Plan]:
+def build_plans(
+    setup: ServiceSetup, thresholds: dict[str, float], lengths: np.ndarray | None = None
+) -> dict[str, Plan]:
     capacity = setup.spec.pools[0].max_gpus or setup.pools[setup.spec.pools[0].name].capacity
     batch = baseline_batch(setup)
     off = {name: 2.0 for name in thresholds}
     return {
-        "vanilla": single_split_plan(setup, thresholds=off, replicas=capacity, batch_size=batch, reason="baseline-vanilla"),
-        "naive-ee": single_split_plan(setup, thresholds=thresholds, replicas=capacity, batch_size=batch, reason="baseline-naive"),
+        "vanilla": single_split_plan(
+            setup, thresholds=off, replicas=capacity, batch_size=batch, reason="baseline-vanilla"
+        ),
+        "naive-ee": single_split_plan(
+            setup, thresholds=thresholds, replicas=capacity, batch_size=batch, reason="baseline-naive"
+        ),
         "exitplan": planned(setup, thresholds, lengths=lengths),
     }
 
@@ -96,8 +112,10 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
     thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop, setup.spec.workload.length_buckets)
     console.print(f"thresholds tuned on the held-out window (budget {setup.spec.accuracy.max_drop:.1%}): {thresholds}")
     lengths, reference = trace_lengths(opts.trace, int(setup.manifest.max_length or 1))
-    console.print(f"trace lengths scaled so that {reference} tokens (the trace's p99) = {setup.manifest.max_length}; "
-                  f"p50 {np.percentile(lengths, 50):.0f}, p90 {np.percentile(lengths, 90):.0f}")
+    console.print(
+        f"trace lengths scaled so that {reference} tokens (the trace's p99) = {setup.manifest.max_length}; "
+        f"p50 {np.percentile(lengths, 50):.0f}, p90 {np.percentile(lengths, 90):.0f}"
+    )
     plans = build_plans(setup, thresholds, lengths)
     model = setup.spec.model.name
     slo = setup.spec.slo.latency_ms
@@ -105,27 +123,61 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
     bench_setup: BenchSetup | None = None
     kept: LocalDeployment | None = None
     for config in CONFIGS:
-        dep = LocalDeployment(setup.bundle, plans[config], setup.spec, opts.workdir / config, port=opts.port, base_port=opts.base_port)
-        console.rule(f"{config}: {len(plans[config].splits)} split(s), buckets {plans[config].buckets}, "
-                     f"{sum(c.replicas for c in plans[config].cells)} workers")
+        dep = LocalDeployment(
+            setup.bundle, plans[config], setup.spec, opts.workdir / config, port=opts.port, base_port=opts.base_port
+        )
+        console.rule(
+            f"{config}: {len(plans[config].splits)} split(s), buckets {plans[config].buckets}, "
+            f"{sum(c.replicas for c in plans[config].cells)} workers"
+        )
         with console.status(f"starting {config}..."):
             dep.start()
         try:
             bench_setup = bench_setup or BenchSetup.connect(dep.url, model, setup.bundle)
             if config == "vanilla":
-                cap = find_capacity(dep.url, model, setup.bundle, opts.trace, setup=bench_setup, start_rps=2.0,
-                                    step_duration=min(opts.duration, 8.0), slo_ms=slo, seed=opts.seed, reference_max=reference)
+                cap = find_capacity(
+                    dep.url,
+                    model,
+                    setup.bundle,
+                    opts.trace,
+                    setup=bench_setup,
+                    start_rps=2.0,
+                    step_duration=min(opts.duration, 8.0),
+                    slo_ms=slo,
+                    seed=opts.seed,
+                    reference_max=reference,
+                )
                 result.capacity_rps = cap.capacity_rps
                 console.print(f"vanilla capacity: {cap.capacity_rps:.1f} rps within the SLO ({cap.reason})")
             for load in opts.loads:
                 rps = max(load * result.capacity_rps, 0.5)
-                report = run_bench(dep.url, model, setup.bundle, opts.trace, rps=rps, start=opts.trace_start,
-                                   duration=opts.duration, slo_ms=slo, seed=opts.seed, setup=bench_setup, reference_max=reference)
+                report = run_bench(
+                    dep.url,
+                    model,
+                    setup.bundle,
+                    opts.trace,
+                    rps=rps,
+                    start=opts.trace_start,
+                    duration=opts.duration,
+                    slo_ms=slo,
+                    seed=opts.seed,
+                    setup=bench_setup,
+                    reference_max=reference,
+                )
                 row = {
-                    "config": config, "load": load, "offered_rps": report.offered_rps, "goodput_rps": report.goodput_rps,
-                    "p50_ms": report.latency.get("p50"), "p95_ms": report.latency.get("p95"), "p99_ms": report.latency.get("p99"),
-                    "agreement_drop": report.agreement_drop, "requests": report.requests, "results": report.results,
-                    "overload": report.errors.get("overload", 0), "errors": report.error_total, "lost": report.lost,
+                    "config": config,
+                    "load": load,
+                    "offered_rps": report.offered_rps,
+                    "goodput_rps": report.goodput_rps,
+                    "p50_ms": report.latency.get("p50"),
+                    "p95_ms": report.latency.get("p95"),
+                    "p99_ms": report.latency.get("p99"),
+                    "agreement_drop": report.agreement_drop,
+                    "requests": report.requests,
+                    "results": report.results,
+                    "overload": report.errors.get("overload", 0),
+                    "errors": report.error_total,
+                    "lost": report.lost,
                     "exit_share": report.exit_share,
                 }
                 result.runs.append(row)
@@ -151,8 +203,10 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
 
 def _row_text(row: dict) -> str:
     drop = "-" if row["agreement_drop"] is None else f"{row['agreement_drop']:.2%}"
-    return (f"  {row['config']:9s} x{row['load']:.1f}: offered {row['offered_rps']:.1f} rps, goodput {row['goodput_rps']:.1f} rps, "
-            f"p50 {_ms(row['p50_ms'])} p99 {_ms(row['p99_ms'])} ms, drop {drop}, overload {row['overload']}, lost {row['lost']}")
+    return (
+        f"  {row['config']:9s} x{row['load']:.1f}: offered {row['offered_rps']:.1f} rps, goodput {row['goodput_rps']:.1f} rps, "
+        f"p50 {_ms(row['p50_ms'])} p99 {_ms(row['p99_ms'])} ms, drop {drop}, overload {row['overload']}, lost {row['lost']}"
+    )
 
 
 def _ms(v: float | None) -> str:
@@ -162,13 +216,38 @@ def _ms(v: float | None) -> str:
 def summary_table(result: DemoResult, slo_ms: float):
     from rich.table import Table
 
-    table = Table(title=f"goodput within the {slo_ms:.0f} ms SLO, same trace, same loads (x vanilla capacity {result.capacity_rps:.1f} rps)")
-    for col in ("config", "load", "offered rps", "goodput rps", "p50 ms", "p95 ms", "p99 ms", "accuracy drop", "overload", "errors", "lost"):
+    table = Table(
+        title=f"goodput within the {slo_ms:.0f} ms SLO, same trace, same loads (x vanilla capacity {result.capacity_rps:.1f} rps)"
+    )
+    for col in (
+        "config",
+        "load",
+        "offered rps",
+        "goodput rps",
+        "p50 ms",
+        "p95 ms",
+        "p99 ms",
+        "accuracy drop",
+        "overload",
+        "errors",
+        "lost",
+    ):
         table.add_column(col, justify="right" if col != "config" else "left")
     for r in result.runs:
         drop = "-" if r["agreement_drop"] is None else f"{r['agreement_drop']:.2%}"
-        table.add_row(r["config"], f"{r['load']:.1f}", f"{r['offered_rps']:.1f}", f"{r['goodput_rps']:.1f}", _ms(r["p50_ms"]),
-                      _ms(r["p95_ms"]), _ms(r["p99_ms"]), drop, str(r["overload"]), str(r["errors"]), str(r["lost"]))
+        table.add_row(
+            r["config"],
+            f"{r['load']:.1f}",
+            f"{r['offered_rps']:.1f}",
+            f"{r['goodput_rps']:.1f}",
+            _ms(r["p50_ms"]),
+            _ms(r["p95_ms"]),
+            _ms(r["p99_ms"]),
+            drop,
+            str(r["overload"]),
+            str(r["errors"]),
+            str(r["lost"]),
+        )
     best = {c: result.best_goodput(c) for c in CONFIGS}
     table.caption = (
         f"best goodput: vanilla {best['vanilla']:.1f}, naive-ee {best['naive-ee']:.1f}, exitplan {best['exitplan']:.1f} rps; "
@@ -176,8 +255,10 @@ def summary_table(result: DemoResult, slo_ms: float):
     )
     if not any(saturated(result, c) for c in CONFIGS):
         top = max(r["load"] for r in result.runs)
-        table.caption += (f"\nevery configuration kept up with the highest load (x{top:g}): the ratios are lower bounds; "
-                          f"add higher loads (--loads ...,{2 * top:g}) to see where each one falls behind")
+        table.caption += (
+            f"\nevery configuration kept up with the highest load (x{top:g}): the ratios are lower bounds; "
+            f"add higher loads (--loads ...,{2 * top:g}) to see where each one falls behind"
+        )
     return table
 
 

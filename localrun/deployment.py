@@ -114,26 +114,68 @@ class LocalDeployment:
             for r in range(cell.replicas):
                 name = f"worker-s{cell.split}-b{cell.bucket}-{cell.pool}-{r}"
                 args = [
-                    *cli, "worker", "--bundle", str(self.bundle), "--plan", str(self.plan_path), "--split", str(cell.split),
-                    "--bucket", str(cell.bucket), "--pool", cell.pool, "--host", "127.0.0.1", "--port", str(port),
-                    "--max-wait-ms", str(self.max_wait_ms), "--threads", str(self.threads),
+                    *cli,
+                    "worker",
+                    "--bundle",
+                    str(self.bundle),
+                    "--plan",
+                    str(self.plan_path),
+                    "--split",
+                    str(cell.split),
+                    "--bucket",
+                    str(cell.bucket),
+                    "--pool",
+                    cell.pool,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--max-wait-ms",
+                    str(self.max_wait_ms),
+                    "--threads",
+                    str(self.threads),
                 ]
                 nxt = by_split.get(cell.split + 1)
                 if cell.split + 1 < len(self.plan.splits):
                     if not nxt:
-                        raise StartError(f"plan has no worker for split {cell.split + 1}, which split {cell.split} needs")
+                        raise StartError(
+                            f"plan has no worker for split {cell.split + 1}, which split {cell.split} needs"
+                        )
                     args += ["--next", ",".join(p.address for p in nxt)]
                 by_split.setdefault(cell.split, []).append(Proc(name, args, port, logs / f"{name}.log"))
                 port += 1
         workers = [p for s in sorted(by_split) for p in by_split[s]]
         router_args = [
-            *cli, "router", "--bundle", str(self.bundle), "--plan", str(self.plan_path),
-            "--peers", ",".join(p.address for p in by_split.get(0, [])), "--host", "127.0.0.1", "--port", str(self.port),
-            "--slo-ms", str(self.spec.slo.latency_ms), "--accuracy-budget", str(self.spec.accuracy.max_drop),
-            "--shadow-fraction", str(self.spec.accuracy.shadow_fraction),
-            "--queue-lambda", str(self.spec.router.queue_lambda), "--queue-alpha", str(self.spec.router.queue_alpha),
-            "--peek-depth", str(self.spec.router.peek_depth), "--max-body-bytes", str(self.spec.router.max_body_bytes),
-            "--max-inflight", str(self.spec.router.max_queue), "--window-seconds", str(self.window_seconds),
+            *cli,
+            "router",
+            "--bundle",
+            str(self.bundle),
+            "--plan",
+            str(self.plan_path),
+            "--peers",
+            ",".join(p.address for p in by_split.get(0, [])),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--slo-ms",
+            str(self.spec.slo.latency_ms),
+            "--accuracy-budget",
+            str(self.spec.accuracy.max_drop),
+            "--shadow-fraction",
+            str(self.spec.accuracy.shadow_fraction),
+            "--queue-lambda",
+            str(self.spec.router.queue_lambda),
+            "--queue-alpha",
+            str(self.spec.router.queue_alpha),
+            "--peek-depth",
+            str(self.spec.router.peek_depth),
+            "--max-body-bytes",
+            str(self.spec.router.max_body_bytes),
+            "--max-inflight",
+            str(self.spec.router.max_queue),
+            "--window-seconds",
+            str(self.window_seconds),
         ]
         if self.spec.router.truncate:
             router_args.append("--truncate")
@@ -153,14 +195,22 @@ class LocalDeployment:
         self.procs = self._commands()
         busy = [p.port for p in self.procs if not port_free(p.port)]
         if busy:
-            raise StartError(f"ports {busy} on 127.0.0.1 are in use (another exitplan up or demo still running?); "
-                             f"stop it or choose other ports (--port, --base-port)")
+            raise StartError(
+                f"ports {busy} on 127.0.0.1 are in use (another exitplan up or demo still running?); "
+                f"stop it or choose other ports (--port, --base-port)"
+            )
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         env.pop("EXITPLAN_PORT", None)
         for proc in self.procs:
             with proc.log_path.open("wb") as log:
-                proc.popen = subprocess.Popen(proc.args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                              start_new_session=True, preexec_fn=_die_with_parent)
+                proc.popen = subprocess.Popen(
+                    proc.args,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
         try:
             self.wait_ready(timeout)
         except BaseException:

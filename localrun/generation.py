@@ -40,10 +40,18 @@ def measure(bundle: Path, pool: str, echo=print) -> Path:
     if not texts:
         raise ValueError(f"{heldout}: the bundle has no held-out texts to measure the exit threshold on")
     block_ms, head_ms = measure_times(model)
-    profile = {"block_ms": block_ms, "head_ms": head_ms, "decide_share": {model.n_blocks - 1: 1.0}, "hop_ms": measure_hop(model),
-               "recompute_ratio": measure_recompute_ratio(model)}
-    data = {"profile": profile, "thresholds": measure_thresholds(model, texts),
-            "measured_on": f"{platform.node()} {platform.processor() or platform.machine()}, ONNX Runtime CPU, 1 thread"}
+    profile = {
+        "block_ms": block_ms,
+        "head_ms": head_ms,
+        "decide_share": {model.n_blocks - 1: 1.0},
+        "hop_ms": measure_hop(model),
+        "recompute_ratio": measure_recompute_ratio(model),
+    }
+    data = {
+        "profile": profile,
+        "thresholds": measure_thresholds(model, texts),
+        "measured_on": f"{platform.node()} {platform.processor() or platform.machine()}, ONNX Runtime CPU, 1 thread",
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
@@ -59,12 +67,22 @@ def plan_generation_service(setup: ServiceSetup, echo=print, *, stages: int | No
     if manifest.decoder is None:
         raise ValueError(f"{setup.bundle}: not a generative bundle (no decoder section)")
     profile, points = read_measurements(measure(setup.bundle, setup.spec.pools[0].name, echo))
-    result = plan_generation(setup.name, setup.spec, setup.pools, n_blocks=len(manifest.blocks),
-                             exit_ramps=[r.name for r in manifest.exit_ramps()], max_context=manifest.decoder.max_context,
-                             profile=profile, thresholds=points, stages=stages)
+    result = plan_generation(
+        setup.name,
+        setup.spec,
+        setup.pools,
+        n_blocks=len(manifest.blocks),
+        exit_ramps=[r.name for r in manifest.exit_ramps()],
+        max_context=manifest.decoder.max_context,
+        profile=profile,
+        thresholds=points,
+        stages=stages,
+    )
     predicted = f", predicted {result.predicted_ms_per_token:.3f} ms/token" if result.predicted_ms_per_token else ""
-    echo(f"generation plan: {result.mode}, {len(result.plan.splits)} stage(s), threshold {result.threshold}{predicted}"
-         + (f" ({result.note})" if result.note else ""))
+    echo(
+        f"generation plan: {result.mode}, {len(result.plan.splits)} stage(s), threshold {result.threshold}{predicted}"
+        + (f" ({result.note})" if result.note else "")
+    )
     return result.plan
 
 
@@ -87,13 +105,40 @@ def stage_commands(deployment: LocalDeployment) -> list[Proc]:
     port = deployment.base_port
     for split in reversed(plan.splits):
         name = f"stage-s{split.index}-blocks{split.first_block}-{split.last_block}"
-        args = [*cli, "generate-stage", "--bundle", str(deployment.bundle), "--first", str(split.first_block),
-                "--last", str(split.last_block), "--host", "127.0.0.1", "--port", str(port),
-                "--threads", str(deployment.threads), "--mode", "recompute" if recompute else "pipeline"]
+        args = [
+            *cli,
+            "generate-stage",
+            "--bundle",
+            str(deployment.bundle),
+            "--first",
+            str(split.first_block),
+            "--last",
+            str(split.last_block),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--threads",
+            str(deployment.threads),
+            "--mode",
+            "recompute" if recompute else "pipeline",
+        ]
         if stages:
             args += ["--next", stages[0].address]
         stages.insert(0, Proc(name, args, port, logs / f"{name}.log"))
         port += 1
-    router = [*cli, "router", "--bundle", str(deployment.bundle), "--plan", str(deployment.plan_path),
-              "--peers", stages[0].address, "--host", "127.0.0.1", "--port", str(deployment.port)]
+    router = [
+        *cli,
+        "router",
+        "--bundle",
+        str(deployment.bundle),
+        "--plan",
+        str(deployment.plan_path),
+        "--peers",
+        stages[0].address,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(deployment.port),
+    ]
     return [*reversed(stages), Proc("router", router, deployment.port, logs / "router.log")]

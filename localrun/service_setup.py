@@ -19,8 +19,14 @@ import yaml
 from exitplan.api import load_resources
 from exitplan.api.bundle import BundleManifest, read_manifest, resolve_bundle_uri
 from exitplan.api.plan import Cell, Plan, SplitPlan
-from exitplan.api.resources import EarlyExitService, EarlyExitServiceSpec, GPUPool, GPUPoolSpec, ModelProfile, ModelProfileSpec
-
+from exitplan.api.resources import (
+    EarlyExitService,
+    EarlyExitServiceSpec,
+    GPUPool,
+    GPUPoolSpec,
+    ModelProfile,
+    ModelProfileSpec,
+)
 from exitplan.localrun.deployment import exitplan_command
 
 
@@ -77,7 +83,9 @@ def ensure_profiles(setup: ServiceSetup, echo=print) -> None:
             cmd = [*exitplan_command(), "profile", str(setup.bundle), "--pool", ref.name, "--out", str(cache)]
             done = subprocess.run(cmd, check=False)
             if done.returncode != 0:
-                raise ServiceFileError(f"profiling the bundle for pool {ref.name!r} failed (exit {done.returncode}): {' '.join(cmd)}")
+                raise ServiceFileError(
+                    f"profiling the bundle for pool {ref.name!r} failed (exit {done.returncode}): {' '.join(cmd)}"
+                )
         doc = yaml.safe_load(cache.read_text())
         setup.profiles[ref.name] = ModelProfile.model_validate(doc).spec
 
@@ -108,7 +116,9 @@ def planned(setup: ServiceSetup, thresholds: dict[str, float], reason: str = "in
     """The planner's plan; `lengths` (input lengths in tokens, e.g. a trace's) size the length buckets."""
     from exitplan.planner import plan_service
 
-    result = plan_service(setup.name, setup.spec, setup.pools, setup.profiles, thresholds=thresholds, reason=reason, lengths=lengths)
+    result = plan_service(
+        setup.name, setup.spec, setup.pools, setup.profiles, thresholds=thresholds, reason=reason, lengths=lengths
+    )
     return result.plan
 
 
@@ -127,7 +137,11 @@ def single_split_plan(
     pool = setup.spec.pools[0].name
     cells = [Cell(split=0, bucket=b, pool=pool, replicas=replicas, batch_size=batch_size) for b in buckets]
     return Plan(
-        service=setup.name, model=setup.spec.model.name,
+        service=setup.name,
+        model=setup.spec.model.name,
         splits=[SplitPlan(index=0, first_block=0, last_block=len(manifest.blocks) - 1)],
-        buckets=buckets, cells=cells, thresholds=thresholds, reason=reason,
+        buckets=buckets,
+        cells=cells,
+        thresholds=thresholds,
+        reason=reason,
     )

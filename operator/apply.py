@@ -39,8 +39,10 @@ class ApplyReport:
         return bool(self.created or self.patched or self.deleted)
 
     def summary(self) -> str:
-        return (f"{len(self.created)} created, {len(self.patched)} patched, {len(self.deleted)} deleted, "
-                f"{len(self.unchanged)} unchanged")
+        return (
+            f"{len(self.created)} created, {len(self.patched)} patched, {len(self.deleted)} deleted, "
+            f"{len(self.unchanged)} unchanged"
+        )
 
 
 def contains(current: Any, desired: Any) -> bool:
@@ -49,10 +51,17 @@ def contains(current: Any, desired: Any) -> bool:
     if isinstance(desired, dict):
         return isinstance(current, dict) and all(k in current and contains(current[k], v) for k, v in desired.items())
     if isinstance(desired, list):
-        return (isinstance(current, list) and len(current) == len(desired)
-                and all(contains(c, d) for c, d in zip(current, desired)))
-    return current == desired or (isinstance(current, (int, float)) and isinstance(desired, (int, float))
-                                  and not isinstance(current, bool) and float(current) == float(desired))
+        return (
+            isinstance(current, list)
+            and len(current) == len(desired)
+            and all(contains(c, d) for c, d in zip(current, desired))
+        )
+    return current == desired or (
+        isinstance(current, (int, float))
+        and isinstance(desired, (int, float))
+        and not isinstance(current, bool)
+        and float(current) == float(desired)
+    )
 
 
 def _label(obj: Manifest) -> str:
@@ -118,8 +127,9 @@ async def apply_children(client: KubeClient, desired: list[Manifest], service: s
     """Make the cluster hold exactly `desired` (the children built for one plan), make-before-break."""
     report = ApplyReport()
     existing = await list_children(client, service, namespace)
-    current_replicas = {d["metadata"]["name"]: int(d.get("spec", {}).get("replicas") or 0)
-                        for d in existing["Deployment"]}
+    current_replicas = {
+        d["metadata"]["name"]: int(d.get("spec", {}).get("replicas") or 0) for d in existing["Deployment"]
+    }
     component = builders.L_COMPONENT
 
     def is_worker(obj: Manifest) -> bool:

@@ -37,7 +37,12 @@ DEFAULT_IMAGE = "ghcr.io/exitplan/exitplan:0.1.0"
 IMAGE = os.environ.get("EXITPLAN_IMAGE", DEFAULT_IMAGE)
 """Container image of routers, workers and profiling Jobs (env EXITPLAN_IMAGE of the operator)."""
 
-L_SERVICE, L_SPLIT, L_BUCKET, L_POOL = "exitplan.io/service", "exitplan.io/split", "exitplan.io/bucket", "exitplan.io/pool"
+L_SERVICE, L_SPLIT, L_BUCKET, L_POOL = (
+    "exitplan.io/service",
+    "exitplan.io/split",
+    "exitplan.io/bucket",
+    "exitplan.io/pool",
+)
 L_COMPONENT = "app.kubernetes.io/component"
 A_PLAN_HASH = "exitplan.io/plan-hash"
 MANAGED = {"app.kubernetes.io/name": "exitplan", "app.kubernetes.io/managed-by": "exitplan-operator"}
@@ -81,7 +86,7 @@ def split_host(service: str, namespace: str, split: int) -> str:
 
 def bundle_path(uri: str) -> str:
     """The bundle directory a pod reads: file:// URIs become paths."""
-    return uri[len("file://"):] if uri.startswith("file://") else uri
+    return uri[len("file://") :] if uri.startswith("file://") else uri
 
 
 def selector_labels(service: str, component: str, cell: Cell | None = None, split: int | None = None) -> dict[str, str]:
@@ -98,24 +103,34 @@ def _meta(name: str, labels: dict[str, str], plan_hash: str) -> Manifest:
 
 
 def _security() -> tuple[Manifest, Manifest]:
-    pod = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
-           "seccompProfile": {"type": "RuntimeDefault"}}
-    container = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                 "capabilities": {"drop": ["ALL"]}}
+    pod = {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "fsGroup": 10001,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    container = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
     return pod, container
 
 
 def _probes() -> dict[str, Manifest]:
     def probe(path: str, period: int, failures: int) -> Manifest:
-        return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures,
-                "timeoutSeconds": 2}
-    return {"livenessProbe": {**probe("/v2/health/live", 10, 3), "initialDelaySeconds": 5},
-            "readinessProbe": probe("/v2/health/ready", 2, 2)}
+        return {
+            "httpGet": {"path": path, "port": "http"},
+            "periodSeconds": period,
+            "failureThreshold": failures,
+            "timeoutSeconds": 2,
+        }
+
+    return {
+        "livenessProbe": {**probe("/v2/health/live", 10, 3), "initialDelaySeconds": 5},
+        "readinessProbe": probe("/v2/health/ready", 2, 2),
+    }
 
 
 def _volumes(service: str, bundle: str) -> tuple[list[Manifest], list[Manifest]]:
-    volumes = [{"name": "plan", "configMap": {"name": plan_configmap_name(service)}},
-               {"name": "tmp", "emptyDir": {}}]
+    volumes = [{"name": "plan", "configMap": {"name": plan_configmap_name(service)}}, {"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "plan", "mountPath": PLAN_DIR, "readOnly": True}, {"name": "tmp", "mountPath": "/tmp"}]
     if bundle.startswith("/"):  # a node-local bundle directory (kind extraMounts, a shared disk)
         volumes.append({"name": "bundle", "hostPath": {"path": bundle, "type": "Directory"}})
@@ -124,9 +139,12 @@ def _volumes(service: str, bundle: str) -> tuple[list[Manifest], list[Manifest]]
 
 
 def _env(service: str, namespace: str) -> list[Manifest]:
-    return [{"name": "EXITPLAN_SERVICE", "value": service}, {"name": "EXITPLAN_NAMESPACE", "value": namespace},
-            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    return [
+        {"name": "EXITPLAN_SERVICE", "value": service},
+        {"name": "EXITPLAN_NAMESPACE", "value": namespace},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
 
 
 def _resources(pool: GPUPoolSpec | None) -> Manifest:
@@ -139,9 +157,21 @@ def _resources(pool: GPUPoolSpec | None) -> Manifest:
 
 
 def _placement(pool: GPUPoolSpec | None, spread: dict[str, str]) -> Manifest:
-    out: Manifest = {"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-        {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
-                                            "labelSelector": {"matchLabels": spread}}}]}}}
+    out: Manifest = {
+        "affinity": {
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 100,
+                        "podAffinityTerm": {
+                            "topologyKey": "kubernetes.io/hostname",
+                            "labelSelector": {"matchLabels": spread},
+                        },
+                    }
+                ]
+            }
+        }
+    }
     if pool is not None:
         if pool.node_selector:
             out["nodeSelector"] = dict(pool.node_selector)
@@ -150,31 +180,57 @@ def _placement(pool: GPUPoolSpec | None, spread: dict[str, str]) -> Manifest:
     return out
 
 
-def _deployment(name: str, namespace: str, labels: dict[str, str], plan_hash: str, replicas: int,
-                container: Manifest, pod_extra: Manifest, volumes: list[Manifest]) -> Manifest:
+def _deployment(
+    name: str,
+    namespace: str,
+    labels: dict[str, str],
+    plan_hash: str,
+    replicas: int,
+    container: Manifest,
+    pod_extra: Manifest,
+    volumes: list[Manifest],
+) -> Manifest:
     pod_security, _ = _security()
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {**_meta(name, labels, plan_hash), "namespace": namespace},
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {**_meta(name, labels, plan_hash), "namespace": namespace},
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": dict(labels)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
-                "metadata": {"labels": {**MANAGED, **labels},
-                             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(PORT),
-                                             "prometheus.io/path": "/metrics"}},
-                "spec": {"containers": [container], "volumes": volumes, "securityContext": pod_security,
-                         "terminationGracePeriodSeconds": 30, "automountServiceAccountToken": False, **pod_extra},
+                "metadata": {
+                    "labels": {**MANAGED, **labels},
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": {
+                    "containers": [container],
+                    "volumes": volumes,
+                    "securityContext": pod_security,
+                    "terminationGracePeriodSeconds": 30,
+                    "automountServiceAccountToken": False,
+                    **pod_extra,
+                },
             },
         },
     }
 
 
 def build_configmap(service: str, namespace: str, plan: Plan) -> Manifest:
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {**_meta(plan_configmap_name(service), {L_SERVICE: service}, plan.content_hash()),
-                         "namespace": namespace},
-            "data": {"plan.json": plan.to_json()}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            **_meta(plan_configmap_name(service), {L_SERVICE: service}, plan.content_hash()),
+            "namespace": namespace,
+        },
+        "data": {"plan.json": plan.to_json()},
+    }
 
 
 def router_settings(spec: EarlyExitServiceSpec) -> list[str]:
@@ -182,11 +238,26 @@ def router_settings(spec: EarlyExitServiceSpec) -> list[str]:
     router's observation window lasts one drift period (the drift loop reads the window in progress
     several times a period and keeps what is new, see driftloop.py)."""
     r = spec.router
-    args = ["--slo-ms", f"{spec.slo.latency_ms:g}", "--accuracy-budget", f"{spec.accuracy.max_drop:g}",
-            "--shadow-fraction", f"{spec.accuracy.shadow_fraction:g}", "--queue-lambda", f"{r.queue_lambda:g}",
-            "--queue-alpha", f"{r.queue_alpha:g}", "--peek-depth", str(r.peek_depth),
-            "--max-body-bytes", str(r.max_body_bytes), "--max-inflight", str(r.max_queue),
-            "--window-seconds", f"{spec.planner.period_seconds:g}"]
+    args = [
+        "--slo-ms",
+        f"{spec.slo.latency_ms:g}",
+        "--accuracy-budget",
+        f"{spec.accuracy.max_drop:g}",
+        "--shadow-fraction",
+        f"{spec.accuracy.shadow_fraction:g}",
+        "--queue-lambda",
+        f"{r.queue_lambda:g}",
+        "--queue-alpha",
+        f"{r.queue_alpha:g}",
+        "--peek-depth",
+        str(r.peek_depth),
+        "--max-body-bytes",
+        str(r.max_body_bytes),
+        "--max-inflight",
+        str(r.max_queue),
+        "--window-seconds",
+        f"{spec.planner.period_seconds:g}",
+    ]
     return args + (["--truncate"] if r.truncate else [])
 
 
@@ -196,19 +267,48 @@ def build_router(service: str, namespace: str, spec: EarlyExitServiceSpec, plan:
     volumes, mounts = _volumes(service, bundle_path(spec.model.bundle))
     _, security = _security()
     container = {
-        "name": "router", "image": IMAGE, "imagePullPolicy": "IfNotPresent",
+        "name": "router",
+        "image": IMAGE,
+        "imagePullPolicy": "IfNotPresent",
         "command": ["exitplan", "router"],
-        "args": ["--bundle", bundle_path(spec.model.bundle), "--plan", PLAN_PATH, "--port", str(PORT),
-                 "--peers", split_host(service, namespace, 0), *router_settings(spec)],
-        "ports": [{"name": "http", "containerPort": PORT}], "env": _env(service, namespace),
-        "resources": _resources(None), "volumeMounts": mounts, "securityContext": security, **_probes(),
+        "args": [
+            "--bundle",
+            bundle_path(spec.model.bundle),
+            "--plan",
+            PLAN_PATH,
+            "--port",
+            str(PORT),
+            "--peers",
+            split_host(service, namespace, 0),
+            *router_settings(spec),
+        ],
+        "ports": [{"name": "http", "containerPort": PORT}],
+        "env": _env(service, namespace),
+        "resources": _resources(None),
+        "volumeMounts": mounts,
+        "securityContext": security,
+        **_probes(),
     }
-    deployment = _deployment(router_name(service), namespace, labels, plan.content_hash(), spec.router.replicas,
-                             container, _placement(None, labels), volumes)
-    svc = {"apiVersion": "v1", "kind": "Service",
-           "metadata": {**_meta(dns_name(service), labels, plan.content_hash()), "namespace": namespace},
-           "spec": {"type": "ClusterIP", "selector": labels,
-                    "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}]}}
+    deployment = _deployment(
+        router_name(service),
+        namespace,
+        labels,
+        plan.content_hash(),
+        spec.router.replicas,
+        container,
+        _placement(None, labels),
+        volumes,
+    )
+    svc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {**_meta(dns_name(service), labels, plan.content_hash()), "namespace": namespace},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": labels,
+            "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
     return [deployment, svc]
 
 
@@ -217,36 +317,77 @@ def build_split_services(service: str, namespace: str, plan: Plan) -> list[Manif
     out = []
     for split in plan.splits:
         labels = selector_labels(service, "worker", split=split.index)
-        out.append({"apiVersion": "v1", "kind": "Service",
-                    "metadata": {**_meta(split_service_name(service, split.index), labels, plan.content_hash()),
-                                 "namespace": namespace},
-                    "spec": {"clusterIP": "None", "selector": labels, "publishNotReadyAddresses": False,
-                             "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}]}})
+        out.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {
+                    **_meta(split_service_name(service, split.index), labels, plan.content_hash()),
+                    "namespace": namespace,
+                },
+                "spec": {
+                    "clusterIP": "None",
+                    "selector": labels,
+                    "publishNotReadyAddresses": False,
+                    "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
+                },
+            }
+        )
     return out
 
 
-def build_worker(service: str, namespace: str, spec: EarlyExitServiceSpec, plan: Plan, cell: Cell,
-                 pool: GPUPoolSpec) -> Manifest:
+def build_worker(
+    service: str, namespace: str, spec: EarlyExitServiceSpec, plan: Plan, cell: Cell, pool: GPUPoolSpec
+) -> Manifest:
     """The Deployment of one plan cell: split `cell.split`, bucket `cell.bucket`, on `cell.pool`."""
     labels = selector_labels(service, "worker", cell)
     volumes, mounts = _volumes(service, bundle_path(spec.model.bundle))
     _, security = _security()
-    args = ["--bundle", bundle_path(spec.model.bundle), "--plan", PLAN_PATH, "--split", str(cell.split),
-            "--bucket", str(cell.bucket), "--pool", cell.pool, "--port", str(PORT)]
+    args = [
+        "--bundle",
+        bundle_path(spec.model.bundle),
+        "--plan",
+        PLAN_PATH,
+        "--split",
+        str(cell.split),
+        "--bucket",
+        str(cell.bucket),
+        "--pool",
+        cell.pool,
+        "--port",
+        str(PORT),
+    ]
     if cell.split < len(plan.splits) - 1:
         args += ["--next", split_host(service, namespace, cell.split + 1)]
     container = {
-        "name": "worker", "image": IMAGE, "imagePullPolicy": "IfNotPresent", "command": ["exitplan", "worker"],
-        "args": args, "ports": [{"name": "http", "containerPort": PORT}], "env": _env(service, namespace),
-        "resources": _resources(pool), "volumeMounts": mounts, "securityContext": security, **_probes(),
+        "name": "worker",
+        "image": IMAGE,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["exitplan", "worker"],
+        "args": args,
+        "ports": [{"name": "http", "containerPort": PORT}],
+        "env": _env(service, namespace),
+        "resources": _resources(pool),
+        "volumeMounts": mounts,
+        "securityContext": security,
+        **_probes(),
     }
     spread = {L_SERVICE: service, L_SPLIT: str(cell.split)}
-    return _deployment(worker_name(service, cell), namespace, labels, plan.content_hash(), cell.replicas,
-                       container, _placement(pool, spread), volumes)
+    return _deployment(
+        worker_name(service, cell),
+        namespace,
+        labels,
+        plan.content_hash(),
+        cell.replicas,
+        container,
+        _placement(pool, spread),
+        volumes,
+    )
 
 
-def build_children(owner: Manifest, spec: EarlyExitServiceSpec, plan: Plan,
-                   pools: dict[str, GPUPoolSpec]) -> list[Manifest]:
+def build_children(
+    owner: Manifest, spec: EarlyExitServiceSpec, plan: Plan, pools: dict[str, GPUPoolSpec]
+) -> list[Manifest]:
     """Every child of a planned service, adopted by `owner` (the EarlyExitService body).
 
     Order matters for apply: the ConfigMap first (pods mount it), then workers from the last
@@ -257,17 +398,25 @@ def build_children(owner: Manifest, spec: EarlyExitServiceSpec, plan: Plan,
     missing = sorted({c.pool for c in plan.cells} - set(pools))
     if missing:
         raise ValueError(f"plan places cells on pools {missing} that are not given")
-    workers = [build_worker(service, namespace, spec, plan, cell, pools[cell.pool])
-               for cell in sorted(plan.cells, key=lambda c: (-c.split, c.bucket, c.pool))]
+    workers = [
+        build_worker(service, namespace, spec, plan, cell, pools[cell.pool])
+        for cell in sorted(plan.cells, key=lambda c: (-c.split, c.bucket, c.pool))
+    ]
     router, router_svc = build_router(service, namespace, spec, plan)
-    children = [build_configmap(service, namespace, plan), *workers, *build_split_services(service, namespace, plan),
-                router_svc, router]
+    children = [
+        build_configmap(service, namespace, plan),
+        *workers,
+        *build_split_services(service, namespace, plan),
+        router_svc,
+        router,
+    ]
     kopf.adopt(children, owner=owner)
     return children
 
 
-def build_profile_job(owner: Manifest, spec: EarlyExitServiceSpec, pool_name: str, pool: GPUPoolSpec,
-                      profile_name: str, attempt: int = 0) -> Manifest:
+def build_profile_job(
+    owner: Manifest, spec: EarlyExitServiceSpec, pool_name: str, pool: GPUPoolSpec, profile_name: str, attempt: int = 0
+) -> Manifest:
     """A Job on `pool` that measures the bundle (`exitplan profile`) and publishes the result as
     ModelProfile `profile_name` (`exitplan operator publish-profile`) in the owner's namespace."""
     service = owner["metadata"]["name"]
@@ -281,24 +430,60 @@ def build_profile_job(owner: Manifest, spec: EarlyExitServiceSpec, pool_name: st
     if bundle.startswith("/"):
         volumes.append({"name": "bundle", "hostPath": {"path": bundle, "type": "Directory"}})
         mounts.append({"name": "bundle", "mountPath": bundle, "readOnly": True})
-    measure = {"name": "profile", "image": IMAGE, "command": ["exitplan", "profile"],
-               "args": [bundle, "--pool", pool_name, "--out", out_file],
-               "resources": _resources(pool), "volumeMounts": mounts, "securityContext": security}
-    publish = {"name": "publish", "image": IMAGE, "command": ["exitplan", "operator", "publish-profile"],
-               "args": [out_file, "--namespace", namespace, "--name", profile_name, "--model", spec.model.name,
-                        "--pool", pool_name],
-               "resources": _resources(None), "volumeMounts": mounts, "securityContext": security}
+    measure = {
+        "name": "profile",
+        "image": IMAGE,
+        "command": ["exitplan", "profile"],
+        "args": [bundle, "--pool", pool_name, "--out", out_file],
+        "resources": _resources(pool),
+        "volumeMounts": mounts,
+        "securityContext": security,
+    }
+    publish = {
+        "name": "publish",
+        "image": IMAGE,
+        "command": ["exitplan", "operator", "publish-profile"],
+        "args": [
+            out_file,
+            "--namespace",
+            namespace,
+            "--name",
+            profile_name,
+            "--model",
+            spec.model.name,
+            "--pool",
+            pool_name,
+        ],
+        "resources": _resources(None),
+        "volumeMounts": mounts,
+        "securityContext": security,
+    }
     placement = _placement(pool, labels)
     placement.pop("affinity")
     job = {
-        "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": profile_job_name(service, pool_name, attempt), "namespace": namespace,
-                     "labels": {**MANAGED, **labels}},
-        "spec": {"backoffLimit": 2, "ttlSecondsAfterFinished": 3600,
-                 "template": {"metadata": {"labels": {**MANAGED, **labels}},
-                              "spec": {"restartPolicy": "Never", "initContainers": [measure], "containers": [publish],
-                                       "volumes": volumes, "securityContext": pod_security,
-                                       "serviceAccountName": "exitplan-profiler", **placement}}},
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": profile_job_name(service, pool_name, attempt),
+            "namespace": namespace,
+            "labels": {**MANAGED, **labels},
+        },
+        "spec": {
+            "backoffLimit": 2,
+            "ttlSecondsAfterFinished": 3600,
+            "template": {
+                "metadata": {"labels": {**MANAGED, **labels}},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "initContainers": [measure],
+                    "containers": [publish],
+                    "volumes": volumes,
+                    "securityContext": pod_security,
+                    "serviceAccountName": "exitplan-profiler",
+                    **placement,
+                },
+            },
+        },
     }
     kopf.adopt([job], owner=owner)
     return job

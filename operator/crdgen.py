@@ -32,23 +32,41 @@ CRD_DIR = Path(__file__).resolve().parent.parent / "crds"
 
 # Cross-field rules, keyed by the model they sit on. Each mirrors a pydantic validator.
 CEL_RULES: dict[type[BaseModel], list[dict[str, str]]] = {
-    res.SLO: [{"rule": "!has(self.slackMs) || self.slackMs < self.latencyMs",
-               "message": "slo.slackMs must be below slo.latencyMs"}],
-    res.Workload: [{"rule": "!has(self.lengthBuckets) || (self.lengthBuckets.isSorted() && "
-                            "self.lengthBuckets.all(b, self.lengthBuckets.exists_one(c, c == b)))",
-                    "message": "workload.lengthBuckets must increase strictly"}],
-    res.EarlyExitServiceSpec: [{"rule": "self.pools.all(p, self.pools.exists_one(q, q.name == p.name))",
-                                "message": "pools must name each GPUPool once"}],
+    res.SLO: [
+        {
+            "rule": "!has(self.slackMs) || self.slackMs < self.latencyMs",
+            "message": "slo.slackMs must be below slo.latencyMs",
+        }
+    ],
+    res.Workload: [
+        {
+            "rule": "!has(self.lengthBuckets) || (self.lengthBuckets.isSorted() && "
+            "self.lengthBuckets.all(b, self.lengthBuckets.exists_one(c, c == b)))",
+            "message": "workload.lengthBuckets must increase strictly",
+        }
+    ],
+    res.EarlyExitServiceSpec: [
+        {
+            "rule": "self.pools.all(p, self.pools.exists_one(q, q.name == p.name))",
+            "message": "pools must name each GPUPool once",
+        }
+    ],
     res.ModelProfileSpec: [
-        {"rule": "self.blocks.all(b, size(b.latencyMs) == size(self.seqLens) && "
-                 "b.latencyMs.all(row, size(row) == size(self.batchSizes)))",
-         "message": "every block's latencyMs must be seqLens x batchSizes"},
-        {"rule": "!has(self.ramps) || self.ramps.all(r, r.afterBlock < size(self.blocks) && "
-                 "size(r.latencyMs) == size(self.seqLens))",
-         "message": "every ramp must follow an existing block and have seqLens rows of latencyMs"},
-        {"rule": "!has(self.survival) || size(self.survival) == 0 || !has(self.ramps) || "
-                 "size(self.survival) == size(self.ramps)",
-         "message": "survival must have one entry per ramp"},
+        {
+            "rule": "self.blocks.all(b, size(b.latencyMs) == size(self.seqLens) && "
+            "b.latencyMs.all(row, size(row) == size(self.batchSizes)))",
+            "message": "every block's latencyMs must be seqLens x batchSizes",
+        },
+        {
+            "rule": "!has(self.ramps) || self.ramps.all(r, r.afterBlock < size(self.blocks) && "
+            "size(r.latencyMs) == size(self.seqLens))",
+            "message": "every ramp must follow an existing block and have seqLens rows of latencyMs",
+        },
+        {
+            "rule": "!has(self.survival) || size(self.survival) == 0 || !has(self.ramps) || "
+            "size(self.survival) == size(self.ramps)",
+            "message": "survival must have one entry per ramp",
+        },
     ],
 }
 
@@ -69,22 +87,48 @@ MAX_ITEMS: dict[tuple[type[BaseModel], str], tuple[int, ...]] = {
 
 # (kind, plural, singular, short names, scope, printer columns, status model)
 KINDS: dict[str, dict[str, Any]] = {
-    "GPUPool": {"plural": "gpupools", "singular": "gpupool", "short": ["gpool"], "scope": "Cluster",
-                "spec": res.GPUPoolSpec, "status": None,
-                "columns": [("Capacity", "integer", ".spec.capacity"), ("GPU", "string", ".spec.gpuResource"),
-                            ("Cost/h", "number", ".spec.costPerHour")]},
-    "EarlyExitService": {"plural": "earlyexitservices", "singular": "earlyexitservice", "short": ["ees"],
-                         "scope": "Namespaced", "spec": res.EarlyExitServiceSpec, "status": ServiceStatus,
-                         "columns": [("Phase", "string", ".status.phase"),
-                                     ("Goodput", "number", ".status.plan.goodputRps"),
-                                     ("P99-ms", "number", ".status.plan.p99Ms"),
-                                     ("Splits", "integer", ".status.plan.splits"),
-                                     ("Replicas", "integer", ".status.plan.replicas"),
-                                     ("Cost/h", "number", ".status.plan.costPerHour")]},
-    "ModelProfile": {"plural": "modelprofiles", "singular": "modelprofile", "short": ["mprof"],
-                     "scope": "Namespaced", "spec": res.ModelProfileSpec, "status": None,
-                     "columns": [("Model", "string", ".spec.model"), ("Pool", "string", ".spec.pool"),
-                                 ("Measured-on", "string", ".spec.measuredOn")]},
+    "GPUPool": {
+        "plural": "gpupools",
+        "singular": "gpupool",
+        "short": ["gpool"],
+        "scope": "Cluster",
+        "spec": res.GPUPoolSpec,
+        "status": None,
+        "columns": [
+            ("Capacity", "integer", ".spec.capacity"),
+            ("GPU", "string", ".spec.gpuResource"),
+            ("Cost/h", "number", ".spec.costPerHour"),
+        ],
+    },
+    "EarlyExitService": {
+        "plural": "earlyexitservices",
+        "singular": "earlyexitservice",
+        "short": ["ees"],
+        "scope": "Namespaced",
+        "spec": res.EarlyExitServiceSpec,
+        "status": ServiceStatus,
+        "columns": [
+            ("Phase", "string", ".status.phase"),
+            ("Goodput", "number", ".status.plan.goodputRps"),
+            ("P99-ms", "number", ".status.plan.p99Ms"),
+            ("Splits", "integer", ".status.plan.splits"),
+            ("Replicas", "integer", ".status.plan.replicas"),
+            ("Cost/h", "number", ".status.plan.costPerHour"),
+        ],
+    },
+    "ModelProfile": {
+        "plural": "modelprofiles",
+        "singular": "modelprofile",
+        "short": ["mprof"],
+        "scope": "Namespaced",
+        "spec": res.ModelProfileSpec,
+        "status": None,
+        "columns": [
+            ("Model", "string", ".spec.model"),
+            ("Pool", "string", ".spec.pool"),
+            ("Measured-on", "string", ".spec.measuredOn"),
+        ],
+    },
 }
 
 
@@ -101,9 +145,13 @@ def _field_docs(cls: type) -> dict[str, str]:
             continue
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
         for stmt, nxt in zip(body, body[1:]):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 docs[stmt.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split())
     return docs
 
@@ -164,8 +212,18 @@ def build_crd(kind: str) -> dict[str, Any]:
     if info["status"] is not None:
         props["status"] = openapi_schema(info["status"])
         version["subresources"] = {"status": {}}
-    version["schema"] = {"openAPIV3Schema": {"type": "object", "required": required, "properties": {
-        "apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"}, **props}}}
+    version["schema"] = {
+        "openAPIV3Schema": {
+            "type": "object",
+            "required": required,
+            "properties": {
+                "apiVersion": {"type": "string"},
+                "kind": {"type": "string"},
+                "metadata": {"type": "object"},
+                **props,
+            },
+        }
+    }
     version["additionalPrinterColumns"] = _columns(info)
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
@@ -174,8 +232,13 @@ def build_crd(kind: str) -> dict[str, Any]:
         "spec": {
             "group": res.GROUP,
             "scope": info["scope"],
-            "names": {"kind": kind, "plural": info["plural"], "singular": info["singular"],
-                      "shortNames": info["short"], "categories": ["exitplan"]},
+            "names": {
+                "kind": kind,
+                "plural": info["plural"],
+                "singular": info["singular"],
+                "shortNames": info["short"],
+                "categories": ["exitplan"],
+            },
             "versions": [version],
         },
     }

@@ -143,13 +143,18 @@ def combine(windows: Sequence[Observations]) -> Observations:
     out.requests = sum(w.requests for w in windows)
     out.within_slo = sum(w.within_slo for w in windows)
     n = len(newest.length_histogram)
-    out.length_histogram = [sum(w.length_histogram[i] for w in windows if len(w.length_histogram) == n) for i in range(n)]
+    out.length_histogram = [
+        sum(w.length_histogram[i] for w in windows if len(w.length_histogram) == n) for i in range(n)
+    ]
     n = len(newest.exit_counts)
     out.exit_counts = [sum(w.exit_counts[i] for w in windows if len(w.exit_counts) == n) for i in range(n)]
     k = len(newest.survival)
     total = sum(w.requests for w in windows if len(w.survival) == k)
-    out.survival = ([sum(w.survival[i] * w.requests for w in windows if len(w.survival) == k) / total for i in range(k)]
-                    if total else list(newest.survival))
+    out.survival = (
+        [sum(w.survival[i] * w.requests for w in windows if len(w.survival) == k) / total for i in range(k)]
+        if total
+        else list(newest.survival)
+    )
     errs = [w.errors.model_dump() for w in windows]
     out.errors = out.errors.model_validate({k: sum(e.get(k, 0) for e in errs) for k in errs[0]})
     out.latency.p99_ms = max(w.latency.p99_ms for w in windows)
@@ -168,7 +173,9 @@ def recent(slices: Sequence[Observations], period_s: float) -> Observations | No
     return combine(chosen) if chosen else None
 
 
-def after_change(slices: Sequence[Observations], plan: Plan, min_arrivals: int = MIN_REQUESTS // 2) -> Observations | None:
+def after_change(
+    slices: Sequence[Observations], plan: Plan, min_arrivals: int = MIN_REQUESTS // 2
+) -> Observations | None:
     """The traffic after the change point: of the newest slices holding at least `min_arrivals`
     arrivals (1, 2, ... slices back), the run whose length histogram is furthest from the plan's
     (the CUSUM-style estimate of where the shift began). A length-drift re-plan sizes buckets for
@@ -190,15 +197,21 @@ def arrivals(obs: Observations) -> int:
     return int(sum(obs.length_histogram))
 
 
-def assess(plan: Plan, obs: Observations, limits: DriftLimits, slo_latency_ms: float,
-           survival_history: Sequence[Sequence[float]]) -> DriftReport:
+def assess(
+    plan: Plan,
+    obs: Observations,
+    limits: DriftLimits,
+    slo_latency_ms: float,
+    survival_history: Sequence[Sequence[float]],
+) -> DriftReport:
     """Score one observation window against the plan; `trigger` names the re-plan reason or ''.
 
     The length test counts arrivals (a plan short of capacity for the new lengths answers fewer
     requests, which must not hide the shift); survival and latency count answered requests."""
     window = max(obs.until - obs.since, 1e-9)
-    report = DriftReport(observed_at=now_iso(), p99_ms=obs.latency.p99_ms, requests=obs.requests,
-                         goodput_rps=obs.within_slo / window)
+    report = DriftReport(
+        observed_at=now_iso(), p99_ms=obs.latency.p99_ms, requests=obs.requests, goodput_rps=obs.within_slo / window
+    )
     if plan.length_histogram and arrivals(obs) >= MIN_REQUESTS:
         report.length_score = round(tv_distance(bucket_shares(obs, plan.buckets), plan.length_histogram), 4)
     if obs.requests >= MIN_REQUESTS:
@@ -222,7 +235,7 @@ def cooldown_left(last_replan: str, cooldown_seconds: int, now: dt.datetime | No
         then = dt.datetime.fromisoformat(last_replan.replace("Z", "+00:00"))
     except ValueError:
         return 0.0
-    now = now or dt.datetime.now(dt.timezone.utc)
+    now = now or dt.datetime.now(dt.UTC)
     return max(0.0, cooldown_seconds - (now - then).total_seconds())
 
 

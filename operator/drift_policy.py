@@ -201,23 +201,43 @@ def needs_reassess(state: DriftState, report: DriftReport | None, proposal: Prop
 
 
 def _replan_event(reason: str, report: DriftReport, limits: DriftLimits) -> Event:
-    return Event("Replan", f"{reason}: length score {report.length_score} (limit {limits.length_score}), "
-                           f"survival error {report.survival_error} (limit {limits.survival_error}), p99 {report.p99_ms} ms")
+    return Event(
+        "Replan",
+        f"{reason}: length score {report.length_score} (limit {limits.length_score}), "
+        f"survival error {report.survival_error} (limit {limits.survival_error}), p99 {report.p99_ms} ms",
+    )
 
 
 def _since(then: float | None, now: float) -> float:
     return float("inf") if then is None else now - then
 
 
-def _step(state: DriftState, report: DriftReport | None, limits: DriftLimits, now: float, pending: Proposal,
-          phase: Phase, period: float) -> Action:
+def _step(
+    state: DriftState,
+    report: DriftReport | None,
+    limits: DriftLimits,
+    now: float,
+    pending: Proposal,
+    phase: Phase,
+    period: float,
+) -> Action:
     """Rule 1: the next step of a capped re-plan, or a hold until it is due."""
     if phase != Phase.ready:
-        return Action(Do.hold, pending.reason, Hold.rollout, "the previous step is still rolling out",
-                      write_status=report is not None)
+        return Action(
+            Do.hold,
+            pending.reason,
+            Hold.rollout,
+            "the previous step is still rolling out",
+            write_status=report is not None,
+        )
     if _since(state.last_step, now) < period:
-        return Action(Do.hold, pending.reason, Hold.move_cap, "the next step follows a period after the previous one",
-                      write_status=report is not None)
+        return Action(
+            Do.hold,
+            pending.reason,
+            Hold.move_cap,
+            "the next step follows a period after the previous one",
+            write_status=report is not None,
+        )
     trigger = report.trigger if report else ""
     reason = trigger or pending.reason
     message = f"{reason}: the next step toward the capped re-plan ({pending.held_back})"
@@ -225,8 +245,18 @@ def _step(state: DriftState, report: DriftReport | None, limits: DriftLimits, no
     return Action(Do.step, reason, message=message, event=event)
 
 
-def _trigger(state: DriftState, report: DriftReport, limits: DriftLimits, now: float, *, active: bool,
-             proposal: Proposal | None, last_replan_time: str, period: float, utc_now: dt.datetime | None) -> Action:
+def _trigger(
+    state: DriftState,
+    report: DriftReport,
+    limits: DriftLimits,
+    now: float,
+    *,
+    active: bool,
+    proposal: Proposal | None,
+    last_replan_time: str,
+    period: float,
+    utc_now: dt.datetime | None,
+) -> Action:
     """Rule 2: a limit was crossed."""
     reason = report.trigger
     if not active and proposal is not None and proposal.reason == reason and _since(state.proposed, now) < period:
@@ -237,16 +267,38 @@ def _trigger(state: DriftState, report: DriftReport, limits: DriftLimits, now: f
         held = proposal if hold_of(proposal) is Hold.cooldown else None
         event = None
         if held is None or held.reason != reason:  # once per hold, not every read
-            event = Event("ReplanHeld", f"{reason} (length score {report.length_score}, survival error "
-                                        f"{report.survival_error}, p99 {report.p99_ms} ms): cooldown, {wait:.0f}s left")
-        return Action(Do.hold, reason, Hold.cooldown, text, event=event,
-                      proposal=Proposal(reason=reason, hash="", held_back=text), write_status=True)
+            event = Event(
+                "ReplanHeld",
+                f"{reason} (length score {report.length_score}, survival error "
+                f"{report.survival_error}, p99 {report.p99_ms} ms): cooldown, {wait:.0f}s left",
+            )
+        return Action(
+            Do.hold,
+            reason,
+            Hold.cooldown,
+            text,
+            event=event,
+            proposal=Proposal(reason=reason, hash="", held_back=text),
+            write_status=True,
+        )
     return Action(Do.replan if active else Do.propose, reason, event=_replan_event(reason, report, limits))
 
 
-def decide(state: DriftState, report: DriftReport | None, limits: DriftLimits, now: float, *, active: bool,
-           phase: Phase, proposal: Proposal | None, last_replan_time: str, period: float,
-           ramps: Sequence[str] = (), tuning: bool = False, utc_now: dt.datetime | None = None) -> Action:
+def decide(
+    state: DriftState,
+    report: DriftReport | None,
+    limits: DriftLimits,
+    now: float,
+    *,
+    active: bool,
+    phase: Phase,
+    proposal: Proposal | None,
+    last_replan_time: str,
+    period: float,
+    ramps: Sequence[str] = (),
+    tuning: bool = False,
+    utc_now: dt.datetime | None = None,
+) -> Action:
     """What to do after one read (pure: `state` is only read; book the result with DriftState.record).
 
     `report`: the judged window's score (None: nothing new arrived and nothing held to re-score);
@@ -258,11 +310,21 @@ def decide(state: DriftState, report: DriftReport | None, limits: DriftLimits, n
     if standing is Hold.move_cap and active and proposal is not None:
         return _step(state, report, limits, now, proposal, phase, period)
     if report is not None and report.trigger:
-        return _trigger(state, report, limits, now, active=active, proposal=proposal,
-                        last_replan_time=last_replan_time, period=period, utc_now=utc_now)
+        return _trigger(
+            state,
+            report,
+            limits,
+            now,
+            active=active,
+            proposal=proposal,
+            last_replan_time=last_replan_time,
+            period=period,
+            utc_now=utc_now,
+        )
     # Rule 3: no re-plan; the thresholds may still need re-tuning
     clear = standing is Hold.cooldown  # the drift that was held back is gone
     if ramps and not tuning and _since(state.last_tune, now) >= period:
-        return Action(Do.retune, clear_proposal=clear, write_status=report is not None,
-                      message="re-tune the exit thresholds")
+        return Action(
+            Do.retune, clear_proposal=clear, write_status=report is not None, message="re-tune the exit thresholds"
+        )
     return Action(Do.nothing, clear_proposal=clear, write_status=report is not None)

@@ -71,8 +71,9 @@ def drift_state(memo: Any) -> DriftState:
 
 
 async def router_urls(svc: rec.Service) -> list[str]:
-    pods = await svc.client.list(path("Pod", svc.namespace),
-                                 f"{builders.L_SERVICE}={svc.name},{builders.L_COMPONENT}=router")
+    pods = await svc.client.list(
+        path("Pod", svc.namespace), f"{builders.L_SERVICE}={svc.name},{builders.L_COMPONENT}=router"
+    )
     urls = [f"http://{p['status']['podIP']}:{builders.PORT}" for p in pods if (p.get("status") or {}).get("podIP")]
     if urls:
         return urls
@@ -95,8 +96,9 @@ def merge_windows(windows: list[Observations]) -> Observations:
     return drift.combine(windows)
 
 
-async def read_routers(svc: rec.Service, seen: dict[str, Observations], urls: list[str] | None = None,
-                       timeout: float = 5.0) -> tuple[Observations | None, Observations | None, str]:
+async def read_routers(
+    svc: rec.Service, seen: dict[str, Observations], urls: list[str] | None = None, timeout: float = 5.0
+) -> tuple[Observations | None, Observations | None, str]:
     """(what arrived since the previous read, over every router that answers; the newest full
     window, merged over routers; a note on what failed). `seen` (router URL -> that router's
     window in progress as last read) is updated in place; `urls`: the routers (default: looked up)."""
@@ -160,7 +162,9 @@ async def _retune_step(urls: list[str], ramps: list[str], budget: float, apply: 
         return None
 
 
-async def retune(svc: rec.Service, spec: EarlyExitServiceSpec, ramps: list[str], lock: asyncio.Lock | None = None) -> None:
+async def retune(
+    svc: rec.Service, spec: EarlyExitServiceSpec, ramps: list[str], lock: asyncio.Lock | None = None
+) -> None:
     """Apparate's continual tuning on the routers' shadow-sampled feedback (exitplan.planner.tuning.autotune):
     new thresholds when the ones in force break the accuracy budget or leave savings unclaimed.
     Advisory mode computes but does not push. Pushed thresholds are written into the plan
@@ -176,14 +180,21 @@ async def retune(svc: rec.Service, spec: EarlyExitServiceSpec, ramps: list[str],
     decision = await _retune_step(urls, ramps, spec.accuracy.max_drop, active)
     if decision is not None and decision.thresholds is not None:
         verb = "re-tuned" if active else "would re-tune"
-        svc.event("Normal", "ThresholdsTuned", f"{verb} exit thresholds ({decision.reason}): agreement "
-                  f"{decision.agreement_before:.4f} -> {decision.agreement_after:.4f} on {decision.samples} samples")
+        svc.event(
+            "Normal",
+            "ThresholdsTuned",
+            f"{verb} exit thresholds ({decision.reason}): agreement "
+            f"{decision.agreement_before:.4f} -> {decision.agreement_after:.4f} on {decision.samples} samples",
+        )
         if active:
-            async with (lock or asyncio.Lock()):
-                fresh = await svc.client.list(path("EarlyExitService", svc.namespace), fields=f"metadata.name={svc.name}")
+            async with lock or asyncio.Lock():
+                fresh = await svc.client.list(
+                    path("EarlyExitService", svc.namespace), fields=f"metadata.name={svc.name}"
+                )
                 if fresh:
-                    await persist_thresholds(rec.Service(body=fresh[0], client=svc.client), decision.thresholds,
-                                             f"tune-{decision.reason}")
+                    await persist_thresholds(
+                        rec.Service(body=fresh[0], client=svc.client), decision.thresholds, f"tune-{decision.reason}"
+                    )
 
 
 def _same_thresholds(a: dict[str, float], b: dict[str, float]) -> bool:
@@ -211,8 +222,14 @@ async def persist_thresholds(svc: rec.Service, thresholds: dict[str, float], sou
     ready = {(c.split, c.bucket, c.pool): c.ready_replicas for c in (status.plan.cells if status.plan else [])}
     status.plan = summarize(updated, ready)
     await svc.write_status(status)
-    log.info("%s/%s: thresholds %s written into plan %s (%s)", svc.namespace, svc.name, updated.thresholds,
-             updated.content_hash(), source)
+    log.info(
+        "%s/%s: thresholds %s written into plan %s (%s)",
+        svc.namespace,
+        svc.name,
+        updated.thresholds,
+        updated.content_hash(),
+        source,
+    )
     svc.event("Normal", "ThresholdsPersisted", f"plan {updated.content_hash()} carries the live thresholds ({source})")
     return True
 
@@ -240,7 +257,9 @@ def _service_lock(svc: rec.Service, memo: Any) -> asyncio.Lock | None:
     return locks[(svc.namespace, svc.name)] if locks is not None else None
 
 
-async def _read(svc: rec.Service, state: DriftState, now: float, period: float) -> tuple[Observations | None, Observations | None]:
+async def _read(
+    svc: rec.Service, state: DriftState, now: float, period: float
+) -> tuple[Observations | None, Observations | None]:
     """(what arrived since the previous read, the newest full window) over the routers that answer."""
     if state.urls_due(now, period):  # the routers' addresses, looked up once a period
         state.router_urls, state.urls_looked_up = await router_urls(svc), now
@@ -255,21 +274,40 @@ async def _read(svc: rec.Service, state: DriftState, now: float, period: float) 
 async def _assess(spec: EarlyExitServiceSpec, plan: Plan, judged: Observations, state: DriftState) -> DriftReport:
     # the survival forecast fits ARIMA per ramp (tens of ms): off the event loop every service shares
     return await asyncio.get_running_loop().run_in_executor(
-        None, drift.assess, plan, judged, spec.planner.drift, spec.slo.latency_ms, list(state.survival))
+        None, drift.assess, plan, judged, spec.planner.drift, spec.slo.latency_ms, list(state.survival)
+    )
 
 
-async def _score_new(svc: rec.Service, state: DriftState, spec: EarlyExitServiceSpec, plan: Plan,
-                     piece: Observations, status: ServiceStatus, period: float) -> DriftReport | None:
+async def _score_new(
+    svc: rec.Service,
+    state: DriftState,
+    spec: EarlyExitServiceSpec,
+    plan: Plan,
+    piece: Observations,
+    status: ServiceStatus,
+    period: float,
+) -> DriftReport | None:
     """Score the judged window after a read that brought new arrivals (status.drift, the metrics,
     the survival series)."""
     judged = drift.recent(state.slices, period)
     if judged is None:
         return None
     report = await _assess(spec, plan, judged, state)
-    log.info("%s/%s: %.1f s until %.1f (%d new, %d judged arrivals; %d answered): length score %.3f, "
-             "survival error %.3f, p99 %.0f ms%s", svc.namespace, svc.name, judged.until - judged.since,
-             judged.until, drift.arrivals(piece), drift.arrivals(judged), judged.requests, report.length_score,
-             report.survival_error, report.p99_ms, f" -> {report.trigger}" if report.trigger else "")
+    log.info(
+        "%s/%s: %.1f s until %.1f (%d new, %d judged arrivals; %d answered): length score %.3f, "
+        "survival error %.3f, p99 %.0f ms%s",
+        svc.namespace,
+        svc.name,
+        judged.until - judged.since,
+        judged.until,
+        drift.arrivals(piece),
+        drift.arrivals(judged),
+        judged.requests,
+        report.length_score,
+        report.survival_error,
+        report.p99_ms,
+        f" -> {report.trigger}" if report.trigger else "",
+    )
     state.add_to_survival(piece, period)
     METRICS.length_score.labels(svc.namespace, svc.name).set(report.length_score)
     METRICS.survival_error.labels(svc.namespace, svc.name).set(report.survival_error)
@@ -278,8 +316,15 @@ async def _score_new(svc: rec.Service, state: DriftState, spec: EarlyExitService
     return report
 
 
-async def _judge(svc: rec.Service, state: DriftState, spec: EarlyExitServiceSpec, plan: Plan,
-                 piece: Observations | None, status: ServiceStatus, period: float) -> DriftReport | None:
+async def _judge(
+    svc: rec.Service,
+    state: DriftState,
+    spec: EarlyExitServiceSpec,
+    plan: Plan,
+    piece: Observations | None,
+    status: ServiceStatus,
+    period: float,
+) -> DriftReport | None:
     """Keep the new slice and score the judged window when new arrivals came; a cooldown hold with
     nothing new re-scores the window that raised it. None: nothing to score."""
     report = None
@@ -319,22 +364,46 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
     if plan is None:  # advisory from the start: nothing applied to compare against
         return
     active = spec.planner.mode == Mode.active
-    if (active and latest.thresholds and latest.plan_hash == plan.content_hash()
-            and not _same_thresholds(latest.thresholds, plan.thresholds)):
+    if (
+        active
+        and latest.thresholds
+        and latest.plan_hash == plan.content_hash()
+        and not _same_thresholds(latest.thresholds, plan.thresholds)
+    ):
         # the routers run this plan with other thresholds (pushed live): the plan carries them from now on
         if await persist_thresholds(svc, latest.thresholds, "observed on the routers"):
             plan = await rec.current_plan(svc.client, svc.name, svc.namespace) or plan
             status = parse_status(svc.body.get("status"))
     report = await _judge(svc, state, spec, plan, piece, status, period)
-    action = decide(state, report, spec.planner.drift, now, active=active, phase=status.phase,
-                    proposal=status.proposal, last_replan_time=status.last_replan_time, period=period,
-                    ramps=latest.ramps, tuning=_tuning(state), utc_now=dt.datetime.now(dt.UTC))
+    action = decide(
+        state,
+        report,
+        spec.planner.drift,
+        now,
+        active=active,
+        phase=status.phase,
+        proposal=status.proposal,
+        last_replan_time=status.last_replan_time,
+        period=period,
+        ramps=latest.ramps,
+        tuning=_tuning(state),
+        utc_now=dt.datetime.now(dt.UTC),
+    )
     state.record(action, now)
     await _carry_out(svc, memo, state, spec, status, plan, latest, action, now)
 
 
-async def _carry_out(svc: rec.Service, memo: Any, state: DriftState, spec: EarlyExitServiceSpec,
-                     status: ServiceStatus, plan: Plan, latest: Observations, action: Action, now: float) -> None:
+async def _carry_out(
+    svc: rec.Service,
+    memo: Any,
+    state: DriftState,
+    spec: EarlyExitServiceSpec,
+    status: ServiceStatus,
+    plan: Plan,
+    latest: Observations,
+    action: Action,
+    now: float,
+) -> None:
     """Do what `decide` chose: the status and event of a hold, a re-plan or step, a background re-tune."""
     if action.proposal is not None:
         status.proposal = action.proposal
@@ -350,8 +419,16 @@ async def _carry_out(svc: rec.Service, memo: Any, state: DriftState, spec: Early
         await _replan(svc, state, spec, status, plan, latest, action, now)
 
 
-async def _replan(svc: rec.Service, state: DriftState, spec: EarlyExitServiceSpec, status: ServiceStatus,
-                  plan: Plan, latest: Observations, action: Action, now: float) -> None:
+async def _replan(
+    svc: rec.Service,
+    state: DriftState,
+    spec: EarlyExitServiceSpec,
+    status: ServiceStatus,
+    plan: Plan,
+    latest: Observations,
+    action: Action,
+    now: float,
+) -> None:
     """Plan again for the judged window and apply it (capped by maxMoveFraction) or propose it."""
     inputs = await rec.read_inputs(svc.client, spec, svc.namespace)
     if inputs.unknown_pools or inputs.missing_profiles:
@@ -361,9 +438,18 @@ async def _replan(svc: rec.Service, state: DriftState, spec: EarlyExitServiceSpe
     observed = state.judged if state.judged is not None else latest
     if action.reason == "length-drift" and (shifted := drift.after_change(state.slices, plan)) is not None:
         # size the buckets for the traffic since the shift, not for the mix the judged window holds
-        observed = observed.model_copy(update={"length_buckets": list(shifted.length_buckets),
-                                               "length_histogram": list(shifted.length_histogram)})
-    after = await rec.plan_and_apply(svc, spec, inputs, status, reason=action.reason, previous=plan,
-                                     observations=observed, max_move_fraction=spec.planner.drift.max_move_fraction)
+        observed = observed.model_copy(
+            update={"length_buckets": list(shifted.length_buckets), "length_histogram": list(shifted.length_histogram)}
+        )
+    after = await rec.plan_and_apply(
+        svc,
+        spec,
+        inputs,
+        status,
+        reason=action.reason,
+        previous=plan,
+        observations=observed,
+        max_move_fraction=spec.planner.drift.max_move_fraction,
+    )
     if action.do is not Do.propose and after.plan is not None and after.plan.hash != plan.content_hash():
         state.slices.clear()  # judged against the old plan; the new one is judged on what arrives from now on

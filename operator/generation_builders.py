@@ -33,39 +33,68 @@ def stage_args(service: str, namespace: str, spec: EarlyExitServiceSpec, plan: P
     """The `exitplan generate-stage` arguments of the stage of `cell`."""
     split = plan.splits[cell.split]
     last = cell.split == len(plan.splits) - 1
-    args = ["--bundle", builders.bundle_path(spec.model.bundle), "--first", str(split.first_block),
-            "--last", str(split.last_block), "--host", "0.0.0.0", "--port", str(builders.PORT),
-            "--mode", "recompute" if len(plan.splits) == 1 else "pipeline"]
+    args = [
+        "--bundle",
+        builders.bundle_path(spec.model.bundle),
+        "--first",
+        str(split.first_block),
+        "--last",
+        str(split.last_block),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(builders.PORT),
+        "--mode",
+        "recompute" if len(plan.splits) == 1 else "pipeline",
+    ]
     if not last:
         args += ["--next", builders.split_host(service, namespace, cell.split + 1)]
     return args
 
 
-def build_stage(service: str, namespace: str, spec: EarlyExitServiceSpec, plan: Plan, cell: Cell,
-                pool: GPUPoolSpec) -> Manifest:
+def build_stage(
+    service: str, namespace: str, spec: EarlyExitServiceSpec, plan: Plan, cell: Cell, pool: GPUPoolSpec
+) -> Manifest:
     """The Deployment of one stage: split `cell.split` on `cell.pool`, one replica, replaced by Recreate."""
     if cell.replicas != 1:
-        raise ValueError(f"a generation stage runs exactly one replica (it holds the sequences' KV cache); "
-                         f"cell of split {cell.split} asks for {cell.replicas}")
+        raise ValueError(
+            f"a generation stage runs exactly one replica (it holds the sequences' KV cache); "
+            f"cell of split {cell.split} asks for {cell.replicas}"
+        )
     labels = builders.selector_labels(service, "worker", cell)
     volumes, mounts = builders._volumes(service, builders.bundle_path(spec.model.bundle))
     _, security = builders._security()
     container = {
-        "name": "stage", "image": builders.IMAGE, "imagePullPolicy": "IfNotPresent",
-        "command": ["exitplan", "generate-stage"], "args": stage_args(service, namespace, spec, plan, cell),
-        "ports": [{"name": "http", "containerPort": builders.PORT}], "env": builders._env(service, namespace),
-        "resources": builders._resources(pool), "volumeMounts": mounts, "securityContext": security,
+        "name": "stage",
+        "image": builders.IMAGE,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["exitplan", "generate-stage"],
+        "args": stage_args(service, namespace, spec, plan, cell),
+        "ports": [{"name": "http", "containerPort": builders.PORT}],
+        "env": builders._env(service, namespace),
+        "resources": builders._resources(pool),
+        "volumeMounts": mounts,
+        "securityContext": security,
         **builders._probes(),
     }
     spread = {builders.L_SERVICE: service, builders.L_SPLIT: str(cell.split)}
-    deployment = builders._deployment(builders.worker_name(service, cell), namespace, labels, plan.content_hash(),
-                                      1, container, builders._placement(pool, spread), volumes)
+    deployment = builders._deployment(
+        builders.worker_name(service, cell),
+        namespace,
+        labels,
+        plan.content_hash(),
+        1,
+        container,
+        builders._placement(pool, spread),
+        volumes,
+    )
     deployment["spec"]["strategy"] = {"type": "Recreate"}
     return deployment
 
 
-def build_children(owner: Manifest, spec: EarlyExitServiceSpec, plan: Plan,
-                   pools: dict[str, GPUPoolSpec]) -> list[Manifest]:
+def build_children(
+    owner: Manifest, spec: EarlyExitServiceSpec, plan: Plan, pools: dict[str, GPUPoolSpec]
+) -> list[Manifest]:
     """Every child of a planned generation service, adopted by `owner`, in apply order: the ConfigMap,
     the stages from the last split back (each one's next exists first), the Services, the router last."""
     service = owner["metadata"]["name"]
@@ -75,10 +104,17 @@ def build_children(owner: Manifest, spec: EarlyExitServiceSpec, plan: Plan,
         raise ValueError(f"plan places stages on pools {missing} that are not given")
     if sorted(c.split for c in plan.cells) != [s.index for s in plan.splits]:
         raise ValueError("a generation plan has exactly one cell (stage) per split")
-    stages = [build_stage(service, namespace, spec, plan, cell, pools[cell.pool])
-              for cell in sorted(plan.cells, key=lambda c: -c.split)]
+    stages = [
+        build_stage(service, namespace, spec, plan, cell, pools[cell.pool])
+        for cell in sorted(plan.cells, key=lambda c: -c.split)
+    ]
     router, router_svc = builders.build_router(service, namespace, spec, plan)
-    children = [builders.build_configmap(service, namespace, plan), *stages,
-                *builders.build_split_services(service, namespace, plan), router_svc, router]
+    children = [
+        builders.build_configmap(service, namespace, plan),
+        *stages,
+        *builders.build_split_services(service, namespace, plan),
+        router_svc,
+        router,
+    ]
     kopf.adopt(children, owner=owner)
     return children

@@ -18,7 +18,7 @@ from exitplan.api.bundle import BundleError, read_manifest
 from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.operator import builders, generation_builders
 from exitplan.operator.metrics import METRICS
-from exitplan.operator.reconcile import ServiceResources, Service, _infeasible, current_plan, propose_or_apply
+from exitplan.operator.reconcile import Service, ServiceResources, _infeasible, current_plan, propose_or_apply
 from exitplan.operator.status import ServiceStatus, set_condition
 from exitplan.planner.errors import PlannerError
 from exitplan.planner.generation import GenerationPlanResult, measurements_file, plan_generation, read_measurements
@@ -34,19 +34,30 @@ def plan_for(name: str, spec: EarlyExitServiceSpec, inputs: ServiceResources, re
         raise BundleError(f"{bundle}: spec.model.task is text-generation but the bundle has no decoder section")
     measured = measurements_file(bundle, spec.pools[0].name)
     profile, points = read_measurements(measured) if measured.is_file() else (None, [])
-    return plan_generation(name, spec, inputs.pools, n_blocks=len(manifest.blocks),
-                           exit_ramps=[r.name for r in manifest.exit_ramps()], max_context=manifest.decoder.max_context,
-                           profile=profile, thresholds=points, reason=reason)
+    return plan_generation(
+        name,
+        spec,
+        inputs.pools,
+        n_blocks=len(manifest.blocks),
+        exit_ramps=[r.name for r in manifest.exit_ramps()],
+        max_context=manifest.decoder.max_context,
+        profile=profile,
+        thresholds=points,
+        reason=reason,
+    )
 
 
-async def reconcile_generation(svc: Service, spec: EarlyExitServiceSpec, inputs: ServiceResources, status: ServiceStatus,
-                               reason: str) -> ServiceStatus:
+async def reconcile_generation(
+    svc: Service, spec: EarlyExitServiceSpec, inputs: ServiceResources, status: ServiceStatus, reason: str
+) -> ServiceStatus:
     gen = svc.generation
     try:
         result = await asyncio.get_running_loop().run_in_executor(None, plan_for, svc.name, spec, inputs, reason)
     except (BundleError, PlannerError, OSError) as err:
-        message = (f"cannot plan the generation service: {err}; the operator reads the bundle's bundle.yaml "
-                   f"(and profiles/generation-<pool>.json if present) from spec.model.bundle")
+        message = (
+            f"cannot plan the generation service: {err}; the operator reads the bundle's bundle.yaml "
+            f"(and profiles/generation-<pool>.json if present) from spec.model.bundle"
+        )
         svc.event("Warning", "PlannerInput", message)
         status = _infeasible(status, gen, "GenerationPlan", message)
         await svc.write_status(status)
@@ -57,9 +68,14 @@ async def reconcile_generation(svc: Service, spec: EarlyExitServiceSpec, inputs:
     if previous is not None and previous.content_hash() == plan.content_hash():
         plan = previous
     children = generation_builders.build_children(svc.body, spec, plan, inputs.pools)
-    what = (f"generation plan {plan.content_hash()} ({reason}): {result.mode}, {len(plan.splits)} stage(s), "
-            f"threshold {result.threshold}" + (f"; {result.note}" if result.note else ""))
-    status.conditions = set_condition(status.conditions, "PlanInfeasible", False, "Planned", "a plan meets the spec", gen)
+    what = (
+        f"generation plan {plan.content_hash()} ({reason}): {result.mode}, {len(plan.splits)} stage(s), "
+        f"threshold {result.threshold}" + (f"; {result.note}" if result.note else "")
+    )
+    status.conditions = set_condition(
+        status.conditions, "PlanInfeasible", False, "Planned", "a plan meets the spec", gen
+    )
     status.waiting_for_profiles = []
-    return await propose_or_apply(svc, spec, status, children, plan=plan, target=plan, previous=previous,
-                                  reason=reason, what=what)
+    return await propose_or_apply(
+        svc, spec, status, children, plan=plan, target=plan, previous=previous, reason=reason, what=what
+    )

@@ -56,9 +56,14 @@ def login(**_: Any) -> kopf.ConnectionInfo:
     cfg = load_config(os.environ.get("KUBECONFIG") or None)
     token = bearer(cfg)
     return kopf.ConnectionInfo(
-        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
-        scheme="Bearer" if token else None, token=token.split(" ", 1)[1] if token else None,
-        certificate_path=cfg.cert_file, private_key_path=cfg.key_file)
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        scheme="Bearer" if token else None,
+        token=token.split(" ", 1)[1] if token else None,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+    )
 
 
 @kopf.on.startup()
@@ -137,7 +142,9 @@ async def profile_event(body: kopf.Body, type: str | None, namespace: str, memo:
 @kopf.index(**EES)
 def services_by_pool(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict[str, tuple[str, str]]:
     """kopf's in-memory index of the services that name each GPUPool (no API call to find them)."""
-    return {ref["name"]: (namespace, name) for ref in spec.get("pools", []) if isinstance(ref, dict) and ref.get("name")}
+    return {
+        ref["name"]: (namespace, name) for ref in spec.get("pools", []) if isinstance(ref, dict) and ref.get("name")
+    }
 
 
 @kopf.on.event(**POOLS)

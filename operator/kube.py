@@ -93,8 +93,13 @@ def bearer(cfg: Any) -> str:
 class KubeClient:
     """Async JSON client for one API server."""
 
-    def __init__(self, server: str, headers: dict[str, str] | None = None,
-                 ssl_context: ssl.SSLContext | bool | None = None, backoffs: tuple[float, ...] = BACKOFFS) -> None:
+    def __init__(
+        self,
+        server: str,
+        headers: dict[str, str] | None = None,
+        ssl_context: ssl.SSLContext | bool | None = None,
+        backoffs: tuple[float, ...] = BACKOFFS,
+    ) -> None:
         self.server = server.rstrip("/")
         self.headers = headers or {}
         self.ssl = ssl_context
@@ -129,14 +134,22 @@ class KubeClient:
             self._session = aiohttp.ClientSession(headers=self.headers, timeout=aiohttp.ClientTimeout(total=30))
         return self._session
 
-    async def request(self, method: str, url: str, *, body: Any = None, params: dict[str, str] | None = None,
-                      content_type: str = "application/json") -> Manifest:
+    async def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        body: Any = None,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> Manifest:
         data = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type, "Accept": "application/json"}
-        for attempt, backoff in enumerate((*self.backoffs, None)):
+        for _attempt, backoff in enumerate((*self.backoffs, None)):
             try:
-                async with self._sess().request(method, self.server + url, data=data, params=params,
-                                                headers=headers, ssl=self.ssl) as rsp:
+                async with self._sess().request(
+                    method, self.server + url, data=data, params=params, headers=headers, ssl=self.ssl
+                ) as rsp:
                     text = await rsp.text()
                     if rsp.status < 400:
                         return json.loads(text) if text else {}
@@ -149,7 +162,7 @@ class KubeClient:
                         await asyncio.sleep(backoff)
                         continue
                     raise err
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
                 if backoff is None:
                     raise ApiError(503, "Unavailable", f"{method} {url}: {exc!r}") from exc
                 await asyncio.sleep(backoff)

@@ -24,8 +24,11 @@ async def ensure_peering(name: str, kubeconfig: str | None = None) -> bool:
             if err.status != 404:
                 raise
         try:
-            await client.request("POST", PEERINGS, body={"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
-                                                         "metadata": {"name": name}})
+            await client.request(
+                "POST",
+                PEERINGS,
+                body={"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}},
+            )
         except ApiError as err:
             if err.status != 409:  # another replica created it first
                 raise

@@ -128,28 +128,50 @@ def initial_thresholds(spec: EarlyExitServiceSpec, bounds: list[int] | None = No
     except (ValueError, OSError, KeyError) as err:
         log.warning("initial thresholds not tuned (%s); the drift loop tunes them from live feedback", err)
         return None
-    log.info("initial thresholds %s: disagreement per length stratum on the calibration window %s (budget %g)",
-             {k: round(v, 4) for k, v in thresholds.items()}, [(n, round(d, 4)) for n, d in strata],
-             spec.accuracy.max_drop)
+    log.info(
+        "initial thresholds %s: disagreement per length stratum on the calibration window %s (budget %g)",
+        {k: round(v, 4) for k, v in thresholds.items()},
+        [(n, round(d, 4)) for n, d in strata],
+        spec.accuracy.max_drop,
+    )
     return thresholds
 
 
-async def plan_in_executor(name: str, namespace: str, spec: EarlyExitServiceSpec, inputs: ServiceResources, *, reason: str,
-                           previous: Plan | None = None, observations: Observations | None = None,
-                           keep_layout: bool = False) -> Plan:
+async def plan_in_executor(
+    name: str,
+    namespace: str,
+    spec: EarlyExitServiceSpec,
+    inputs: ServiceResources,
+    *,
+    reason: str,
+    previous: Plan | None = None,
+    observations: Observations | None = None,
+    keep_layout: bool = False,
+) -> Plan:
     """The planner's entry point in a worker thread (never on the event loop); solve time is a metric."""
     from exitplan.planner import plan_service
 
     thresholds = dict(observations.thresholds) if observations and observations.thresholds else None
     if thresholds is None and previous is None:
-        bounds = list(spec.workload.length_buckets) or sorted({int(n) for p in inputs.profiles.values() for n in p.seq_lens})
+        bounds = list(spec.workload.length_buckets) or sorted(
+            {int(n) for p in inputs.profiles.values() for n in p.seq_lens}
+        )
         thresholds = await asyncio.get_running_loop().run_in_executor(None, initial_thresholds, spec, bounds)
 
     def solve() -> Plan:
         started = time.perf_counter()
         try:
-            result = plan_service(name, spec, inputs.pools, inputs.profiles, thresholds=thresholds,
-                                  observations=observations, previous=previous, reason=reason, keep_layout=keep_layout)
+            result = plan_service(
+                name,
+                spec,
+                inputs.pools,
+                inputs.profiles,
+                thresholds=thresholds,
+                observations=observations,
+                previous=previous,
+                reason=reason,
+                keep_layout=keep_layout,
+            )
         finally:
             METRICS.solve_seconds.labels(namespace, name).observe(time.perf_counter() - started)
         return result.plan
@@ -175,8 +197,9 @@ async def current_plan(client: KubeClient, name: str, namespace: str) -> Plan | 
 
 def _finished(job: dict[str, Any]) -> bool:
     status = job.get("status") or {}
-    return bool(status.get("succeeded")) or any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
-                                                 for c in status.get("conditions") or [])
+    return bool(status.get("succeeded")) or any(
+        c.get("type") in ("Complete", "Failed") and c.get("status") == "True" for c in status.get("conditions") or []
+    )
 
 
 async def ensure_profiling(svc: Service, spec: EarlyExitServiceSpec, inputs: ServiceResources) -> list[str]:
@@ -195,8 +218,12 @@ async def ensure_profiling(svc: Service, spec: EarlyExitServiceSpec, inputs: Ser
             job = builders.build_profile_job(svc.body, spec, pool, inputs.pools[pool], prof, attempt=len(jobs))
             report = applying.ApplyReport()
             await applying.apply_one(svc.client, job, report)
-            svc.event("Normal", "Profiling", f"no ModelProfile for model {spec.model.name} on pool {pool}: "
-                      f"Job {job['metadata']['name']} measures it and publishes ModelProfile {prof}")
+            svc.event(
+                "Normal",
+                "Profiling",
+                f"no ModelProfile for model {spec.model.name} on pool {pool}: "
+                f"Job {job['metadata']['name']} measures it and publishes ModelProfile {prof}",
+            )
         waiting.append(pool)
     return waiting
 
@@ -237,8 +264,10 @@ async def reconcile(svc: Service, reason: str) -> ServiceStatus:
     inputs = await read_inputs(svc.client, spec, svc.namespace)
     status.pools_digest = inputs.digest()
     if inputs.unknown_pools:
-        message = (f"spec.pools names GPUPool(s) {inputs.unknown_pools} that do not exist; create them "
-                   f"(kubectl get gpupools lists the pools) or remove them from spec.pools")
+        message = (
+            f"spec.pools names GPUPool(s) {inputs.unknown_pools} that do not exist; create them "
+            f"(kubectl get gpupools lists the pools) or remove them from spec.pools"
+        )
         svc.event("Warning", "UnknownPool", message)
         status = _infeasible(status, gen, "UnknownPool", message)
         await svc.write_status(status)
@@ -251,8 +280,11 @@ async def reconcile(svc: Service, reason: str) -> ServiceStatus:
 
     if inputs.missing_profiles:
         waiting = await ensure_profiling(svc, spec, inputs)
-        message = (f"waiting for ModelProfile(s) of model {spec.model.name} on pool(s) {waiting}; "
-                   f"profiling Jobs measure them" + (f" (ignored invalid: {inputs.bad_profiles})" if inputs.bad_profiles else ""))
+        message = (
+            f"waiting for ModelProfile(s) of model {spec.model.name} on pool(s) {waiting}; "
+            f"profiling Jobs measure them"
+            + (f" (ignored invalid: {inputs.bad_profiles})" if inputs.bad_profiles else "")
+        )
         status.conditions = set_condition(status.conditions, "Progressing", True, "ProfileMissing", message, gen)
         status.conditions = set_condition(status.conditions, "Planned", False, "ProfileMissing", message, gen)
         status.phase, status.message, status.waiting_for_profiles = Phase.profiling, message, waiting
@@ -265,16 +297,25 @@ async def reconcile(svc: Service, reason: str) -> ServiceStatus:
     return await plan_and_apply(svc, spec, inputs, status, reason=reason, previous=previous)
 
 
-async def plan_and_apply(svc: Service, spec: EarlyExitServiceSpec, inputs: ServiceResources, status: ServiceStatus, *,
-                         reason: str, previous: Plan | None, observations: Observations | None = None,
-                         max_move_fraction: float | None = None) -> ServiceStatus:
+async def plan_and_apply(
+    svc: Service,
+    spec: EarlyExitServiceSpec,
+    inputs: ServiceResources,
+    status: ServiceStatus,
+    *,
+    reason: str,
+    previous: Plan | None,
+    observations: Observations | None = None,
+    max_move_fraction: float | None = None,
+) -> ServiceStatus:
     """Plan, then apply (active) or propose (advisory); the status says which and why."""
     from exitplan.planner.errors import PlanInfeasible, PlannerError, ProfileError
 
     gen = svc.generation
     try:
-        plan = await plan_in_executor(svc.name, svc.namespace, spec, inputs, reason=reason, previous=previous,
-                                      observations=observations)
+        plan = await plan_in_executor(
+            svc.name, svc.namespace, spec, inputs, reason=reason, previous=previous, observations=observations
+        )
     except PlanInfeasible as err:
         message = f"no plan meets the spec: {err}"
         svc.event("Warning", "PlanInfeasible", message)
@@ -290,7 +331,9 @@ async def plan_and_apply(svc: Service, spec: EarlyExitServiceSpec, inputs: Servi
 
     if previous is not None and plan.content_hash() == previous.content_hash():
         plan = previous  # the same plan: keep the applied one (its reason, its ConfigMap bytes)
-    status.conditions = set_condition(status.conditions, "PlanInfeasible", False, "Planned", "a plan meets the spec", gen)
+    status.conditions = set_condition(
+        status.conditions, "PlanInfeasible", False, "Planned", "a plan meets the spec", gen
+    )
     held_back = ""
     target = plan
     if max_move_fraction is not None and max_move_fraction < 1.0 and previous is not None:  # 1.0: no cap
@@ -299,26 +342,58 @@ async def plan_and_apply(svc: Service, spec: EarlyExitServiceSpec, inputs: Servi
             # A new layout replaces every instance at once, which the cap forbids: move within the
             # current layout instead; the new layout stays a proposal (raise maxMoveFraction to take it).
             try:
-                within = await plan_in_executor(svc.name, svc.namespace, spec, inputs, reason=reason, previous=previous,
-                                                observations=observations, keep_layout=True)
+                within = await plan_in_executor(
+                    svc.name,
+                    svc.namespace,
+                    spec,
+                    inputs,
+                    reason=reason,
+                    previous=previous,
+                    observations=observations,
+                    keep_layout=True,
+                )
             except (PlanInfeasible, PlannerError):
                 within = None
             if within is not None and drift.same_layout(previous, within):
-                svc.event("Normal", "LayoutHeldBack", f"plan {plan.content_hash()} ({reason}) changes the split "
-                          f"layout, moving {drift.moved_replicas(previous, plan)} replicas at once; maxMoveFraction "
-                          f"{max_move_fraction:g} allows {budget}: moving within the current layout instead")
+                svc.event(
+                    "Normal",
+                    "LayoutHeldBack",
+                    f"plan {plan.content_hash()} ({reason}) changes the split "
+                    f"layout, moving {drift.moved_replicas(previous, plan)} replicas at once; maxMoveFraction "
+                    f"{max_move_fraction:g} allows {budget}: moving within the current layout instead",
+                )
                 target = plan = within
         plan, remaining = drift.limit_moves(previous, plan, max_move_fraction)
         if remaining:
             held_back = f"move cap: {remaining} more replica move(s) follow in later periods"
     children = builders.build_children(svc.body, spec, plan, inputs.pools)
-    return await propose_or_apply(svc, spec, status, children, plan=plan, target=target, previous=previous,
-                                  reason=reason, what=f"plan {plan.content_hash()} ({reason})", held_back=held_back)
+    return await propose_or_apply(
+        svc,
+        spec,
+        status,
+        children,
+        plan=plan,
+        target=target,
+        previous=previous,
+        reason=reason,
+        what=f"plan {plan.content_hash()} ({reason})",
+        held_back=held_back,
+    )
 
 
-async def propose_or_apply(svc: Service, spec: EarlyExitServiceSpec, status: ServiceStatus,
-                           children: list[dict[str, Any]], *, plan: Plan, target: Plan, previous: Plan | None,
-                           reason: str, what: str, held_back: str = "") -> ServiceStatus:
+async def propose_or_apply(
+    svc: Service,
+    spec: EarlyExitServiceSpec,
+    status: ServiceStatus,
+    children: list[dict[str, Any]],
+    *,
+    plan: Plan,
+    target: Plan,
+    previous: Plan | None,
+    reason: str,
+    what: str,
+    held_back: str = "",
+) -> ServiceStatus:
     """Advisory: diff the children and report what would change. Active: apply them and report.
 
     `plan` is what is applied now, `target` where the steps lead (they differ under a move cap, when
@@ -329,8 +404,9 @@ async def propose_or_apply(svc: Service, spec: EarlyExitServiceSpec, status: Ser
     if spec.planner.mode == Mode.advisory:
         existing = await applying.list_children(svc.client, svc.name, svc.namespace)
         changes = applying.diff_children(existing, children)
-        status.proposal = Proposal(reason=reason, hash=target.content_hash(), changes=changes,
-                                   held_back="advisory mode: nothing applied")
+        status.proposal = Proposal(
+            reason=reason, hash=target.content_hash(), changes=changes, held_back="advisory mode: nothing applied"
+        )
         status.plan = summarize(plan)
         status.phase = Phase.advisory
         status.message = f"advisory: would apply {what}: {len(changes)} change(s)"
@@ -345,8 +421,10 @@ async def propose_or_apply(svc: Service, spec: EarlyExitServiceSpec, status: Ser
         report = await applying.apply_children(svc.client, children, svc.name, svc.namespace)
     except ApiError as err:
         METRICS.applies_failed.labels(svc.namespace, svc.name).inc()
-        message = (f"applying {what} failed ({err}); the previous plan "
-                   f"{previous.content_hash() if previous else '(none)'} keeps serving; retrying")
+        message = (
+            f"applying {what} failed ({err}); the previous plan "
+            f"{previous.content_hash() if previous else '(none)'} keeps serving; retrying"
+        )
         status.conditions = set_condition(status.conditions, "Degraded", True, "ApplyFailed", message, gen)
         status.phase, status.message = Phase.degraded, message
         svc.event("Warning", "ApplyFailed", message)
@@ -360,8 +438,9 @@ async def propose_or_apply(svc: Service, spec: EarlyExitServiceSpec, status: Ser
     status.endpoint = f"http://{builders.dns_name(svc.name)}.{svc.namespace}.svc:{builders.PORT}"
     status.conditions = set_condition(status.conditions, "Planned", True, "Planned", what, gen)
     status.conditions = set_condition(status.conditions, "Degraded", False, "Applied", report.summary(), gen)
-    status.conditions = set_condition(status.conditions, "Progressing", True, "Rollout",
-                                      f"applied: {report.summary()}", gen)
+    status.conditions = set_condition(
+        status.conditions, "Progressing", True, "Rollout", f"applied: {report.summary()}", gen
+    )
     status.phase, status.message, status.observed_generation = Phase.deploying, f"applied: {report.summary()}", gen
     if report.changed():
         svc.event("Normal", "Applied", f"{what}: {report.summary()}")
@@ -387,18 +466,27 @@ async def refresh_readiness(svc: Service) -> ServiceStatus:
             ready[(int(labels[builders.L_SPLIT]), int(labels[builders.L_BUCKET]), labels[builders.L_POOL])] = have
     for cell in status.plan.cells:
         cell.ready_replicas = ready.get((cell.split, cell.bucket, cell.pool), 0)
-    METRICS.record_plan(svc.namespace, svc.name, status.plan.cost_per_hour,
-                        [(c.split, c.bucket, c.pool, c.replicas, c.ready_replicas) for c in status.plan.cells])
+    METRICS.record_plan(
+        svc.namespace,
+        svc.name,
+        status.plan.cost_per_hour,
+        [(c.split, c.bucket, c.pool, c.replicas, c.ready_replicas) for c in status.plan.cells],
+    )
     all_ready &= bool(deployments)
-    stalled = [f"Deployment {d['metadata']['name']}: {c.get('message') or c.get('reason')}"
-               for d in deployments for c in (d.get("status") or {}).get("conditions") or []
-               if c.get("type") == "Progressing" and c.get("status") == "False"]
+    stalled = [
+        f"Deployment {d['metadata']['name']}: {c.get('message') or c.get('reason')}"
+        for d in deployments
+        for c in (d.get("status") or {}).get("conditions") or []
+        if c.get("type") == "Progressing" and c.get("status") == "False"
+    ]
     before = json.dumps(parse_status(svc.body.get("status")).model_dump(mode="json"), sort_keys=True)
     degraded = any(c.type == "Degraded" and c.status == "True" for c in status.conditions)
     if stalled:
         bundle = builders.bundle_path((svc.body.get("spec") or {}).get("model", {}).get("bundle", ""))
-        message = ("; ".join(stalled) + f". Pods of the plan do not start: check that the bundle {bundle} is "
-                   "reachable from the pods and their logs; the replicas that run keep serving")
+        message = (
+            "; ".join(stalled) + f". Pods of the plan do not start: check that the bundle {bundle} is "
+            "reachable from the pods and their logs; the replicas that run keep serving"
+        )
         if not degraded or status.message != message:
             svc.event("Warning", "RolloutStalled", message)
         status.conditions = set_condition(status.conditions, "Degraded", True, "RolloutStalled", message, gen)
@@ -407,13 +495,16 @@ async def refresh_readiness(svc: Service) -> ServiceStatus:
         status.conditions = set_condition(status.conditions, "Degraded", False, "Recovered", "rollout progresses", gen)
         status.phase, degraded = Phase.deploying, False
     if all_ready:
-        status.conditions = set_condition(status.conditions, "Ready", True, "AllReady", "every Deployment is ready", gen)
+        status.conditions = set_condition(
+            status.conditions, "Ready", True, "AllReady", "every Deployment is ready", gen
+        )
         status.conditions = set_condition(status.conditions, "Progressing", False, "Complete", "rollout complete", gen)
         if not degraded:
             status.phase = Phase.ready
     else:
-        status.conditions = set_condition(status.conditions, "Ready", False, "Waiting",
-                                          "some Deployments have fewer ready replicas than desired", gen)
+        status.conditions = set_condition(
+            status.conditions, "Ready", False, "Waiting", "some Deployments have fewer ready replicas than desired", gen
+        )
     if json.dumps(status.model_dump(mode="json"), sort_keys=True) != before:
         await svc.write_status(status)
     return status

@@ -125,7 +125,7 @@ class ServiceStatus(Model):
 
 
 def now_iso() -> str:
-    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def set_condition(
@@ -139,13 +139,29 @@ def set_condition(
         if cond.type == type_:
             found = True
             when = cond.last_transition_time if cond.status == value else now_iso()
-            out.append(Condition(type=type_, status=value, reason=reason, message=message,
-                                 last_transition_time=when, observed_generation=generation))
+            out.append(
+                Condition(
+                    type=type_,
+                    status=value,
+                    reason=reason,
+                    message=message,
+                    last_transition_time=when,
+                    observed_generation=generation,
+                )
+            )
         else:
             out.append(cond)
     if not found:
-        out.append(Condition(type=type_, status=value, reason=reason, message=message,
-                             last_transition_time=now_iso(), observed_generation=generation))
+        out.append(
+            Condition(
+                type=type_,
+                status=value,
+                reason=reason,
+                message=message,
+                last_transition_time=now_iso(),
+                observed_generation=generation,
+            )
+        )
     order = {t: i for i, t in enumerate(CONDITION_TYPES)}
     return sorted(out, key=lambda c: order[c.type])
 
@@ -153,12 +169,26 @@ def set_condition(
 def summarize(plan: Plan, ready: dict[tuple[int, int, str], int] | None = None) -> PlanSummary:
     """The status summary of a plan; `ready` maps (split, bucket, pool) to ready replicas."""
     ready = ready or {}
-    cells = [CellSummary(split=c.split, bucket=c.bucket, pool=c.pool, replicas=c.replicas,
-                         ready_replicas=ready.get((c.split, c.bucket, c.pool), 0)) for c in plan.cells]
+    cells = [
+        CellSummary(
+            split=c.split,
+            bucket=c.bucket,
+            pool=c.pool,
+            replicas=c.replicas,
+            ready_replicas=ready.get((c.split, c.bucket, c.pool), 0),
+        )
+        for c in plan.cells
+    ]
     return PlanSummary(
-        hash=plan.content_hash(), reason=plan.reason, splits=len(plan.splits), buckets=list(plan.buckets),
-        replicas=sum(c.replicas for c in plan.cells), goodput_rps=plan.prediction.goodput_rps,
-        p99_ms=plan.prediction.p99_ms, cost_per_hour=plan.prediction.cost_per_hour, cells=cells,
+        hash=plan.content_hash(),
+        reason=plan.reason,
+        splits=len(plan.splits),
+        buckets=list(plan.buckets),
+        replicas=sum(c.replicas for c in plan.cells),
+        goodput_rps=plan.prediction.goodput_rps,
+        p99_ms=plan.prediction.p99_ms,
+        cost_per_hour=plan.prediction.cost_per_hour,
+        cells=cells,
     )
 
 

@@ -27,8 +27,15 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from exitplan.planner.errors import PlanInfeasible, PlanInvalid, PlannerError, ProfileError, SpecError
-    from exitplan.planner.service import PlanChange, PlanResult, plan_change, plan_service
+    from exitplan.planner.errors import PlanInfeasible as PlanInfeasible
+    from exitplan.planner.errors import PlanInvalid as PlanInvalid
+    from exitplan.planner.errors import PlannerError as PlannerError
+    from exitplan.planner.errors import ProfileError as ProfileError
+    from exitplan.planner.errors import SpecError as SpecError
+    from exitplan.planner.service import PlanChange as PlanChange
+    from exitplan.planner.service import PlanResult as PlanResult
+    from exitplan.planner.service import plan_change as plan_change
+    from exitplan.planner.service import plan_service as plan_service
 
 
 def __getattr__(name: str) -> Any:

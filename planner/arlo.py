@@ -93,7 +93,9 @@ def _flows(demand: np.ndarray, capacity: np.ndarray) -> np.ndarray:
     return flows
 
 
-def allocate(demand: Sequence[float], mu: Sequence[float], total: int, previous: Sequence[int] | None = None) -> Allocation:
+def allocate(
+    demand: Sequence[float], mu: Sequence[float], total: int, previous: Sequence[int] | None = None
+) -> Allocation:
     """The least-peak-utilisation allocation of `total` instances (see the module docstring).
 
     Spare instances go one at a time to the runtime with the highest own load per capacity;
@@ -177,10 +179,10 @@ def exhaustive(demand: Sequence[float], mu: Sequence[float], total: int) -> floa
         c = np.zeros(nv)
         c[-1] = 1.0
         a_eq = np.zeros((K, nv))
-        for v, (i, j) in enumerate(pairs):
+        for v, (_, j) in enumerate(pairs):
             a_eq[j, v] = 1.0
         a_ub = np.zeros((K, nv))
-        for v, (i, j) in enumerate(pairs):
+        for v, (i, _) in enumerate(pairs):
             a_ub[i, v] = 1.0
         for i in range(K):
             a_ub[i, -1] = -n[i] * m[i]
@@ -206,9 +208,20 @@ class ScaleDecision:
     reason: str
 
 
-def autoscale(instances: int, p98_ms: float, slo_ms: float, now: float, state: ScaleState = ScaleState(), *, out_at: float = 0.95,
-              in_at: float = 0.5, in_period_s: float = 60.0, cooldown_s: float = 30.0, min_instances: int = 1,
-              max_instances: int = 1 << 30) -> tuple[ScaleDecision, ScaleState]:
+def autoscale(
+    instances: int,
+    p98_ms: float,
+    slo_ms: float,
+    now: float,
+    state: ScaleState = ScaleState(),
+    *,
+    out_at: float = 0.95,
+    in_at: float = 0.5,
+    in_period_s: float = 60.0,
+    cooldown_s: float = 30.0,
+    min_instances: int = 1,
+    max_instances: int = 1 << 30,
+) -> tuple[ScaleDecision, ScaleState]:
     """Target tracking (pure): p98 >= out_at x SLO -> scale out to instances x p98 / (out_at x SLO)
     (at least +1); p98 < in_at x SLO for `in_period_s` -> scale in by one. A cooldown separates changes."""
     if now - state.last_change < cooldown_s:
@@ -222,7 +235,9 @@ def autoscale(instances: int, p98_ms: float, slo_ms: float, now: float, state: S
     if p98_ms < in_at * slo_ms:
         since = state.low_since if state.low_since is not None else now
         if now - since >= in_period_s and instances > min_instances:
-            return ScaleDecision(instances - 1, f"p98 below {in_at:.0%} of the SLO for {now - since:.0f} s"), ScaleState(None, now)
+            return ScaleDecision(
+                instances - 1, f"p98 below {in_at:.0%} of the SLO for {now - since:.0f} s"
+            ), ScaleState(None, now)
         return ScaleDecision(instances, "low, waiting"), ScaleState(since, state.last_change)
     return ScaleDecision(instances, "steady"), ScaleState(None, state.last_change)
 

@@ -17,8 +17,13 @@ STAIR_STEP = 0.10
 """A profiled length starts a new stair when it costs this much more than the previous length."""
 
 
-def histogram_on_grid(grid: Sequence[int], lengths: Sequence[int] | None = None, *, bounds: Sequence[int] | None = None,
-                      counts: Sequence[float] | None = None) -> np.ndarray:
+def histogram_on_grid(
+    grid: Sequence[int],
+    lengths: Sequence[int] | None = None,
+    *,
+    bounds: Sequence[int] | None = None,
+    counts: Sequence[float] | None = None,
+) -> np.ndarray:
     """Mass per grid length, from raw lengths or from a histogram (bounds = each bin's max length).
 
     A bin is charged to the smallest grid length >= its bound (conservative: never shorter than the
@@ -49,7 +54,9 @@ def staircase(grid: Sequence[int], cost: Sequence[float], step: float = STAIR_ST
     return keep
 
 
-def best_bucket_sets(grid: Sequence[int], mass: np.ndarray, cost: Sequence[float], candidates: Sequence[int], max_buckets: int) -> dict[int, list[int]]:
+def best_bucket_sets(
+    grid: Sequence[int], mass: np.ndarray, cost: Sequence[float], candidates: Sequence[int], max_buckets: int
+) -> dict[int, list[int]]:
     """For each count m <= max_buckets, the m-bucket set (from `candidates`, holding the largest
     length) that minimises the expected per-input cost sum_i mass[i] * cost(bucket of grid[i]).
 

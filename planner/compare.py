@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec
-
 from exitplan.planner.errors import PlanInfeasible
 from exitplan.planner.service import PlanResult, plan_service
 from exitplan.planner.simulator import SimResult, Simulation, depths_from_survival, oracle_goodput, poisson_arrivals
@@ -50,16 +49,24 @@ FEATURES = {
 }
 
 
-def plan_config(name: str, service: str, spec: EarlyExitServiceSpec, pools: Mapping[str, GPUPoolSpec], profiles: Mapping[str, ModelProfileSpec],
-                lengths: Sequence[int] | None = None, thresholds: Mapping[str, float] | None = None) -> PlanResult:
+def plan_config(
+    name: str,
+    service: str,
+    spec: EarlyExitServiceSpec,
+    pools: Mapping[str, GPUPoolSpec],
+    profiles: Mapping[str, ModelProfileSpec],
+    lengths: Sequence[int] | None = None,
+    thresholds: Mapping[str, float] | None = None,
+) -> PlanResult:
     """Plan `spec` with the features of configuration `name` (not 'oracle')."""
     f = FEATURES[name]
     ref = profiles[spec.pools[0].name]
     ramps = [r.name for r in ref.ramps]
     on = dict(thresholds) if thresholds else {r: 0.9 for r in ramps}
     th = on if f.exits else {r: 2.0 for r in ramps}
-    planner = spec.planner.model_copy(update={"max_splits": spec.planner.max_splits if f.splits else 1,
-                                              "rebatch": spec.planner.rebatch and f.rebatch})
+    planner = spec.planner.model_copy(
+        update={"max_splits": spec.planner.max_splits if f.splits else 1, "rebatch": spec.planner.rebatch and f.rebatch}
+    )
     workload = spec.workload
     if not f.buckets:
         top = max(spec.workload.length_buckets) if spec.workload.length_buckets else max(ref.seq_lens)
@@ -68,12 +75,32 @@ def plan_config(name: str, service: str, spec: EarlyExitServiceSpec, pools: Mapp
     return plan_service(service, cspec, pools, profiles, thresholds=th, lengths=lengths, reason=f"config:{name}")
 
 
-def simulate_plan(result: PlanResult, arrivals: np.ndarray, lengths: np.ndarray, slo_ms: float, *, seed: int = 0, name: str = "",
-                  depths: np.ndarray | None = None, max_wait_ms: float = 2.0, compact_exits: bool = True) -> SimResult:
+def simulate_plan(
+    result: PlanResult,
+    arrivals: np.ndarray,
+    lengths: np.ndarray,
+    slo_ms: float,
+    *,
+    seed: int = 0,
+    name: str = "",
+    depths: np.ndarray | None = None,
+    max_wait_ms: float = 2.0,
+    compact_exits: bool = True,
+) -> SimResult:
     inp = result.inputs
     models = {m.pool_name: m for m in inp.models}
-    sim = Simulation(result.plan, models, slo_ms, enabled=inp.enabled, survival=_true_survival(result), seed=seed, name=name,
-                     pool_costs=dict(zip(inp.pool_names, inp.costs.tolist())), max_wait_ms=max_wait_ms, compact_exits=compact_exits)
+    sim = Simulation(
+        result.plan,
+        models,
+        slo_ms,
+        enabled=inp.enabled,
+        survival=_true_survival(result),
+        seed=seed,
+        name=name,
+        pool_costs=dict(zip(inp.pool_names, inp.costs.tolist())),
+        max_wait_ms=max_wait_ms,
+        compact_exits=compact_exits,
+    )
     return sim.run(arrivals, lengths, depths)
 
 
@@ -82,9 +109,20 @@ def _true_survival(result: PlanResult) -> list[float]:
     return list(ref.survival) if ref.survival else [1.0] * len(ref.ramps)
 
 
-def sustainable_rate(result: PlanResult, lengths_pool: np.ndarray, slo_ms: float, *, target: float = 0.99, n: int = 6000, seed: int = 0,
-                     iters: int = 9, max_wait_ms: float = 2.0, duration_s: float = 0.0, depths_survival: Sequence[float] | None = None,
-                     compact_exits: bool = True) -> tuple[float, SimResult]:
+def sustainable_rate(
+    result: PlanResult,
+    lengths_pool: np.ndarray,
+    slo_ms: float,
+    *,
+    target: float = 0.99,
+    n: int = 6000,
+    seed: int = 0,
+    iters: int = 9,
+    max_wait_ms: float = 2.0,
+    duration_s: float = 0.0,
+    depths_survival: Sequence[float] | None = None,
+    compact_exits: bool = True,
+) -> tuple[float, SimResult]:
     """The largest Poisson rate at which >= `target` of requests are answered within the SLO
     (drops count as misses), by bisection between 0 and twice the planned goodput; lengths drawn
     from `lengths_pool`. With `duration_s`, each run holds at least that many seconds of arrivals
@@ -101,13 +139,23 @@ def sustainable_rate(result: PlanResult, lengths_pool: np.ndarray, slo_ms: float
     best = None
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
-        res = simulate_plan(result, base / mid, lengths, slo_ms, seed=seed, max_wait_ms=max_wait_ms, compact_exits=compact_exits)
+        res = simulate_plan(
+            result, base / mid, lengths, slo_ms, seed=seed, max_wait_ms=max_wait_ms, compact_exits=compact_exits
+        )
         if res.attainment >= target and res.tail_attainment >= target:
             lo, best = mid, res
         else:
             hi = mid
     if best is None:
-        best = simulate_plan(result, base / max(lo, 1e-3), lengths, slo_ms, seed=seed, max_wait_ms=max_wait_ms, compact_exits=compact_exits)
+        best = simulate_plan(
+            result,
+            base / max(lo, 1e-3),
+            lengths,
+            slo_ms,
+            seed=seed,
+            max_wait_ms=max_wait_ms,
+            compact_exits=compact_exits,
+        )
     return lo, best
 
 
@@ -115,12 +163,26 @@ def oracle_for(result: PlanResult, lengths: np.ndarray, rate: float, seed: int =
     inp = result.inputs
     ref = inp.models[0]
     rng = np.random.default_rng(seed)
-    depths = depths_from_survival(rng, len(lengths), ref.n_blocks, ref.ramp_after, _true_survival(result), [True] * len(ref.ramp_after))
-    return oracle_goodput({m.pool_name: m for m in inp.models}, dict(zip(inp.pool_names, inp.caps.tolist())), np.asarray(lengths), depths, rate)
+    depths = depths_from_survival(
+        rng, len(lengths), ref.n_blocks, ref.ramp_after, _true_survival(result), [True] * len(ref.ramp_after)
+    )
+    return oracle_goodput(
+        {m.pool_name: m for m in inp.models},
+        dict(zip(inp.pool_names, inp.caps.tolist())),
+        np.asarray(lengths),
+        depths,
+        rate,
+    )
 
 
-def plan_all(service: str, spec: EarlyExitServiceSpec, pools: Mapping[str, GPUPoolSpec], profiles: Mapping[str, ModelProfileSpec],
-             lengths: Sequence[int] | None = None, configs: Sequence[str] = CONFIGS) -> dict[str, PlanResult | str]:
+def plan_all(
+    service: str,
+    spec: EarlyExitServiceSpec,
+    pools: Mapping[str, GPUPoolSpec],
+    profiles: Mapping[str, ModelProfileSpec],
+    lengths: Sequence[int] | None = None,
+    configs: Sequence[str] = CONFIGS,
+) -> dict[str, PlanResult | str]:
     """Every configuration's plan, or the reason it has none."""
     out: dict[str, PlanResult | str] = {}
     for name in configs:

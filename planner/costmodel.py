@@ -28,7 +28,6 @@ import numpy.typing as npt
 from scipy.stats import binom
 
 from exitplan.api.resources import GPUPoolSpec, ModelProfileSpec
-
 from exitplan.planner.errors import ProfileError
 
 FloatArray = npt.NDArray[np.float64]
@@ -41,7 +40,9 @@ MONOTONE_FLOOR_MS = 0.05
 """Dips smaller than this many milliseconds are always noise."""
 
 
-def _check_table(table: list[list[float]], name_: str, n_seq: int, n_batch: int, notes: list[str], prefix: str = "") -> np.ndarray:
+def _check_table(
+    table: list[list[float]], name_: str, n_seq: int, n_batch: int, notes: list[str], prefix: str = ""
+) -> np.ndarray:
     where = f"{prefix}.{name_}" if prefix else name_
     if len(table) != n_seq or any(len(row) != n_batch for row in table):
         shape = f"{len(table)} rows of " + ",".join(str(len(r)) for r in table) if table else "no rows"
@@ -87,19 +88,31 @@ def _validated_arrays(profile: ModelProfileSpec, where: str, notes: list[str]) -
         raise ProfileError("the profile lists no blocks", field=f"{where}.blocks")
     n = len(profile.blocks)
     smoothed: list[str] = []
-    blocks = np.stack([_check_table(b.latency_ms, f"blocks[{i}]", len(sl), len(bs), smoothed, where) for i, b in enumerate(profile.blocks)])
+    blocks = np.stack(
+        [
+            _check_table(b.latency_ms, f"blocks[{i}]", len(sl), len(bs), smoothed, where)
+            for i, b in enumerate(profile.blocks)
+        ]
+    )
     ramps = []
     for i, r in enumerate(profile.ramps):
         if r.after_block >= n:
-            raise ProfileError(f"ramp {r.name!r} follows block {r.after_block} but the profile has {n} blocks", field=f"{where}.ramps[{i}].afterBlock")
+            raise ProfileError(
+                f"ramp {r.name!r} follows block {r.after_block} but the profile has {n} blocks",
+                field=f"{where}.ramps[{i}].afterBlock",
+            )
         ramps.append(_check_table(r.latency_ms, f"ramps[{i}]", len(sl), len(bs), smoothed, where))
     if smoothed:
-        notes.append(f"{where}: latency dips below {MONOTONE_SLACK:.0%} (timer noise) smoothed to a running maximum in {', '.join(smoothed)}")
+        notes.append(
+            f"{where}: latency dips below {MONOTONE_SLACK:.0%} (timer noise) smoothed to a running maximum in {', '.join(smoothed)}"
+        )
     if any(a.after_block > b.after_block for a, b in zip(profile.ramps, profile.ramps[1:])):
         raise ProfileError("ramps must be listed in block order", field=f"{where}.ramps")
     surv = list(profile.survival)
     if surv and len(surv) != len(profile.ramps):
-        raise ProfileError(f"survival has {len(surv)} entries for {len(profile.ramps)} ramps (one per ramp)", field=f"{where}.survival")
+        raise ProfileError(
+            f"survival has {len(surv)} entries for {len(profile.ramps)} ramps (one per ramp)", field=f"{where}.survival"
+        )
     if any(not 0.0 <= s <= 1.0 for s in surv):
         raise ProfileError(f"survival fractions must lie in [0, 1], got {surv}", field=f"{where}.survival")
     if any(b > a + 1e-9 for a, b in zip(surv, surv[1:])):
@@ -108,21 +121,28 @@ def _validated_arrays(profile: ModelProfileSpec, where: str, notes: list[str]) -
     for i, b in enumerate(profile.blocks):
         if b.output_bytes:
             if len(b.output_bytes) != len(sl):
-                raise ProfileError(f"outputBytes has {len(b.output_bytes)} entries for {len(sl)} seqLens", field=f"{where}.blocks[{i}].outputBytes")
+                raise ProfileError(
+                    f"outputBytes has {len(b.output_bytes)} entries for {len(sl)} seqLens",
+                    field=f"{where}.blocks[{i}].outputBytes",
+                )
             out[i] = b.output_bytes
         elif i < n - 1:
             notes.append(f"{where}.blocks[{i}]: no outputBytes; transfers after it are taken as free")
     inp = np.zeros(len(sl))
     if profile.input_bytes:
         if len(profile.input_bytes) != len(sl):
-            raise ProfileError(f"inputBytes has {len(profile.input_bytes)} entries for {len(sl)} seqLens", field=f"{where}.inputBytes")
+            raise ProfileError(
+                f"inputBytes has {len(profile.input_bytes)} entries for {len(sl)} seqLens", field=f"{where}.inputBytes"
+            )
         inp = np.asarray(profile.input_bytes, dtype=np.float64)
     weights = np.asarray([b.weight_bytes for b in profile.blocks], dtype=np.float64)
     ramp_tables = np.stack(ramps) if ramps else np.zeros((0, len(sl), len(bs)))
     return {"blocks": blocks, "ramps": ramp_tables, "out": out, "inp": inp, "weights": weights}
 
 
-def survival_before_blocks(n_blocks: int, ramp_after: Sequence[int], survival: Sequence[float], enabled: Sequence[bool]) -> np.ndarray:
+def survival_before_blocks(
+    n_blocks: int, ramp_after: Sequence[int], survival: Sequence[float], enabled: Sequence[bool]
+) -> np.ndarray:
     """s[k] = fraction of inputs that reach block k (k = 0..n_blocks; s[n_blocks] = reach the end)."""
     s = np.ones(n_blocks + 1)
     for after, surv, on in zip(ramp_after, survival, enabled):
@@ -193,7 +213,9 @@ class CostModel:
         batch = np.asarray(batch, dtype=np.float64)
         if np.any(batch > bs[-1] + 1e-9) and "batch" not in self._clamped:
             self._clamped.add("batch")
-            self.notes.append(f"pool {self.pool_name}: batches above {int(bs[-1])} extrapolated from the last measured step")
+            self.notes.append(
+                f"pool {self.pool_name}: batches above {int(bs[-1])} extrapolated from the last measured step"
+            )
         flat = batch.reshape(batch.shape[0], -1)
         out = np.empty_like(flat)
         for i in range(rows.shape[0]):
@@ -217,7 +239,9 @@ class CostModel:
 
     def bytes_per_sample(self, boundary_block: int, seq: float) -> float:
         """Activation bytes per sample leaving `boundary_block` (-1: the model's input)."""
-        table = self.input_bytes[None, :] if boundary_block < 0 else self.output_bytes[boundary_block : boundary_block + 1]
+        table = (
+            self.input_bytes[None, :] if boundary_block < 0 else self.output_bytes[boundary_block : boundary_block + 1]
+        )
         lo, hi, w = self._seq_weights(seq)
         return float(table[0, lo] * (1 - w) + table[0, hi] * w)
 
@@ -228,8 +252,17 @@ class CostModel:
 
     # ------------------------------------------------------------ whole stages
 
-    def stage_tables(self, batches: Sequence[float] | FloatArray, seq: float, survival_before: np.ndarray, ramps_on: Sequence[bool],
-                     expected: bool = False, transfer: bool = True, rebatch: bool = False, fill_ms: float | None = None) -> np.ndarray:
+    def stage_tables(
+        self,
+        batches: Sequence[float] | FloatArray,
+        seq: float,
+        survival_before: np.ndarray,
+        ramps_on: Sequence[bool],
+        expected: bool = False,
+        transfer: bool = True,
+        rebatch: bool = False,
+        fill_ms: float | None = None,
+    ) -> np.ndarray:
         """ms[bi, a, b]: time of split [a, b] (exec + enabled ramps + transfer out) at batch batches[bi].
 
         Entries with b < a are +inf. The batch shrinks inside the split as inputs exit. By default
@@ -262,7 +295,9 @@ class CostModel:
         batch_arr = np.asarray(batches, dtype=np.float64)
         ratio = np.minimum(s[None, :n] / s[:n, None], 1.0)  # ratio[a, k] = s(k)/s(a) for k >= a
         per_block = self._at_seq(self.block_ms_table, seq)  # (n, n_batch)
-        ramp_rows = self._at_seq(self.ramp_ms_table, seq) if len(self.ramp_ms_table) else np.zeros((0, len(self.batch_sizes)))
+        ramp_rows = (
+            self._at_seq(self.ramp_ms_table, seq) if len(self.ramp_ms_table) else np.zeros((0, len(self.batch_sizes)))
+        )
         out = np.full((len(batch_arr), n, n), np.inf)
         for bi, bsz in enumerate(batch_arr):
             if rebatch:
@@ -283,7 +318,9 @@ class CostModel:
                 cost = np.einsum("akx,kx->ak", pmf, at_x)
                 for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
                     if on:
-                        cost[:, after] += pmf[:, after, :] @ self._interp_batch(ramp_rows[r : r + 1], rows_x[None, :])[0]
+                        cost[:, after] += (
+                            pmf[:, after, :] @ self._interp_batch(ramp_rows[r : r + 1], rows_x[None, :])[0]
+                        )
             else:
                 # (a, k): inputs running block k in a split starting at a, rounded up: a batch that
                 # still holds anyone runs at the latency of a whole input (conservative for the cycle)
@@ -308,8 +345,15 @@ class CostModel:
             out[bi] = np.where(tri, cum + xfer, np.inf)
         return out
 
-    def _rebatch_fill(self, per_block: np.ndarray, ramp_rows: np.ndarray, ramps_on: Sequence[bool], ratio: np.ndarray, bsz: float,
-                      fill_ms: float) -> np.ndarray:
+    def _rebatch_fill(
+        self,
+        per_block: np.ndarray,
+        ramp_rows: np.ndarray,
+        ramps_on: Sequence[bool],
+        ratio: np.ndarray,
+        bsz: float,
+        fill_ms: float,
+    ) -> np.ndarray:
         """T[a, b]: mean ms per `bsz` entering rows of rebatching split [a, b] when each block's queue
         launches at the latest every `fill_ms` (see stage_tables); inf where T would exceed fill_ms
         (slower than any split without rebatching that fits the cycle) or a row would take longer
@@ -324,7 +368,9 @@ class CostModel:
         slope = np.diff(ys, axis=1) / np.diff(xs)[None, :]  # (k, segments)
         k_idx = np.arange(n)[None, :]
 
-        def at(x: np.ndarray) -> np.ndarray:  # block k (+ ramp) at x[pair, k] rows, linear, 0 at 0, extrapolated past the top
+        def at(
+            x: np.ndarray,
+        ) -> np.ndarray:  # block k (+ ramp) at x[pair, k] rows, linear, 0 at 0, extrapolated past the top
             i = np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2)
             y: FloatArray = ys[k_idx, i] + slope[k_idx, i] * (x - xs[i])
             return y

@@ -52,9 +52,16 @@ class Placement:
             raise PlanInvalid("a split cannot keep up with the claimed goodput")
 
 
-def place(mu: Sequence[Sequence[float]] | FloatArray, q: Sequence[float] | FloatArray, caps: Sequence[int] | IntArray,
-          costs: Sequence[float] | FloatArray, fits: np.ndarray | None = None, balance: float | None = None, time_limit_s: float = 5.0,
-          cost_cap: float | None = None) -> Placement:
+def place(
+    mu: Sequence[Sequence[float]] | FloatArray,
+    q: Sequence[float] | FloatArray,
+    caps: Sequence[int] | IntArray,
+    costs: Sequence[float] | FloatArray,
+    fits: np.ndarray | None = None,
+    balance: float | None = None,
+    time_limit_s: float = 5.0,
+    cost_cap: float | None = None,
+) -> Placement:
     """Maximise goodput (then minimise cost) over integer replica placements; see the module docstring.
 
     mu[i][p]: requests/s one replica of split i on pool p takes in (0 = cannot run there).
@@ -71,7 +78,9 @@ def place(mu: Sequence[Sequence[float]] | FloatArray, q: Sequence[float] | Float
         raise PlanInfeasible("execution probabilities must lie in (0, 1]", field="q")
     if not np.all(fits_a.any(axis=1)):
         i = int(np.flatnonzero(~fits_a.any(axis=1))[0])
-        raise PlanInfeasible(f"split {i} fits no pool (memory or rate); give it more memory or split it further", field=f"splits[{i}]")
+        raise PlanInfeasible(
+            f"split {i} fits no pool (memory or rate); give it more memory or split it further", field=f"splits[{i}]"
+        )
     # normalised capacity units: a replica of split i on pool p adds mu_ip / q_i goodput to split i
     unit = np.where(fits_a, mu_a / q_a[:, None], 0.0)
     scale = SCALE / unit.max()
@@ -85,7 +94,10 @@ def place(mu: Sequence[Sequence[float]] | FloatArray, q: Sequence[float] | Float
         for p in range(P):  # (a)
             m.add(sum(x[i][p] for i in range(n)) <= int(caps_a[p]))
         if cost_cap is not None:  # the service's cost cap, in thousandths
-            m.add(sum(int(round(costs_a[p] * 1000)) * x[i][p] for i in range(n) for p in range(P)) <= int(cost_cap * 1000 + 1e-6))
+            m.add(
+                sum(int(round(costs_a[p] * 1000)) * x[i][p] for i in range(n) for p in range(P))
+                <= int(cost_cap * 1000 + 1e-6)
+            )
         level = [sum(int(w[i, p]) * x[i][p] for p in range(P)) for i in range(n)]
         for i in range(n):  # (c)
             m.add(level[i] >= z)
@@ -107,7 +119,10 @@ def place(mu: Sequence[Sequence[float]] | FloatArray, q: Sequence[float] | Float
     model, x, z = build(None)
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise PlanInfeasible("no placement fits the pools' capacities and the balance limit; raise capacity or the balance", field="pools")
+        raise PlanInfeasible(
+            "no placement fits the pools' capacities and the balance limit; raise capacity or the balance",
+            field="pools",
+        )
     optimal = status == cp_model.OPTIMAL
     best_z = int(solver.value(z))
     model, x, z = build(best_z)
@@ -118,8 +133,13 @@ def place(mu: Sequence[Sequence[float]] | FloatArray, q: Sequence[float] | Float
     return Placement(reps, goodput, float((reps.sum(axis=0) * costs_a).sum()), optimal)
 
 
-def exhaustive(mu: Sequence[Sequence[float]], q: Sequence[float], caps: Sequence[int], costs: Sequence[float],
-               balance: float | None = None) -> float:
+def exhaustive(
+    mu: Sequence[Sequence[float]],
+    q: Sequence[float],
+    caps: Sequence[int],
+    costs: Sequence[float],
+    balance: float | None = None,
+) -> float:
     """The best goodput over every placement (tests; balance checked on the same scaled units)."""
     from itertools import product
 

@@ -31,7 +31,9 @@ def ideal_bucket(length: int, buckets: Sequence[int]) -> int:
     return i if i < len(buckets) else -1
 
 
-def choose_bucket(length: int, buckets: Sequence[int], load: Sequence[float], params: QueueParams = QueueParams()) -> int:
+def choose_bucket(
+    length: int, buckets: Sequence[int], load: Sequence[float], params: QueueParams = QueueParams()
+) -> int:
     """Arlo Algorithm 1: index of the bucket runtime to dispatch to, or -1 if the input fits none.
 
     `load[i]` is bucket i's outstanding inputs divided by its capacity (a bucket with no capacity

@@ -170,7 +170,9 @@ class _Grid:
             self.shift[p] = tab
 
 
-def _run_dp(problem: E3Problem, grid: _Grid, goodput: float, s: int, track: bool = True) -> tuple[F32Array, list[_Layer], FloatArray]:
+def _run_dp(
+    problem: E3Problem, grid: _Grid, goodput: float, s: int, track: bool = True
+) -> tuple[F32Array, list[_Layer], FloatArray]:
     """Layers F[k][pos, f] = fewest value-pool replicas covering blocks < pos with k splits.
 
     With track=False only the final layer's values are kept (a feasibility probe, no argmins).
@@ -294,7 +296,9 @@ def _feasible_states(problem: E3Problem, grid: _Grid, final: F32Array) -> FloatA
     return costs
 
 
-def _reconstruct(problem: E3Problem, grid: _Grid, goodput: float, s: int, layers: list[_Layer], demand: FloatArray, f: int) -> E3Solution:
+def _reconstruct(
+    problem: E3Problem, grid: _Grid, goodput: float, s: int, layers: list[_Layer], demand: FloatArray, f: int
+) -> E3Solution:
     n = problem.n_blocks
     pos = n
     segs: list[Segment] = []
@@ -315,7 +319,9 @@ def _reconstruct(problem: E3Problem, grid: _Grid, goodput: float, s: int, layers
     return sol
 
 
-def _probe(problem: E3Problem, grid: _Grid, goodput: float, cheapest: bool = True, order: list[int] | None = None) -> E3Solution | None:
+def _probe(
+    problem: E3Problem, grid: _Grid, goodput: float, cheapest: bool = True, order: list[int] | None = None
+) -> E3Solution | None:
     """The cheapest plan reaching `goodput` over every split count (or, with cheapest=False, the
     first one found); None if there is none."""
     best: tuple[float, int, E3Solution] | None = None
@@ -378,7 +384,9 @@ def upper_bounds(problem: E3Problem) -> FloatArray:
     """
     load = problem.shares[None, None, None, None, :] * problem.sigma_in[None, None, :, None, None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        w = np.where(problem.rate > 0, load / np.where(problem.rate > 0, problem.rate, 1.0), np.inf).sum(axis=-1)  # (S, P, N, N)
+        w = np.where(problem.rate > 0, load / np.where(problem.rate > 0, problem.rate, 1.0), np.inf).sum(
+            axis=-1
+        )  # (S, P, N, N)
     out = np.zeros(problem.max_splits)
     n = problem.n_blocks
     ends_ok = np.ones(n, dtype=bool) if problem.cuts is None else np.append(problem.cuts.astype(bool), True)
@@ -510,13 +518,17 @@ def max_goodput(problem: E3Problem) -> E3Solution:
     probe records its least cost, so ties between split counts go to the cheapest.
     """
     search = _GoodputSearch(problem)
-    lead = search.race() or (search.order[0] if search.order else None)  # none feasible at any level: the most promising, from 0
+    lead = search.race() or (
+        search.order[0] if search.order else None
+    )  # none feasible at any level: the most promising, from 0
     if lead is not None:
         search.search(lead, [], gallop_up=False)
     lo = search.settle(lead)
     ties = [(c, s) for s, (g, c) in search.cost_at.items() if lo > 0 and g == lo]
     if not ties:
-        raise PlanInfeasible("no plan fits: not even one replica per split and bucket fits the caps, cost cap and SLO", field="spec")
+        raise PlanInfeasible(
+            "no plan fits: not even one replica per split and bucket fits the caps, cost cap and SLO", field="spec"
+        )
     _, s = min(ties)
     best = _probe(problem, search.grid, lo, order=[s])  # the cheapest plan at the optimum, with its argmins
     if best is None:  # cannot happen: lo was probed feasible for s
@@ -553,15 +565,16 @@ def exhaustive(problem: E3Problem, target: float | None = None) -> tuple[float, 
             bounds = list(zip([0, *[c + 1 for c in inner]], [*inner, n - 1]))
             for pools in itertools.product(range(P), repeat=s):
                 for g, c in _structure_frontier(problem, s, bounds, pools, target):
-                    if (target is None and (g > best[0] * (1 + 1e-9) or (g >= best[0] * (1 - 1e-9) and c < best[1]))) or (
-                        target is not None and c < best[1]
-                    ):
+                    if (
+                        target is None and (g > best[0] * (1 + 1e-9) or (g >= best[0] * (1 - 1e-9) and c < best[1]))
+                    ) or (target is not None and c < best[1]):
                         best = (g, c)
     return best
 
 
-def _structure_frontier(problem: E3Problem, s: int, bounds: list[tuple[int, int]], pools: tuple[int, ...],
-                        target: float | None) -> list[tuple[float, float]]:
+def _structure_frontier(
+    problem: E3Problem, s: int, bounds: list[tuple[int, int]], pools: tuple[int, ...], target: float | None
+) -> list[tuple[float, float]]:
     """(goodput, cost) of one structure at its largest feasible goodput, or at `target`."""
     rates = [problem.rate[s - 1, p, a, b] for (a, b), p in zip(bounds, pools)]
     if any(np.any(r <= 0) for r in rates):

@@ -33,7 +33,9 @@ def predict_ewma(history: np.ndarray, alpha: float = 0.5) -> float:
     return level
 
 
-def predict_arima(history: np.ndarray, order: tuple[int, int, int] = (1, 0, 0), min_points: int = 6, window: int = 12) -> float:
+def predict_arima(
+    history: np.ndarray, order: tuple[int, int, int] = (1, 0, 0), min_points: int = 6, window: int = 12
+) -> float:
     """ARIMA fitted on the last `window` points (statsmodels); EWMA when they are too few or flat to fit.
 
     The window keeps an old regime from pulling the forecast back after the workload switches."""
@@ -84,7 +86,9 @@ class Backtest:
     """Per forecast window: mean absolute error over the ramps."""
 
 
-def backtest(series: np.ndarray, predictors: Sequence[str] = ("constant", "ewma", "arima"), warmup: int = 3) -> list[Backtest]:
+def backtest(
+    series: np.ndarray, predictors: Sequence[str] = ("constant", "ewma", "arima"), warmup: int = 3
+) -> list[Backtest]:
     """One-step-ahead forecasts of windows warmup..T-1 from the windows before each."""
     series = np.atleast_2d(np.asarray(series, dtype=np.float64))
     out = []

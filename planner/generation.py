@@ -36,7 +36,6 @@ from typing import Any
 
 from exitplan.api.plan import Cell, Plan, Prediction, SplitPlan, even_ranges
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
-
 from exitplan.planner.errors import PlanInfeasible, PlanInvalid, PlannerError
 
 MAX_CANDIDATES = 200_000
@@ -68,35 +67,50 @@ class GenerationProfile:
         if any(not 0 <= b < n for b in list(self.head_ms) + list(self.decide_share)):
             raise GenerationPlanError(f"heads and shares must name blocks 0..{n - 1}", field="profile.head_ms")
         if n - 1 not in self.head_ms:
-            raise GenerationPlanError("the final head (after the last block) needs a time in head_ms", field="profile.head_ms")
+            raise GenerationPlanError(
+                "the final head (after the last block) needs a time in head_ms", field="profile.head_ms"
+            )
         total = sum(self.decide_share.values())
         if any(p < 0 for p in self.decide_share.values()) or not abs(total - 1.0) < 1e-6:
-            raise GenerationPlanError(f"decide_share must be non-negative and sum to 1 (sums to {total:.6f})",
-                                      field="profile.decide_share")
+            raise GenerationPlanError(
+                f"decide_share must be non-negative and sum to 1 (sums to {total:.6f})", field="profile.decide_share"
+            )
         if self.hop_ms < 0:
             raise GenerationPlanError(f"hop_ms must be >= 0, got {self.hop_ms}", field="profile.hop_ms")
         if not 0.0 <= self.recompute_ratio <= 10.0:
-            raise GenerationPlanError(f"recompute_ratio must be in [0, 10], got {self.recompute_ratio}",
-                                      field="profile.recompute_ratio")
+            raise GenerationPlanError(
+                f"recompute_ratio must be in [0, 10], got {self.recompute_ratio}", field="profile.recompute_ratio"
+            )
         return self
 
     def with_shares(self, decide_share: dict[int, float]) -> GenerationProfile:
-        return GenerationProfile(list(self.block_ms), dict(self.head_ms), dict(decide_share), self.hop_ms, self.recompute_ratio)
+        return GenerationProfile(
+            list(self.block_ms), dict(self.head_ms), dict(decide_share), self.hop_ms, self.recompute_ratio
+        )
 
     def dump(self) -> dict[str, object]:
-        return {"block_ms": list(self.block_ms), "head_ms": {str(k): v for k, v in self.head_ms.items()},
-                "decide_share": {str(k): v for k, v in self.decide_share.items()}, "hop_ms": self.hop_ms,
-                "recompute_ratio": self.recompute_ratio}
+        return {
+            "block_ms": list(self.block_ms),
+            "head_ms": {str(k): v for k, v in self.head_ms.items()},
+            "decide_share": {str(k): v for k, v in self.decide_share.items()},
+            "hop_ms": self.hop_ms,
+            "recompute_ratio": self.recompute_ratio,
+        }
 
     @classmethod
     def load(cls, data: dict[str, Any]) -> GenerationProfile:
         try:
-            return cls([float(t) for t in data["block_ms"]], {int(k): float(v) for k, v in data["head_ms"].items()},
-                       {int(k): float(v) for k, v in data["decide_share"].items()}, float(data.get("hop_ms", 0.0)),
-                       float(data.get("recompute_ratio", 0.0))).check()
+            return cls(
+                [float(t) for t in data["block_ms"]],
+                {int(k): float(v) for k, v in data["head_ms"].items()},
+                {int(k): float(v) for k, v in data["decide_share"].items()},
+                float(data.get("hop_ms", 0.0)),
+                float(data.get("recompute_ratio", 0.0)),
+            ).check()
         except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise GenerationPlanError(f"not a generation profile ({err}); expected block_ms, head_ms, decide_share, hop_ms",
-                                      field="profile") from err
+            raise GenerationPlanError(
+                f"not a generation profile ({err}); expected block_ms, head_ms, decide_share, hop_ms", field="profile"
+            ) from err
 
 
 @dataclass(frozen=True)
@@ -145,7 +159,7 @@ def evaluate(profile: GenerationProfile, splits: Sequence[tuple[int, int]]) -> S
             decision += share * elapsed
             undecided -= share
     hop = profile.hop_ms if len(splits) > 1 else 0.0
-    skipped = sum(share * sum(profile.block_ms[b + 1:]) for b, share in profile.decide_share.items())
+    skipped = sum(share * sum(profile.block_ms[b + 1 :]) for b, share in profile.decide_share.items())
     return SplitCandidate(tuple(splits), decision, max(work) + hop, profile.recompute_ratio * skipped)
 
 
@@ -157,8 +171,9 @@ def plan_splits(profile: GenerationProfile, stages: int) -> SplitSearch:
         raise GenerationPlanError(f"stages must be within 1..{n} (the model's blocks), got {stages}", field="stages")
     count = comb(n - 1, stages - 1)
     if count > MAX_CANDIDATES:
-        raise GenerationPlanError(f"{count} candidate splits of {n} blocks into {stages} stages; use fewer stages",
-                                  field="stages")
+        raise GenerationPlanError(
+            f"{count} candidate splits of {n} blocks into {stages} stages; use fewer stages", field="stages"
+        )
     candidates = []
     for cuts in itertools.combinations(range(1, n), stages - 1):
         bounds = (0, *cuts, n)
@@ -170,7 +185,9 @@ def plan_splits(profile: GenerationProfile, stages: int) -> SplitSearch:
 def even_splits(n_blocks: int, stages: int) -> list[tuple[int, int]]:
     """Contiguous block ranges of near-equal size (the first stages take the extra blocks)."""
     if not 1 <= stages <= n_blocks:
-        raise GenerationPlanError(f"stages must be within 1..{n_blocks} (the model's blocks), got {stages}", field="stages")
+        raise GenerationPlanError(
+            f"stages must be within 1..{n_blocks} (the model's blocks), got {stages}", field="stages"
+        )
     return even_ranges(n_blocks, stages)
 
 
@@ -188,17 +205,24 @@ class ThresholdPoint:
     """Share of positions each head (by the block it follows) decides."""
 
     def dump(self) -> dict[str, object]:
-        return {"threshold": self.threshold, "disagreement": self.disagreement,
-                "decide_share": {str(k): v for k, v in self.decide_share.items()}}
+        return {
+            "threshold": self.threshold,
+            "disagreement": self.disagreement,
+            "decide_share": {str(k): v for k, v in self.decide_share.items()},
+        }
 
     @classmethod
     def load(cls, data: dict[str, Any]) -> ThresholdPoint:
         try:
-            return cls(float(data["threshold"]), float(data["disagreement"]),
-                       {int(k): float(v) for k, v in data["decide_share"].items()})
+            return cls(
+                float(data["threshold"]),
+                float(data["disagreement"]),
+                {int(k): float(v) for k, v in data["decide_share"].items()},
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise GenerationPlanError(f"not a threshold point ({err}); expected threshold, disagreement, decide_share",
-                                      field="thresholds") from err
+            raise GenerationPlanError(
+                f"not a threshold point ({err}); expected threshold, disagreement, decide_share", field="thresholds"
+            ) from err
 
 
 def choose_threshold(points: Sequence[ThresholdPoint], budget: float) -> ThresholdPoint:
@@ -240,8 +264,12 @@ class GenerationPlanResult:
     def verify(self, n_blocks: int) -> None:
         splits = self.plan.splits
         if splits[0].first_block != 0 or splits[-1].last_block != n_blocks - 1:
-            raise PlanInvalid(f"splits {[(s.first_block, s.last_block) for s in splits]} do not cover blocks 0..{n_blocks - 1}")
-        if sorted(c.split for c in self.plan.cells) != list(range(len(splits))) or any(c.replicas != 1 for c in self.plan.cells):
+            raise PlanInvalid(
+                f"splits {[(s.first_block, s.last_block) for s in splits]} do not cover blocks 0..{n_blocks - 1}"
+            )
+        if sorted(c.split for c in self.plan.cells) != list(range(len(splits))) or any(
+            c.replicas != 1 for c in self.plan.cells
+        ):
             raise PlanInvalid("a generation plan runs exactly one replica of every stage")
         if self.mode != ("recompute" if len(splits) == 1 else "pipeline"):
             raise PlanInvalid(f"mode {self.mode} does not match {len(splits)} split(s)")
@@ -283,8 +311,11 @@ def plan_generation(
     if limit < 1:
         raise PlanInfeasible("the service's pools have no capacity for a single stage", field="spec.pools")
     if stages is not None and not 1 <= stages <= limit:
-        raise PlanInfeasible(f"{stages} stages asked, but at most {limit} fit (blocks {n_blocks}, maxSplits "
-                             f"{spec.planner.max_splits}, pool capacity)", field="stages")
+        raise PlanInfeasible(
+            f"{stages} stages asked, but at most {limit} fit (blocks {n_blocks}, maxSplits "
+            f"{spec.planner.max_splits}, pool capacity)",
+            field="stages",
+        )
     chosen = choose_threshold(thresholds, spec.accuracy.max_drop) if thresholds else None
     threshold = chosen.threshold if chosen else NEVER_EXIT
     note, predicted, ranked = "", None, []
@@ -292,10 +323,13 @@ def plan_generation(
         shares = chosen.decide_share if chosen is not None and chosen.decide_share else {n_blocks - 1: 1.0}
         profile = profile.with_shares(shares).check()
         if len(profile.block_ms) != n_blocks:
-            raise GenerationPlanError(f"the profile has {len(profile.block_ms)} blocks, the bundle {n_blocks}", field="profile")
+            raise GenerationPlanError(
+                f"the profile has {len(profile.block_ms)} blocks, the bundle {n_blocks}", field="profile"
+            )
         counts = [stages] if stages is not None else range(1, limit + 1)
-        ranked = sorted((plan_splits(profile, s).best for s in counts),
-                        key=lambda c: (c.time_per_token_ms, len(c.splits)))
+        ranked = sorted(
+            (plan_splits(profile, s).best for s in counts), key=lambda c: (c.time_per_token_ms, len(c.splits))
+        )
         best = ranked[0]
         ranges, predicted = list(best.splits), best.time_per_token_ms
     else:
@@ -308,12 +342,18 @@ def plan_generation(
         cells.append(Cell(split=index, bucket=max_context, pool=pool, replicas=1, batch_size=1))
     cost = sum(pools[c.pool].cost_per_hour for c in cells)
     plan = Plan(
-        service=service, model=spec.model.name,
+        service=service,
+        model=spec.model.name,
         splits=[SplitPlan(index=i, first_block=a, last_block=b) for i, (a, b) in enumerate(ranges)],
-        buckets=[max_context], cells=cells, thresholds={name: threshold for name in exit_ramps},
-        prediction=Prediction(cost_per_hour=cost), reason=reason,
+        buckets=[max_context],
+        cells=cells,
+        thresholds={name: threshold for name in exit_ramps},
+        prediction=Prediction(cost_per_hour=cost),
+        reason=reason,
     )
-    result = GenerationPlanResult(plan, "recompute" if len(ranges) == 1 else "pipeline", threshold, predicted, note, ranked)
+    result = GenerationPlanResult(
+        plan, "recompute" if len(ranges) == 1 else "pipeline", threshold, predicted, note, ranked
+    )
     result.verify(n_blocks)
     return result
 
@@ -326,7 +366,9 @@ def _placement(spec: EarlyExitServiceSpec, pools: dict[str, GPUPoolSpec], stages
         room = min(pool.capacity, ref.max_gpus) if ref.max_gpus is not None else pool.capacity
         out += [ref.name] * min(room, stages - len(out))
     if len(out) < stages:
-        raise PlanInfeasible(f"{stages} stages need {stages} accelerators; the pools hold {len(out)}", field="spec.pools")
+        raise PlanInfeasible(
+            f"{stages} stages need {stages} accelerators; the pools hold {len(out)}", field="spec.pools"
+        )
     return out
 
 
@@ -349,5 +391,6 @@ def read_measurements(path: str | Path) -> tuple[GenerationProfile, list[Thresho
     except (OSError, ValueError, KeyError, TypeError) as err:
         if isinstance(err, GenerationPlanError):
             raise
-        raise GenerationPlanError(f"{path}: not a generation measurements file ({err}); measure with `exitplan up`",
-                                  field="profile") from err
+        raise GenerationPlanError(
+            f"{path}: not a generation measurements file ({err}); measure with `exitplan up`", field="profile"
+        ) from err

@@ -13,7 +13,6 @@ import numpy as np
 
 from exitplan.api.observations import Observations
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec
-
 from exitplan.planner import buckets as bk
 from exitplan.planner.costmodel import CostModel, survival_before_blocks
 from exitplan.planner.errors import PlanInfeasible, ProfileError, SpecError
@@ -57,20 +56,30 @@ class Inputs:
 def _check_spec(spec: EarlyExitServiceSpec) -> None:
     # The pydantic model checks these on construction; specs built with model_construct() skip it.
     if not 0.0 <= spec.accuracy.max_drop < 1.0:
-        raise SpecError(f"the accuracy budget must lie in [0, 1), got {spec.accuracy.max_drop}", field="spec.accuracy.maxDrop")
+        raise SpecError(
+            f"the accuracy budget must lie in [0, 1), got {spec.accuracy.max_drop}", field="spec.accuracy.maxDrop"
+        )
     if not spec.slo.latency_ms > 0:
         raise SpecError(f"the SLO must be > 0 ms, got {spec.slo.latency_ms}", field="spec.slo.latencyMs")
     if not 0 <= spec.slo.slack_ms < spec.slo.latency_ms:
-        raise SpecError(f"slack {spec.slo.slack_ms} ms must be >= 0 and below the SLO {spec.slo.latency_ms} ms", field="spec.slo.slackMs")
+        raise SpecError(
+            f"slack {spec.slo.slack_ms} ms must be >= 0 and below the SLO {spec.slo.latency_ms} ms",
+            field="spec.slo.slackMs",
+        )
     if not spec.pools:
         raise SpecError("the service names no pools", field="spec.pools")
 
 
-def _resolve_pools(spec: EarlyExitServiceSpec, pools: Mapping[str, GPUPoolSpec]) -> tuple[list[str], np.ndarray, np.ndarray]:
+def _resolve_pools(
+    spec: EarlyExitServiceSpec, pools: Mapping[str, GPUPoolSpec]
+) -> tuple[list[str], np.ndarray, np.ndarray]:
     names, caps, costs = [], [], []
     for i, ref in enumerate(spec.pools):
         if ref.name not in pools:
-            raise SpecError(f"GPUPool {ref.name!r} does not exist (known: {sorted(pools)}); create it or remove it from spec.pools", field=f"spec.pools[{i}].name")
+            raise SpecError(
+                f"GPUPool {ref.name!r} does not exist (known: {sorted(pools)}); create it or remove it from spec.pools",
+                field=f"spec.pools[{i}].name",
+            )
         pool = pools[ref.name]
         cap = pool.capacity if ref.max_gpus is None else min(pool.capacity, ref.max_gpus)
         if cap < 0 or pool.cost_per_hour < 0:
@@ -86,7 +95,12 @@ def _resolve_pools(spec: EarlyExitServiceSpec, pools: Mapping[str, GPUPoolSpec])
     return names, np.asarray(caps, dtype=np.int64), np.asarray(costs)
 
 
-def _cost_models(spec: EarlyExitServiceSpec, names: list[str], pools: Mapping[str, GPUPoolSpec], profiles: Mapping[str, ModelProfileSpec]) -> list[CostModel]:
+def _cost_models(
+    spec: EarlyExitServiceSpec,
+    names: list[str],
+    pools: Mapping[str, GPUPoolSpec],
+    profiles: Mapping[str, ModelProfileSpec],
+) -> list[CostModel]:
     models = []
     for name in names:
         if name not in profiles:
@@ -99,9 +113,15 @@ def _cost_models(spec: EarlyExitServiceSpec, names: list[str], pools: Mapping[st
     for m in models[1:]:
         p = m.profile
         if len(p.blocks) != len(ref.blocks):
-            raise ProfileError(f"pool {m.pool_name}'s profile has {len(p.blocks)} blocks, pool {names[0]}'s has {len(ref.blocks)}", field=f"profiles[{m.pool_name}].blocks")
+            raise ProfileError(
+                f"pool {m.pool_name}'s profile has {len(p.blocks)} blocks, pool {names[0]}'s has {len(ref.blocks)}",
+                field=f"profiles[{m.pool_name}].blocks",
+            )
         if [(r.name, r.after_block) for r in p.ramps] != [(r.name, r.after_block) for r in ref.ramps]:
-            raise ProfileError(f"pool {m.pool_name}'s profile lists other ramps than pool {names[0]}'s", field=f"profiles[{m.pool_name}].ramps")
+            raise ProfileError(
+                f"pool {m.pool_name}'s profile lists other ramps than pool {names[0]}'s",
+                field=f"profiles[{m.pool_name}].ramps",
+            )
     return models
 
 
@@ -113,7 +133,13 @@ def _windows(observations: Observations | Sequence[Observations] | None) -> list
     return list(observations)
 
 
-def _survival(ref: ModelProfileSpec, thresholds: Mapping[str, float] | None, windows: list[Observations], forecaster: str, notes: list[str]) -> tuple[list[float], list[bool]]:
+def _survival(
+    ref: ModelProfileSpec,
+    thresholds: Mapping[str, float] | None,
+    windows: list[Observations],
+    forecaster: str,
+    notes: list[str],
+) -> tuple[list[float], list[bool]]:
     names = [r.name for r in ref.ramps]
     base = list(ref.survival) if ref.survival else [1.0] * len(names)
     if not ref.survival and names:
@@ -125,13 +151,17 @@ def _survival(ref: ModelProfileSpec, thresholds: Mapping[str, float] | None, win
             series.append([lookup.get(n, base[i]) for i, n in enumerate(names)])
     if series and names:
         base = list(forecast_survival(np.asarray(series), forecaster if len(series) > 1 else "constant"))
-        notes.append(f"survival forecast ({forecaster if len(series) > 1 else 'last window'}) from {len(series)} observation window(s)")
+        notes.append(
+            f"survival forecast ({forecaster if len(series) > 1 else 'last window'}) from {len(series)} observation window(s)"
+        )
     if thresholds is None:
         enabled = [True] * len(names)
     else:
         unknown = sorted(set(thresholds) - set(names))
         if unknown:
-            raise SpecError(f"thresholds name ramps the model does not have: {unknown} (ramps: {names})", field="thresholds")
+            raise SpecError(
+                f"thresholds name ramps the model does not have: {unknown} (ramps: {names})", field="thresholds"
+            )
         for n, t in thresholds.items():
             if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
                 raise SpecError(f"threshold of ramp {n!r} must be a number >= 0, got {t!r}", field=f"thresholds[{n}]")
@@ -145,7 +175,13 @@ def _survival(ref: ModelProfileSpec, thresholds: Mapping[str, float] | None, win
     return out, enabled
 
 
-def _lengths(spec: EarlyExitServiceSpec, ref: ModelProfileSpec, windows: list[Observations], lengths: Sequence[int] | None, notes: list[str]) -> tuple[list[int], np.ndarray, bool]:
+def _lengths(
+    spec: EarlyExitServiceSpec,
+    ref: ModelProfileSpec,
+    windows: list[Observations],
+    lengths: Sequence[int] | None,
+    notes: list[str],
+) -> tuple[list[int], np.ndarray, bool]:
     fixed = bool(spec.workload.length_buckets)
     grid = list(spec.workload.length_buckets) if fixed else list(ref.seq_lens)
     latest = next((w for w in reversed(windows) if w.length_histogram and sum(w.length_histogram) > 0), None)
@@ -163,9 +199,16 @@ def _lengths(spec: EarlyExitServiceSpec, ref: ModelProfileSpec, windows: list[Ob
     return grid, mass, fixed
 
 
-def resolve_inputs(spec: EarlyExitServiceSpec, pools: Mapping[str, GPUPoolSpec], profiles: Mapping[str, ModelProfileSpec], *,
-                   thresholds: Mapping[str, float] | None = None, observations: Observations | Sequence[Observations] | None = None,
-                   lengths: Sequence[int] | None = None, forecaster: str = "arima") -> Inputs:
+def resolve_inputs(
+    spec: EarlyExitServiceSpec,
+    pools: Mapping[str, GPUPoolSpec],
+    profiles: Mapping[str, ModelProfileSpec],
+    *,
+    thresholds: Mapping[str, float] | None = None,
+    observations: Observations | Sequence[Observations] | None = None,
+    lengths: Sequence[int] | None = None,
+    forecaster: str = "arima",
+) -> Inputs:
     _check_spec(spec)
     notes: list[str] = []
     names, caps, costs = _resolve_pools(spec, pools)
@@ -181,5 +224,19 @@ def resolve_inputs(spec: EarlyExitServiceSpec, pools: Mapping[str, GPUPoolSpec],
             field="spec.planner.costCapPerHour",
         )
     budget = spec.slo.latency_ms - spec.slo.slack_ms
-    return Inputs(names, caps, costs, models, [r.name for r in ref.ramps], [r.after_block for r in ref.ramps], survival, enabled,
-                  budget, grid, mass, fixed, cost_cap, notes)
+    return Inputs(
+        names,
+        caps,
+        costs,
+        models,
+        [r.name for r in ref.ramps],
+        [r.after_block for r in ref.ramps],
+        survival,
+        enabled,
+        budget,
+        grid,
+        mass,
+        fixed,
+        cost_cap,
+        notes,
+    )

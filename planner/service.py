@@ -24,12 +24,11 @@ import numpy as np
 from exitplan.api.observations import Observations
 from exitplan.api.plan import Cell, Plan, Prediction, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec, Objective
-
 from exitplan.planner import buckets as bk
-from exitplan.planner.inputs import Inputs, _windows, resolve_inputs
 from exitplan.planner.densepipe import Placement, place
 from exitplan.planner.e3 import E3Problem, E3Solution, max_goodput, min_cost
 from exitplan.planner.errors import PlanInfeasible, PlanInvalid
+from exitplan.planner.inputs import Inputs, _windows, resolve_inputs
 
 MAX_BUCKETS = 6
 
@@ -40,6 +39,7 @@ def cycles(splits: int) -> int:
     and then runs one. (The synchronous-pipeline count, splits + 1, proved optimistic in the
     simulator once several stages each wait for their own batches.)"""
     return 2 * splits
+
 
 HYSTERESIS = 0.05
 """A re-plan keeps the previous layout (splits, buckets, pools) when it reaches this close to the optimum."""
@@ -71,7 +71,9 @@ class PlanResult:
         out: list[str] = []
         n = inp.n_blocks
         if plan.splits[0].first_block != 0 or plan.splits[-1].last_block != n - 1:
-            out.append(f"splits cover blocks {plan.splits[0].first_block}..{plan.splits[-1].last_block}, not 0..{n - 1}")
+            out.append(
+                f"splits cover blocks {plan.splits[0].first_block}..{plan.splits[-1].last_block}, not 0..{n - 1}"
+            )
         reps: dict[tuple[int, int], int] = {}
         per_pool = dict.fromkeys(inp.pool_names, 0)
         for c in plan.cells:
@@ -88,7 +90,9 @@ class PlanResult:
         for s in plan.splits:
             for b in plan.buckets:
                 if reps.get((s.index, b), 0) < 1:
-                    out.append(f"split {s.index} has no replica for bucket {b}: requests of that bucket could not pass it")
+                    out.append(
+                        f"split {s.index} has no replica for bucket {b}: requests of that bucket could not pass it"
+                    )
         for name, cap in zip(inp.pool_names, inp.caps):
             if per_pool[name] > cap:
                 out.append(f"pool {name}: {per_pool[name]} replicas exceed the cap {cap}")
@@ -106,10 +110,15 @@ class PlanResult:
             out.append(f"predicted p99 {plan.prediction.p99_ms:.3f} ms exceeds the SLO budget {inp.budget_ms:.3f} ms")
         if isinstance(self.problem, PlanProblem):
             for s in plan.splits:
-                sized = {self.problem.rebatches(len(plan.splits), inp.pool_names.index(c.pool), s.first_block, s.last_block)
-                         for c in plan.cells if c.split == s.index and c.pool in inp.pool_names}
+                sized = {
+                    self.problem.rebatches(len(plan.splits), inp.pool_names.index(c.pool), s.first_block, s.last_block)
+                    for c in plan.cells
+                    if c.split == s.index and c.pool in inp.pool_names
+                }
                 if sized and sized != {s.rebatch}:
-                    out.append(f"split {s.index} is marked rebatch={s.rebatch}, but its cells were sized with rebatch={sorted(sized)}")
+                    out.append(
+                        f"split {s.index} is marked rebatch={s.rebatch}, but its cells were sized with rebatch={sorted(sized)}"
+                    )
         unknown = set(plan.thresholds) - set(inp.ramp_names)
         if unknown:
             out.append(f"thresholds name unknown ramps {sorted(unknown)}")
@@ -142,7 +151,9 @@ class PlanProblem(E3Problem):
         return bool(self.rebatch is not None and self.rebatch[splits - 1, pool, first, last])
 
 
-def _options(inp: Inputs, bucket_set: Sequence[int], S: int, rebatch: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _options(
+    inp: Inputs, bucket_set: Sequence[int], S: int, rebatch: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """rate, batch and stage time of every (splits, pool, first, last, bucket) option, splits rebatching or not."""
     n, P, K = inp.n_blocks, len(inp.pool_names), len(bucket_set)
     sigma = inp.sigma()
@@ -153,18 +164,34 @@ def _options(inp: Inputs, bucket_set: Sequence[int], S: int, rebatch: bool) -> t
     for p, model in enumerate(inp.models):
         sizes = np.asarray(model.profile.batch_sizes, dtype=np.float64)
         for k, length in enumerate(bucket_set):
-            tables = model.stage_tables(sizes, length, sigma, ramps_on, rebatch=rebatch)  # (nB, n, n): the bound, for the cycle
+            tables = model.stage_tables(
+                sizes, length, sigma, ramps_on, rebatch=rebatch
+            )  # (nB, n, n): the bound, for the cycle
             # the mean time a batch holds its replica (survivors forwarded beside the next batch), for throughput
             # (with rebatching it depends on the cycle: an inner block's queue launches at the latest every cycle)
-            plain_mean = None if rebatch else model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False)
-            mem = np.stack([[[model.replica_bytes(a, b, bsz, length, rebatch=rebatch) if b >= a else np.inf for b in range(n)] for a in range(n)]
-                            for bsz in sizes])
+            plain_mean = (
+                None if rebatch else model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False)
+            )
+            mem = np.stack(
+                [
+                    [
+                        [
+                            model.replica_bytes(a, b, bsz, length, rebatch=rebatch) if b >= a else np.inf
+                            for b in range(n)
+                        ]
+                        for a in range(n)
+                    ]
+                    for bsz in sizes
+                ]
+            )
             fits = mem <= model.pool.memory_bytes
             for s in range(1, S + 1):
                 cycle = inp.budget_ms / cycles(s)
                 mean = plain_mean
                 if mean is None:  # rebatching: at this cycle
-                    mean = model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False, rebatch=True, fill_ms=cycle)
+                    mean = model.stage_tables(
+                        sizes, length, sigma, ramps_on, expected=True, transfer=False, rebatch=True, fill_ms=cycle
+                    )
                 ok = fits & (tables <= cycle) & np.isfinite(tables) & np.isfinite(mean)
                 with np.errstate(divide="ignore", invalid="ignore"):
                     thr = np.where(ok, sizes[:, None, None] / np.where(mean > 0, mean, 1e-9) * 1e3, 0.0)
@@ -175,8 +202,13 @@ def _options(inp: Inputs, bucket_set: Sequence[int], S: int, rebatch: bool) -> t
     return rate, batch, stage
 
 
-def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layout: tuple[list[tuple[int, int]], list[int]] | None = None,
-                  rebatch: bool = False) -> PlanProblem:
+def build_problem(
+    inp: Inputs,
+    bucket_set: Sequence[int],
+    max_splits: int,
+    layout: tuple[list[tuple[int, int]], list[int]] | None = None,
+    rebatch: bool = False,
+) -> PlanProblem:
     """Rates of every (splits, pool, first, last, bucket) option under the cycle and memory limits.
 
     `layout` = (segments, pool per segment) restricts the problem to one layout (the previous plan's).
@@ -192,7 +224,11 @@ def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layou
         rb_rate, rb_batch, rb_stage = _options(inp, bucket_set, S, True)
         chosen = np.all(rb_rate >= rate, axis=4) & np.any(rb_rate > 0, axis=4)  # (S, P, n, n)
         pick = chosen[..., None]
-        rate, batch, stage = np.where(pick, rb_rate, rate), np.where(pick, rb_batch, batch), np.where(pick, rb_stage, stage)
+        rate, batch, stage = (
+            np.where(pick, rb_rate, rate),
+            np.where(pick, rb_batch, batch),
+            np.where(pick, rb_stage, stage),
+        )
     if layout is not None:
         keep = np.zeros_like(rate, dtype=bool)
         for (a, b), p in zip(*layout):
@@ -200,8 +236,19 @@ def build_problem(inp: Inputs, bucket_set: Sequence[int], max_splits: int, layou
         # Fewer splits than the layout's are not this layout.
         rate = np.where(keep, rate, 0.0)
     shares = bk.shares(inp.grid, inp.mass, bucket_set)
-    return PlanProblem(n, list(inp.pool_names), inp.caps.copy(), inp.costs.copy(), shares, inp.sigma()[:n].copy(), rate, batch, stage,
-                       inp.cost_cap, rebatch=chosen)
+    return PlanProblem(
+        n,
+        list(inp.pool_names),
+        inp.caps.copy(),
+        inp.costs.copy(),
+        shares,
+        inp.sigma()[:n].copy(),
+        rate,
+        batch,
+        stage,
+        inp.cost_cap,
+        rebatch=chosen,
+    )
 
 
 def _diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int) -> PlanInfeasible:
@@ -234,7 +281,10 @@ def _diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int) -> PlanIn
         )
     mem_ok = any(m.replica_bytes(a, a, 1, top) <= m.pool.memory_bytes for m in inp.models for a in range(m.n_blocks))
     if not mem_ok:
-        return PlanInfeasible("no single block fits the memory of any pool (GPUPool memoryBytes); use pools with more memory", field="pools.memoryBytes")
+        return PlanInfeasible(
+            "no single block fits the memory of any pool (GPUPool memoryBytes); use pools with more memory",
+            field="pools.memoryBytes",
+        )
     return PlanInfeasible(
         f"no plan fits {len(bucket_set)} bucket(s) x at least one split within the pools' caps {dict(zip(inp.pool_names, inp.caps.tolist()))}"
         + (f" and the cost cap {inp.cost_cap:g}/h" if inp.cost_cap is not None else "")
@@ -275,8 +325,17 @@ def _fill_spare(problem: E3Problem, sol: E3Solution) -> None:
     sol.goodput = min(problem.split_goodput(sol.splits, g.pool, g.first, g.last, g.replicas) for g in sol.segments)
 
 
-def _to_plan(service: str, spec: EarlyExitServiceSpec, inp: Inputs, bucket_set: list[int], problem: E3Problem, sol: E3Solution,
-             thresholds: Mapping[str, float], reason: str, placement: Placement | None = None) -> tuple[Plan, float, dict[tuple[int, int], float]]:
+def _to_plan(
+    service: str,
+    spec: EarlyExitServiceSpec,
+    inp: Inputs,
+    bucket_set: list[int],
+    problem: E3Problem,
+    sol: E3Solution,
+    thresholds: Mapping[str, float],
+    reason: str,
+    placement: Placement | None = None,
+) -> tuple[Plan, float, dict[tuple[int, int], float]]:
     s = sol.splits
     cycle = inp.budget_ms / cycles(s)
     splits: list[SplitPlan] = []
@@ -291,22 +350,40 @@ def _to_plan(service: str, spec: EarlyExitServiceSpec, inp: Inputs, bucket_set: 
             else:
                 per_pool = [(seg.pool, int(seg.replicas[k]))] if seg.replicas[k] > 0 else []
             for p, reps in per_pool:
-                cells.append(Cell(split=i, bucket=int(length), pool=inp.pool_names[p], replicas=reps,
-                                  batch_size=int(problem.batch[s - 1, p, seg.first, seg.last, k])))
+                cells.append(
+                    Cell(
+                        split=i,
+                        bucket=int(length),
+                        pool=inp.pool_names[p],
+                        replicas=reps,
+                        batch_size=int(problem.batch[s - 1, p, seg.first, seg.last, k]),
+                    )
+                )
                 ms = float(problem.stage_ms[s - 1, p, seg.first, seg.last, k])
                 stage[(i, int(length))] = max(stage.get((i, int(length)), 0.0), ms)
     slowest = max(stage.values())
     goodput = sol.goodput if math.isfinite(sol.goodput) else 0.0
     if placement is not None:
-        goodput, sol = placement.goodput, E3Solution(sol.splits, sol.segments, placement.goodput, placement.cost, sol.probes)
+        goodput, sol = (
+            placement.goodput,
+            E3Solution(sol.splits, sol.segments, placement.goodput, placement.cost, sol.probes),
+        )
     plan = Plan(
-        service=service, model=spec.model.name, splits=splits, buckets=[int(b) for b in bucket_set], cells=cells,
-        thresholds={k: float(v) for k, v in thresholds.items()}, survival=[float(x) for x in inp.survival],
+        service=service,
+        model=spec.model.name,
+        splits=splits,
+        buckets=[int(b) for b in bucket_set],
+        cells=cells,
+        thresholds={k: float(v) for k, v in thresholds.items()},
+        survival=[float(x) for x in inp.survival],
         length_histogram=[float(x) for x in problem.shares],
         # a rebatching split's inner queues hold rows until a batch gathers or their deadline rule
         # fires, so with one the bound is the budget itself (the simulator reads ~95 ms of 100 at capacity)
-        prediction=Prediction(goodput_rps=float(goodput), p99_ms=float(inp.budget_ms if any(x.rebatch for x in splits) else cycles(s) * slowest),
-                              cost_per_hour=float(sol.cost)),
+        prediction=Prediction(
+            goodput_rps=float(goodput),
+            p99_ms=float(inp.budget_ms if any(x.rebatch for x in splits) else cycles(s) * slowest),
+            cost_per_hour=float(sol.cost),
+        ),
         reason=reason,
     )
     return plan, cycle, stage
@@ -333,6 +410,7 @@ class PlanChange:
 
 def plan_change(previous: Plan | None, plan: Plan) -> PlanChange:
     """Per cell (split layout, bucket, pool): replicas kept, added and removed between two plans."""
+
     def key_map(p: Plan) -> dict[tuple[tuple[int, int], int, str, int], int]:
         layout = {s.index: (s.first_block, s.last_block) for s in p.splits}
         out: dict[tuple[tuple[int, int], int, str, int], int] = {}
@@ -365,10 +443,20 @@ def _densepipe(problem: E3Problem, sol: E3Solution) -> Placement | None:
     only when it beats E3's one-pool-per-split replicas."""
     s = sol.splits
     # a pool joins a split only where it would run it the same way (rebatching or not) as the split's own pool
-    same = [[not isinstance(problem, PlanProblem) or problem.rebatches(s, p, g.first, g.last) == problem.rebatches(s, g.pool, g.first, g.last)
-             for p in range(len(problem.caps))] for g in sol.segments]
-    mu = np.asarray([[problem.rate[s - 1, p, g.first, g.last, 0] if same[i][p] else 0.0 for p in range(len(problem.caps))]
-                     for i, g in enumerate(sol.segments)])
+    same = [
+        [
+            not isinstance(problem, PlanProblem)
+            or problem.rebatches(s, p, g.first, g.last) == problem.rebatches(s, g.pool, g.first, g.last)
+            for p in range(len(problem.caps))
+        ]
+        for g in sol.segments
+    ]
+    mu = np.asarray(
+        [
+            [problem.rate[s - 1, p, g.first, g.last, 0] if same[i][p] else 0.0 for p in range(len(problem.caps))]
+            for i, g in enumerate(sol.segments)
+        ]
+    )
     q = np.asarray([problem.sigma_in[g.first] for g in sol.segments])
     if np.any(q <= 0):
         return None
@@ -392,15 +480,18 @@ _Choice = tuple[list[int], PlanProblem, E3Solution]
 """A bucket set, the problem built for it and the solver's solution."""
 
 
-def _default_thresholds(observations: Observations | Sequence[Observations] | None, previous: Plan | None,
-                        inp: Inputs) -> Mapping[str, float]:
+def _default_thresholds(
+    observations: Observations | Sequence[Observations] | None, previous: Plan | None, inp: Inputs
+) -> Mapping[str, float]:
     """The thresholds a plan names when the caller gives none: the latest observation window's, else the
     previous plan's, else none."""
     windows = _windows(observations)
     latest = windows[-1].thresholds if windows and windows[-1].thresholds else None
     thresholds = latest or (previous.thresholds if previous else None) or {}
     if not thresholds and inp.ramp_names:
-        inp.notes.append("no thresholds given: the plan names none, so the data plane exits nowhere until thresholds are set")
+        inp.notes.append(
+            "no thresholds given: the plan names none, so the data plane exits nowhere until thresholds are set"
+        )
     return thresholds
 
 
@@ -417,11 +508,14 @@ def _bucket_sets(inp: Inputs) -> dict[int, list[int]]:
     candidates = [c for c in candidates if c == inp.grid[-1] or any(u <= c for u in useful)]
     limit = min(MAX_BUCKETS, int(inp.caps.sum()))
     sets = bk.best_bucket_sets(inp.grid, inp.mass, per_input, candidates, limit)
-    return {m: b for m, b in sets.items() if all(inp.mass[inp.grid.index(x)] > 0 or x == inp.grid[-1] for x in b) or m == 1}
+    return {
+        m: b for m, b in sets.items() if all(inp.mass[inp.grid.index(x)] > 0 or x == inp.grid[-1] for x in b) or m == 1
+    }
 
 
-def _best_bucket_set(inp: Inputs, spec: EarlyExitServiceSpec, sets: dict[int, list[int]], max_splits: int,
-                     rebatch: bool) -> tuple[_Choice, list[dict[str, object]]]:
+def _best_bucket_set(
+    inp: Inputs, spec: EarlyExitServiceSpec, sets: dict[int, list[int]], max_splits: int, rebatch: bool
+) -> tuple[_Choice, list[dict[str, object]]]:
     """The best plan over the bucket sets (most goodput, or least cost for min-cost) and what each set gave.
 
     Raises the min-cost target's PlanInfeasible, or one naming the binding constraint, when no set has a plan."""
@@ -438,19 +532,30 @@ def _best_bucket_set(inp: Inputs, spec: EarlyExitServiceSpec, sets: dict[int, li
             continue
         tried.append({"buckets": bucket_set, "goodput": sol.goodput, "cost": sol.cost, "splits": sol.splits})
         better = chosen is None or (
-            sol.goodput > chosen[2].goodput * (1 + 1e-9) if spec.planner.objective == Objective.max_goodput else sol.cost < chosen[2].cost - 1e-9
+            sol.goodput > chosen[2].goodput * (1 + 1e-9)
+            if spec.planner.objective == Objective.max_goodput
+            else sol.cost < chosen[2].cost - 1e-9
         )
         if better:
             chosen = (bucket_set, problem, sol)
     if chosen is None:
         if last_error is not None and last_error.field == "spec.planner.targetRps":
             raise last_error
-        raise _diagnose(inp, min(sets.values(), key=len), max_splits)  # splits without rebatching are always among the options
+        raise _diagnose(
+            inp, min(sets.values(), key=len), max_splits
+        )  # splits without rebatching are always among the options
     return chosen, tried
 
 
-def _previous_if_close(previous: Plan, inp: Inputs, spec: EarlyExitServiceSpec, best: E3Solution, max_splits: int,
-                       rebatch: bool, keep_layout: bool) -> _Choice | None:
+def _previous_if_close(
+    previous: Plan,
+    inp: Inputs,
+    spec: EarlyExitServiceSpec,
+    best: E3Solution,
+    max_splits: int,
+    rebatch: bool,
+    keep_layout: bool,
+) -> _Choice | None:
     """The previous plan's buckets and layout, re-solved, when they still apply and reach within HYSTERESIS of
     `best` (or at all, with `keep_layout`); else None."""
     layout = _previous_layout(previous, inp)
@@ -462,8 +567,11 @@ def _previous_if_close(previous: Plan, inp: Inputs, spec: EarlyExitServiceSpec, 
         sol = _solve(problem, spec)
     except PlanInfeasible:
         return None
-    close = keep_layout or (sol.goodput >= (1 - HYSTERESIS) * best.goodput if spec.planner.objective == Objective.max_goodput
-                            else sol.cost <= (1 + HYSTERESIS) * best.cost)
+    close = keep_layout or (
+        sol.goodput >= (1 - HYSTERESIS) * best.goodput
+        if spec.planner.objective == Objective.max_goodput
+        else sol.cost <= (1 + HYSTERESIS) * best.cost
+    )
     return (prev_buckets, problem, sol) if close else None
 
 
@@ -493,7 +601,9 @@ def plan_service(
     """
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    inp = resolve_inputs(spec, pools, profiles, thresholds=thresholds, observations=observations, lengths=lengths, forecaster=forecaster)
+    inp = resolve_inputs(
+        spec, pools, profiles, thresholds=thresholds, observations=observations, lengths=lengths, forecaster=forecaster
+    )
     if thresholds is None:
         thresholds = _default_thresholds(observations, previous, inp)
     timings["inputs"] = time.perf_counter() - t0
@@ -518,13 +628,22 @@ def plan_service(
     t3 = time.perf_counter()
     bucket_set, problem, sol = chosen
     placement = None
-    if len(bucket_set) == 1 and len(inp.pool_names) > 1 and spec.planner.objective == Objective.max_goodput and not kept:
+    if (
+        len(bucket_set) == 1
+        and len(inp.pool_names) > 1
+        and spec.planner.objective == Objective.max_goodput
+        and not kept
+    ):
         placement = _densepipe(problem, sol)
         if placement is not None:
-            inp.notes.append(f"DensePipe placement spreads splits over pools: goodput {sol.goodput:.4g} -> {placement.goodput:.4g} req/s")
+            inp.notes.append(
+                f"DensePipe placement spreads splits over pools: goodput {sol.goodput:.4g} -> {placement.goodput:.4g} req/s"
+            )
     timings["densepipe"] = time.perf_counter() - t3
     t3 = time.perf_counter()
-    plan, cycle, stage = _to_plan(service_name, spec, inp, list(bucket_set), problem, sol, thresholds, reason, placement)
+    plan, cycle, stage = _to_plan(
+        service_name, spec, inp, list(bucket_set), problem, sol, thresholds, reason, placement
+    )
     timings["plan"] = time.perf_counter() - t3
     timings["total"] = time.perf_counter() - t0
     notes = list(dict.fromkeys(inp.notes + [n for m in inp.models for n in m.notes]))

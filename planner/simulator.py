@@ -57,7 +57,6 @@ import numpy as np
 import numpy.typing as npt
 
 from exitplan.api.plan import Plan
-
 from exitplan.planner.costmodel import CostModel, survival_before_blocks, survivor_pmf
 from exitplan.planner.dispatch import QueueParams, choose_bucket, choose_queue, least_loaded
 
@@ -113,10 +112,20 @@ class SimResult:
 
     def summary(self) -> dict[str, object]:
         return {
-            "config": self.name, "offered": self.offered, "answered": self.answered, "within_slo": self.within_slo,
-            "dropped": self.dropped, "violations": self.violations, "goodput_rps": self.goodput, "attainment": self.attainment,
-            "p50_ms": self.pct(50), "p98_ms": self.pct(98), "p99_ms": self.pct(99), "mean_ms": float(np.mean(self.latencies_ms)) if len(self.latencies_ms) else float("nan"),
-            "cost_per_hour": self.cost_per_hour, "mean_batch": self.mean_batch,
+            "config": self.name,
+            "offered": self.offered,
+            "answered": self.answered,
+            "within_slo": self.within_slo,
+            "dropped": self.dropped,
+            "violations": self.violations,
+            "goodput_rps": self.goodput,
+            "attainment": self.attainment,
+            "p50_ms": self.pct(50),
+            "p98_ms": self.pct(98),
+            "p99_ms": self.pct(99),
+            "mean_ms": float(np.mean(self.latencies_ms)) if len(self.latencies_ms) else float("nan"),
+            "cost_per_hour": self.cost_per_hour,
+            "mean_batch": self.mean_batch,
         }
 
 
@@ -125,8 +134,29 @@ _Queue = deque[tuple[int, float]]
 
 
 class _Worker:
-    __slots__ = ("split", "bucket", "length", "batch", "first", "last", "lat", "ramp_lat", "xfer", "queue", "running", "busy", "timer", "expect_ms",
-                 "mean_ms", "rest_ms", "batches", "rows", "stages", "stage_rest_ms", "held")
+    __slots__ = (
+        "split",
+        "bucket",
+        "length",
+        "batch",
+        "first",
+        "last",
+        "lat",
+        "ramp_lat",
+        "xfer",
+        "queue",
+        "running",
+        "busy",
+        "timer",
+        "expect_ms",
+        "mean_ms",
+        "rest_ms",
+        "batches",
+        "rows",
+        "stages",
+        "stage_rest_ms",
+        "held",
+    )
     # Set by Simulation once the worker's cell is known:
     lat: FloatArray
     """[block of the split, rows]: a block's time at that many rows."""
@@ -141,8 +171,17 @@ class _Worker:
     rest_ms: float
     """Expected time from this split to the end of the model (the deadline rule)."""
 
-    def __init__(self, split: int, bucket: int, length: int, batch: int, first: int, last: int, rebatch: bool = False) -> None:
-        self.split, self.bucket, self.length, self.batch, self.first, self.last = split, bucket, length, batch, first, last
+    def __init__(
+        self, split: int, bucket: int, length: int, batch: int, first: int, last: int, rebatch: bool = False
+    ) -> None:
+        self.split, self.bucket, self.length, self.batch, self.first, self.last = (
+            split,
+            bucket,
+            length,
+            batch,
+            first,
+            last,
+        )
         self.queue: _Queue = deque()
         self.stages: list[_Queue] | None = [self.queue] + [deque() for _ in range(last - first)] if rebatch else None
         """With rebatching: one fusion queue per block (stages[0] is `queue`), rows enter the next on leaving one."""
@@ -156,9 +195,20 @@ class _Worker:
         self.rows = 0
 
 
-def depths_from_survival(rng: np.random.Generator, n: int, n_blocks: int, ramp_after: Sequence[int], survival: Sequence[float], enabled: Sequence[bool]) -> np.ndarray:
+def depths_from_survival(
+    rng: np.random.Generator,
+    n: int,
+    n_blocks: int,
+    ramp_after: Sequence[int],
+    survival: Sequence[float],
+    enabled: Sequence[bool],
+) -> np.ndarray:
     """Blocks each input runs: it exits at the first enabled ramp at or after its natural exit ramp."""
-    surv = np.concatenate([[1.0], np.minimum.accumulate(np.asarray(survival, dtype=np.float64))]) if len(survival) else np.ones(1)
+    surv = (
+        np.concatenate([[1.0], np.minimum.accumulate(np.asarray(survival, dtype=np.float64))])
+        if len(survival)
+        else np.ones(1)
+    )
     u = rng.random(n)
     # natural exit ramp index r: s[r] >= u > s[r+1]  (r = len(ramps) -> no exit before the end)
     natural = np.searchsorted(-surv[1:], -u, side="left")  # first r with surv[r+1] < u
@@ -174,9 +224,21 @@ def depths_from_survival(rng: np.random.Generator, n: int, n_blocks: int, ramp_a
 class Simulation:
     """One plan, one cost model per pool; call `run(arrivals, lengths)`."""
 
-    def __init__(self, plan: Plan, models: dict[str, CostModel], slo_ms: float, *, enabled: Sequence[bool] | None = None,
-                 survival: Sequence[float] | None = None, pool_costs: dict[str, float] | None = None, queue: QueueParams = QueueParams(),
-                 max_wait_ms: float = 2.0, seed: int = 0, name: str = "", compact_exits: bool = True) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        models: dict[str, CostModel],
+        slo_ms: float,
+        *,
+        enabled: Sequence[bool] | None = None,
+        survival: Sequence[float] | None = None,
+        pool_costs: dict[str, float] | None = None,
+        queue: QueueParams = QueueParams(),
+        max_wait_ms: float = 2.0,
+        seed: int = 0,
+        name: str = "",
+        compact_exits: bool = True,
+    ) -> None:
         self.plan, self.models, self.slo_s = plan, models, slo_ms / 1e3
         ref = next(iter(models.values()))
         self.n_blocks = ref.n_blocks
@@ -225,7 +287,9 @@ class Simulation:
                 for w in ws:
                     w.rest_ms = rest + here
                     per_block = w.lat[:, w.batch] + w.ramp_lat[:, w.batch]
-                    w.stage_rest_ms = [rest + float(per_block[j:].sum()) + float(w.xfer[w.batch]) for j in range(len(per_block))]
+                    w.stage_rest_ms = [
+                        rest + float(per_block[j:].sum()) + float(w.xfer[w.batch]) for j in range(len(per_block))
+                    ]
                 rest += here
         # Admission: requests/s each bucket's pipeline takes, the slowest split's rate at full
         # batches (mean batch time with the exits inside it) over the share of inputs reaching it.
@@ -255,7 +319,9 @@ class Simulation:
 
     def run(self, arrivals: np.ndarray, lengths: np.ndarray, depths: np.ndarray | None = None) -> SimResult:
         if depths is None:
-            depths = depths_from_survival(self.rng, len(arrivals), self.n_blocks, self.ramp_after, self.survival, self.enabled)
+            depths = depths_from_survival(
+                self.rng, len(arrivals), self.n_blocks, self.ramp_after, self.survival, self.enabled
+            )
         events = _EventLoop(self, arrivals, lengths, depths)
         events.run()
         return events.result()
@@ -492,15 +558,31 @@ class _EventLoop:
             tail_within = int(np.sum(tail & ((done_at - arrivals) * 1e3 <= sim.slo_s * 1e3 + 1e-9)))
         batches = sum(w.batches for per in sim.workers for ws in per for w in ws)
         rows = sum(w.rows for per in sim.workers for ws in per for w in ws)
-        return SimResult(sim.name, n, int(answered.sum()), within, self.dropped, max(duration, 1e-9), lat, sim.cost, rows / max(batches, 1),
-                         int(tail.sum()), tail_within, self.blk_rows, self.blk_runs, self.answers)
+        return SimResult(
+            sim.name,
+            n,
+            int(answered.sum()),
+            within,
+            self.dropped,
+            max(duration, 1e-9),
+            lat,
+            sim.cost,
+            rows / max(batches, 1),
+            int(tail.sum()),
+            tail_within,
+            self.blk_rows,
+            self.blk_runs,
+            self.answers,
+        )
 
 
 def poisson_arrivals(rng: np.random.Generator, rate: float, n: int) -> np.ndarray:
     return np.cumsum(rng.exponential(1.0 / rate, n))
 
 
-def oracle_goodput(models: dict[str, CostModel], caps: dict[str, int], lengths: np.ndarray, depths: np.ndarray, arrivals_rate: float) -> float:
+def oracle_goodput(
+    models: dict[str, CostModel], caps: dict[str, int], lengths: np.ndarray, depths: np.ndarray, arrivals_rate: float
+) -> float:
     """Fluid bound: every GPU busy on exactly the blocks each input needs, at the best per-input
     cost over the profiled batch sizes, at the input's own length (no padding), ramps free."""
     capacity = 0.0

@@ -119,6 +119,7 @@ def published_layer_ms(gpu_name: str, batch: float, length: float) -> float:
     growth: float = (length / 128.0) ** length_exponent()  # real: length > 0 (typeshed types float ** float as Any)
     return (fixed + (at128 - fixed) * growth) / 12
 
+
 HIDDEN = 768
 
 
@@ -155,16 +156,29 @@ def synthetic_profile(
         for k in range(n_blocks)
     ]
     ramps = [
-        RampProfile(name=f"ramp{k}", after_block=k, latency_ms=[[float(ramp_ms(b, L)) if ramp_ms else 0.0 for b in batch_sizes] for L in seq_lens])
+        RampProfile(
+            name=f"ramp{k}",
+            after_block=k,
+            latency_ms=[[float(ramp_ms(b, L)) if ramp_ms else 0.0 for b in batch_sizes] for L in seq_lens],
+        )
         for k in ramp_after
     ]
     return ModelProfileSpec(
-        model=model, pool=pool, batch_sizes=list(batch_sizes), seq_lens=list(seq_lens), blocks=blocks, ramps=ramps,
-        survival=list(survival), input_bytes=[int(output_bytes(L)) for L in seq_lens], measured_on=measured_on,
+        model=model,
+        pool=pool,
+        batch_sizes=list(batch_sizes),
+        seq_lens=list(seq_lens),
+        blocks=blocks,
+        ramps=ramps,
+        survival=list(survival),
+        input_bytes=[int(output_bytes(L)) for L in seq_lens],
+        measured_on=measured_on,
     )
 
 
-def easy_hard_survival(n_blocks: int, easy: float, easy_exit: tuple[int, int] = (2, 5), hard_exit: tuple[int, int] = (10, 12)) -> list[float]:
+def easy_hard_survival(
+    n_blocks: int, easy: float, easy_exit: tuple[int, int] = (2, 5), hard_exit: tuple[int, int] = (10, 12)
+) -> list[float]:
     """Survival after the ramp following each block 0..n_blocks-2 for an easy:hard mix.
 
     Hardness -> exit depth: an easy input exits after running d blocks, d uniform in `easy_exit`
@@ -181,13 +195,23 @@ def easy_hard_survival(n_blocks: int, easy: float, easy_exit: tuple[int, int] = 
     return out
 
 
-def bert_base_profile(gpu_name: str, survival: Sequence[float] | None = None, *, seq_lens: Sequence[int] = (128,),
-                      batch_sizes: Sequence[int] = VALIDATED_BATCHES, model: str = "bert-base-ee") -> ModelProfileSpec:
+def bert_base_profile(
+    gpu_name: str,
+    survival: Sequence[float] | None = None,
+    *,
+    seq_lens: Sequence[int] = (128,),
+    batch_sizes: Sequence[int] = VALIDATED_BATCHES,
+    model: str = "bert-base-ee",
+) -> ModelProfileSpec:
     """The BERT-base 12-block early-exit profile on `gpu_name` (v100, p100, k80) from published
     figures; see the module docstring."""
     n = 12
     return synthetic_profile(
-        model, gpu_name, n, seq_lens, batch_sizes,
+        model,
+        gpu_name,
+        n,
+        seq_lens,
+        batch_sizes,
         lambda k, b, L: published_layer_ms(gpu_name, b, L),
         ramp_after=list(range(n - 1)),
         ramp_ms=lambda b, L: 0.02 * published_layer_ms(gpu_name, b, L),
@@ -198,14 +222,24 @@ def bert_base_profile(gpu_name: str, survival: Sequence[float] | None = None, *,
     )
 
 
-def flops_bert_base_profile(gpu_name: str, survival: Sequence[float] | None = None, *, seq_lens: Sequence[int] = (128,),
-                            batch_sizes: Sequence[int] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64), model: str = "bert-base-ee") -> ModelProfileSpec:
+def flops_bert_base_profile(
+    gpu_name: str,
+    survival: Sequence[float] | None = None,
+    *,
+    seq_lens: Sequence[int] = (128,),
+    batch_sizes: Sequence[int] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64),
+    model: str = "bert-base-ee",
+) -> ModelProfileSpec:
     """The earlier FLOP-derived BERT-base-like profile (datasheet FP32 peak at 60 %, flat below
     SATURATION_TOKENS tokens in flight, a per-layer launch overhead)."""
     gpu = GPUS[gpu_name]
     n = 12
     return synthetic_profile(
-        model, gpu_name, n, seq_lens, batch_sizes,
+        model,
+        gpu_name,
+        n,
+        seq_lens,
+        batch_sizes,
         lambda k, b, L: layer_ms(gpu, b, L),
         ramp_after=list(range(n - 1)),
         ramp_ms=lambda b, L: 0.02 * layer_ms(gpu, b, L),
@@ -218,4 +252,9 @@ def flops_bert_base_profile(gpu_name: str, survival: Sequence[float] | None = No
 
 def gpu_pool(gpu_name: str, capacity: int, link_gbps: float = 100.0) -> GPUPoolSpec:
     gpu = GPUS[gpu_name]
-    return GPUPoolSpec(capacity=capacity, cost_per_hour=gpu.cost_per_hour, memory_bytes=gpu.memory_gib * 2**30, link_bandwidth_gbps=link_gbps)
+    return GPUPoolSpec(
+        capacity=capacity,
+        cost_per_hour=gpu.cost_per_hour,
+        memory_bytes=gpu.memory_gib * 2**30,
+        link_bandwidth_gbps=link_gbps,
+    )

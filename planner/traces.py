@@ -81,7 +81,9 @@ def _read_jsonl(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(times, dtype=np.float64), np.asarray(lengths, dtype=np.int64)
 
 
-def fit_lengths(lengths: np.ndarray, max_length: int, mode: LengthMode = "scale", reference_max: int | None = None) -> np.ndarray:
+def fit_lengths(
+    lengths: np.ndarray, max_length: int, mode: LengthMode = "scale", reference_max: int | None = None
+) -> np.ndarray:
     """Lengths mapped into [1, max_length]. `scale` divides by `reference_max` (default: the largest length)."""
     lengths = np.asarray(lengths, dtype=np.float64)
     if mode == "scale":

@@ -23,17 +23,19 @@ from typing import Any
 import numpy as np
 import yaml
 
-from exitplan.worker.bundle_runtime import BundleRuntime
-
 from exitplan.prepare.measure import Heldout, all_ramp_logits
 from exitplan.prepare.window import build_window
+from exitplan.worker.bundle_runtime import BundleRuntime
 
 FORMAT_VERSION = 1
 """Bump when the bundle layout or training changes, so old bundles are rebuilt."""
 MARKER = ".complete.json"
 REPORT = "data/report.json"
 MODELS = ("minilm", "digits-cnn")
-DEFAULTS = {"minilm": {"train_size": 8000, "heldout_size": 2000}, "digits-cnn": {"train_size": 1437, "heldout_size": 360}}
+DEFAULTS = {
+    "minilm": {"train_size": 8000, "heldout_size": 2000},
+    "digits-cnn": {"train_size": 1437, "heldout_size": 360},
+}
 
 
 class PrepareError(RuntimeError):
@@ -125,12 +127,15 @@ def prepare_bundle(
     options = options.resolved()
     out = Path(out)
     bar = bar or tqdm_bar()
-    path, reused, report = build_once(out, options, lambda work: _build(options, work, bar), force=force, threads=threads)
+    path, reused, report = build_once(
+        out, options, lambda work: _build(options, work, bar), force=force, threads=threads
+    )
     return BuildResult(path, reused, report)
 
 
-def build_once(out: Path, options: Any, build: Callable[[Path], dict[str, Any]], *, force: bool = False,
-               threads: int | None = None) -> tuple[Path, bool, dict[str, Any]]:
+def build_once(
+    out: Path, options: Any, build: Callable[[Path], dict[str, Any]], *, force: bool = False, threads: int | None = None
+) -> tuple[Path, bool, dict[str, Any]]:
     """Build a bundle at `out` once per set of options: (path, reused, report).
 
     Under a file lock (parallel test sessions share one build): reuse a finished build with the same
@@ -186,7 +191,9 @@ def _build(options: BuildOptions, directory: Path, bar: Bar) -> dict[str, Any]:
             directory, train_size=options.train_size, heldout_size=options.heldout_size, seed=options.seed, bar=bar
         )
     manifest = built.pop("manifest")
-    (directory / "bundle.yaml").write_text(yaml.safe_dump(manifest.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    (directory / "bundle.yaml").write_text(
+        yaml.safe_dump(manifest.model_dump(mode="json", exclude_none=True), sort_keys=False)
+    )
 
     # Verify through ONNX Runtime: the exported model's answers are the reference from here on.
     heldout_arrays = built.pop("heldout")

@@ -66,7 +66,9 @@ def load_tweets() -> tuple[list[str], np.ndarray]:
     return texts, np.asarray(labels, dtype=np.int64)
 
 
-def _stratified_subsets(labels: np.ndarray, train_size: int, heldout_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _stratified_subsets(
+    labels: np.ndarray, train_size: int, heldout_size: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
     from sklearn.model_selection import train_test_split
 
     n = labels.size

@@ -65,7 +65,9 @@ class DecoderOptions:
         if self.steps < 1 or self.batch < 1 or self.heldout < 1:
             raise DecoderBuildError("steps, batch and heldout must each be >= 1")
         if self.exit_weights and len(self.exit_weights) != self.layers:
-            raise DecoderBuildError(f"exit_weights needs {self.layers} values (one per head), got {len(self.exit_weights)}")
+            raise DecoderBuildError(
+                f"exit_weights needs {self.layers} values (one per head), got {len(self.exit_weights)}"
+            )
         return self
 
     def weights(self) -> list[float]:
@@ -79,6 +81,7 @@ class DecoderOptions:
 
 
 # ---------------------------------------------------------------------------------- the model
+
 
 def _torch():
     import torch
@@ -196,6 +199,7 @@ def make_model(options: DecoderOptions):
 
 # ---------------------------------------------------------------------------------- data
 
+
 def encode_bytes(text: str, context: int) -> list[int]:
     """<bos> + UTF-8 bytes + <eos>, cut to `context` positions."""
     return ([BOS] + list(text.encode("utf-8")) + [EOS])[:context]
@@ -215,7 +219,9 @@ def tweet_corpus(heldout: int, seed: int, train_tweets: int | None = None) -> tu
     return (train if train_tweets is None else train[:train_tweets]), held
 
 
-def _batches(encoded: np.ndarray, lengths: np.ndarray, batch: int, steps: int, rng) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _batches(
+    encoded: np.ndarray, lengths: np.ndarray, batch: int, steps: int, rng
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     for _ in range(steps):
         rows = rng.integers(0, len(encoded), batch)
         longest = int(lengths[rows].max())
@@ -223,6 +229,7 @@ def _batches(encoded: np.ndarray, lengths: np.ndarray, batch: int, steps: int, r
 
 
 # ---------------------------------------------------------------------------------- training + export
+
 
 def train(options: DecoderOptions, texts: list[str], bar: Callable | None = None) -> tuple[Any, dict]:
     torch = _torch()
@@ -253,13 +260,13 @@ def train(options: DecoderOptions, texts: list[str], bar: Callable | None = None
             F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=PAD)
             for logits in model.train_logits(inputs)
         ]
-        loss = sum(w * l for w, l in zip(weights, per_head))
+        loss = sum(w * head_loss for w, head_loss in zip(weights, per_head))
         optimiser.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimiser.step()
         schedule.step()
-        losses.append([float(l.detach()) for l in per_head])
+        losses.append([float(head_loss.detach()) for head_loss in per_head])
         if progress:
             progress.update(1)
     if progress:
@@ -281,23 +288,61 @@ def manifest(options: DecoderOptions, name: str = "tweet-decoder"):
     ]
     cache, blocks, ramps = [], [], []
     for i in range(n):
-        kv = KVCacheSpec(block=i, past_key=f"past_key_{i}", past_value=f"past_value_{i}",
-                         present_key=f"present_key_{i}", present_value=f"present_value_{i}")
+        kv = KVCacheSpec(
+            block=i,
+            past_key=f"past_key_{i}",
+            past_value=f"past_value_{i}",
+            present_key=f"present_key_{i}",
+            present_value=f"present_value_{i}",
+        )
         cache.append(kv)
-        inputs += [TensorSpec(name=t, dtype="float32", shape=["batch", options.heads, "past", head_dim])
-                   for t in (kv.past_key, kv.past_value)]
+        inputs += [
+            TensorSpec(name=t, dtype="float32", shape=["batch", options.heads, "past", head_dim])
+            for t in (kv.past_key, kv.past_value)
+        ]
         first = ["input_ids", "position_ids"] if i == 0 else [f"hidden{i - 1}"]
-        blocks.append(BlockSpec(name=f"layer{i}", file=f"blocks/layer{i}.onnx", inputs=[*first, kv.past_key, kv.past_value],
-                                outputs=[f"hidden{i}", kv.present_key, kv.present_value]))
+        blocks.append(
+            BlockSpec(
+                name=f"layer{i}",
+                file=f"blocks/layer{i}.onnx",
+                inputs=[*first, kv.past_key, kv.past_value],
+                outputs=[f"hidden{i}", kv.present_key, kv.present_value],
+            )
+        )
         final = i == n - 1
-        ramps.append(RampSpec(name="head" if final else f"exit{i}", after=i, file=f"ramps/{'head' if final else f'exit{i}'}.onnx",
-                              inputs=[f"hidden{i}"], output="logits", final=final))
+        ramps.append(
+            RampSpec(
+                name="head" if final else f"exit{i}",
+                after=i,
+                file=f"ramps/{'head' if final else f'exit{i}'}.onnx",
+                inputs=[f"hidden{i}"],
+                output="logits",
+                final=final,
+            )
+        )
     labels = [f"<0x{b:02X}>" for b in range(256)] + ["<bos>", "<eos>", "<pad>"]
     return BundleManifest(
-        name=name, task=Task.text_generation, labels=labels, dtype="float32", inputs=inputs, blocks=blocks, ramps=ramps,
-        seq_axis=1, max_length=options.context, pad_token_id=PAD,
-        decoder=DecoderSpec(vocab_size=VOCAB, num_heads=options.heads, head_dim=head_dim, hidden_size=options.hidden,
-                            max_context=options.context, cache=cache, tokenizer="bytes", bos_token_id=BOS, eos_token_id=EOS),
+        name=name,
+        task=Task.text_generation,
+        labels=labels,
+        dtype="float32",
+        inputs=inputs,
+        blocks=blocks,
+        ramps=ramps,
+        seq_axis=1,
+        max_length=options.context,
+        pad_token_id=PAD,
+        decoder=DecoderSpec(
+            vocab_size=VOCAB,
+            num_heads=options.heads,
+            head_dim=head_dim,
+            hidden_size=options.hidden,
+            max_context=options.context,
+            cache=cache,
+            tokenizer="bytes",
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+        ),
     )
 
 
@@ -320,12 +365,32 @@ def export(model, options: DecoderOptions, bundle, directory: Path) -> None:
             module = model.LayerBlock(model.layers[i])
             example = (torch.randn(b, q, options.hidden), *example_cache)
         axes = {name: rows for name in spec.inputs[:-2]}
-        axes.update({kv.past_key: cache_in, kv.past_value: cache_in, spec.outputs[0]: rows,
-                     kv.present_key: cache_out, kv.present_value: cache_out})
-        export_module(module.eval(), example, directory / spec.file, input_names=spec.inputs, output_names=spec.outputs, free_axes=axes)
+        axes.update(
+            {
+                kv.past_key: cache_in,
+                kv.past_value: cache_in,
+                spec.outputs[0]: rows,
+                kv.present_key: cache_out,
+                kv.present_value: cache_out,
+            }
+        )
+        export_module(
+            module.eval(),
+            example,
+            directory / spec.file,
+            input_names=spec.inputs,
+            output_names=spec.outputs,
+            free_axes=axes,
+        )
     for i, spec in enumerate(bundle.ramps):
-        export_module(model.heads[i].eval(), (torch.randn(b, q, options.hidden),), directory / spec.file,
-                      input_names=spec.inputs, output_names=[spec.output], free_axes={spec.inputs[0]: rows, spec.output: rows})
+        export_module(
+            model.heads[i].eval(),
+            (torch.randn(b, q, options.hidden),),
+            directory / spec.file,
+            input_names=spec.inputs,
+            output_names=[spec.output],
+            free_axes={spec.inputs[0]: rows, spec.output: rows},
+        )
 
 
 def torch_reference_logits(model, ids: list[int]) -> list[np.ndarray]:
@@ -376,7 +441,9 @@ def build_decoder_bundle(
     from exitplan.prepare.build import PrepareError, build_once
 
     try:
-        path, reused, report = build_once(out, options, lambda work: _build(options, work, bar), force=force, threads=threads)
+        path, reused, report = build_once(
+            out, options, lambda work: _build(options, work, bar), force=force, threads=threads
+        )
     except PrepareError as err:
         raise DecoderBuildError(str(err)) from err
     return DecoderBuild(path, reused, report)
@@ -390,7 +457,9 @@ def _build(options: DecoderOptions, directory: Path, bar: Bar | None) -> dict[st
     report["train_tweets"] = len(train_texts)
     bundle = manifest(options)
     export(model, options, bundle, directory)
-    (directory / "bundle.yaml").write_text(yaml.safe_dump(bundle.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    (directory / "bundle.yaml").write_text(
+        yaml.safe_dump(bundle.model_dump(mode="json", exclude_none=True), sort_keys=False)
+    )
     (directory / "data" / "heldout.json").write_text(json.dumps(heldout))
     # Check the export: ONNX Runtime (no cache, whole sequence) against PyTorch on held-out tweets.
     from exitplan.worker.generate.decoder import DecoderModel

@@ -16,7 +16,6 @@ from torch import nn
 
 from exitplan.api.bundle import BlockSpec, BundleManifest, RampSpec, TensorSpec
 from exitplan.api.resources import Task
-
 from exitplan.prepare.datasets import digits_splits
 from exitplan.prepare.export import export_module
 from exitplan.prepare.heads import LinearFit, train_linear
@@ -65,10 +64,15 @@ def _features(blocks: nn.ModuleList, x: torch.Tensor) -> list[np.ndarray]:
 
 def manifest(labels: list[str]) -> BundleManifest:
     blocks = [
-        BlockSpec(name=f"conv{i}", file=f"blocks/conv{i}.onnx", inputs=["x" if i == 0 else hidden(i - 1)], outputs=[hidden(i)])
+        BlockSpec(
+            name=f"conv{i}", file=f"blocks/conv{i}.onnx", inputs=["x" if i == 0 else hidden(i - 1)], outputs=[hidden(i)]
+        )
         for i in range(len(CHANNELS))
     ]
-    ramps = [RampSpec(name=f"ramp{i}", after=i, file=f"ramps/ramp{i}.onnx", inputs=[hidden(i)]) for i in range(len(CHANNELS) - 1)]
+    ramps = [
+        RampSpec(name=f"ramp{i}", after=i, file=f"ramps/ramp{i}.onnx", inputs=[hidden(i)])
+        for i in range(len(CHANNELS) - 1)
+    ]
     last = len(CHANNELS) - 1
     ramps.append(RampSpec(name="head", after=last, file="ramps/head.onnx", inputs=[hidden(last)], final=True))
     return BundleManifest(
@@ -107,7 +111,9 @@ def build(directory, *, train_size: int, heldout_size: int, seed: int, bar) -> d
 
     feats = _features(blocks, x)
     head_fit = LinearFit(
-        weight=head.linear.weight.detach().numpy().copy(), bias=head.linear.bias.detach().numpy().copy(), train_accuracy=0.0
+        weight=head.linear.weight.detach().numpy().copy(),
+        bias=head.linear.bias.detach().numpy().copy(),
+        train_accuracy=0.0,
     )
     own = head_fit.logits(feats[-1]).argmax(1)
     head_fit.train_accuracy = float((own == splits.train_label).mean())
@@ -134,12 +140,26 @@ def build(directory, *, train_size: int, heldout_size: int, seed: int, bar) -> d
     progress = bar(len(bundle.blocks) + len(bundle.ramps), "exporting to ONNX")
     for i, spec in enumerate(bundle.blocks):
         axes = {spec.inputs[0]: batch_axis, spec.outputs[0]: batch_axis}
-        export_module(blocks[i], [examples[i]], directory / spec.file, input_names=spec.inputs, output_names=spec.outputs, free_axes=axes)
+        export_module(
+            blocks[i],
+            [examples[i]],
+            directory / spec.file,
+            input_names=spec.inputs,
+            output_names=spec.outputs,
+            free_axes=axes,
+        )
         progress.update(1)
     for spec, fit in zip(bundle.ramps, ramps + [head_fit]):
         module = PooledLinear(fit.to_linear()) if not spec.final else head
         axes = {spec.inputs[0]: batch_axis, spec.output: batch_axis}
-        export_module(module, [examples[spec.after + 1]], directory / spec.file, input_names=spec.inputs, output_names=[spec.output], free_axes=axes)
+        export_module(
+            module,
+            [examples[spec.after + 1]],
+            directory / spec.file,
+            input_names=spec.inputs,
+            output_names=[spec.output],
+            free_axes=axes,
+        )
         progress.update(1)
     progress.close()
     report["export_seconds"] = time.perf_counter() - exported

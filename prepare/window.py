@@ -20,9 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from exitplan.api.bundle import BundleManifest
-from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, softmax
-
 from exitplan.prepare.measure import Heldout, batch_state, time_chain
+from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, softmax
 
 WINDOW_BATCH_SIZES = (1, 2, 4, 8)
 
@@ -62,7 +61,11 @@ def ramp_window(manifest: BundleManifest, logits: dict[str, np.ndarray]) -> tupl
     """conf [N, R], pred [N, R], final [N] from every ramp's logits."""
     exits = manifest.exit_ramps()
     probs = [softmax(logits[r.name]) for r in exits]
-    conf = np.stack([p.max(axis=1) for p in probs], axis=1) if exits else np.zeros((len(logits[manifest.final_ramp().name]), 0))
+    conf = (
+        np.stack([p.max(axis=1) for p in probs], axis=1)
+        if exits
+        else np.zeros((len(logits[manifest.final_ramp().name]), 0))
+    )
     pred = np.stack([p.argmax(axis=1) for p in probs], axis=1) if exits else np.zeros_like(conf, dtype=np.int64)
     final = logits[manifest.final_ramp().name].argmax(axis=1)
     return conf.astype(np.float32), pred.astype(np.int64), final.astype(np.int64)
@@ -76,7 +79,11 @@ def window_bucket(runtime: BundleRuntime, heldout: Heldout) -> int:
 
 
 def measure_savings(
-    runtime: BundleRuntime, heldout: Heldout, bucket: int, batch_sizes: Sequence[int] = WINDOW_BATCH_SIZES, repeats: int = 5
+    runtime: BundleRuntime,
+    heldout: Heldout,
+    bucket: int,
+    batch_sizes: Sequence[int] = WINDOW_BATCH_SIZES,
+    repeats: int = 5,
 ) -> tuple[np.ndarray, np.ndarray]:
     """saving_ms [R] and cost_ms [R] for the exit ramps (runtime must cover the whole model)."""
     m = runtime.manifest
@@ -94,7 +101,9 @@ def measure_savings(
     return saving, cost
 
 
-def build_window(runtime: BundleRuntime, heldout: Heldout, logits: dict[str, np.ndarray], repeats: int = 5) -> CalibrationWindow:
+def build_window(
+    runtime: BundleRuntime, heldout: Heldout, logits: dict[str, np.ndarray], repeats: int = 5
+) -> CalibrationWindow:
     conf, pred, final = ramp_window(runtime.manifest, logits)
     bucket = window_bucket(runtime, heldout)
     saving, cost = measure_savings(runtime, heldout, bucket, WINDOW_BATCH_SIZES, repeats)

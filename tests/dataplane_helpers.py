@@ -36,29 +36,44 @@ def free_port_block(n: int) -> int:
     raise RuntimeError("no block of free ports")
 
 
-def service_spec(bundle: Path, *, slo_ms: float = 500.0, shadow: float = 0.05, max_body: int = 1 << 20) -> EarlyExitServiceSpec:
-    return EarlyExitServiceSpec.model_validate({
-        "model": {"name": "minilm", "bundle": str(bundle)},
-        "slo": {"latencyMs": slo_ms},
-        "accuracy": {"maxDrop": 0.01, "shadowFraction": shadow},
-        "pools": [{"name": "cpu"}],
-        "router": {"maxBodyBytes": max_body},
-    })
+def service_spec(
+    bundle: Path, *, slo_ms: float = 500.0, shadow: float = 0.05, max_body: int = 1 << 20
+) -> EarlyExitServiceSpec:
+    return EarlyExitServiceSpec.model_validate(
+        {
+            "model": {"name": "minilm", "bundle": str(bundle)},
+            "slo": {"latencyMs": slo_ms},
+            "accuracy": {"maxDrop": 0.01, "shadowFraction": shadow},
+            "pools": [{"name": "cpu"}],
+            "router": {"maxBodyBytes": max_body},
+        }
+    )
 
 
-def two_split_plan(ramps: list[str], thresholds: float, replicas: dict[tuple[int, int], int], buckets=(32, 128)) -> Plan:
-    cells = [Cell(split=s, bucket=b, pool="cpu", replicas=replicas.get((s, b), 1), batch_size=8) for s in (0, 1) for b in buckets]
+def two_split_plan(
+    ramps: list[str], thresholds: float, replicas: dict[tuple[int, int], int], buckets=(32, 128)
+) -> Plan:
+    cells = [
+        Cell(split=s, bucket=b, pool="cpu", replicas=replicas.get((s, b), 1), batch_size=8)
+        for s in (0, 1)
+        for b in buckets
+    ]
     return Plan(
-        service="test", model="minilm",
+        service="test",
+        model="minilm",
         splits=[SplitPlan(index=0, first_block=0, last_block=2), SplitPlan(index=1, first_block=3, last_block=5)],
-        buckets=list(buckets), cells=cells, thresholds={r: thresholds for r in ramps},
+        buckets=list(buckets),
+        cells=cells,
+        thresholds={r: thresholds for r in ramps},
     )
 
 
 def deployment(bundle: Path, plan: Plan, spec: EarlyExitServiceSpec, workdir: Path, **env: str) -> LocalDeployment:
     n = sum(c.replicas for c in plan.cells) + 1
     base = free_port_block(n + 1)
-    return LocalDeployment(bundle, plan, spec, workdir, port=base + n, base_port=base, window_seconds=3600, env=dict(env))
+    return LocalDeployment(
+        bundle, plan, spec, workdir, port=base + n, base_port=base, window_seconds=3600, env=dict(env)
+    )
 
 
 def ramp_names(bundle: Path) -> list[str]:

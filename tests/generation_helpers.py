@@ -17,7 +17,9 @@ def tiny_decoder_bundle() -> Path:
     """3 blocks, hidden 32, context 512: trained for a few seconds on 2,000 tweets."""
     from exitplan.prepare.decoder import DecoderOptions, build_decoder_bundle, tqdm_bar
 
-    options = DecoderOptions(layers=3, hidden=32, heads=2, context=512, steps=80, batch=16, heldout=20, train_tweets=2000)
+    options = DecoderOptions(
+        layers=3, hidden=32, heads=2, context=512, steps=80, batch=16, heldout=20, train_tweets=2000
+    )
     return build_decoder_bundle(options, TEST_BUNDLES / "decoder-tiny", bar=tqdm_bar(False), threads=1).path
 
 

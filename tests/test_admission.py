@@ -19,7 +19,7 @@ def test_limit_starts_from_reported_capacity_and_unknown_is_infinite_load():
 
 def test_late_answers_cut_once_per_cooldown_and_timely_busy_answers_grow():
     lim = BucketLimiter(target_s=0.08, limit=10.0)
-    for i in range(8):  # one late batch of 8 answers at the same instant counts once
+    for _i in range(8):  # one late batch of 8 answers at the same instant counts once
         lim.on_answer(0.2, outstanding=10, now=1.0)
     assert abs(lim.limit - 9.0) < 1e-9
     lim.on_answer(0.2, outstanding=10, now=1.2)

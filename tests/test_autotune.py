@@ -19,9 +19,11 @@ def window(n=1000, seed=0):
     final = rng.integers(0, 3, n)
     conf = rng.uniform(0.34, 1.0, (n, 2))
     conf[:, 1] = np.clip(conf[:, 1] + 0.1, 0, 1)
-    right = rng.uniform(0, 1, (n, 2)) < conf ** 2
+    right = rng.uniform(0, 1, (n, 2)) < conf**2
     pred = np.where(right, final[:, None], (final[:, None] + 1) % 3)
-    return FeedbackWindow(conf=conf, pred=pred, final=final, saving_ms=np.array([20.0, 10.0]), cost_ms=np.array([0.1, 0.1]))
+    return FeedbackWindow(
+        conf=conf, pred=pred, final=final, saving_ms=np.array([20.0, 10.0]), cost_ms=np.array([0.1, 0.1])
+    )
 
 
 def test_short_window_keeps_the_thresholds():
@@ -65,8 +67,13 @@ def test_a_breach_in_the_recent_samples_is_repaired_on_them():
     easy, hard = window(2000, seed=1), window(300, seed=2)
     hard_pred = (hard.final + 1) % 3  # the hard inputs' early answers are all wrong...
     hard_conf = np.full_like(hard.conf, 0.99)  # ...and confident
-    w = FeedbackWindow(conf=np.vstack([easy.conf, hard_conf]), pred=np.vstack([easy.pred, np.stack([hard_pred] * 2, 1)]),
-               final=np.concatenate([easy.final, hard.final]), saving_ms=easy.saving_ms, cost_ms=easy.cost_ms)
+    w = FeedbackWindow(
+        conf=np.vstack([easy.conf, hard_conf]),
+        pred=np.vstack([easy.pred, np.stack([hard_pred] * 2, 1)]),
+        final=np.concatenate([easy.final, hard.final]),
+        saving_ms=easy.saving_ms,
+        cost_ms=easy.cost_ms,
+    )
     current = decide(easy, ["a", "b"], {"a": 2.0, "b": 2.0}, 0.05).thresholds
     d = decide(w, ["a", "b"], current, 0.05, TuneConfig(recent=300))
     assert d.reason == "accuracy" and d.samples == 300 and d.agreement_before < 0.95
@@ -75,16 +82,22 @@ def test_a_breach_in_the_recent_samples_is_repaired_on_them():
 
 
 def _stack(*windows):
-    return FeedbackWindow(conf=np.vstack([w.conf for w in windows]), pred=np.vstack([w.pred for w in windows]),
-                  final=np.concatenate([w.final for w in windows]), saving_ms=windows[0].saving_ms,
-                  cost_ms=windows[0].cost_ms)
+    return FeedbackWindow(
+        conf=np.vstack([w.conf for w in windows]),
+        pred=np.vstack([w.pred for w in windows]),
+        final=np.concatenate([w.final for w in windows]),
+        saving_ms=windows[0].saving_ms,
+        cost_ms=windows[0].cost_ms,
+    )
 
 
 def test_new_samples_finds_the_previous_fetch_in_the_next():
     from exitplan.planner.tuning.autotune import _tail, new_samples
 
     w = window(300, seed=3)
-    first = FeedbackWindow(conf=w.conf[:200], pred=w.pred[:200], final=w.final[:200], saving_ms=w.saving_ms, cost_ms=w.cost_ms)
+    first = FeedbackWindow(
+        conf=w.conf[:200], pred=w.pred[:200], final=w.final[:200], saving_ms=w.saving_ms, cost_ms=w.cost_ms
+    )
     assert new_samples(None, w) == 300
     assert new_samples(first, w) == 100
     assert new_samples(first, _tail(w, 150)) == 100  # the ring only returns the newest samples
@@ -99,8 +112,16 @@ def test_binomial_tail_and_breach():
     w = window(400, seed=4)
     t = np.array([2.0, 2.0])
     assert breach(w, t, 0.01, (50, 100, 200), 0.01) is None  # no ramp active: every answer agrees
-    bad = _stack(w, FeedbackWindow(conf=np.full((50, 2), 0.99), pred=np.stack([(w.final[:50] + 1) % 3] * 2, 1),
-                           final=w.final[:50], saving_ms=w.saving_ms, cost_ms=w.cost_ms))
+    bad = _stack(
+        w,
+        FeedbackWindow(
+            conf=np.full((50, 2), 0.99),
+            pred=np.stack([(w.final[:50] + 1) % 3] * 2, 1),
+            final=w.final[:50],
+            saving_ms=w.saving_ms,
+            cost_ms=w.cost_ms,
+        ),
+    )
     fired = breach(bad, np.array([0.9, 0.9]), 0.01, (50, 100, 200), 0.01)
     assert fired is not None and fired[0] == 50 and fired[1] >= 45
 
@@ -111,11 +132,15 @@ def test_a_shift_in_the_early_exit_share_is_caught_before_the_disagreements_add_
     shuts the confident wrong exit."""
     rng = np.random.default_rng(5)
     old = window(600, seed=6)
-    old = FeedbackWindow(conf=np.minimum(old.conf, 0.5), pred=old.pred, final=old.final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
+    old = FeedbackWindow(
+        conf=np.minimum(old.conf, 0.5), pred=old.pred, final=old.final, saving_ms=old.saving_ms, cost_ms=old.cost_ms
+    )
     final = rng.integers(0, 3, 100)
     pred = np.stack([final, final], 1)
     pred[-1, 0] = (final[-1] + 1) % 3  # one wrong, confident early answer
-    new = FeedbackWindow(conf=np.full((100, 2), 0.95), pred=pred, final=final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
+    new = FeedbackWindow(
+        conf=np.full((100, 2), 0.95), pred=pred, final=final, saving_ms=old.saving_ms, cost_ms=old.cost_ms
+    )
     w = _stack(old, new)
     current = {"a": 0.9, "b": 2.0}
     quiet = decide(w, ["a", "b"], current, 0.01, TuneConfig(recent=200, min_samples=100))
@@ -130,10 +155,16 @@ def test_a_shift_in_the_early_exit_share_is_caught_before_the_disagreements_add_
 def test_since_a_breach_no_disagreement_is_allowed_until_enough_fresh_samples():
     w = window(1000, seed=7)
     current = {"a": 0.5, "b": 2.0}
-    agreement_tail, _ = evaluate(FeedbackWindow(conf=w.conf[-80:], pred=w.pred[-80:], final=w.final[-80:],
-                                        saving_ms=w.saving_ms, cost_ms=w.cost_ms), np.array([0.5, 2.0]))
+    agreement_tail, _ = evaluate(
+        FeedbackWindow(
+            conf=w.conf[-80:], pred=w.pred[-80:], final=w.final[-80:], saving_ms=w.saving_ms, cost_ms=w.cost_ms
+        ),
+        np.array([0.5, 2.0]),
+    )
     assert agreement_tail < 1.0  # some fresh sample disagrees at these thresholds
-    d = decide(w, ["a", "b"], current, 0.5, TuneConfig(min_samples=50, savings_samples=500), fresh=80)  # budget 50 %: no breach
+    d = decide(
+        w, ["a", "b"], current, 0.5, TuneConfig(min_samples=50, savings_samples=500), fresh=80
+    )  # budget 50 %: no breach
     assert d.reason == "accuracy" and "since the last breach" in d.detail and d.samples == 80 and d.trigger == "margin"
     assert d.thresholds["a"] > 0.5 and d.agreement_after == 1.0
 
@@ -154,11 +185,15 @@ def _drifted():
     """600 old samples that rarely exit at ramp a, then 100 confident ones (one wrong): the exit share moved."""
     rng = np.random.default_rng(5)
     old = window(600, seed=6)
-    old = FeedbackWindow(conf=np.minimum(old.conf, 0.5), pred=old.pred, final=old.final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
+    old = FeedbackWindow(
+        conf=np.minimum(old.conf, 0.5), pred=old.pred, final=old.final, saving_ms=old.saving_ms, cost_ms=old.cost_ms
+    )
     final = rng.integers(0, 3, 100)
     pred = np.stack([final, final], 1)
     pred[-1, 0] = (final[-1] + 1) % 3
-    new = FeedbackWindow(conf=np.full((100, 2), 0.95), pred=pred, final=final, saving_ms=old.saving_ms, cost_ms=old.cost_ms)
+    new = FeedbackWindow(
+        conf=np.full((100, 2), 0.95), pred=pred, final=final, saving_ms=old.saving_ms, cost_ms=old.cost_ms
+    )
     return _stack(old, new)
 
 
@@ -191,12 +226,14 @@ def test_a_drift_alarm_is_acted_on_only_once_new_samples_confirm_it():
     state, _ = track_alarm((1.0, 120), Decision(None, "no-gain", 500, exit_z=-3.6), True, config)
     assert state is None  # a move the other way does not confirm it
     state, _ = track_alarm(None, alarm, False, config)
-    drift = Decision({"a": 2.0, "b": 2.0}, "accuracy", 100, detail="drift: early-exit share moved", exit_z=3.9,
-                     trigger="drift")
+    drift = Decision(
+        {"a": 2.0, "b": 2.0}, "accuracy", 100, detail="drift: early-exit share moved", exit_z=3.9, trigger="drift"
+    )
     state, words = track_alarm(state, drift, True, config)
     assert state is None and words == ["acted on: z = +3.9"]  # confirmed and acted on
-    breach = Decision({"a": 2.0, "b": 2.0}, "accuracy", 100, detail="breach in the last 50 samples: 3 disagree",
-                      trigger="breach")
+    breach = Decision(
+        {"a": 2.0, "b": 2.0}, "accuracy", 100, detail="breach in the last 50 samples: 3 disagree", trigger="breach"
+    )
     assert track_alarm((1.0, 30), breach, False, config) == (None, ["superseded by a breach"])
     assert track_alarm((1.0, 30), alarm, False, replace(config, drift_confirm=False)) == (None, [])
 
@@ -205,8 +242,13 @@ def _more(n, seed, conf_low=0.92):
     """n new samples confident at ramp a (above 0.9: they exit there), all agreeing with the full model."""
     rng = np.random.default_rng(seed)
     final = rng.integers(0, 3, n)
-    return FeedbackWindow(conf=rng.uniform(conf_low, 1.0, (n, 2)), pred=np.stack([final, final], 1), final=final,
-                          saving_ms=np.array([20.0, 10.0]), cost_ms=np.array([0.1, 0.1]))
+    return FeedbackWindow(
+        conf=rng.uniform(conf_low, 1.0, (n, 2)),
+        pred=np.stack([final, final], 1),
+        final=final,
+        saving_ms=np.array([20.0, 10.0]),
+        cost_ms=np.array([0.1, 0.1]),
+    )
 
 
 def test_advance_counts_fresh_samples_from_zero_after_a_breach():
@@ -237,12 +279,15 @@ def test_advance_arms_an_unconfirmed_drift_alarm_after_drift_recent_new_samples(
     assert d.exit_z > 3.3 and d.trigger != "drift" and d.thresholds is None  # seen, not acted on
     assert state.alarm == (1.0, 0) and len(state.alarm_log) == 1 and state.alarm_log[0].startswith("alarm z = +")
     more = _more(100, seed=12)
-    part = FeedbackWindow(conf=more.conf[:60], pred=more.pred[:60], final=more.final[:60], saving_ms=more.saving_ms,
-                          cost_ms=more.cost_ms)
+    part = FeedbackWindow(
+        conf=more.conf[:60], pred=more.pred[:60], final=more.final[:60], saving_ms=more.saving_ms, cost_ms=more.cost_ms
+    )
     d, state = advance(state, _stack(w, part), current, ramps, 0.01, config)
     assert d.trigger != "drift" and state.alarm == (1.0, 60)  # 60 new samples: not armed yet
     d, state = advance(state, _stack(w, more), current, ramps, 0.01, config)
-    assert d.trigger == "drift" and d.thresholds is not None and d.thresholds["a"] >= 0.9  # armed on 100 new samples: acted on
+    assert (
+        d.trigger == "drift" and d.thresholds is not None and d.thresholds["a"] >= 0.9
+    )  # armed on 100 new samples: acted on
     assert d.samples == 100 and d.agreement_after == 1.0
     assert state.alarm is None and state.fresh == 0 and state.alarm_log[-1].startswith("acted on: z = +")
     unconfirmed = replace(config, drift_confirm=False)  # armed at once: acted on at the first alarm
@@ -250,12 +295,29 @@ def test_advance_arms_an_unconfirmed_drift_alarm_after_drift_recent_new_samples(
     assert d.trigger == "drift" and state.alarm is None and state.fresh == 0
 
 
-@pytest.mark.parametrize("field, value", [
-    ("min_samples", -1), ("recent", 0), ("savings_samples", -5), ("min_gain_ms", -0.1), ("z", -1.0), ("z", math.inf),
-    ("headroom", 1.5), ("headroom", -0.1), ("tails", (50, 0)), ("alpha", 0.0), ("alpha", 1.0), ("alpha", math.nan),
-    ("drift_z", -3.3), ("drift_recent", -1), ("savings_check", -1), ("period_s", 0.0), ("period_s", math.nan),
-    ("window", 0),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("min_samples", -1),
+        ("recent", 0),
+        ("savings_samples", -5),
+        ("min_gain_ms", -0.1),
+        ("z", -1.0),
+        ("z", math.inf),
+        ("headroom", 1.5),
+        ("headroom", -0.1),
+        ("tails", (50, 0)),
+        ("alpha", 0.0),
+        ("alpha", 1.0),
+        ("alpha", math.nan),
+        ("drift_z", -3.3),
+        ("drift_recent", -1),
+        ("savings_check", -1),
+        ("period_s", 0.0),
+        ("period_s", math.nan),
+        ("window", 0),
+    ],
+)
 def test_tune_config_rejects_out_of_range_knobs_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"TuneConfig.{field}: expected"):
         TuneConfig(**{field: value})
@@ -265,12 +327,35 @@ def test_tune_config_rejects_out_of_range_knobs_naming_the_field(field, value):
 
 def test_tune_config_defaults_are_decides_and_live_is_the_live_loops():
     d = TuneConfig()
-    assert (d.min_samples, d.recent, d.savings_samples, d.min_gain_ms, d.z, d.headroom, d.tails, d.alpha, d.drift_z,
-            d.drift_recent, d.savings_check, d.period_s, d.window, d.drift_confirm) == (
-        200, 300, 1000, 0.05, 1.645, 1.0, (50, 100, 200), 0.01, 0.0, 100, 0, 20.0, 1500, True)
-    assert (LIVE.min_samples, LIVE.recent, LIVE.savings_samples, LIVE.headroom, LIVE.alpha, LIVE.drift_z, LIVE.drift_recent,
-            LIVE.drift_confirm, LIVE.savings_check, LIVE.window, LIVE.period_s) == (
-        100, 100, 1000, 0.25, 0.05, 3.3, 100, True, 200, 1500, 20.0)
+    assert (
+        d.min_samples,
+        d.recent,
+        d.savings_samples,
+        d.min_gain_ms,
+        d.z,
+        d.headroom,
+        d.tails,
+        d.alpha,
+        d.drift_z,
+        d.drift_recent,
+        d.savings_check,
+        d.period_s,
+        d.window,
+        d.drift_confirm,
+    ) == (200, 300, 1000, 0.05, 1.645, 1.0, (50, 100, 200), 0.01, 0.0, 100, 0, 20.0, 1500, True)
+    assert (
+        LIVE.min_samples,
+        LIVE.recent,
+        LIVE.savings_samples,
+        LIVE.headroom,
+        LIVE.alpha,
+        LIVE.drift_z,
+        LIVE.drift_recent,
+        LIVE.drift_confirm,
+        LIVE.savings_check,
+        LIVE.window,
+        LIVE.period_s,
+    ) == (100, 100, 1000, 0.25, 0.05, 3.3, 100, True, 200, 1500, 20.0)
     assert TuneConfig(tails=[50, 100]).tails == (50, 100)  # kept as a tuple (the config is frozen)
 
 
@@ -288,8 +373,13 @@ class FakeRouter:
         if self.calls <= self.fail_first:
             raise ControlError("http://fake/v1/window.npz", "connection refused")
         w = self.window
-        return {"conf": w.conf[-last:], "pred": w.pred[-last:], "final": w.final[-last:], "saving_ms": w.saving_ms,
-                "cost_ms": w.cost_ms}
+        return {
+            "conf": w.conf[-last:],
+            "pred": w.pred[-last:],
+            "final": w.final[-last:],
+            "saving_ms": w.saving_ms,
+            "cost_ms": w.cost_ms,
+        }
 
     async def thresholds(self):
         return dict(self.current)
@@ -338,10 +428,14 @@ def test_savings_are_held_when_the_new_thresholds_break_the_budget_on_the_newest
     w = window(1000, seed=10)
     final = w.final[-100:]
     bad_pred = np.stack([(final + 1) % 3, (final + 1) % 3], 1)
-    shifted = _stack(FeedbackWindow(conf=w.conf[:-100], pred=w.pred[:-100], final=w.final[:-100], saving_ms=w.saving_ms,
-                            cost_ms=w.cost_ms),
-                     FeedbackWindow(conf=np.full((100, 2), 0.97), pred=bad_pred, final=final, saving_ms=w.saving_ms,
-                            cost_ms=w.cost_ms))
+    shifted = _stack(
+        FeedbackWindow(
+            conf=w.conf[:-100], pred=w.pred[:-100], final=w.final[:-100], saving_ms=w.saving_ms, cost_ms=w.cost_ms
+        ),
+        FeedbackWindow(
+            conf=np.full((100, 2), 0.97), pred=bad_pred, final=final, saving_ms=w.saving_ms, cost_ms=w.cost_ms
+        ),
+    )
     start = {"a": 2.0, "b": 2.0}
     plain = decide(shifted, ["a", "b"], start, 0.2, TuneConfig(recent=50, tails=(), min_samples=100))
     assert plain.reason == "savings"  # fitted to the 900 older samples, the move looks good on the window

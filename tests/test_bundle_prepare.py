@@ -68,7 +68,10 @@ def test_heldout_data_and_full_pred_come_from_the_exported_model(minilm_bundle):
     assert set(np.unique(labels)) == {0, 1, 2} and manifest.labels == ["negative", "neutral", "positive"]
     # stratified: the class mix of the held-out split is the corpus's
     _, corpus = load_tweets()
-    assert np.abs(np.bincount(labels, minlength=3) / labels.size - np.bincount(corpus, minlength=3) / corpus.size).max() < 0.01
+    assert (
+        np.abs(np.bincount(labels, minlength=3) / labels.size - np.bincount(corpus, minlength=3) / corpus.size).max()
+        < 0.01
+    )
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(minilm_bundle / "tokenizer.json"))
@@ -87,8 +90,10 @@ def test_head_is_accurate_and_ramps_agree_more_with_depth(minilm_bundle):
         labels, full_pred = data["label"], data["full_pred"]
     accuracy = float((full_pred == labels).mean())
     majority = np.bincount(labels).max() / labels.size
-    print(f"\nMiniLM test bundle: head held-out accuracy {accuracy:.3f} (majority class {majority:.3f}); "
-          f"ramp agreement {report['ramp_agreement']}")
+    print(
+        f"\nMiniLM test bundle: head held-out accuracy {accuracy:.3f} (majority class {majority:.3f}); "
+        f"ramp agreement {report['ramp_agreement']}"
+    )
     assert accuracy == pytest.approx(report["head_heldout_accuracy"])
     assert accuracy > majority + 0.15
     with np.load(minilm_bundle / "data" / "window.npz") as window:
@@ -130,7 +135,9 @@ def test_digits_bundle_is_accurate_and_its_ramps_agree_more_with_depth(digits_bu
     assert [b.name for b in manifest.blocks] == ["conv0", "conv1", "conv2"]
     assert [(r.name, r.after) for r in manifest.exit_ramps()] == [("ramp0", 0), ("ramp1", 1)]
     report = _report(digits_bundle)
-    print(f"\ndigits test bundle: head held-out accuracy {report['head_heldout_accuracy']:.3f}; ramp agreement {report['ramp_agreement']}")
+    print(
+        f"\ndigits test bundle: head held-out accuracy {report['head_heldout_accuracy']:.3f}; ramp agreement {report['ramp_agreement']}"
+    )
     assert report["head_heldout_accuracy"] > 0.9
     assert report["onnx_vs_torch_max_abs_diff"] < 1e-4
     with np.load(digits_bundle / "data" / "window.npz") as w:
@@ -163,7 +170,9 @@ def test_cli_builds_then_reuses_and_force_rebuilds(tmp_path):
 
     options = BuildOptions(model="digits-cnn", train_size=200, heldout_size=100)
     assert prepare_bundle(options, out, bar=tqdm_bar(False)).reused
-    changed = prepare_bundle(BuildOptions(model="digits-cnn", train_size=200, heldout_size=100, seed=1), out, bar=tqdm_bar(False))
+    changed = prepare_bundle(
+        BuildOptions(model="digits-cnn", train_size=200, heldout_size=100, seed=1), out, bar=tqdm_bar(False)
+    )
     assert not changed.reused
     assert json.loads((out / MARKER).read_text())["options_hash"] != marker["options_hash"]
     forced = runner.invoke(app, [*args, "--seed", "1", "--force"])
@@ -175,7 +184,9 @@ def test_bad_prepare_options_are_explained(tmp_path):
     runner = CliRunner()
     result = runner.invoke(app, ["prepare", "--model", "resnet", "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "unknown model 'resnet'" in _text(result)
-    result = runner.invoke(app, ["prepare", "--model", "digits-cnn", "--out", str(tmp_path / "x"), "--train-size", "1700"])
+    result = runner.invoke(
+        app, ["prepare", "--model", "digits-cnn", "--out", str(tmp_path / "x"), "--train-size", "1700"]
+    )
     assert result.exit_code == 2 and "exceed the 1797 labelled inputs" in _text(result)
     with pytest.raises(PrepareError, match="at least 10"):
         BuildOptions(model="digits-cnn", heldout_size=3).resolved()

@@ -99,7 +99,9 @@ def test_chained_splits_with_exits_answer_like_one_runtime(minilm_bundle, minilm
     for row, (ramp, logits) in single.items():
         np.testing.assert_allclose(chained[row][1], logits, atol=1e-4)
         # earliest-exit semantics: the answering ramp is the first whose confidence reaches its threshold
-        earliest = next((r for r in full_runtime.manifest.exit_ramps() if probs[r.name][row].max() >= thresholds[r.name]), None)
+        earliest = next(
+            (r for r in full_runtime.manifest.exit_ramps() if probs[r.name][row].max() >= thresholds[r.name]), None
+        )
         assert ramp == (earliest.name if earliest else "head")
 
 
@@ -175,7 +177,9 @@ def test_bad_state_is_a_clear_state_error(full_runtime, minilm_state):
     with pytest.raises(StateError, match="unknown ramp 'ramp9'"):
         full_runtime.run_range(minilm_state, BUCKET, {"ramp9": 0.5})
     with pytest.raises(StateError, match="outside this runtime's range"):
-        BundleRuntime(full_runtime.directory, first_block=2, last_block=3, buckets=[BUCKET]).run_block(0, dict(minilm_state))
+        BundleRuntime(full_runtime.directory, first_block=2, last_block=3, buckets=[BUCKET]).run_block(
+            0, dict(minilm_state)
+        )
 
 
 def test_bucket_helpers():
@@ -191,5 +195,7 @@ def test_bucket_helpers():
 def test_manifest_of_the_minilm_bundle(minilm_bundle):
     m = read_manifest(minilm_bundle)
     assert [b.name for b in m.blocks] == [f"layer{i}" for i in range(6)]
-    assert [(r.name, r.after, r.final) for r in m.ramps] == [(f"ramp{i}", i, False) for i in range(5)] + [("head", 5, True)]
+    assert [(r.name, r.after, r.final) for r in m.ramps] == [(f"ramp{i}", i, False) for i in range(5)] + [
+        ("head", 5, True)
+    ]
     assert m.blocks[0].inputs == ["input_ids", "attention_mask"] and m.seq_axis == 1 and m.max_length == 128

@@ -20,9 +20,23 @@ from typing import Any
 import pytest
 import yaml
 from packaging.version import Version
-
-from test_chart_support import (ALL_ON, CHART, NAMESPACE, PROMETHEUS_PEER, RESTRICTED, ROOT, VARIANTS, build_children,
-                                chart, crd_objects, of_kind, one, operator_pod, render, render_raw)
+from test_chart_support import (
+    ALL_ON,
+    CHART,
+    NAMESPACE,
+    PROMETHEUS_PEER,
+    RESTRICTED,
+    ROOT,
+    VARIANTS,
+    build_children,
+    chart,
+    crd_objects,
+    of_kind,
+    one,
+    operator_pod,
+    render,
+    render_raw,
+)
 
 helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk is in the dev extra: pip install -e '.[dev]'")
 kv = pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate is in the dev extra")
@@ -36,8 +50,17 @@ MIN_KUBE = Version("1.29")
 def test_defaults_render_the_operator_rbac_profiler_and_dashboards() -> None:
     objs = render()
     kinds = sorted({o["kind"] for o in objs})
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "CustomResourceDefinition", "Role",
-                     "RoleBinding", "Service", "ServiceAccount", "StatefulSet"]
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ConfigMap",
+        "CustomResourceDefinition",
+        "Role",
+        "RoleBinding",
+        "Service",
+        "ServiceAccount",
+        "StatefulSet",
+    ]
     sts = one(objs, "StatefulSet", "exitplan-operator", NAMESPACE)
     assert sts["spec"]["replicas"] == 1
     assert one(objs, "CustomResourceDefinition")["metadata"]["name"] == "clusterkopfpeerings.kopf.dev"
@@ -60,9 +83,17 @@ def test_every_toggle_on_renders_monitors_policies_and_peering() -> None:
     assert pm["spec"]["namespaceSelector"]["matchNames"] == ["default", "ml-serving"]
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
     # per namespace: deny + router + one per split + metrics; plus the operator's
-    names = sorted(o["metadata"]["name"] for o in of_kind(objs, "NetworkPolicy") if o["metadata"]["namespace"] == "default")
-    assert names == sorted(["exitplan-data-plane-deny", "exitplan-router", "exitplan-data-plane-metrics",
-                            *(f"exitplan-worker-split-{s}" for s in range(4))])
+    names = sorted(
+        o["metadata"]["name"] for o in of_kind(objs, "NetworkPolicy") if o["metadata"]["namespace"] == "default"
+    )
+    assert names == sorted(
+        [
+            "exitplan-data-plane-deny",
+            "exitplan-router",
+            "exitplan-data-plane-metrics",
+            *(f"exitplan-worker-split-{s}" for s in range(4)),
+        ]
+    )
     assert one(objs, "NetworkPolicy", "exitplan-operator", NAMESPACE)
     assert one(objs, "StatefulSet")["spec"]["replicas"] == 3
     assert {o["metadata"]["namespace"] for o in of_kind(objs, "ConfigMap")} == {"monitoring"}
@@ -70,9 +101,15 @@ def test_every_toggle_on_renders_monitors_policies_and_peering() -> None:
 
 
 def test_toggles_off_render_only_the_operator() -> None:
-    objs = render({"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "ops"},
-                   "profiler": {"create": False}, "dashboards": {"enabled": False},
-                   "leaderElection": {"enabled": False}})
+    objs = render(
+        {
+            "rbac": {"create": False},
+            "serviceAccount": {"create": False, "name": "ops"},
+            "profiler": {"create": False},
+            "dashboards": {"enabled": False},
+            "leaderElection": {"enabled": False},
+        }
+    )
     assert sorted(o["kind"] for o in objs) == ["Service", "StatefulSet"]
     pod = operator_pod(objs)
     assert pod["spec"]["serviceAccountName"] == "ops"
@@ -89,7 +126,7 @@ def test_lint_is_clean(variant: str) -> None:
 # ------------------------------------------------------------------ strict validation, 1.29 .. newest
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _schema(filename: str, version: str) -> Any:
     return _original_schema_contents(filename, version)
 
@@ -108,37 +145,83 @@ def validate(obj: dict[str, Any], version: str, monkeypatch: pytest.MonkeyPatch)
 
 # The two prometheus-operator kinds have no schema in kubernetes-validate: their fields used here are
 # checked against the monitoring.coreos.com/v1 API (the subset the chart writes, unknown keys refused).
-_MONITOR_ENDPOINT = {"type": "object", "additionalProperties": False, "required": ["port"],
-                     "properties": {"port": {"type": "string"}, "path": {"type": "string"}, "honorLabels": {"type": "boolean"},
-                                    "interval": {"type": "string", "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}}}
-_SELECTOR = {"type": "object", "additionalProperties": False,
-             "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
-                            "matchExpressions": {"type": "array", "items": {
-                                "type": "object", "required": ["key", "operator"], "additionalProperties": False,
-                                "properties": {"key": {"type": "string"}, "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
-                                               "values": {"type": "array", "items": {"type": "string"}}}}}}}
+_MONITOR_ENDPOINT = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["port"],
+    "properties": {
+        "port": {"type": "string"},
+        "path": {"type": "string"},
+        "honorLabels": {"type": "boolean"},
+        "interval": {"type": "string", "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
+    },
+}
+_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "matchExpressions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["key", "operator"],
+                "additionalProperties": False,
+                "properties": {
+                    "key": {"type": "string"},
+                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                    "values": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+    },
+}
 MONITOR_SCHEMAS = {
-    "ServiceMonitor": {"selector": _SELECTOR, "endpoints": {"type": "array", "minItems": 1, "items": _MONITOR_ENDPOINT}},
-    "PodMonitor": {"selector": _SELECTOR, "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _MONITOR_ENDPOINT}},
+    "ServiceMonitor": {
+        "selector": _SELECTOR,
+        "endpoints": {"type": "array", "minItems": 1, "items": _MONITOR_ENDPOINT},
+    },
+    "PodMonitor": {
+        "selector": _SELECTOR,
+        "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _MONITOR_ENDPOINT},
+    },
 }
 
 
 def validate_monitor(obj: dict[str, Any]) -> None:
     import jsonschema
 
-    spec_props = {**MONITOR_SCHEMAS[obj["kind"]],
-                  "namespaceSelector": {"type": "object", "additionalProperties": False,
-                                        "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}}}
-    schema = {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "additionalProperties": False,
-              "properties": {"apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": obj["kind"]},
-                             "metadata": {"type": "object", "required": ["name", "namespace"]},
-                             "spec": {"type": "object", "additionalProperties": False, "required": ["selector"],
-                                      "properties": spec_props}}}
+    spec_props = {
+        **MONITOR_SCHEMAS[obj["kind"]],
+        "namespaceSelector": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}},
+        },
+    }
+    schema = {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": obj["kind"]},
+            "metadata": {"type": "object", "required": ["name", "namespace"]},
+            "spec": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["selector"],
+                "properties": spec_props,
+            },
+        },
+    }
     jsonschema.validate(obj, schema)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_every_object_validates_strictly_for_each_kubernetes_version(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_object_validates_strictly_for_each_kubernetes_version(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     objs = render(VARIANTS[variant]) + crd_objects()
     versions = kube_versions()
     assert versions[0] == "1.29.0" and Version(versions[-1]) >= Version("1.37"), versions
@@ -152,7 +235,9 @@ def test_every_object_validates_strictly_for_each_kubernetes_version(variant: st
                 validate(obj, version, monkeypatch)
             except kv.ValidationError as err:
                 path = ".".join(str(p) for p in err.path)
-                pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} invalid for Kubernetes {version}: {path}: {err.message}")
+                pytest.fail(
+                    f"{obj['kind']}/{obj['metadata']['name']} invalid for Kubernetes {version}: {path}: {err.message}"
+                )
             checked += 1
     assert checked >= len(versions) * 10
 
@@ -184,8 +269,10 @@ BAD_VALUES = [
     ({"operator": {"replicas": 3}, "leaderElection": {"enabled": False}}, "/leaderElection/enabled"),
     ({"operator": {"image": {"repository": "r", "pullPolicy": "Sometimes"}}}, "/operator/image/pullPolicy"),
     ({"operator": {"metricsPort": 80}}, "/operator/metricsPort"),
-    ({"operator": {"securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": False}}},
-     "/operator/securityContext/readOnlyRootFilesystem"),
+    (
+        {"operator": {"securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": False}}},
+        "/operator/securityContext/readOnlyRootFilesystem",
+    ),
     ({"operator": {"podSecurityContext": {"runAsNonRoot": False}}}, "/operator/podSecurityContext/runAsNonRoot"),
     ({"namespaces": {"services": ["Team_A"]}}, "/namespaces/services/0"),
     ({"namespaces": {"services": ["a"], "restrictWatch": True}, "operator": {"replicas": 2}}, "/operator/replicas"),
@@ -266,7 +353,10 @@ def test_operator_pod_has_secure_defaults() -> None:
             assert sc["capabilities"] == {"drop": ["ALL"]}
             assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
             assert container["readinessProbe"]["httpGet"]["port"] == "metrics"
-            assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}  # kopf's liveness endpoint
+            assert container["livenessProbe"]["httpGet"] == {
+                "path": "/healthz",
+                "port": "health",
+            }  # kopf's liveness endpoint
         assert not any("hostPath" in v for v in pod["volumes"])
 
 
@@ -303,7 +393,12 @@ def test_operator_args_are_accepted_by_the_cli() -> None:
     assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     params = _parse_cli(_expand(pod["args"], {"POD_INDEX": "2"}))
     assert params["command"] == "operator"
-    assert (params["peering"], params["priority"], params["metrics_port"], params["verbose"]) == ("exitplan", 2, 9090, True)
+    assert (params["peering"], params["priority"], params["metrics_port"], params["verbose"]) == (
+        "exitplan",
+        2,
+        9090,
+        True,
+    )
     assert params["namespace"] == []  # cluster-wide
     restricted = operator_pod(render(RESTRICTED))["spec"]["containers"][0]
     params = _parse_cli(restricted["args"])
@@ -315,8 +410,13 @@ def test_operator_gets_the_data_plane_image_through_the_env_the_builders_read() 
     pod = operator_pod(render({"dataPlane": {"image": {"repository": "registry.local/exitplan-worker", "tag": "e2e"}}}))
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     code = "from exitplan.operator import builders; print(builders.IMAGE)"
-    got = subprocess.run([sys.executable, "-c", code], env={**os.environ, "EXITPLAN_IMAGE": env["EXITPLAN_IMAGE"]},
-                         capture_output=True, text=True, check=True).stdout.strip()
+    got = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "EXITPLAN_IMAGE": env["EXITPLAN_IMAGE"]},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert got == "registry.local/exitplan-worker:e2e"
 
 
@@ -355,8 +455,12 @@ def selects(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
         return False
     for expr in selector.get("matchExpressions") or []:
         key, op, values = expr["key"], expr["operator"], expr.get("values") or []
-        ok = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
-              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        ok = {
+            "In": labels.get(key) in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
         if not ok:
             return False
     return True
@@ -390,13 +494,23 @@ def _rule_allows(rule: dict[str, Any], peers_key: str, other: Pod, port: int, pr
 
 def allowed(policies: list[dict[str, Any]], src: Pod, dst: Pod, port: int, proto: str = "TCP") -> bool:
     """Whether NetworkPolicies let `src` open a connection to `dst`:`port` (egress of src and ingress of dst)."""
+
     def side(pod: Pod, kind: str, rules_key: str, peers_key: str, other: Pod) -> bool:
-        mine = [p for p in policies if p["metadata"]["namespace"] == pod.namespace
-                and selects(p["spec"]["podSelector"], pod.labels) and kind in p["spec"]["policyTypes"]]
+        mine = [
+            p
+            for p in policies
+            if p["metadata"]["namespace"] == pod.namespace
+            and selects(p["spec"]["podSelector"], pod.labels)
+            and kind in p["spec"]["policyTypes"]
+        ]
         if not mine:
             return True  # not isolated
-        return any(_rule_allows(rule, peers_key, other, port, proto, pod.namespace)
-                   for p in mine for rule in p["spec"].get(rules_key) or [])
+        return any(
+            _rule_allows(rule, peers_key, other, port, proto, pod.namespace)
+            for p in mine
+            for rule in p["spec"].get(rules_key) or []
+        )
+
     return side(src, "Egress", "egress", "to", dst) and side(dst, "Ingress", "ingress", "from", src)
 
 
@@ -425,26 +539,26 @@ def test_network_policies_allow_exactly_the_data_plane_paths() -> None:
     stranger = Pod("intruder", "default", {"app": "other"})
     dns = Pod("coredns", "kube-system", {"k8s-app": "kube-dns"})
 
-    assert allowed(policies, router, workers[0], port)                       # router -> split 0
+    assert allowed(policies, router, workers[0], port)  # router -> split 0
     for s in range(1, 5):
-        assert not allowed(policies, router, workers[s], port)               # ... and no further
+        assert not allowed(policies, router, workers[s], port)  # ... and no further
     for s in range(0, 3):
-        assert allowed(policies, workers[s], workers[s + 1], port)           # split S -> S+1
-        assert not allowed(policies, workers[s + 1], workers[s], port)       # never backwards
-    assert not allowed(policies, workers[0], workers[2], port)               # no skipping a split
-    assert not allowed(policies, workers[3], workers[4], port)               # past maxSplits: denied
+        assert allowed(policies, workers[s], workers[s + 1], port)  # split S -> S+1
+        assert not allowed(policies, workers[s + 1], workers[s], port)  # never backwards
+    assert not allowed(policies, workers[0], workers[2], port)  # no skipping a split
+    assert not allowed(policies, workers[3], workers[4], port)  # past maxSplits: denied
     for s in range(0, 4):
-        assert allowed(policies, workers[s], router, port)                   # shadow feedback
-        assert allowed(policies, workers[s], dns, 53, "UDP")                 # split Services by name
+        assert allowed(policies, workers[s], router, port)  # shadow feedback
+        assert allowed(policies, workers[s], dns, 53, "UDP")  # split Services by name
         assert not allowed(policies, stranger, workers[s], port)
         assert not allowed(policies, client, workers[s], port)
-        assert allowed(policies, prometheus, workers[s], port)               # metricsFrom
-    assert allowed(policies, client, router, port)                           # routerIngressFrom
+        assert allowed(policies, prometheus, workers[s], port)  # metricsFrom
+    assert allowed(policies, client, router, port)  # routerIngressFrom
     assert not allowed(policies, stranger, router, port)
-    assert allowed(policies, operator, router, port)                         # observations
+    assert allowed(policies, operator, router, port)  # observations
     assert allowed(policies, prometheus, operator, 9090)
     assert not allowed(policies, stranger, operator, 9090)
-    assert not allowed(policies, router, stranger, port)                     # router egress: split 0 only
+    assert not allowed(policies, router, stranger, port)  # router egress: split 0 only
     # the profiling Job is not a router or worker: its API calls are not blocked
     assert allowed(policies, profiler, Pod("apiserver", "default", {"component": "kube-apiserver"}), 443)
 
@@ -452,8 +566,11 @@ def test_network_policies_allow_exactly_the_data_plane_paths() -> None:
 def test_router_is_open_to_everyone_when_no_ingress_peers_are_named() -> None:
     children, _ = build_children(splits=2)
     policies = of_kind(render({"networkPolicy": {"enabled": True}}), "NetworkPolicy")
-    router = next(Pod("r", "default", d["spec"]["template"]["metadata"]["labels"]) for d in children
-                  if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("router"))
+    router = next(
+        Pod("r", "default", d["spec"]["template"]["metadata"]["labels"])
+        for d in children
+        if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("router")
+    )
     assert allowed(policies, Pod("curl", "anywhere", {}), router, 8080)
 
 
@@ -483,8 +600,14 @@ def test_values_file_documents_every_value() -> None:
             continue  # comments, list items and parent keys; leaves are checked
         indent = len(line) - len(line.lstrip())
         j = i - 1
-        while j >= 0 and lines[j].strip() and not lines[j].strip().startswith("#") and \
-                len(lines[j]) - len(lines[j].lstrip()) >= indent and ":" in lines[j] and not lines[j].rstrip().endswith(":"):
+        while (
+            j >= 0
+            and lines[j].strip()
+            and not lines[j].strip().startswith("#")
+            and len(lines[j]) - len(lines[j].lstrip()) >= indent
+            and ":" in lines[j]
+            and not lines[j].rstrip().endswith(":")
+        ):
             j -= 1  # a run of sibling keys under one comment (e.g. labelValue after label)
         if j < 0 or not (lines[j].strip().startswith("#") or lines[j].rstrip().endswith(":")):
             undocumented.append(stripped)

@@ -17,21 +17,34 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "exitplan"
 RELEASE, NAMESPACE = "exitplan", "exitplan-system"
 
-PROMETHEUS_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
-                   "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+PROMETHEUS_PEER = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+}
 CLIENT_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "clients"}}}
 
 ALL_ON: dict[str, Any] = {
-    "operator": {"replicas": 3, "verbose": True, "podAnnotations": {"example.com/team": "ml"},
-                 "nodeSelector": {"kubernetes.io/os": "linux"},
-                 "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "control", "effect": "NoSchedule"}],
-                 "priorityClassName": "system-cluster-critical", "imagePullSecrets": [{"name": "regcred"}]},
+    "operator": {
+        "replicas": 3,
+        "verbose": True,
+        "podAnnotations": {"example.com/team": "ml"},
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "control", "effect": "NoSchedule"}],
+        "priorityClassName": "system-cluster-critical",
+        "imagePullSecrets": [{"name": "regcred"}],
+    },
     "leaderElection": {"enabled": True, "installPeeringCRD": True},
     "namespaces": {"services": ["default", "ml-serving"]},
-    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
-                "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
-    "networkPolicy": {"enabled": True, "maxSplits": 4, "metricsFrom": [PROMETHEUS_PEER],
-                      "routerIngressFrom": [CLIENT_PEER]},
+    "metrics": {
+        "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+        "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+    },
+    "networkPolicy": {
+        "enabled": True,
+        "maxSplits": 4,
+        "metricsFrom": [PROMETHEUS_PEER],
+        "routerIngressFrom": [CLIENT_PEER],
+    },
     "dashboards": {"enabled": True, "namespace": "monitoring"},
     "serviceAccount": {"create": True, "annotations": {"example.com/role": "operator"}},
 }
@@ -85,8 +98,12 @@ def of_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 
 def one(objs: list[dict[str, Any]], kind: str, name: str | None = None, namespace: str | None = None) -> dict[str, Any]:
-    found = [o for o in of_kind(objs, kind) if (name is None or o["metadata"]["name"] == name)
-             and (namespace is None or o["metadata"].get("namespace") == namespace)]
+    found = [
+        o
+        for o in of_kind(objs, kind)
+        if (name is None or o["metadata"]["name"] == name)
+        and (namespace is None or o["metadata"].get("namespace") == namespace)
+    ]
     assert len(found) == 1, f"expected one {kind} {name or ''} in {namespace or 'any namespace'}, found {len(found)}"
     return found[0]
 
@@ -101,13 +118,25 @@ def build_children(splits: int = 5) -> tuple[list[dict[str, Any]], dict[str, Any
     from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
     from exitplan.operator import builders
 
-    spec = EarlyExitServiceSpec.model_validate({"model": {"name": "minilm", "bundle": "/var/lib/exitplan/bundles/minilm"},
-                                                "slo": {"latencyMs": 100}, "pools": [{"name": "gpu-a"}]})
-    plan = Plan(service="minilm", model="minilm",
-                splits=[SplitPlan(index=i, first_block=i, last_block=i) for i in range(splits)],
-                buckets=[128], cells=[Cell(split=i, bucket=128, pool="gpu-a", replicas=1, batch_size=8) for i in range(splits)])
-    owner = {"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService",
-             "metadata": {"name": "minilm", "namespace": "default", "uid": "0000-1111"}}
+    spec = EarlyExitServiceSpec.model_validate(
+        {
+            "model": {"name": "minilm", "bundle": "/var/lib/exitplan/bundles/minilm"},
+            "slo": {"latencyMs": 100},
+            "pools": [{"name": "gpu-a"}],
+        }
+    )
+    plan = Plan(
+        service="minilm",
+        model="minilm",
+        splits=[SplitPlan(index=i, first_block=i, last_block=i) for i in range(splits)],
+        buckets=[128],
+        cells=[Cell(split=i, bucket=128, pool="gpu-a", replicas=1, batch_size=8) for i in range(splits)],
+    )
+    owner = {
+        "apiVersion": "exitplan.io/v1alpha1",
+        "kind": "EarlyExitService",
+        "metadata": {"name": "minilm", "namespace": "default", "uid": "0000-1111"},
+    }
     pools = {"gpu-a": GPUPoolSpec(capacity=8)}
     children = builders.build_children(owner, spec, plan, pools)
     job = builders.build_profile_job(owner, spec, "gpu-a", pools["gpu-a"], builders.profile_name("minilm", "gpu-a"))

@@ -11,6 +11,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+from dataplane_helpers import deployment, service_spec
 from typer.testing import CliRunner
 
 from exitplan.api.bundle import BundleError, read_manifest
@@ -19,8 +20,6 @@ from exitplan.cli import app
 from exitplan.client.bench import BenchError, BenchSetup, find_capacity, router_observations, run_bench
 from exitplan.client.texts import build_inputs, load_pool
 from exitplan.localrun.service_setup import ServiceSetup, single_split_plan
-
-from dataplane_helpers import deployment, service_spec
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +33,9 @@ def manifest(minilm_bundle):
 
 @pytest.fixture(scope="module")
 def served(minilm_bundle, manifest, tmp_path_factory):
-    spec = service_spec(minilm_bundle, slo_ms=SLO_MS).model_copy(update={"workload": Workload(length_buckets=[32, 128])})
+    spec = service_spec(minilm_bundle, slo_ms=SLO_MS).model_copy(
+        update={"workload": Workload(length_buckets=[32, 128])}
+    )
     setup = ServiceSetup("bench-test", spec, minilm_bundle, manifest)
     thresholds = {r.name: 0.9 for r in manifest.exit_ramps()}
     plan = single_split_plan(setup, thresholds=thresholds, replicas=1, batch_size=8, reason="bench test")
@@ -105,7 +106,17 @@ def test_without_exits_every_answer_is_the_full_models(served, setup, manifest, 
     _set_thresholds(served.url, {r: 2.0 for r in exit_ramps})
     try:
         single = run_bench(served.url, "minilm", served.bundle, setup=setup, rps=20.0, limit=30, slo_ms=SLO_MS, seed=2)
-        joined = run_bench(served.url, "minilm", served.bundle, setup=setup, rps=20.0, limit=30, slo_ms=SLO_MS, seed=3, length_mode="clip")
+        joined = run_bench(
+            served.url,
+            "minilm",
+            served.bundle,
+            setup=setup,
+            rps=20.0,
+            limit=30,
+            slo_ms=SLO_MS,
+            seed=3,
+            length_mode="clip",
+        )
     finally:
         _set_thresholds(served.url, {r: 0.9 for r in exit_ramps})
     for report in (single, joined):
@@ -121,9 +132,11 @@ def test_without_exits_every_answer_is_the_full_models(served, setup, manifest, 
 def test_a_burst_far_above_capacity_is_shed_with_explicit_overload_errors(served, setup, tmp_path):
     trace = tmp_path / "burst.jsonl"
     rng = np.random.default_rng(0)
-    trace.write_text("".join(
-        json.dumps({"timestamp": 0.0005 * i, "input_length": int(rng.integers(8, 128))}) + "\n" for i in range(200)
-    ))
+    trace.write_text(
+        "".join(
+            json.dumps({"timestamp": 0.0005 * i, "input_length": int(rng.integers(8, 128))}) + "\n" for i in range(200)
+        )
+    )
     report = run_bench(served.url, "minilm", served.bundle, trace, setup=setup, length_mode="clip", slo_ms=SLO_MS)
     assert report.requests == 200
     _assert_all_answered(report)
@@ -133,8 +146,17 @@ def test_a_burst_far_above_capacity_is_shed_with_explicit_overload_errors(served
 
 
 def test_capacity_search_then_1_2x_capacity_loses_nothing(served, setup, shared_trace):
-    result = find_capacity(served.url, "minilm", served.bundle, setup=setup, start_rps=8.0, factor=2.0, step_duration=2.0,
-                           max_steps=3, slo_ms=SLO_MS)
+    result = find_capacity(
+        served.url,
+        "minilm",
+        served.bundle,
+        setup=setup,
+        start_rps=8.0,
+        factor=2.0,
+        step_duration=2.0,
+        max_steps=3,
+        slo_ms=SLO_MS,
+    )
     assert 1 <= len(result.steps) <= 3
     assert [round(s.offered_rps) for s in result.steps] == [8 * 2**i for i in range(len(result.steps))]
     assert result.capacity_rps == max(s.goodput_rps for s in result.steps)
@@ -145,16 +167,35 @@ def test_capacity_search_then_1_2x_capacity_loses_nothing(served, setup, shared_
     if len(result.steps) < 3:
         last = result.steps[-1]
         assert last.error_total > 0 or last.goodput_rps <= 1.05 * max(s.goodput_rps for s in result.steps[:-1])
-    report = run_bench(served.url, "minilm", served.bundle, setup=setup, rps=1.2 * result.capacity_rps, duration=2.0, slo_ms=SLO_MS)
+    report = run_bench(
+        served.url, "minilm", served.bundle, setup=setup, rps=1.2 * result.capacity_rps, duration=2.0, slo_ms=SLO_MS
+    )
     _assert_all_answered(report)
 
 
 def test_cli_writes_the_report_as_json(served, minilm_bundle, tmp_path, shared_trace):
     out = tmp_path / "bench.json"
-    done = CliRunner().invoke(app, [
-        "bench", "--url", served.url, "--model", "minilm", "--bundle", str(minilm_bundle), "--rps", "20", "--limit", "25",
-        "--duration", "0", "--json", str(out), "--no-progress",
-    ])
+    done = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--url",
+            served.url,
+            "--model",
+            "minilm",
+            "--bundle",
+            str(minilm_bundle),
+            "--rps",
+            "20",
+            "--limit",
+            "25",
+            "--duration",
+            "0",
+            "--json",
+            str(out),
+            "--no-progress",
+        ],
+    )
     assert done.exit_code == 0, done.output
     doc = json.loads(out.read_text())
     assert doc["requests"] == 25 and doc["accounted"] == 25 and doc["lost"] == 0
@@ -163,7 +204,9 @@ def test_cli_writes_the_report_as_json(served, minilm_bundle, tmp_path, shared_t
 
 
 def test_cli_names_what_is_wrong(served, minilm_bundle):
-    done = CliRunner().invoke(app, ["bench", "--url", served.url, "--model", "nope", "--bundle", str(minilm_bundle), "--limit", "5"])
+    done = CliRunner().invoke(
+        app, ["bench", "--url", served.url, "--model", "nope", "--bundle", str(minilm_bundle), "--limit", "5"]
+    )
     assert done.exit_code == 2
     assert "404" in done.output and "--model" in done.output
     with pytest.raises(BenchError, match="cannot reach the router"):
@@ -174,10 +217,12 @@ def test_fixed_size_model_bench(digits_bundle, setup, tmp_path, shared_trace):
     """A model without a sequence axis: held-out images in seeded order, checked against the full model."""
     manifest = read_manifest(digits_bundle)
     spec = service_spec(digits_bundle, slo_ms=SLO_MS).model_copy(
-        update={"model": service_spec(digits_bundle).model.model_copy(update={"name": "digits"})})
+        update={"model": service_spec(digits_bundle).model.model_copy(update={"name": "digits"})}
+    )
     setup_ = ServiceSetup("bench-digits", spec, digits_bundle, manifest)
-    plan = single_split_plan(setup_, thresholds={r.name: 2.0 for r in manifest.exit_ramps()}, replicas=1, batch_size=8,
-                             reason="bench test")
+    plan = single_split_plan(
+        setup_, thresholds={r.name: 2.0 for r in manifest.exit_ramps()}, replicas=1, batch_size=8, reason="bench test"
+    )
     with deployment(digits_bundle, plan, spec, tmp_path) as dep:
         report = run_bench(dep.url, "digits", digits_bundle, rps=20.0, limit=40, slo_ms=SLO_MS, seed=4)
         with pytest.raises(BundleError, match="labels"):  # a setup made for another router is re-read for this one

@@ -11,7 +11,7 @@ import json
 import pytest
 from aiohttp import web
 
-from exitplan.client.loadgen import replay, parse_answer
+from exitplan.client.loadgen import parse_answer, replay
 from exitplan.client.texts import text_body
 
 
@@ -81,8 +81,16 @@ async def test_every_request_ends_as_exactly_one_classified_outcome(server):
     assert len(seen) == len(modes)
     kinds = {m: o.kind for m, o in zip(modes, outcomes)}
     assert kinds == {
-        "ok": "ok", "wait-for-later": "ok", "hang": "lost", "shed": "overload", "shed-bare": "overload",
-        "bad": "bad_request", "boom": "server_error", "garbage": "invalid", "drop": "transport", "later": "ok",
+        "ok": "ok",
+        "wait-for-later": "ok",
+        "hang": "lost",
+        "shed": "overload",
+        "shed-bare": "overload",
+        "bad": "bad_request",
+        "boom": "server_error",
+        "garbage": "invalid",
+        "drop": "transport",
+        "later": "ok",
     }
     by_mode = dict(zip(modes, outcomes))
     assert by_mode["shed"].retry_after == "1" and by_mode["shed-bare"].retry_after is None

@@ -10,12 +10,17 @@ from exitplan.client.report import latency_summary, run_seconds, summarize
 
 
 def _ok(i, sent, latency_ms, label="pos", ramp="ramp1"):
-    return Outcome(i, scheduled_s=sent, sent_s=sent, kind="ok", status=200, done_s=sent + latency_ms / 1000, label=label, ramp=ramp)
+    return Outcome(
+        i, scheduled_s=sent, sent_s=sent, kind="ok", status=200, done_s=sent + latency_ms / 1000, label=label, ramp=ramp
+    )
 
 
 def _outcomes():
     # 10 requests, one every 0.1 s: 6 results (10..60 ms), 2 overloads (one without Retry-After), a 502, a lost one
-    out = [_ok(i, 0.1 * i, 10.0 * (i + 1), label="pos" if i % 2 == 0 else "neg", ramp=["ramp0", "ramp1", "final"][i % 3]) for i in range(6)]
+    out = [
+        _ok(i, 0.1 * i, 10.0 * (i + 1), label="pos" if i % 2 == 0 else "neg", ramp=["ramp0", "ramp1", "final"][i % 3])
+        for i in range(6)
+    ]
     out.append(Outcome(6, 0.6, 0.6, "overload", 429, 0.601, retry_after="1", error="bucket 32 cannot answer"))
     out.append(Outcome(7, 0.7, 0.7, "overload", 503, 0.702, error="router at its limit"))
     out.append(Outcome(8, 0.8, 0.8, "server_error", 502, 0.85, error="worker died"))
@@ -104,5 +109,14 @@ def test_helpers():
     assert latency_summary([0.001, 0.003])["mean"] == pytest.approx(2.0)
     assert run_seconds([Outcome(0, 2.0, 2.0, "lost")]) == 2.0
     assert [classify(s) for s in (429, 503, 400, 404, 413, 502, 504, 500, 204)] == [
-        "overload", "overload", "bad_request", "bad_request", "bad_request", "server_error", "server_error", "server_error", "invalid"]
+        "overload",
+        "overload",
+        "bad_request",
+        "bad_request",
+        "bad_request",
+        "server_error",
+        "server_error",
+        "server_error",
+        "invalid",
+    ]
     assert np.isfinite(summarize([_ok(0, 0.0, 5.0)], ["a"], ["a"], slo_ms=10).goodput_rps)

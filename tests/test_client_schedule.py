@@ -15,7 +15,9 @@ def trace(tmp_path):
     gaps = rng.exponential(0.25, size=2000) * np.where(rng.random(2000) < 0.1, 6.0, 1.0)
     times = np.cumsum(gaps)
     path = tmp_path / "t.jsonl"
-    path.write_text("".join(json.dumps({"timestamp": float(t), "input_length": int(rng.integers(10, 4000))}) + "\n" for t in times))
+    path.write_text(
+        "".join(json.dumps({"timestamp": float(t), "input_length": int(rng.integers(10, 4000))}) + "\n" for t in times)
+    )
     return path
 
 

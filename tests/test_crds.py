@@ -11,14 +11,16 @@ import yaml
 from pydantic import ValidationError
 
 from exitplan.api.resources import KINDS as MODELS
-from exitplan.operator import crdgen
 from exitplan.devcluster.schema import Validator
+from exitplan.operator import crdgen
 
 
 def test_generated_crds_are_up_to_date(tmp_path):
     assert crdgen.main(["--out", str(tmp_path)]) == 0
     for name, text in crdgen.render_all().items():
-        assert (crdgen.CRD_DIR / name).read_text() == text, f"crds/{name} is stale: run python -m exitplan.operator.crdgen"
+        assert (crdgen.CRD_DIR / name).read_text() == text, (
+            f"crds/{name} is stale: run python -m exitplan.operator.crdgen"
+        )
     assert crdgen.main(["--check"]) == 0
 
 
@@ -50,8 +52,15 @@ def test_ees_crd_has_status_subresource_printer_columns_and_descriptions():
     crd = crdgen.build_crd("EarlyExitService")
     (version,) = crd["spec"]["versions"]
     assert version["subresources"] == {"status": {}}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == \
-        ["Phase", "Goodput", "P99-ms", "Splits", "Replicas", "Cost/h", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Phase",
+        "Goodput",
+        "P99-ms",
+        "Splits",
+        "Replicas",
+        "Cost/h",
+        "Age",
+    ]
     props = version["schema"]["openAPIV3Schema"]["properties"]
     slo = props["spec"]["properties"]["slo"]
     assert slo["required"] == ["latencyMs"] and "p99" in slo["properties"]["latencyMs"]["description"]
@@ -65,13 +74,23 @@ def test_ees_crd_has_status_subresource_printer_columns_and_descriptions():
 
 
 VALID = {
-    "EarlyExitService": {"model": {"name": "minilm", "bundle": "/b"}, "slo": {"latencyMs": 100, "slackMs": 5},
-                         "workload": {"lengthBuckets": [32, 64, 128]}, "pools": [{"name": "a"}, {"name": "b", "maxGpus": 2}],
-                         "planner": {"mode": "advisory", "drift": {"lengthScore": 0.2}}},
+    "EarlyExitService": {
+        "model": {"name": "minilm", "bundle": "/b"},
+        "slo": {"latencyMs": 100, "slackMs": 5},
+        "workload": {"lengthBuckets": [32, 64, 128]},
+        "pools": [{"name": "a"}, {"name": "b", "maxGpus": 2}],
+        "planner": {"mode": "advisory", "drift": {"lengthScore": 0.2}},
+    },
     "GPUPool": {"capacity": 4, "nodeSelector": {"pool": "a"}, "tolerations": [{"key": "gpu", "operator": "Exists"}]},
-    "ModelProfile": {"model": "m", "pool": "a", "batchSizes": [1, 4], "seqLens": [32],
-                     "blocks": [{"name": "b0", "latencyMs": [[1.0, 2.0]]}, {"name": "b1", "latencyMs": [[1, 2]]}],
-                     "ramps": [{"name": "r0", "afterBlock": 0, "latencyMs": [[0.1, 0.2]]}], "survival": [0.5]},
+    "ModelProfile": {
+        "model": "m",
+        "pool": "a",
+        "batchSizes": [1, 4],
+        "seqLens": [32],
+        "blocks": [{"name": "b0", "latencyMs": [[1.0, 2.0]]}, {"name": "b1", "latencyMs": [[1, 2]]}],
+        "ramps": [{"name": "r0", "afterBlock": 0, "latencyMs": [[0.1, 0.2]]}],
+        "survival": [0.5],
+    },
 }
 
 # (kind, dotted path, value): each makes the spec invalid for pydantic; the CRD must reject it too.

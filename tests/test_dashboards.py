@@ -18,16 +18,34 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from test_chart_support import CHART, ROOT
 
 METRIC_MODULES = (ROOT / "worker_image" / "metrics.py", ROOT / "operator" / "metrics.py")
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 TARGET_LABELS = {"namespace", "pod", "container", "instance", "job", "endpoint"}
 """Labels Prometheus adds to every scraped series (PodMonitor/ServiceMonitor target labels)."""
-KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or",
-            "unless", "inf", "nan", "atan2"}
-SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("", "_sum", "_count")}
+KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "offset",
+    "and",
+    "or",
+    "unless",
+    "inf",
+    "nan",
+    "atan2",
+}
+SUFFIXES = {
+    "counter": ("_total",),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("", "_sum", "_count"),
+}
 
 
 @dataclass(frozen=True)
@@ -59,7 +77,12 @@ def _label_names(expr: ast.expr, fn: ast.AST, where: str) -> list[str]:
         return out
     if isinstance(expr, ast.Dict):
         return [k.value for k in expr.keys if isinstance(k, ast.Constant)]
-    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id in ("list", "tuple") and expr.args:
+    if (
+        isinstance(expr, ast.Call)
+        and isinstance(expr.func, ast.Name)
+        and expr.func.id in ("list", "tuple")
+        and expr.args
+    ):
         return _label_names(expr.args[0], fn, where)
     if isinstance(expr, (ast.Name, ast.Attribute)):
         target = ast.unparse(expr)
@@ -81,13 +104,17 @@ def declared() -> dict[str, Declared]:
                     continue
                 where = f"{path.relative_to(ROOT)}:{call.lineno}"
                 assert call.args and isinstance(call.args[0], ast.Constant), f"{where}: metric name is not a literal"
-                labels_arg = call.args[2] if len(call.args) > 2 else next(
-                    (k.value for k in call.keywords if k.arg == "labelnames"), ast.List(elts=[]))
+                labels_arg = (
+                    call.args[2]
+                    if len(call.args) > 2
+                    else next((k.value for k in call.keywords if k.arg == "labelnames"), ast.List(elts=[]))
+                )
                 name = call.args[0].value
                 decl = Declared(name, ctor.lower(), frozenset(_label_names(labels_arg, fn, where)), where)
                 previous = out.get(name)
-                assert previous is None or previous == Declared(name, decl.kind, decl.labels, previous.where), \
+                assert previous is None or previous == Declared(name, decl.kind, decl.labels, previous.where), (
                     f"{name} declared twice with different types or labels: {previous.where}, {where}"
+                )
                 out.setdefault(name, decl)
     return out
 
@@ -130,7 +157,7 @@ def parse_promql(expr: str) -> Query:
     metrics = set()
     for match in _IDENT.finditer(text):
         name = match.group(1)
-        after = text[match.end():].lstrip()
+        after = text[match.end() :].lstrip()
         if after.startswith("(") or name in KEYWORDS or name == "VAR" or re.fullmatch(r"\d.*", name):
             continue  # functions and aggregations, keywords, variables
         metrics.add(name)
@@ -138,14 +165,18 @@ def parse_promql(expr: str) -> Query:
 
 
 def test_parse_promql_finds_metrics_and_labels() -> None:
-    q = parse_promql('histogram_quantile(0.99, sum by (le, bucket) (rate(exitplan_router_latency_seconds_bucket'
-                     '{namespace=~"$namespace", service=~"a,b"}[$__rate_interval]))) / ignoring(x) group_left '
-                     'max(up offset 5m) and on(pod) vector(1)')
+    q = parse_promql(
+        "histogram_quantile(0.99, sum by (le, bucket) (rate(exitplan_router_latency_seconds_bucket"
+        '{namespace=~"$namespace", service=~"a,b"}[$__rate_interval]))) / ignoring(x) group_left '
+        "max(up offset 5m) and on(pod) vector(1)"
+    )
     assert q.metrics == {"exitplan_router_latency_seconds_bucket", "up"}
     assert q.labels == {"le", "bucket", "namespace", "service", "x", "pod"}
     q = parse_promql('label_values(exitplan_router_requests_total{namespace=~"$namespace"}, service)')
     assert q.metrics == {"exitplan_router_requests_total"} and q.labels == {"namespace", "service"}
-    assert parse_promql("1 - max(exitplan_router_accuracy_budget_ratio)").metrics == {"exitplan_router_accuracy_budget_ratio"}
+    assert parse_promql("1 - max(exitplan_router_accuracy_budget_ratio)").metrics == {
+        "exitplan_router_accuracy_budget_ratio"
+    }
 
 
 def test_declarations_are_read_from_the_code() -> None:
@@ -182,8 +213,11 @@ def panels(dash: dict[str, Any]) -> list[dict[str, Any]]:
 
 def queries(dash: dict[str, Any]) -> list[tuple[str, str, str | None]]:
     """(where, expr, legendFormat) of every panel target and query variable."""
-    out = [(f"panel {p['id']} {p['title']!r} target {t['refId']}", t["expr"], t.get("legendFormat"))
-           for p in panels(dash) for t in p.get("targets", [])]
+    out = [
+        (f"panel {p['id']} {p['title']!r} target {t['refId']}", t["expr"], t.get("legendFormat"))
+        for p in panels(dash)
+        for t in p.get("targets", [])
+    ]
     for var in dash.get("templating", {}).get("list", []):
         if var["type"] == "query":
             query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
@@ -232,13 +266,15 @@ def test_every_query_names_only_declared_metrics_and_their_labels(path: Path) ->
 def test_an_undeclared_metric_or_suffix_is_caught() -> None:
     index = series_index()
     assert "exitplan_router_latency_seconds_bucket" in index
-    assert "exitplan_router_slo_seconds_bucket" not in index     # a gauge has no buckets
-    assert "exitplan_router_requests" not in index               # a counter is queried with _total
-    assert "exitplan_plan_cost_per_hour" in index                # the operator declares it
-    assert "exitplan_made_up_things_total" not in index          # never declared
+    assert "exitplan_router_slo_seconds_bucket" not in index  # a gauge has no buckets
+    assert "exitplan_router_requests" not in index  # a counter is queried with _total
+    assert "exitplan_plan_cost_per_hour" in index  # the operator declares it
+    assert "exitplan_made_up_things_total" not in index  # never declared
     problems, _ = check_query("q", "sum by (split) (rate(exitplan_router_exits_total[5m]))", "{{pool}}")
-    assert problems == ["q: label 'pool' is not on ['exitplan_router_exits_total']",
-                        "q: label 'split' is not on ['exitplan_router_exits_total']"]
+    assert problems == [
+        "q: label 'pool' is not on ['exitplan_router_exits_total']",
+        "q: label 'split' is not on ['exitplan_router_exits_total']",
+    ]
     problems, _ = check_query("q", "histogram_quantile(0.9, rate(exitplan_router_slo_seconds_bucket[5m]))", None)
     assert len(problems) == 1 and "is a gauge" in problems[0]
 
@@ -287,7 +323,11 @@ def test_the_issue_panels_are_there() -> None:
         "goodput": {"exitplan_router_within_slo_total", "exitplan_router_inputs_total"},
         "latency vs SLO": {"exitplan_router_latency_seconds_bucket", "exitplan_router_slo_seconds"},
         "exits per ramp": {"exitplan_router_exits_total"},
-        "batch vs plan": {"exitplan_worker_batch_inputs_sum", "exitplan_worker_batch_inputs_count", "exitplan_worker_planned_batch_inputs"},
+        "batch vs plan": {
+            "exitplan_worker_batch_inputs_sum",
+            "exitplan_worker_batch_inputs_count",
+            "exitplan_worker_planned_batch_inputs",
+        },
         "accuracy vs budget": {"exitplan_router_agreement_ratio", "exitplan_router_accuracy_budget_ratio"},
         "lengths and drift": {"exitplan_router_length_inputs_total", "exitplan_drift_length_score_ratio"},
         "replicas": {"exitplan_cell_desired_replicas", "exitplan_cell_ready_replicas"},

@@ -16,13 +16,12 @@ import time
 import aiohttp
 import numpy as np
 import pytest
+from dataplane_helpers import deployment, heldout_texts, ramp_names, service_spec, two_split_plan
 from tokenizers import Tokenizer
 
 from exitplan.api.bundle import read_manifest
 from exitplan.worker.bundle_runtime import BundleRuntime, pad_batch, softmax
 from exitplan.worker.discovery import StragglerPolicy
-
-from dataplane_helpers import deployment, heldout_texts, ramp_names, service_spec, two_split_plan
 
 pytestmark = pytest.mark.slow
 
@@ -111,9 +110,17 @@ async def test_chained_splits_give_the_full_models_outputs(served, minilm_bundle
         ({"inputs": [{"name": "text", "datatype": "FP32", "shape": [1], "data": [1.0]}]}, 400, "BYTES"),
         ({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": ["one"]}]}, 400, "needs 2 values"),
         ({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["   "]}]}, 400, "empty"),
-        ({"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 3], "data": [101, "x", 102]}]}, 400, "INT64"),
+        (
+            {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 3], "data": [101, "x", 102]}]},
+            400,
+            "INT64",
+        ),
         ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1], "data": [0]}]}, 400, "'text'"),
-        ({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["word " * 300]}]}, 400, "largest bucket"),
+        (
+            {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["word " * 300]}]},
+            400,
+            "largest bucket",
+        ),
     ],
 )
 async def test_bad_requests_get_400_with_the_reason(served, body, status, reason):
@@ -126,7 +133,9 @@ async def test_bad_requests_get_400_with_the_reason(served, body, status, reason
 
 async def test_truncation_on_request_serves_long_text(served):
     async with aiohttp.ClientSession() as s:
-        status, answer, _ = await post(s, f"{served.url}/v2/models/minilm/infer", infer_body(["word " * 300], truncate=True))
+        status, answer, _ = await post(
+            s, f"{served.url}/v2/models/minilm/infer", infer_body(["word " * 300], truncate=True)
+        )
     assert status == 200 and outputs(answer)["label"]["data"][0]
 
 
@@ -142,8 +151,17 @@ async def test_unknown_model_is_404_and_big_body_is_413(served):
 
 async def test_token_ids_are_accepted(served):
     async with aiohttp.ClientSession() as s:
-        body = {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [2, 4], "data": [101, 2307, 2154, 102, 101, 6659, 102, 0]},
-                           {"name": "attention_mask", "datatype": "INT64", "shape": [2, 4], "data": [1, 1, 1, 1, 1, 1, 1, 0]}]}
+        body = {
+            "inputs": [
+                {
+                    "name": "input_ids",
+                    "datatype": "INT64",
+                    "shape": [2, 4],
+                    "data": [101, 2307, 2154, 102, 101, 6659, 102, 0],
+                },
+                {"name": "attention_mask", "datatype": "INT64", "shape": [2, 4], "data": [1, 1, 1, 1, 1, 1, 1, 0]},
+            ]
+        }
         status, answer, _ = await post(s, f"{served.url}/v2/models/minilm/infer", body)
     assert status == 200 and outputs(answer)["label"]["shape"] == [2]
 
@@ -163,6 +181,7 @@ async def test_model_metadata_and_health(served, ramps):
 async def test_hot_threshold_update_changes_exits_without_dropping_requests(served, texts, ramps):
     url = f"{served.url}/v2/models/minilm/infer"
     async with aiohttp.ClientSession() as s:
+
         async def load():
             return await post_each(s, url, texts)
 
@@ -173,13 +192,19 @@ async def test_hot_threshold_update_changes_exits_without_dropping_requests(serv
         assert all(st == 200 for st, _, _ in during)  # nothing dropped while thresholds changed
         after = await load()
         assert {outputs(a)["exit_ramp"]["data"][0] for _, a, _ in after} == {ramps[0]}
-        status, _, _ = await post(s, f"{served.url}/v1/thresholds", {"thresholds": {r: 2.0 for r in ramps}, "reason": "test"})
+        status, _, _ = await post(
+            s, f"{served.url}/v1/thresholds", {"thresholds": {r: 2.0 for r in ramps}, "reason": "test"}
+        )
         assert status == 200
         bad, answer, _ = await post(s, f"{served.url}/v1/thresholds", {"thresholds": {"nope": 0.5}})
         assert bad == 400 and "nope" in answer["error"]
         async with s.get(f"{served.url}/metrics") as resp:
             text = await resp.text()
-        updates = [line for line in text.splitlines() if line.startswith("exitplan_threshold_updates_total{") and 'reason="test"' in line]
+        updates = [
+            line
+            for line in text.splitlines()
+            if line.startswith("exitplan_threshold_updates_total{") and 'reason="test"' in line
+        ]
         assert updates and float(updates[0].split()[-1]) >= 2
 
 
@@ -281,10 +306,11 @@ async def test_a_worker_killed_under_load_loses_no_request(served, texts):
     short = [t for t in texts if len(t.split()) < 12] or texts
     url = f"{served.url}/v2/models/minilm/infer"
     async with aiohttp.ClientSession() as s:
+
         async def one(t):
             try:
                 return (await post(s, url, infer_body([t]), timeout=aiohttp.ClientTimeout(total=30)))[0]
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return "lost"
 
         tasks = []

@@ -14,8 +14,21 @@ def _result(goodput_at_top: dict[str, float], errors_at_top: dict[str, int] | No
         for load, offered in ((0.5, 5.0), (1.6, 16.0)):
             goodput = goodput_at_top[config] if load == 1.6 else offered
             errors = (errors_at_top or {}).get(config, 0) if load == 1.6 else 0
-            result.runs.append({"config": config, "load": load, "offered_rps": offered, "goodput_rps": goodput, "p50_ms": 30.0,
-                                "p95_ms": 60.0, "p99_ms": 90.0, "agreement_drop": 0.0, "overload": errors, "errors": errors, "lost": 0})
+            result.runs.append(
+                {
+                    "config": config,
+                    "load": load,
+                    "offered_rps": offered,
+                    "goodput_rps": goodput,
+                    "p50_ms": 30.0,
+                    "p95_ms": 60.0,
+                    "p99_ms": 90.0,
+                    "agreement_drop": 0.0,
+                    "overload": errors,
+                    "errors": errors,
+                    "lost": 0,
+                }
+            )
     return result
 
 

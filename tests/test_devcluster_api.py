@@ -12,8 +12,8 @@ import aiohttp
 import kmock
 import pytest
 
-from exitplan.operator import crdgen
 from exitplan.devcluster.apiserver import ApiServer
+from exitplan.operator import crdgen
 from exitplan.operator.kube import ApiError, KubeClient, path
 
 
@@ -25,8 +25,12 @@ async def api():
 
 
 def cm(name: str, labels: dict | None = None, **extra) -> dict:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": "default",
-                                                                  "labels": labels or {}, **extra}, "data": {"a": "1"}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": "default", "labels": labels or {}, **extra},
+        "data": {"a": "1"},
+    }
 
 
 async def test_metadata_and_generation(api):
@@ -56,9 +60,15 @@ async def test_conflicts_and_errors(api):
         await client.merge_patch(url, {"metadata": {"resourceVersion": "1"}, "data": {"a": "3"}})
     assert err.value.status == 409
     with pytest.raises(ApiError) as err:  # kopf's optimistic concurrency: a failed JSON-patch test
-        await client.request("PATCH", url, body=[{"op": "test", "path": "/metadata/resourceVersion", "value": "1"},
-                                                 {"op": "replace", "path": "/data/a", "value": "9"}],
-                             content_type="application/json-patch+json")
+        await client.request(
+            "PATCH",
+            url,
+            body=[
+                {"op": "test", "path": "/metadata/resourceVersion", "value": "1"},
+                {"op": "replace", "path": "/data/a", "value": "9"},
+            ],
+            content_type="application/json-patch+json",
+        )
     assert err.value.status == 422
     assert (await client.get(url))["data"]["a"] == "1"
     with pytest.raises(ApiError) as err:
@@ -71,8 +81,12 @@ async def test_conflicts_and_errors(api):
 
 async def test_status_subresource_separates_spec_and_status(api):
     _, client = api
-    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "namespace": "default"},
-           "spec": {"replicas": 1}}
+    dep = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "d", "namespace": "default"},
+        "spec": {"replicas": 1},
+    }
     await client.create(dep)
     url = path("Deployment", "default", "d")
     await client.merge_patch(url, {"spec": {"replicas": 2}, "status": {"readyReplicas": 5}})
@@ -148,14 +162,23 @@ async def test_crds_register_validate_and_print(api):
     pool = {"apiVersion": "exitplan.io/v1alpha1", "kind": "GPUPool", "metadata": {"name": "a"}, "spec": {"capacity": 2}}
     created = await client.create(pool)
     assert created["spec"]["gpuResource"] == "nvidia.com/gpu"  # schema defaults applied
-    bad = {"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService", "metadata": {"name": "s", "namespace": "default"},
-           "spec": {"model": {"name": "m", "bundle": "/b"}, "slo": {"latencyMs": 10, "slackMs": 20}, "pools": [{"name": "a"}]}}
+    bad = {
+        "apiVersion": "exitplan.io/v1alpha1",
+        "kind": "EarlyExitService",
+        "metadata": {"name": "s", "namespace": "default"},
+        "spec": {
+            "model": {"name": "m", "bundle": "/b"},
+            "slo": {"latencyMs": 10, "slackMs": 20},
+            "pools": [{"name": "a"}],
+        },
+    }
     with pytest.raises(ApiError) as err:
         await client.create(bad)
     assert err.value.status == 422 and "slackMs must be below" in err.value.message
     async with aiohttp.ClientSession() as session:
-        async with session.get(server.url + path("GPUPool"),
-                               headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"}) as rsp:
+        async with session.get(
+            server.url + path("GPUPool"), headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"}
+        ) as rsp:
             table = await rsp.json()
     assert table["kind"] == "Table"
     assert [c["name"] for c in table["columnDefinitions"]][:3] == ["Name", "Capacity", "GPU"]
@@ -185,8 +208,11 @@ async def test_kubectl_applies_and_prints_columns(api, tmp_path):
     pool.write_text("apiVersion: exitplan.io/v1alpha1\nkind: GPUPool\nmetadata: {name: gpu-a}\nspec: {capacity: 3}\n")
 
     def kubectl(*args: str) -> str:
-        proc = subprocess.run(["kubectl", f"--kubeconfig={kubeconfig}", f"--cache-dir={tmp_path / 'cache'}", *args],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            ["kubectl", f"--kubeconfig={kubeconfig}", f"--cache-dir={tmp_path / 'cache'}", *args],
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 

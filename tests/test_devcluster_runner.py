@@ -33,15 +33,31 @@ HANG_GUARD = 60.0  # stops a broken run from hanging; not a performance assertio
 
 def deployment(name: str, replicas: int, version: str = "1") -> dict:
     labels = {"app": name}
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": "default"},
-            "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
-                     "template": {"metadata": {"labels": labels, "annotations": {"v": version}}, "spec": {
-                         "containers": [{"name": "c", "command": [sys.executable, "-c", POD],
-                                         "args": ["/etc/conf/value.txt"],
-                                         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-                                         "readinessProbe": {"httpGet": {"path": "/ready", "port": 8080}},
-                                         "volumeMounts": [{"name": "conf", "mountPath": "/etc/conf"}]}],
-                         "volumes": [{"name": "conf", "configMap": {"name": "conf"}}]}}}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels, "annotations": {"v": version}},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "c",
+                            "command": [sys.executable, "-c", POD],
+                            "args": ["/etc/conf/value.txt"],
+                            "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+                            "readinessProbe": {"httpGet": {"path": "/ready", "port": 8080}},
+                            "volumeMounts": [{"name": "conf", "mountPath": "/etc/conf"}],
+                        }
+                    ],
+                    "volumes": [{"name": "conf", "configMap": {"name": "conf"}}],
+                },
+            },
+        },
+    }
 
 
 async def wait_for(what: str, probe) -> object:
@@ -59,8 +75,9 @@ async def wait_for(what: str, probe) -> object:
 async def dev(tmp_path):
     ready: asyncio.Future[DevCluster] = asyncio.get_running_loop().create_future()
     stop = asyncio.Event()
-    task = asyncio.create_task(run_dev_cluster(tmp_path / "kubeconfig", tmp_path / "work", stop=stop,
-                                               on_ready=lambda c: ready.set_result(c)))
+    task = asyncio.create_task(
+        run_dev_cluster(tmp_path / "kubeconfig", tmp_path / "work", stop=stop, on_ready=lambda c: ready.set_result(c))
+    )
     cluster = await asyncio.wait_for(ready, 30)
     async with KubeClient(cluster.url) as client:
         yield cluster, client
@@ -75,13 +92,31 @@ async def get_json(url: str) -> dict:
 
 async def test_deployments_run_scale_and_report(dev):
     cluster, client = dev
-    await client.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "conf", "namespace": "default"},
-                         "data": {"value.txt": "first"}})
+    await client.create(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "conf", "namespace": "default"},
+            "data": {"value.txt": "first"},
+        }
+    )
     await client.create(deployment("web", 2))
-    await client.create({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "default"},
-                         "spec": {"selector": {"app": "web"}, "ports": [{"port": 8080}]}})
-    await client.create({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web-peers", "namespace": "default"},
-                         "spec": {"clusterIP": "None", "selector": {"app": "web"}, "ports": [{"port": 8080}]}})
+    await client.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "web", "namespace": "default"},
+            "spec": {"selector": {"app": "web"}, "ports": [{"port": 8080}]},
+        }
+    )
+    await client.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "web-peers", "namespace": "default"},
+            "spec": {"clusterIP": "None", "selector": {"app": "web"}, "ports": [{"port": 8080}]},
+        }
+    )
     url = path("Deployment", "default", "web")
 
     async def ready_count() -> int:
@@ -97,8 +132,7 @@ async def test_deployments_run_scale_and_report(dev):
     assert len(resolve["web-peers.default.svc"]) == 2 and resolve["web.default.svc"] == [f"127.0.0.1:{svc}"]
     # ConfigMap change -> the mounted file changes in place (pods re-read it)
     await client.merge_patch(path("ConfigMap", "default", "conf"), {"data": {"value.txt": "second"}})
-    await wait_for("the file follows the ConfigMap",
-                   lambda: _eq(_field(f"http://127.0.0.1:{svc}/", "conf"), "second"))
+    await wait_for("the file follows the ConfigMap", lambda: _eq(_field(f"http://127.0.0.1:{svc}/", "conf"), "second"))
     # Scale down -> one process stops
     await client.merge_patch(url, {"spec": {"replicas": 1}})
     await wait_for("1 replica left", lambda: _eq(_status(client, url, "replicas"), 1))
@@ -114,18 +148,37 @@ async def test_jobs_run_containers_in_order_and_report(dev, tmp_path):
     cluster, client = dev
     out = tmp_path / "out.txt"
     step = "import sys; open(sys.argv[1], 'a').write(sys.argv[2])"
-    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j", "namespace": "default"},
-           "spec": {"backoffLimit": 0, "template": {"spec": {
-               "restartPolicy": "Never",
-               "initContainers": [{"name": "one", "command": [sys.executable, "-c", step], "args": [str(out), "a"]}],
-               "containers": [{"name": "two", "command": [sys.executable, "-c", step], "args": [str(out), "b"]}]}}}}
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "j", "namespace": "default"},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "initContainers": [
+                        {"name": "one", "command": [sys.executable, "-c", step], "args": [str(out), "a"]}
+                    ],
+                    "containers": [{"name": "two", "command": [sys.executable, "-c", step], "args": [str(out), "b"]}],
+                }
+            },
+        },
+    }
     await client.create(job)
     status = await wait_for("the Job completes", lambda: _job_done(client, "j"))
     assert status["succeeded"] == 1 and status["conditions"][0]["type"] == "Complete"
     assert out.read_text() == "ab"
     failing = {**job, "metadata": {"name": "bad", "namespace": "default"}}
-    failing["spec"] = {"backoffLimit": 1, "template": {"spec": {"restartPolicy": "Never", "containers": [
-        {"name": "x", "command": [sys.executable, "-c", "raise SystemExit(3)"]}]}}}
+    failing["spec"] = {
+        "backoffLimit": 1,
+        "template": {
+            "spec": {
+                "restartPolicy": "Never",
+                "containers": [{"name": "x", "command": [sys.executable, "-c", "raise SystemExit(3)"]}],
+            }
+        },
+    }
     await client.create(failing)
     status = await wait_for("the Job fails", lambda: _job_done(client, "bad"))
     assert status["conditions"][0]["type"] == "Failed" and status["failed"] == 2
@@ -168,15 +221,26 @@ async def test_a_crash_looping_pod_stalls_the_rollout(dev):
     Deployment reports Progressing=False with the pod's last log line, as a stalled rollout."""
     _, client = dev
     crash = "import sys; print('error: bundle /nowhere/minilm: no bundle.yaml'); sys.exit(2)"
-    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "crash", "namespace": "default"},
-           "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "crash"}},
-                    "template": {"metadata": {"labels": {"app": "crash"}},
-                                 "spec": {"containers": [{"name": "c", "command": [sys.executable, "-c", crash]}]}}}}
+    dep = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "crash", "namespace": "default"},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": "crash"}},
+            "template": {
+                "metadata": {"labels": {"app": "crash"}},
+                "spec": {"containers": [{"name": "c", "command": [sys.executable, "-c", crash]}]},
+            },
+        },
+    }
     await client.create(dep)
 
     async def stalled():
         status = (await client.get(path("Deployment", "default", "crash"))).get("status") or {}
-        return next((c for c in status.get("conditions", []) if c["type"] == "Progressing" and c["status"] == "False"), None)
+        return next(
+            (c for c in status.get("conditions", []) if c["type"] == "Progressing" and c["status"] == "False"), None
+        )
 
     cond = await wait_for("the rollout stalls", stalled)
     assert cond["reason"] == "ProgressDeadlineExceeded" and "no bundle.yaml" in cond["message"]

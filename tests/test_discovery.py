@@ -54,7 +54,9 @@ async def test_a_pod_that_misses_one_info_probe_stays_in_the_hop_and_a_dead_one_
 
     async def info(_: web.Request) -> web.Response:
         await asyncio.sleep(state["delay"])
-        return web.json_response({"split": 1, "bucket": 32, "pool": "cpu", "batchSize": 8, "capacity": 100.0, "ready": True})
+        return web.json_response(
+            {"split": 1, "bucket": 32, "pool": "cpu", "batchSize": 8, "capacity": 100.0, "ready": True}
+        )
 
     app = web.Application()
     app.router.add_get("/v1/info", info)

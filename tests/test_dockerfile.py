@@ -206,7 +206,9 @@ def pod_commands() -> list[list[str]]:
     from test_chart_support import build_children
 
     children, job = build_children(splits=2)
-    pods = [d["spec"]["template"]["spec"] for d in children if d["kind"] == "Deployment"] + [job["spec"]["template"]["spec"]]
+    pods = [d["spec"]["template"]["spec"] for d in children if d["kind"] == "Deployment"] + [
+        job["spec"]["template"]["spec"]
+    ]
     return [c["command"] for p in pods for c in (*p.get("initContainers", []), *p["containers"])]
 
 
@@ -222,7 +224,15 @@ def dockerignore_excludes(path: str, patterns: list[str]) -> bool:
         negate = pattern.startswith("!")
         body = pattern[1:] if negate else pattern
         body = body.strip("/")
-        regex = "^" + re.escape(body).replace(r"\*\*/", "(?:.*/)?").replace(r"\*\*", ".*").replace(r"\*", "[^/]*").replace(r"\?", "[^/]") + "$"
+        regex = (
+            "^"
+            + re.escape(body)
+            .replace(r"\*\*/", "(?:.*/)?")
+            .replace(r"\*\*", ".*")
+            .replace(r"\*", "[^/]*")
+            .replace(r"\?", "[^/]")
+            + "$"
+        )
         if any(re.match(regex, p) for p in prefixes):
             excluded = not negate
     return excluded
@@ -275,8 +285,22 @@ def test_the_wheel_builds_from_the_build_context(dockerfile: tuple[dict, dict[st
             if not dockerignore_excludes(rel, patterns):
                 (src / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, src / rel)
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "--wheel-dir", str(tmp_path / "wheels"), str(src)], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "--wheel-dir",
+            str(tmp_path / "wheels"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     wheel = tmp_path / "wheels" / f"exitplan-{PYPROJECT['project']['version']}-py3-none-any.whl"
     assert wheel.exists(), sorted(p.name for p in (tmp_path / "wheels").iterdir())
@@ -284,7 +308,9 @@ def test_the_wheel_builds_from_the_build_context(dockerfile: tuple[dict, dict[st
     for package in PYPROJECT["tool"]["setuptools"]["packages"]:
         assert f"{package.replace('.', '/')}/__init__.py" in names, f"{package} missing from the wheel"
     assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
-    meta = zipfile.ZipFile(wheel).read(f"exitplan-{PYPROJECT['project']['version']}.dist-info/entry_points.txt").decode()
+    meta = (
+        zipfile.ZipFile(wheel).read(f"exitplan-{PYPROJECT['project']['version']}.dist-info/entry_points.txt").decode()
+    )
     assert "exitplan = exitplan.cli:app" in meta
 
 
@@ -296,7 +322,9 @@ def _command_imports(module: str, function: str = "command") -> set[str]:
     `module:name` for `from module import name`."""
     path = ROOT / "exitplan" / f"{module}.py"
     tree = ast.parse(path.read_text())
-    fn = next(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == function)
+    fn = next(
+        n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == function
+    )
     out = set()
     for node in ast.walk(fn):
         if isinstance(node, ast.Import):
@@ -317,7 +345,9 @@ def blocked_modules(installed: set[str]) -> set[str]:
     extras = PYPROJECT["project"]["optional-dependencies"]
     keep = {dist_name(r) for r in PYPROJECT["project"]["dependencies"]}
     keep |= {dist_name(r) for e in installed for r in extras[e]}
-    left_out = {dist_name(r) for e, reqs in extras.items() if e not in installed for r in reqs if not r.startswith("exitplan")}
+    left_out = {
+        dist_name(r) for e, reqs in extras.items() if e not in installed for r in reqs if not r.startswith("exitplan")
+    }
     left_out -= keep
     out = set()
     for top, dists in md.packages_distributions().items():
@@ -326,7 +356,7 @@ def blocked_modules(installed: set[str]) -> set[str]:
     return out
 
 
-IMPORT_PROBE = textwrap.dedent('''
+IMPORT_PROBE = textwrap.dedent("""
     import importlib, importlib.abc, sys, json
     blocked, modules, commands = json.loads(sys.argv[1])
     class Block(importlib.abc.MetaPathFinder):
@@ -346,19 +376,25 @@ IMPORT_PROBE = textwrap.dedent('''
         result = CliRunner().invoke(app, [*args, "--help"])
         assert result.exit_code == 0, (args, result.output, result.exception)
     print("ok")
-''')
+""")
 
 
 def probe(installed: set[str], modules: list[str], commands: list[list[str]]) -> subprocess.CompletedProcess:
     blocked = sorted(blocked_modules(installed))
-    return subprocess.run([sys.executable, "-c", IMPORT_PROBE, json.dumps([blocked, modules, commands])],
-                          capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE, json.dumps([blocked, modules, commands])],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
 
 
 def test_operator_image_imports_what_exitplan_operator_runs() -> None:
     assert "torch" in blocked_modules(TARGETS["operator"])
-    modules = sorted({"exitplan.cli", "exitplan.operator.handlers", "exitplan.operator.peering",
-                      *_command_imports("cmd_operator")} - {"__future__:annotations"})
+    modules = sorted(
+        {"exitplan.cli", "exitplan.operator.handlers", "exitplan.operator.peering", *_command_imports("cmd_operator")}
+        - {"__future__:annotations"}
+    )
     out = probe(TARGETS["operator"], modules, [["operator"]])
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 

@@ -18,8 +18,13 @@ T0 = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
 
 
 def report(trigger: str = "length-drift") -> DriftReport:
-    return DriftReport(length_score=0.4 if trigger == "length-drift" else 0.05, survival_error=0.02, p99_ms=40.0,
-                       requests=500, trigger=trigger)
+    return DriftReport(
+        length_score=0.4 if trigger == "length-drift" else 0.05,
+        survival_error=0.02,
+        p99_ms=40.0,
+        requests=500,
+        trigger=trigger,
+    )
 
 
 def at(seconds: float) -> dt.datetime:
@@ -27,13 +32,34 @@ def at(seconds: float) -> dt.datetime:
     return T0 + dt.timedelta(seconds=seconds)
 
 
-def run(state: DriftState, rep: DriftReport | None, now: float, *, active: bool = True, phase: Phase = Phase.ready,
-        proposal: Proposal | None = None, last_replan_time: str = REPLANNED, after_replan: float = 1000.0,
-        ramps: tuple[str, ...] = (), tuning: bool = False):
+def run(
+    state: DriftState,
+    rep: DriftReport | None,
+    now: float,
+    *,
+    active: bool = True,
+    phase: Phase = Phase.ready,
+    proposal: Proposal | None = None,
+    last_replan_time: str = REPLANNED,
+    after_replan: float = 1000.0,
+    ramps: tuple[str, ...] = (),
+    tuning: bool = False,
+):
     """decide, booked in `state` as the loop books it."""
-    action = decide(state, rep, LIMITS, now, active=active, phase=phase, proposal=proposal,
-                    last_replan_time=last_replan_time, period=PERIOD, ramps=ramps, tuning=tuning,
-                    utc_now=at(after_replan))
+    action = decide(
+        state,
+        rep,
+        LIMITS,
+        now,
+        active=active,
+        phase=phase,
+        proposal=proposal,
+        last_replan_time=last_replan_time,
+        period=PERIOD,
+        ramps=ramps,
+        tuning=tuning,
+        utc_now=at(after_replan),
+    )
     state.record(action, now)
     return action
 
@@ -98,8 +124,10 @@ def test_a_capped_replan_steps_once_a_period_and_only_when_ready():
     step = run(state, None, 100.0 + PERIOD, proposal=pending)
     assert step.do is Do.step and step.reason == "length-drift" and step.plans
     assert step.event.reason == "ReplanStep"
-    assert step.event.message == ("length-drift: the next step toward the capped re-plan "
-                                  "(move cap: 2 more replica move(s) follow in later periods)")
+    assert step.event.message == (
+        "length-drift: the next step toward the capped re-plan "
+        "(move cap: 2 more replica move(s) follow in later periods)"
+    )
     # a trigger during a capped re-plan is its next step (no cooldown check), named after the trigger
     trig = run(DriftState(), report("slo-risk"), 100.0, proposal=pending, after_replan=1.0)
     assert trig.do is Do.step and trig.reason == "slo-risk" and trig.event.reason == "Replan"
@@ -154,8 +182,16 @@ def test_slices_keep_two_periods_and_full_blocks_feed_the_survival_series():
     state = DriftState()
 
     def piece(since: float, until: float, n: int) -> Observations:
-        return Observations(service="s", model="m", since=since, until=until, requests=n, survival=[0.5, 0.2],
-                            length_buckets=[32], length_histogram=[n])
+        return Observations(
+            service="s",
+            model="m",
+            since=since,
+            until=until,
+            requests=n,
+            survival=[0.5, 0.2],
+            length_buckets=[32],
+            length_histogram=[n],
+        )
 
     for t in range(0, 300, 15):
         state.add_slice(piece(t, t + 15, 25), PERIOD)

@@ -105,7 +105,9 @@ async def test_a_kept_connection_the_pod_closed_is_replaced():
 async def test_a_pod_that_closes_after_each_answer_unannounced_is_still_served():
     """The kept connection is dead by the next send (seen at once, or only when the write fails):
     either way the request goes out on a fresh connection and is answered."""
-    server, address = await _raw_server(lambda request: (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n" + request[-2:], True))
+    server, address = await _raw_server(
+        lambda request: (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n" + request[-2:], True)
+    )
     client = HopClient()
     try:
         for k in range(6):
@@ -123,7 +125,11 @@ async def _raw_server(respond) -> tuple[asyncio.Server, str]:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
                 body = await reader.readexactly(length)
                 reply, close = respond(head + body)
                 writer.write(reply)
@@ -139,11 +145,16 @@ async def _raw_server(respond) -> tuple[asyncio.Server, str]:
 
 
 async def test_chunked_and_close_delimited_answers():
-    replies = iter([
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6;x=1\r\n world\r\n0\r\nX-T: 1\r\n\r\n", False),
-        (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\nConnection: close\r\n\r\nbusy", True),
-        (b"HTTP/1.0 200 OK\r\n\r\nuntil the end", True),
-    ])
+    replies = iter(
+        [
+            (
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6;x=1\r\n world\r\n0\r\nX-T: 1\r\n\r\n",
+                False,
+            ),
+            (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\nConnection: close\r\n\r\nbusy", True),
+            (b"HTTP/1.0 200 OK\r\n\r\nuntil the end", True),
+        ]
+    )
     server, address = await _raw_server(lambda _: next(replies))
     client = HopClient()
     try:
@@ -199,7 +210,11 @@ async def test_send_retries_a_5xx_on_another_pod_and_observes_service_time():
             calls.append(name)
             if status != 200:
                 return web.Response(status=status, text="worker is warming up")
-            out = {"results": [{"id": i["id"], "ramp": "final", "final": True} for i in meta["items"]], "service_ms": 3.0, "expected_ms": 1.0}
+            out = {
+                "results": [{"id": i["id"], "ramp": "final", "final": True} for i in meta["items"]],
+                "service_ms": 3.0,
+                "expected_ms": 1.0,
+            }
             return web.Response(body=wire.encode(out, {"logits": tensors["x"] * 2}), content_type=wire.CONTENT_TYPE)
 
         a = web.Application()
@@ -214,8 +229,15 @@ async def test_send_retries_a_5xx_on_another_pod_and_observes_service_time():
     client = HopClient()
     try:
         x = np.arange(6, dtype=np.float32).reshape(2, 3)
-        answer, tensors, peer = await send(client, peers, bucket=16, split=0, items=[HopItem("a"), HopItem("b")],
-                                           tensors={"x": x}, timeout_at=time.time() + 5)
+        answer, tensors, peer = await send(
+            client,
+            peers,
+            bucket=16,
+            split=0,
+            items=[HopItem("a"), HopItem("b")],
+            tensors={"x": x},
+            timeout_at=time.time() + 5,
+        )
         assert calls == ["bad", "good"] and peer.address == good_address
         np.testing.assert_array_equal(tensors["logits"], x * 2)
         assert [r.id for r in answer.results] == ["a", "b"]
@@ -223,7 +245,15 @@ async def test_send_retries_a_5xx_on_another_pod_and_observes_service_time():
         assert [peers.peers[a].running for a in (bad_address, good_address)] == [0, 4]  # each send's load released
         peers.peers[good_address].ready = False
         with pytest.raises(HopFailed, match="503"):
-            await send(client, peers, bucket=16, split=0, items=[HopItem("c")], tensors={"x": x[:1]}, timeout_at=time.time() + 5)
+            await send(
+                client,
+                peers,
+                bucket=16,
+                split=0,
+                items=[HopItem("c")],
+                tensors={"x": x[:1]},
+                timeout_at=time.time() + 5,
+            )
     finally:
         await client.close()
         await bad.cleanup()

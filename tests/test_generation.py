@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from generation_helpers import PROMPTS, tiny_decoder_bundle
 
 from exitplan.api.bundle import BundleError
 from exitplan.worker.generate.decoder import (
@@ -23,8 +24,6 @@ from exitplan.worker.generate.decoder import (
     full_greedy,
 )
 from exitplan.worker.generate.local_pipeline import PipelineEngine, even_stages
-
-from generation_helpers import PROMPTS, tiny_decoder_bundle
 
 TOL = 1e-5
 
@@ -56,8 +55,12 @@ def assert_cache_exact(model: DecoderModel, keys, values, ids, *, complete: bool
         assert lengths == [len(ids)] * len(lengths)
     for block, (k, v) in enumerate(zip(keys, values)):
         n = k.shape[2]
-        np.testing.assert_allclose(k, reference.keys[block][:, :, :n], atol=TOL, rtol=0, err_msg=f"keys of block {block}")
-        np.testing.assert_allclose(v, reference.values[block][:, :, :n], atol=TOL, rtol=0, err_msg=f"values of block {block}")
+        np.testing.assert_allclose(
+            k, reference.keys[block][:, :, :n], atol=TOL, rtol=0, err_msg=f"keys of block {block}"
+        )
+        np.testing.assert_allclose(
+            v, reference.values[block][:, :, :n], atol=TOL, rtol=0, err_msg=f"values of block {block}"
+        )
 
 
 @pytest.mark.parametrize("mode", ["recompute", "pipeline"])
@@ -133,7 +136,10 @@ def test_pipeline_exits_keep_every_cache_complete(pipeline, model, threshold):
 def test_both_modes_agree_token_for_token_at_any_threshold(model, pipeline):
     """Both modes compute exact hidden states, so they make the same exit decisions (no forced full pass here)."""
     for threshold in (0.0, 0.08, 1.0):
-        a = [(e.token_id, e.exit) for e in RecomputeEngine(model, max_pending=64).generate(PROMPTS[2], 16, threshold, ignore_eos=True)]
+        a = [
+            (e.token_id, e.exit)
+            for e in RecomputeEngine(model, max_pending=64).generate(PROMPTS[2], 16, threshold, ignore_eos=True)
+        ]
         b = [(e.token_id, e.exit) for e in pipeline.generate(PROMPTS[2], 16, threshold, ignore_eos=True)]
         assert a == b
 

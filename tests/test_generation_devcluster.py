@@ -17,12 +17,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from generation_helpers import PROMPTS, post, tiny_decoder_bundle
+from test_operator_support import wait_for
 
 from exitplan.operator.kube import ApiError, KubeClient, path
 from exitplan.worker.generate.decoder import DecoderModel, full_greedy
-
-from generation_helpers import PROMPTS, post, tiny_decoder_bundle
-from test_operator_support import wait_for
 
 EXITPLAN = [sys.executable, "-c", "from exitplan.cli import app; app()"]
 GUARD = 180.0  # only stops a broken run from hanging the suite; not a performance assertion
@@ -64,13 +63,25 @@ def stack(tmp_path_factory):
     kubeconfig = tmp / "kubeconfig"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     logs = {name: (tmp / f"{name}.log").open("wb") for name in ("dev-cluster", "operator")}
-    cluster = subprocess.Popen([*EXITPLAN, "dev-cluster", "--kubeconfig", str(kubeconfig), "--workdir", str(tmp / "work")],
-                               stdout=logs["dev-cluster"], stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    cluster = subprocess.Popen(
+        [*EXITPLAN, "dev-cluster", "--kubeconfig", str(kubeconfig), "--workdir", str(tmp / "work")],
+        stdout=logs["dev-cluster"],
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     procs = [cluster]
     try:
         wait("the dev-cluster's kubeconfig", kubeconfig.exists, 60)
-        procs.append(subprocess.Popen([*EXITPLAN, "operator", "--kubeconfig", str(kubeconfig), "--tick", "1", "--metrics-port", "0"],
-                                      stdout=logs["operator"], stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [*EXITPLAN, "operator", "--kubeconfig", str(kubeconfig), "--tick", "1", "--metrics-port", "0"],
+                stdout=logs["operator"],
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        )
         api = Api(kubeconfig)
         yield {"tmp": tmp, "bundle": bundle, "api": api}
         api.close()
@@ -85,32 +96,63 @@ def stack(tmp_path_factory):
                 proc.wait()
         for name, log in logs.items():
             log.close()
-            print(f"---- {name} ----\n" + "\n".join((tmp / f"{name}.log").read_text(errors="replace").splitlines()[-40:]))
+            print(
+                f"---- {name} ----\n" + "\n".join((tmp / f"{name}.log").read_text(errors="replace").splitlines()[-40:])
+            )
 
 
 def test_operator_runs_a_generation_service_that_answers_over_http(stack):
     api: Api = stack["api"]
-    api(api.client.create({"apiVersion": "exitplan.io/v1alpha1", "kind": "GPUPool", "metadata": {"name": "local"},
-                           "spec": {"capacity": 2, "gpuResource": "", "cpu": "1", "memory": "1Gi"}}))
-    api(api.client.create({"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService",
-                           "metadata": {"name": "tweets", "namespace": NS},
-                           "spec": {"model": {"name": "tweets", "bundle": str(stack["bundle"]), "task": "text-generation"},
-                                    "slo": {"latencyMs": 1000}, "pools": [{"name": "local"}]}}))
-    st = wait("the generation service is Ready",
-              lambda: ((api.get("EarlyExitService", "tweets") or {}).get("status") or {}).get("phase") == "Ready"
-              and api.get("EarlyExitService", "tweets")["status"])
+    api(
+        api.client.create(
+            {
+                "apiVersion": "exitplan.io/v1alpha1",
+                "kind": "GPUPool",
+                "metadata": {"name": "local"},
+                "spec": {"capacity": 2, "gpuResource": "", "cpu": "1", "memory": "1Gi"},
+            }
+        )
+    )
+    api(
+        api.client.create(
+            {
+                "apiVersion": "exitplan.io/v1alpha1",
+                "kind": "EarlyExitService",
+                "metadata": {"name": "tweets", "namespace": NS},
+                "spec": {
+                    "model": {"name": "tweets", "bundle": str(stack["bundle"]), "task": "text-generation"},
+                    "slo": {"latencyMs": 1000},
+                    "pools": [{"name": "local"}],
+                },
+            }
+        )
+    )
+    st = wait(
+        "the generation service is Ready",
+        lambda: (
+            ((api.get("EarlyExitService", "tweets") or {}).get("status") or {}).get("phase") == "Ready"
+            and api.get("EarlyExitService", "tweets")["status"]
+        ),
+    )
     assert st["plan"]["splits"] == 1 and "recompute" in st["message"] + json.dumps(st["conditions"])
     stage = api.get("Deployment", "tweets-s0-b512-local")
     assert stage["spec"]["template"]["spec"]["containers"][0]["command"] == ["exitplan", "generate-stage"]
-    port = wait("the router Service's local endpoint", lambda: ((api.get("Service", "tweets") or {}).get("status") or {})
-                .get("loadBalancer", {}).get("ingress"))[0]["ports"][0]["port"]
+    port = wait(
+        "the router Service's local endpoint",
+        lambda: ((api.get("Service", "tweets") or {}).get("status") or {}).get("loadBalancer", {}).get("ingress"),
+    )[0]["ports"][0]["port"]
     url = f"http://127.0.0.1:{port}/v2/models/tweets"
     model = DecoderModel(stack["bundle"])
     expected = full_greedy(model, model.codec.encode(PROMPTS[0]), 10, ignore_eos=True)[0]
-    code, answer = post(f"{url}/generate", {"text_input": PROMPTS[0], "parameters": {"max_tokens": 10, "ignore_eos": True}})
+    code, answer = post(
+        f"{url}/generate", {"text_input": PROMPTS[0], "parameters": {"max_tokens": 10, "ignore_eos": True}}
+    )
     assert code == 200 and answer["token_ids"] == expected, answer
-    request = urllib.request.Request(f"{url}/generate_stream", headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"text_input": PROMPTS[1], "parameters": {"max_tokens": 5}}).encode())
+    request = urllib.request.Request(
+        f"{url}/generate_stream",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"text_input": PROMPTS[1], "parameters": {"max_tokens": 5}}).encode(),
+    )
     with urllib.request.urlopen(request, timeout=60) as r:
         events = [json.loads(line[6:]) for line in r if line.startswith(b"data: ")]
     assert events[-1]["done"] and len(events) == len(events[-1]["token_ids"]) + 1
@@ -125,30 +167,73 @@ def test_a_pipeline_plan_runs_chained_stage_pods(stack):
     bundle = stack["tmp"] / "decoder-measured"
     shutil.copytree(stack["bundle"], bundle)
     (bundle / "profiles").mkdir(exist_ok=True)
-    (bundle / "profiles" / "generation-local.json").write_text(json.dumps({
-        "profile": {"block_ms": [4.0, 4.0, 4.0], "head_ms": {"0": 0.1, "1": 0.1, "2": 0.1}, "decide_share": {"2": 1.0},
-                    "hop_ms": 0.1, "recompute_ratio": 1.0},
-        "thresholds": [{"threshold": 0.8, "disagreement": 0.0, "decide_share": {"0": 0.5, "1": 0.1, "2": 0.4}}]}))
+    (bundle / "profiles" / "generation-local.json").write_text(
+        json.dumps(
+            {
+                "profile": {
+                    "block_ms": [4.0, 4.0, 4.0],
+                    "head_ms": {"0": 0.1, "1": 0.1, "2": 0.1},
+                    "decide_share": {"2": 1.0},
+                    "hop_ms": 0.1,
+                    "recompute_ratio": 1.0,
+                },
+                "thresholds": [{"threshold": 0.8, "disagreement": 0.0, "decide_share": {"0": 0.5, "1": 0.1, "2": 0.4}}],
+            }
+        )
+    )
     if api.get("GPUPool", "local") is None:
-        api(api.client.create({"apiVersion": "exitplan.io/v1alpha1", "kind": "GPUPool", "metadata": {"name": "local"},
-                               "spec": {"capacity": 2, "gpuResource": "", "cpu": "1", "memory": "1Gi"}}))
-    api(api.client.create({"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService",
-                           "metadata": {"name": "piped", "namespace": NS},
-                           "spec": {"model": {"name": "piped", "bundle": str(bundle), "task": "text-generation"},
-                                    "slo": {"latencyMs": 1000}, "pools": [{"name": "local"}], "planner": {"maxSplits": 2}}}))
-    st = wait("the pipeline service is Ready",
-              lambda: ((api.get("EarlyExitService", "piped") or {}).get("status") or {}).get("phase") == "Ready"
-              and api.get("EarlyExitService", "piped")["status"])
+        api(
+            api.client.create(
+                {
+                    "apiVersion": "exitplan.io/v1alpha1",
+                    "kind": "GPUPool",
+                    "metadata": {"name": "local"},
+                    "spec": {"capacity": 2, "gpuResource": "", "cpu": "1", "memory": "1Gi"},
+                }
+            )
+        )
+    api(
+        api.client.create(
+            {
+                "apiVersion": "exitplan.io/v1alpha1",
+                "kind": "EarlyExitService",
+                "metadata": {"name": "piped", "namespace": NS},
+                "spec": {
+                    "model": {"name": "piped", "bundle": str(bundle), "task": "text-generation"},
+                    "slo": {"latencyMs": 1000},
+                    "pools": [{"name": "local"}],
+                    "planner": {"maxSplits": 2},
+                },
+            }
+        )
+    )
+    st = wait(
+        "the pipeline service is Ready",
+        lambda: (
+            ((api.get("EarlyExitService", "piped") or {}).get("status") or {}).get("phase") == "Ready"
+            and api.get("EarlyExitService", "piped")["status"]
+        ),
+    )
     assert st["plan"]["splits"] == 2
-    port = wait("the router Service's local endpoint", lambda: ((api.get("Service", "piped") or {}).get("status") or {})
-                .get("loadBalancer", {}).get("ingress"))[0]["ports"][0]["port"]
+    port = wait(
+        "the router Service's local endpoint",
+        lambda: ((api.get("Service", "piped") or {}).get("status") or {}).get("loadBalancer", {}).get("ingress"),
+    )[0]["ports"][0]["port"]
     url = f"http://127.0.0.1:{port}/v2/models/piped"
     model = DecoderModel(bundle)
     expected = full_greedy(model, model.codec.encode(PROMPTS[2]), 10, ignore_eos=True)[0]
-    code, answer = post(f"{url}/generate", {"text_input": PROMPTS[2], "parameters": {"max_tokens": 10, "threshold": 1.0, "ignore_eos": True}})
+    code, answer = post(
+        f"{url}/generate",
+        {"text_input": PROMPTS[2], "parameters": {"max_tokens": 10, "threshold": 1.0, "ignore_eos": True}},
+    )
     assert code == 200 and answer["token_ids"] == expected, answer
-    code, answer = post(f"{url}/generate", {"text_input": PROMPTS[2], "parameters": {"max_tokens": 10, "ignore_eos": True}})
+    code, answer = post(
+        f"{url}/generate", {"text_input": PROMPTS[2], "parameters": {"max_tokens": 10, "ignore_eos": True}}
+    )
     assert code == 200 and answer["threshold"] == 0.8, answer  # the plan's threshold is the service default
     with urllib.request.urlopen(f"{url}", timeout=30) as r:
         meta = json.loads(r.read())
-    assert meta["parameters"]["mode"] == "pipeline" and meta["parameters"]["splits"] in ([[0, 0], [1, 2]], [[0, 1], [2, 2]])
+    assert meta["parameters"]["mode"] == "pipeline" and meta["parameters"]["splits"] in (
+        [[0, 0], [1, 2]],
+        [[0, 1], [2, 2]],
+    )

@@ -6,12 +6,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from generation_helpers import PROMPTS, tiny_decoder_bundle
 
 from exitplan.planner.generation import GenerationPlanError, GenerationProfile, evaluate, plan_splits
 from exitplan.worker.generate.decoder import DecoderModel
 from exitplan.worker.generate.measure import measure_profile
-
-from generation_helpers import PROMPTS, tiny_decoder_bundle
 
 
 def profile(hop: float = 0.0, shares=None) -> GenerationProfile:
@@ -80,7 +79,9 @@ def test_threshold_is_the_lowest_whose_disagreement_and_every_higher_one_meet_th
     for budget in (0.0, 0.001, 0.005, 0.0055, 0.006, 0.01, 0.02, 0.05, 0.2):
         got = choose_threshold(table, budget)
         # brute force: every point at or above the chosen threshold meets the budget, and no lower one qualifies
-        admissible = [p.threshold for p in table if all(q.disagreement <= budget for q in table if q.threshold >= p.threshold)]
+        admissible = [
+            p.threshold for p in table if all(q.disagreement <= budget for q in table if q.threshold >= p.threshold)
+        ]
         assert got.threshold == min(admissible)
     assert choose_threshold(points((0.5, 0.2)), 0.01).threshold == 1.0  # only a failing point measured: never exit
     with pytest.raises(GenerationPlanError, match="accuracy budget"):
@@ -88,31 +89,57 @@ def test_threshold_is_the_lowest_whose_disagreement_and_every_higher_one_meet_th
 
 
 def spec(pools=(("a", None),), max_splits=4, max_drop=0.01) -> EarlyExitServiceSpec:
-    return EarlyExitServiceSpec.model_validate({
-        "model": {"name": "gen", "bundle": "/b", "task": "text-generation"}, "slo": {"latencyMs": 100},
-        "accuracy": {"maxDrop": max_drop}, "planner": {"maxSplits": max_splits},
-        "pools": [{"name": n, **({"maxGpus": m} if m is not None else {})} for n, m in pools]})
+    return EarlyExitServiceSpec.model_validate(
+        {
+            "model": {"name": "gen", "bundle": "/b", "task": "text-generation"},
+            "slo": {"latencyMs": 100},
+            "accuracy": {"maxDrop": max_drop},
+            "planner": {"maxSplits": max_splits},
+            "pools": [{"name": n, **({"maxGpus": m} if m is not None else {})} for n, m in pools],
+        }
+    )
 
 
 def test_service_plan_ranks_stage_counts_and_places_one_replica_per_stage():
     pools = {"a": GPUPoolSpec(capacity=1, cost_per_hour=2.0), "b": GPUPoolSpec(capacity=4, cost_per_hour=1.0)}
     table = points((0.5, 0.05), (0.8, 0.005), (1.0, 0.0))
     for hop in (0.0, 1.0, 50.0):
-        result = plan_generation("svc", spec((("a", None), ("b", None))), pools, n_blocks=4, exit_ramps=["e0", "e1", "e2"],
-                                 max_context=128, profile=profile(hop), thresholds=table)
+        result = plan_generation(
+            "svc",
+            spec((("a", None), ("b", None))),
+            pools,
+            n_blocks=4,
+            exit_ramps=["e0", "e1", "e2"],
+            max_context=128,
+            profile=profile(hop),
+            thresholds=table,
+        )
         assert result.threshold == 0.8 and result.plan.thresholds == {"e0": 0.8, "e1": 0.8, "e2": 0.8}
         shares = table[1].decide_share
-        brute = min((evaluate(profile(hop).with_shares(shares), c).time_per_token_ms if len(c) > 1 else
-                     evaluate(profile(hop).with_shares(shares), c).decision_ms, len(c))
-                    for s in range(1, 5) for c in _splits(4, s))
+        brute = min(
+            (
+                evaluate(profile(hop).with_shares(shares), c).time_per_token_ms
+                if len(c) > 1
+                else evaluate(profile(hop).with_shares(shares), c).decision_ms,
+                len(c),
+            )
+            for s in range(1, 5)
+            for c in _splits(4, s)
+        )
         assert (result.predicted_ms_per_token, len(result.plan.splits)) == pytest.approx(brute)
         assert [c.pool for c in result.plan.cells] == (["a", "b", "b", "b"][: len(result.plan.splits)])
         assert all(c.replicas == 1 and c.bucket == 128 for c in result.plan.cells)
         assert result.mode == ("recompute" if len(result.plan.splits) == 1 else "pipeline")
         assert generation_threshold(result.plan) == 0.8
     # a big hop makes one stage (KV recomputation) the best
-    assert len(plan_generation("svc", spec(), pools, n_blocks=4, exit_ramps=[], max_context=8,
-                               profile=profile(50.0), thresholds=table).plan.splits) == 1
+    assert (
+        len(
+            plan_generation(
+                "svc", spec(), pools, n_blocks=4, exit_ramps=[], max_context=8, profile=profile(50.0), thresholds=table
+            ).plan.splits
+        )
+        == 1
+    )
 
 
 def test_service_plan_without_measurements_and_its_limits():

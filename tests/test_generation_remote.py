@@ -14,13 +14,12 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestServer
+from generation_helpers import PROMPTS, tiny_decoder_bundle
 
 from exitplan.worker.generate.decoder import DecoderModel, full_greedy
 from exitplan.worker.generate.local_pipeline import PipelineEngine
 from exitplan.worker.generate.remote_pipeline import RemotePipelineEngine
 from exitplan.worker.generate.routes import generation_app
-
-from generation_helpers import PROMPTS, tiny_decoder_bundle
 
 TOL = 1e-5
 EXITPLAN = [sys.executable, "-c", "from exitplan.cli import app; app()"]
@@ -48,8 +47,12 @@ def stages(bundle):
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = [
-        subprocess.Popen([*EXITPLAN, "generate-stage", "--bundle", str(bundle), *c],
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [*EXITPLAN, "generate-stage", "--bundle", str(bundle), *c],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         for c in commands
     ]
     try:

@@ -8,12 +8,11 @@ import json
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from generation_helpers import PROMPTS, tiny_decoder_bundle
 
 from exitplan.worker.generate.decoder import DecoderModel, RecomputeEngine, full_greedy
 from exitplan.worker.generate.local_pipeline import PipelineEngine
 from exitplan.worker.generate.routes import generation_app
-
-from generation_helpers import PROMPTS, tiny_decoder_bundle
 
 NAME = "tiny"
 
@@ -59,7 +58,9 @@ async def test_generate_matches_plain_greedy_and_counts_metrics(served, bundle):
     assert early["exits"][0] == "head" and exited >= 5  # threshold 0: exit0 unless a full pass is forced
     async with session.get("/metrics") as response:
         text = await response.text()
-    assert f'exitplan_generation_tokens_total{{mode="{engine.mode}",ramp="exit0",service="{NAME}"}} {exited:.1f}' in text
+    assert (
+        f'exitplan_generation_tokens_total{{mode="{engine.mode}",ramp="exit0",service="{NAME}"}} {exited:.1f}' in text
+    )
     assert "exitplan_generation_token_seconds_count" in text and 'code="200"' in text
     assert engine.active_caches == 0
 
@@ -117,6 +118,7 @@ async def test_client_disconnect_mid_stream_stops_and_releases_the_cache(served)
     async with session.get("/metrics") as metrics:
         text = await metrics.text()
     assert "exitplan_generation_disconnects_total" in text
+
     def value(prefix: str) -> float:
         return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix + "{"))
 
@@ -131,7 +133,21 @@ def test_cli_generate_prints_tokens_and_rejects_bad_input(bundle, tmp_path):
 
     runner = CliRunner()
     out = tmp_path / "tokens.json"
-    result = runner.invoke(app, ["generate", PROMPTS[0], "--bundle", str(bundle), "--max-tokens", "6", "--threshold", "0.0", "--json", str(out)])
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            PROMPTS[0],
+            "--bundle",
+            str(bundle),
+            "--max-tokens",
+            "6",
+            "--threshold",
+            "0.0",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     events = json.loads(out.read_text())
     assert 1 <= len(events) <= 6 and events[0]["exit"] == "head"

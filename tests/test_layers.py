@@ -46,8 +46,13 @@ CONTRACTS = {
         ("torch", "transformers"),
     ),
     "exitplan.prepare": (
-        ("exitplan.api", "exitplan.planner", "exitplan.prepare", "exitplan.worker.bundle_runtime",
-         "exitplan.worker.generate.decoder"),
+        (
+            "exitplan.api",
+            "exitplan.planner",
+            "exitplan.prepare",
+            "exitplan.worker.bundle_runtime",
+            "exitplan.worker.generate.decoder",
+        ),
         ("kopf", "kubernetes", "aiohttp"),
     ),
     # `exitplan up`'s process runner: what a pod would run, started as local processes
@@ -58,8 +63,13 @@ CONTRACTS = {
     # the emulated cluster: its API server, the local pod runner; the operator's API client and
     # CRD generator to install CRDs, and how to start the CLI's pod commands
     "exitplan.devcluster": (
-        ("exitplan.api", "exitplan.devcluster", "exitplan.operator.kube", "exitplan.operator.crdgen",
-         "exitplan.localrun.deployment"),
+        (
+            "exitplan.api",
+            "exitplan.devcluster",
+            "exitplan.operator.kube",
+            "exitplan.operator.crdgen",
+            "exitplan.localrun.deployment",
+        ),
         ("torch", "transformers"),
     ),
 }
@@ -130,13 +140,19 @@ def test_layer_imports_only_what_its_contract_allows(layer):
 
 
 def test_the_checker_catches_violations():
-    names = imports_of("import kubernetes\nfrom ..operator import reconcile\nfrom .dispatch import choose_bucket\n",
-                       "exitplan.planner.e3", False)
+    names = imports_of(
+        "import kubernetes\nfrom ..operator import reconcile\nfrom .dispatch import choose_bucket\n",
+        "exitplan.planner.e3",
+        False,
+    )
     assert "exitplan.operator" in names and "exitplan.planner.dispatch" in names
     found = violations("exitplan.planner", "exitplan.planner.e3", names)
     assert any("kubernetes" in v for v in found) and any("exitplan.operator" in v for v in found)
-    worker = imports_of("from exitplan.planner.e3 import solve\nfrom exitplan.planner.dispatch import least_loaded\n",
-                        "exitplan.worker.classify.router", False)
+    worker = imports_of(
+        "from exitplan.planner.e3 import solve\nfrom exitplan.planner.dispatch import least_loaded\n",
+        "exitplan.worker.classify.router",
+        False,
+    )
     found = violations("exitplan.worker", "exitplan.worker.classify.router", worker)
     assert found and all("exitplan.planner.e3" in v for v in found)
     sneaky = imports_of("from exitplan.planner import plan_service\n", "exitplan.worker.classify.router", False)

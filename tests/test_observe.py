@@ -18,13 +18,13 @@ def test_wilson_interval_contains_the_estimate_and_narrows_with_samples():
 def test_window_survival_agreement_and_utility():
     w = WindowStats("svc", "m", ["r0", "r1"], [16, 64])
     for _ in range(60):
-        w.record_answer(0, 0.01, True)   # exited at r0
+        w.record_answer(0, 0.01, True)  # exited at r0
     for _ in range(30):
-        w.record_answer(1, 0.02, True)   # exited at r1
+        w.record_answer(1, 0.02, True)  # exited at r1
     for _ in range(10):
         w.record_answer(2, 0.50, False)  # final head
     for i in range(50):
-        w.record_feedback(0, i < 45)     # r0 agrees 90 %
+        w.record_feedback(0, i < 45)  # r0 agrees 90 %
         w.record_feedback(1, True)
     obs = w.observations(1.0, {}, {"r0": 0.9, "r1": 0.8}, "h", np.array([10.0, 5.0]), np.array([0.5, 0.5]))
     assert obs.exit_counts == [60, 30, 10]
@@ -33,7 +33,7 @@ def test_window_survival_agreement_and_utility():
     assert abs(obs.agreement_overall - (1 - 0.6 * 0.1)) < 1e-9
     assert obs.agreement_ci_low < obs.agreement_overall < obs.agreement_ci_high
     r0, r1 = obs.agreement
-    assert abs(r0.utility_ms - (60 * 10 - 40 * 0.5) / 100) < 1e-9   # saved by 60 exits, added to 40 that passed
+    assert abs(r0.utility_ms - (60 * 10 - 40 * 0.5) / 100) < 1e-9  # saved by 60 exits, added to 40 that passed
     assert abs(r1.utility_ms - (30 * 5 - 10 * 0.5) / 100) < 1e-9
 
 

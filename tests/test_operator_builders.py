@@ -13,23 +13,42 @@ from exitplan.operator import apply as applying
 from exitplan.operator import builders, drift
 from exitplan.operator.status import Phase, ServiceStatus, parse_status, set_condition, summarize
 
-OWNER = {"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService",
-         "metadata": {"name": "minilm", "namespace": "ml", "uid": "1234-uid"}}
-SPEC = EarlyExitServiceSpec.model_validate({
-    "model": {"name": "minilm", "bundle": "file:///models/minilm"}, "slo": {"latencyMs": 100},
-    "pools": [{"name": "gpu-a"}, {"name": "cpu"}], "router": {"replicas": 2}})
+OWNER = {
+    "apiVersion": "exitplan.io/v1alpha1",
+    "kind": "EarlyExitService",
+    "metadata": {"name": "minilm", "namespace": "ml", "uid": "1234-uid"},
+}
+SPEC = EarlyExitServiceSpec.model_validate(
+    {
+        "model": {"name": "minilm", "bundle": "file:///models/minilm"},
+        "slo": {"latencyMs": 100},
+        "pools": [{"name": "gpu-a"}, {"name": "cpu"}],
+        "router": {"replicas": 2},
+    }
+)
 POOLS = {
-    "gpu-a": GPUPoolSpec(capacity=8, node_selector={"pool": "a"}, gpu_resource="nvidia.com/gpu",
-                         tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}], cpu="4", memory="8Gi"),
+    "gpu-a": GPUPoolSpec(
+        capacity=8,
+        node_selector={"pool": "a"},
+        gpu_resource="nvidia.com/gpu",
+        tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        cpu="4",
+        memory="8Gi",
+    ),
     "cpu": GPUPoolSpec(capacity=4, gpu_resource=""),
 }
 
 
 def make_plan(cells: list[tuple[int, int, str, int]], hist: list[float] | None = None) -> Plan:
-    return Plan(service="minilm", model="minilm",
-                splits=[SplitPlan(index=0, first_block=0, last_block=2), SplitPlan(index=1, first_block=3, last_block=5)],
-                buckets=[32, 128], cells=[Cell(split=s, bucket=b, pool=p, replicas=r, batch_size=8) for s, b, p, r in cells],
-                survival=[0.55, 0.3], length_histogram=hist or [0.7, 0.3])
+    return Plan(
+        service="minilm",
+        model="minilm",
+        splits=[SplitPlan(index=0, first_block=0, last_block=2), SplitPlan(index=1, first_block=3, last_block=5)],
+        buckets=[32, 128],
+        cells=[Cell(split=s, bucket=b, pool=p, replicas=r, batch_size=8) for s, b, p, r in cells],
+        survival=[0.55, 0.3],
+        length_histogram=hist or [0.7, 0.3],
+    )
 
 
 PLAN = make_plan([(0, 32, "gpu-a", 3), (0, 128, "cpu", 1), (1, 32, "gpu-a", 2), (1, 128, "gpu-a", 1)])
@@ -43,21 +62,36 @@ def test_children_cover_every_cell_with_labels_owner_and_hash():
     children = builders.build_children(OWNER, SPEC, PLAN, POOLS)
     names = by_name(children)
     assert set(names) == {
-        "ConfigMap/minilm-plan", "Deployment/minilm-router", "Service/minilm",
-        "Service/minilm-split-0", "Service/minilm-split-1",
-        "Deployment/minilm-s0-b32-gpu-a", "Deployment/minilm-s0-b128-cpu",
-        "Deployment/minilm-s1-b32-gpu-a", "Deployment/minilm-s1-b128-gpu-a"}
+        "ConfigMap/minilm-plan",
+        "Deployment/minilm-router",
+        "Service/minilm",
+        "Service/minilm-split-0",
+        "Service/minilm-split-1",
+        "Deployment/minilm-s0-b32-gpu-a",
+        "Deployment/minilm-s0-b128-cpu",
+        "Deployment/minilm-s1-b32-gpu-a",
+        "Deployment/minilm-s1-b128-gpu-a",
+    }
     for child in children:
         meta = child["metadata"]
         assert meta["namespace"] == "ml"
-        assert meta["ownerReferences"] == [{"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService",
-                                            "name": "minilm", "uid": "1234-uid", "controller": True,
-                                            "blockOwnerDeletion": True}]
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "exitplan.io/v1alpha1",
+                "kind": "EarlyExitService",
+                "name": "minilm",
+                "uid": "1234-uid",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         assert meta["labels"][builders.L_SERVICE] == "minilm"
         assert meta["annotations"][builders.A_PLAN_HASH] == PLAN.content_hash()
     worker = names["Deployment/minilm-s0-b128-cpu"]
     assert worker["spec"]["replicas"] == 1
-    assert {builders.L_SPLIT: "0", builders.L_BUCKET: "128", builders.L_POOL: "cpu"}.items() <= worker["metadata"]["labels"].items()
+    assert {builders.L_SPLIT: "0", builders.L_BUCKET: "128", builders.L_POOL: "cpu"}.items() <= worker["metadata"][
+        "labels"
+    ].items()
     # The ConfigMap holds the plan exactly.
     assert Plan.model_validate_json(names["ConfigMap/minilm-plan"]["data"]["plan.json"]) == PLAN
 
@@ -70,8 +104,11 @@ def test_selectors_match_pod_labels():
         if child["kind"] == "Service" and child["metadata"]["name"].startswith("minilm-split-"):
             assert child["spec"]["clusterIP"] == "None"
             split = child["metadata"]["name"].rsplit("-", 1)[1]
-            assert child["spec"]["selector"] == {builders.L_SERVICE: "minilm", builders.L_COMPONENT: "worker",
-                                                 builders.L_SPLIT: split}
+            assert child["spec"]["selector"] == {
+                builders.L_SERVICE: "minilm",
+                builders.L_COMPONENT: "worker",
+                builders.L_SPLIT: split,
+            }
 
 
 def test_worker_pod_follows_the_contract_and_the_pool():
@@ -79,9 +116,22 @@ def test_worker_pod_follows_the_contract_and_the_pool():
     pod = names["Deployment/minilm-s0-b32-gpu-a"]["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["command"] == ["exitplan", "worker"]
-    assert c["args"] == ["--bundle", "/models/minilm", "--plan", "/etc/exitplan/plan.json", "--split", "0",
-                         "--bucket", "32", "--pool", "gpu-a", "--port", "8080",
-                         "--next", "minilm-split-1.ml.svc:8080"]
+    assert c["args"] == [
+        "--bundle",
+        "/models/minilm",
+        "--plan",
+        "/etc/exitplan/plan.json",
+        "--split",
+        "0",
+        "--bucket",
+        "32",
+        "--pool",
+        "gpu-a",
+        "--port",
+        "8080",
+        "--next",
+        "minilm-split-1.ml.svc:8080",
+    ]
     assert pod["nodeSelector"] == {"pool": "a"}
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["resources"]["requests"]["cpu"] == "4"
@@ -105,12 +155,22 @@ def test_router_and_entry_service():
     assert router["spec"]["replicas"] == 2
     (c,) = router["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["exitplan", "router"]
-    assert c["args"][:8] == ["--bundle", "/models/minilm", "--plan", "/etc/exitplan/plan.json", "--port", "8080",
-                             "--peers", "minilm-split-0.ml.svc:8080"]
+    assert c["args"][:8] == [
+        "--bundle",
+        "/models/minilm",
+        "--plan",
+        "/etc/exitplan/plan.json",
+        "--port",
+        "8080",
+        "--peers",
+        "minilm-split-0.ml.svc:8080",
+    ]
     flags = dict(zip(c["args"][8::2], c["args"][9::2]))
     assert flags["--slo-ms"] == "100" and flags["--accuracy-budget"] == "0.01" and flags["--max-inflight"] == "4096"
     svc = names["Service/minilm"]
-    assert svc["spec"]["ports"][0]["port"] == 8080 and svc["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
+    assert (
+        svc["spec"]["ports"][0]["port"] == 8080 and svc["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
+    )
 
 
 def test_builders_are_pure_and_deterministic():
@@ -146,8 +206,12 @@ def test_contains_and_diff():
     assert not applying.contains({"a": [1, 2]}, {"a": [1]})
     assert applying.contains({"x": 2}, {"x": 2.0})
     children = builders.build_children(OWNER, SPEC, PLAN, POOLS)
-    existing = {"Deployment": [{"kind": "Deployment", "metadata": {"name": "minilm-s0-b32-gpu-a"}, "spec": {"replicas": 1}},
-                               {"kind": "Deployment", "metadata": {"name": "minilm-s9-b32-old"}, "spec": {"replicas": 1}}]}
+    existing = {
+        "Deployment": [
+            {"kind": "Deployment", "metadata": {"name": "minilm-s0-b32-gpu-a"}, "spec": {"replicas": 1}},
+            {"kind": "Deployment", "metadata": {"name": "minilm-s9-b32-old"}, "spec": {"replicas": 1}},
+        ]
+    }
     changes = applying.diff_children(existing, children)
     assert "scale minilm-s0-b32-gpu-a: 1 -> 3" in changes
     assert "delete Deployment minilm-s9-b32-old" in changes
@@ -167,9 +231,19 @@ def test_conditions_keep_transition_time_and_order():
 
 def window(hist: list[int], survival: list[float], p99: float = 20.0, n: int | None = None) -> Observations:
     total = sum(hist) if n is None else n
-    return Observations(service="minilm", model="minilm", since=0, until=60, requests=total, within_slo=total,
-                        length_buckets=[32, 128], length_histogram=hist, survival=survival,
-                        latency={"p99Ms": p99}, ramps=["ramp1", "ramp3"])
+    return Observations(
+        service="minilm",
+        model="minilm",
+        since=0,
+        until=60,
+        requests=total,
+        within_slo=total,
+        length_buckets=[32, 128],
+        length_histogram=hist,
+        survival=survival,
+        latency={"p99Ms": p99},
+        ramps=["ramp1", "ramp3"],
+    )
 
 
 def test_drift_statistics_and_triggers():
@@ -206,7 +280,7 @@ def test_move_cap_steps_toward_the_target():
 def test_cooldown():
     import datetime as dt
 
-    now = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.timezone.utc)
+    now = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
     assert drift.cooldown_left("", 300, now) == 0
     assert drift.cooldown_left("2026-01-01T11:58:00Z", 300, now) == pytest.approx(180)
     assert drift.cooldown_left("2026-01-01T11:50:00Z", 300, now) == 0
@@ -234,7 +308,9 @@ def test_initial_thresholds_keep_the_budget_in_every_length_stratum():
     budget = 0.03
 
     def sub(mask):
-        return FeedbackWindow(conf=conf[mask], pred=pred[mask], final=final[mask], saving_ms=window.saving_ms, cost_ms=window.cost_ms)
+        return FeedbackWindow(
+            conf=conf[mask], pred=pred[mask], final=final[mask], saving_ms=window.saving_ms, cost_ms=window.cost_ms
+        )
 
     whole = np.asarray(tune(window, sample_budget(budget, n)).thresholds)
     assert 1 - evaluate(sub(short), whole)[0] > budget  # the whole-window tune breaks the short stratum
@@ -249,9 +325,18 @@ def test_initial_thresholds_keep_the_budget_in_every_length_stratum():
 
 def router_window(since: float, until: float, hist: list[int], survivors: list[int], answered: int) -> Observations:
     """A router window's counters at one read: arrivals per bucket, answers and survivors per ramp."""
-    return Observations(service="minilm", model="minilm", since=since, until=until, requests=answered,
-                        within_slo=answered, length_buckets=[32, 128], length_histogram=hist,
-                        survival=[s / answered if answered else 0.0 for s in survivors], ramps=["ramp1", "ramp3"])
+    return Observations(
+        service="minilm",
+        model="minilm",
+        since=since,
+        until=until,
+        requests=answered,
+        within_slo=answered,
+        length_buckets=[32, 128],
+        length_histogram=hist,
+        survival=[s / answered if answered else 0.0 for s in survivors],
+        ramps=["ramp1", "ramp3"],
+    )
 
 
 def test_since_last_keeps_only_what_arrived_after_the_previous_read():
@@ -286,7 +371,9 @@ def test_judged_window_is_the_newest_half_period_with_enough_arrivals():
 
 
 def test_after_change_is_the_traffic_since_the_shift():
-    before = [router_window(t, t + 2.5, [18, 2], [0, 0], 20) for t in (0, 2.5, 5.0)]  # like the plan (0.7 / 0.3)... short
+    before = [
+        router_window(t, t + 2.5, [18, 2], [0, 0], 20) for t in (0, 2.5, 5.0)
+    ]  # like the plan (0.7 / 0.3)... short
     after = [router_window(t, t + 2.5, [1, 19], [0, 0], 20) for t in (7.5, 10.0)]  # long since 7.5
     slices = before + after
     judged = drift.recent(slices, period_s=10.0)
@@ -298,8 +385,11 @@ def test_after_change_is_the_traffic_since_the_shift():
 
 def test_a_new_layout_moves_every_replica():
     old = make_plan([(0, 32, "gpu-a", 6), (0, 128, "gpu-a", 0), (1, 32, "gpu-a", 2), (1, 128, "gpu-a", 2)])
-    other = old.model_copy(update={"splits": [SplitPlan(index=0, first_block=0, last_block=1),
-                                              SplitPlan(index=1, first_block=2, last_block=5)]})
+    other = old.model_copy(
+        update={
+            "splits": [SplitPlan(index=0, first_block=0, last_block=1), SplitPlan(index=1, first_block=2, last_block=5)]
+        }
+    )
     assert not drift.same_layout(old, other) and drift.moved_replicas(old, other) == 10
     taken, remaining = drift.limit_moves(old, other, 0.25)  # cannot be stepped: taken whole (the caller holds it back)
     assert taken == other and remaining == 0

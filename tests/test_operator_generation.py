@@ -7,32 +7,42 @@ import json
 import shutil
 
 import pytest
+from generation_helpers import tiny_decoder_bundle
+from test_operator_support import ClusterThread, condition, mark_ready, operator, pool, status, wait_for, workers
 
 from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
 from exitplan.operator import builders, generation_builders
 from exitplan.planner.generation import plan_generation
 
-from generation_helpers import tiny_decoder_bundle
-from test_operator_support import ClusterThread, condition, mark_ready, operator, pool, status, wait_for, workers
-
-OWNER = {"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService",
-         "metadata": {"name": "gen", "namespace": "ns", "uid": "u-1"}}
+OWNER = {
+    "apiVersion": "exitplan.io/v1alpha1",
+    "kind": "EarlyExitService",
+    "metadata": {"name": "gen", "namespace": "ns", "uid": "u-1"},
+}
 
 
 def spec(bundle: str = "/models/decoder", pools=("gpu-a", "gpu-b"), max_splits: int = 4) -> EarlyExitServiceSpec:
-    return EarlyExitServiceSpec.model_validate({
-        "model": {"name": "tweets", "bundle": bundle, "task": "text-generation"}, "slo": {"latencyMs": 500},
-        "planner": {"maxSplits": max_splits}, "pools": [{"name": p} for p in pools]})
+    return EarlyExitServiceSpec.model_validate(
+        {
+            "model": {"name": "tweets", "bundle": bundle, "task": "text-generation"},
+            "slo": {"latencyMs": 500},
+            "planner": {"maxSplits": max_splits},
+            "pools": [{"name": p} for p in pools],
+        }
+    )
 
 
-POOLS = {"gpu-a": GPUPoolSpec(capacity=1, cost_per_hour=3.0, node_selector={"pool": "a"}),
-         "gpu-b": GPUPoolSpec(capacity=3, cost_per_hour=1.0, node_selector={"pool": "b"})}
+POOLS = {
+    "gpu-a": GPUPoolSpec(capacity=1, cost_per_hour=3.0, node_selector={"pool": "a"}),
+    "gpu-b": GPUPoolSpec(capacity=3, cost_per_hour=1.0, node_selector={"pool": "b"}),
+}
 
 
 def plan(stages: int) -> Plan:
-    return plan_generation("gen", spec(), POOLS, n_blocks=4, exit_ramps=["exit0", "exit1", "exit2"], max_context=128,
-                           stages=stages).plan
+    return plan_generation(
+        "gen", spec(), POOLS, n_blocks=4, exit_ramps=["exit0", "exit1", "exit2"], max_context=128, stages=stages
+    ).plan
 
 
 def by_kind(children: list[dict], kind: str) -> dict[str, dict]:
@@ -51,7 +61,9 @@ def test_pipeline_plan_builds_one_stage_deployment_per_split_chained_by_next():
         container = dep["spec"]["template"]["spec"]["containers"][0]
         args = container["args"]
         assert container["command"] == ["exitplan", "generate-stage"]
-        assert args[args.index("--first") + 1] == str(split.first_block) and args[args.index("--last") + 1] == str(split.last_block)
+        assert args[args.index("--first") + 1] == str(split.first_block) and args[args.index("--last") + 1] == str(
+            split.last_block
+        )
         assert args[args.index("--mode") + 1] == "pipeline" and args[args.index("--bundle") + 1] == "/models/decoder"
         if cell.split < 2:
             assert args[args.index("--next") + 1] == builders.split_host("gen", "ns", cell.split + 1)
@@ -76,7 +88,9 @@ def test_pipeline_plan_builds_one_stage_deployment_per_split_chained_by_next():
 
 def test_one_split_is_a_recompute_stage_and_bad_plans_are_refused():
     children = generation_builders.build_children(OWNER, spec(), plan(1), POOLS)
-    (stage,) = [c for c in children if c["kind"] == "Deployment" and c["metadata"]["labels"][builders.L_COMPONENT] == "worker"]
+    (stage,) = [
+        c for c in children if c["kind"] == "Deployment" and c["metadata"]["labels"][builders.L_COMPONENT] == "worker"
+    ]
     args = stage["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--mode") + 1] == "recompute" and "--next" not in args
     two = plan(2)
@@ -104,11 +118,18 @@ def bundle_copy(tmp_path):
     target = tmp_path / "decoder"
     shutil.copytree(tiny_decoder_bundle(), target, ignore=shutil.ignore_patterns("profiles"))
     measured = {
-        "profile": {"block_ms": [4.0, 4.0, 4.0], "head_ms": {"0": 0.1, "1": 0.1, "2": 0.1}, "decide_share": {"2": 1.0},
-                    "hop_ms": 0.1, "recompute_ratio": 1.0},  # compute-bound: recomputation costs what it skipped
-        "thresholds": [{"threshold": 0.5, "disagreement": 0.2, "decide_share": {"0": 0.8, "2": 0.2}},
-                       {"threshold": 0.8, "disagreement": 0.005, "decide_share": {"0": 0.5, "1": 0.1, "2": 0.4}},
-                       {"threshold": 1.0, "disagreement": 0.0, "decide_share": {"2": 1.0}}],
+        "profile": {
+            "block_ms": [4.0, 4.0, 4.0],
+            "head_ms": {"0": 0.1, "1": 0.1, "2": 0.1},
+            "decide_share": {"2": 1.0},
+            "hop_ms": 0.1,
+            "recompute_ratio": 1.0,
+        },  # compute-bound: recomputation costs what it skipped
+        "thresholds": [
+            {"threshold": 0.5, "disagreement": 0.2, "decide_share": {"0": 0.8, "2": 0.2}},
+            {"threshold": 0.8, "disagreement": 0.005, "decide_share": {"0": 0.5, "1": 0.1, "2": 0.4}},
+            {"threshold": 1.0, "disagreement": 0.0, "decide_share": {"2": 1.0}},
+        ],
     }
     (target / "profiles").mkdir()
     (target / "profiles" / "generation-gpu-a.json").write_text(json.dumps(measured))
@@ -116,16 +137,22 @@ def bundle_copy(tmp_path):
 
 
 def generation_service(name: str, ns: str, bundle, pools=("gpu-a", "gpu-b")) -> dict:
-    return {"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService", "metadata": {"name": name, "namespace": ns},
-            "spec": spec(str(bundle), pools, max_splits=2).dump()}
+    return {
+        "apiVersion": "exitplan.io/v1alpha1",
+        "kind": "EarlyExitService",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": spec(str(bundle), pools, max_splits=2).dump(),
+    }
 
 
 def test_operator_creates_the_stage_deployments_of_a_generation_service(cluster, bundle_copy):
     ns = "gen"
     with operator(cluster):
         svc = cluster.create(generation_service("tweets", ns, bundle_copy))
-        st = wait_for("the generation service is planned and applied",
-                      lambda: (s := status(cluster, ns, "tweets")).get("phase") in ("Deploying", "Ready") and s)
+        st = wait_for(
+            "the generation service is planned and applied",
+            lambda: (s := status(cluster, ns, "tweets")).get("phase") in ("Deploying", "Ready") and s,
+        )
         cm = cluster.get("ConfigMap", ns, builders.plan_configmap_name("tweets"))
         plan = Plan.model_validate_json(cm["data"]["plan.json"])
         assert len(plan.splits) == 2 and set(plan.thresholds.values()) == {0.8}  # the measurements were used
@@ -148,12 +175,16 @@ def test_without_measurements_the_plan_is_one_stage_that_never_exits(cluster, bu
     ns = "bare"
     with operator(cluster):
         cluster.create(generation_service("bare", ns, bundle_copy, pools=("gpu-b",)))  # no measurements for gpu-b
-        st = wait_for("planned", lambda: (s := status(cluster, ns, "bare")).get("phase") in ("Deploying", "Ready") and s)
+        st = wait_for(
+            "planned", lambda: (s := status(cluster, ns, "bare")).get("phase") in ("Deploying", "Ready") and s
+        )
         assert "recompute, 1 stage(s), threshold 1.0" in condition(st, "Planned")["message"]
         (stage,) = workers(cluster, ns, "bare").values()
         args = stage["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[args.index("--mode") + 1] == "recompute"
         cluster.create(generation_service("nobundle", ns, tmp_path / "missing"))
-        st = wait_for("an unreadable bundle becomes a condition",
-                      lambda: (s := status(cluster, ns, "nobundle")).get("phase") == "Infeasible" and s)
+        st = wait_for(
+            "an unreadable bundle becomes a condition",
+            lambda: (s := status(cluster, ns, "nobundle")).get("phase") == "Infeasible" and s,
+        )
         assert "no bundle.yaml here" in st["message"] and not workers(cluster, ns, "nobundle")

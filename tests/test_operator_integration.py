@@ -13,11 +13,21 @@ import json
 import threading
 
 import pytest
+from test_operator_support import (
+    ClusterThread,
+    condition,
+    install_profiles,
+    mark_ready,
+    operator,
+    pool,
+    service,
+    status,
+    wait_for,
+    workers,
+)
 
 from exitplan.api.plan import Plan
 from exitplan.operator import builders
-from test_operator_support import (ClusterThread, condition, install_profiles, mark_ready, operator, pool, service,
-                                   status, wait_for, workers)
 
 
 @pytest.fixture
@@ -81,8 +91,10 @@ def test_spec_change_replans_and_patches(cluster):
         before = workers(cluster, ns, "minilm")
         assert any(d["metadata"]["labels"]["exitplan.io/pool"] == "gpu-b" for d in before.values())
         cluster.patch("EarlyExitService", ns, "minilm", {"spec": {"pools": [{"name": "gpu-a"}]}})
-        st = wait_for("re-plan after the spec change",
-                      lambda: (s := deployed(cluster, ns, "minilm")) and s["plan"]["hash"] != first["plan"]["hash"] and s)
+        st = wait_for(
+            "re-plan after the spec change",
+            lambda: (s := deployed(cluster, ns, "minilm")) and s["plan"]["hash"] != first["plan"]["hash"] and s,
+        )
         assert st["lastReplanReason"] == "spec-change" and st["observedGeneration"] == 2
         plan = plan_of(cluster, ns, "minilm")
         after = workers(cluster, ns, "minilm")
@@ -152,8 +164,14 @@ class ObservationServer:
         if self.current is not None:
             return self.current
         w = self.window
-        empty = {**w, "since": w.get("until", 0), "until": w.get("until", 0) + 1, "requests": 0, "withinSlo": 0,
-                 "lengthHistogram": [0] * len(w.get("lengthHistogram", []))}
+        empty = {
+            **w,
+            "since": w.get("until", 0),
+            "until": w.get("until", 0) + 1,
+            "requests": 0,
+            "withinSlo": 0,
+            "lengthHistogram": [0] * len(w.get("lengthHistogram", [])),
+        }
         return {**empty, "thresholds": self.thresholds} if self.thresholds else empty
 
     def close(self) -> None:
@@ -162,9 +180,19 @@ class ObservationServer:
 
 def window(short: int, long: int, survival=(0.55, 0.3), p99: float = 20.0) -> dict:
     n = short + long
-    return {"service": "minilm", "model": "minilm", "since": 0, "until": 60, "requests": n, "withinSlo": n,
-            "ramps": ["ramp1", "ramp3"], "survival": list(survival), "lengthBuckets": [32, 128],
-            "lengthHistogram": [short, long], "latency": {"p99Ms": p99}}
+    return {
+        "service": "minilm",
+        "model": "minilm",
+        "since": 0,
+        "until": 60,
+        "requests": n,
+        "withinSlo": n,
+        "ramps": ["ramp1", "ramp3"],
+        "survival": list(survival),
+        "lengthBuckets": [32, 128],
+        "lengthHistogram": [short, long],
+        "latency": {"p99Ms": p99},
+    }
 
 
 @pytest.fixture
@@ -176,9 +204,13 @@ def observations():
 
 def publish_endpoint(cluster: ClusterThread, ns: str, name: str, port: int) -> None:
     """Publish the observation server as the router Service's ingress (as the dev-cluster does)."""
-    cluster.patch("Service", ns, builders.dns_name(name),
-                  {"status": {"loadBalancer": {"ingress": [{"ip": "127.0.0.1", "ports": [{"port": port, "protocol": "TCP"}]}]}}},
-                  "status")
+    cluster.patch(
+        "Service",
+        ns,
+        builders.dns_name(name),
+        {"status": {"loadBalancer": {"ingress": [{"ip": "127.0.0.1", "ports": [{"port": port, "protocol": "TCP"}]}]}}},
+        "status",
+    )
 
 
 DRIFT = {"periodSeconds": 5, "drift": {"cooldownSeconds": 0, "maxMoveFraction": 1.0, "lengthScore": 0.15}}
@@ -202,8 +234,10 @@ def test_injected_length_drift_moves_replicas_between_cells(cluster, observation
         before = bucket_replicas(cluster, ns, "minilm")
         observations.window = window(950, 50)  # the traffic turned short: most inputs fit bucket 32
         publish_endpoint(cluster, ns, "minilm", observations.port)
-        st = wait_for("a length-drift re-plan is applied",
-                      lambda: (s := deployed(cluster, ns, "minilm")) and s.get("lastReplanReason") == "length-drift" and s)
+        st = wait_for(
+            "a length-drift re-plan is applied",
+            lambda: (s := deployed(cluster, ns, "minilm")) and s.get("lastReplanReason") == "length-drift" and s,
+        )
         assert st["plan"]["hash"] != first["plan"]["hash"]
         assert st["drift"]["lengthScore"] > 0.15 and st["drift"]["trigger"] == "length-drift"
         plan1 = plan_of(cluster, ns, "minilm")
@@ -211,7 +245,10 @@ def test_injected_length_drift_moves_replicas_between_cells(cluster, observation
         after = bucket_replicas(cluster, ns, "minilm")
         assert after[32] > before[32] and after[128] < before[128]
         for cell in plan1.cells:
-            assert workers(cluster, ns, "minilm")[builders.worker_name("minilm", cell)]["spec"]["replicas"] == cell.replicas
+            assert (
+                workers(cluster, ns, "minilm")[builders.worker_name("minilm", cell)]["spec"]["replicas"]
+                == cell.replicas
+            )
         assert any(e["reason"] == "Replan" and "length-drift" in e["message"] for e in cluster.events(ns, "minilm"))
         # The operator's metrics saw it (the operator runs in this process under KopfRunner).
         from prometheus_client import REGISTRY
@@ -222,14 +259,25 @@ def test_injected_length_drift_moves_replicas_between_cells(cluster, observation
         assert REGISTRY.get_sample_value("exitplan_planner_solve_seconds_count", svc) >= 2
         cell = plan1.cells[0]
         labels = {**svc, "split": str(cell.split), "bucket": str(cell.bucket), "pool": cell.pool}
-        wait_for("desired replicas exported", lambda: REGISTRY.get_sample_value(
-            "exitplan_cell_desired_replicas", labels) == cell.replicas)
-        wait_for("the plan's cost exported", lambda: REGISTRY.get_sample_value(
-            "exitplan_plan_cost_per_hour", svc) == pytest.approx(plan1.prediction.cost_per_hour))
+        wait_for(
+            "desired replicas exported",
+            lambda: REGISTRY.get_sample_value("exitplan_cell_desired_replicas", labels) == cell.replicas,
+        )
+        wait_for(
+            "the plan's cost exported",
+            lambda: (
+                REGISTRY.get_sample_value("exitplan_plan_cost_per_hour", svc)
+                == pytest.approx(plan1.prediction.cost_per_hour)
+            ),
+        )
         gone = {(c.split, c.bucket, c.pool) for c in plan0.cells} - {(c.split, c.bucket, c.pool) for c in plan1.cells}
         for split, bucket, pool in gone:  # a cell the new plan dropped leaves no stale series behind
-            assert REGISTRY.get_sample_value("exitplan_cell_desired_replicas",
-                                             {**svc, "split": str(split), "bucket": str(bucket), "pool": pool}) is None
+            assert (
+                REGISTRY.get_sample_value(
+                    "exitplan_cell_desired_replicas", {**svc, "split": str(split), "bucket": str(bucket), "pool": pool}
+                )
+                is None
+            )
 
 
 def test_advisory_mode_reports_and_changes_nothing(cluster, observations):
@@ -250,8 +298,12 @@ def test_advisory_mode_reports_and_changes_nothing(cluster, observations):
         cm_rv = cluster.get("ConfigMap", ns, "minilm-plan")["metadata"]["resourceVersion"]
         observations.window = window(950, 50)
         publish_endpoint(cluster, ns, "minilm", observations.port)
-        st = wait_for("a length-drift proposal",
-                      lambda: (s := status(cluster, ns, "minilm")).get("proposal") and s["proposal"]["reason"] == "length-drift" and s)
+        st = wait_for(
+            "a length-drift proposal",
+            lambda: (
+                (s := status(cluster, ns, "minilm")).get("proposal") and s["proposal"]["reason"] == "length-drift" and s
+            ),
+        )
         assert any(c.startswith("scale minilm-s") for c in st["proposal"]["changes"]), st["proposal"]
         assert st["proposal"]["heldBack"] == "advisory mode: nothing applied"
         assert {n: d["metadata"]["resourceVersion"] for n, d in workers(cluster, ns, "minilm").items()} == snapshot
@@ -269,7 +321,9 @@ def test_delete_takes_the_children(cluster):
         assert children and all(o["metadata"]["ownerReferences"][0]["uid"] == svc["metadata"]["uid"] for o in children)
         # The only finalizer is kopf's own marker for stopping the drift timer; the operator adds none.
         assert cluster.get("EarlyExitService", ns, "minilm")["metadata"].get("finalizers", []) in (
-            [], ["kopf.zalando.org/KopfFinalizerMarker"])
+            [],
+            ["kopf.zalando.org/KopfFinalizerMarker"],
+        )
         cluster.delete("EarlyExitService", ns, "minilm")
         # The children go through their ownerReferences (the emulator's GC stand-in; a real
         # cluster's garbage collector does the same); the operator deletes nothing itself.
@@ -282,13 +336,21 @@ def test_restart_resumes_without_duplicating_children(cluster):
     with operator(cluster):
         cluster.create(service("minilm", ns))
         wait_for("applied", lambda: deployed(cluster, ns, "minilm"))
-    snapshot = {(k, o["metadata"]["name"]): (o["metadata"]["uid"], o["metadata"]["resourceVersion"])
-                for k in ("Deployment", "Service", "ConfigMap") for o in cluster.list(k, ns)}
+    snapshot = {
+        (k, o["metadata"]["name"]): (o["metadata"]["uid"], o["metadata"]["resourceVersion"])
+        for k in ("Deployment", "Service", "ConfigMap")
+        for o in cluster.list(k, ns)
+    }
     with operator(cluster):
-        wait_for("the resume handler ran",
-                 lambda: "(resume)" in condition(status(cluster, ns, "minilm"), "Planned").get("message", ""))
-        again = {(k, o["metadata"]["name"]): (o["metadata"]["uid"], o["metadata"]["resourceVersion"])
-                 for k in ("Deployment", "Service", "ConfigMap") for o in cluster.list(k, ns)}
+        wait_for(
+            "the resume handler ran",
+            lambda: "(resume)" in condition(status(cluster, ns, "minilm"), "Planned").get("message", ""),
+        )
+        again = {
+            (k, o["metadata"]["name"]): (o["metadata"]["uid"], o["metadata"]["resourceVersion"])
+            for k in ("Deployment", "Service", "ConfigMap")
+            for o in cluster.list(k, ns)
+        }
     assert again == snapshot  # same objects, not even patched
 
 
@@ -298,14 +360,22 @@ def test_invalid_specs_become_conditions_not_crash_loops(cluster):
     with operator(cluster):
         cluster.create(service("ghost", ns, pools=[{"name": "gpu-a"}, {"name": "gpu-z"}]))
         cluster.create(service("tight", ns, slo={"latencyMs": 0.5}))
-        ghost = wait_for("unknown pool reported",
-                         lambda: condition(status(cluster, ns, "ghost"), "PlanInfeasible").get("status") == "True"
-                         and status(cluster, ns, "ghost"))
+        ghost = wait_for(
+            "unknown pool reported",
+            lambda: (
+                condition(status(cluster, ns, "ghost"), "PlanInfeasible").get("status") == "True"
+                and status(cluster, ns, "ghost")
+            ),
+        )
         msg = condition(ghost, "PlanInfeasible")["message"]
         assert "gpu-z" in msg and "create" in msg and ghost["phase"] == "Infeasible"
-        tight = wait_for("infeasible SLO reported",
-                         lambda: condition(status(cluster, ns, "tight"), "PlanInfeasible").get("status") == "True"
-                         and status(cluster, ns, "tight"))
+        tight = wait_for(
+            "infeasible SLO reported",
+            lambda: (
+                condition(status(cluster, ns, "tight"), "PlanInfeasible").get("status") == "True"
+                and status(cluster, ns, "tight")
+            ),
+        )
         assert condition(tight, "PlanInfeasible")["reason"] == "PlanInfeasible"
         assert "no plan meets the spec" in tight["message"]
         # The operator keeps working: a valid service next to them is planned and applied.
@@ -324,11 +394,15 @@ def test_missing_profile_starts_a_profiling_job_and_planning_waits(cluster, tmp_
     install_profiles(cluster, ns, pools=("gpu-a",))
     with operator(cluster):
         cluster.create(service("minilm", ns))
-        st = wait_for("waiting for a profile", lambda: (s := status(cluster, ns, "minilm")).get("phase") == "Profiling" and s)
+        st = wait_for(
+            "waiting for a profile", lambda: (s := status(cluster, ns, "minilm")).get("phase") == "Profiling" and s
+        )
         assert st["waitingForProfiles"] == ["gpu-b"] and "gpu-b" in condition(st, "Progressing")["message"]
         job = cluster.get("Job", ns, builders.profile_job_name("minilm", "gpu-b"))
         pod = job["spec"]["template"]["spec"]
-        assert pod["initContainers"][0]["command"] == ["exitplan", "profile"] and pod["nodeSelector"] == {"exitplan.io/pool": "gpu-b"}
+        assert pod["initContainers"][0]["command"] == ["exitplan", "profile"] and pod["nodeSelector"] == {
+            "exitplan.io/pool": "gpu-b"
+        }
         assert cluster.list("Deployment", ns) == []
         # What the Job's last step does: publish the measured profile as a ModelProfile.
         from test_operator_support import load_docs
@@ -338,8 +412,18 @@ def test_missing_profile_starts_a_profiling_job_and_planning_waits(cluster, tmp_
 
         profile = next(d for d in load_docs("profiles.yaml") if d["spec"]["pool"] == "gpu-b")
         (tmp_path / "profile.yaml").write_text(json.dumps(profile["spec"]))
-        result = CliRunner().invoke(app, ["operator", "publish-profile", str(tmp_path / "profile.yaml"), "--namespace", ns,
-                                          "--kubeconfig", str(cluster.kubeconfig)])
+        result = CliRunner().invoke(
+            app,
+            [
+                "operator",
+                "publish-profile",
+                str(tmp_path / "profile.yaml"),
+                "--namespace",
+                ns,
+                "--kubeconfig",
+                str(cluster.kubeconfig),
+            ],
+        )
         assert result.exit_code == 0, result.output
         assert cluster.get("ModelProfile", ns, "minilm-gpu-b")["spec"]["pool"] == "gpu-b"
         wait_for("planned once the profile exists", lambda: deployed(cluster, ns, "minilm"))
@@ -351,8 +435,17 @@ def test_failed_apply_keeps_the_previous_plan_serving(cluster):
     ns = "faults"
     install_profiles(cluster, ns)
     failing = {"on": False}
-    cluster.api[lambda req: failing["on"] and req.method == "POST" and req.namespace == ns
-                and req.resource == kmock.resource("apps/v1/deployments")] << 500
+    (
+        cluster.api[
+            lambda req: (
+                failing["on"]
+                and req.method == "POST"
+                and req.namespace == ns
+                and req.resource == kmock.resource("apps/v1/deployments")
+            )
+        ]
+        << 500
+    )
     with operator(cluster):
         cluster.create(service("minilm", ns))
         first = wait_for("first plan applied", lambda: deployed(cluster, ns, "minilm"))
@@ -364,9 +457,14 @@ def test_failed_apply_keeps_the_previous_plan_serving(cluster):
         assert cluster.get("ConfigMap", ns, "minilm-plan")["data"]["plan.json"] == cm_before
         assert st["plan"]["hash"] == first["plan"]["hash"]
         failing["on"] = False  # the server recovers: kopf's retry applies the new plan
-        st = wait_for("recovered", lambda: (s := deployed(cluster, ns, "minilm")) and s["plan"]["hash"] != first["plan"]["hash"] and s)
+        st = wait_for(
+            "recovered",
+            lambda: (s := deployed(cluster, ns, "minilm")) and s["plan"]["hash"] != first["plan"]["hash"] and s,
+        )
         assert condition(st, "Degraded")["status"] == "False"
-        assert all(d["metadata"]["labels"]["exitplan.io/pool"] == "gpu-b" for d in workers(cluster, ns, "minilm").values())
+        assert all(
+            d["metadata"]["labels"]["exitplan.io/pool"] == "gpu-b" for d in workers(cluster, ns, "minilm").values()
+        )
 
 
 def test_two_replicas_with_peering_one_serves_the_other_takes_over(cluster):
@@ -374,11 +472,15 @@ def test_two_replicas_with_peering_one_serves_the_other_takes_over(cluster):
     serves, the other is paused; when the leader stops, the other one serves."""
     ns = "peering"
     install_profiles(cluster, ns)
-    cluster.call("POST", "/apis/kopf.dev/v1/clusterkopfpeerings",
-                 {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "exitplan"}})
+    cluster.call(
+        "POST",
+        "/apis/kopf.dev/v1/clusterkopfpeerings",
+        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "exitplan"}},
+    )
     peering = ["--peering", "exitplan"]
-    with operator(cluster, [*peering, "--priority", "10"]) as standby:
-        with operator(cluster, [*peering, "--priority", "100"]) as leader:
+    with operator(cluster, [*peering, "--priority", "10"]):
+        with operator(cluster, [*peering, "--priority", "100"]):
+
             def peers() -> dict:
                 return cluster.call("GET", "/apis/kopf.dev/v1/clusterkopfpeerings/exitplan").get("status") or {}
 
@@ -390,7 +492,10 @@ def test_two_replicas_with_peering_one_serves_the_other_takes_over(cluster):
             assert all(d["metadata"]["generation"] == 1 for d in deps.values())  # no second writer fought over them
         # The leader is gone: the standby resumes and serves the next change.
         cluster.patch("EarlyExitService", ns, "minilm", {"spec": {"pools": [{"name": "gpu-a"}]}})
-        wait_for("the standby re-plans", lambda: (s := deployed(cluster, ns, "minilm")) and s["plan"]["hash"] != first["plan"]["hash"])
+        wait_for(
+            "the standby re-plans",
+            lambda: (s := deployed(cluster, ns, "minilm")) and s["plan"]["hash"] != first["plan"]["hash"],
+        )
 
 
 def test_pods_that_cannot_start_make_the_service_degraded(cluster):
@@ -402,12 +507,21 @@ def test_pods_that_cannot_start_make_the_service_degraded(cluster):
         mark_ready(cluster, ns, "minilm")
         wait_for("Ready", lambda: status(cluster, ns, "minilm").get("phase") == "Ready")
         name = sorted(workers(cluster, ns, "minilm"))[0]
-        stalled = {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
-                   "message": "pod x exited 3 times; last log line: error: bundle /models/minilm: no bundle.yaml"}
+        stalled = {
+            "type": "Progressing",
+            "status": "False",
+            "reason": "ProgressDeadlineExceeded",
+            "message": "pod x exited 3 times; last log line: error: bundle /models/minilm: no bundle.yaml",
+        }
         cluster.patch("Deployment", ns, name, {"status": {"conditions": [stalled], "readyReplicas": 0}}, "status")
         st = wait_for("Degraded", lambda: (s := status(cluster, ns, "minilm")).get("phase") == "Degraded" and s)
         msg = condition(st, "Degraded")["message"]
-        assert name in msg and "no bundle.yaml" in msg and "/models/minilm" in msg and condition(st, "Degraded")["reason"] == "RolloutStalled"
+        assert (
+            name in msg
+            and "no bundle.yaml" in msg
+            and "/models/minilm" in msg
+            and condition(st, "Degraded")["reason"] == "RolloutStalled"
+        )
         assert any(e["reason"] == "RolloutStalled" and e["type"] == "Warning" for e in cluster.events(ns, "minilm"))
         fine = {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable", "message": ""}
         cluster.patch("Deployment", ns, name, {"status": {"conditions": [fine]}}, "status")
@@ -450,8 +564,12 @@ def test_live_tuned_thresholds_are_written_into_the_plan(cluster, observations):
         wait_for("thresholds pushed", lambda: observations.pushed)
         pushed = observations.pushed[0]["thresholds"]
         assert pushed["ramp1"] > 0.75 and observations.pushed[0]["reason"] == "tune-accuracy"
-        plan = wait_for("the plan carries them", lambda: (p := plan_of(cluster, ns, "minilm")).thresholds == pushed and p)
-        st = wait_for("status follows", lambda: (s := status(cluster, ns, "minilm"))["plan"]["hash"] == plan.content_hash() and s)
+        plan = wait_for(
+            "the plan carries them", lambda: (p := plan_of(cluster, ns, "minilm")).thresholds == pushed and p
+        )
+        st = wait_for(
+            "status follows", lambda: (s := status(cluster, ns, "minilm"))["plan"]["hash"] == plan.content_hash() and s
+        )
         assert st["lastReplanReason"] == first["lastReplanReason"] and st["lastReplanTime"] == first["lastReplanTime"]
         for dep in workers(cluster, ns, "minilm").values():
             assert dep["metadata"]["annotations"][builders.A_PLAN_HASH] == plan.content_hash()
@@ -463,8 +581,12 @@ def test_live_tuned_thresholds_are_written_into_the_plan(cluster, observations):
         # Thresholds pushed by someone else to routers that run this plan: written in too.
         other = {"ramp1": 0.97, "ramp3": 0.93}
         observations.feedback = None
-        observations.current = {**observations.in_progress(), "thresholds": other, "planHash": plan.content_hash(),
-                                "until": observations.in_progress()["until"] + 5}
+        observations.current = {
+            **observations.in_progress(),
+            "thresholds": other,
+            "planHash": plan.content_hash(),
+            "until": observations.in_progress()["until"] + 5,
+        }
         wait_for("the plan carries the routers' thresholds", lambda: plan_of(cluster, ns, "minilm").thresholds == other)
 
 
@@ -487,8 +609,10 @@ def test_gpupool_changes_replan_the_services_that_use_them(cluster):
         assert pool_replicas(cluster, ns, "minilm").get("gpu-b", 0) > 1
         # Capacity of gpu-b shrinks: the service on it re-plans within the new capacity.
         cluster.patch("GPUPool", None, "gpu-b", {"spec": {"capacity": 1}})
-        st = wait_for("re-plan after the pool change", lambda: (s := deployed(cluster, ns, "minilm"))
-                      and s["plan"]["hash"] != first["plan"]["hash"] and s)
+        st = wait_for(
+            "re-plan after the pool change",
+            lambda: (s := deployed(cluster, ns, "minilm")) and s["plan"]["hash"] != first["plan"]["hash"] and s,
+        )
         assert st["lastReplanReason"] == "pool-changed"
         assert pool_replicas(cluster, ns, "minilm").get("gpu-b", 0) <= 1
         assert any(e["reason"] == "Applied" and "(pool-changed)" in e["message"] for e in cluster.events(ns, "minilm"))
@@ -512,7 +636,10 @@ def test_gpupool_changes_replan_the_services_that_use_them(cluster):
         # Deleted: PlanInfeasible, the children of the last plan keep serving.
         before = set(workers(cluster, ns, "waiting"))
         cluster.delete("GPUPool", None, "gpu-c")
-        st = wait_for("infeasible after the delete", lambda: (s := status(cluster, ns, "waiting")).get("phase") == "Infeasible" and s)
+        st = wait_for(
+            "infeasible after the delete",
+            lambda: (s := status(cluster, ns, "waiting")).get("phase") == "Infeasible" and s,
+        )
         assert "gpu-c" in condition(st, "PlanInfeasible")["message"]
         assert set(workers(cluster, ns, "waiting")) == before
 
@@ -522,8 +649,13 @@ def install_profiles_as(cluster: ClusterThread, namespace: str, source: str, poo
     from test_operator_support import load_docs
 
     doc = next(d for d in load_docs("profiles.yaml") if d["spec"]["pool"] == source)
-    cluster.create({**doc, "metadata": {"name": f"minilm-{pool_name}", "namespace": namespace},
-                    "spec": {**doc["spec"], "pool": pool_name}})
+    cluster.create(
+        {
+            **doc,
+            "metadata": {"name": f"minilm-{pool_name}", "namespace": namespace},
+            "spec": {**doc["spec"], "pool": pool_name},
+        }
+    )
 
 
 def test_move_cap_moves_a_fraction_per_step_and_converges(cluster, observations):
@@ -543,6 +675,7 @@ def test_move_cap_moves_a_fraction_per_step_and_converges(cluster, observations)
         observations.window = window(950, 50)
         publish_endpoint(cluster, ns, "minilm", observations.port)
         for _ in range(20):
+
             def moved() -> Plan | None:
                 plan = plan_of(cluster, ns, "minilm")
                 return plan if plan.content_hash() != seen[-1].content_hash() else None
@@ -550,8 +683,10 @@ def test_move_cap_moves_a_fraction_per_step_and_converges(cluster, observations)
             seen.append(wait_for("the next step", moved))
             total = sum(c.replicas for c in seen[-2].cells)
             assert drift.moved_replicas(seen[-2], seen[-1]) <= max(1, int(0.25 * total)), (seen[-2], seen[-1])
-            st = wait_for("step applied", lambda: (s := deployed(cluster, ns, "minilm"))
-                          and s["plan"]["hash"] == seen[-1].content_hash() and s)
+            st = wait_for(
+                "step applied",
+                lambda: (s := deployed(cluster, ns, "minilm")) and s["plan"]["hash"] == seen[-1].content_hash() and s,
+            )
             if len(seen) == 2:  # the first step: the cooldown (from the initial plan) held it until now
                 held = len([e for e in cluster.events(ns, "minilm") if e["reason"] == "ReplanHeld"])
             mark_ready(cluster, ns, "minilm")
@@ -567,5 +702,8 @@ def test_move_cap_moves_a_fraction_per_step_and_converges(cluster, observations)
         final = seen[-1]
         assert drift.moved_replicas(seen[0], final) > max(1, int(0.25 * sum(c.replicas for c in seen[0].cells)))
         for cell in final.cells:
-            assert workers(cluster, ns, "minilm")[builders.worker_name("minilm", cell)]["spec"]["replicas"] == cell.replicas
+            assert (
+                workers(cluster, ns, "minilm")[builders.worker_name("minilm", cell)]["spec"]["replicas"]
+                == cell.replicas
+            )
         assert final.length_histogram[0] > seen[0].length_histogram[0]

@@ -22,8 +22,8 @@ import yaml
 
 os.environ.setdefault("EXITPLAN_TICK_SECONDS", "0.5")
 
-from exitplan.operator import crdgen  # noqa: E402
 from exitplan.devcluster.apiserver import ApiServer  # noqa: E402
+from exitplan.operator import crdgen  # noqa: E402
 from exitplan.operator.kube import ApiError, KubeClient, path  # noqa: E402
 
 DATA = Path(__file__).parent / "test_operator_data"
@@ -131,17 +131,34 @@ def load_docs(name: str) -> list[dict]:
 
 
 def pool(name: str, capacity: int, cost: float, gpu: str = "nvidia.com/gpu") -> dict:
-    return {"apiVersion": "exitplan.io/v1alpha1", "kind": "GPUPool", "metadata": {"name": name},
-            "spec": {"capacity": capacity, "costPerHour": cost, "gpuResource": gpu, "nodeSelector": {"exitplan.io/pool": name}}}
+    return {
+        "apiVersion": "exitplan.io/v1alpha1",
+        "kind": "GPUPool",
+        "metadata": {"name": name},
+        "spec": {
+            "capacity": capacity,
+            "costPerHour": cost,
+            "gpuResource": gpu,
+            "nodeSelector": {"exitplan.io/pool": name},
+        },
+    }
 
 
 def service(name: str, namespace: str, **spec: Any) -> dict:
-    body = {"model": {"name": "minilm", "bundle": "/models/minilm"}, "slo": {"latencyMs": 50},
-            "workload": {"rps": 200, "lengthBuckets": [32, 128]}, "pools": [{"name": "gpu-a"}, {"name": "gpu-b"}]}
+    body = {
+        "model": {"name": "minilm", "bundle": "/models/minilm"},
+        "slo": {"latencyMs": 50},
+        "workload": {"rps": 200, "lengthBuckets": [32, 128]},
+        "pools": [{"name": "gpu-a"}, {"name": "gpu-b"}],
+    }
     for key, value in spec.items():
         body[key] = value
-    return {"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService",
-            "metadata": {"name": name, "namespace": namespace}, "spec": body}
+    return {
+        "apiVersion": "exitplan.io/v1alpha1",
+        "kind": "EarlyExitService",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": body,
+    }
 
 
 def install_profiles(cluster: ClusterThread, namespace: str, pools: tuple[str, ...] = ("gpu-a", "gpu-b")) -> None:
@@ -168,6 +185,17 @@ def mark_ready(cluster: ClusterThread, namespace: str, name: str) -> None:
     """Stand in for the Deployment controller: report every replica ready."""
     for dep in cluster.list("Deployment", namespace, f"exitplan.io/service={name}"):
         n = dep["spec"]["replicas"]
-        cluster.patch("Deployment", namespace, dep["metadata"]["name"],
-                      {"status": {"replicas": n, "readyReplicas": n, "availableReplicas": n,
-                                  "observedGeneration": dep["metadata"]["generation"]}}, "status")
+        cluster.patch(
+            "Deployment",
+            namespace,
+            dep["metadata"]["name"],
+            {
+                "status": {
+                    "replicas": n,
+                    "readyReplicas": n,
+                    "availableReplicas": n,
+                    "observedGeneration": dep["metadata"]["generation"],
+                }
+            },
+            "status",
+        )

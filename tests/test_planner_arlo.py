@@ -60,7 +60,9 @@ def test_algorithm_1_matches_reference():
             if rng.random() < 0.1:
                 load[j] = math.inf
         length = int(rng.integers(1, 600))
-        params = QueueParams(lam=float(rng.uniform(0.5, 1.0)), alpha=float(rng.uniform(0.5, 1.0)), peek=int(rng.integers(1, 6)))
+        params = QueueParams(
+            lam=float(rng.uniform(0.5, 1.0)), alpha=float(rng.uniform(0.5, 1.0)), peek=int(rng.integers(1, 6))
+        )
         want = reference_algorithm_1(length, buckets, load, params.lam, params.alpha, params.peek)
         assert choose_bucket(length, buckets, load, params) == want
 
@@ -116,4 +118,6 @@ def test_allocation_with_previous_keeps_instances_in_place():
     base = allocate(demand, mu, 5)
     kept = allocate(demand, mu, 5, previous=[1, 4])
     assert base.utilisation == kept.utilisation
-    assert sum(abs(a - b) for a, b in zip(kept.instances, [1, 4])) <= sum(abs(a - b) for a, b in zip(base.instances, [1, 4]))
+    assert sum(abs(a - b) for a, b in zip(kept.instances, [1, 4])) <= sum(
+        abs(a - b) for a, b in zip(base.instances, [1, 4])
+    )

@@ -34,8 +34,23 @@ def test_plan_reports_an_unmeetable_slo_as_an_error(tmp_path):
 
 def test_simulate_compares_configurations(tmp_path, shared_trace):
     out, png = tmp_path / "sim.json", tmp_path / "cdf.png"
-    res = CliRunner().invoke(app, ["simulate", str(SERVICE), "--configs", "vanilla,e3,oracle", "--rate", "2000", "--duration", "2",
-                                   "--json", str(out), "--png", str(png)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            str(SERVICE),
+            "--configs",
+            "vanilla,e3,oracle",
+            "--rate",
+            "2000",
+            "--duration",
+            "2",
+            "--json",
+            str(out),
+            "--png",
+            str(png),
+        ],
+    )
     assert res.exit_code == 0, res.output
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"vanilla", "e3", "oracle"}

@@ -90,10 +90,16 @@ def test_rebatching_queues_that_fill_slowly_cost_more_and_solve_their_fixed_poin
     for k in range(a, b + 1):
         share = sigma[k] / sigma[a]
         x = min(8.0, 8.0 * share * 30.0 / T)
-        t = m.block_ms(k, x, SEQ) + sum(m.ramp_ms(r, x, SEQ) for r, after in enumerate(m.ramp_after) if after == k and on[r])
+        t = m.block_ms(k, x, SEQ) + sum(
+            m.ramp_ms(r, x, SEQ) for r, after in enumerate(m.ramp_after) if after == k and on[r]
+        )
         again += 8.0 * share / x * t
     assert again == pytest.approx(T, rel=1e-5)
     # a split whose rows would wait longer than two cycles in its queues is not offered; one whose
     # rows never exit inside it fills every inner queue at once
-    assert np.isinf(m.stage_tables([8], SEQ, sigma, on, expected=True, transfer=False, rebatch=True, fill_ms=20.0)[0][0, 11])
-    assert m.stage_tables([8], SEQ, sigma, on, expected=True, transfer=False, rebatch=True, fill_ms=20.0)[0][5, 9] == pytest.approx(full[5, 9])
+    assert np.isinf(
+        m.stage_tables([8], SEQ, sigma, on, expected=True, transfer=False, rebatch=True, fill_ms=20.0)[0][0, 11]
+    )
+    assert m.stage_tables([8], SEQ, sigma, on, expected=True, transfer=False, rebatch=True, fill_ms=20.0)[0][
+        5, 9
+    ] == pytest.approx(full[5, 9])

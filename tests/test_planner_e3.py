@@ -9,7 +9,9 @@ from exitplan.planner.e3 import E3Problem, exhaustive, max_goodput, min_cost
 from exitplan.planner.errors import PlanInfeasible
 
 
-def random_problem(rng: np.random.Generator, n: int, pools: int, buckets: int, splits: int, cost_cap: float | None = None) -> E3Problem:
+def random_problem(
+    rng: np.random.Generator, n: int, pools: int, buckets: int, splits: int, cost_cap: float | None = None
+) -> E3Problem:
     caps = rng.integers(1, 6, pools)
     costs = rng.uniform(0.5, 3.0, pools)
     shares = rng.dirichlet(np.ones(buckets))
@@ -26,8 +28,13 @@ def random_problem(rng: np.random.Generator, n: int, pools: int, buckets: int, s
     return E3Problem(n, [f"p{i}" for i in range(pools)], caps, costs, shares, sigma, rate, ones, ones, cost_cap)
 
 
-CASES = [(seed, n, p, k, s) for seed, (n, p, k, s) in enumerate(
-    [(2, 1, 1, 2), (3, 2, 1, 3), (4, 2, 2, 2), (5, 3, 1, 3), (4, 3, 2, 3), (5, 1, 2, 4), (3, 3, 3, 2), (5, 2, 2, 3)] * 3)]
+CASES = [
+    (seed, n, p, k, s)
+    for seed, (n, p, k, s) in enumerate(
+        [(2, 1, 1, 2), (3, 2, 1, 3), (4, 2, 2, 2), (5, 3, 1, 3), (4, 3, 2, 3), (5, 1, 2, 4), (3, 3, 3, 2), (5, 2, 2, 3)]
+        * 3
+    )
+]
 
 
 def assert_matches_exhaustive(problem) -> None:
@@ -88,7 +95,9 @@ def test_splitting_pays_when_survival_drops():
     assert sol.splits == 2
     first, second = sol.segments
     assert first.replicas.sum() > second.replicas.sum()
-    one_split = E3Problem(n, ["gpu"], np.array([10]), np.array([1.0]), np.array([1.0]), sigma, rate[:1], ones[:1], ones[:1])
+    one_split = E3Problem(
+        n, ["gpu"], np.array([10]), np.array([1.0]), np.array([1.0]), sigma, rate[:1], ones[:1], ones[:1]
+    )
     assert sol.goodput > max_goodput(one_split).goodput
 
 
@@ -114,7 +123,12 @@ def test_feasibility_probe_matches_the_full_dp(seed):
 def test_max_goodput_equals_exhaustive_random_shapes(seed):
     """Random sizes too (blocks, pools, buckets, split counts, cost cap or none)."""
     rng = np.random.default_rng(1000 + seed)
-    n, pools, buckets, splits = int(rng.integers(2, 6)), int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(1, 5))
+    n, pools, buckets, splits = (
+        int(rng.integers(2, 6)),
+        int(rng.integers(1, 4)),
+        int(rng.integers(1, 3)),
+        int(rng.integers(1, 5)),
+    )
     problem = random_problem(rng, n, pools, buckets, splits, float(rng.uniform(3, 12)) if seed % 2 else None)
     assert_matches_exhaustive(problem)
 
@@ -128,9 +142,23 @@ def test_cheap_slow_pool_takes_the_lightly_loaded_late_split():
     rate[:, 0, 0, 0, 0], rate[:, 0, 1, 1, 0], rate[:, 0, 0, 1, 0] = 100.0, 100.0, 60.0  # pool "fast"
     rate[:, 1, 0, 0, 0], rate[:, 1, 1, 1, 0], rate[:, 1, 0, 1, 0] = 20.0, 50.0, 15.0  # pool "cheap"
     ones = np.ones_like(rate)
-    problem = E3Problem(n, ["fast", "cheap"], np.array([10, 10]), np.array([3.0, 1.0]), np.array([1.0]), sigma, rate, ones, ones, cost_cap=10.0)
+    problem = E3Problem(
+        n,
+        ["fast", "cheap"],
+        np.array([10, 10]),
+        np.array([3.0, 1.0]),
+        np.array([1.0]),
+        sigma,
+        rate,
+        ones,
+        ones,
+        cost_cap=10.0,
+    )
     sol = max_goodput(problem)
     sol.verify(problem)
-    assert [(s.first, s.last, problem.pool_names[s.pool], int(s.replicas[0])) for s in sol.segments] == [(0, 0, "fast", 3), (1, 1, "cheap", 1)]
+    assert [(s.first, s.last, problem.pool_names[s.pool], int(s.replicas[0])) for s in sol.segments] == [
+        (0, 0, "fast", 3),
+        (1, 1, "cheap", 1),
+    ]
     assert sol.goodput == pytest.approx(300.0)
     assert exhaustive(problem) == pytest.approx((300.0, 10.0))

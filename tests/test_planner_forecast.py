@@ -36,7 +36,7 @@ def test_forecast_is_clipped_and_non_increasing():
 
 def test_arima_tracks_a_stationary_series():
     rng = np.random.default_rng(4)
-    series = (0.6 + rng.normal(0, 0.01, (30, 1)))
+    series = 0.6 + rng.normal(0, 0.01, (30, 1))
     pred = forecast_survival(series, "arima")
     assert pred[0] == pytest.approx(0.6, abs=0.02)
 

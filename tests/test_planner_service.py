@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 
 from exitplan.api.observations import Observations
-from exitplan.api.resources import SLO, Accuracy, EarlyExitServiceSpec, GPUPoolSpec, ModelRef, PlannerSettings, PoolRef, Workload
+from exitplan.api.resources import (
+    SLO,
+    Accuracy,
+    EarlyExitServiceSpec,
+    GPUPoolSpec,
+    ModelRef,
+    PlannerSettings,
+    PoolRef,
+    Workload,
+)
 from exitplan.planner import PlanInfeasible, ProfileError, SpecError, plan_change, plan_service
 from exitplan.planner.synthetic import bert_base_profile, gpu_pool, synthetic_profile
 
@@ -16,24 +25,41 @@ SEQ = [32, 64, 128]
 def cpu_profile(pool: str = "cpu", **kw):
     """A MiniLM-on-CPU-like profile: 6 blocks, latency ~ linear in batch x length, ramps after 1 and 3."""
     return synthetic_profile(
-        "minilm", pool, 6, SEQ, [1, 2, 4, 8],
+        "minilm",
+        pool,
+        6,
+        SEQ,
+        [1, 2, 4, 8],
         lambda k, b, L: 0.4 + 0.02 * b * L,
-        ramp_after=[1, 3], ramp_ms=lambda b, L: 0.05, survival=kw.pop("survival", [0.6, 0.3]),
-        output_bytes=lambda L: 384 * 4 * L, weight_bytes=7_000_000, **kw,
+        ramp_after=[1, 3],
+        ramp_ms=lambda b, L: 0.05,
+        survival=kw.pop("survival", [0.6, 0.3]),
+        output_bytes=lambda L: 384 * 4 * L,
+        weight_bytes=7_000_000,
+        **kw,
     )
 
 
 def cpu_spec(**kw) -> EarlyExitServiceSpec:
     planner = kw.pop("planner", PlannerSettings(max_splits=2))
-    return EarlyExitServiceSpec(model=ModelRef(name="minilm", bundle="x"), slo=SLO(latency_ms=kw.pop("slo", 250), slack_ms=20),
-                                pools=[PoolRef(name="cpu")], planner=planner, **kw)
+    return EarlyExitServiceSpec(
+        model=ModelRef(name="minilm", bundle="x"),
+        slo=SLO(latency_ms=kw.pop("slo", 250), slack_ms=20),
+        pools=[PoolRef(name="cpu")],
+        planner=planner,
+        **kw,
+    )
 
 
-CPU_POOLS = {"cpu": GPUPoolSpec(capacity=2, gpu_resource="", cost_per_hour=1.0, memory_bytes=4 << 30, link_bandwidth_gbps=20)}
+CPU_POOLS = {
+    "cpu": GPUPoolSpec(capacity=2, gpu_resource="", cost_per_hour=1.0, memory_bytes=4 << 30, link_bandwidth_gbps=20)
+}
 
 
 def test_local_cpu_plan_is_runnable():
-    result = plan_service("minilm", cpu_spec(), CPU_POOLS, {"cpu": cpu_profile()}, thresholds={"ramp1": 0.8, "ramp3": 0.8})
+    result = plan_service(
+        "minilm", cpu_spec(), CPU_POOLS, {"cpu": cpu_profile()}, thresholds={"ramp1": 0.8, "ramp3": 0.8}
+    )
     result.verify()
     plan = result.plan
     assert sum(c.replicas for c in plan.cells) <= 2  # pool capacity = worker processes
@@ -53,13 +79,23 @@ def test_length_observations_give_several_buckets_within_capacity():
     result.verify()
     assert len(result.plan.buckets) >= 2 and result.plan.buckets[-1] == 128
     assert result.plan.length_histogram[0] == pytest.approx(0.7)
-    single = plan_service("minilm", cpu_spec(workload=Workload(length_buckets=[128])), pools, {"cpu": cpu_profile()}, lengths=lengths)
+    single = plan_service(
+        "minilm", cpu_spec(workload=Workload(length_buckets=[128])), pools, {"cpu": cpu_profile()}, lengths=lengths
+    )
     assert result.plan.prediction.goodput_rps > single.plan.prediction.goodput_rps
 
 
 def test_observation_window_sets_survival_and_histogram():
-    obs = Observations(service="minilm", model="minilm", since=0, until=60, ramps=["ramp1", "ramp3"], survival=[0.2, 0.1],
-                       length_buckets=[32, 64, 128], length_histogram=[90, 0, 10])
+    obs = Observations(
+        service="minilm",
+        model="minilm",
+        since=0,
+        until=60,
+        ramps=["ramp1", "ramp3"],
+        survival=[0.2, 0.1],
+        length_buckets=[32, 64, 128],
+        length_histogram=[90, 0, 10],
+    )
     pools = {"cpu": CPU_POOLS["cpu"].model_copy(update={"capacity": 4})}
     result = plan_service("minilm", cpu_spec(), pools, {"cpu": cpu_profile()}, observations=obs)
     result.verify()
@@ -79,8 +115,12 @@ def test_thresholds_off_mean_no_exits_and_less_goodput():
 
 def test_heterogeneous_pools_and_cost_cap():
     gpus = ["v100", "p100", "k80"]
-    spec = EarlyExitServiceSpec(model=ModelRef(name="bert-base-ee", bundle="x"), slo=SLO(latency_ms=100), pools=[PoolRef(name=g) for g in gpus],
-                                planner=PlannerSettings(max_splits=3, cost_cap_per_hour=20.0))
+    spec = EarlyExitServiceSpec(
+        model=ModelRef(name="bert-base-ee", bundle="x"),
+        slo=SLO(latency_ms=100),
+        pools=[PoolRef(name=g) for g in gpus],
+        planner=PlannerSettings(max_splits=3, cost_cap_per_hour=20.0),
+    )
     result = plan_service("bert", spec, {g: gpu_pool(g, 4) for g in gpus}, {g: bert_base_profile(g) for g in gpus})
     result.verify()
     assert result.plan.prediction.cost_per_hour <= 20.0 + 1e-9
@@ -90,10 +130,19 @@ def test_previous_layout_is_kept_when_close():
     profiles = {"cpu": cpu_profile()}
     pools = {"cpu": CPU_POOLS["cpu"].model_copy(update={"capacity": 4})}
     first = plan_service("minilm", cpu_spec(), pools, profiles)
-    again = plan_service("minilm", cpu_spec(), pools, {"cpu": cpu_profile(survival=[0.58, 0.3])}, previous=first.plan, reason="survival-drift")
+    again = plan_service(
+        "minilm",
+        cpu_spec(),
+        pools,
+        {"cpu": cpu_profile(survival=[0.58, 0.3])},
+        previous=first.plan,
+        reason="survival-drift",
+    )
     again.verify()
     assert again.kept_previous
-    assert [(s.first_block, s.last_block) for s in again.plan.splits] == [(s.first_block, s.last_block) for s in first.plan.splits]
+    assert [(s.first_block, s.last_block) for s in again.plan.splits] == [
+        (s.first_block, s.last_block) for s in first.plan.splits
+    ]
     change = plan_change(first.plan, again.plan)
     assert change.added <= 1 and again.plan.reason == "survival-drift"
 
@@ -196,11 +245,21 @@ def test_too_many_pool_states_is_a_typed_error():
 
 
 def _e3_setting(rebatch: bool, **planner):
-    spec = EarlyExitServiceSpec(model=ModelRef(name="bert-base-ee", bundle="x"), slo=SLO(latency_ms=100), pools=[PoolRef(name="v100")],
-                                planner=PlannerSettings(max_splits=4, rebatch=rebatch, **planner))
+    spec = EarlyExitServiceSpec(
+        model=ModelRef(name="bert-base-ee", bundle="x"),
+        slo=SLO(latency_ms=100),
+        pools=[PoolRef(name="v100")],
+        planner=PlannerSettings(max_splits=4, rebatch=rebatch, **planner),
+    )
     ramps = {r.name: 0.9 for r in bert_base_profile("v100").ramps}
-    return plan_service("bert", spec, {"v100": gpu_pool("v100", 16)}, {"v100": bert_base_profile("v100")}, thresholds=ramps,
-                        lengths=np.full(1000, 128))
+    return plan_service(
+        "bert",
+        spec,
+        {"v100": gpu_pool("v100", 16)},
+        {"v100": bert_base_profile("v100")},
+        thresholds=ramps,
+        lengths=np.full(1000, 128),
+    )
 
 
 def test_rebatching_plan_marks_its_splits_and_plans_more_goodput():
@@ -222,11 +281,23 @@ def test_a_split_rebatches_only_where_that_is_no_slower(gpu, count):
     """Per split, rebatching is taken where its tables are at least as fast for every pool and
     bucket, so the plan's predicted goodput is never below split-and-replicate's (on K80 the
     inner queues of the later splits fill too slowly within a cycle, and those splits do not)."""
-    spec = EarlyExitServiceSpec(model=ModelRef(name="bert-base-ee", bundle="x"), slo=SLO(latency_ms=100), pools=[PoolRef(name=gpu)],
-                                planner=PlannerSettings(max_splits=4))
+    spec = EarlyExitServiceSpec(
+        model=ModelRef(name="bert-base-ee", bundle="x"),
+        slo=SLO(latency_ms=100),
+        pools=[PoolRef(name=gpu)],
+        planner=PlannerSettings(max_splits=4),
+    )
     ramps = {r.name: 0.9 for r in bert_base_profile(gpu).ramps}
-    plans = {rb: plan_service("bert", spec.model_copy(update={"planner": spec.planner.model_copy(update={"rebatch": rb})}),
-                              {gpu: gpu_pool(gpu, count)}, {gpu: bert_base_profile(gpu)}, thresholds=ramps) for rb in (True, False)}
+    plans = {
+        rb: plan_service(
+            "bert",
+            spec.model_copy(update={"planner": spec.planner.model_copy(update={"rebatch": rb})}),
+            {gpu: gpu_pool(gpu, count)},
+            {gpu: bert_base_profile(gpu)},
+            thresholds=ramps,
+        )
+        for rb in (True, False)
+    }
     plans[True].verify()
     assert plans[True].plan.prediction.goodput_rps >= plans[False].plan.prediction.goodput_rps * (1 - 1e-9)
     assert any(s.rebatch for s in plans[True].plan.splits)
@@ -247,8 +318,13 @@ def test_without_exits_nothing_rebatches():
     result = plan_service("minilm", spec, CPU_POOLS, {"cpu": cpu_profile()}, thresholds={"ramp1": 2.0, "ramp3": 2.0})
     result.verify()
     assert not result.rebatch and not any(s.rebatch for s in result.plan.splits)
-    plain = plan_service("minilm", cpu_spec(planner=PlannerSettings(max_splits=2, rebatch=False)), CPU_POOLS, {"cpu": cpu_profile()},
-                         thresholds={"ramp1": 2.0, "ramp3": 2.0})
+    plain = plan_service(
+        "minilm",
+        cpu_spec(planner=PlannerSettings(max_splits=2, rebatch=False)),
+        CPU_POOLS,
+        {"cpu": cpu_profile()},
+        thresholds={"ramp1": 2.0, "ramp3": 2.0},
+    )
     assert result.plan.content_hash() == plain.plan.content_hash()
 
 
@@ -258,8 +334,10 @@ def test_dp_on_the_rebatching_tables_equals_exhaustive_enumeration(rebatch):
     from exitplan.planner.inputs import resolve_inputs
     from exitplan.planner.service import build_problem
 
-    pools = {"cpu": CPU_POOLS["cpu"].model_copy(update={"capacity": 5}),
-             "slow": CPU_POOLS["cpu"].model_copy(update={"capacity": 3, "cost_per_hour": 0.4})}
+    pools = {
+        "cpu": CPU_POOLS["cpu"].model_copy(update={"capacity": 5}),
+        "slow": CPU_POOLS["cpu"].model_copy(update={"capacity": 3, "cost_per_hour": 0.4}),
+    }
     profiles = {"cpu": cpu_profile(), "slow": cpu_profile("slow")}
     spec = cpu_spec(planner=PlannerSettings(max_splits=3, rebatch=rebatch))
     spec = spec.model_copy(update={"pools": [PoolRef(name="cpu"), PoolRef(name="slow")]})

@@ -10,8 +10,12 @@ from exitplan.planner.compare import oracle_for, plan_config, simulate_plan, sus
 from exitplan.planner.simulator import depths_from_survival, poisson_arrivals
 from exitplan.planner.synthetic import bert_base_profile, gpu_pool
 
-SPEC = EarlyExitServiceSpec(model=ModelRef(name="bert-base-ee", bundle="x"), slo=SLO(latency_ms=100), pools=[PoolRef(name="v100")],
-                            planner=PlannerSettings(max_splits=3))
+SPEC = EarlyExitServiceSpec(
+    model=ModelRef(name="bert-base-ee", bundle="x"),
+    slo=SLO(latency_ms=100),
+    pools=[PoolRef(name="v100")],
+    planner=PlannerSettings(max_splits=3),
+)
 POOLS = {"v100": gpu_pool("v100", 4)}
 PROFILES = {"v100": bert_base_profile("v100")}
 
@@ -55,7 +59,10 @@ def test_exit_depths_follow_survival():
 def test_oracle_bounds_every_configuration_and_exits_help(plans):
     lengths = np.full(2000, 128)
     # runs long enough (>= 2 s of arrivals) that a rate above capacity shows as SLO misses
-    rates = {name: sustainable_rate(result, np.array([128]), 100.0, n=3000, iters=7, duration_s=2.0)[0] for name, result in plans.items()}
+    rates = {
+        name: sustainable_rate(result, np.array([128]), 100.0, n=3000, iters=7, duration_s=2.0)[0]
+        for name, result in plans.items()
+    }
     bound = oracle_for(plans["e3"], lengths, 1e12)
     assert all(r <= bound for r in rates.values()), (rates, bound)
     assert rates["e3"] > rates["vanilla"]
@@ -68,7 +75,9 @@ def test_exited_rows_that_keep_their_slots_cost_time(plans):
     arrivals = poisson_arrivals(rng, 1000.0, 1000)
     lengths = np.full(1000, 128)
     ref = plans["naive-ee"]
-    depths = depths_from_survival(np.random.default_rng(4), 1000, 12, list(range(11)), list(ref.plan.survival), [True] * 11)
+    depths = depths_from_survival(
+        np.random.default_rng(4), 1000, 12, list(range(11)), list(ref.plan.survival), [True] * 11
+    )
     shrink = simulate_plan(ref, arrivals, lengths, 100.0, depths=depths, max_wait_ms=20.0)
     padded = simulate_plan(ref, arrivals, lengths, 100.0, depths=depths, max_wait_ms=20.0, compact_exits=False)
     assert shrink.answered == padded.answered == 1000
@@ -77,7 +86,9 @@ def test_exited_rows_that_keep_their_slots_cost_time(plans):
 
 def _layout(result, rebatch: bool):
     """The same plan with its splits rebatching or not."""
-    plan = result.plan.model_copy(update={"splits": [s.model_copy(update={"rebatch": rebatch}) for s in result.plan.splits]})
+    plan = result.plan.model_copy(
+        update={"splits": [s.model_copy(update={"rebatch": rebatch}) for s in result.plan.splits]}
+    )
     return type(result)(**{**result.__dict__, "plan": plan})
 
 
@@ -92,9 +103,15 @@ def test_rebatching_answers_every_request_once_with_fuller_batches_and_the_drawn
     rng = np.random.default_rng(5)
     rate = 0.6 * one_split.plan.prediction.goodput_rps
     arrivals = poisson_arrivals(rng, rate, n)
-    depths = depths_from_survival(np.random.default_rng(6), n, 12, list(range(11)), list(one_split.plan.survival), [True] * 11)
-    runs = {rb: simulate_plan(_layout(one_split, rb), arrivals, np.full(n, 128), 100.0, depths=depths, max_wait_ms=float("inf"))
-            for rb in (False, True)}
+    depths = depths_from_survival(
+        np.random.default_rng(6), n, 12, list(range(11)), list(one_split.plan.survival), [True] * 11
+    )
+    runs = {
+        rb: simulate_plan(
+            _layout(one_split, rb), arrivals, np.full(n, 128), 100.0, depths=depths, max_wait_ms=float("inf")
+        )
+        for rb in (False, True)
+    }
     for rb, res in runs.items():
         assert res.dropped == 0 and res.answered == n and res.answers == n, rb  # none lost, none answered twice
         # every block ran exactly the rows whose drawn exit depth lies beyond it
@@ -111,6 +128,9 @@ def test_rebatching_answers_more_within_the_slo_than_the_same_layout_without_it(
     n = 8000
     rate = 1.4 * one_split.plan.prediction.goodput_rps
     arrivals = poisson_arrivals(np.random.default_rng(7), rate, n)
-    runs = {rb: simulate_plan(_layout(one_split, rb), arrivals, np.full(n, 128), 100.0, max_wait_ms=float("inf")) for rb in (False, True)}
+    runs = {
+        rb: simulate_plan(_layout(one_split, rb), arrivals, np.full(n, 128), 100.0, max_wait_ms=float("inf"))
+        for rb in (False, True)
+    }
     assert runs[True].goodput > 1.15 * runs[False].goodput
     assert runs[True].answered + runs[True].dropped == n

@@ -37,7 +37,9 @@ def _profile(runner, args):
 
 def test_digits_profile_document(digits_bundle, tmp_path):
     out = tmp_path / "digits.yaml"
-    result = _profile(CliRunner(), [str(digits_bundle), "--pool", "cpu-pool", "--out", str(out), "--json", str(tmp_path / "p.json")])
+    result = _profile(
+        CliRunner(), [str(digits_bundle), "--pool", "cpu-pool", "--out", str(out), "--json", str(tmp_path / "p.json")]
+    )
     assert "profile written to" in _text(result) and "conv0" in _text(result)
     doc = yaml.safe_load(out.read_text())
     assert doc["kind"] == "ModelProfile" and doc["apiVersion"] == "exitplan.io/v1alpha1"
@@ -68,12 +70,34 @@ def test_minilm_profile_with_buckets_and_thresholds(minilm_bundle, tmp_path):
     thresholds = tmp_path / "t.json"
     thresholds.write_text(json.dumps({"thresholds": {"ramp0": 0.95, "ramp2": 0.8, "ramp4": 1.5}}))
     out = tmp_path / "minilm.yaml"
-    args = [str(minilm_bundle), "--pool", "cpu", "--out", str(out), "--batch-sizes", "1,4", "--seq-lens", "32,16",
-            "--repeats", "1", "--thresholds", str(thresholds), "--model-name", "tweets"]
+    args = [
+        str(minilm_bundle),
+        "--pool",
+        "cpu",
+        "--out",
+        str(out),
+        "--batch-sizes",
+        "1,4",
+        "--seq-lens",
+        "32,16",
+        "--repeats",
+        "1",
+        "--thresholds",
+        str(thresholds),
+        "--model-name",
+        "tweets",
+    ]
     _profile(CliRunner(), args)
     spec = ModelProfile.model_validate(yaml.safe_load(out.read_text())).spec
     assert spec.model == "tweets" and spec.batch_sizes == [1, 4] and spec.seq_lens == [16, 32]
-    assert len(spec.blocks) == 6 and [r.name for r in spec.ramps] == ["ramp0", "ramp1", "ramp2", "ramp3", "ramp4", "head"]
+    assert len(spec.blocks) == 6 and [r.name for r in spec.ramps] == [
+        "ramp0",
+        "ramp1",
+        "ramp2",
+        "ramp3",
+        "ramp4",
+        "head",
+    ]
     for entry in [*spec.blocks, *spec.ramps]:
         assert np.asarray(entry.latency_ms).shape == (2, 2)
     hidden = 384
@@ -106,7 +130,9 @@ def test_bad_profile_options_are_explained(minilm_bundle, digits_bundle, tmp_pat
     assert result.exit_code != 0 and "comma-separated integers" in _text(result)
     result = runner.invoke(app, ["profile", str(tmp_path), "--pool", "p", "--out", out])
     assert result.exit_code == 2 and "no bundle.yaml here" in _text(result)
-    result = runner.invoke(app, ["profile", str(digits_bundle), "--pool", "p", "--out", out, "--providers", "NoSuchProvider"])
+    result = runner.invoke(
+        app, ["profile", str(digits_bundle), "--pool", "p", "--out", out, "--providers", "NoSuchProvider"]
+    )
     assert result.exit_code == 2 and "NoSuchProvider" in _text(result) and "CPUExecutionProvider" in _text(result)
     copy = tmp_path / "copy"
     shutil.copytree(digits_bundle, copy)

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from test_chart_support import NAMESPACE, RESTRICTED, ROOT, of_kind, one, render
 
 pytest.importorskip("helm_python", reason="helm-python-sdk is in the dev extra: pip install -e '.[dev]'")
@@ -39,12 +38,17 @@ Need = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 CLIENT_VERBS = {"get": "get", "list": "list", "create": "create", "merge_patch": "patch", "delete": "delete"}
 CLIENT_NON_API = {"close", "from_config"}
 HTTP_VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
-URL_RE = re.compile(r"^/(?:api|apis/(?P<group>[^/]+))/(?P<version>v[^/]+)/(?:namespaces/[^/]+/)?"
-                    r"(?P<plural>[a-z0-9]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>[a-z]+))?$")
+URL_RE = re.compile(
+    r"^/(?:api|apis/(?P<group>[^/]+))/(?P<version>v[^/]+)/(?:namespaces/[^/]+/)?"
+    r"(?P<plural>[a-z0-9]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>[a-z]+))?$"
+)
 OPERATOR_ROOTS = ("exitplan.operator.handlers", "exitplan.operator.peering")
 PEERING_MODULE = "exitplan.operator.peering"
-CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces"),
-                  ("kopf.dev", "clusterkopfpeerings")}
+CLUSTER_SCOPED = {
+    ("apiextensions.k8s.io", "customresourcedefinitions"),
+    ("", "namespaces"),
+    ("kopf.dev", "clusterkopfpeerings"),
+}
 
 
 class Unresolved(Exception):
@@ -95,7 +99,11 @@ class Scanner:
                 for item in node.body:
                     if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                         mod.methods[f"{node.name}.{item.name}"] = item
-            elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            elif (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
                 for target in node.targets:
                     if isinstance(target, ast.Name):
                         mod.consts[target.id] = node.value.value
@@ -103,7 +111,9 @@ class Scanner:
             if isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                    )
                 for alias in node.names:
                     local = alias.asname or alias.name
                     full = f"{base}.{alias.name}"
@@ -140,7 +150,12 @@ class Scanner:
                 return target, target.funcs[alias[2]]
         elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
             alias = mod.aliases.get(func.value.id)
-            if alias and alias[0] == "module" and alias[1] in self.modules and func.attr in self.modules[alias[1]].funcs:
+            if (
+                alias
+                and alias[0] == "module"
+                and alias[1] in self.modules
+                and func.attr in self.modules[alias[1]].funcs
+            ):
                 target = self.modules[alias[1]]
                 return target, target.funcs[func.attr]
         return None
@@ -252,8 +267,12 @@ class Scanner:
             if values:
                 return set().union(*(self.objects(mod, fn, v, parents) for v in values))
         if isinstance(expr, ast.Call):
-            if isinstance(expr.func, ast.Attribute) and expr.func.attr in ("deepcopy", "copy") or \
-                    isinstance(expr.func, ast.Name) and expr.func.id in ("dict", "list", "tuple", "sorted"):
+            if (
+                isinstance(expr.func, ast.Attribute)
+                and expr.func.attr in ("deepcopy", "copy")
+                or isinstance(expr.func, ast.Name)
+                and expr.func.id in ("dict", "list", "tuple", "sorted")
+            ):
                 return self.objects(mod, fn, expr.args[0], parents)
             found = self.function(mod, expr.func)
             if found is not None:
@@ -377,7 +396,9 @@ class Scanner:
             if re.search(r"(^|\.)client$|\[['\"]client['\"]\]$", receiver):
                 return self._client_call(mod, fn, call, func.attr, parents)
             if re.search(r"(^|\.)(CoreV1Api|AppsV1Api|BatchV1Api|CustomObjectsApi|ApiClient)\b", receiver):
-                raise Unresolved(f"{self._where(mod, call)}: kubernetes client call `{ast.unparse(call)[:60]}` is not scanned")
+                raise Unresolved(
+                    f"{self._where(mod, call)}: kubernetes client call `{ast.unparse(call)[:60]}` is not scanned"
+                )
         found = self.function(mod, func)
         if found is None:
             return set()
@@ -426,8 +447,9 @@ class Scanner:
             targets = self.urls(mod, fn, call.args[0], parents)
         return {self._concrete(t, verb) for t in targets}
 
-    def needs(self, module_names: list[str], functions: list[tuple[str, str]] | None = None,
-              exclude: set[str] = frozenset()) -> set[Need]:
+    def needs(
+        self, module_names: list[str], functions: list[tuple[str, str]] | None = None, exclude: set[str] = frozenset()
+    ) -> set[Need]:
         """Concrete needs of every function (and method) of the modules, or of the named functions."""
         out: set[Need] = set()
         todo: list[tuple[Module, Any]] = []
@@ -494,8 +516,13 @@ def kopf_handler_needs() -> tuple[set[Need], set[tuple[str, str]]]:
     registry = kopf.get_default_registry()
     out: set[Need] = set()
     changed: set[tuple[str, str]] = set()
-    groups = {"changing": registry._changing, "watching": registry._watching, "spawning": registry._spawning,
-              "indexing": registry._indexing, "webhooks": registry._webhooks}
+    groups = {
+        "changing": registry._changing,
+        "watching": registry._watching,
+        "spawning": registry._spawning,
+        "indexing": registry._indexing,
+        "webhooks": registry._webhooks,
+    }
     for kind, reg in groups.items():
         for handler in reg.get_all_handlers():
             if not getattr(handler.fn, "__module__", "").startswith("exitplan."):
@@ -510,14 +537,16 @@ def kopf_handler_needs() -> tuple[set[Need], set[tuple[str, str]]]:
 
 
 def kopf_framework_needs(*, clusterwide: bool, peering: bool) -> set[Need]:
-    out = {("", "events", "create"),                                        # posting.py
-           ("apiextensions.k8s.io", "customresourcedefinitions", "list"),   # observation.py resource_observer
-           ("apiextensions.k8s.io", "customresourcedefinitions", "watch")}
+    out = {
+        ("", "events", "create"),  # posting.py
+        ("apiextensions.k8s.io", "customresourcedefinitions", "list"),  # observation.py resource_observer
+        ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+    }
     if peering:
         assert clusterwide, "the operator's peering is the cluster-wide ClusterKopfPeering"
         out |= {("kopf.dev", "clusterkopfpeerings", v) for v in ("list", "watch", "patch")}  # peering.py
     if not clusterwide:
-        out |= {("", "namespaces", "list"), ("", "namespaces", "watch")}   # observation.py namespace_observer
+        out |= {("", "namespaces", "list"), ("", "namespaces", "watch")}  # observation.py namespace_observer
     return out
 
 
@@ -536,7 +565,12 @@ def code_needs() -> Needs:
 
 def expected(*, clusterwide: bool, peering: bool) -> set[Need]:
     needs = code_needs()
-    out = needs.app | needs.kopf_handlers | needs.adopt_owners | kopf_framework_needs(clusterwide=clusterwide, peering=peering)
+    out = (
+        needs.app
+        | needs.kopf_handlers
+        | needs.adopt_owners
+        | kopf_framework_needs(clusterwide=clusterwide, peering=peering)
+    )
     if peering:
         out |= needs.app_peering
     return out
@@ -549,7 +583,7 @@ def is_cluster_scoped(need: Need) -> bool:
     plural = resource.split("/")[0]
     if (group, plural) in CLUSTER_SCOPED:
         return True
-    for prefix, kplural, namespaced in KINDS.values():
+    for _prefix, kplural, namespaced in KINDS.values():
         if kplural == plural:
             return not namespaced
     return False
@@ -587,13 +621,20 @@ def test_scan_resolves_every_api_call() -> None:
 def test_cluster_wide_rules_match_the_code_exactly() -> None:
     objs = render()
     role = one(objs, "ClusterRole", "exitplan-operator")
-    assert rule_needs(role) == expected(clusterwide=True, peering=True), diff(rule_needs(role), expected(clusterwide=True, peering=True))
+    assert rule_needs(role) == expected(clusterwide=True, peering=True), diff(
+        rule_needs(role), expected(clusterwide=True, peering=True)
+    )
     assert not [r for r in of_kind(objs, "Role") if r["metadata"]["name"] == "exitplan-operator"]
     binding = one(objs, "ClusterRoleBinding", "exitplan-operator")
     sts = one(objs, "StatefulSet")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sts["spec"]["template"]["spec"]["serviceAccountName"],
-                                    "namespace": NAMESPACE}]
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": sts["spec"]["template"]["spec"]["serviceAccountName"],
+            "namespace": NAMESPACE,
+        }
+    ]
 
 
 def test_rules_without_peering_drop_exactly_the_peering_needs() -> None:
@@ -615,7 +656,11 @@ def test_restricted_rules_split_into_cluster_and_namespaced_roles() -> None:
         have_ns = rule_needs(one(objs, "Role", "exitplan-operator", ns))
         assert have_ns == ns_want, diff(have_ns, ns_want)
         binding = one(objs, "RoleBinding", "exitplan-operator", ns)
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "exitplan-operator"}
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": "exitplan-operator",
+        }
         assert binding["subjects"][0]["namespace"] == NAMESPACE
 
 
@@ -638,7 +683,7 @@ def test_every_rule_is_commented_as_kopf_or_app() -> None:
 # ------------------------------------------------------------------ the scan itself can fail
 
 
-SWEEP = '''
+SWEEP = """
 from exitplan.operator.kube import KubeClient, path
 from exitplan.operator import apply as applying
 
@@ -649,7 +694,7 @@ async def sweep(client: KubeClient, namespace: str) -> None:
             await client.delete(path(kind, namespace, obj["metadata"]["name"]))
     report = applying.ApplyReport()
     await applying.apply_one(client, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "x"}}, report)
-'''
+"""
 
 
 def test_scan_notices_a_new_api_call() -> None:
@@ -658,17 +703,24 @@ def test_scan_notices_a_new_api_call() -> None:
     scan = scanner({"exitplan.operator.sweep": SWEEP})
     got = scan.needs(["exitplan.operator.sweep"])
     assert scan.unresolved == []
-    assert got == {("batch", "jobs", "list"), ("batch", "jobs", "delete"), ("", "pods", "list"), ("", "pods", "delete"),
-                   ("", "namespaces", "get"), ("", "namespaces", "create"), ("", "namespaces", "patch")}
+    assert got == {
+        ("batch", "jobs", "list"),
+        ("batch", "jobs", "delete"),
+        ("", "pods", "list"),
+        ("", "pods", "delete"),
+        ("", "namespaces", "get"),
+        ("", "namespaces", "create"),
+        ("", "namespaces", "patch"),
+    }
     have = rule_needs(one(render(), "ClusterRole"))
     assert ("batch", "jobs", "delete") not in have and ("", "pods", "delete") not in have
 
 
 def test_scan_refuses_what_it_cannot_resolve() -> None:
-    code = '''
+    code = """
 async def mystery(client, body):
     await client.create(body["children"][0] if body else {})
-'''
+"""
     scan = scanner({"exitplan.operator.mystery": code})
     scan.needs(["exitplan.operator.mystery"])
     assert len(scan.unresolved) == 1 and "mystery.py:3" in scan.unresolved[0]

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import aiohttp
 import numpy as np
 import pytest
+from dataplane_helpers import deployment, heldout_texts, ramp_names, service_spec
 from tokenizers import Tokenizer
 
 from exitplan.api.bundle import read_manifest
@@ -22,8 +23,6 @@ from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.planner.dispatch import choose_queue
 from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, pad_batch, softmax
 from exitplan.worker.classify.fusion import FusionQueues
-
-from dataplane_helpers import deployment, heldout_texts, ramp_names, service_spec
 
 BATCH = 8
 
@@ -80,8 +79,11 @@ THRESHOLD = 0.9
 
 def rebatch_plan(ramps: list[str], n_blocks: int, buckets=(32, 128)) -> Plan:
     return Plan(
-        service="test", model="minilm", splits=[SplitPlan(index=0, first_block=0, last_block=n_blocks - 1, rebatch=True)],
-        buckets=list(buckets), cells=[Cell(split=0, bucket=b, pool="cpu", replicas=1, batch_size=BATCH) for b in buckets],
+        service="test",
+        model="minilm",
+        splits=[SplitPlan(index=0, first_block=0, last_block=n_blocks - 1, rebatch=True)],
+        buckets=list(buckets),
+        cells=[Cell(split=0, bucket=b, pool="cpu", replicas=1, batch_size=BATCH) for b in buckets],
         thresholds={r: THRESHOLD for r in ramps},
     )
 
@@ -109,7 +111,9 @@ def expected_answers(bundle, texts, buckets=(32, 128)):
         rows = [i for i, x in enumerate(ids) if bucket_for(len(x), buckets) == b]
         if not rows:
             continue
-        result = runtime.run_range(pad_batch([ids[i] for i in rows], b), b, {r.name: THRESHOLD for r in runtime.manifest.exit_ramps()})
+        result = runtime.run_range(
+            pad_batch([ids[i] for i in rows], b), b, {r.name: THRESHOLD for r in runtime.manifest.exit_ramps()}
+        )
         for ex in result.exits:
             ramp_of[rows[ex.row]] = ex.ramp
             scores[rows[ex.row]] = softmax(ex.logits[None])[0]
@@ -117,7 +121,9 @@ def expected_answers(bundle, texts, buckets=(32, 128)):
 
 
 @pytest.mark.slow
-async def test_rebatching_split_answers_like_the_model_in_one_piece_and_runs_full_batches(rebatched, minilm_bundle, texts):
+async def test_rebatching_split_answers_like_the_model_in_one_piece_and_runs_full_batches(
+    rebatched, minilm_bundle, texts
+):
     body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [len(texts)], "data": texts}]}
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{rebatched.url}/v2/models/minilm/infer", json=body) as resp:
@@ -174,8 +180,11 @@ async def test_rows_left_inside_a_split_when_rebatching_turns_off_run_to_its_end
     items = [HopItem(f"r{i}", deadline=time.time() + 60) for i in range(len(sample))]
     pending = Pending(items, len(runtime.manifest.labels))
     for i in range(len(sample)):
-        worker.stages.queues[2].append(Row(pending, i, 0.0, items[i].deadline, items[i].deadline, items[i], 0.0,
-                                           {k: v[i] for k, v in work.items()}))
+        worker.stages.queues[2].append(
+            Row(
+                pending, i, 0.0, items[i].deadline, items[i].deadline, items[i], 0.0, {k: v[i] for k, v in work.items()}
+            )
+        )
     worker.apply_plan(plan.model_copy(update={"splits": [plan.splits[0].model_copy(update={"rebatch": False})]}))
     assert worker.stages.span(2) == (2, n_blocks - 1)
     await worker.run_batch(worker.stages.take(2, BATCH), 2)
@@ -184,5 +193,7 @@ async def test_rows_left_inside_a_split_when_rebatching_turns_off_run_to_its_end
     # the same rows, blocks 2.. run in one piece with the earlier ramps off (they passed them already)
     late = {r.name: THRESHOLD for r in runtime.manifest.exit_ramps() if r.after >= 2}
     direct = BundleRuntime(minilm_bundle, first_block=2, buckets=[128]).run_range(work, 128, late)
-    assert sorted((ex.row, ex.ramp) for ex in direct.exits) == sorted((i, r.ramp) for i, r in enumerate(pending.results))
+    assert sorted((ex.row, ex.ramp) for ex in direct.exits) == sorted(
+        (i, r.ramp) for i, r in enumerate(pending.results)
+    )
     worker.pool_exec.shutdown(wait=False)

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from exitplan.planner.tuning.grid import grid_search, grid_values
+from exitplan.planner.tuning.synthetic_windows import synthetic_window
 from exitplan.planner.tuning.thresholds import (
     DISABLED,
-    InfeasibleBudget,
     FeedbackWindow,
+    InfeasibleBudget,
     WindowError,
     allowed_disagreements,
     evaluate,
@@ -19,7 +20,6 @@ from exitplan.planner.tuning.thresholds import (
     outcome,
     tune,
 )
-from exitplan.planner.tuning.synthetic_windows import synthetic_window
 
 
 def _by_hand(w: FeedbackWindow, t: np.ndarray) -> tuple[float, float]:
@@ -213,21 +213,29 @@ def test_budget_zero_loses_nothing():
 
 def _arrays(n=20, r=3):
     rng = np.random.default_rng(0)
-    return dict(conf=rng.random((n, r)), pred=rng.integers(0, 3, (n, r)), final=rng.integers(0, 3, n),
-                saving_ms=np.array([3.0, 2.0, 1.0][:r]), cost_ms=np.full(r, 0.1))
+    return dict(
+        conf=rng.random((n, r)),
+        pred=rng.integers(0, 3, (n, r)),
+        final=rng.integers(0, 3, n),
+        saving_ms=np.array([3.0, 2.0, 1.0][:r]),
+        cost_ms=np.full(r, 0.1),
+    )
 
 
-@pytest.mark.parametrize("field, bad", [
-    ("conf", lambda a: a["conf"].__setitem__((3, 1), np.nan)),
-    ("conf", lambda a: a.update(conf=a["conf"] * 2)),
-    ("conf", lambda a: a.update(conf=a["conf"][:0], pred=a["pred"][:0], final=a["final"][:0])),
-    ("pred", lambda a: a.update(pred=a["pred"][:, :2])),
-    ("pred", lambda a: a.update(pred=a["pred"] + 0.5)),
-    ("final", lambda a: a.update(final=a["final"][:5])),
-    ("saving_ms", lambda a: a.update(saving_ms=np.array([1.0, 2.0]))),
-    ("cost_ms", lambda a: a.update(cost_ms=np.array([0.1, -0.1, 0.1]))),
-    ("cost_ms", lambda a: a["cost_ms"].__setitem__(0, np.nan)),
-])
+@pytest.mark.parametrize(
+    "field, bad",
+    [
+        ("conf", lambda a: a["conf"].__setitem__((3, 1), np.nan)),
+        ("conf", lambda a: a.update(conf=a["conf"] * 2)),
+        ("conf", lambda a: a.update(conf=a["conf"][:0], pred=a["pred"][:0], final=a["final"][:0])),
+        ("pred", lambda a: a.update(pred=a["pred"][:, :2])),
+        ("pred", lambda a: a.update(pred=a["pred"] + 0.5)),
+        ("final", lambda a: a.update(final=a["final"][:5])),
+        ("saving_ms", lambda a: a.update(saving_ms=np.array([1.0, 2.0]))),
+        ("cost_ms", lambda a: a.update(cost_ms=np.array([0.1, -0.1, 0.1]))),
+        ("cost_ms", lambda a: a["cost_ms"].__setitem__(0, np.nan)),
+    ],
+)
 def test_bad_windows_name_the_field(field, bad):
     arrays = _arrays()
     bad(arrays)

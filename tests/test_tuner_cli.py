@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from exitplan.cli import app
-from exitplan.planner.tuning.thresholds import FeedbackWindow, evaluate
 from exitplan.planner.tuning.synthetic_windows import synthetic_window
+from exitplan.planner.tuning.thresholds import FeedbackWindow, evaluate
 
 runner = CliRunner()
 
@@ -49,16 +49,19 @@ def test_tune_from_given_start_thresholds(tmp_path):
     assert json.loads(out.read_text())["agreement"] >= 0.99
 
 
-@pytest.mark.parametrize("change, args, words", [
-    (None, ["--budget", "1.0"], ["budget", "[0, 1)"]),
-    (None, ["--budget", "-0.1"], ["budget"]),
-    (lambda a: a.update(pred=a["pred"][:, :3]), [], ["pred", "shape"]),
-    (lambda a: a.update(final=a["final"][:10]), [], ["final", "shape"]),
-    (lambda a: a.update(conf=a["conf"][:0], pred=a["pred"][:0], final=a["final"][:0]), [], ["conf", "no inputs"]),
-    (lambda a: a["conf"].__setitem__((5, 2), np.nan), [], ["conf", "NaN"]),
-    (lambda a: a.pop("saving_ms"), [], ["saving_ms"]),
-    (None, ["--start", "0.9,0.9"], ["start", "4 values"]),
-])
+@pytest.mark.parametrize(
+    "change, args, words",
+    [
+        (None, ["--budget", "1.0"], ["budget", "[0, 1)"]),
+        (None, ["--budget", "-0.1"], ["budget"]),
+        (lambda a: a.update(pred=a["pred"][:, :3]), [], ["pred", "shape"]),
+        (lambda a: a.update(final=a["final"][:10]), [], ["final", "shape"]),
+        (lambda a: a.update(conf=a["conf"][:0], pred=a["pred"][:0], final=a["final"][:0]), [], ["conf", "no inputs"]),
+        (lambda a: a["conf"].__setitem__((5, 2), np.nan), [], ["conf", "NaN"]),
+        (lambda a: a.pop("saving_ms"), [], ["saving_ms"]),
+        (None, ["--start", "0.9,0.9"], ["start", "4 values"]),
+    ],
+)
 def test_bad_input_exits_2_naming_the_field(tmp_path, change, args, words):
     arrays = _arrays()
     if change is not None:

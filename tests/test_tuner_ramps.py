@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from exitplan.planner.tuning.ramps import manage_ramps, ramp_utilities
-from exitplan.planner.tuning.thresholds import DISABLED, FeedbackWindow, WindowError, evaluate, tune
 from exitplan.planner.tuning.synthetic_windows import synthetic_window
+from exitplan.planner.tuning.thresholds import DISABLED, FeedbackWindow, WindowError, evaluate, tune
 
 
 def _full_latency(w: FeedbackWindow) -> float:
@@ -90,13 +90,16 @@ def test_candidates_go_in_order_of_upper_bound():
     assert first.ramp == int(np.argmax(bounds))
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(worst_case_ms=0.0), "worst_case_ms"),
-    (dict(worst_case_ms=float("nan")), "worst_case_ms"),
-    (dict(worst_case_ms=100.0, overhead_frac=1.5), "overhead_frac"),
-    (dict(worst_case_ms=100.0, budget=2.0), "budget"),
-    (dict(worst_case_ms=100.0, thresholds=[0.5]), "thresholds"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(worst_case_ms=0.0), "worst_case_ms"),
+        (dict(worst_case_ms=float("nan")), "worst_case_ms"),
+        (dict(worst_case_ms=100.0, overhead_frac=1.5), "overhead_frac"),
+        (dict(worst_case_ms=100.0, budget=2.0), "budget"),
+        (dict(worst_case_ms=100.0, thresholds=[0.5]), "thresholds"),
+    ],
+)
 def test_bad_ramp_management_input(kwargs, field):
     w = synthetic_window(np.random.default_rng(0), n=100, r=3)
     args = dict(budget=0.01) | kwargs

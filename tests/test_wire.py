@@ -59,7 +59,6 @@ def test_unsendable_dtype_is_rejected():
         wire.encode({}, {"z": np.zeros(2, np.complex64)})
 
 
-
 # ---------------------------------------------------------------- typed hop meta (HopItem, HopResult, ...)
 
 
@@ -121,11 +120,19 @@ def test_forwarded_items_carry_the_shadow_record_and_answered_flag_as_before():
 
 
 def test_results_and_answer_meta_round_trip_as_the_dict_code_built_them():
-    old_results = [{"id": "a", "ramp": "ramp_2", "final": False}, {"id": "b", "shadow": True},
-                   {"id": "c", "error": "split 1 cannot run this input"}, {"id": "d", "ramp": "head", "final": True}]
+    old_results = [
+        {"id": "a", "ramp": "ramp_2", "final": False},
+        {"id": "b", "shadow": True},
+        {"id": "c", "error": "split 1 cannot run this input"},
+        {"id": "d", "ramp": "head", "final": True},
+    ]
     old = {"results": old_results, "service_ms": 3.25, "expected_ms": 2.5, "compute_ms": 1.75}
-    results = [HopResult.answer("a", "ramp_2", False), HopResult.shadow_of("b"),
-               HopResult.failure("c", "split 1 cannot run this input"), HopResult.answer("d", "head", True)]
+    results = [
+        HopResult.answer("a", "ramp_2", False),
+        HopResult.shadow_of("b"),
+        HopResult.failure("c", "split 1 cannot run this input"),
+        HopResult.answer("d", "head", True),
+    ]
     answer = HopAnswer(results, 3.25, 2.5, 1.75)
     logits = np.ones((4, 3), np.float32)
     assert wire.encode(answer.to_meta(), {"logits": logits}) == wire.encode(old, {"logits": logits})
@@ -141,12 +148,20 @@ def test_results_and_answer_meta_round_trip_as_the_dict_code_built_them():
     [
         (HopRequest.from_meta, {"bucket": 16}, "'items'"),
         (HopRequest.from_meta, {"items": []}, "'items'"),
-        (HopRequest.from_meta, {"items": [{"id": "a"}, {"id": "b", "deadline": "soon"}]}, r"items\[1\]: field 'deadline'"),
+        (
+            HopRequest.from_meta,
+            {"items": [{"id": "a"}, {"id": "b", "deadline": "soon"}]},
+            r"items\[1\]: field 'deadline'",
+        ),
         (HopRequest.from_meta, {"items": [{"deadline": 1.0}]}, r"items\[0\]: field 'id' is missing"),
         (HopRequest.from_meta, {"items": [{"id": 7}]}, "field 'id' must be a string"),
         (HopRequest.from_meta, {"items": [{"id": "a", "record": "yes"}]}, "field 'record'"),
         (HopRequest.from_meta, {"items": [{"id": "a", "answered": 1}]}, "field 'answered'"),
-        (HopRequest.from_meta, {"items": [{"id": "a", "rec": {"conf": {"r0": "high"}, "pred": {}}}]}, "field 'rec': field 'conf'"),
+        (
+            HopRequest.from_meta,
+            {"items": [{"id": "a", "rec": {"conf": {"r0": "high"}, "pred": {}}}]},
+            "field 'rec': field 'conf'",
+        ),
         (HopRequest.from_meta, {"items": ["a"]}, r"items\[0\] must be a JSON object"),
         (HopRequest.from_meta, {"items": [{"id": "a"}], "bucket": 1.5}, "field 'bucket'"),
         (HopAnswer.from_meta, {"results": {"id": "a"}}, "'results'"),
@@ -164,4 +179,6 @@ def test_bad_meta_names_the_field(parse, meta, named):
 
 def test_null_optional_fields_read_as_not_given():
     assert HopItem.from_meta({"id": "a", "deadline": None, "reply_to": None, "answered": None}) == HopItem("a")
-    assert HopResult.from_meta({"id": "a", "ramp": "r0", "final": None, "error": None}) == HopResult.answer("a", "r0", False)
+    assert HopResult.from_meta({"id": "a", "ramp": "r0", "final": None, "error": None}) == HopResult.answer(
+        "a", "r0", False
+    )

@@ -54,7 +54,9 @@ def choose_providers(spec: str = "auto") -> tuple[str, ...]:
     names = tuple(p.strip() for p in spec.split(",") if p.strip())
     missing = [p for p in names if p not in available]
     if not names or missing:
-        raise ValueError(f"providers {list(missing or names)} are not available in this onnxruntime (it has {available})")
+        raise ValueError(
+            f"providers {list(missing or names)} are not available in this onnxruntime (it has {available})"
+        )
     return names
 
 
@@ -184,13 +186,17 @@ class BundleRuntime:
         m = self.manifest
         if m.seq_axis is None:
             if buckets not in (None, (), [], [FIXED_SIZE_BUCKET], (FIXED_SIZE_BUCKET,)):
-                raise BundleError(f"{self.directory}: bundle {m.name!r} has no sequence axis; it takes no length buckets")
+                raise BundleError(
+                    f"{self.directory}: bundle {m.name!r} has no sequence axis; it takes no length buckets"
+                )
             return (FIXED_SIZE_BUCKET,)
         assert m.max_length is not None  # the manifest validator guarantees it
         chosen = default_buckets(m.max_length) if not buckets else tuple(sorted(set(int(b) for b in buckets)))
         for b in chosen:
             if not 1 <= b <= m.max_length:
-                raise BundleError(f"{self.directory}: bucket {b} is outside 1..{m.max_length} (the bundle's max_length)")
+                raise BundleError(
+                    f"{self.directory}: bucket {b} is outside 1..{m.max_length} (the bundle's max_length)"
+                )
         return chosen
 
     def _check_dataflow(self) -> None:

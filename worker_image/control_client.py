@@ -13,7 +13,6 @@ failed request, a non-2xx answer or a body that does not parse, so callers handl
 
 from __future__ import annotations
 
-import asyncio
 import io
 from types import TracebackType
 
@@ -74,7 +73,7 @@ class ControlClient:
                 if resp.status // 100 != 2:
                     raise ControlError(url, f"HTTP {resp.status}: {body[:200].decode(errors='replace')}", resp.status)
                 return body
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+        except (TimeoutError, aiohttp.ClientError, OSError) as err:
             raise ControlError(url, f"{type(err).__name__}: {err}") from err
 
     async def observations(self, *, current: bool = False) -> Observations:
@@ -84,7 +83,9 @@ class ControlClient:
         try:
             return Observations.model_validate_json(body)
         except ValidationError as err:
-            raise ControlError(f"{self.base_url}{route}", f"not an observation window: {err.errors()[0]['msg']}") from err
+            raise ControlError(
+                f"{self.base_url}{route}", f"not an observation window: {err.errors()[0]['msg']}"
+            ) from err
 
     async def feedback(self, last: int) -> dict[str, np.ndarray] | None:
         """The newest ``last`` shadow-sampled feedback samples as arrays (see FEEDBACK_ARRAYS), or

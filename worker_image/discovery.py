@@ -145,7 +145,9 @@ class PeerSet:
         async def probe(address: str) -> None:
             peer = self.peers.setdefault(address, Peer(address))
             try:
-                async with session.get(f"http://{address}/v1/info", timeout=aiohttp.ClientTimeout(total=self.info_timeout_s)) as resp:
+                async with session.get(
+                    f"http://{address}/v1/info", timeout=aiohttp.ClientTimeout(total=self.info_timeout_s)
+                ) as resp:
                     info = await resp.json()
                 peer.split, peer.bucket, peer.pool = int(info["split"]), int(info["bucket"]), str(info.get("pool", ""))
                 peer.batch_size = int(info.get("batchSize", 1))
@@ -153,7 +155,7 @@ class PeerSet:
                 peer.ready = bool(info.get("ready", False))
                 peer.last_seen = time.monotonic()
                 peer.info_timeouts = 0
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 # A pod busy with a long batch can miss one probe; two in a row take it out of the hop.
                 # (A pod that dies refuses the connection and leaves at once, below; sends to it fail over.)
                 peer.info_timeouts += 1
@@ -170,7 +172,9 @@ class PeerSet:
             await asyncio.sleep(self.refresh_seconds)
 
     def candidates(self, bucket: int, split: int | None = None) -> list[Peer]:
-        return [p for p in self.peers.values() if p.ready and p.bucket == bucket and (split is None or p.split == split)]
+        return [
+            p for p in self.peers.values() if p.ready and p.bucket == bucket and (split is None or p.split == split)
+        ]
 
     def choose(self, bucket: int, split: int | None = None, exclude: Iterable[str] = ()) -> Peer | None:
         """DensePipe's hop: least running/capacity among ready peers of the bucket, stragglers skipped
@@ -211,9 +215,17 @@ class PeerSet:
     def snapshot(self) -> list[dict]:
         return [
             {
-                "address": p.address, "split": p.split, "bucket": p.bucket, "pool": p.pool, "ready": p.ready,
-                "running": p.running, "batchSize": p.batch_size, "capacity": round(p.capacity, 3), "serviceRatio": round(p.ratio_ewma, 3),
-                "straggler": p.straggler, "failures": p.failures,
+                "address": p.address,
+                "split": p.split,
+                "bucket": p.bucket,
+                "pool": p.pool,
+                "ready": p.ready,
+                "running": p.running,
+                "batchSize": p.batch_size,
+                "capacity": round(p.capacity, 3),
+                "serviceRatio": round(p.ratio_ewma, 3),
+                "straggler": p.straggler,
+                "failures": p.failures,
             }
             for p in sorted(self.peers.values(), key=lambda p: p.address)
         ]

@@ -23,8 +23,8 @@ import httptools
 import numpy as np
 
 from exitplan.worker import wire
-from exitplan.worker.wire import HopAnswer, HopItem, HopRequest
 from exitplan.worker.discovery import Peer, PeerSet
+from exitplan.worker.wire import HopAnswer, HopItem, HopRequest
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,11 @@ class _Connection(asyncio.Protocol):
             if self.headers_done and not self.delimited:
                 waiter.set_result((self.parser.get_status_code(), b"".join(self.body)))  # body delimited by close
             else:
-                waiter.set_exception(HopConnectionError(f"connection to {self.address} closed before the answer{f': {exc}' if exc else ''}"))
+                waiter.set_exception(
+                    HopConnectionError(
+                        f"connection to {self.address} closed before the answer{f': {exc}' if exc else ''}"
+                    )
+                )
 
     # httptools callbacks --------------------------------------------------------------------
 
@@ -168,8 +172,10 @@ class HopClient:
         """(status, body) of one POST; raises HopConnectionError or TimeoutError."""
         if self.closed:
             raise HopConnectionError("the hop client is closed")
-        head = (f"POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode("latin-1")
         async with asyncio.timeout(timeout):
             pool = self.idle.get(address)
             reused = bool(pool)
@@ -252,7 +258,9 @@ async def send(
                 raise PodError(f"HTTP {status}: {payload[:200].decode(errors='replace')}")
             if status != 200:
                 # A 4xx is our bug or a version skew: another pod would answer the same.
-                raise HopFailed(f"pod {peer.address} rejected the frame ({status}): {payload[:300].decode(errors='replace')}")
+                raise HopFailed(
+                    f"pod {peer.address} rejected the frame ({status}): {payload[:300].decode(errors='replace')}"
+                )
             out_meta, out_tensors = wire.decode(payload)
             answer = HopAnswer.from_meta(out_meta)
             peer.failures = 0

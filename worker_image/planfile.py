@@ -22,7 +22,9 @@ def read_plan(path: Path) -> Plan:
     try:
         return Plan.from_file(path)
     except FileNotFoundError as err:
-        raise PlanFileError(f"{path}: no plan file; run `exitplan plan ... --out {path}` or mount the plan ConfigMap") from err
+        raise PlanFileError(
+            f"{path}: no plan file; run `exitplan plan ... --out {path}` or mount the plan ConfigMap"
+        ) from err
     except (ValidationError, ValueError) as err:
         raise PlanFileError(f"{path}: invalid plan: {err}") from err
 

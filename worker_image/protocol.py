@@ -99,8 +99,9 @@ def tensor_spec(name: str, datatype: str, shape: Sequence[int]) -> TensorSpec:
 # ---------------------------------------------------------------- classification
 
 
-def infer_response(model_name: str, request_id: str, labels: list[str], scores: np.ndarray, ramps: list[str],
-                   latency_s: float) -> InferResponse:
+def infer_response(
+    model_name: str, request_id: str, labels: list[str], scores: np.ndarray, ramps: list[str], latency_s: float
+) -> InferResponse:
     """The answer to POST /v2/models/{name}/infer: per input its label, class scores ([n, classes],
     rounded to 6 places) and the exit ramp that answered it."""
     n = len(labels)
@@ -109,7 +110,12 @@ def infer_response(model_name: str, request_id: str, labels: list[str], scores: 
         "id": request_id,
         "outputs": [
             {"name": "label", "datatype": "BYTES", "shape": [n], "data": labels},
-            {"name": "scores", "datatype": "FP32", "shape": [n, scores.shape[1]], "data": scores.ravel().round(6).tolist()},
+            {
+                "name": "scores",
+                "datatype": "FP32",
+                "shape": [n, scores.shape[1]],
+                "data": scores.ravel().round(6).tolist(),
+            },
             {"name": "exit_ramp", "datatype": "BYTES", "shape": [n], "data": ramps},
         ],
         "parameters": {"latency_ms": round(latency_s * 1000, 3)},
@@ -122,19 +128,37 @@ def classifier_metadata(manifest: BundleManifest, name: str, version: str, param
     if manifest.tokenizer:
         inputs = [tensor_spec("text", "BYTES", [-1]), tensor_spec("input_ids", "INT64", [-1, -1])]
     else:
-        inputs = [tensor_spec(t.name, KSERVE_DATATYPES[t.dtype], [-1 if isinstance(d, str) else d for d in t.shape])
-                  for t in manifest.inputs]
-    outputs = [tensor_spec("label", "BYTES", [-1]), tensor_spec("scores", "FP32", [-1, len(manifest.labels)]),
-               tensor_spec("exit_ramp", "BYTES", [-1])]
-    return {"name": name, "versions": [version], "platform": CLASSIFIER_PLATFORM, "inputs": inputs,
-            "outputs": outputs, "parameters": parameters}
+        inputs = [
+            tensor_spec(t.name, KSERVE_DATATYPES[t.dtype], [-1 if isinstance(d, str) else d for d in t.shape])
+            for t in manifest.inputs
+        ]
+    outputs = [
+        tensor_spec("label", "BYTES", [-1]),
+        tensor_spec("scores", "FP32", [-1, len(manifest.labels)]),
+        tensor_spec("exit_ramp", "BYTES", [-1]),
+    ]
+    return {
+        "name": name,
+        "versions": [version],
+        "platform": CLASSIFIER_PLATFORM,
+        "inputs": inputs,
+        "outputs": outputs,
+        "parameters": parameters,
+    }
 
 
 # ---------------------------------------------------------------- generation
 
 
-def generate_response(model_name: str, tokens: Sequence[Token], *, finish_reason: str, threshold: float,
-                      prompt_tokens: int, total_seconds: float) -> GenerateResponse:
+def generate_response(
+    model_name: str,
+    tokens: Sequence[Token],
+    *,
+    finish_reason: str,
+    threshold: float,
+    prompt_tokens: int,
+    total_seconds: float,
+) -> GenerateResponse:
     """The answer to POST /v2/models/{name}/generate (and the last event of generate_stream)."""
     steps = [t.seconds for t in tokens[1:]]
     return {
@@ -155,9 +179,14 @@ def generate_response(model_name: str, tokens: Sequence[Token], *, finish_reason
 
 def generator_metadata(name: str, version: str, parameters: dict[str, Any]) -> ModelMetadata:
     """GET /v2/models/{name} of a generation service: a prompt in, text out."""
-    return {"name": name, "versions": [version], "platform": GENERATOR_PLATFORM,
-            "inputs": [tensor_spec("text_input", "BYTES", [1])], "outputs": [tensor_spec("text_output", "BYTES", [1])],
-            "parameters": parameters}
+    return {
+        "name": name,
+        "versions": [version],
+        "platform": GENERATOR_PLATFORM,
+        "inputs": [tensor_spec("text_input", "BYTES", [1])],
+        "outputs": [tensor_spec("text_output", "BYTES", [1])],
+        "parameters": parameters,
+    }
 
 
 def sse_event(data: dict[str, Any], event: str | None = None) -> bytes:
@@ -199,4 +228,6 @@ def ready_response(ready: bool, reason: str = "") -> web.Response:
 
 def orjson_response(body: Any, headers: dict[str, str] | None = None) -> web.Response:
     """A JSON answer via orjson (numpy scalars and arrays serialise as their values)."""
-    return web.Response(body=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), content_type="application/json", headers=headers)
+    return web.Response(
+        body=orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), content_type="application/json", headers=headers
+    )

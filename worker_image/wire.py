@@ -45,7 +45,9 @@ def encode(meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None = N
             raise WireError(f"tensor {name!r}: dtype {array.dtype} is not sendable; use one of {sorted(_DTYPES)}")
         nbytes = array.nbytes
         pad = (-nbytes) % 8
-        specs.append({"name": name, "dtype": array.dtype.name, "shape": list(array.shape), "offset": offset, "nbytes": nbytes})
+        specs.append(
+            {"name": name, "dtype": array.dtype.name, "shape": list(array.shape), "offset": offset, "nbytes": nbytes}
+        )
         chunks.append(array)  # contiguous (ascontiguousarray gives ndim >= 1): the join copies it once
         if pad:
             chunks.append(b"\0" * pad)
@@ -134,7 +136,9 @@ class ShadowRecord:
         if not isinstance(meta, dict):
             raise _named_error(meta, where, ())
         conf, pred = meta.get("conf", {}), meta.get("pred", {})
-        if not isinstance(conf, dict) or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in conf.values()):
+        if not isinstance(conf, dict) or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) for v in conf.values()
+        ):
             raise WireError(f"{where}: field 'conf' must map ramp names to numbers, got {conf!r}")
         if not isinstance(pred, dict) or any(isinstance(v, bool) or not isinstance(v, int) for v in pred.values()):
             raise WireError(f"{where}: field 'pred' must map ramp names to class indices, got {pred!r}")
@@ -184,8 +188,14 @@ class HopItem:
             meta["answered"] = self.answered
         return meta
 
-    _FIELDS = (("id", "string", True), ("deadline", "number", False), ("timeout", "number", False),
-               ("record", "bool", False), ("reply_to", "string", False), ("answered", "bool", False))
+    _FIELDS = (
+        ("id", "string", True),
+        ("deadline", "number", False),
+        ("timeout", "number", False),
+        ("record", "bool", False),
+        ("reply_to", "string", False),
+        ("answered", "bool", False),
+    )
 
     @classmethod
     def from_meta(cls, meta: Any, where: str = "item") -> HopItem:
@@ -194,12 +204,24 @@ class HopItem:
         get = meta.get
         id_, deadline, timeout, record = get("id"), get("deadline"), get("timeout"), get("record", False)
         reply_to, rec, answered = get("reply_to"), get("rec"), get("answered")
-        if not (type(id_) is str and (deadline is None or type(deadline) in _NUMBER) and (timeout is None or type(timeout) in _NUMBER)
-                and (record is None or type(record) is bool) and (reply_to is None or type(reply_to) is str)
-                and (answered is None or type(answered) is bool)):
+        if not (
+            type(id_) is str
+            and (deadline is None or type(deadline) in _NUMBER)
+            and (timeout is None or type(timeout) in _NUMBER)
+            and (record is None or type(record) is bool)
+            and (reply_to is None or type(reply_to) is str)
+            and (answered is None or type(answered) is bool)
+        ):
             raise _named_error(meta, where, cls._FIELDS)
-        return cls(id_, deadline, timeout, bool(record), reply_to,
-                   None if rec is None else ShadowRecord.from_meta(rec, f"{where}: field 'rec'"), answered)
+        return cls(
+            id_,
+            deadline,
+            timeout,
+            bool(record),
+            reply_to,
+            None if rec is None else ShadowRecord.from_meta(rec, f"{where}: field 'rec'"),
+            answered,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,9 +263,19 @@ class HopResult:
         if type(meta) is not dict:
             raise _named_error(meta, where, cls._FIELDS)
         get = meta.get
-        id_, ramp, final, error, shadow = get("id"), get("ramp"), get("final", False), get("error"), get("shadow", False)
-        if not (type(id_) is str and (final is None or type(final) is bool) and (error is None or type(error) is str)
-                and (shadow is None or type(shadow) is bool)):
+        id_, ramp, final, error, shadow = (
+            get("id"),
+            get("ramp"),
+            get("final", False),
+            get("error"),
+            get("shadow", False),
+        )
+        if not (
+            type(id_) is str
+            and (final is None or type(final) is bool)
+            and (error is None or type(error) is str)
+            and (shadow is None or type(shadow) is bool)
+        ):
             raise _named_error(meta, where, cls._FIELDS)
         if error is not None or shadow:
             ramp = None
@@ -297,8 +329,12 @@ class HopAnswer:
     """The first batch's compute alone."""
 
     def to_meta(self) -> dict[str, Any]:
-        return {"results": [r.to_meta() for r in self.results], "service_ms": self.service_ms,
-                "expected_ms": self.expected_ms, "compute_ms": self.compute_ms}
+        return {
+            "results": [r.to_meta() for r in self.results],
+            "service_ms": self.service_ms,
+            "expected_ms": self.expected_ms,
+            "compute_ms": self.compute_ms,
+        }
 
     _TIMINGS = (("service_ms", "number", False), ("expected_ms", "number", False), ("compute_ms", "number", False))
 

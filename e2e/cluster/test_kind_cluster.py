@@ -131,9 +131,11 @@ def service(api: Any, release: Any) -> dict[str, Any]:
     if not os.environ.get("EXITPLAN_E2E_KEEP"):
         custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "earlyexitservices", "minilm")
         apps = client.AppsV1Api(api)
-        _wait("the children to be garbage-collected",
-              lambda: not apps.list_namespaced_deployment(NAMESPACE, label_selector="exitplan.io/service=minilm").items,
-              timeout_s=300)
+        _wait(
+            "the children to be garbage-collected",
+            lambda: not apps.list_namespaced_deployment(NAMESPACE, label_selector="exitplan.io/service=minilm").items,
+            timeout_s=300,
+        )
         custom.delete_cluster_custom_object(GROUP, VERSION, "gpupools", POOL["metadata"]["name"])
 
 
@@ -145,8 +147,11 @@ def router_url(service: dict[str, Any]) -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen(["kubectl", "--kubeconfig", KUBECONFIG, "-n", NAMESPACE, "port-forward", "svc/minilm",
-                             f"{port}:8080"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        ["kubectl", "--kubeconfig", KUBECONFIG, "-n", NAMESPACE, "port-forward", "svc/minilm", f"{port}:8080"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
@@ -170,8 +175,12 @@ def test_operator_runs_with_the_chart(api: Any, release: Any) -> None:
     sts = client.AppsV1Api(api).read_namespaced_stateful_set("exitplan-operator", RELEASE_NS)
     assert sts.status.ready_replicas == sts.spec.replicas == 1
     crds = {c.metadata.name for c in client.ApiextensionsV1Api(api).list_custom_resource_definition().items}
-    assert {"gpupools.exitplan.io", "earlyexitservices.exitplan.io", "modelprofiles.exitplan.io",
-            "clusterkopfpeerings.kopf.dev"} <= crds
+    assert {
+        "gpupools.exitplan.io",
+        "earlyexitservices.exitplan.io",
+        "modelprofiles.exitplan.io",
+        "clusterkopfpeerings.kopf.dev",
+    } <= crds
 
 
 def test_service_is_planned_and_rolled_out(api: Any, service: dict[str, Any]) -> None:
@@ -179,12 +188,16 @@ def test_service_is_planned_and_rolled_out(api: Any, service: dict[str, Any]) ->
 
     status = service["status"]
     assert status["plan"]["replicas"] >= 1 and status["endpoint"].startswith("http://minilm.")
-    deployments = client.AppsV1Api(api).list_namespaced_deployment(NAMESPACE, label_selector="exitplan.io/service=minilm").items
+    deployments = (
+        client.AppsV1Api(api).list_namespaced_deployment(NAMESPACE, label_selector="exitplan.io/service=minilm").items
+    )
     components = {d.metadata.labels["app.kubernetes.io/component"] for d in deployments}
     assert components == {"router", "worker"}
     assert all(d.status.ready_replicas == d.spec.replicas for d in deployments)
     profiles = client.CustomObjectsApi(api).list_namespaced_custom_object(GROUP, VERSION, NAMESPACE, "modelprofiles")
-    assert any(p["spec"]["pool"] == POOL["metadata"]["name"] for p in profiles["items"]), "the profiling Job published no profile"
+    assert any(p["spec"]["pool"] == POOL["metadata"]["name"] for p in profiles["items"]), (
+        "the profiling Job published no profile"
+    )
 
 
 def test_trace_through_the_service(router_url: str) -> None:
@@ -209,6 +222,10 @@ def test_router_metrics_feed_the_dashboard(router_url: str) -> None:
         text = rsp.read().decode()
     exposed = set(re.findall(r"^(exitplan_[a-z_]+?)(?:\{| )", text, flags=re.M))
     dashboard = json.loads((ROOT / "charts" / "exitplan" / "dashboards" / "exitplan-overview.json").read_text())
-    queried = {m for p in dashboard["panels"] for t in p.get("targets", [])
-               for m in re.findall(r"exitplan_router_[a-z_]+", t["expr"])}
+    queried = {
+        m
+        for p in dashboard["panels"]
+        for t in p.get("targets", [])
+        for m in re.findall(r"exitplan_router_[a-z_]+", t["expr"])
+    }
     assert queried and queried <= exposed, sorted(queried - exposed)

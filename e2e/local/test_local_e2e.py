@@ -97,9 +97,25 @@ def measure_profile(bundle: Path, out: Path) -> bool:
     from exitplan.planner.errors import ProfileError
 
     for _ in range(3):
-        proc = subprocess.run([*EXITPLAN, "profile", str(bundle), "--pool", "local", "--out", str(out),
-                               "--batch-sizes", "1,2,4,8,16", "--seq-lens", "32,64,128", "--repeats", "9"],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                *EXITPLAN,
+                "profile",
+                str(bundle),
+                "--pool",
+                "local",
+                "--out",
+                str(out),
+                "--batch-sizes",
+                "1,2,4,8,16",
+                "--seq-lens",
+                "32,64,128",
+                "--repeats",
+                "9",
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         doc = yaml.safe_load(out.read_text())
         try:
@@ -125,12 +141,26 @@ def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     bundle = _bundle()
     kubeconfig = tmp / "kubeconfig"
-    cluster = Proc([*EXITPLAN, "dev-cluster", "--kubeconfig", str(kubeconfig), "--workdir", str(tmp / "work")],
-                   tmp / "dev-cluster.log")
+    cluster = Proc(
+        [*EXITPLAN, "dev-cluster", "--kubeconfig", str(kubeconfig), "--workdir", str(tmp / "work")],
+        tmp / "dev-cluster.log",
+    )
     _wait("the dev-cluster's kubeconfig", kubeconfig.exists, 60)
-    operator = Proc([*EXITPLAN, "operator", "--kubeconfig", str(kubeconfig), "--tick", "1", "--metrics-port", "0",
-                     "--health-port", "0"],
-                    tmp / "operator.log")
+    operator = Proc(
+        [
+            *EXITPLAN,
+            "operator",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--tick",
+            "1",
+            "--metrics-port",
+            "0",
+            "--health-port",
+            "0",
+        ],
+        tmp / "operator.log",
+    )
     try:
         yield {"tmp": tmp, "bundle": bundle, "kubeconfig": kubeconfig, "cluster": cluster, "operator": operator}
     finally:
@@ -141,8 +171,11 @@ def stack(tmp_path_factory):
 
 
 def kubectl(stack, *args: str) -> str:
-    proc = subprocess.run(["kubectl", f"--kubeconfig={stack['kubeconfig']}", f"--cache-dir={stack['tmp'] / 'kcache'}", *args],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["kubectl", f"--kubeconfig={stack['kubeconfig']}", f"--cache-dir={stack['tmp'] / 'kcache'}", *args],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -180,25 +213,63 @@ def test_local_end_to_end(stack):
     tmp = stack["tmp"]
     profile = tmp / "profile.yaml"
     smoothed = measure_profile(stack["bundle"], profile)
-    subprocess.run([*EXITPLAN, "operator", "publish-profile", str(profile), "--namespace", "default", "--model", "minilm",
-                    "--kubeconfig", str(stack["kubeconfig"])], check=True, capture_output=True)
+    subprocess.run(
+        [
+            *EXITPLAN,
+            "operator",
+            "publish-profile",
+            str(profile),
+            "--namespace",
+            "default",
+            "--model",
+            "minilm",
+            "--kubeconfig",
+            str(stack["kubeconfig"]),
+        ],
+        check=True,
+        capture_output=True,
+    )
     manifest = tmp / "service.yaml"
-    manifest.write_text(yaml.safe_dump_all([
-        {"apiVersion": "exitplan.io/v1alpha1", "kind": "GPUPool", "metadata": {"name": "local"},
-         "spec": {"capacity": 4, "gpuResource": "", "costPerHour": 1.0, "cpu": "1", "memory": "1Gi"}},
-        {"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService", "metadata": {"name": "minilm", "namespace": "default"},
-         "spec": {"model": {"name": "minilm", "bundle": str(stack["bundle"])}, "slo": {"latencyMs": 1500},
-                  "accuracy": {"maxDrop": BUDGET, "shadowFraction": 0.2}, "workload": {"rps": RPS, "lengthBuckets": [32, 128]},
-                  "pools": [{"name": "local"}],
-                  "planner": {"periodSeconds": PERIOD,
-                              "drift": {"cooldownSeconds": 0, "maxMoveFraction": 1.0, "sloRisk": 2.0}}}},
-    ]))
+    manifest.write_text(
+        yaml.safe_dump_all(
+            [
+                {
+                    "apiVersion": "exitplan.io/v1alpha1",
+                    "kind": "GPUPool",
+                    "metadata": {"name": "local"},
+                    "spec": {"capacity": 4, "gpuResource": "", "costPerHour": 1.0, "cpu": "1", "memory": "1Gi"},
+                },
+                {
+                    "apiVersion": "exitplan.io/v1alpha1",
+                    "kind": "EarlyExitService",
+                    "metadata": {"name": "minilm", "namespace": "default"},
+                    "spec": {
+                        "model": {"name": "minilm", "bundle": str(stack["bundle"])},
+                        "slo": {"latencyMs": 1500},
+                        "accuracy": {"maxDrop": BUDGET, "shadowFraction": 0.2},
+                        "workload": {"rps": RPS, "lengthBuckets": [32, 128]},
+                        "pools": [{"name": "local"}],
+                        "planner": {
+                            "periodSeconds": PERIOD,
+                            "drift": {"cooldownSeconds": 0, "maxMoveFraction": 1.0, "sloRisk": 2.0},
+                        },
+                    },
+                },
+            ]
+        )
+    )
     applied = time.monotonic()
     kubectl(stack, "apply", "--validate=false", "-f", str(manifest))
     _wait("the service is Ready", lambda: (ees(stack).get("status") or {}).get("phase") == "Ready")
     ready_s = time.monotonic() - applied
-    port = _wait("the router Service's local endpoint", lambda: (json.loads(kubectl(
-        stack, "get", "svc", "minilm", "-o", "json")).get("status") or {}).get("loadBalancer", {}).get("ingress"))[0]["ports"][0]["port"]
+    port = _wait(
+        "the router Service's local endpoint",
+        lambda: (
+            (json.loads(kubectl(stack, "get", "svc", "minilm", "-o", "json")).get("status") or {})
+            .get("loadBalancer", {})
+            .get("ingress")
+        ),
+    )[0]["ports"][0]["port"]
     url = f"http://127.0.0.1:{port}"
     table = kubectl(stack, "get", "ees")
     assert table.split()[:7] == ["NAME", "PHASE", "GOODPUT", "P99-MS", "SPLITS", "REPLICAS", "COST/H"]
@@ -224,8 +295,11 @@ def test_local_end_to_end(stack):
     assert after["plan"]["hash"] != before["plan"]["hash"]
     assert replanned_at <= ended_at, "the re-plan must be applied while the shifted traffic runs"
     events = json.loads(kubectl(stack, "get", "events", "-o", "json"))["items"]
-    scores = [float(e["message"].split("length score ")[1].split(" ")[0]) for e in events
-              if e.get("reason") == "Replan" and e["message"].startswith("length-drift")]
+    scores = [
+        float(e["message"].split("length score ")[1].split(" ")[0])
+        for e in events
+        if e.get("reason") == "Replan" and e["message"].startswith("length-drift")
+    ]
     assert scores and max(scores) > 0.15, scores  # the window that triggered it
     assert after["drift"]["lengthScore"] <= 0.15 or after["drift"]["trigger"] == "length-drift"  # the new plan fits
     assert long.lost == 0 and long.accounted == long.requests, long.to_dict()
@@ -235,17 +309,32 @@ def test_local_end_to_end(stack):
     def at(e: dict) -> float:
         return dt.datetime.fromisoformat(e["firstTimestamp"].replace("Z", "+00:00")).timestamp()
 
-    applied_after = sorted(round(at(e) - shifted_at, 1) for e in events
-                           if e.get("reason") == "Applied" and "(length-drift)" in e["message"] and at(e) >= shifted_at)
+    applied_after = sorted(
+        round(at(e) - shifted_at, 1)
+        for e in events
+        if e.get("reason") == "Applied" and "(length-drift)" in e["message"] and at(e) >= shifted_at
+    )
     # Within two periods: the first length-drift apply after the shift, counted in drift periods.
     assert applied_after, "no Applied (length-drift) event after the shift"
     periods = min(applied_after) / PERIOD
     assert periods <= 2, (applied_after, PERIOD)
-    record = {"profile_smoothed": smoothed, "trigger_length_score": max(scores), "apply_to_ready_s": round(ready_s, 1),
-              "shift_to_first_length_drift_apply_periods": round(periods, 2),
-              "shift_to_last_replan_s": round(replanned_at - shifted_at, 1),
-              "length_drift_applies_after_shift_s": applied_after, "period_s": PERIOD, "short": {k: short.to_dict()[k] for k in ("requests", "results", "lost", "error_total", "errors", "agreement_drop", "goodput_rps")},
-              "long": {k: long.to_dict()[k] for k in ("requests", "results", "lost", "error_total", "errors", "agreement_drop", "goodput_rps")}}
+    record = {
+        "profile_smoothed": smoothed,
+        "trigger_length_score": max(scores),
+        "apply_to_ready_s": round(ready_s, 1),
+        "shift_to_first_length_drift_apply_periods": round(periods, 2),
+        "shift_to_last_replan_s": round(replanned_at - shifted_at, 1),
+        "length_drift_applies_after_shift_s": applied_after,
+        "period_s": PERIOD,
+        "short": {
+            k: short.to_dict()[k]
+            for k in ("requests", "results", "lost", "error_total", "errors", "agreement_drop", "goodput_rps")
+        },
+        "long": {
+            k: long.to_dict()[k]
+            for k in ("requests", "results", "lost", "error_total", "errors", "agreement_drop", "goodput_rps")
+        },
+    }
     (REPO / "artifacts").mkdir(exist_ok=True)
     (REPO / "artifacts" / "e2e_local.json").write_text(json.dumps(record, indent=2))
     print(json.dumps(record, indent=2))

@@ -114,12 +114,24 @@ class TuneConfig:
                 raise ValueError(f"TuneConfig.{name}: expected {expected}, got {getattr(self, name)!r}")
 
 
-LIVE = TuneConfig(min_samples=100, recent=100, savings_samples=1000, headroom=0.25, alpha=0.05, drift_z=3.3,
-                  drift_recent=100, drift_confirm=True, savings_check=200, window=1500, period_s=20.0)
+LIVE = TuneConfig(
+    min_samples=100,
+    recent=100,
+    savings_samples=1000,
+    headroom=0.25,
+    alpha=0.05,
+    drift_z=3.3,
+    drift_recent=100,
+    drift_confirm=True,
+    savings_check=200,
+    window=1500,
+    period_s=20.0,
+)
 """The live loop's settings (`exitplan up`), measured by bench/live_tuning.py (BENCHMARKS.md,
 "Threshold tuning (issue 4)"): breach judged on the newest 100 samples, tune to a quarter of the
 budget's safe part, watch the early-exit share (confirmed on new samples), claim savings on 1,000
 fresh samples that also hold on the newest 200."""
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -159,8 +171,9 @@ def binomial_tail(x: int, n: int, p: float) -> float:
     return max(0.0, 1.0 - below)
 
 
-def breach(window: FeedbackWindow, thresholds: Thresholds, budget: float, tails: tuple[int, ...],
-           alpha: float) -> tuple[int, int] | None:
+def breach(
+    window: FeedbackWindow, thresholds: Thresholds, budget: float, tails: tuple[int, ...], alpha: float
+) -> tuple[int, int] | None:
     """(tail length, disagreements) of the shortest newest-samples tail on which ``thresholds`` break
     ``budget`` beyond chance: more disagreements than the budget allows there, and as many or more
     would happen with probability <= ``alpha`` if the true rate were the budget. None: no breach."""
@@ -188,8 +201,13 @@ def exit_shift(window: FeedbackWindow, thresholds: Thresholds, recent: int, min_
 
 
 def _tail(window: FeedbackWindow, k: int) -> FeedbackWindow:
-    return FeedbackWindow(conf=window.conf[-k:], pred=window.pred[-k:], final=window.final[-k:],
-                  saving_ms=window.saving_ms, cost_ms=window.cost_ms)
+    return FeedbackWindow(
+        conf=window.conf[-k:],
+        pred=window.pred[-k:],
+        final=window.final[-k:],
+        saving_ms=window.saving_ms,
+        cost_ms=window.cost_ms,
+    )
 
 
 def raise_to(window: FeedbackWindow, target: float, start: Thresholds) -> Thresholds:
@@ -208,9 +226,17 @@ def _named(ramps: list[str], thresholds: Thresholds) -> dict[str, float]:
     return {r: float(t) for r, t in zip(ramps, thresholds)}
 
 
-def decide(window: FeedbackWindow, ramps: list[str], current: dict[str, float], budget: float,
-           config: TuneConfig = TuneConfig(), *, fresh: int | None = None, reference: dict[str, float] | None = None,
-           drift_armed: bool = True) -> Decision:
+def decide(
+    window: FeedbackWindow,
+    ramps: list[str],
+    current: dict[str, float],
+    budget: float,
+    config: TuneConfig = TuneConfig(),
+    *,
+    fresh: int | None = None,
+    reference: dict[str, float] | None = None,
+    drift_armed: bool = True,
+) -> Decision:
     """What to do with the thresholds given one feedback window (samples oldest first; pure).
 
     Accuracy first, on the newest samples (a shift shows there long before it dominates the whole
@@ -253,7 +279,9 @@ def decide(window: FeedbackWindow, ramps: list[str], current: dict[str, float], 
         if reference is not None and not (start <= 1.0).any():
             probe_t = _vector(reference, ramps)
         z_exit = exit_shift(window, probe_t, config.drift_recent)
-        if abs(z_exit) > config.drift_z and drift_armed:  # the traffic changed: only the newest samples speak for it now
+        if (
+            abs(z_exit) > config.drift_z and drift_armed
+        ):  # the traffic changed: only the newest samples speak for it now
             return _drift_repair(window, ramps, start, z_exit, config.drift_recent)
     probation = fresh is not None and n < config.savings_samples
     if n < config.min_samples and not probation:
@@ -261,8 +289,9 @@ def decide(window: FeedbackWindow, ramps: list[str], current: dict[str, float], 
     return _margin_or_savings(window, ramps, start, budget, config, probation, z_exit)
 
 
-def _breach_repair(window: FeedbackWindow, ramps: list[str], start: Thresholds, budget: float,
-                   config: TuneConfig) -> Decision | None:
+def _breach_repair(
+    window: FeedbackWindow, ramps: list[str], start: Thresholds, budget: float, config: TuneConfig
+) -> Decision | None:
     """The breach test on the newest samples and, when it fires, the repair (raises only); None: no breach."""
     latest = _tail(window, min(config.recent, window.n_inputs))
     agree_recent, save_recent = evaluate(latest, start)
@@ -271,26 +300,55 @@ def _breach_repair(window: FeedbackWindow, ramps: list[str], start: Thresholds, 
         return None
     raised = raise_to(latest, config.headroom * sample_budget(budget, latest.n_inputs, config.z), start)
     agree_after, save_after = evaluate(latest, raised)
-    detail = (f"breach in the last {fired[0]} samples: {fired[1]} disagree" if fired is not None
-              else f"breach in the last {latest.n_inputs} samples: agreement {agree_recent:.4f}")
-    return Decision(_named(ramps, raised), "accuracy", latest.n_inputs, agree_recent, agree_after, save_recent,
-                    save_after, detail, trigger="breach")
+    detail = (
+        f"breach in the last {fired[0]} samples: {fired[1]} disagree"
+        if fired is not None
+        else f"breach in the last {latest.n_inputs} samples: agreement {agree_recent:.4f}"
+    )
+    return Decision(
+        _named(ramps, raised),
+        "accuracy",
+        latest.n_inputs,
+        agree_recent,
+        agree_after,
+        save_recent,
+        save_after,
+        detail,
+        trigger="breach",
+    )
 
 
-def _drift_repair(window: FeedbackWindow, ramps: list[str], start: Thresholds, z_exit: float,
-                  drift_recent: int) -> Decision:
+def _drift_repair(
+    window: FeedbackWindow, ramps: list[str], start: Thresholds, z_exit: float, drift_recent: int
+) -> Decision:
     """Thresholds raised until none of the newest `drift_recent` samples disagrees."""
     newest = _tail(window, drift_recent)
     raised = raise_to(newest, 0.0, start)
     agree_now, save_now = evaluate(newest, start)
     agree_after, save_after = evaluate(newest, raised)
-    return Decision(_named(ramps, raised), "accuracy", drift_recent, agree_now, agree_after, save_now, save_after,
-                    f"drift: early-exit share moved by z = {z_exit:+.1f} in the last {drift_recent} samples",
-                    exit_z=z_exit, trigger="drift")
+    return Decision(
+        _named(ramps, raised),
+        "accuracy",
+        drift_recent,
+        agree_now,
+        agree_after,
+        save_now,
+        save_after,
+        f"drift: early-exit share moved by z = {z_exit:+.1f} in the last {drift_recent} samples",
+        exit_z=z_exit,
+        trigger="drift",
+    )
 
 
-def _margin_or_savings(window: FeedbackWindow, ramps: list[str], start: Thresholds, budget: float,
-                       config: TuneConfig, probation: bool, z_exit: float) -> Decision:
+def _margin_or_savings(
+    window: FeedbackWindow,
+    ramps: list[str],
+    start: Thresholds,
+    budget: float,
+    config: TuneConfig,
+    probation: bool,
+    z_exit: float,
+) -> Decision:
     """Back to the tuning target when past the statistically safe level (raises only), else savings."""
     n = window.n_inputs
     agree_now, save_now = evaluate(window, start)
@@ -299,16 +357,34 @@ def _margin_or_savings(window: FeedbackWindow, ramps: list[str], start: Threshol
     if n - round(agree_now * n) > math.floor(safe * n + 1e-9):  # past the statistically safe level: back to the target
         raised = raise_to(window, target, start)
         agree_after, save_after = evaluate(window, raised)
-        return Decision(_named(ramps, raised), "accuracy", n, agree_now, agree_after, save_now, save_after,
-                        exit_z=z_exit, trigger="margin", detail=f"margin: agreement {agree_now:.4f} < target {1 - target:.4f}"
-                        + (" (since the last breach: no disagreement allowed)" if probation else ""))
+        return Decision(
+            _named(ramps, raised),
+            "accuracy",
+            n,
+            agree_now,
+            agree_after,
+            save_now,
+            save_after,
+            exit_z=z_exit,
+            trigger="margin",
+            detail=f"margin: agreement {agree_now:.4f} < target {1 - target:.4f}"
+            + (" (since the last breach: no disagreement allowed)" if probation else ""),
+        )
     if n < config.savings_samples:
         return Decision(None, "short-of-samples", n, agree_now, agree_now, save_now, save_now, exit_z=z_exit)
     return _savings(window, ramps, start, budget, config, target, (agree_now, save_now), z_exit)
 
 
-def _savings(window: FeedbackWindow, ramps: list[str], start: Thresholds, budget: float, config: TuneConfig,
-             target: float, now: tuple[float, float], z_exit: float) -> Decision:
+def _savings(
+    window: FeedbackWindow,
+    ramps: list[str],
+    start: Thresholds,
+    budget: float,
+    config: TuneConfig,
+    target: float,
+    now: tuple[float, float],
+    z_exit: float,
+) -> Decision:
     """The tuner's full search (lowering) to `target`: claimed when it gains enough and nothing says hold
     (`now`: agreement and saving of `start` on `window`)."""
     n = window.n_inputs
@@ -325,8 +401,11 @@ def _savings(window: FeedbackWindow, ramps: list[str], start: Thresholds, budget
         agree_tail, _ = evaluate(tail, new)
         x = tail.n_inputs - round(agree_tail * tail.n_inputs)
         if x > math.floor(budget * tail.n_inputs + 1e-9):
-            return replace(kept, detail=f"hold: the new thresholds break the budget on the newest {tail.n_inputs} "
-                                        f"samples ({x} disagree)")
+            return replace(
+                kept,
+                detail=f"hold: the new thresholds break the budget on the newest {tail.n_inputs} "
+                f"samples ({x} disagree)",
+            )
     return replace(kept, thresholds=_named(ramps, new), reason="savings", trigger="savings")
 
 
@@ -340,7 +419,9 @@ def new_samples(previous: FeedbackWindow | None, window: FeedbackWindow) -> int:
     key = np.concatenate([previous.conf[-k:].ravel(), previous.final[-k:].astype(np.float64)])
     n = window.n_inputs
     for end in range(n, k - 1, -1):
-        if np.array_equal(np.concatenate([window.conf[end - k:end].ravel(), window.final[end - k:end].astype(np.float64)]), key):
+        if np.array_equal(
+            np.concatenate([window.conf[end - k : end].ravel(), window.final[end - k : end].astype(np.float64)]), key
+        ):
             return n - end
     return n
 
@@ -365,7 +446,9 @@ class TunerState:
     """The window of the last look (to count the samples that arrived since)."""
 
 
-def track_alarm(alarm: Alarm | None, decision: Decision, armed: bool, config: TuneConfig) -> tuple[Alarm | None, list[str]]:
+def track_alarm(
+    alarm: Alarm | None, decision: Decision, armed: bool, config: TuneConfig
+) -> tuple[Alarm | None, list[str]]:
     """The drift alarm after `decision` (taken with `drift_armed=armed`), and what happened to it in
     words (for :attr:`TunerState.alarm_log`). An alarm is raised when the drift statistic passes
     `drift_z` and nothing acted on it; it is acted on (a ``drift`` decision), superseded by a breach,
@@ -377,15 +460,23 @@ def track_alarm(alarm: Alarm | None, decision: Decision, armed: bool, config: Tu
         return None, (["superseded by a breach"] if alarm is not None else [])
     if alarm is None:
         if fired:
-            return (math.copysign(1.0, decision.exit_z), 0), [f"alarm z = {decision.exit_z:+.1f} on {decision.samples} samples"]
+            return (math.copysign(1.0, decision.exit_z), 0), [
+                f"alarm z = {decision.exit_z:+.1f} on {decision.samples} samples"
+            ]
         return None, []
     if armed and not (fired and math.copysign(1.0, decision.exit_z) == alarm[0]):
         return None, [f"dropped: z = {decision.exit_z:+.1f} after {alarm[1]} new samples"]
     return alarm, []
 
 
-def advance(state: TunerState, window: FeedbackWindow, current: dict[str, float], ramps: list[str], budget: float,
-            config: TuneConfig) -> tuple[Decision, TunerState]:
+def advance(
+    state: TunerState,
+    window: FeedbackWindow,
+    current: dict[str, float],
+    ramps: list[str],
+    budget: float,
+    config: TuneConfig,
+) -> tuple[Decision, TunerState]:
     """One look of the live loop at the router's newest feedback `window` with `current` the
     thresholds in force (pure; `state` is not changed): the decision, and the state to carry to the
     next look. Counts the samples that arrived since the last look (fresh ones, and those since an

@@ -31,9 +31,16 @@ IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 
 
-def budget_dp(w: FeedbackWindow, allowed: int, beam: int = 1, max_levels: int = 16, movable: np.ndarray | None = None,
-              fixed: np.ndarray | None = None, orders: list[np.ndarray] | None = None,
-              ties: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+def budget_dp(
+    w: FeedbackWindow,
+    allowed: int,
+    beam: int = 1,
+    max_levels: int = 16,
+    movable: np.ndarray | None = None,
+    fixed: np.ndarray | None = None,
+    orders: list[np.ndarray] | None = None,
+    ties: np.ndarray | None = None,
+) -> tuple[np.ndarray, float]:
     """(thresholds [R], their total saving over the window's inputs) from the programme.
 
     ``movable`` False ramps keep ``fixed`` (their thresholds).
@@ -102,8 +109,16 @@ def budget_dp(w: FeedbackWindow, allowed: int, beam: int = 1, max_levels: int = 
     return _thresholds(best, cuts, parents, sorted_conf, fixed), float(total[best])
 
 
-def _apply_fixed(alive: BoolArray, d: IntArray, total: FloatArray, exiting: BoolArray | None, bad_r: BoolArray,
-                 saving_r: float, cost_r: float, levels: int) -> tuple[BoolArray, IntArray, FloatArray, IntArray]:
+def _apply_fixed(
+    alive: BoolArray,
+    d: IntArray,
+    total: FloatArray,
+    exiting: BoolArray | None,
+    bad_r: BoolArray,
+    saving_r: float,
+    cost_r: float,
+    levels: int,
+) -> tuple[BoolArray, IntArray, FloatArray, IntArray]:
     """A fixed ramp: in every state the running inputs in ``exiting`` (None: the ramp is off) leave; the states
     that then break the budget are dropped. Returns the new alive, d and total, and the states kept."""
     if exiting is not None:
@@ -124,8 +139,9 @@ def _tie_group_starts(c: FloatArray) -> IntArray:
     return groups
 
 
-def _exit_options(alive: BoolArray, bad_r: BoolArray, gstart: IntArray | None, d: IntArray, levels: int,
-                  count_t: npt.DTypeLike) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray]:
+def _exit_options(
+    alive: BoolArray, bad_r: BoolArray, gstart: IntArray | None, d: IntArray, levels: int, count_t: npt.DTypeLike
+) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray]:
     """The active options of one ramp: (state, b more disagreements, exits, cut) per option, and per state the
     inputs still running. ``gstart``: per sorted position, where its tie group starts (None: no ties)."""
     n, s_count = alive.shape
@@ -180,8 +196,9 @@ def _keep_best(level: IntArray, total: FloatArray, beam: int, max_levels: int) -
     return kept
 
 
-def _thresholds(best: int, cuts: list[IntArray], parents: list[IntArray], sorted_conf: list[FloatArray],
-                fixed: np.ndarray | None) -> FloatArray:
+def _thresholds(
+    best: int, cuts: list[IntArray], parents: list[IntArray], sorted_conf: list[FloatArray], fixed: np.ndarray | None
+) -> FloatArray:
     """The thresholds of final state ``best``, read back ramp by ramp through each state's parent."""
     t = np.empty(len(cuts))
     for r in range(len(cuts) - 1, -1, -1):

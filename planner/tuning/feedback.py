@@ -125,9 +125,16 @@ class FeedbackWindow:
         ramps = tuple(str(x) for x in self.ramps)
         if ramps and len(ramps) != r:
             raise WindowError("ramps", f"{len(ramps)} names for R = {r} ramps")
-        for name, value in (("conf", conf), ("pred", pred), ("final", final), ("saving_ms", saving),
-                            ("cost_ms", cost), ("ramps", ramps or tuple(f"ramp{i}" for i in range(r))),
-                            ("agree", pred == final[:, None]), ("conf_t", np.ascontiguousarray(conf.T))):
+        for name, value in (
+            ("conf", conf),
+            ("pred", pred),
+            ("final", final),
+            ("saving_ms", saving),
+            ("cost_ms", cost),
+            ("ramps", ramps or tuple(f"ramp{i}" for i in range(r))),
+            ("agree", pred == final[:, None]),
+            ("conf_t", np.ascontiguousarray(conf.T)),
+        ):
             object.__setattr__(self, name, value)
 
     @property
@@ -158,15 +165,28 @@ class FeedbackWindow:
         return cls(**arrays, ramps=ramps)
 
     def save(self, path: str | Path) -> None:
-        np.savez(Path(path), conf=self.conf, pred=self.pred, final=self.final, saving_ms=self.saving_ms,
-                 cost_ms=self.cost_ms, ramps=np.asarray(self.ramps, dtype=str))
+        np.savez(
+            Path(path),
+            conf=self.conf,
+            pred=self.pred,
+            final=self.final,
+            saving_ms=self.saving_ms,
+            cost_ms=self.cost_ms,
+            ramps=np.asarray(self.ramps, dtype=str),
+        )
 
     def subset(self, rows: np.ndarray | slice | None = None, ramps: list[int] | None = None) -> FeedbackWindow:
         """A window over some inputs (rows) and/or some ramps (columns, kept in block order)."""
         rows = slice(None) if rows is None else rows
         cols = list(range(self.n_ramps)) if ramps is None else sorted(ramps)
-        return FeedbackWindow(self.conf[rows][:, cols], self.pred[rows][:, cols], self.final[rows],
-                      self.saving_ms[cols], self.cost_ms[cols], tuple(self.ramps[c] for c in cols))
+        return FeedbackWindow(
+            self.conf[rows][:, cols],
+            self.pred[rows][:, cols],
+            self.final[rows],
+            self.saving_ms[cols],
+            self.cost_ms[cols],
+            tuple(self.ramps[c] for c in cols),
+        )
 
 
 def check_budget(budget: float) -> float:
@@ -251,8 +271,18 @@ def outcome(w: FeedbackWindow, thresholds: object) -> Outcome:
     exit_agree = np.bincount(k[exited], weights=agrees[exited], minlength=r).astype(np.int64)[:r]
     reached = np.where(active, n - np.concatenate(([0], np.cumsum(exits[:r])[:-1])), 0)
     agree_count = int(agrees.sum())
-    return Outcome(t, k, agree_count / n, float(per_input.mean()), agree_count, exits, exit_agree,
-                   reached.astype(np.int64), per_input, agrees)
+    return Outcome(
+        t,
+        k,
+        agree_count / n,
+        float(per_input.mean()),
+        agree_count,
+        exits,
+        exit_agree,
+        reached.astype(np.int64),
+        per_input,
+        agrees,
+    )
 
 
 def evaluate(w: FeedbackWindow, thresholds: object) -> tuple[float, float]:

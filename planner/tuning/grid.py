@@ -85,8 +85,9 @@ def grid_search(w: FeedbackWindow, budget: float, step: float) -> GridResult:
     return GridResult(thresholds, out.agreement, out.saving_ms, configs)
 
 
-def _score_tail(bins: np.ndarray, agree: np.ndarray, saving: np.ndarray, cost: np.ndarray, g: int,
-                paid: float) -> tuple[np.ndarray, np.ndarray]:
+def _score_tail(
+    bins: np.ndarray, agree: np.ndarray, saving: np.ndarray, cost: np.ndarray, g: int, paid: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Total saving and agreeing count for every threshold index of the last one or two ramps."""
     m = bins.shape[0]
     size = g + 1
@@ -96,8 +97,8 @@ def _score_tail(bins: np.ndarray, agree: np.ndarray, saving: np.ndarray, cost: n
         count_out = np.bincount(b, minlength=size + 1)  # bins run 0..g
         agree_out = np.bincount(b, weights=agree[:, 0], minlength=size + 1)
         # exits at index j: inputs with bin > j (suffix sums)
-        n_exit = np.cumsum(count_out[::-1])[::-1][1:size + 1]
-        a_exit = np.cumsum(agree_out[::-1])[::-1][1:size + 1]
+        n_exit = np.cumsum(count_out[::-1])[::-1][1 : size + 1]
+        a_exit = np.cumsum(agree_out[::-1])[::-1][1 : size + 1]
         c0 = np.where(act, cost[0], 0.0)
         totals = n_exit * (saving[0] - paid - c0) + (m - n_exit) * (-paid - c0)
         agrees = np.rint(a_exit).astype(np.int64) + (m - n_exit)
@@ -110,15 +111,15 @@ def _score_tail(bins: np.ndarray, agree: np.ndarray, saving: np.ndarray, cost: n
     h_b = np.bincount(key, weights=agree[:, 1], minlength=cells).reshape(size + 1, size + 1)
     # Ramp a at index ja lets out bins x > ja; the rest (x <= ja) reach ramp b, which lets out y > jb.
     row_one, row_a = h_one.sum(axis=1), h_a.sum(axis=1)
-    n_a = np.cumsum(row_one[::-1])[::-1][1:size + 1]  # x > ja
-    agree_a = np.cumsum(row_a[::-1])[::-1][1:size + 1]
+    n_a = np.cumsum(row_one[::-1])[::-1][1 : size + 1]  # x > ja
+    agree_a = np.cumsum(row_a[::-1])[::-1][1 : size + 1]
     stay_one = np.cumsum(h_one, axis=0)[:size]  # [ja, y]: x <= ja
     stay_b = np.cumsum(h_b, axis=0)[:size]
-    n_b = np.cumsum(stay_one[:, ::-1], axis=1)[:, ::-1][:, 1:size + 1]  # y > jb
-    agree_b = np.cumsum(stay_b[:, ::-1], axis=1)[:, ::-1][:, 1:size + 1]
+    n_b = np.cumsum(stay_one[:, ::-1], axis=1)[:, ::-1][:, 1 : size + 1]  # y > jb
+    agree_b = np.cumsum(stay_b[:, ::-1], axis=1)[:, ::-1][:, 1 : size + 1]
     n_end = (m - n_a)[:, None] - n_b
     ca = np.where(act, cost[0], 0.0)[:, None]
     cb = np.where(act, cost[1], 0.0)[None, :]
-    totals = (n_a[:, None] * (saving[0] - paid - ca) + n_b * (saving[1] - paid - ca - cb) + n_end * (-paid - ca - cb))
+    totals = n_a[:, None] * (saving[0] - paid - ca) + n_b * (saving[1] - paid - ca - cb) + n_end * (-paid - ca - cb)
     agrees = np.rint(agree_a[:, None] + agree_b).astype(np.int64) + n_end.astype(np.int64)
     return totals, agrees

@@ -64,7 +64,8 @@ def initial_thresholds(bundle: Path, budget: float, bounds: Sequence[int]) -> tu
     if not path.is_file():
         raise MissingCalibrationWindow(
             f"{path}: the bundle has exit ramps but no calibration window to tune their thresholds on; "
-            f"rebuild it with `exitplan prepare --force`")
+            f"rebuild it with `exitplan prepare --force`"
+        )
     window = FeedbackWindow.load(path)
     lengths = None
     heldout = bundle / manifest.data.heldout
@@ -76,22 +77,29 @@ def initial_thresholds(bundle: Path, budget: float, bounds: Sequence[int]) -> tu
     return {name: float(t) for name, t in zip(ramps, thresholds)}, report
 
 
-def stratify(window: FeedbackWindow, lengths: npt.NDArray[np.int64] | None, budget: float,
-             bounds: Sequence[int]) -> tuple[npt.NDArray[np.float64], Strata]:
+def stratify(
+    window: FeedbackWindow, lengths: npt.NDArray[np.int64] | None, budget: float, bounds: Sequence[int]
+) -> tuple[npt.NDArray[np.float64], Strata]:
     """Thresholds within `budget` in every length stratum of `window` (pure).
 
     Starts from the whole window tuned to its sample budget, then for each stratum that breaks
     its own sample budget re-tunes on that stratum from the current thresholds and keeps only the
     raises, until no stratum breaks (or every ramp is disabled, which disagrees nowhere). Without
     lengths (or with one bucket) the window is the one stratum."""
-    thresholds: npt.NDArray[np.float64] = np.asarray(tune(window, sample_budget(budget, window.n_inputs)).thresholds,
-                                                     dtype=np.float64)
+    thresholds: npt.NDArray[np.float64] = np.asarray(
+        tune(window, sample_budget(budget, window.n_inputs)).thresholds, dtype=np.float64
+    )
     if lengths is None or len(bounds) < 2:
         return thresholds, [(window.n_inputs, 1.0 - evaluate(window, thresholds)[0])]
 
     def part(mask: npt.NDArray[np.bool_]) -> FeedbackWindow:
-        return FeedbackWindow(conf=window.conf[mask], pred=window.pred[mask], final=window.final[mask],
-                      saving_ms=window.saving_ms, cost_ms=window.cost_ms)
+        return FeedbackWindow(
+            conf=window.conf[mask],
+            pred=window.pred[mask],
+            final=window.final[mask],
+            saving_ms=window.saving_ms,
+            cost_ms=window.cost_ms,
+        )
 
     strata = [part(m) for m in length_strata(np.asarray(lengths, dtype=np.int64), bounds)]
     for _ in range(MAX_ROUNDS):

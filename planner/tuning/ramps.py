@@ -116,13 +116,23 @@ def ramp_utilities(w: FeedbackWindow, thresholds: object) -> list[RampUtility]:
         saved = float((base.per_input_ms[exiting] - off.per_input_ms[exiting]).sum()) / w.n_inputs
         exits, reached = int(base.exits[r]), int(base.reached[r])
         added = float(w.cost_ms[r]) * (reached - exits) / w.n_inputs
-        result.append(RampUtility(r, w.ramps[r], True, reached, exits, saved, added, saved - added, upper,
-                                  base.agreement - off.agreement))
+        result.append(
+            RampUtility(
+                r, w.ramps[r], True, reached, exits, saved, added, saved - added, upper, base.agreement - off.agreement
+            )
+        )
     return result
 
 
-def manage_ramps(w: FeedbackWindow, budget: float, worst_case_ms: float, thresholds: object | None = None, *,
-                 overhead_frac: float = 0.02, max_candidates: int | None = None) -> RampPlan:
+def manage_ramps(
+    w: FeedbackWindow,
+    budget: float,
+    worst_case_ms: float,
+    thresholds: object | None = None,
+    *,
+    overhead_frac: float = 0.02,
+    max_candidates: int | None = None,
+) -> RampPlan:
     """Choose the active ramps and their thresholds (see the module docstring).
 
     ``thresholds``: the current ones ([R]; default all disabled, so every ramp is a candidate).
@@ -145,8 +155,16 @@ def manage_ramps(w: FeedbackWindow, budget: float, worst_case_ms: float, thresho
     t = manager.fit_overhead(t)
     t = manager.try_candidates(t, max_candidates)
     out = outcome(w, t)
-    return RampPlan(t, t <= 1.0, out.agreement, out.saving_ms, float(w.cost_ms[t <= 1.0].sum()), cap_ms,
-                    tuple(ramp_utilities(w, t)), tuple(manager.actions))
+    return RampPlan(
+        t,
+        t <= 1.0,
+        out.agreement,
+        out.saving_ms,
+        float(w.cost_ms[t <= 1.0].sum()),
+        cap_ms,
+        tuple(ramp_utilities(w, t)),
+        tuple(manager.actions),
+    )
 
 
 class _RampManager:
@@ -174,8 +192,14 @@ class _RampManager:
         """:meth:`tuned`, recording the ramps that re-tuning switches off."""
         new = self.tuned(current, active)
         for r in np.flatnonzero(active & (new > 1.0)):
-            self.actions.append(RampAction(int(r), self.w.ramps[r], "deactivate",
-                                           "re-tuning the thresholds switched it off (the others use the budget better)"))
+            self.actions.append(
+                RampAction(
+                    int(r),
+                    self.w.ramps[r],
+                    "deactivate",
+                    "re-tuning the thresholds switched it off (the others use the budget better)",
+                )
+            )
         return new
 
     def drop_negative(self, t: np.ndarray) -> np.ndarray:
@@ -185,9 +209,15 @@ class _RampManager:
             worst = min((u for u in utils if u.active), key=lambda u: u.utility_ms, default=None)
             if worst is None or worst.utility_ms >= -_EPS_MS:
                 return t
-            self.actions.append(RampAction(worst.ramp, worst.name, "deactivate",
-                                           f"utility {worst.utility_ms:.4f} ms/input < 0 (saved {worst.saved_ms:.4f}, "
-                                           f"added {worst.added_ms:.4f})"))
+            self.actions.append(
+                RampAction(
+                    worst.ramp,
+                    worst.name,
+                    "deactivate",
+                    f"utility {worst.utility_ms:.4f} ms/input < 0 (saved {worst.saved_ms:.4f}, "
+                    f"added {worst.added_ms:.4f})",
+                )
+            )
             t[worst.ramp] = DISABLED
             t = self.retune(t, t <= 1.0)
 
@@ -197,9 +227,15 @@ class _RampManager:
         while float(w.cost_ms[t <= 1.0].sum()) > cap_ms + _EPS_MS:
             utils = ramp_utilities(w, t)
             least = min((u for u in utils if u.active), key=lambda u: u.utility_ms)
-            self.actions.append(RampAction(least.ramp, least.name, "deactivate",
-                                           f"ramp overhead {w.cost_ms[t <= 1.0].sum():.4f} ms over its budget {cap_ms:.4f} ms; "
-                                           f"lowest utility {least.utility_ms:.4f} ms/input"))
+            self.actions.append(
+                RampAction(
+                    least.ramp,
+                    least.name,
+                    "deactivate",
+                    f"ramp overhead {w.cost_ms[t <= 1.0].sum():.4f} ms over its budget {cap_ms:.4f} ms; "
+                    f"lowest utility {least.utility_ms:.4f} ms/input",
+                )
+            )
             t[least.ramp] = DISABLED
             t = self.retune(t, t <= 1.0)
         return t
@@ -211,15 +247,23 @@ class _RampManager:
         saving = outcome(w, t).saving_ms
         tried: set[int] = set()
         while max_candidates is None or len(tried) < max_candidates:
-            pool = [u for u in ramp_utilities(w, t) if not u.active and u.ramp not in tried and u.upper_bound_ms > _EPS_MS]
+            pool = [
+                u for u in ramp_utilities(w, t) if not u.active and u.ramp not in tried and u.upper_bound_ms > _EPS_MS
+            ]
             if not pool:
                 break
             u = max(pool, key=lambda c: c.upper_bound_ms)
             tried.add(u.ramp)
             overhead = float(w.cost_ms[t <= 1.0].sum()) + float(w.cost_ms[u.ramp])
             if overhead > cap_ms + _EPS_MS:
-                actions.append(RampAction(u.ramp, u.name, "reject",
-                                          f"would bring the ramp overhead to {overhead:.4f} ms, over its budget {cap_ms:.4f} ms"))
+                actions.append(
+                    RampAction(
+                        u.ramp,
+                        u.name,
+                        "reject",
+                        f"would bring the ramp overhead to {overhead:.4f} ms, over its budget {cap_ms:.4f} ms",
+                    )
+                )
                 continue
             trial_active = t <= 1.0
             trial_active[u.ramp] = True
@@ -228,14 +272,29 @@ class _RampManager:
             trial_util = ramp_utilities(w, trial)[u.ramp]
             if trial[u.ramp] <= 1.0 and trial_saving > saving + _EPS_MS and trial_util.utility_ms > _EPS_MS:
                 for r in np.flatnonzero((t <= 1.0) & (trial > 1.0)):
-                    actions.append(RampAction(int(r), w.ramps[r], "deactivate",
-                                              f"re-tuned with {u.name} on, the thresholds switch it off"))
-                actions.append(RampAction(u.ramp, u.name, "activate",
-                                          f"upper bound {u.upper_bound_ms:.4f} ms/input; saving {saving:.4f} -> "
-                                          f"{trial_saving:.4f} ms, utility {trial_util.utility_ms:.4f}"))
+                    actions.append(
+                        RampAction(
+                            int(r), w.ramps[r], "deactivate", f"re-tuned with {u.name} on, the thresholds switch it off"
+                        )
+                    )
+                actions.append(
+                    RampAction(
+                        u.ramp,
+                        u.name,
+                        "activate",
+                        f"upper bound {u.upper_bound_ms:.4f} ms/input; saving {saving:.4f} -> "
+                        f"{trial_saving:.4f} ms, utility {trial_util.utility_ms:.4f}",
+                    )
+                )
                 t, saving = trial, trial_saving
             else:
-                actions.append(RampAction(u.ramp, u.name, "reject",
-                                          f"upper bound {u.upper_bound_ms:.4f} ms/input, but the tuned window saves "
-                                          f"{trial_saving:.4f} ms (now {saving:.4f})"))
+                actions.append(
+                    RampAction(
+                        u.ramp,
+                        u.name,
+                        "reject",
+                        f"upper bound {u.upper_bound_ms:.4f} ms/input, but the tuned window saves "
+                        f"{trial_saving:.4f} ms (now {saving:.4f})",
+                    )
+                )
         return t

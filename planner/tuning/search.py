@@ -66,7 +66,8 @@ class Search:
         differs = self.conf_sorted[:, 1:] != self.conf_sorted[:, :-1]
         self.ties = ~differs.all(axis=1)
         self.group_end: list[np.ndarray | None] = [
-            np.append(differs[q], True) if self.ties[q] else None for q in range(self.r)]
+            np.append(differs[q], True) if self.ties[q] else None for q in range(self.r)
+        ]
         self.cost_l = [float(x) for x in w.cost_ms]
         self.saving_l = [float(x) for x in w.saving_ms]
         self._before_key = b""
@@ -105,8 +106,15 @@ class Search:
         return self.n_agree / self.n, self.total / self.n
 
 
-def climb_steps(s: Search, movable: np.ndarray, init_step: float, min_step: float, max_step: float,
-                max_rounds: int, moves: list[Move]) -> tuple[np.ndarray, float, int]:
+def climb_steps(
+    s: Search,
+    movable: np.ndarray,
+    init_step: float,
+    min_step: float,
+    max_step: float,
+    max_rounds: int,
+    moves: list[Move],
+) -> tuple[np.ndarray, float, int]:
     """The hill-climb; returns the best thresholds visited, their total saving, and the rounds."""
     n, r = s.n, s.r
     conf_t, agree_tf, cost, saving = s.conf_t, s.agree_tf, s.w.cost_ms, s.w.saving_ms
@@ -127,8 +135,11 @@ def climb_steps(s: Search, movable: np.ndarray, init_step: float, min_step: floa
         count = newly.sum(axis=1)
         d_agree = np.rint(np.einsum("ij,ij->i", nf, agree_tf) - nf @ s.ok).astype(np.int64)
         off_cost = np.where(active, 0.0, cost)  # the ramp's own cost if the move switches it on
-        d_total = ((saving - np.cumsum(cost - off_cost) - off_cost) * count - nf @ s.val
-                   - off_cost * (passing.sum(axis=1) - count))
+        d_total = (
+            (saving - np.cumsum(cost - off_cost) - off_cost) * count
+            - nf @ s.val
+            - off_cost * (passing.sum(axis=1) - count)
+        )
         fits = n - (s.n_agree + d_agree) <= s.allowed
         # Overshoot: halve the step; a ramp whose smallest move overshoots is done.
         over = ~done & ~fits
@@ -143,8 +154,15 @@ def climb_steps(s: Search, movable: np.ndarray, init_step: float, min_step: floa
         key = np.where(loss > 0, d_total / np.maximum(loss, 1), d_total)
         pick = int(np.argmax(np.where(ok & (tier == tier[ok].max()), key, -np.inf)))
         old = float(t[pick])
-        _lower(s, pick, float(cand[pick]), newly[pick], int(d_agree[pick]), float(d_total[pick]),
-               was_active=bool(active[pick]))
+        _lower(
+            s,
+            pick,
+            float(cand[pick]),
+            newly[pick],
+            int(d_agree[pick]),
+            float(d_total[pick]),
+            was_active=bool(active[pick]),
+        )
         steps[pick] = min(steps[pick] * 2.0, max_step)
         moves.append(Move("climb", pick, old, float(cand[pick]), *s.figures))
         if s.total > best_total + EPS_MS:
@@ -152,8 +170,9 @@ def climb_steps(s: Search, movable: np.ndarray, init_step: float, min_step: floa
     return best_t, best_total, rounds
 
 
-def _lower(s: Search, ramp: int, new_t: float, newly: np.ndarray, d_agree: int, d_total: float,
-           was_active: bool) -> None:
+def _lower(
+    s: Search, ramp: int, new_t: float, newly: np.ndarray, d_agree: int, d_total: float, was_active: bool
+) -> None:
     """Apply a climb move: the ``newly`` inputs now exit at ``ramp``."""
     w = s.w
     if not was_active:
@@ -235,13 +254,12 @@ def profile(s: Search, ramp: int, order: np.ndarray) -> Profile | None:
         if ramp == s.r - 1:
             val_off[here], ok_off[here], k_off[here] = -before, 1, s.r
         else:
-            later = t[ramp + 1:]
-            hits = s.conf_t[ramp + 1:, rows] >= later[:, None]
+            later = t[ramp + 1 :]
+            hits = s.conf_t[ramp + 1 :, rows] >= later[:, None]
             anyhit = hits.any(axis=0)
             q = ramp + 1 + hits.argmax(axis=0)
-            cum_after = np.cumsum(np.where(later <= 1.0, w.cost_ms[ramp + 1:], 0.0))
-            val_off[here] = np.where(anyhit, w.saving_ms[q] - before - cum_after[q - ramp - 1],
-                                     -before - cum_after[-1])
+            cum_after = np.cumsum(np.where(later <= 1.0, w.cost_ms[ramp + 1 :], 0.0))
+            val_off[here] = np.where(anyhit, w.saving_ms[q] - before - cum_after[q - ramp - 1], -before - cum_after[-1])
             ok_off[here] = np.where(anyhit, s.agree_ti[q, rows], 1)
             k_off[here] = np.where(anyhit, q, s.r)
     total_off = s.total - float(s.val[reach].sum()) + float(val_off.sum())
@@ -250,8 +268,19 @@ def profile(s: Search, ramp: int, order: np.ndarray) -> Profile | None:
     ends = np.flatnonzero(np.append(c[1:] != c[:-1], True))  # last index of each tie group
     totals = total_off - cost_r * m + np.cumsum(w.saving_ms[ramp] - before - val_off)[ends]
     agrees = agree_off + np.cumsum(s.agree_ti[ramp, reach] - ok_off)[ends]
-    return Profile(ramp=ramp, reach=reach, val_off=val_off, ok_off=ok_off, k_off=k_off, conf=c, ends=ends,
-                   totals=totals, agrees=agrees, total_off=total_off, agree_off=agree_off)
+    return Profile(
+        ramp=ramp,
+        reach=reach,
+        val_off=val_off,
+        ok_off=ok_off,
+        k_off=k_off,
+        conf=c,
+        ends=ends,
+        totals=totals,
+        agrees=agrees,
+        total_off=total_off,
+        agree_off=agree_off,
+    )
 
 
 def place(s: Search, p: Profile, pos: int) -> None:
@@ -281,12 +310,33 @@ class Lowering:
     later ones can never be proposed).
     """
 
-    __slots__ = ("ramp", "idx", "going", "sorted_conf", "_conf", "ends", "totals", "agrees", "exit_ms",
-                 "activates", "first", "done")
+    __slots__ = (
+        "ramp",
+        "idx",
+        "going",
+        "sorted_conf",
+        "_conf",
+        "ends",
+        "totals",
+        "agrees",
+        "exit_ms",
+        "activates",
+        "first",
+        "done",
+    )
 
-    def __init__(self, ramp: int, idx: np.ndarray, going: np.ndarray, sorted_conf: np.ndarray,
-                 ends: np.ndarray | None, totals: np.ndarray, agrees: np.ndarray, exit_ms: float,
-                 activates: bool) -> None:
+    def __init__(
+        self,
+        ramp: int,
+        idx: np.ndarray,
+        going: np.ndarray,
+        sorted_conf: np.ndarray,
+        ends: np.ndarray | None,
+        totals: np.ndarray,
+        agrees: np.ndarray,
+        exit_ms: float,
+        activates: bool,
+    ) -> None:
         self.ramp, self.idx, self.going, self.sorted_conf = ramp, idx, going, sorted_conf
         self.ends, self.totals, self.agrees = ends, totals, agrees
         self.exit_ms, self.activates = exit_ms, activates
@@ -384,7 +434,7 @@ def place_lowering(s: Search, low: Lowering, pos: int) -> None:
     if low.activates:
         s.val[s.k > ramp] -= s.cost_l[ramp]  # everyone going past the ramp now pays for it
         low.activates = False
-    newly = low.idx[low.done:pos + 1]
+    newly = low.idx[low.done : pos + 1]
     s.k[newly] = ramp
     s.ok[newly] = s.agree_ti[ramp][newly]
     s.val[newly] = low.exit_ms
@@ -497,5 +547,3 @@ def repair(s: Search, movable: np.ndarray, init_step: float, moves: list[Move]) 
         s.set(t)
         steps[ramp] *= 2.0
         moves.append(Move("repair", ramp, old, float(t[ramp]), *s.figures))
-
-

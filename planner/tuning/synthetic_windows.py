@@ -18,9 +18,17 @@ import numpy as np
 from exitplan.planner.tuning.feedback import FeedbackWindow
 
 
-def synthetic_window(rng: np.random.Generator, n: int = 1024, r: int = 4, *, classes: int | None = None,
-                     latency_ms: float | None = None, sharpness: float | None = None, noise: float | None = None,
-                     gamma: float | None = None) -> FeedbackWindow:
+def synthetic_window(
+    rng: np.random.Generator,
+    n: int = 1024,
+    r: int = 4,
+    *,
+    classes: int | None = None,
+    latency_ms: float | None = None,
+    sharpness: float | None = None,
+    noise: float | None = None,
+    gamma: float | None = None,
+) -> FeedbackWindow:
     k = int(classes if classes is not None else rng.integers(2, 11))
     latency = float(latency_ms if latency_ms is not None else rng.uniform(20.0, 200.0))
     sharp = float(sharpness if sharpness is not None else rng.uniform(3.0, 10.0))

@@ -41,11 +41,12 @@ from typing import Literal
 
 import numpy as np
 
+from exitplan.planner.tuning.dp import budget_dp
 from exitplan.planner.tuning.feedback import (
     DISABLED,
+    FeedbackWindow,
     InfeasibleBudget,
     Outcome,
-    FeedbackWindow,
     WindowError,
     allowed_disagreements,
     check_budget,
@@ -55,12 +56,23 @@ from exitplan.planner.tuning.feedback import (
     outcome,
     within_budget,
 )
-from exitplan.planner.tuning.dp import budget_dp
 from exitplan.planner.tuning.search import Move, Search, climb_profiles, climb_steps, refine, repair
 
 __all__ = [
-    "DISABLED", "InfeasibleBudget", "Move", "Outcome", "TuneResult", "Window", "WindowError",
-    "allowed_disagreements", "check_budget", "check_thresholds", "evaluate", "exit_index", "outcome", "tune",
+    "DISABLED",
+    "InfeasibleBudget",
+    "Move",
+    "Outcome",
+    "TuneResult",
+    "FeedbackWindow",
+    "WindowError",
+    "allowed_disagreements",
+    "check_budget",
+    "check_thresholds",
+    "evaluate",
+    "exit_index",
+    "outcome",
+    "tune",
     "within_budget",
 ]
 
@@ -98,21 +110,37 @@ class TuneResult:
         """Re-evaluate on the window: the figures must match and the budget must hold."""
         out = outcome(w, self.thresholds)
         if abs(out.agreement - self.agreement) > 1e-12 or abs(out.saving_ms - self.saving_ms) > 1e-6:
-            raise AssertionError(f"tuner figures {self.agreement}, {self.saving_ms} != evaluated "
-                                 f"{out.agreement}, {out.saving_ms}")
+            raise AssertionError(
+                f"tuner figures {self.agreement}, {self.saving_ms} != evaluated {out.agreement}, {out.saving_ms}"
+            )
         if w.n_inputs - out.agree_count > allowed_disagreements(w.n_inputs, self.budget):
             raise AssertionError(f"agreement {out.agreement} breaks the budget {self.budget}")
 
     def to_json(self) -> dict[str, object]:
         """The `exitplan tune --json` document: exactly thresholds, agreement, saving_ms."""
-        return {"thresholds": [float(x) for x in self.thresholds], "agreement": float(self.agreement),
-                "saving_ms": float(self.saving_ms)}
+        return {
+            "thresholds": [float(x) for x in self.thresholds],
+            "agreement": float(self.agreement),
+            "saving_ms": float(self.saving_ms),
+        }
 
 
-def tune(w: FeedbackWindow, budget: float, start: object | None = None, *, method: Method = "profile",
-         restart: bool = True, refine_pass: bool = True, movable: object | None = None, beam: int = 1,
-         min_step: float = 0.005, max_step: float = 0.2, init_step: float = 0.05, max_rounds: int = 100_000,
-         max_sweeps: int = 1) -> TuneResult:
+def tune(
+    w: FeedbackWindow,
+    budget: float,
+    start: object | None = None,
+    *,
+    method: Method = "profile",
+    restart: bool = True,
+    refine_pass: bool = True,
+    movable: object | None = None,
+    beam: int = 1,
+    min_step: float = 0.005,
+    max_step: float = 0.2,
+    init_step: float = 0.05,
+    max_rounds: int = 100_000,
+    max_sweeps: int = 1,
+) -> TuneResult:
     """Tune the thresholds of ``w``'s ramps so that agreement >= 1 - budget and the saving is largest.
 
     ``start``: the current thresholds ([R]; default all disabled). ``movable``: [R] bool, the ramps
@@ -131,7 +159,9 @@ def tune(w: FeedbackWindow, budget: float, start: object | None = None, *, metho
     if method not in ("profile", "steps"):
         raise WindowError("method", f"expected 'profile' or 'steps', got {method!r}")
     if not (0.0 < min_step <= init_step <= max_step):
-        raise WindowError("steps", f"need 0 < min_step <= init_step <= max_step, got {min_step}, {init_step}, {max_step}")
+        raise WindowError(
+            "steps", f"need 0 < min_step <= init_step <= max_step, got {min_step}, {init_step}, {max_step}"
+        )
     allowed = allowed_disagreements(w.n_inputs, budget)
     s = Search(w, start_t, allowed)
     start_agreement, start_saving = s.figures
@@ -141,8 +171,11 @@ def tune(w: FeedbackWindow, budget: float, start: object | None = None, *, metho
         floor_t = np.where(move_mask, DISABLED, start_t)
         if w.n_inputs - outcome(w, floor_t).agree_count > allowed:
             fixed = [w.ramps[i] for i in np.flatnonzero(~move_mask & (start_t <= 1.0))]
-            raise InfeasibleBudget("budget", f"the ramps the tuner may not move ({', '.join(fixed)}) already "
-                                             f"break the budget {budget} on this window; let the tuner move them")
+            raise InfeasibleBudget(
+                "budget",
+                f"the ramps the tuner may not move ({', '.join(fixed)}) already "
+                f"break the budget {budget} on this window; let the tuner move them",
+            )
         repair(s, move_mask, init_step, moves)
     if method == "steps":
         best_t, _, rounds = climb_steps(s, move_mask, init_step, min_step, max_step, max_rounds, moves)
@@ -153,8 +186,9 @@ def tune(w: FeedbackWindow, budget: float, start: object | None = None, *, metho
     restarted = False
     if restart:
         # The budget programme from scratch; the better of it and the climb goes on to refinement.
-        alt, alt_total = budget_dp(w, allowed, beam=beam, movable=move_mask, fixed=start_t,
-                                   orders=[s.order(q) for q in range(r)], ties=s.ties)
+        alt, alt_total = budget_dp(
+            w, allowed, beam=beam, movable=move_mask, fixed=start_t, orders=[s.order(q) for q in range(r)], ties=s.ties
+        )
         if alt_total > s.total + 1e-9 * max(1.0, abs(s.total)):
             old, old_total = s.t.copy(), s.total
             s.set(alt)
@@ -168,5 +202,16 @@ def tune(w: FeedbackWindow, budget: float, start: object | None = None, *, metho
         refine(s, move_mask, moves, max_sweeps)
     final = outcome(w, s.t)  # exactly what evaluate() says, not the search's running sums
     agreement, saving = final.agreement, final.saving_ms
-    return TuneResult(s.t.copy(), agreement, saving, budget, rounds, tuple(moves), start_agreement, start_saving,
-                      climb_saving, repaired, restarted)
+    return TuneResult(
+        s.t.copy(),
+        agreement,
+        saving,
+        budget,
+        rounds,
+        tuple(moves),
+        start_agreement,
+        start_saving,
+        climb_saving,
+        repaired,
+        restarted,
+    )

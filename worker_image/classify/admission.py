@@ -148,8 +148,12 @@ class Admission:
             if b < 0 or (loads[b] >= 1.0 and self.outstanding[b] > 0):
                 wait = self.limiters[b].retry_after_s(self.outstanding[b]) if b >= 0 else 1
                 what = f"bucket {self.buckets[b]}" if b >= 0 else "every bucket"
-                return Refusal(429, f"{what} cannot answer within the SLO of {self.slo_s * 1000:.0f} ms at the current load",
-                               float(max(1, math.ceil(wait))), ideal)
+                return Refusal(
+                    429,
+                    f"{what} cannot answer within the SLO of {self.slo_s * 1000:.0f} ms at the current load",
+                    float(max(1, math.ceil(wait))),
+                    ideal,
+                )
             loads[b] += 1.0 / self.limiters[b].limit
             chosen.append(b)
         for b in chosen:  # counted before the caller awaits anything, so concurrent admissions see each other

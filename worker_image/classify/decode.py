@@ -16,7 +16,14 @@ import numpy as np
 
 from exitplan.api.bundle import BundleManifest
 
-_DTYPES = {"FP32": np.float32, "FP16": np.float16, "INT64": np.int64, "INT32": np.int32, "UINT8": np.uint8, "FP64": np.float64}
+_DTYPES = {
+    "FP32": np.float32,
+    "FP16": np.float16,
+    "INT64": np.int64,
+    "INT32": np.int32,
+    "UINT8": np.uint8,
+    "FP64": np.float64,
+}
 
 
 class BadRequest(ValueError):
@@ -63,14 +70,18 @@ def _tensor(spec: dict) -> np.ndarray:
         except (ValueError, TypeError) as err:
             raise BadRequest(f"input {name!r}: data does not hold {datatype} values: {err}") from err
     else:
-        raise BadRequest(f"input {name!r}: datatype {datatype!r} is not supported; use one of BYTES, {', '.join(_DTYPES)}")
+        raise BadRequest(
+            f"input {name!r}: datatype {datatype!r} is not supported; use one of BYTES, {', '.join(_DTYPES)}"
+        )
     expected = int(np.prod(shape)) if shape else 1
     if data.size != expected:
         raise BadRequest(f"input {name!r}: shape {shape} needs {expected} values, data has {data.size}")
     return data.reshape(shape)
 
 
-def decode_inputs(body: object, manifest: BundleManifest, tokenizer, buckets: list[int], truncate_default: bool) -> DecodedBatch:
+def decode_inputs(
+    body: object, manifest: BundleManifest, tokenizer, buckets: list[int], truncate_default: bool
+) -> DecodedBatch:
     if not isinstance(body, dict) or not isinstance(body.get("inputs"), list) or not body["inputs"]:
         raise BadRequest('body must be a JSON object with a non-empty "inputs" list (Open Inference Protocol)')
     params = body.get("parameters") or {}
@@ -110,11 +121,15 @@ def _decode_text(inputs: dict, manifest: BundleManifest, tokenizer, buckets: lis
             raise BadRequest(f"input 'input_ids' must have datatype INT64, got {spec.get('datatype')!r}")
         ids = _tensor(spec).astype(np.int64)
         if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
-            raise BadRequest(f"input 'input_ids' must have shape [n, length] with n, length >= 1, got {list(ids.shape)}")
+            raise BadRequest(
+                f"input 'input_ids' must have shape [n, length] with n, length >= 1, got {list(ids.shape)}"
+            )
         if "attention_mask" in inputs:
             mask = _tensor(inputs["attention_mask"]).astype(np.int64)
             if mask.shape != ids.shape:
-                raise BadRequest(f"attention_mask shape {list(mask.shape)} differs from input_ids shape {list(ids.shape)}")
+                raise BadRequest(
+                    f"attention_mask shape {list(mask.shape)} differs from input_ids shape {list(ids.shape)}"
+                )
             tokens = [row[m.astype(bool)] for row, m in zip(ids, mask)]
         else:
             tokens = list(ids)
@@ -139,7 +154,9 @@ def _decode_fixed(inputs: dict, manifest: BundleManifest) -> DecodedBatch:
     n = None
     for t in manifest.inputs:
         if t.name not in inputs:
-            raise BadRequest(f"send an input named {t.name!r} ({t.dtype}, shape {t.shape}); got {sorted(map(str, inputs))}")
+            raise BadRequest(
+                f"send an input named {t.name!r} ({t.dtype}, shape {t.shape}); got {sorted(map(str, inputs))}"
+            )
         arr = _tensor(inputs[t.name])
         want = np.dtype(t.dtype)
         if arr.dtype != want:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from exitplan.api.bundle import BundleManifest
-
 from exitplan.worker.bundle_runtime import BundleRuntime, softmax
 
 
@@ -74,7 +73,9 @@ def execute(
     first = runtime.first_block if first is None else first
     last = runtime.last_block if last is None else last
     if not runtime.first_block <= first <= last <= runtime.last_block:
-        raise ValueError(f"blocks {first}..{last} are outside this runtime's range {runtime.first_block}..{runtime.last_block}")
+        raise ValueError(
+            f"blocks {first}..{last} are outside this runtime's range {runtime.first_block}..{runtime.last_block}"
+        )
     rows = np.arange(len(answered))
     answered = answered.copy()
     work = dict(state)

@@ -67,8 +67,11 @@ class FusionQueues:
         block = self.first + j
         return (block, block) if self.rebatch else (block, self.last)
 
-    def choose(self, batch: int, now: float, reserve_s: Callable[[int], float], max_wait: float | None) -> tuple[int, float]:
+    def choose(
+        self, batch: int, now: float, reserve_s: Callable[[int], float], max_wait: float | None
+    ) -> tuple[int, float]:
         """(queue to run, now) or (-1, when to look again; inf when all are empty)."""
+
         def launch_at(j: int) -> float:
             q = self.queues[j]
             by_deadline = min(r.deadline for r in q) - reserve_s(j)
@@ -109,6 +112,14 @@ class FusionQueues:
         return total / len(self.stats)
 
     def snapshot(self) -> list[dict]:
-        return [{"firstBlock": self.first + j, "queued": len(q), "batches": st.batches, "rows": st.rows,
-                 "meanBatch": round(st.rows / st.batches, 3) if st.batches else 0.0, "survival": round(st.survival, 4)}
-                for j, (q, st) in enumerate(zip(self.queues, self.stats))]
+        return [
+            {
+                "firstBlock": self.first + j,
+                "queued": len(q),
+                "batches": st.batches,
+                "rows": st.rows,
+                "meanBatch": round(st.rows / st.batches, 3) if st.batches else 0.0,
+                "survival": round(st.survival, 4),
+            }
+            for j, (q, st) in enumerate(zip(self.queues, self.stats))
+        ]

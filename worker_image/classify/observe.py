@@ -58,7 +58,9 @@ class WindowStats:
             self.samples[ramp_index] += 1
             self.agree[ramp_index] += agrees
 
-    def agreement_summary(self, saving_ms: np.ndarray, cost_ms: np.ndarray, thresholds: dict[str, float]) -> tuple[list[RampAgreement], float, float, float]:
+    def agreement_summary(
+        self, saving_ms: np.ndarray, cost_ms: np.ndarray, thresholds: dict[str, float]
+    ) -> tuple[list[RampAgreement], float, float, float]:
         """Per-ramp agreement with Wilson intervals and utility, plus the overall estimate and its interval."""
         total = int(self.exit_counts.sum())
         reached = total - np.concatenate([[0], np.cumsum(self.exit_counts[:-1])])
@@ -66,7 +68,7 @@ class WindowStats:
         overall = low = high = 1.0
         if total:
             overall, low, high = 1.0, 1.0, 1.0
-            for r, name in enumerate(self.ramps):
+            for r in range(len(self.ramps)):
                 share = self.exit_counts[r] / total
                 p, lo, hi = wilson(int(self.agree[r]), int(self.samples[r]))
                 overall -= share * (1 - p)
@@ -77,34 +79,67 @@ class WindowStats:
             active = thresholds.get(name, 2.0) <= 1.0
             saved = self.exit_counts[r] * (saving_ms[r] if r < len(saving_ms) else 0.0)
             added = (reached[r] - self.exit_counts[r]) * (cost_ms[r] if r < len(cost_ms) and active else 0.0)
-            per_ramp.append(RampAgreement(ramp=name, samples=int(self.samples[r]), agree=int(self.agree[r]), ci_low=lo, ci_high=hi,
-                                          utility_ms=float((saved - added) / total) if total else 0.0))
+            per_ramp.append(
+                RampAgreement(
+                    ramp=name,
+                    samples=int(self.samples[r]),
+                    agree=int(self.agree[r]),
+                    ci_low=lo,
+                    ci_high=hi,
+                    utility_ms=float((saved - added) / total) if total else 0.0,
+                )
+            )
         return per_ramp, float(overall), float(low), float(high)
 
-    def observations(self, until: float, load: dict[str, float], thresholds: dict[str, float], plan_hash: str,
-                     saving_ms: np.ndarray | None = None, cost_ms: np.ndarray | None = None) -> Observations:
+    def observations(
+        self,
+        until: float,
+        load: dict[str, float],
+        thresholds: dict[str, float],
+        plan_hash: str,
+        saving_ms: np.ndarray | None = None,
+        cost_ms: np.ndarray | None = None,
+    ) -> Observations:
         total = max(int(self.exit_counts.sum()), 1)
         survival = (1.0 - np.cumsum(self.exit_counts[:-1]) / total).tolist() if self.answered else []
         lat = np.asarray(self.latencies) * 1000.0
         latency = (
             LatencySummary(
-                p50_ms=float(np.percentile(lat, 50)), p95_ms=float(np.percentile(lat, 95)),
-                p99_ms=float(np.percentile(lat, 99)), max_ms=float(lat.max()),
+                p50_ms=float(np.percentile(lat, 50)),
+                p95_ms=float(np.percentile(lat, 95)),
+                p99_ms=float(np.percentile(lat, 99)),
+                max_ms=float(lat.max()),
             )
-            if lat.size else LatencySummary()
+            if lat.size
+            else LatencySummary()
         )
         zeros = np.zeros(len(self.ramps))
         per_ramp, overall, low, high = self.agreement_summary(
-            zeros if saving_ms is None else saving_ms, zeros if cost_ms is None else cost_ms, thresholds)
+            zeros if saving_ms is None else saving_ms, zeros if cost_ms is None else cost_ms, thresholds
+        )
         known = set(ErrorCounts.model_fields)
         errors = ErrorCounts(**{k: v for k, v in self.errors.items() if k in known})
         return Observations(
-            service=self.service, model=self.model, since=self.since, until=until, requests=self.answered,
-            within_slo=self.within_slo, errors=errors, ramps=list(self.ramps), exit_counts=self.exit_counts.tolist(),
-            survival=survival, length_buckets=list(self.buckets), length_histogram=self.length_counts.tolist(),
-            latency=latency, load=load,
-            agreement=per_ramp, agreement_overall=overall, agreement_ci_low=low, agreement_ci_high=high,
-            thresholds=dict(thresholds), plan_hash=plan_hash,
+            service=self.service,
+            model=self.model,
+            since=self.since,
+            until=until,
+            requests=self.answered,
+            within_slo=self.within_slo,
+            errors=errors,
+            ramps=list(self.ramps),
+            exit_counts=self.exit_counts.tolist(),
+            survival=survival,
+            length_buckets=list(self.buckets),
+            length_histogram=self.length_counts.tolist(),
+            latency=latency,
+            load=load,
+            agreement=per_ramp,
+            agreement_overall=overall,
+            agreement_ci_low=low,
+            agreement_ci_high=high,
+            thresholds=dict(thresholds),
+            plan_hash=plan_hash,
         )
 
 
@@ -156,5 +191,12 @@ class FeedbackRing:
         if last is not None:
             conf, pred, final = conf[-last:], pred[-last:], final[-last:]
         buf = io.BytesIO()
-        np.savez(buf, conf=conf, pred=pred, final=final, saving_ms=np.asarray(saving_ms, np.float64), cost_ms=np.asarray(cost_ms, np.float64))
+        np.savez(
+            buf,
+            conf=conf,
+            pred=pred,
+            final=final,
+            saving_ms=np.asarray(saving_ms, np.float64),
+            cost_ms=np.asarray(cost_ms, np.float64),
+        )
         return buf.getvalue()

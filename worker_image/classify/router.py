@@ -33,7 +33,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Plan
 from exitplan.planner.dispatch import QueueParams
-
 from exitplan.worker import protocol
 from exitplan.worker.bundle_runtime import softmax
 from exitplan.worker.classify.admission import Admission, Admitted, Refusal
@@ -182,7 +181,9 @@ class Router:
 
     def apply_plan(self, plan: Plan) -> None:
         if plan.buckets != self.buckets:
-            log.warning("the new plan changes buckets %s -> %s; the router takes them on restart", self.buckets, plan.buckets)
+            log.warning(
+                "the new plan changes buckets %s -> %s; the router takes them on restart", self.buckets, plan.buckets
+            )
         self.plan = plan
         if plan.thresholds != self.thresholds:
             self.thresholds = dict(plan.thresholds)
@@ -199,7 +200,9 @@ class Router:
         while True:
             await asyncio.sleep(tick)
             for b, load in enumerate(self.admission.loads()):
-                self.metrics.bucket_load.labels(self.plan.service, str(self.buckets[b])).set(load if math.isfinite(load) else -1.0)
+                self.metrics.bucket_load.labels(self.plan.service, str(self.buckets[b])).set(
+                    load if math.isfinite(load) else -1.0
+                )
 
     async def _window_loop(self) -> None:
         while True:
@@ -216,8 +219,12 @@ class Router:
     def _snapshot(self, now: float):
         loads = self.admission.loads()
         return self.window.observations(
-            now, {str(b): (l if math.isfinite(l) else -1.0) for b, l in zip(self.buckets, loads)}, self.thresholds,
-            self.plan.content_hash(), self.saving_ms, self.cost_ms,
+            now,
+            {str(b): (load if math.isfinite(load) else -1.0) for b, load in zip(self.buckets, loads)},
+            self.thresholds,
+            self.plan.content_hash(),
+            self.saving_ms,
+            self.cost_ms,
         )
 
     # ------------------------------------------------------------------ inference
@@ -231,8 +238,15 @@ class Router:
         if isinstance(verdict, Refusal):
             return self._refuse(verdict, batch.n)
         started = time.time()
-        call = InferCall(batch, started, started + self.slo_s, started + self.timeout_s, [NO_ANSWER] * batch.n,
-                         np.zeros((batch.n, len(self.manifest.labels)), dtype=np.float32), [])
+        call = InferCall(
+            batch,
+            started,
+            started + self.slo_s,
+            started + self.timeout_s,
+            [NO_ANSWER] * batch.n,
+            np.zeros((batch.n, len(self.manifest.labels)), dtype=np.float32),
+            [],
+        )
         inflight = self._child(self.metrics.inflight)
         inflight.set(self.admission.inflight)
         try:
@@ -248,7 +262,9 @@ class Router:
         if name != self.model:
             return _error(404, f"unknown model {name!r}; this router serves {self.model!r}")
         if request.content_length is not None and request.content_length > self.max_body_bytes:
-            return _error(413, f"request body of {request.content_length} bytes is over the limit of {self.max_body_bytes}")
+            return _error(
+                413, f"request body of {request.content_length} bytes is over the limit of {self.max_body_bytes}"
+            )
         try:
             raw = await request.content.read(self.max_body_bytes + 1)
             if len(raw) > self.max_body_bytes:
@@ -283,7 +299,7 @@ class Router:
     async def _dispatch_all(self, call: InferCall, admitted: Admitted) -> None:
         groups = admitted.groups()
         if len(groups) == 1:  # the common case: no task to schedule
-            (b, rows), = groups.items()
+            ((b, rows),) = groups.items()
             await self._dispatch(call, b, rows)
         else:
             await asyncio.gather(*(self._dispatch(call, b, rows) for b, rows in groups.items()))
@@ -306,8 +322,9 @@ class Router:
         items = self._items(call, len(rows))
         tensors = call.batch.state_for(rows, bucket)
         try:
-            answer, out, _ = await send(self.hop, self.peers, bucket=bucket, split=0, items=items, tensors=tensors,
-                                        timeout_at=call.timeout_at)
+            answer, out, _ = await send(
+                self.hop, self.peers, bucket=bucket, split=0, items=items, tensors=tensors, timeout_at=call.timeout_at
+            )
         except NoPeer as err:
             for i in rows:
                 call.outcomes[i] = Outcome(error=str(err), reason="worker", status=503)
@@ -315,14 +332,17 @@ class Router:
         except HopFailed as err:
             late = time.time() >= call.timeout_at
             for i in rows:
-                call.outcomes[i] = Outcome(error=str(err), reason="deadline" if late else "worker", status=504 if late else 502)
+                call.outcomes[i] = Outcome(
+                    error=str(err), reason="deadline" if late else "worker", status=504 if late else 502
+                )
             return
         finally:
             self.admission.answered(b, len(rows), time.time() - call.started, time.time())
         self._take_answer(call, rows, items, answer, out.get("logits"))
 
-    def _take_answer(self, call: InferCall, rows: list[int], items: list[HopItem], answer: HopAnswer,
-                     logits: np.ndarray | None) -> None:
+    def _take_answer(
+        self, call: InferCall, rows: list[int], items: list[HopItem], answer: HopAnswer, logits: np.ndarray | None
+    ) -> None:
         call.compute_ms.append(answer.compute_ms)
         by_id = {item.id: (i, item) for item, i in zip(items, rows)}
         answered_k, answered_i = [], []
@@ -386,8 +406,14 @@ class Router:
         # that carried these inputs (the slowest, when they went to several buckets); what the path
         # adds over the model is the client's latency minus split0.
         timing = f"router;dur={latency * 1000:.3f}, split0;dur={max(call.compute_ms, default=0.0):.3f}"
-        body = protocol.infer_response(self.model, request.headers.get("X-Request-Id", ""), labels, call.scores,
-                                       [r.ramp for r in call.outcomes], latency)
+        body = protocol.infer_response(
+            self.model,
+            request.headers.get("X-Request-Id", ""),
+            labels,
+            call.scores,
+            [r.ramp for r in call.outcomes],
+            latency,
+        )
         return protocol.orjson_response(body, headers={"Server-Timing": timing})
 
     # ------------------------------------------------------------------ feedback and control
@@ -416,17 +442,22 @@ class Router:
             new = {str(k): float(v) for k, v in body["thresholds"].items()}
             reason = str(body.get("reason", "api"))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
-            return _error(400, f"bad thresholds: {err}; send {{\"thresholds\": {{ramp: value}}, \"reason\": ...}}")
+            return _error(400, f'bad thresholds: {err}; send {{"thresholds": {{ramp: value}}, "reason": ...}}')
         unknown = sorted(set(new) - {r.name for r in self.manifest.ramps})
         if unknown or any(not math.isfinite(v) for v in new.values()):
-            return _error(400, f"thresholds must be finite numbers for the bundle's ramps {self.exit_ramps}; got unknown {unknown}")
+            return _error(
+                400,
+                f"thresholds must be finite numbers for the bundle's ramps {self.exit_ramps}; got unknown {unknown}",
+            )
         await self.push_thresholds(new, reason)
         return web.json_response({"thresholds": self.thresholds})
 
     async def push_thresholds(self, new: dict[str, float], reason: str) -> None:
         """Apply new thresholds here and on every split-0 pod (which forward them down the chain)."""
         assert self.session is not None
-        clients = [ControlClient(p.url, session=self.session, timeout_s=5.0) for p in self.peers.peers.values() if p.ready]
+        clients = [
+            ControlClient(p.url, session=self.session, timeout_s=5.0) for p in self.peers.peers.values() if p.ready
+        ]
         results = await asyncio.gather(*(c.push_thresholds(new, reason) for c in clients), return_exceptions=True)
         for r in results:
             if isinstance(r, Exception):
@@ -455,8 +486,15 @@ class Router:
     async def handle_model(self, request: web.Request) -> web.Response:
         if request.match_info["name"] != self.model:
             return _error(404, f"unknown model {request.match_info['name']!r}; this router serves {self.model!r}")
-        parameters = {"labels": self.manifest.labels, "buckets": self.buckets, "ramps": self.exit_ramps, "thresholds": self.thresholds}
-        return web.json_response(protocol.classifier_metadata(self.manifest, self.model, self.plan.content_hash(), parameters))
+        parameters = {
+            "labels": self.manifest.labels,
+            "buckets": self.buckets,
+            "ramps": self.exit_ramps,
+            "thresholds": self.thresholds,
+        }
+        return web.json_response(
+            protocol.classifier_metadata(self.manifest, self.model, self.plan.content_hash(), parameters)
+        )
 
     async def handle_model_ready(self, request: web.Request) -> web.Response:
         if request.match_info["name"] != self.model:
@@ -504,21 +542,23 @@ class Router:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes + 1024)
-        app.add_routes([
-            web.post("/v2/models/{name}/infer", self.handle_infer),
-            web.get("/v2/models/{name}", self.handle_model),
-            web.get("/v2/models/{name}/ready", self.handle_model_ready),
-            web.get("/v2", self.handle_server),
-            web.get("/v2/health/live", self.handle_live),
-            web.get("/v2/health/ready", self.handle_ready),
-            web.get("/metrics", self.handle_metrics),
-            web.get("/v1/observations", self.handle_observations),
-            web.get("/v1/window.npz", self.handle_window),
-            web.get("/v1/thresholds", self.handle_thresholds_get),
-            web.post("/v1/thresholds", self.handle_thresholds_post),
-            web.get("/v1/peers", self.handle_peers),
-            web.post("/v1/feedback", self.handle_feedback),
-        ])
+        app.add_routes(
+            [
+                web.post("/v2/models/{name}/infer", self.handle_infer),
+                web.get("/v2/models/{name}", self.handle_model),
+                web.get("/v2/models/{name}/ready", self.handle_model_ready),
+                web.get("/v2", self.handle_server),
+                web.get("/v2/health/live", self.handle_live),
+                web.get("/v2/health/ready", self.handle_ready),
+                web.get("/metrics", self.handle_metrics),
+                web.get("/v1/observations", self.handle_observations),
+                web.get("/v1/window.npz", self.handle_window),
+                web.get("/v1/thresholds", self.handle_thresholds_get),
+                web.post("/v1/thresholds", self.handle_thresholds_post),
+                web.get("/v1/peers", self.handle_peers),
+                web.post("/v1/feedback", self.handle_feedback),
+            ]
+        )
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app

@@ -33,7 +33,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from exitplan.api.plan import Plan
-
 from exitplan.worker import wire
 from exitplan.worker.bundle_runtime import BundleRuntime, StateError
 from exitplan.worker.classify.executor import execute
@@ -67,7 +66,17 @@ timeouts, the kubelet's default included) and arriving frames wait at most this 
 class Pending:
     """One incoming frame: answered when every row has a result or an error."""
 
-    __slots__ = ("items", "tensors", "results", "logits", "remaining", "future", "service_ms", "expected_ms", "compute_ms")
+    __slots__ = (
+        "items",
+        "tensors",
+        "results",
+        "logits",
+        "remaining",
+        "future",
+        "service_ms",
+        "expected_ms",
+        "compute_ms",
+    )
 
     def __init__(self, items: Sequence[HopItem], n_labels: int, tensors: dict[str, np.ndarray] | None = None) -> None:
         self.items = items
@@ -97,7 +106,9 @@ class Pending:
 
     def reply(self) -> HopAnswer:
         """The frame's answer (once every row has its result)."""
-        results = [r if r is not None else HopResult.failure(item.id, "no answer") for r, item in zip(self.results, self.items)]
+        results = [
+            r if r is not None else HopResult.failure(item.id, "no answer") for r, item in zip(self.results, self.items)
+        ]
         return HopAnswer(results, self.service_ms, self.expected_ms, self.compute_ms)
 
 
@@ -144,15 +155,24 @@ class SplitWorker:
         self.split, self.bucket, self.pool = split, bucket, pool
         sp = self.plan.splits[split]
         self.runtime = BundleRuntime(
-            bundle, first_block=sp.first_block, last_block=sp.last_block, buckets=[bucket], providers=providers, threads=threads
+            bundle,
+            first_block=sp.first_block,
+            last_block=sp.last_block,
+            buckets=[bucket],
+            providers=providers,
+            threads=threads,
         )
         manifest = self.runtime.manifest
         self.n_labels = len(manifest.labels)
         self.exit_ramps = [r.name for r in manifest.exit_ramps()]
-        self.input_names = [t.name for t in manifest.inputs] if sp.first_block == 0 else manifest.live_after(sp.first_block - 1)
+        self.input_names = (
+            [t.name for t in manifest.inputs] if sp.first_block == 0 else manifest.live_after(sp.first_block - 1)
+        )
         self.is_last = self.runtime.ends_model
         if not self.is_last and not next_peers:
-            raise ValueError(f"split {split} is not the last split of the plan: give --next host:port of split {split + 1}")
+            raise ValueError(
+                f"split {split} is not the last split of the plan: give --next host:port of split {split + 1}"
+            )
         self.next = PeerSet(parse_peer_spec(next_peers)) if not self.is_last else None
         self.batch_size = self._planned_batch(self.plan)
         self.thresholds = dict(self.plan.thresholds)
@@ -199,7 +219,9 @@ class SplitWorker:
         known = {r.name for r in self.runtime.manifest.ramps}
         unknown = sorted(set(thresholds) - known)
         if unknown:
-            raise ValueError(f"thresholds name ramps the bundle does not have: {unknown}; its ramps are {sorted(known)}")
+            raise ValueError(
+                f"thresholds name ramps the bundle does not have: {unknown}; its ramps are {sorted(known)}"
+            )
         if dict(thresholds) != self.thresholds:
             log.info("thresholds %s -> %s (%s)", self.thresholds, dict(thresholds), reason)
             self.thresholds = {k: float(v) for k, v in thresholds.items()}
@@ -213,10 +235,18 @@ class SplitWorker:
 
         first = self.runtime.manifest.blocks[self.runtime.first_block]
         session = ort.InferenceSession(str(self.runtime.directory / first.file), providers=["CPUExecutionProvider"])
-        types = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64, "tensor(int32)": np.int32}
+        types = {
+            "tensor(float)": np.float32,
+            "tensor(float16)": np.float16,
+            "tensor(int64)": np.int64,
+            "tensor(int32)": np.int32,
+        }
         state = {}
         for spec in session.get_inputs():
-            dims = [n if d == "batch" else self.bucket if d == "seq" else (d if isinstance(d, int) else 1) for d in spec.shape]
+            dims = [
+                n if d == "batch" else self.bucket if d == "seq" else (d if isinstance(d, int) else 1)
+                for d in spec.shape
+            ]
             state[spec.name] = (np.ones if "mask" in spec.name else np.zeros)(dims, dtype=types[spec.type])
         return state
 
@@ -281,7 +311,9 @@ class SplitWorker:
         self.metrics.queued.set(self.stages.held())
         self.wakeup.set()
         await pending.future
-        return web.Response(body=wire.encode(pending.reply().to_meta(), {"logits": pending.logits}), content_type=wire.CONTENT_TYPE)
+        return web.Response(
+            body=wire.encode(pending.reply().to_meta(), {"logits": pending.logits}), content_type=wire.CONTENT_TYPE
+        )
 
     def _check_tensors(self, tensors: dict[str, np.ndarray], n: int) -> None:
         """Raise ValueError unless the frame holds this split's inputs, n rows each, padded to this bucket."""
@@ -292,18 +324,33 @@ class SplitWorker:
             if t.shape[0] != n:
                 raise ValueError(f"tensor {name!r} has {t.shape[0]} rows for {n} items")
             if self.runtime.is_sequence_model and (t.ndim < 2 or t.shape[1] != self.bucket):
-                raise ValueError(f"tensor {name!r} shape {list(t.shape)}: axis 1 must be this bucket's length {self.bucket}")
+                raise ValueError(
+                    f"tensor {name!r} shape {list(t.shape)}: axis 1 must be this bucket's length {self.bucket}"
+                )
 
     async def handle_info(self, _: web.Request) -> web.Response:
-        return web.json_response({
-            "service": self.plan.service, "model": self.plan.model, "split": self.split, "bucket": self.bucket,
-            "pool": self.pool, "batchSize": self.batch_size, "ready": self.ready,
-            "firstBlock": self.runtime.first_block, "lastBlock": self.runtime.last_block,
-            "queued": self.stages.held(), "served": self.served, "thresholds": self.thresholds,
-            "rebatch": self.stages.rebatch, "stages": self.stages.snapshot(),
-            "capacity": round(self.capacity(), 3), "survival": round(self.survival, 4),
-            "planHash": self.plan.content_hash(), "expectedMs": {"a": self.fit[0], "b": self.fit[1]},
-        })
+        return web.json_response(
+            {
+                "service": self.plan.service,
+                "model": self.plan.model,
+                "split": self.split,
+                "bucket": self.bucket,
+                "pool": self.pool,
+                "batchSize": self.batch_size,
+                "ready": self.ready,
+                "firstBlock": self.runtime.first_block,
+                "lastBlock": self.runtime.last_block,
+                "queued": self.stages.held(),
+                "served": self.served,
+                "thresholds": self.thresholds,
+                "rebatch": self.stages.rebatch,
+                "stages": self.stages.snapshot(),
+                "capacity": round(self.capacity(), 3),
+                "survival": round(self.survival, 4),
+                "planHash": self.plan.content_hash(),
+                "expectedMs": {"a": self.fit[0], "b": self.fit[1]},
+            }
+        )
 
     async def handle_peers(self, _: web.Request) -> web.Response:
         return web.json_response(self.next.snapshot() if self.next else [])
@@ -328,7 +375,9 @@ class SplitWorker:
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             return web.Response(status=400, text=f"bad thresholds: {err}")
         if self.next and self.session:  # on down the chain
-            clients = [ControlClient(p.url, session=self.session, timeout_s=2.0) for p in self.next.peers.values() if p.ready]
+            clients = [
+                ControlClient(p.url, session=self.session, timeout_s=2.0) for p in self.next.peers.values() if p.ready
+            ]
             await asyncio.gather(*(c.push_thresholds(thresholds, reason) for c in clients), return_exceptions=True)
         return web.json_response({"thresholds": self.thresholds})
 
@@ -352,8 +401,10 @@ class SplitWorker:
             if j < 0:
                 self.wakeup.clear()
                 try:
-                    await asyncio.wait_for(self.wakeup.wait(), None if at == float("inf") else max(at - time.time(), 0.0))
-                except asyncio.TimeoutError:
+                    await asyncio.wait_for(
+                        self.wakeup.wait(), None if at == float("inf") else max(at - time.time(), 0.0)
+                    )
+                except TimeoutError:
                     pass
                 continue
             batch = self.stages.take(j, self.batch_size)
@@ -384,11 +435,23 @@ class SplitWorker:
         expected = self.expected_ms(len(batch)) * fraction
         t0 = time.perf_counter()
         try:
-            if expected <= INLINE_BATCH_MS or (expected <= INLINE_IDLE_MAX_MS and self.stages.held() == 0 and self.forwarding == 0):
+            if expected <= INLINE_BATCH_MS or (
+                expected <= INLINE_IDLE_MAX_MS and self.stages.held() == 0 and self.forwarding == 0
+            ):
                 outcome = execute(self.runtime, state, self.bucket, thresholds, answered, recorded, first, last)
             else:
-                outcome = await loop.run_in_executor(self.pool_exec, execute, self.runtime, state, self.bucket, thresholds, answered,
-                                                     recorded, first, last)
+                outcome = await loop.run_in_executor(
+                    self.pool_exec,
+                    execute,
+                    self.runtime,
+                    state,
+                    self.bucket,
+                    thresholds,
+                    answered,
+                    recorded,
+                    first,
+                    last,
+                )
         except StateError as err:
             for row in batch:
                 row.pending.fail(row.index, f"split {self.split} cannot run this input: {err}")
@@ -446,8 +509,13 @@ class SplitWorker:
         self.metrics.forward_bytes.inc(sum(v.nbytes for v in state.values()))
         try:
             answer, tensors, _ = await send(
-                self.hop, self.next, bucket=self.bucket, split=self.split + 1, items=items,
-                tensors=state, timeout_at=max(r.timeout for r in rows),
+                self.hop,
+                self.next,
+                bucket=self.bucket,
+                split=self.split + 1,
+                items=items,
+                tensors=state,
+                timeout_at=max(r.timeout for r in rows),
             )
         except (NoPeer, HopFailed) as err:
             self.metrics.forward_errors.inc()
@@ -475,20 +543,25 @@ class SplitWorker:
             target, rec = row.item.reply_to, row.rec
             if not target or rec is None or rec.final is None:
                 continue
-            by_target.setdefault(target, []).append({
-                "id": row.item.id, "final": rec.final,
-                "conf": [rec.conf.get(r) for r in self.exit_ramps],
-                "pred": [rec.pred.get(r) for r in self.exit_ramps],
-            })
+            by_target.setdefault(target, []).append(
+                {
+                    "id": row.item.id,
+                    "final": rec.final,
+                    "conf": [rec.conf.get(r) for r in self.exit_ramps],
+                    "pred": [rec.pred.get(r) for r in self.exit_ramps],
+                }
+            )
         for target, samples in by_target.items():
             asyncio.create_task(self._post_feedback(target, samples))
 
     async def _post_feedback(self, target: str, samples: list[dict]) -> None:
         assert self.session is not None
         try:
-            async with self.session.post(f"http://{target}/v1/feedback", json={"samples": samples}, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with self.session.post(
+                f"http://{target}/v1/feedback", json={"samples": samples}, timeout=aiohttp.ClientTimeout(total=5)
+            ) as resp:
                 resp.raise_for_status()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             log.warning("feedback to %s lost (%s): %d samples", target, err, len(samples))
 
     # ------------------------------------------------------------------ lifecycle
@@ -519,15 +592,17 @@ class SplitWorker:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 << 20)
-        app.add_routes([
-            web.post("/v1/run", self.handle_run),
-            web.get("/v1/info", self.handle_info),
-            web.get("/v1/peers", self.handle_peers),
-            web.get("/v2/health/live", self.handle_live),
-            web.get("/v2/health/ready", self.handle_ready),
-            web.get("/metrics", self.handle_metrics),
-            web.post("/v1/thresholds", self.handle_thresholds),
-        ])
+        app.add_routes(
+            [
+                web.post("/v1/run", self.handle_run),
+                web.get("/v1/info", self.handle_info),
+                web.get("/v1/peers", self.handle_peers),
+                web.get("/v2/health/live", self.handle_live),
+                web.get("/v2/health/ready", self.handle_ready),
+                web.get("/metrics", self.handle_metrics),
+                web.post("/v1/thresholds", self.handle_thresholds),
+            ]
+        )
         if os.environ.get(FAULTS_ENV) == "1":
             app.router.add_post("/v1/faults", self.handle_faults)
         app.on_startup.append(self._startup)

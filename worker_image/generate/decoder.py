@@ -17,12 +17,11 @@ Only numpy, onnxruntime and exitplan.api here: this module runs inside worker po
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import codecs
 import itertools
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ class GenerationError(ValueError):
 
 # ------------------------------------------------------------------------------------ tokenizer
 
+
 class TextCodec:
     """Text <-> token ids as the bundle declares: `bytes` (UTF-8 bytes + specials) or a tokenizers file."""
 
@@ -54,13 +54,19 @@ class TextCodec:
         self._tokenizer = None
         if self.kind == "tokenizers":
             if not manifest.tokenizer:
-                raise BundleError(f"{directory}/bundle.yaml: decoder.tokenizer is 'tokenizers' but no tokenizer file is named")
+                raise BundleError(
+                    f"{directory}/bundle.yaml: decoder.tokenizer is 'tokenizers' but no tokenizer file is named"
+                )
             from tokenizers import Tokenizer
 
             self._tokenizer = Tokenizer.from_file(str(directory / manifest.tokenizer))
 
     def encode(self, text: str) -> list[int]:
-        ids = list(text.encode("utf-8")) if self._tokenizer is None else self._tokenizer.encode(text, add_special_tokens=False).ids
+        ids = (
+            list(text.encode("utf-8"))
+            if self._tokenizer is None
+            else self._tokenizer.encode(text, add_special_tokens=False).ids
+        )
         return ([self.bos] if self.bos is not None else []) + ids
 
     def stream(self) -> StreamDecoder:
@@ -88,6 +94,7 @@ class StreamDecoder:
 
 
 # ------------------------------------------------------------------------------------ the model
+
 
 @dataclass
 class FullForward:
@@ -118,7 +125,9 @@ class DecoderModel:
         self.first_block = first_block
         self.last_block = n - 1 if last_block is None else last_block
         if not 0 <= first_block <= self.last_block < n:
-            raise BundleError(f"{self.directory}: block range [{first_block}, {self.last_block}] is not inside 0..{n - 1}")
+            raise BundleError(
+                f"{self.directory}: block range [{first_block}, {self.last_block}] is not inside 0..{n - 1}"
+            )
         self.n_blocks = n
         self.providers = tuple(providers)
         self.codec = TextCodec(self.directory, self.manifest)
@@ -145,16 +154,22 @@ class DecoderModel:
             raise BundleError(f"{where}: not a generative bundle (needs task: text-generation and a decoder section)")
         spec = m.decoder
         if len(spec.cache) != len(m.blocks) or [c.block for c in spec.cache] != list(range(len(m.blocks))):
-            raise BundleError(f"{where}: decoder.cache needs one entry per block, in block order (blocks 0..{len(m.blocks) - 1})")
+            raise BundleError(
+                f"{where}: decoder.cache needs one entry per block, in block order (blocks 0..{len(m.blocks) - 1})"
+            )
         if len(m.labels) != spec.vocab_size:
             raise BundleError(f"{where}: {len(m.labels)} labels but decoder.vocab_size is {spec.vocab_size}")
         for i, (block, kv) in enumerate(zip(m.blocks, spec.cache)):
             extra_in = [name for name in block.inputs if name not in (kv.past_key, kv.past_value)]
             expected = [spec.token_input, spec.position_input] if i == 0 else [m.blocks[i - 1].outputs[0]]
             if sorted(extra_in) != sorted(expected) or len(block.inputs) != len(expected) + 2:
-                raise BundleError(f"{where}: block {block.name!r} must read {expected} plus {kv.past_key!r}, {kv.past_value!r}; it reads {block.inputs}")
+                raise BundleError(
+                    f"{where}: block {block.name!r} must read {expected} plus {kv.past_key!r}, {kv.past_value!r}; it reads {block.inputs}"
+                )
             if block.outputs[1:] != [kv.present_key, kv.present_value]:
-                raise BundleError(f"{where}: block {block.name!r} must write [hidden, {kv.present_key!r}, {kv.present_value!r}]; it writes {block.outputs}")
+                raise BundleError(
+                    f"{where}: block {block.name!r} must write [hidden, {kv.present_key!r}, {kv.present_value!r}]; it writes {block.outputs}"
+                )
         for ramp in m.ramps:
             if ramp.inputs != [m.blocks[ramp.after].outputs[0]]:
                 raise BundleError(f"{where}: head {ramp.name!r} must read only the hidden output of block {ramp.after}")
@@ -169,7 +184,9 @@ class DecoderModel:
         got_in = sorted(i.name for i in session.get_inputs())
         got_out = sorted(o.name for o in session.get_outputs())
         if got_in != sorted(inputs) or got_out != sorted(outputs):
-            raise BundleError(f"{path}: {what} has inputs {got_in} and outputs {got_out}; bundle.yaml names {inputs} -> {outputs}")
+            raise BundleError(
+                f"{path}: {what} has inputs {got_in} and outputs {got_out}; bundle.yaml names {inputs} -> {outputs}"
+            )
         return session
 
     # -------------------------------------------------------------------------------- running
@@ -227,9 +244,9 @@ def confidence(logits: np.ndarray) -> tuple[int, float]:
     return token, float(shifted[token] / shifted.sum())
 
 
-
-def forward_stage(model: DecoderModel, keys: list, values: list, x: np.ndarray, start: int, threshold: float,
-                  decide: bool, where: str) -> tuple[np.ndarray, tuple[int, int, str, float, bool] | None]:
+def forward_stage(
+    model: DecoderModel, keys: list, values: list, x: np.ndarray, start: int, threshold: float, decide: bool, where: str
+) -> tuple[np.ndarray, tuple[int, int, str, float, bool] | None]:
     """Run a stage's blocks (model.first_block..last_block) on `x` at position `start`, appending to the
     stage's `keys`/`values` (one per block, in place). While `decide`, the first head that is final or
     confident enough gives the decision (token, block, head, confidence, final); the blocks after it still
@@ -249,7 +266,9 @@ def forward_stage(model: DecoderModel, keys: list, values: list, x: np.ndarray, 
                 decide = False  # exited: the rest of the forward only fills the cache
     return x, decision
 
+
 # ------------------------------------------------------------------------------------ requests
+
 
 @dataclass(frozen=True)
 class TokenEvent:
@@ -277,11 +296,20 @@ def check_request(model: DecoderModel, prompt: str, max_tokens: int, threshold: 
     ids = model.codec.encode(prompt)
     context = model.spec.max_context
     if len(ids) >= context:
-        raise GenerationError(f"the prompt is {len(ids)} tokens but the context holds {context}; shorten it to at most {context - 1} tokens")
+        raise GenerationError(
+            f"the prompt is {len(ids)} tokens but the context holds {context}; shorten it to at most {context - 1} tokens"
+        )
     room = context - len(ids)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= room:
-        raise GenerationError(f"max_tokens must be an integer in 1..{room} (context {context} minus the prompt's {len(ids)} tokens), got {max_tokens!r}")
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0.0 <= float(threshold) <= NEVER_EXIT or np.isnan(threshold):
+        raise GenerationError(
+            f"max_tokens must be an integer in 1..{room} (context {context} minus the prompt's {len(ids)} tokens), got {max_tokens!r}"
+        )
+    if (
+        isinstance(threshold, bool)
+        or not isinstance(threshold, int | float)
+        or not 0.0 <= float(threshold) <= NEVER_EXIT
+        or np.isnan(threshold)
+    ):
         raise GenerationError(f"threshold must be a number in 0..1 (1 never exits), got {threshold!r}")
     return ids
 
@@ -343,7 +371,9 @@ class EngineBase(ABC):
         elif len(handle.generated) >= handle.max_tokens:
             handle.finished, handle.finish_reason = True, "length"
 
-    def generate(self, prompt: str, max_tokens: int, threshold: float, ignore_eos: bool = False) -> Iterator[TokenEvent]:
+    def generate(
+        self, prompt: str, max_tokens: int, threshold: float, ignore_eos: bool = False
+    ) -> Iterator[TokenEvent]:
         """Tokens one by one; the cache is released when the generator ends or is closed."""
         handle = self.open(prompt, max_tokens, threshold, ignore_eos)
         try:
@@ -354,6 +384,7 @@ class EngineBase(ABC):
 
 
 # ------------------------------------------------------------------------------------ KV recomputation
+
 
 @dataclass
 class _Cache:
@@ -392,7 +423,9 @@ class RecomputeEngine(EngineBase):
     def open_ids(self, ids: list[int], max_tokens: int, threshold: float, ignore_eos: bool = False) -> GenerationHandle:
         """A sequence from token ids already checked (a stage server: the coordinator checked the request)."""
         if not ids or len(ids) + max_tokens > self.model.spec.max_context:
-            raise GenerationError(f"{len(ids)} prompt ids + {max_tokens} tokens do not fit the context of {self.model.spec.max_context}")
+            raise GenerationError(
+                f"{len(ids)} prompt ids + {max_tokens} tokens do not fit the context of {self.model.spec.max_context}"
+            )
         handle = GenerationHandle(list(ids), max_tokens, threshold, ignore_eos)
         empty = [self.model.empty_cache() for _ in range(self.model.n_blocks)]
         with self._lock:
@@ -433,8 +466,15 @@ class RecomputeEngine(EngineBase):
         head = self.model.ramp_after(block)
         assert head is not None and cache.decoder is not None
         return TokenEvent(
-            index=len(handle.generated) - 1, token_id=token, text=cache.decoder.feed(token), exit=head.name, block=block,
-            confidence=conf, recomputed=recomputed, full_pass=full or head.final, seconds=time.perf_counter() - started,
+            index=len(handle.generated) - 1,
+            token_id=token,
+            text=cache.decoder.feed(token),
+            exit=head.name,
+            block=block,
+            confidence=conf,
+            recomputed=recomputed,
+            full_pass=full or head.final,
+            seconds=time.perf_counter() - started,
         )
 
     def _forward(self, cache: _Cache, new: list[int], threshold: float, full: bool) -> tuple[int, int, float, int]:
@@ -450,7 +490,9 @@ class RecomputeEngine(EngineBase):
                 if kept is not None:
                     x = np.concatenate([kept, x], axis=1)
             assert x.shape[1] == end - first, "cache layout broken: positions out of order"
-            x, cache.keys[block], cache.values[block] = model.run_block(block, x, first, cache.keys[block], cache.values[block])
+            x, cache.keys[block], cache.values[block] = model.run_block(
+                block, x, first, cache.keys[block], cache.values[block]
+            )
             recomputed = max(recomputed, end - first - len(new))
             head = model.ramp_after(block)
             if head is None or not (head.final or (not full and threshold < NEVER_EXIT)):
@@ -465,7 +507,11 @@ class RecomputeEngine(EngineBase):
 
 
 def full_greedy(
-    model: DecoderModel, prompt_ids: Sequence[int], max_tokens: int, *, ignore_eos: bool = False,
+    model: DecoderModel,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    *,
+    ignore_eos: bool = False,
     step_seconds: list[float] | None = None,
 ) -> tuple[list[int], list[np.ndarray], list[np.ndarray]]:
     """Plain greedy decoding with a full KV cache (every token through every block, final head only).

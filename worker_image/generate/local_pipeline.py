@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 from exitplan.api.plan import even_ranges
-
 from exitplan.worker.generate.decoder import (
     NEVER_EXIT,
     DecoderModel,
@@ -91,7 +90,9 @@ class StageWorker:
         self.caches: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
         self._queue: queue.Queue[_Work | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name=f"stage-{model.first_block}-{model.last_block}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"stage-{model.first_block}-{model.last_block}", daemon=True
+        )
         self._thread.start()
 
     def submit(self, work: _Work) -> None:
@@ -125,8 +126,16 @@ class StageWorker:
     def _run(self, work: _Work) -> None:
         model = self.model
         keys, values = self.caches[work.seq.handle.id]
-        x, decision = forward_stage(model, keys, values, work.x, work.start, work.threshold, work.decide,
-                                    f"stage {model.first_block}-{model.last_block}")
+        x, decision = forward_stage(
+            model,
+            keys,
+            values,
+            work.x,
+            work.start,
+            work.threshold,
+            work.decide,
+            f"stage {model.first_block}-{model.last_block}",
+        )
         if decision is not None:
             work.seq.replies.put(_Decision(*decision))
         if self.next is not None:
@@ -149,12 +158,17 @@ class PipelineEngine(EngineBase):
         full = DecoderModel(directory, threads=threads)
         super().__init__(full)
         ranges = even_stages(full.n_blocks, splits) if isinstance(splits, int) else [tuple(r) for r in splits]
-        if not ranges or ranges[0][0] != 0 or ranges[-1][1] != full.n_blocks - 1 or any(
-            a[1] + 1 != b[0] for a, b in zip(ranges, ranges[1:])
+        if (
+            not ranges
+            or ranges[0][0] != 0
+            or ranges[-1][1] != full.n_blocks - 1
+            or any(a[1] + 1 != b[0] for a, b in zip(ranges, ranges[1:]))
         ):
             raise GenerationError(f"splits {ranges} must cover blocks 0..{full.n_blocks - 1} contiguously, in order")
         self.splits = ranges
-        self.stages = [StageWorker(DecoderModel(directory, first_block=a, last_block=b, threads=threads)) for a, b in ranges]
+        self.stages = [
+            StageWorker(DecoderModel(directory, first_block=a, last_block=b, threads=threads)) for a, b in ranges
+        ]
         for stage, nxt in zip(self.stages, self.stages[1:]):
             stage.next = nxt
         self._sequences: dict[int, _Sequence] = {}
@@ -218,6 +232,12 @@ class PipelineEngine(EngineBase):
             raise reply
         self._finish(handle, reply.token)
         return TokenEvent(
-            index=len(handle.generated) - 1, token_id=reply.token, text=seq.decoder.feed(reply.token), exit=reply.head,
-            block=reply.block, confidence=reply.confidence, full_pass=reply.final, seconds=time.perf_counter() - started,
+            index=len(handle.generated) - 1,
+            token_id=reply.token,
+            text=seq.decoder.feed(reply.token),
+            exit=reply.head,
+            block=reply.block,
+            confidence=reply.confidence,
+            full_pass=reply.final,
+            seconds=time.perf_counter() - started,
         )

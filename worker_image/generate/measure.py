@@ -50,14 +50,19 @@ def measure_recompute_ratio(model: DecoderModel, *, context: int = 64, repeats: 
     for block in range(model.first_block, model.last_block + 1):
         times = []
         for q in (1, 2):
-            x = (np.ones((1, q), dtype=np.int64) if block == 0
-                 else np.random.default_rng(q).standard_normal((1, q, spec.hidden_size)).astype(np.float32))
+            x = (
+                np.ones((1, q), dtype=np.int64)
+                if block == 0
+                else np.random.default_rng(q).standard_normal((1, q, spec.hidden_size)).astype(np.float32)
+            )
             times.append(_time(lambda: model.run_block(block, x, context, past, past), repeats))
         ratios.append((times[1] - times[0]) / times[0])
     return float(min(max(float(np.mean(ratios)), 0.0), 10.0))
 
 
-def measure_thresholds(model: DecoderModel, texts: Sequence[str], candidates: Sequence[float] = DEFAULT_CANDIDATES) -> list[dict]:
+def measure_thresholds(
+    model: DecoderModel, texts: Sequence[str], candidates: Sequence[float] = DEFAULT_CANDIDATES
+) -> list[dict]:
     """Per candidate threshold `{"threshold", "disagreement", "decide_share": {block: share}}`: the share of
     positions each head decides and how often the deciding head's token differs from the final head's."""
     if not texts:
@@ -95,15 +100,26 @@ def measure_thresholds(model: DecoderModel, texts: Sequence[str], candidates: Se
 
 
 def measure_profile(
-    model: DecoderModel, texts: Sequence[str], threshold: float, *, hop_ms: float = 0.0, context: int = 64, repeats: int = 50
+    model: DecoderModel,
+    texts: Sequence[str],
+    threshold: float,
+    *,
+    hop_ms: float = 0.0,
+    context: int = 64,
+    repeats: int = 50,
 ) -> dict:
     """`{"block_ms", "head_ms", "decide_share", "hop_ms"}`: block and head times for one token against a
     `context`-long cache, and the share of tokens each head decides at `threshold` (teacher forced on
     `texts`: the first head whose confidence reaches it)."""
     block_ms, head_ms = measure_times(model, context=context, repeats=repeats)
     (point,) = measure_thresholds(model, texts, [threshold])
-    return {"block_ms": block_ms, "head_ms": head_ms, "decide_share": point["decide_share"], "hop_ms": hop_ms,
-            "recompute_ratio": measure_recompute_ratio(model, context=context, repeats=repeats)}
+    return {
+        "block_ms": block_ms,
+        "head_ms": head_ms,
+        "decide_share": point["decide_share"],
+        "hop_ms": hop_ms,
+        "recompute_ratio": measure_recompute_ratio(model, context=context, repeats=repeats),
+    }
 
 
 _HOP_SERVER = """
@@ -133,12 +149,15 @@ def measure_hop(model: DecoderModel, *, repeats: int = 50) -> float:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-c", _HOP_SERVER, str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-c", _HOP_SERVER, str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     hidden = np.zeros((1, 1, model.spec.hidden_size), dtype=np.float32)
     frame = wire.encode({"seq": "x", "start": 0, "decide": True, "threshold": 1.0}, {"x": hidden})
 
     async def run() -> float:
         async with aiohttp.ClientSession() as session:
+
             async def once() -> None:
                 async with session.post(f"http://127.0.0.1:{port}/hop", data=frame) as r:
                     await r.read()

@@ -46,13 +46,27 @@ from aiohttp import web
 
 from exitplan.worker import wire
 from exitplan.worker.discovery import parse_peer_spec, resolve
-from exitplan.worker.generate.decoder import (NEVER_EXIT, DecoderModel, EngineBase, GenerationError, GenerationHandle, RecomputeEngine, TokenEvent,
-                         check_request, forward_stage)
+from exitplan.worker.generate.decoder import (
+    NEVER_EXIT,
+    DecoderModel,
+    EngineBase,
+    GenerationError,
+    GenerationHandle,
+    RecomputeEngine,
+    TokenEvent,
+    check_request,
+    forward_stage,
+)
 
 log = logging.getLogger(__name__)
 INLINE_SECONDS = 0.001
 """Work items expected to compute in less than this run on the stage's event loop, not in a thread."""
-RUN, RELEASE, CACHE, STATS = "/v1/generation/run", "/v1/generation/release", "/v1/generation/cache", "/v1/generation/stats"
+RUN, RELEASE, CACHE, STATS = (
+    "/v1/generation/run",
+    "/v1/generation/release",
+    "/v1/generation/cache",
+    "/v1/generation/stats",
+)
 
 
 @dataclass
@@ -137,7 +151,7 @@ class StageServer:
                 url = await self._next(again=True)
                 async with self._session.get(f"{url}/v2/health/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
                     ok = r.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError, GenerationError) as err:
+            except (TimeoutError, aiohttp.ClientError, GenerationError) as err:
                 ok, body["reason"] = False, f"next stage {self.next_spec}: {err or type(err).__name__}"
             if not ok:
                 body["ready"] = False
@@ -154,18 +168,28 @@ class StageServer:
     async def handle_run(self, request: web.Request) -> web.StreamResponse:
         try:
             meta, tensors = wire.decode(await request.read())
-            item = _Item("run", str(meta["seq"]), asyncio.get_running_loop().create_future(), int(meta["start"]),
-                         tensors["x"], bool(meta["decide"]), float(meta["threshold"]))
+            item = _Item(
+                "run",
+                str(meta["seq"]),
+                asyncio.get_running_loop().create_future(),
+                int(meta["start"]),
+                tensors["x"],
+                bool(meta["decide"]),
+                float(meta["threshold"]),
+            )
         except (wire.WireError, KeyError, TypeError, ValueError) as err:
             return web.json_response({"error": f"bad run frame: {err}"}, status=400)
         assert self._queue is not None
         if meta.get("reply") == "answer":  # the coordinator: one body with the decision (no queued line to wait for)
             await self._queue.put(item)
             try:
-                return web.Response(body=json.dumps({"decision": await item.done}).encode() + b"\n",
-                                    content_type="application/x-ndjson")
+                return web.Response(
+                    body=json.dumps({"decision": await item.done}).encode() + b"\n", content_type="application/x-ndjson"
+                )
             except Exception as err:
-                return web.Response(body=json.dumps({"error": str(err)}).encode() + b"\n", content_type="application/x-ndjson")
+                return web.Response(
+                    body=json.dumps({"error": str(err)}).encode() + b"\n", content_type="application/x-ndjson"
+                )
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
         assert self._queue is not None
@@ -246,11 +270,15 @@ class StageServer:
         n = model.last_block - first + 1
         if item.seq not in self.caches:
             if item.start != 0:
-                raise GenerationError(f"sequence {item.seq!r} has no cache on blocks {first}-{model.last_block} (released?)")
+                raise GenerationError(
+                    f"sequence {item.seq!r} has no cache on blocks {first}-{model.last_block} (released?)"
+                )
             self.caches[item.seq] = ([model.empty_cache()] * n, [model.empty_cache()] * n)
         keys, values = self.caches[item.seq]
         assert item.x is not None
-        x, decided = forward_stage(model, keys, values, item.x, item.start, item.threshold, item.decide, f"sequence {item.seq!r}")
+        x, decided = forward_stage(
+            model, keys, values, item.x, item.start, item.threshold, item.decide, f"sequence {item.seq!r}"
+        )
         if decided is None:
             return None, x, item.decide
         token, block, head, conf, final = decided
@@ -261,7 +289,9 @@ class StageServer:
         if nxt is None:
             return
         assert self._session is not None
-        frame = wire.encode({"seq": item.seq, "start": item.start, "decide": decide, "threshold": item.threshold}, {"x": x})
+        frame = wire.encode(
+            {"seq": item.seq, "start": item.start, "decide": decide, "threshold": item.threshold}, {"x": x}
+        )
         try:
             response = await self._session.post(nxt + RUN, data=frame, headers={"Content-Type": wire.CONTENT_TYPE})
         except aiohttp.ClientError as err:
@@ -318,12 +348,20 @@ class RecomputeStageServer(StageServer):
             self.handles[item.seq] = handle
             self.caches[item.seq] = self.engine.cache_lists(handle)
         elif item.start != len(handle.ids) - 1 or ids != handle.ids[-1:]:
-            raise GenerationError(f"sequence {item.seq!r}: expected the token at position {len(handle.ids) - 1}, "
-                                  f"got {len(ids)} at {item.start}")
+            raise GenerationError(
+                f"sequence {item.seq!r}: expected the token at position {len(handle.ids) - 1}, "
+                f"got {len(ids)} at {item.start}"
+            )
         handle.threshold = item.threshold
         event = self.engine.step(handle)
-        decision = {"token": event.token_id, "block": event.block, "head": event.exit, "confidence": event.confidence,
-                    "final": event.full_pass, "recomputed": event.recomputed}
+        decision = {
+            "token": event.token_id,
+            "block": event.block,
+            "head": event.exit,
+            "confidence": event.confidence,
+            "final": event.full_pass,
+            "recomputed": event.recomputed,
+        }
         return decision, item.x, False
 
 
@@ -398,7 +436,7 @@ class RemotePipelineEngine(EngineBase):
 
         try:
             self._call(release())
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:  # the stage is gone: so is its cache
+        except (TimeoutError, aiohttp.ClientError) as err:  # the stage is gone: so is its cache
             log.warning("releasing sequence %s on %s failed: %s", self._seq(handle), self.urls[0], err)
 
     def snapshot(self, handle: GenerationHandle) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -419,7 +457,7 @@ class RemotePipelineEngine(EngineBase):
         meta, x, started = self._next_work(handle)
         try:
             decision = self._call(self._run(meta, x))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             raise GenerationError(f"the first stage {self.urls[0]} is unreachable: {err}") from err
         return self._event(handle, decision, started)
 
@@ -430,7 +468,7 @@ class RemotePipelineEngine(EngineBase):
             self._asession = aiohttp.ClientSession()
         try:
             decision = await self._run(meta, x, self._asession)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             raise GenerationError(f"the first stage {self.urls[0]} is unreachable: {err}") from err
         return self._event(handle, decision, started)
 
@@ -447,8 +485,13 @@ class RemotePipelineEngine(EngineBase):
         started = time.perf_counter()
         prompt = not handle.generated
         new = handle.ids if prompt else handle.ids[-1:]
-        meta = {"seq": self._seq(handle), "start": len(handle.ids) - len(new), "decide": True,
-                "threshold": NEVER_EXIT if prompt else handle.threshold, "reply": "answer"}
+        meta = {
+            "seq": self._seq(handle),
+            "start": len(handle.ids) - len(new),
+            "decide": True,
+            "threshold": NEVER_EXIT if prompt else handle.threshold,
+            "reply": "answer",
+        }
         return meta, np.asarray([new], dtype=np.int64), started
 
     def _event(self, handle: GenerationHandle, decision: dict, started: float) -> TokenEvent:
@@ -456,14 +499,22 @@ class RemotePipelineEngine(EngineBase):
         self._finish(handle, token)
         assert handle.decoder is not None
         return TokenEvent(
-            index=len(handle.generated) - 1, token_id=token, text=handle.decoder.feed(token),
-            exit=decision["head"], block=int(decision["block"]), confidence=float(decision["confidence"]),
-            recomputed=int(decision.get("recomputed", 0)), full_pass=bool(decision["final"]), seconds=time.perf_counter() - started,
+            index=len(handle.generated) - 1,
+            token_id=token,
+            text=handle.decoder.feed(token),
+            exit=decision["head"],
+            block=int(decision["block"]),
+            confidence=float(decision["confidence"]),
+            recomputed=int(decision.get("recomputed", 0)),
+            full_pass=bool(decision["final"]),
+            seconds=time.perf_counter() - started,
         )
 
     async def _run(self, meta: dict, x: np.ndarray, session: aiohttp.ClientSession | None = None) -> dict:
         frame = wire.encode(meta, {"x": x})
-        async with (session or self._session).post(self.urls[0] + RUN, data=frame, headers={"Content-Type": wire.CONTENT_TYPE}) as r:
+        async with (session or self._session).post(
+            self.urls[0] + RUN, data=frame, headers={"Content-Type": wire.CONTENT_TYPE}
+        ) as r:
             if r.status != 200:
                 raise GenerationError(f"stage {self.urls[0]} refused the work: {r.status} {await r.text()}")
             decision = None

@@ -28,7 +28,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Plan
-
 from exitplan.worker import protocol
 from exitplan.worker.discovery import parse_peer_spec, resolve
 from exitplan.worker.generate.decoder import NEVER_EXIT
@@ -76,7 +75,9 @@ class GenerationRouter:
     # ------------------------------------------------------------------ plan and stages
 
     def apply_plan(self, plan: Plan) -> None:
-        if [(s.first_block, s.last_block) for s in plan.splits] != [(s.first_block, s.last_block) for s in self.plan.splits]:
+        if [(s.first_block, s.last_block) for s in plan.splits] != [
+            (s.first_block, s.last_block) for s in self.plan.splits
+        ]:
             log.warning("the new plan changes the splits; the stages restart with it and the router follows them")
         self.plan = plan
         new = plan_threshold(plan)
@@ -89,7 +90,10 @@ class GenerationRouter:
         assert self.session is not None
         found = await resolve(self.peer_spec)
         if not found:
-            self.first_stage_ready, self.reason = False, f"the first stage {self.peer_spec[0][0]} resolves to no address"
+            self.first_stage_ready, self.reason = (
+                False,
+                f"the first stage {self.peer_spec[0][0]} resolves to no address",
+            )
             return
         url = f"http://{found[0]}"
         try:
@@ -97,7 +101,7 @@ class GenerationRouter:
                 body = await r.json(content_type=None)
                 ready = r.status == 200 and bool(body.get("ready"))
                 reason = body.get("reason") or f"the first stage {url} is not ready"
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as err:
             ready, reason = False, f"the first stage {url} does not answer ({err or type(err).__name__})"
         if ready:
             self.engine.urls = [url]
@@ -137,19 +141,29 @@ class GenerationRouter:
             return _error(404, f"unknown model {request.match_info['name']!r}; this router serves {self.model!r}")
         spec = self.manifest.decoder
         assert spec is not None
-        parameters = {"mode": self.mode, "threshold": self.threshold, "max_context": spec.max_context,
-                      "ramps": self.exit_ramps, "splits": [[s.first_block, s.last_block] for s in self.plan.splits]}
+        parameters = {
+            "mode": self.mode,
+            "threshold": self.threshold,
+            "max_context": spec.max_context,
+            "ramps": self.exit_ramps,
+            "splits": [[s.first_block, s.last_block] for s in self.plan.splits],
+        }
         return web.json_response(protocol.generator_metadata(self.model, self.plan.content_hash(), parameters))
 
     async def handle_infer(self, request: web.Request) -> web.Response:
-        return _error(400, f"model {self.model!r} generates text: POST /v2/models/{self.model}/generate "
-                           f"(or /generate_stream) with {{\"text_input\": \"...\"}}")
+        return _error(
+            400,
+            f"model {self.model!r} generates text: POST /v2/models/{self.model}/generate "
+            f'(or /generate_stream) with {{"text_input": "..."}}',
+        )
 
     async def handle_metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def handle_thresholds_get(self, _: web.Request) -> web.Response:
-        return web.json_response({"thresholds": {name: self.threshold for name in self.exit_ramps}, "threshold": self.threshold})
+        return web.json_response(
+            {"thresholds": {name: self.threshold for name in self.exit_ramps}, "threshold": self.threshold}
+        )
 
     async def handle_thresholds_post(self, request: web.Request) -> web.Response:
         """`{"threshold": x}` or `{"thresholds": {ramp: x}}` (the heads share one threshold: the lowest given)."""
@@ -161,10 +175,12 @@ class GenerationRouter:
                 given = {str(k): float(v) for k, v in body["thresholds"].items()}
                 unknown = sorted(set(given) - set(self.exit_ramps))
                 if unknown:
-                    return _error(400, f"thresholds names unknown ramps {unknown}; the bundle's exit ramps are {self.exit_ramps}")
+                    return _error(
+                        400, f"thresholds names unknown ramps {unknown}; the bundle's exit ramps are {self.exit_ramps}"
+                    )
                 value = min(given.values()) if given else NEVER_EXIT
         except (ValueError, KeyError, TypeError, AttributeError) as err:
-            return _error(400, f"bad thresholds: {err}; send {{\"threshold\": 0.8}} (0..1, 1 never exits)")
+            return _error(400, f'bad thresholds: {err}; send {{"threshold": 0.8}} (0..1, 1 never exits)')
         if not math.isfinite(value) or value < 0:
             return _error(400, f"threshold must be a number >= 0 (1 or more never exits), got {value}")
         self.threshold = min(value, NEVER_EXIT)
@@ -175,7 +191,10 @@ class GenerationRouter:
     async def _startup(self, _: web.Application) -> None:
         self.session = aiohttp.ClientSession()
         await self.refresh()
-        self.tasks += [asyncio.create_task(self._refresh_loop()), asyncio.create_task(watch_plan(self.plan_path, self.apply_plan))]
+        self.tasks += [
+            asyncio.create_task(self._refresh_loop()),
+            asyncio.create_task(watch_plan(self.plan_path, self.apply_plan)),
+        ]
 
     async def _cleanup(self, _: web.Application) -> None:
         for task in self.tasks:
@@ -188,20 +207,28 @@ class GenerationRouter:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 20)
-        add_generate_routes(app, self.engine, self.model, service=self.plan.service, threshold=lambda: self.threshold,
-                            metrics=self.metrics, unavailable=self.unavailable)
-        app.add_routes([
-            web.post("/v2/models/{name}/infer", self.handle_infer),
-            web.get("/v2/models/{name}", self.handle_model),
-            web.get("/v2/models/{name}/ready", self.handle_model_ready),
-            web.get("/v2", self.handle_server),
-            web.get("/v2/health/live", self.handle_live),
-            web.get("/v2/health/ready", self.handle_ready),
-            web.get("/metrics", self.handle_metrics),
-            web.get("/v1/thresholds", self.handle_thresholds_get),
-            web.post("/v1/thresholds", self.handle_thresholds_post),
-        ])
+        add_generate_routes(
+            app,
+            self.engine,
+            self.model,
+            service=self.plan.service,
+            threshold=lambda: self.threshold,
+            metrics=self.metrics,
+            unavailable=self.unavailable,
+        )
+        app.add_routes(
+            [
+                web.post("/v2/models/{name}/infer", self.handle_infer),
+                web.get("/v2/models/{name}", self.handle_model),
+                web.get("/v2/models/{name}/ready", self.handle_model_ready),
+                web.get("/v2", self.handle_server),
+                web.get("/v2/health/live", self.handle_live),
+                web.get("/v2/health/ready", self.handle_ready),
+                web.get("/metrics", self.handle_metrics),
+                web.get("/v1/thresholds", self.handle_thresholds_get),
+                web.post("/v1/thresholds", self.handle_thresholds_post),
+            ]
+        )
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
-

@@ -38,14 +38,50 @@ class GenerationMetrics:
         self.registry = registry or CollectorRegistry()
         r, labels = self.registry, ["service", "mode"]
         self.labels = {"service": service, "mode": mode}
-        self.token_seconds = Histogram("exitplan_generation_token_seconds", "Time per generated token (one forward pass).", labels, buckets=TOKEN_BUCKETS, registry=r).labels(**self.labels)
-        self.first_token_seconds = Histogram("exitplan_generation_first_token_seconds", "Time to the first token (prompt pass).", labels, buckets=TOKEN_BUCKETS, registry=r).labels(**self.labels)
-        self.tokens = Counter("exitplan_generation_tokens_total", "Generated tokens, by the head that chose them (ramp=final head's name for full passes).", [*labels, "ramp"], registry=r)
-        self.requests = Counter("exitplan_generation_requests_total", "Generation requests answered, by HTTP status code.", [*labels, "code"], registry=r)
-        self.disconnects = Counter("exitplan_generation_disconnects_total", "Streams stopped because the client went away.", labels, registry=r).labels(**self.labels)
-        self.recomputed = Counter("exitplan_generation_recomputed_positions_total", "Positions whose missing KV entries were recomputed.", labels, registry=r).labels(**self.labels)
-        self.full_passes = Counter("exitplan_generation_full_passes_total", "Tokens that ran every block (final head or forced by the pending bound).", labels, registry=r).labels(**self.labels)
-        self.sequences = Gauge("exitplan_generation_active_sequences", "Sequences holding a KV cache now.", labels, registry=r).labels(**self.labels)
+        self.token_seconds = Histogram(
+            "exitplan_generation_token_seconds",
+            "Time per generated token (one forward pass).",
+            labels,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        ).labels(**self.labels)
+        self.first_token_seconds = Histogram(
+            "exitplan_generation_first_token_seconds",
+            "Time to the first token (prompt pass).",
+            labels,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        ).labels(**self.labels)
+        self.tokens = Counter(
+            "exitplan_generation_tokens_total",
+            "Generated tokens, by the head that chose them (ramp=final head's name for full passes).",
+            [*labels, "ramp"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "exitplan_generation_requests_total",
+            "Generation requests answered, by HTTP status code.",
+            [*labels, "code"],
+            registry=r,
+        )
+        self.disconnects = Counter(
+            "exitplan_generation_disconnects_total", "Streams stopped because the client went away.", labels, registry=r
+        ).labels(**self.labels)
+        self.recomputed = Counter(
+            "exitplan_generation_recomputed_positions_total",
+            "Positions whose missing KV entries were recomputed.",
+            labels,
+            registry=r,
+        ).labels(**self.labels)
+        self.full_passes = Counter(
+            "exitplan_generation_full_passes_total",
+            "Tokens that ran every block (final head or forced by the pending bound).",
+            labels,
+            registry=r,
+        ).labels(**self.labels)
+        self.sequences = Gauge(
+            "exitplan_generation_active_sequences", "Sequences holding a KV cache now.", labels, registry=r
+        ).labels(**self.labels)
 
     def token(self, event: TokenEvent) -> None:
         (self.first_token_seconds if event.index == 0 else self.token_seconds).observe(event.seconds)
@@ -83,9 +119,17 @@ def _parse(body: object, default_threshold: float) -> tuple[str, int, float, boo
     return text, params.get("max_tokens", DEFAULT_MAX_TOKENS), params.get("threshold", default_threshold), ignore_eos
 
 
-def _summary(model_name: str, handle: GenerationHandle, events: list[TokenEvent], started: float) -> protocol.GenerateResponse:
-    return protocol.generate_response(model_name, events, finish_reason=handle.finish_reason or "stopped", threshold=handle.threshold,
-                                      prompt_tokens=handle.prompt_len, total_seconds=time.perf_counter() - started)
+def _summary(
+    model_name: str, handle: GenerationHandle, events: list[TokenEvent], started: float
+) -> protocol.GenerateResponse:
+    return protocol.generate_response(
+        model_name,
+        events,
+        finish_reason=handle.finish_reason or "stopped",
+        threshold=handle.threshold,
+        prompt_tokens=handle.prompt_len,
+        total_seconds=time.perf_counter() - started,
+    )
 
 
 class GenerateRoutes:
@@ -94,8 +138,14 @@ class GenerateRoutes:
     `threshold()`: the exit threshold in force; `unavailable()`: why the engine cannot take a request
     now (answered 503), or None."""
 
-    def __init__(self, engine: EngineBase, model_name: str, metrics: GenerationMetrics, threshold: Callable[[], float],
-                 unavailable: Callable[[], str | None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineBase,
+        model_name: str,
+        metrics: GenerationMetrics,
+        threshold: Callable[[], float],
+        unavailable: Callable[[], str | None] | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
@@ -110,7 +160,9 @@ class GenerateRoutes:
     async def opened(self, request: web.Request) -> GenerationHandle | web.Response:
         """The request's sequence, opened on the engine; or the answer that refuses it (404, 400, 503)."""
         if request.match_info["name"] != self.model_name:
-            return self.error(404, f"model {request.match_info['name']!r} is not served here; this server serves {self.model_name!r}")
+            return self.error(
+                404, f"model {request.match_info['name']!r} is not served here; this server serves {self.model_name!r}"
+            )
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -178,7 +230,9 @@ class GenerateRoutes:
                 events.append(event)
                 await response.write(protocol.sse_event({"model_name": self.model_name, **asdict(event)}))
             await loop.run_in_executor(None, self.engine.release, handle)  # before the client hears "done"
-            await response.write(protocol.sse_event({"done": True, **_summary(self.model_name, handle, events, started)}))
+            await response.write(
+                protocol.sse_event({"done": True, **_summary(self.model_name, handle, events, started)})
+            )
             await response.write_eof()
             metrics.answered(200)
         except ConnectionResetError:  # the client went away: stop here
