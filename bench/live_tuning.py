@@ -1,4 +1,4 @@
-"""Continual threshold tuning against one-time tuning, live, with a workload shift halfway (issue 4).
+"""Continual threshold tuning against one-time tuning, live, with a workload shift halfway.
 
 The stream is labelled tweets the bundle never saw: neither trained on nor in the held-out window
 the one-time thresholds were tuned on. The shift is a change of the traffic's kind that makes the

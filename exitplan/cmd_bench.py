@@ -66,10 +66,6 @@ def command(
     """Replay a trace open-loop against a router (never waiting for answers); report goodput, p50/p95/p99, exits, agreement with the full model, errors by kind and lost requests."""
     from rich.console import Console
 
-    from exitplan.api.bundle import BundleError
-    from exitplan.client.bench import BenchError, BenchSetup, find_capacity, run_bench
-    from exitplan.client.texts import InputError
-
     console = Console()
     bounded_duration = duration if duration else None
     if bounded_duration is None and limit is None and not capacity:
@@ -77,59 +73,49 @@ def command(
             "[red]error:[/red] give --duration (seconds) and/or --limit (requests): the whole trace runs for about an hour"
         )
         raise typer.Exit(2)
-    try:
-        with console.status("reading the router's metadata and tokenizing held-out texts..."):
-            setup = BenchSetup.connect(url, model, bundle)
-        if capacity:
-            result = find_capacity(
-                url,
-                model,
-                bundle,
-                trace,
-                setup=setup,
-                start_rps=rps or 5.0,
-                step_duration=step_duration,
-                slo_ms=slo_ms,
-                seed=seed,
-                length_mode=length_mode.value,
-                reference_max=reference_max,
-                timeout_s=timeout_s,
-                progress=progress,
-            )
-            console.print(result.table())
-            doc = result.to_dict()
-        else:
-            report = run_bench(
-                url,
-                model,
-                bundle,
-                trace,
-                setup=setup,
-                rps=rps,
-                speed=speed,
-                start=start,
-                duration=bounded_duration,
-                limit=limit,
-                slo_ms=slo_ms,
-                seed=seed,
-                length_mode=length_mode.value,
-                reference_max=reference_max,
-                timeout_s=timeout_s,
-                progress=progress,
-            )
-            for table in report.tables():
-                console.print(table)
-            inputs = report.run.get("inputs", {})
-            if inputs.get("concatenated"):
-                console.print(
-                    f"{inputs['concatenated']} of {report.requests} requests are concatenations of held-out texts "
-                    f"(the trace asked for inputs longer than any single text); their reference is the full model's answer."
-                )
-            doc = report.to_dict()
-    except (BenchError, BundleError, InputError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from err
+    shared = {
+        "slo_ms": slo_ms,
+        "seed": seed,
+        "length_mode": length_mode.value,
+        "reference_max": reference_max,
+        "timeout_s": timeout_s,
+        "progress": progress,
+    }
+    if capacity:
+        load = {"start_rps": rps or 5.0, "step_duration": step_duration}
+    else:
+        load = {"rps": rps, "speed": speed, "start": start, "duration": bounded_duration, "limit": limit}
+    doc = _replay(console, url, model, bundle, trace, capacity, {**load, **shared})
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(doc, indent=2))
         console.print(f"wrote {json_path}")
+
+
+def _replay(console, url: str, model: str, bundle: Path, trace: Path | None, capacity: bool, options: dict) -> dict:
+    """Connect to the router, then step the load up to its capacity or run one bench with `options`; print the
+    tables and return every figure as a dict (exit 2 on a bench, bundle or input error)."""
+    from exitplan.api.bundle import BundleError
+    from exitplan.client.bench import BenchError, BenchSetup, find_capacity, run_bench
+    from exitplan.client.texts import InputError
+
+    try:
+        with console.status("reading the router's metadata and tokenizing held-out texts..."):
+            setup = BenchSetup.connect(url, model, bundle)
+        if capacity:
+            result = find_capacity(url, model, bundle, trace, setup=setup, **options)
+            console.print(result.table())
+            return result.to_dict()
+        report = run_bench(url, model, bundle, trace, setup=setup, **options)
+        for table in report.tables():
+            console.print(table)
+        inputs = report.run.get("inputs", {})
+        if inputs.get("concatenated"):
+            console.print(
+                f"{inputs['concatenated']} of {report.requests} requests are concatenations of held-out texts "
+                f"(the trace asked for inputs longer than any single text); their reference is the full model's answer."
+            )
+        return report.to_dict()
+    except (BenchError, BundleError, InputError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from err

@@ -115,16 +115,38 @@ def command(
     """Plan a service offline: splits x replicas x pools (E3), length buckets (Arlo), batch sizes; print the plan."""
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
     from exitplan.api.plan import Plan
-    from exitplan.planner import PlannerError, plan_change, plan_service
+    from exitplan.planner import plan_change
 
     console = Console()
     name, spec, pools, profiles = load_inputs(service_file, with_files)
     lengths = trace_lengths(trace, spec, profiles, length_mode)
     thresholds = json.loads(thresholds_file.read_text()) if thresholds_file else None
     prev = Plan.from_file(previous) if previous else None
+    result = _solve(console, name, spec, pools, profiles, thresholds, prev, lengths)
+    _print_plan(console, name, spec, result)
+    if prev is not None:
+        change = plan_change(prev, result.plan)
+        console.print(
+            f"change from the previous plan: {change.added} instance(s) started, {change.removed} stopped, {change.kept} kept"
+        )
+    for note in result.notes:
+        console.print(f"[dim]note: {escape(note)}[/dim]")
+    if json_out:
+        _write_json(result, json_out)
+        console.print(f"wrote {json_out}")
+    if png:
+        plan_png(result, png)
+        console.print(f"wrote {png}")
+
+
+def _solve(console, name: str, spec, pools, profiles, thresholds, prev, lengths):
+    """The verified planner result, or exit 2 with the planner's error printed."""
+    from rich.markup import escape
+
+    from exitplan.planner import PlannerError, plan_service
+
     try:
         result = plan_service(
             name,
@@ -142,6 +164,13 @@ def command(
             f"[red]cannot plan {escape(name)}[/red] ({type(err).__name__}, field {escape(err.field or '-')}): {escape(str(err))}"
         )
         raise typer.Exit(2) from err
+    return result
+
+
+def _print_plan(console, name: str, spec, result) -> None:
+    """The plan's summary table, then one row per cell (worker Deployment)."""
+    from rich.table import Table
+
     plan, pred = result.plan, result.plan.prediction
     head = Table(title=f"plan for {name} ({spec.model.name})")
     for col in ("splits", "buckets", "goodput req/s", "p99 bound ms", "cost /h", "cycle ms", "solve s"):
@@ -174,24 +203,16 @@ def command(
             f"{result.stage_ms[(c.split, c.bucket)]:.2f}",
         )
     console.print(cells)
-    if prev is not None:
-        change = plan_change(prev, plan)
-        console.print(
-            f"change from the previous plan: {change.added} instance(s) started, {change.removed} stopped, {change.kept} kept"
-        )
-    for note in result.notes:
-        console.print(f"[dim]note: {escape(note)}[/dim]")
-    if json_out:
-        body = {
-            "plan": plan.dump(),
-            "timings": result.timings,
-            "cycle_ms": result.cycle_ms,
-            "notes": result.notes,
-            "alternatives": result.alternatives,
-            "kept_previous": result.kept_previous,
-        }
-        json_out.write_text(json.dumps(body, indent=2, default=float))
-        console.print(f"wrote {json_out}")
-    if png:
-        plan_png(result, png)
-        console.print(f"wrote {png}")
+
+
+def _write_json(result, path: Path) -> None:
+    """The plan and the solver's details (timings, cycle, notes, alternatives) as JSON."""
+    body = {
+        "plan": result.plan.dump(),
+        "timings": result.timings,
+        "cycle_ms": result.cycle_ms,
+        "notes": result.notes,
+        "alternatives": result.alternatives,
+        "kept_previous": result.kept_previous,
+    }
+    path.write_text(json.dumps(body, indent=2, default=float))

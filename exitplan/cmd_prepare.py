@@ -42,7 +42,6 @@ def command(
     ONNX, and write bundle.yaml, the tokenizer, the held-out data and a calibration window. A rerun with the same
     options reuses the finished bundle."""
     from rich.console import Console
-    from rich.table import Table
 
     from exitplan.api.bundle import BundleError
     from exitplan.prepare.build import BuildOptions, PrepareError, prepare_bundle
@@ -59,6 +58,16 @@ def command(
     except (PrepareError, DatasetError, ModelNotInstalled, BundleError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err
+
+    _print_report(console, result)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"path": str(result.path), "reused": result.reused, **result.report}, indent=2))
+
+
+def _print_report(console, result) -> None:
+    """Whether the bundle was built or reused, then each ramp's held-out agreement, accuracy, saving and cost."""
+    from rich.table import Table
 
     report = result.report
     state = (
@@ -87,6 +96,3 @@ def command(
         f"ONNX vs PyTorch max |logit diff| on held-out: {report['onnx_vs_torch_max_abs_diff']:.2e}; "
         f"latencies at bucket {report['window_bucket']}, batch 1..8 (ONNX Runtime, 1 thread)"
     )
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"path": str(result.path), "reused": result.reused, **report}, indent=2))

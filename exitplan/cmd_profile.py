@@ -57,19 +57,51 @@ def command(
 ) -> None:
     """Measure per-block and per-ramp latency (batch x sequence length) with ONNX Runtime on this machine,
     activation and weight bytes, and the survival curve on the bundle's held-out window; write a ModelProfile."""
-    import time
-
-    import yaml
     from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
 
-    from exitplan.api.bundle import BundleError, read_manifest
-    from exitplan.prepare.profile import ProfileError, ProfileOptions, profile_bundle, profile_document, read_thresholds
+    from exitplan.prepare.profile import profile_document
 
     console = Console()
     sizes = _ints(batch_sizes, "--batch-sizes") or []
     lengths = _ints(seq_lens, "--seq-lens")
+    manifest, profile, elapsed = _measure(
+        console,
+        bundle,
+        pool=pool,
+        sizes=sizes,
+        lengths=lengths,
+        repeats=repeats,
+        threads=threads,
+        thresholds=thresholds,
+        model_name=model_name,
+        providers=providers,
+    )
+    _write(profile_document(profile), out, json_path)
+    _print_table(console, profile.spec, manifest)
+    console.print(f"profile written to {out} in {elapsed:.1f} s ({profile.spec.measured_on})")
+
+
+def _measure(
+    console,
+    bundle: Path,
+    *,
+    pool: str,
+    sizes: list[int],
+    lengths: list[int] | None,
+    repeats: int,
+    threads: int,
+    thresholds: Path | None,
+    model_name: str | None,
+    providers: str,
+):
+    """(manifest, profile, seconds taken): profile the bundle with a progress bar, or exit 2 on its error."""
+    import time
+
+    from rich.progress import Progress
+
+    from exitplan.api.bundle import BundleError, read_manifest
+    from exitplan.prepare.profile import ProfileError, ProfileOptions, profile_bundle, read_thresholds
+
     try:
         manifest = read_manifest(bundle)
         options = ProfileOptions(
@@ -94,15 +126,24 @@ def command(
     except (BundleError, ProfileError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err
+    return manifest, profile, elapsed
 
-    document = profile_document(profile)
+
+def _write(document: dict, out: Path, json_path: Path | None) -> None:
+    """The ModelProfile document as YAML at `out` (and as JSON at `json_path` when given)."""
+    import yaml
+
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(document, sort_keys=False))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(document, indent=2))
 
-    spec = profile.spec
+
+def _print_table(console, spec, manifest) -> None:
+    """Latency per block and ramp (first / last batch size) per sequence length, with each ramp's survival."""
+    from rich.table import Table
+
     first, last = spec.batch_sizes[0], spec.batch_sizes[-1]
     table = Table(title=f"{spec.model} on pool {spec.pool}: latency ms at batch {first} / {last}")
     table.add_column("block / ramp")
@@ -114,7 +155,6 @@ def command(
     for ramp, survival in zip(spec.ramps, spec.survival):
         table.add_row(ramp.name, f"{survival:.2f}", *[f"{row[0]:.2f}/{row[-1]:.2f}" for row in ramp.latency_ms])
     console.print(table)
-    console.print(f"profile written to {out} in {elapsed:.1f} s ({spec.measured_on})")
 
 
 def _default_lengths(manifest) -> int:

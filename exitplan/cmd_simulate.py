@@ -53,25 +53,43 @@ def command(
     png: Path | None = typer.Option(None, "--png", help="Draw latency CDFs per configuration into this PNG."),
 ) -> None:
     """Compare vanilla, naive early exit, E3, Arlo, exitplan and the oracle bound on one trace, at equal cost."""
-    import numpy as np
     from rich.console import Console
-    from rich.markup import escape
-    from rich.progress import track
-    from rich.table import Table
 
     from exitplan.cmd_plan import load_inputs
-    from exitplan.planner.compare import CONFIGS, oracle_for, plan_config, simulate_plan
-    from exitplan.planner.errors import PlannerError
-    from exitplan.planner.traces import TraceError, default_trace_path, load_trace
 
     console = Console()
     name, spec, pools, profiles = load_inputs(service_file, with_files)
+    wanted = _wanted(configs)
+    path, full, tr = _load_traces(console, trace, spec, profiles, length_mode, rate, duration)
+    results, rows = _compare(wanted, name, spec, pools, profiles, full, tr, seed)
+    _print_table(console, name, spec, tr, rows)
+    if json_out:
+        _write_json(json_out, name, path, tr, rows)
+        console.print(f"wrote {json_out}")
+    if png and results:
+        cdf_png(results, spec.slo.latency_ms, png)
+        console.print(f"wrote {png}")
+
+
+def _wanted(configs: str) -> list[str]:
+    """The configurations named in --configs, each one known."""
+    from exitplan.planner.compare import CONFIGS
+
     wanted = [c.strip() for c in configs.split(",") if c.strip()]
     unknown = [c for c in wanted if c not in CONFIGS]
     if unknown:
         raise typer.BadParameter(
             f"unknown configurations {unknown}; choose from {list(CONFIGS)}", param_hint="--configs"
         )
+    return wanted
+
+
+def _load_traces(console, trace: Path | None, spec, profiles, length_mode: str, rate: float | None, duration: float):
+    """(path, full trace, replayed window): lengths fitted to the model's longest, sped up to `rate`."""
+    from rich.markup import escape
+
+    from exitplan.planner.traces import TraceError, default_trace_path, load_trace
+
     try:
         path = trace or default_trace_path()
         top = (
@@ -88,6 +106,16 @@ def command(
     console.print(
         f"trace {path}: {len(tr)} requests over {tr.duration:.1f} s ({tr.mean_rate:.1f} req/s), lengths fitted to {top} ({length_mode})"
     )
+    return path, full, tr
+
+
+def _compare(wanted: list[str], name: str, spec, pools, profiles, full, tr, seed: int):
+    """(simulation results, one row per configuration): plan each, replay `tr` through it; the oracle's bound last."""
+    from rich.progress import track
+
+    from exitplan.planner.compare import oracle_for, plan_config, simulate_plan
+    from exitplan.planner.errors import PlannerError
+
     results, rows, plans = [], [], {}
     for cfg in track([c for c in wanted if c != "oracle"], description="planning and simulating"):
         try:
@@ -116,6 +144,14 @@ def command(
                 "note": "fluid bound: min(offered rate, capacity with perfect batching and free exits)",
             }
         )
+    return results, rows
+
+
+def _print_table(console, name: str, spec, tr, rows: list[dict]) -> None:
+    """One row per configuration (planning errors printed below their row's mark)."""
+    from rich.markup import escape
+    from rich.table import Table
+
     table = Table(title=f"{name}: {len(tr)} requests, SLO {spec.slo.latency_ms:g} ms")
     for col in (
         "config",
@@ -150,15 +186,15 @@ def command(
                 f"{r['cost_per_hour']:.2f}",
             )
     console.print(table)
-    if json_out:
-        json_out.write_text(
-            json.dumps(
-                {"service": name, "trace": str(path), "requests": len(tr), "rows": rows},
-                indent=2,
-                default=lambda x: x.tolist() if isinstance(x, np.ndarray) else float(x),
-            )
+
+
+def _write_json(out: Path, name: str, path: Path, tr, rows: list[dict]) -> None:
+    import numpy as np
+
+    out.write_text(
+        json.dumps(
+            {"service": name, "trace": str(path), "requests": len(tr), "rows": rows},
+            indent=2,
+            default=lambda x: x.tolist() if isinstance(x, np.ndarray) else float(x),
         )
-        console.print(f"wrote {json_out}")
-    if png and results:
-        cdf_png(results, spec.slo.latency_ms, png)
-        console.print(f"wrote {png}")
+    )

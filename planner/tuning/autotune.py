@@ -1,4 +1,4 @@
-"""Continual threshold tuning from a router's shadow-sampled feedback (Apparate, issue 4): the policy.
+"""Continual threshold tuning from a router's shadow-sampled feedback (Apparate): the policy.
 
 Pure functions only (no I/O, no clock, no threads). The data plane only records and applies: the
 router keeps the last shadow-sampled inputs (`GET /v1/window.npz`) and takes new thresholds
@@ -31,7 +31,7 @@ one feedback window, :func:`decide`
 - keeps the last good thresholds when the window is short of samples.
 
 Every knob is a field of :class:`TuneConfig`; :data:`LIVE` holds the settings bench/live_tuning.py
-measured for the live loop (BENCHMARKS.md, "Threshold tuning (issue 4)").
+measured for the live loop (BENCHMARKS.md, "Threshold tuning").
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ LIVE = TuneConfig(
     period_s=20.0,
 )
 """The live loop's settings (`exitplan up`), measured by bench/live_tuning.py (BENCHMARKS.md,
-"Threshold tuning (issue 4)"): breach judged on the newest 100 samples, tune to a quarter of the
+"Threshold tuning"): breach judged on the newest 100 samples, tune to a quarter of the
 budget's safe part, watch the early-exit share (confirmed on new samples), claim savings on 1,000
 fresh samples that also hold on the newest 200."""
 
