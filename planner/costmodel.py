@@ -300,50 +300,72 @@ class CostModel:
         )
         out = np.full((len(batch_arr), n, n), np.inf)
         for bi, bsz in enumerate(batch_arr):
-            if rebatch:
-                # (a, k): block k at a full batch B, weighted by the share of entering rows that
-                # reach it (expected), or once per round if any row reaches it (the bound)
-                at_b = self._interp_batch(per_block, np.full((n, 1), bsz))[:, 0]  # (k,)
-                for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
-                    if on:
-                        at_b[after] += self._interp_batch(ramp_rows[r : r + 1], np.asarray([[bsz]]))[0, 0]
-                weight = ratio if expected else (bsz * ratio > 1e-9).astype(np.float64)
-                cost = weight * at_b[None, :]
-            elif expected:
-                # (a, k): the mean time of block k over the number of the batch's rows still in it
-                # (each row survives independently: binomial), a block with no row left not run
-                pmf = survivor_pmf(int(round(bsz)), ratio)  # (a, k, x)
-                rows_x = np.arange(pmf.shape[-1], dtype=np.float64)
-                at_x = self._interp_batch(per_block, np.broadcast_to(rows_x, (n, len(rows_x))))  # (k, x)
-                cost = np.einsum("akx,kx->ak", pmf, at_x)
-                for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
-                    if on:
-                        cost[:, after] += (
-                            pmf[:, after, :] @ self._interp_batch(ramp_rows[r : r + 1], rows_x[None, :])[0]
-                        )
-            else:
-                # (a, k): inputs running block k in a split starting at a, rounded up: a batch that
-                # still holds anyone runs at the latency of a whole input (conservative for the cycle)
-                load = np.ceil(bsz * ratio - 1e-9)
-                cost = self._interp_batch(per_block, load.T).T  # (a, k)
-                for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
-                    if on:
-                        cost[:, after] += self._interp_batch(ramp_rows[r : r + 1], load[:, after][None, :])[0]
+            cost = self._block_costs(per_block, ramp_rows, ramps_on, ratio, bsz, expected, rebatch)
             cost = np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], cost, 0.0)
             cum = np.cumsum(cost, axis=1)  # cum[a, b] = exec of [a, b]
             if rebatch and expected and fill_ms is not None:  # queues that may not fill: per split, not a running sum
                 cum = self._rebatch_fill(per_block, ramp_rows, ramps_on, ratio, float(bsz), float(fill_ms))
-            bytes_out = np.asarray([self.bytes_per_sample(b, seq) for b in range(n)])
-            leaving = bsz * np.minimum(s[None, 1 : n + 1] / s[:n, None], 1.0)  # samples leaving block b
-            if not expected:
-                leaving = np.ceil(leaving - 1e-9)
-            xfer = 8.0 * leaving * bytes_out[None, :] / (self.pool.link_bandwidth_gbps * 1e9) * 1e3
-            xfer[:, n - 1] = 0.0  # the last split answers the router; that hop is in the slack
+            xfer = self._transfer_out(s, bsz, seq, expected)
             if not transfer:
                 xfer = np.zeros_like(xfer)
             tri = np.arange(n)[None, :] >= np.arange(n)[:, None]
             out[bi] = np.where(tri, cum + xfer, np.inf)
         return out
+
+    def _block_costs(
+        self,
+        per_block: np.ndarray,
+        ramp_rows: np.ndarray,
+        ramps_on: Sequence[bool],
+        ratio: np.ndarray,
+        bsz: float,
+        expected: bool,
+        rebatch: bool,
+    ) -> np.ndarray:
+        """cost[a, k]: time of block k (and its enabled ramp) in a split starting at block a, at batch
+        `bsz` entering the split (see stage_tables: the bound, `expected` or `rebatch`); k < a unused."""
+        n = self.n_blocks
+        if rebatch:
+            # (a, k): block k at a full batch B, weighted by the share of entering rows that
+            # reach it (expected), or once per round if any row reaches it (the bound)
+            at_b = self._interp_batch(per_block, np.full((n, 1), bsz))[:, 0]  # (k,)
+            for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
+                if on:
+                    at_b[after] += self._interp_batch(ramp_rows[r : r + 1], np.asarray([[bsz]]))[0, 0]
+            weight = ratio if expected else (bsz * ratio > 1e-9).astype(np.float64)
+            cost: np.ndarray = weight * at_b[None, :]
+        elif expected:
+            # (a, k): the mean time of block k over the number of the batch's rows still in it
+            # (each row survives independently: binomial), a block with no row left not run
+            pmf = survivor_pmf(int(round(bsz)), ratio)  # (a, k, x)
+            rows_x = np.arange(pmf.shape[-1], dtype=np.float64)
+            at_x = self._interp_batch(per_block, np.broadcast_to(rows_x, (n, len(rows_x))))  # (k, x)
+            cost = np.einsum("akx,kx->ak", pmf, at_x)
+            for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
+                if on:
+                    cost[:, after] += pmf[:, after, :] @ self._interp_batch(ramp_rows[r : r + 1], rows_x[None, :])[0]
+        else:
+            # (a, k): inputs running block k in a split starting at a, rounded up: a batch that
+            # still holds anyone runs at the latency of a whole input (conservative for the cycle)
+            load = np.ceil(bsz * ratio - 1e-9)
+            cost = self._interp_batch(per_block, load.T).T  # (a, k)
+            for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
+                if on:
+                    cost[:, after] += self._interp_batch(ramp_rows[r : r + 1], load[:, after][None, :])[0]
+        return cost
+
+    def _transfer_out(self, s: np.ndarray, bsz: float, seq: float, expected: bool) -> np.ndarray:
+        """xfer[a, b]: ms to send over the pool's link the survivors leaving block b of `bsz` rows that
+        entered at block a (whole rows unless `expected`; 0 after the last block). `s`: the survival
+        before each block, kept off 0 (stage_tables')."""
+        n = self.n_blocks
+        bytes_out = np.asarray([self.bytes_per_sample(b, seq) for b in range(n)])
+        leaving = bsz * np.minimum(s[None, 1 : n + 1] / s[:n, None], 1.0)  # samples leaving block b
+        if not expected:
+            leaving = np.ceil(leaving - 1e-9)
+        xfer: np.ndarray = 8.0 * leaving * bytes_out[None, :] / (self.pool.link_bandwidth_gbps * 1e9) * 1e3
+        xfer[:, n - 1] = 0.0  # the last split answers the router; that hop is in the slack
+        return xfer
 
     def _rebatch_fill(
         self,

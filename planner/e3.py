@@ -5,7 +5,7 @@ The model (data in `E3Problem`, built from the cost model by `plan_service`):
 - The model's N blocks are cut into S <= max_splits contiguous splits. Every split holds one
   pipeline per length bucket k; the replicas of one split share one pool (GPU type).
 - Pipelined execution: with S splits the end-to-end bound is 2S cycles -- at every split a row may
-  wait one cycle for its fusion queue and then runs one (service.cycles) -- so every split must
+  wait one cycle for its fusion queue and then runs one (`cycles` in planner/problem.py) -- so every split must
   finish a batch (exec + ramps + the transfer of its survivors) within (SLO - slack) / 2S. `rate[S-1, p, a, b, k]`
   is the best throughput of one replica of split [a, b] on pool p for bucket k under that cycle
   (inputs entering the split per second, over the profiled batch sizes that fit the cycle and the
@@ -20,12 +20,12 @@ The solver: for a candidate G, a DP over (splits used, next block, replicas used
 one) keeps the fewest replicas on the remaining pool; it is exact because the per-pool usage is the
 state. Feasibility in G is a step function that changes only where some ceil() steps (r * rate /
 load, with r no more than the pool can hold), so the largest feasible G is one of those
-breakpoints: a race probes the split counts at a level just below the largest fractional upper
-bound until one is feasible; a bisection over that one's sorted breakpoints finds its optimum,
-and every other split count is settled from what the race saw (out without a probe when seen
-infeasible below the best so far) or probed at and just above the best so far. The probes use a
-DP restricted to the options whose demand fits their pool. `exhaustive` enumerates
-every plan for tests.
+breakpoints. The search over them is in planner/e3_search.py: a race probes the split counts at
+a level just below the largest fractional upper bound until one is feasible; a bisection over
+that one's sorted breakpoints finds its optimum, and every other split count is settled from
+what the race saw (out without a probe when seen infeasible below the best so far) or probed at
+and just above the best so far. The probes use a DP restricted to the options whose demand fits
+their pool. `exhaustive` enumerates every plan for tests.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from exitplan.planner.e3_search import GoodputSearch
 from exitplan.planner.errors import PlanInfeasible, PlanInvalid
 
 FloatArray = npt.NDArray[np.float64]
@@ -340,169 +341,9 @@ def _probe(
     return None if best is None else best[2]
 
 
-def _breakpoints(problem: E3Problem, s: int, lo: float, hi: float) -> FloatArray:
-    """The goodputs in (lo, hi] at which some option's replica count steps, with `s` splits, sorted.
-
-    Option (pool p, blocks [a, b], bucket k) needs r replicas up to G = r * rate / load; only
-    r <= the most replicas pool p can hold (its cap, and the cost cap alone) matter, since above
-    that the option is out anyway. Feasibility in G is constant between consecutive breakpoints.
-    """
-    rate = problem.rate[s - 1]  # (P, N, N, K)
-    load = np.broadcast_to(problem.shares[None, None, None, :] * problem.sigma_in[None, :, None, None], rate.shape)
-    ok = (rate > 0) & (load > 0)
-    x = rate[ok] / load[ok]
-    limit = problem.caps.astype(np.float64)
-    if problem.cost_cap is not None:
-        limit = np.minimum(limit, np.floor(problem.cost_cap / problem.costs + 1e-9))
-    lim = np.broadcast_to(limit[:, None, None, None], rate.shape)[ok]
-    r0 = np.floor(lo / x * (1 + 1e-12)) + 1
-    r1 = np.minimum(lim, np.floor(hi / x * (1 + 1e-12)))
-    count = np.clip(r1 - r0 + 1, 0, None).astype(np.int64)
-    keep = count > 0
-    x, r0, count = x[keep], r0[keep], count[keep]
-    if not len(x):
-        return np.zeros(0)
-    starts = np.cumsum(count) - count
-    r = np.repeat(r0, count) + (np.arange(int(count.sum())) - np.repeat(starts, count))
-    vals = np.sort(np.repeat(x, count) * r)
-    vals = vals[(vals > lo) & (vals <= hi)]
-    if not len(vals):
-        return vals
-    # breakpoints closer than 1e-9 (relative) are one: keep the largest of each run
-    last = np.append(vals[1:] > vals[:-1] * (1 + 1e-9), True)
-    distinct: FloatArray = vals[last]
-    return distinct
-
-
-def upper_bounds(problem: E3Problem) -> FloatArray:
-    """A goodput bound per split count (index s-1) from the fractional relaxation.
-
-    Any plan with goodput G puts G * w replicas' worth of work on its splits, w = sum over buckets of
-    share * sigma_in / rate, so G * sum_i w_i <= the replicas, each pool's counted at its best
-    relative efficiency (and G * sum_i cost_i w_i <= the cost cap); the cheapest sum over layouts
-    is a shortest path, taking each split's best pool.
-    """
-    load = problem.shares[None, None, None, None, :] * problem.sigma_in[None, None, :, None, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        w = np.where(problem.rate > 0, load / np.where(problem.rate > 0, problem.rate, 1.0), np.inf).sum(
-            axis=-1
-        )  # (S, P, N, N)
-    out = np.zeros(problem.max_splits)
-    n = problem.n_blocks
-    ends_ok = np.ones(n, dtype=bool) if problem.cuts is None else np.append(problem.cuts.astype(bool), True)
-    for s in range(1, problem.max_splits + 1):
-        ws = w[s - 1]
-        # A replica on pool p does at most rho_p of a best-pool replica's work on any split, so the
-        # replicas count as sum_p rho_p * caps[p] best-pool replicas.
-        best_w = ws.min(axis=0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(np.isfinite(ws) & np.isfinite(best_w)[None], best_w[None] / ws, 0.0)
-        rho = np.nan_to_num(ratio.reshape(len(problem.caps), -1).max(axis=1), nan=0.0)
-        total = float((rho * problem.caps).sum())
-        bounds = []
-        for weight in (ws.min(axis=0), (ws * problem.costs[:, None, None]).min(axis=0)):
-            dist = np.full(n + 1, np.inf)
-            dist[0] = 0.0
-            for _ in range(s):
-                nxt = np.full(n + 1, np.inf)
-                cand = dist[:n, None] + weight  # (a, b)
-                cand[:, ~ends_ok] = np.inf
-                nxt[1:] = cand.min(axis=0)
-                dist = nxt
-            bounds.append(dist[n])
-        ub = total / bounds[0] if bounds[0] > 0 else np.inf
-        if problem.cost_cap is not None and bounds[1] > 0:
-            ub = min(ub, problem.cost_cap / bounds[1])
-        out[s - 1] = ub if np.isfinite(bounds[0]) else 0.0
-    return out
-
-
 def _min_cost_at(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> float:
     """The least cost of a plan with `s` splits reaching `goodput` (inf: none), without argmins."""
     return float(_feasible_states(problem, grid, _final_values(problem, grid, goodput, s)).min())
-
-
-RACE = (0.92, 0.85, 0.7, 0.4)
-"""The race's probe levels, as fractions of the largest upper bound: the fractional bound is
-usually 5-10 % above the optimum, so the first or second level brackets it."""
-GALLOP_UP = (0.01, 0.03, 0.07, 0.15)
-"""A split count that beats the best so far (lo) is probed at lo x (1 + these) until one is
-infeasible: split counts' optima usually lie within a few per cent of each other."""
-
-
-class _GoodputSearch:
-    """`max_goodput`'s state per split count (`order`: those with a positive bound, most promising first): the largest
-    goodput probed feasible (`lower`, 0: none), a bound above which every breakpoint is infeasible (`upper`), and the
-    (goodput, least cost) of its last feasible probe (`cost_at`); `probes` counts the probes."""
-
-    def __init__(self, problem: E3Problem) -> None:
-        self.problem, self.grid = problem, _Grid(problem.caps)
-        self.ubs = ubs = upper_bounds(problem)
-        self.probes = 0
-        self.cost_at: dict[int, tuple[float, float]] = {}
-        self.order = [s for s in sorted(range(1, problem.max_splits + 1), key=lambda x: -ubs[x - 1]) if ubs[s - 1] > 0]
-        self.lower = dict.fromkeys(self.order, 0.0)
-        self.upper = {s: ubs[s - 1] * (1 + 1e-9) for s in self.order}
-
-    def probe(self, g: float, s: int) -> bool:
-        self.probes += 1
-        c = _min_cost_at(self.problem, self.grid, g, s)
-        if np.isfinite(c):
-            self.cost_at[s] = (g, c)
-            self.lower[s] = max(self.lower[s], g)
-            return True
-        self.upper[s] = min(self.upper[s], g * (1 - 1e-12))
-        return False
-
-    def search(self, s: int, guesses: list[float], gallop_up: bool) -> None:
-        """The largest feasible breakpoint of s in (lower[s], upper[s]], lower[s] known feasible or 0."""
-        bps = _breakpoints(self.problem, s, self.lower[s], self.upper[s])
-        known, out = -1, len(bps)  # index known feasible (-1: lower[s]), smallest known infeasible
-        for g in guesses:
-            i = int(np.searchsorted(bps, g))
-            if not known < i < out:
-                continue
-            if self.probe(float(bps[i]), s):
-                known = i
-                if not gallop_up:
-                    break
-            else:
-                out = i
-                if gallop_up:
-                    break
-        while out - known > 1:
-            mid = (known + out) // 2
-            if self.probe(float(bps[mid]), s):
-                known = mid
-            else:
-                out = mid
-
-    def race(self) -> int | None:
-        """The first split count probed feasible at a level of the race (None: none at any level)."""
-        top = max(self.ubs) if len(self.order) else 0.0
-        for level in RACE:
-            g = level * top
-            for s in self.order:
-                if self.upper[s] < g:
-                    continue
-                bps = _breakpoints(self.problem, s, g * (1 - 1e-12), self.upper[s])
-                if len(bps) and self.probe(float(bps[0]), s):
-                    return s
-        return None
-
-    def settle(self, lead: int | None) -> float:
-        """Every split count but the lead settled against the best so far; returns the optimum (0: none)."""
-        lo = self.lower[lead] if lead is not None else 0.0
-        for s in self.order:
-            if s == lead or self.upper[s] < lo * (1 - 1e-9):
-                continue  # seen infeasible at or below the best so far
-            if lo > 0:
-                if self.lower[s] < lo and not self.probe(lo, s):
-                    continue  # infeasible at the best so far: infeasible above it too
-                self.lower[s] = lo
-            self.search(s, [lo * (1 + f) for f in GALLOP_UP] if lo > 0 else [], gallop_up=lo > 0)
-            lo = max(lo, self.lower[s])
-        return lo
 
 
 def max_goodput(problem: E3Problem) -> E3Solution:
@@ -517,7 +358,8 @@ def max_goodput(problem: E3Problem) -> E3Solution:
     at the best so far (for ties) and, if feasible, searched above it the same way. Every feasible
     probe records its least cost, so ties between split counts go to the cheapest.
     """
-    search = _GoodputSearch(problem)
+    grid = _Grid(problem.caps)
+    search = GoodputSearch(problem, lambda g, splits: _min_cost_at(problem, grid, g, splits))
     lead = search.race() or (
         search.order[0] if search.order else None
     )  # none feasible at any level: the most promising, from 0
@@ -530,7 +372,7 @@ def max_goodput(problem: E3Problem) -> E3Solution:
             "no plan fits: not even one replica per split and bucket fits the caps, cost cap and SLO", field="spec"
         )
     _, s = min(ties)
-    best = _probe(problem, search.grid, lo, order=[s])  # the cheapest plan at the optimum, with its argmins
+    best = _probe(problem, grid, lo, order=[s])  # the cheapest plan at the optimum, with its argmins
     if best is None:  # cannot happen: lo was probed feasible for s
         raise PlanInfeasible("the planner lost its own feasible plan; please report this", field="spec")
     best.probes = search.probes + 1

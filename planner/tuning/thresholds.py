@@ -153,51 +153,21 @@ def tune(
     budget = check_budget(budget)
     r = w.n_ramps
     start_t = np.full(r, DISABLED) if start is None else check_thresholds(start, r, "start")
-    move_mask = np.ones(r, dtype=bool) if movable is None else np.asarray(movable, dtype=bool)
-    if move_mask.shape != (r,):
-        raise WindowError("movable", f"expected {r} booleans (one per ramp), got shape {move_mask.shape}")
-    if method not in ("profile", "steps"):
-        raise WindowError("method", f"expected 'profile' or 'steps', got {method!r}")
-    if not (0.0 < min_step <= init_step <= max_step):
-        raise WindowError(
-            "steps", f"need 0 < min_step <= init_step <= max_step, got {min_step}, {init_step}, {max_step}"
-        )
+    move_mask = _checked_options(r, movable, method, min_step, init_step, max_step)
     allowed = allowed_disagreements(w.n_inputs, budget)
     s = Search(w, start_t, allowed)
     start_agreement, start_saving = s.figures
     moves: list[Move] = []
     repaired = not s.feasible
     if repaired:
-        floor_t = np.where(move_mask, DISABLED, start_t)
-        if w.n_inputs - outcome(w, floor_t).agree_count > allowed:
-            fixed = [w.ramps[i] for i in np.flatnonzero(~move_mask & (start_t <= 1.0))]
-            raise InfeasibleBudget(
-                "budget",
-                f"the ramps the tuner may not move ({', '.join(fixed)}) already "
-                f"break the budget {budget} on this window; let the tuner move them",
-            )
-        repair(s, move_mask, init_step, moves)
+        _repair(s, start_t, move_mask, budget, init_step, moves)
     if method == "steps":
         best_t, _, rounds = climb_steps(s, move_mask, init_step, min_step, max_step, max_rounds, moves)
         s.set(best_t)
     else:
         rounds = climb_profiles(s, move_mask, max_rounds, moves)
     climb_saving = s.total / s.n
-    restarted = False
-    if restart:
-        # The budget programme from scratch; the better of it and the climb goes on to refinement.
-        alt, alt_total = budget_dp(
-            w, allowed, beam=beam, movable=move_mask, fixed=start_t, orders=[s.order(q) for q in range(r)], ties=s.ties
-        )
-        if alt_total > s.total + 1e-9 * max(1.0, abs(s.total)):
-            old, old_total = s.t.copy(), s.total
-            s.set(alt)
-            if s.feasible and s.total > old_total:
-                restarted = True
-                for q in np.flatnonzero(old != s.t):
-                    moves.append(Move("restart", int(q), float(old[q]), float(s.t[q]), *s.figures))
-            else:
-                s.set(old)
+    restarted = _restart(s, start_t, move_mask, beam, moves) if restart else False
     if refine_pass:
         refine(s, move_mask, moves, max_sweeps)
     final = outcome(w, s.t)  # exactly what evaluate() says, not the search's running sums
@@ -215,3 +185,60 @@ def tune(
         repaired,
         restarted,
     )
+
+
+def _checked_options(
+    r: int, movable: object | None, method: str, min_step: float, init_step: float, max_step: float
+) -> np.ndarray:
+    """`tune`'s `movable` as [r] bool (default all), after checking it, `method` and the steps."""
+    move_mask = np.ones(r, dtype=bool) if movable is None else np.asarray(movable, dtype=bool)
+    if move_mask.shape != (r,):
+        raise WindowError("movable", f"expected {r} booleans (one per ramp), got shape {move_mask.shape}")
+    if method not in ("profile", "steps"):
+        raise WindowError("method", f"expected 'profile' or 'steps', got {method!r}")
+    if not (0.0 < min_step <= init_step <= max_step):
+        raise WindowError(
+            "steps", f"need 0 < min_step <= init_step <= max_step, got {min_step}, {init_step}, {max_step}"
+        )
+    return move_mask
+
+
+def _repair(
+    s: Search, start_t: np.ndarray, move_mask: np.ndarray, budget: float, init_step: float, moves: list[Move]
+) -> None:
+    """Raise the movable ramps' thresholds until the window is within budget; InfeasibleBudget when
+    the ramps the tuner may not move break it on their own."""
+    w = s.w
+    floor_t = np.where(move_mask, DISABLED, start_t)
+    if w.n_inputs - outcome(w, floor_t).agree_count > s.allowed:
+        fixed = [w.ramps[i] for i in np.flatnonzero(~move_mask & (start_t <= 1.0))]
+        raise InfeasibleBudget(
+            "budget",
+            f"the ramps the tuner may not move ({', '.join(fixed)}) already "
+            f"break the budget {budget} on this window; let the tuner move them",
+        )
+    repair(s, move_mask, init_step, moves)
+
+
+def _restart(s: Search, start_t: np.ndarray, move_mask: np.ndarray, beam: int, moves: list[Move]) -> bool:
+    """The budget programme from scratch; the better of it and the climb goes on to refinement. When the
+    programme's configuration is feasible and saves more, `s` takes it (a "restart" move per ramp it
+    changes) and True is returned; otherwise `s` keeps the climb's."""
+    alt, alt_total = budget_dp(
+        s.w,
+        s.allowed,
+        beam=beam,
+        movable=move_mask,
+        fixed=start_t,
+        orders=[s.order(q) for q in range(s.r)],
+        ties=s.ties,
+    )
+    if alt_total > s.total + 1e-9 * max(1.0, abs(s.total)):
+        old, old_total = s.t.copy(), s.total
+        s.set(alt)
+        if s.feasible and s.total > old_total:
+            for q in np.flatnonzero(old != s.t):
+                moves.append(Move("restart", int(q), float(old[q]), float(s.t[q]), *s.figures))
+            return True
+        s.set(old)
+    return False

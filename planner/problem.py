@@ -1,0 +1,190 @@
+"""The solver's problem for a service: every option's rate, batch and stage time, and why none fits.
+
+`build_problem` turns a service's resolved inputs and one bucket set into E3's problem
+(planner/e3.py): per (splits, pool, first block, last block, bucket) option the best throughput
+of one replica under the cycle (the SLO budget over `cycles(splits)`) and the pool's memory, from
+the cost model's stage tables, with or without rebatching (a fusion queue per block) per split
+and pool. `diagnose` names the binding constraint (the SLO, memory, or the caps and cost cap)
+when no bucket set has a plan.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from exitplan.api.resources import EarlyExitServiceSpec
+from exitplan.planner import buckets as bk
+from exitplan.planner.e3 import E3Problem
+from exitplan.planner.errors import PlanInfeasible
+from exitplan.planner.inputs import Inputs
+
+
+def cycles(splits: int) -> int:
+    """End-to-end latency bound of a pipeline of `splits` stages, in cycles: at every stage a row
+    may wait up to one cycle for its fusion queue to launch (a full batch, or the deadline rule)
+    and then runs one. (The synchronous-pipeline count, splits + 1, proved optimistic in the
+    simulator once several stages each wait for their own batches.)"""
+    return 2 * splits
+
+
+def rebatching(spec: EarlyExitServiceSpec, inp: Inputs) -> bool:
+    """Whether the plan's splits rebatch: the spec asks for it and some exit is enabled (without
+    exits every row runs every block of its split and rebatching changes nothing)."""
+    return bool(spec.planner.rebatch and any(inp.enabled))
+
+
+@dataclass
+class PlanProblem(E3Problem):
+    """E3's problem plus, per (splits, pool, first, last), whether that split rebatches (the DP ignores it)."""
+
+    rebatch: np.ndarray | None = None
+    """bool (max_splits, P, N, N); None: no split rebatches."""
+
+    def rebatches(self, splits: int, pool: int, first: int, last: int) -> bool:
+        return bool(self.rebatch is not None and self.rebatch[splits - 1, pool, first, last])
+
+
+def _options(
+    inp: Inputs, bucket_set: Sequence[int], S: int, rebatch: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """rate, batch and stage time of every (splits, pool, first, last, bucket) option, splits rebatching or not."""
+    n, P, K = inp.n_blocks, len(inp.pool_names), len(bucket_set)
+    sigma = inp.sigma()
+    ramps_on = inp.ramps_on()
+    rate = np.zeros((S, P, n, n, K))
+    batch = np.zeros((S, P, n, n, K), dtype=np.int64)
+    stage = np.full((S, P, n, n, K), np.inf)
+    for p, model in enumerate(inp.models):
+        sizes = np.asarray(model.profile.batch_sizes, dtype=np.float64)
+        for k, length in enumerate(bucket_set):
+            tables = model.stage_tables(
+                sizes, length, sigma, ramps_on, rebatch=rebatch
+            )  # (nB, n, n): the bound, for the cycle
+            # the mean time a batch holds its replica (survivors forwarded beside the next batch), for throughput
+            # (with rebatching it depends on the cycle: an inner block's queue launches at the latest every cycle)
+            plain_mean = (
+                None if rebatch else model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False)
+            )
+            mem = np.stack(
+                [
+                    [
+                        [
+                            model.replica_bytes(a, b, bsz, length, rebatch=rebatch) if b >= a else np.inf
+                            for b in range(n)
+                        ]
+                        for a in range(n)
+                    ]
+                    for bsz in sizes
+                ]
+            )
+            fits = mem <= model.pool.memory_bytes
+            for s in range(1, S + 1):
+                cycle = inp.budget_ms / cycles(s)
+                mean = plain_mean
+                if mean is None:  # rebatching: at this cycle
+                    mean = model.stage_tables(
+                        sizes, length, sigma, ramps_on, expected=True, transfer=False, rebatch=True, fill_ms=cycle
+                    )
+                ok = fits & (tables <= cycle) & np.isfinite(tables) & np.isfinite(mean)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    thr = np.where(ok, sizes[:, None, None] / np.where(mean > 0, mean, 1e-9) * 1e3, 0.0)
+                best = np.argmax(thr, axis=0)
+                rate[s - 1, p, :, :, k] = np.take_along_axis(thr, best[None], 0)[0]
+                batch[s - 1, p, :, :, k] = sizes[best].astype(np.int64)
+                stage[s - 1, p, :, :, k] = np.take_along_axis(tables, best[None], 0)[0]
+    return rate, batch, stage
+
+
+def build_problem(
+    inp: Inputs,
+    bucket_set: Sequence[int],
+    max_splits: int,
+    layout: tuple[list[tuple[int, int]], list[int]] | None = None,
+    rebatch: bool = False,
+) -> PlanProblem:
+    """Rates of every (splits, pool, first, last, bucket) option under the cycle and memory limits.
+
+    `layout` = (segments, pool per segment) restricts the problem to one layout (the previous plan's).
+    `rebatch`: a split may regroup rows at each block (the cost model's rebatching tables and
+    memory); on a pool it does where that is at least as fast as without for every bucket (and
+    feasible for one), so no option is slower than E3's own and the DP's optimum is at least E3's.
+    """
+    n = inp.n_blocks
+    S = max_splits if layout is None else len(layout[0])
+    rate, batch, stage = _options(inp, bucket_set, S, False)
+    chosen = None
+    if rebatch:
+        rb_rate, rb_batch, rb_stage = _options(inp, bucket_set, S, True)
+        chosen = np.all(rb_rate >= rate, axis=4) & np.any(rb_rate > 0, axis=4)  # (S, P, n, n)
+        pick = chosen[..., None]
+        rate, batch, stage = (
+            np.where(pick, rb_rate, rate),
+            np.where(pick, rb_batch, batch),
+            np.where(pick, rb_stage, stage),
+        )
+    if layout is not None:
+        keep = np.zeros_like(rate, dtype=bool)
+        for (a, b), p in zip(*layout):
+            keep[S - 1, p, a, b, :] = True
+        # Fewer splits than the layout's are not this layout.
+        rate = np.where(keep, rate, 0.0)
+    shares = bk.shares(inp.grid, inp.mass, bucket_set)
+    return PlanProblem(
+        n,
+        list(inp.pool_names),
+        inp.caps.copy(),
+        inp.costs.copy(),
+        shares,
+        inp.sigma()[:n].copy(),
+        rate,
+        batch,
+        stage,
+        inp.cost_cap,
+        rebatch=chosen,
+    )
+
+
+def diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int) -> PlanInfeasible:
+    """Name the binding constraint when no plan exists."""
+    top = max(bucket_set)
+    full = {m.pool_name: m.full_model_ms(top, 1.0) for m in inp.models}
+    fastest_pool = min(full, key=lambda name: full[name])
+    # The best pipeline for single inputs: the smallest cycles(S) x slowest stage at batch 1.
+    best_bound = math.inf
+    sigma = inp.sigma()
+    for m in inp.models:
+        t = m.stage_tables([1.0], top, sigma, inp.ramps_on())[0]
+        n = m.n_blocks
+        for s in range(1, max_splits + 1):
+            # bottleneck path: minimise the slowest stage over layouts with s splits
+            worst = np.full(n + 1, np.inf)
+            worst[0] = 0.0
+            for _ in range(s):
+                nxt = np.full(n + 1, np.inf)
+                nxt[1:] = np.maximum(worst[:n, None], t).min(axis=0)
+                worst = nxt
+            best_bound = min(best_bound, cycles(s) * worst[n])
+    if best_bound > inp.budget_ms:
+        return PlanInfeasible(
+            f"SLO budget {inp.budget_ms:g} ms (latencyMs minus slackMs) is below the {best_bound:.3g} ms that the fastest "
+            f"batching pipeline needs for inputs of length {top} (each split may wait one cycle for its batch and run one); the fastest "
+            f"single-input latency through every block is {full[fastest_pool]:.3g} ms on pool {fastest_pool}. Relax spec.slo.latencyMs, "
+            "use a faster pool, or cap workload.lengthBuckets lower",
+            field="spec.slo.latencyMs",
+        )
+    mem_ok = any(m.replica_bytes(a, a, 1, top) <= m.pool.memory_bytes for m in inp.models for a in range(m.n_blocks))
+    if not mem_ok:
+        return PlanInfeasible(
+            "no single block fits the memory of any pool (GPUPool memoryBytes); use pools with more memory",
+            field="pools.memoryBytes",
+        )
+    return PlanInfeasible(
+        f"no plan fits {len(bucket_set)} bucket(s) x at least one split within the pools' caps {dict(zip(inp.pool_names, inp.caps.tolist()))}"
+        + (f" and the cost cap {inp.cost_cap:g}/h" if inp.cost_cap is not None else "")
+        + "; raise capacity/maxGpus or the cost cap",
+        field="spec.pools",
+    )
