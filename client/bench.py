@@ -19,7 +19,7 @@ import numpy as np
 
 from exitplan.client.loadgen import Outcome, replay
 from exitplan.client.report import BenchReport, summarize
-from exitplan.client.texts import HeldoutPool, ReferenceCache, build_inputs, check_labels, load_pool
+from exitplan.client.texts import HeldoutPool, ReferenceCache, RequestInputs, build_inputs, check_labels, load_pool
 from exitplan.planner.traces import LengthMode, Trace, TraceError, default_trace_path, load_trace
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -217,6 +217,31 @@ class BenchSetup:
         return fresh
 
 
+def _checked_slo(info: ModelInfo, slo_ms: float | None, timeout_s: float) -> float:
+    """The SLO to judge the run by (`slo_ms`, else the router's); BenchError when it or the client
+    timeout is unusable."""
+    slo = slo_ms if slo_ms is not None else info.slo_ms
+    if slo is None:
+        raise BenchError("the router publishes no SLO; pass --slo-ms")
+    if slo <= 0:
+        raise BenchError(f"--slo-ms must be > 0, got {slo}")
+    if timeout_s <= 0:
+        raise BenchError(f"the client timeout must be > 0 seconds, got {timeout_s}")
+    return slo
+
+
+def _inputs_summary(window: Trace, inputs: RequestInputs, pool: HeldoutPool) -> dict:
+    """How well the sent inputs match the trace window's lengths (the report's `run.inputs`)."""
+    return {
+        "target_length_mean": float(window.lengths.mean()),
+        "sent_length_mean": float(inputs.lengths.mean()),
+        "length_abs_error_mean": float(abs(inputs.lengths - window.lengths).mean()),
+        "concatenated": inputs.concatenated,
+        "distinct_inputs": len(set(inputs.parts)),
+        "heldout_size": len(pool),
+    }
+
+
 async def run_bench_async(
     setup: BenchSetup,
     trace: str | Path | None = None,
@@ -235,13 +260,7 @@ async def run_bench_async(
 ) -> BenchReport:
     """One open-loop run with `setup`'s router and held-out texts; see `run_bench`."""
     info = setup.info
-    slo = slo_ms if slo_ms is not None else info.slo_ms
-    if slo is None:
-        raise BenchError("the router publishes no SLO; pass --slo-ms")
-    if slo <= 0:
-        raise BenchError(f"--slo-ms must be > 0, got {slo}")
-    if timeout_s <= 0:
-        raise BenchError(f"the client timeout must be > 0 seconds, got {timeout_s}")
+    slo = _checked_slo(info, slo_ms, timeout_s)
     plan = await asyncio.to_thread(
         schedule,
         trace,
@@ -279,14 +298,7 @@ async def run_bench_async(
         "seed": seed,
         "timeout_s": timeout_s,
         "buckets": info.buckets,
-        "inputs": {
-            "target_length_mean": float(window.lengths.mean()),
-            "sent_length_mean": float(inputs.lengths.mean()),
-            "length_abs_error_mean": float(abs(inputs.lengths - window.lengths).mean()),
-            "concatenated": inputs.concatenated,
-            "distinct_inputs": len(set(inputs.parts)),
-            "heldout_size": len(setup.pool),
-        },
+        "inputs": _inputs_summary(window, inputs, setup.pool),
     }
     report = summarize(
         outcomes,

@@ -24,6 +24,9 @@ delete. `DevKubeAPI` adds, on top of the same object store and discovery:
   ownerReferences name its uid are deleted too (background cascading). A real cluster's GC does
   this; the operator never deletes its children itself.
 
+The object-level rules it applies (error statuses, label and field selectors, merge patches) are
+in `kubeobjects.py`.
+
 What it does not have, on purpose: PUT (replace), the scale subresource, admission webhooks,
 controllers (Deployments get their status from the local pod runner, not from a controller).
 """
@@ -33,9 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
-import datetime as dt
 import json
-import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -47,8 +48,16 @@ import kmock
 from kmock._internal import rendering
 
 from exitplan.devcluster import schema as devschema
-
-Payload = dict[str, Any]
+from exitplan.devcluster.kubeobjects import (
+    Payload,
+    api_error,
+    field_match,
+    labels_match,
+    merge_patch,
+    now,
+    parse_label_selector,
+    strip_directives,
+)
 
 # (group/version/plural, kind, namespaced, short names, subresources)
 BUILTINS: list[tuple[str, str, bool, list[str], list[str]]] = [
@@ -76,82 +85,6 @@ EVENT_LOG = 4096
 """Watch events kept per resource for `?resourceVersion` replays; older ones answer 410 Gone."""
 MAX_EVENTS_STORED = 2000
 """Core Events kept (oldest dropped), as a real server's TTL would."""
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
-def _error(status: int, reason: str, message: str) -> kmock.KubernetesError:
-    return kmock.KubernetesError(status=status, reason=reason, message=message, details={"causes": []})
-
-
-def parse_label_selector(text: str) -> list[tuple[str, str, tuple[str, ...]]]:
-    """`a=b,c!=d,e,!f,g in (x,y),h notin (z)` -> [(key, op, values)]."""
-    terms: list[tuple[str, str, tuple[str, ...]]] = []
-    for part in re.split(r",(?![^()]*\))", text.strip()):
-        part = part.strip()
-        if not part:
-            continue
-        if m := re.fullmatch(r"([\w./-]+)\s+(in|notin)\s+\(([^)]*)\)", part):
-            terms.append((m[1], m[2], tuple(v.strip() for v in m[3].split(","))))
-        elif m := re.fullmatch(r"([\w./-]+)\s*(==|!=|=)\s*([\w./-]*)", part):
-            terms.append((m[1], "!=" if m[2] == "!=" else "=", (m[3],)))
-        elif m := re.fullmatch(r"(!?)([\w./-]+)", part):
-            terms.append((m[2], "!" if m[1] else "exists", ()))
-        else:
-            raise _error(400, "BadRequest", f"unable to parse label selector term {part!r}")
-    return terms
-
-
-def labels_match(labels: dict[str, str], terms: list[tuple[str, str, tuple[str, ...]]]) -> bool:
-    for key, op, values in terms:
-        have = labels.get(key)
-        ok = {
-            "=": have == values[0] if values else False,
-            "!=": have != values[0],
-            "exists": key in labels,
-            "!": key not in labels,
-            "in": have in values,
-            "notin": have not in values,
-        }[op]
-        if not ok:
-            return False
-    return True
-
-
-def _field_match(obj: Payload, selector: str) -> bool:
-    meta = obj.get("metadata", {})
-    for term in filter(None, (t.strip() for t in selector.split(","))):
-        key, _, value = term.partition("=")
-        negate = key.endswith("!")
-        key = key.rstrip("!=")
-        have = {"metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace")}.get(key)
-        if (have == value.lstrip("=")) == negate:
-            return False
-    return True
-
-
-def _strip_directives(patch: Any) -> Any:
-    """A strategic merge patch as a JSON merge patch: `$patch`, `$setElementOrder/...` dropped."""
-    if isinstance(patch, dict):
-        return {k: _strip_directives(v) for k, v in patch.items() if not k.startswith("$")}
-    if isinstance(patch, list):
-        return [_strip_directives(v) for v in patch]
-    return patch
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
 
 
 @attrs.define(kw_only=True)
@@ -216,7 +149,7 @@ class DevKubeAPI(kmock.KubernetesEmulator):
 
     def _known(self, res: kmock.resource | None) -> kmock.resource:
         if res is None or res not in self.resources:
-            raise _error(404, "NotFound", f"the server could not find the requested resource {res}")
+            raise api_error(404, "NotFound", f"the server could not find the requested resource {res}")
         return res
 
     def _live(self, res: kmock.resource, namespace: str | None) -> list[Payload]:
@@ -255,7 +188,7 @@ class DevKubeAPI(kmock.KubernetesEmulator):
             if problems:
                 kind = body.get("kind", res.plural)
                 name = body.get("metadata", {}).get("name", "")
-                raise _error(422, "Invalid", f'{kind} "{name}" is invalid: ' + "; ".join(problems))
+                raise api_error(422, "Invalid", f'{kind} "{name}" is invalid: ' + "; ".join(problems))
 
     def _default(self, res: kmock.resource, body: Payload) -> None:
         validator = self._validators.get(res)
@@ -266,21 +199,21 @@ class DevKubeAPI(kmock.KubernetesEmulator):
 
     def _create(self, res: kmock.resource, namespace: str | None, body: Payload, notify: bool = True) -> Payload:
         if not isinstance(body, dict):
-            raise _error(400, "BadRequest", "the body of a create must be a JSON object")
+            raise api_error(400, "BadRequest", "the body of a create must be a JSON object")
         meta = body.setdefault("metadata", {})
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         if not meta.get("name"):
-            raise _error(422, "Invalid", "metadata.name: Required value: name or generateName is required")
+            raise api_error(422, "Invalid", "metadata.name: Required value: name or generateName is required")
         namespace = (namespace or meta.get("namespace") or "default") if self._namespaced(res) else None
         if namespace is not None and res != kmock.resource("v1/namespaces"):
             meta["namespace"] = namespace
         key = (res, namespace, meta["name"])
         if key in self._objects and not self._objects[key].deleted:
-            raise _error(409, "AlreadyExists", f'{res.plural} "{meta["name"]}" already exists')
+            raise api_error(409, "AlreadyExists", f'{res.plural} "{meta["name"]}" already exists')
         self._validate(res, body)
         self._default(res, body)
-        meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_rv(), generation=1, creationTimestamp=_now())
+        meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_rv(), generation=1, creationTimestamp=now())
         meta.pop("deletionTimestamp", None)
         if res == CRDS:
             self._register_crd(body)
@@ -294,7 +227,7 @@ class DevKubeAPI(kmock.KubernetesEmulator):
         res = self._known(request.resource)
         key = (res, request.namespace if self._namespaced(res) else None, request.name)
         if key not in self._objects or self._objects[key].deleted:
-            raise _error(404, "NotFound", f'{res.plural} "{request.name}" not found')
+            raise api_error(404, "NotFound", f'{res.plural} "{request.name}" not found')
         old = self._objects[key].raw
         ctype = request.headers.get("Content-Type", "").split(";")[0].strip()
         data = request.data
@@ -303,15 +236,15 @@ class DevKubeAPI(kmock.KubernetesEmulator):
         try:
             if ctype == "application/json-patch+json":
                 if not isinstance(data, list):
-                    raise _error(400, "BadRequest", "a JSON patch must be a list of operations")
+                    raise api_error(400, "BadRequest", "a JSON patch must be a list of operations")
                 new = jsonpatch.apply_patch(copy.deepcopy(old), data)
             else:
                 if not isinstance(data, dict):
-                    raise _error(400, "BadRequest", f"a {ctype or 'merge'} patch must be a JSON object")
-                data = _strip_directives(data)
+                    raise api_error(400, "BadRequest", f"a {ctype or 'merge'} patch must be a JSON object")
+                data = strip_directives(data)
                 want_rv = (data.get("metadata") or {}).get("resourceVersion")
                 if want_rv and want_rv != old["metadata"]["resourceVersion"]:
-                    raise _error(
+                    raise api_error(
                         409,
                         "Conflict",
                         f'Operation cannot be fulfilled on {res.plural} "{request.name}": '
@@ -319,7 +252,7 @@ class DevKubeAPI(kmock.KubernetesEmulator):
                     )
                 new = merge_patch(old, data)
         except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict, jsonpatch.InvalidJsonPatch) as err:
-            raise _error(422, "Invalid", f"the JSON patch does not apply: {err}") from err
+            raise api_error(422, "Invalid", f"the JSON patch does not apply: {err}") from err
         if status_only:  # the status subresource changes only the status
             new = (
                 {**old, "status": new.get("status")}
@@ -357,12 +290,12 @@ class DevKubeAPI(kmock.KubernetesEmulator):
     def _delete(self, res: kmock.resource, namespace: str | None, name: str) -> Payload:
         key = (res, namespace if self._namespaced(res) else None, name)
         if key not in self._objects or self._objects[key].deleted:
-            raise _error(404, "NotFound", f'{res.plural} "{name}" not found')
+            raise api_error(404, "NotFound", f'{res.plural} "{name}" not found')
         obj = copy.deepcopy(self._objects[key].raw)
         meta = obj["metadata"]
         if meta.get("finalizers"):
             if not meta.get("deletionTimestamp"):
-                meta["deletionTimestamp"] = _now()
+                meta["deletionTimestamp"] = now()
                 meta["resourceVersion"] = self._next_rv()
                 self._store(key, obj)
                 self._record(res, "MODIFIED", obj)
@@ -459,7 +392,7 @@ class DevKubeAPI(kmock.KubernetesEmulator):
         res = self._known(request.resource)
         key = (res, request.namespace if self._namespaced(res) else None, request.name)
         if key not in self._objects or self._objects[key].deleted:
-            raise _error(404, "NotFound", f'{res.plural} "{request.name}" not found')
+            raise api_error(404, "NotFound", f'{res.plural} "{request.name}" not found')
         obj = copy.deepcopy(self._objects[key].raw)
         return self._table(res, [obj]) if self._wants_table(request) else obj
 
@@ -470,7 +403,7 @@ class DevKubeAPI(kmock.KubernetesEmulator):
         items = [
             copy.deepcopy(o)
             for o in self._live(res, request.namespace)
-            if labels_match(o.get("metadata", {}).get("labels") or {}, terms) and _field_match(o, fields)
+            if labels_match(o.get("metadata", {}).get("labels") or {}, terms) and field_match(o, fields)
         ]
         items.sort(key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
         if self._wants_table(request):
@@ -523,7 +456,7 @@ class DevKubeAPI(kmock.KubernetesEmulator):
             return (
                 (request.namespace is None or meta.get("namespace") == request.namespace)
                 and labels_match(meta.get("labels") or {}, terms)
-                and _field_match(obj, fields)
+                and field_match(obj, fields)
             )
 
         try:

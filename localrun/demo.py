@@ -18,6 +18,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from exitplan.localrun.service_setup import (
     trace_lengths,
     tuned_thresholds,
 )
+
+if TYPE_CHECKING:
+    from exitplan.client.report import BenchReport
 
 CONFIGS = ("vanilla", "naive-ee", "exitplan")
 
@@ -164,22 +168,7 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
                     setup=bench_setup,
                     reference_max=reference,
                 )
-                row = {
-                    "config": config,
-                    "load": load,
-                    "offered_rps": report.offered_rps,
-                    "goodput_rps": report.goodput_rps,
-                    "p50_ms": report.latency.get("p50"),
-                    "p95_ms": report.latency.get("p95"),
-                    "p99_ms": report.latency.get("p99"),
-                    "agreement_drop": report.agreement_drop,
-                    "requests": report.requests,
-                    "results": report.results,
-                    "overload": report.errors.get("overload", 0),
-                    "errors": report.error_total,
-                    "lost": report.lost,
-                    "exit_share": report.exit_share,
-                }
+                row = _run_row(config, load, report)
                 result.runs.append(row)
                 console.print(_row_text(row))
         finally:
@@ -190,15 +179,40 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
                     dep.stop()
     console.print(summary_table(result, slo))
     if kept is not None:
-        console.print(f"[green]exitplan keeps serving[/green] at {kept.url}/v2/models/{model}/infer — Ctrl-C stops it")
-        try:
-            while all(p.popen and p.popen.poll() is None for p in kept.procs):
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            kept.stop()
+        _serve_until_interrupted(kept, model, console)
     return result
+
+
+def _run_row(config: str, load: float, report: BenchReport) -> dict:
+    """One bench run of the demo, as a row of its summary (`DemoResult.runs`)."""
+    return {
+        "config": config,
+        "load": load,
+        "offered_rps": report.offered_rps,
+        "goodput_rps": report.goodput_rps,
+        "p50_ms": report.latency.get("p50"),
+        "p95_ms": report.latency.get("p95"),
+        "p99_ms": report.latency.get("p99"),
+        "agreement_drop": report.agreement_drop,
+        "requests": report.requests,
+        "results": report.results,
+        "overload": report.errors.get("overload", 0),
+        "errors": report.error_total,
+        "lost": report.lost,
+        "exit_share": report.exit_share,
+    }
+
+
+def _serve_until_interrupted(kept: LocalDeployment, model: str, console) -> None:
+    """Keep the last configuration serving until one of its processes ends or Ctrl-C; then stop it."""
+    console.print(f"[green]exitplan keeps serving[/green] at {kept.url}/v2/models/{model}/infer — Ctrl-C stops it")
+    try:
+        while all(p.popen and p.popen.poll() is None for p in kept.procs):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        kept.stop()
 
 
 def _row_text(row: dict) -> str:

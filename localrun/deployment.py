@@ -145,7 +145,13 @@ class LocalDeployment:
                 by_split.setdefault(cell.split, []).append(Proc(name, args, port, logs / f"{name}.log"))
                 port += 1
         workers = [p for s in sorted(by_split) for p in by_split[s]]
-        router_args = [
+        router_args = self._router_args(cli, by_split.get(0, []))
+        return [*workers, Proc("router", router_args, self.port, logs / "router.log")]
+
+    def _router_args(self, cli: list[str], first_split: list[Proc]) -> list[str]:
+        """The router's command line: the service's SLO, accuracy and router settings, and the
+        workers of split 0 as its peers."""
+        args = [
             *cli,
             "router",
             "--bundle",
@@ -153,7 +159,7 @@ class LocalDeployment:
             "--plan",
             str(self.plan_path),
             "--peers",
-            ",".join(p.address for p in by_split.get(0, [])),
+            ",".join(p.address for p in first_split),
             "--host",
             "127.0.0.1",
             "--port",
@@ -178,8 +184,8 @@ class LocalDeployment:
             str(self.window_seconds),
         ]
         if self.spec.router.truncate:
-            router_args.append("--truncate")
-        return [*workers, Proc("router", router_args, self.port, logs / "router.log")]
+            args.append("--truncate")
+        return args
 
     def write_plan(self, plan: Plan | None = None) -> None:
         """Write the plan atomically (workers and the router re-read it when it changes)."""

@@ -337,35 +337,16 @@ async def plan_and_apply(
     held_back = ""
     target = plan
     if max_move_fraction is not None and max_move_fraction < 1.0 and previous is not None:  # 1.0: no cap
-        budget = drift.move_budget(previous, max_move_fraction)
-        if not drift.same_layout(previous, plan) and drift.moved_replicas(previous, plan) > budget:
-            # A new layout replaces every instance at once, which the cap forbids: move within the
-            # current layout instead; the new layout stays a proposal (raise maxMoveFraction to take it).
-            try:
-                within = await plan_in_executor(
-                    svc.name,
-                    svc.namespace,
-                    spec,
-                    inputs,
-                    reason=reason,
-                    previous=previous,
-                    observations=observations,
-                    keep_layout=True,
-                )
-            except (PlanInfeasible, PlannerError):
-                within = None
-            if within is not None and drift.same_layout(previous, within):
-                svc.event(
-                    "Normal",
-                    "LayoutHeldBack",
-                    f"plan {plan.content_hash()} ({reason}) changes the split "
-                    f"layout, moving {drift.moved_replicas(previous, plan)} replicas at once; maxMoveFraction "
-                    f"{max_move_fraction:g} allows {budget}: moving within the current layout instead",
-                )
-                target = plan = within
-        plan, remaining = drift.limit_moves(previous, plan, max_move_fraction)
-        if remaining:
-            held_back = f"move cap: {remaining} more replica move(s) follow in later periods"
+        plan, target, held_back = await _cap_moves(
+            svc,
+            spec,
+            inputs,
+            plan,
+            previous=previous,
+            reason=reason,
+            observations=observations,
+            max_move_fraction=max_move_fraction,
+        )
     children = builders.build_children(svc.body, spec, plan, inputs.pools)
     return await propose_or_apply(
         svc,
@@ -379,6 +360,53 @@ async def plan_and_apply(
         what=f"plan {plan.content_hash()} ({reason})",
         held_back=held_back,
     )
+
+
+async def _cap_moves(
+    svc: Service,
+    spec: EarlyExitServiceSpec,
+    inputs: ServiceResources,
+    plan: Plan,
+    *,
+    previous: Plan,
+    reason: str,
+    observations: Observations | None,
+    max_move_fraction: float,
+) -> tuple[Plan, Plan, str]:
+    """`plan` limited to `max_move_fraction` of `previous`'s replicas moved: (what to apply now,
+    where the steps lead, what is held back for later periods ("" when nothing is))."""
+    from exitplan.planner.errors import PlanInfeasible, PlannerError
+
+    target = plan
+    budget = drift.move_budget(previous, max_move_fraction)
+    if not drift.same_layout(previous, plan) and drift.moved_replicas(previous, plan) > budget:
+        # A new layout replaces every instance at once, which the cap forbids: move within the
+        # current layout instead; the new layout stays a proposal (raise maxMoveFraction to take it).
+        try:
+            within = await plan_in_executor(
+                svc.name,
+                svc.namespace,
+                spec,
+                inputs,
+                reason=reason,
+                previous=previous,
+                observations=observations,
+                keep_layout=True,
+            )
+        except (PlanInfeasible, PlannerError):
+            within = None
+        if within is not None and drift.same_layout(previous, within):
+            svc.event(
+                "Normal",
+                "LayoutHeldBack",
+                f"plan {plan.content_hash()} ({reason}) changes the split "
+                f"layout, moving {drift.moved_replicas(previous, plan)} replicas at once; maxMoveFraction "
+                f"{max_move_fraction:g} allows {budget}: moving within the current layout instead",
+            )
+            target = plan = within
+    plan, remaining = drift.limit_moves(previous, plan, max_move_fraction)
+    held_back = f"move cap: {remaining} more replica move(s) follow in later periods" if remaining else ""
+    return plan, target, held_back
 
 
 async def propose_or_apply(

@@ -85,17 +85,8 @@ def manifest(labels: list[str]) -> BundleManifest:
     )
 
 
-def build(directory, *, train_size: int, heldout_size: int, seed: int, bar) -> dict:
-    report: dict = {"model": NAME}
-    splits = digits_splits(train_size, heldout_size, seed)
-    torch.manual_seed(seed)
-    blocks = make_blocks()
-    head = PooledLinear(nn.Linear(CHANNELS[-1] * 4, len(splits.labels)))
-    model = nn.Sequential(*blocks, head)
-    x = torch.from_numpy(splits.train_x)
-    y = torch.from_numpy(splits.train_label)
-
-    started = time.perf_counter()
+def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, seed: int, bar) -> None:
+    """Train the CNN and its head end to end (Adam, EPOCHS epochs of shuffled batches of 64)."""
     optimiser = torch.optim.Adam(model.parameters(), lr=3e-3, weight_decay=1e-4)
     generator = torch.Generator().manual_seed(seed)
     progress = bar(EPOCHS, "training digits CNN + head")
@@ -108,6 +99,57 @@ def build(directory, *, train_size: int, heldout_size: int, seed: int, bar) -> d
         progress.update(1)
     progress.close()
     model.eval()
+
+
+def _export(
+    directory, bundle: BundleManifest, blocks: nn.ModuleList, head: nn.Module, fits: list[LinearFit], x, bar
+) -> None:
+    """Export every block and ramp of `bundle` to its ONNX file in `directory`; `fits` are the ramps'
+    linear fits in manifest order (the final one, the head, is exported as the trained module)."""
+    examples = [x[:2]]
+    with torch.no_grad():
+        for block in blocks:
+            examples.append(block(examples[-1]))
+    batch_axis = {0: "batch"}
+    progress = bar(len(bundle.blocks) + len(bundle.ramps), "exporting to ONNX")
+    for i, spec in enumerate(bundle.blocks):
+        axes = {spec.inputs[0]: batch_axis, spec.outputs[0]: batch_axis}
+        export_module(
+            blocks[i],
+            [examples[i]],
+            directory / spec.file,
+            input_names=spec.inputs,
+            output_names=spec.outputs,
+            free_axes=axes,
+        )
+        progress.update(1)
+    for spec, fit in zip(bundle.ramps, fits):
+        module = PooledLinear(fit.to_linear()) if not spec.final else head
+        axes = {spec.inputs[0]: batch_axis, spec.output: batch_axis}
+        export_module(
+            module,
+            [examples[spec.after + 1]],
+            directory / spec.file,
+            input_names=spec.inputs,
+            output_names=[spec.output],
+            free_axes=axes,
+        )
+        progress.update(1)
+    progress.close()
+
+
+def build(directory, *, train_size: int, heldout_size: int, seed: int, bar) -> dict:
+    report: dict = {"model": NAME}
+    splits = digits_splits(train_size, heldout_size, seed)
+    torch.manual_seed(seed)
+    blocks = make_blocks()
+    head = PooledLinear(nn.Linear(CHANNELS[-1] * 4, len(splits.labels)))
+    model = nn.Sequential(*blocks, head)
+    x = torch.from_numpy(splits.train_x)
+    y = torch.from_numpy(splits.train_label)
+
+    started = time.perf_counter()
+    _train(model, x, y, seed=seed, bar=bar)
 
     feats = _features(blocks, x)
     head_fit = LinearFit(
@@ -132,36 +174,7 @@ def build(directory, *, train_size: int, heldout_size: int, seed: int, bar) -> d
 
     exported = time.perf_counter()
     bundle = manifest(splits.labels)
-    examples = [x[:2]]
-    with torch.no_grad():
-        for block in blocks:
-            examples.append(block(examples[-1]))
-    batch_axis = {0: "batch"}
-    progress = bar(len(bundle.blocks) + len(bundle.ramps), "exporting to ONNX")
-    for i, spec in enumerate(bundle.blocks):
-        axes = {spec.inputs[0]: batch_axis, spec.outputs[0]: batch_axis}
-        export_module(
-            blocks[i],
-            [examples[i]],
-            directory / spec.file,
-            input_names=spec.inputs,
-            output_names=spec.outputs,
-            free_axes=axes,
-        )
-        progress.update(1)
-    for spec, fit in zip(bundle.ramps, ramps + [head_fit]):
-        module = PooledLinear(fit.to_linear()) if not spec.final else head
-        axes = {spec.inputs[0]: batch_axis, spec.output: batch_axis}
-        export_module(
-            module,
-            [examples[spec.after + 1]],
-            directory / spec.file,
-            input_names=spec.inputs,
-            output_names=[spec.output],
-            free_axes=axes,
-        )
-        progress.update(1)
-    progress.close()
+    _export(directory, bundle, blocks, head, ramps + [head_fit], x, bar)
     report["export_seconds"] = time.perf_counter() - exported
     report["manifest"] = bundle
     report["heldout"] = {"x": splits.heldout_x, "label": splits.heldout_label}

@@ -113,11 +113,9 @@ def _per_sample_bytes(state: Mapping[str, np.ndarray], names: Sequence[str]) -> 
     return int(sum(state[n].nbytes // max(1, state[n].shape[0]) for n in names if n in state))
 
 
-def profile_bundle(
-    directory: Path, options: ProfileOptions, progress: Callable[[int, str], object] | None = None
-) -> ModelProfile:
-    """Measure the bundle at `directory`; `progress(n, what)` is called after each measured cell."""
-    directory = Path(directory)
+def _open_runtime(directory: Path, options: ProfileOptions) -> tuple[BundleRuntime, list[int]]:
+    """The bundle's runtime for the options' pool, providers and sequence lengths, and the batch sizes
+    to measure; ProfileError when the options do not make sense here."""
     if not options.pool:
         raise ProfileError("--pool must name the GPUPool this profile describes")
     if options.repeats < 1:
@@ -138,6 +136,31 @@ def profile_bundle(
         if seq_lens and "bucket" in str(err):
             raise ProfileError(f"--seq-lens {seq_lens}: {err}") from err
         raise
+    return runtime, batch_sizes
+
+
+def _survival(directory: Path, manifest: BundleManifest, thresholds: Mapping[str, float]) -> dict[str, float]:
+    """Ramp name -> share of the calibration window's inputs that pass it under `thresholds`."""
+    window_path = directory / "data" / "window.npz"
+    if not window_path.is_file():
+        raise BundleError(
+            f"{window_path}: the bundle has no calibration window; rebuild it with `exitplan prepare --force`"
+        )
+    window = np.load(window_path)
+    exits = manifest.exit_ramps()
+    surv = survival_curve(window["conf"], [thresholds[r.name] for r in exits])
+    survival = {r.name: s for r, s in zip(exits, surv)}
+    # The head is not an exit: its entry repeats the survival after the last exit ramp.
+    survival[manifest.final_ramp().name] = surv[-1] if surv else 1.0
+    return survival
+
+
+def profile_bundle(
+    directory: Path, options: ProfileOptions, progress: Callable[[int, str], object] | None = None
+) -> ModelProfile:
+    """Measure the bundle at `directory`; `progress(n, what)` is called after each measured cell."""
+    directory = Path(directory)
+    runtime, batch_sizes = _open_runtime(directory, options)
     manifest = runtime.manifest
     thresholds = resolve_thresholds(manifest, options.thresholds)
     heldout = load_heldout(directory, manifest)
@@ -164,17 +187,7 @@ def profile_bundle(
             if progress:
                 progress(1, f"seq {length} batch {batch}")
 
-    window_path = directory / "data" / "window.npz"
-    if not window_path.is_file():
-        raise BundleError(
-            f"{window_path}: the bundle has no calibration window; rebuild it with `exitplan prepare --force`"
-        )
-    window = np.load(window_path)
-    exits = manifest.exit_ramps()
-    surv = survival_curve(window["conf"], [thresholds[r.name] for r in exits])
-    survival = {r.name: s for r, s in zip(exits, surv)}
-    # The head is not an exit: its entry repeats the survival after the last exit ramp.
-    survival[head.name] = surv[-1] if surv else 1.0
+    survival = _survival(directory, manifest, thresholds)
     ramps_in_order = manifest.ramps_in(0, n_blocks - 1)
     spec = ModelProfileSpec(
         model=options.model_name or manifest.name,

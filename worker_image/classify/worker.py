@@ -12,7 +12,7 @@ a batch runs one block and its survivors wait for the next block with the surviv
 
 Also: GET /v1/info (what this pod is), /v1/peers (next-split pods with their straggler marks),
 /v2/health/live, /v2/health/ready, /metrics; POST /v1/thresholds (hot update, forwarded to the
-next split). The plan file is re-read when it changes.
+next split). The plan file is re-read when it changes. The frames and rows in flight are in `rows.py`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -37,12 +36,13 @@ from exitplan.worker import wire
 from exitplan.worker.bundle_runtime import BundleRuntime, StateError
 from exitplan.worker.classify.executor import execute
 from exitplan.worker.classify.fusion import FusionQueues
+from exitplan.worker.classify.rows import Pending, Row, batch_state
 from exitplan.worker.control_client import ControlClient
 from exitplan.worker.discovery import PeerSet, parse_peer_spec
 from exitplan.worker.hop_client import HopClient, HopFailed, NoPeer, send
 from exitplan.worker.metrics import Children, WorkerMetrics
 from exitplan.worker.planfile import read_plan, watch_plan
-from exitplan.worker.wire import HopAnswer, HopItem, HopRequest, HopResult, ShadowRecord
+from exitplan.worker.wire import HopRequest, HopResult, ShadowRecord
 
 log = logging.getLogger(__name__)
 
@@ -61,75 +61,6 @@ frame out to the next split): nothing waits on the loop then, and the hand-off i
 INLINE_IDLE_MAX_MS = 150.0
 """The longest batch an idle worker runs on its event loop: health and /v1/info probes (1 s
 timeouts, the kubelet's default included) and arriving frames wait at most this long behind it."""
-
-
-class Pending:
-    """One incoming frame: answered when every row has a result or an error."""
-
-    __slots__ = (
-        "items",
-        "tensors",
-        "results",
-        "logits",
-        "remaining",
-        "future",
-        "service_ms",
-        "expected_ms",
-        "compute_ms",
-    )
-
-    def __init__(self, items: Sequence[HopItem], n_labels: int, tensors: dict[str, np.ndarray] | None = None) -> None:
-        self.items = items
-        self.tensors = tensors or {}
-        """The frame's input tensors, [len(items), ...] each: row i of each is item i's input."""
-        self.results: list[HopResult | None] = [None] * len(items)
-        self.logits = np.zeros((len(items), n_labels), dtype=np.float32)
-        self.remaining = len(items)
-        self.future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.service_ms = 0.0
-        self.expected_ms = 0.0
-        self.compute_ms = 0.0
-        """The first batch's compute alone (service_ms may also hold a hand-off to the inference thread)."""
-
-    def answer(self, index: int, result: HopResult, logits: np.ndarray | None) -> None:
-        if self.results[index] is not None:
-            return  # a shadow row's second answer: the first one stands
-        self.results[index] = result
-        if logits is not None:
-            self.logits[index] = logits
-        self.remaining -= 1
-        if self.remaining == 0 and not self.future.done():
-            self.future.set_result(None)
-
-    def fail(self, index: int, reason: str) -> None:
-        self.answer(index, HopResult.failure(self.items[index].id, reason), None)
-
-    def reply(self) -> HopAnswer:
-        """The frame's answer (once every row has its result)."""
-        results = [
-            r if r is not None else HopResult.failure(item.id, "no answer") for r, item in zip(self.results, self.items)
-        ]
-        return HopAnswer(results, self.service_ms, self.expected_ms, self.compute_ms)
-
-
-@dataclass(slots=True)
-class Row:
-    pending: Pending
-    index: int
-    arrival: float
-    deadline: float
-    timeout: float
-    item: HopItem
-    enqueued: float = 0.0
-    """When the row entered its current fusion queue."""
-    state: dict[str, np.ndarray] | None = None
-    """The row's own state (input of its next block) while it waits inside a rebatching split."""
-    rec: ShadowRecord | None = None
-    """A shadow-sampled row's feedback sample so far (the item's, plus what this split adds)."""
-
-    @property
-    def answered(self) -> bool:
-        return self.pending.results[self.index] is not None
 
 
 class SplitWorker:
@@ -424,7 +355,7 @@ class SplitWorker:
         if stage == 0:
             for row in batch:
                 self.metrics.queue_seconds.observe(now - row.arrival)
-            state = _batch_state(batch, self.input_names)
+            state = batch_state(batch, self.input_names)
         else:
             state = {name: np.stack([row.state[name] for row in batch]) for name in batch[0].state}
         answered = np.array([row.answered for row in batch], dtype=bool)
@@ -608,12 +539,3 @@ class SplitWorker:
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
-
-
-def _batch_state(batch: list[Row], names: Sequence[str]) -> dict[str, np.ndarray]:
-    """The batch's input state: a frame's own tensors when the batch is exactly that frame's rows in
-    order (one request filling the batch: no copy), else the rows stacked."""
-    first = batch[0].pending
-    if len(batch) == len(first.items) and all(row.pending is first and row.index == i for i, row in enumerate(batch)):
-        return {name: first.tensors[name] for name in names}
-    return {name: np.stack([row.pending.tensors[name][row.index] for row in batch]) for name in names}
