@@ -35,6 +35,7 @@ def _register() -> None:
     # One line per command; each module holds `command` (and sometimes more sub-commands).
     from exitplan import (
         cmd_bench,
+        cmd_check,
         cmd_demo,
         cmd_dev_cluster,
         cmd_generate,
@@ -58,6 +59,7 @@ def _register() -> None:
     app.command("bench")(cmd_bench.command)
     app.command("prepare")(cmd_prepare.command)
     app.command("profile")(cmd_profile.command)
+    app.command("check")(cmd_check.command)
     app.command("tune")(cmd_tune.command)
     app.command("plan")(cmd_plan.command)
     app.command("simulate")(cmd_simulate.command)

@@ -19,15 +19,53 @@ from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, pad_batch
 
 @dataclass
 class Heldout:
-    """A bundle's held-out inputs in model form: token ids (text) or `x` (images), and labels."""
+    """A bundle's held-out inputs in model form, and labels: token ids (a text bundle with a
+    tokenizer), `x` (the built-in image bundle's one input), or `inputs`, one array per bundle input
+    keyed by the input's name (a bundle built from a user's model; with a sequence axis, each row's
+    length is `lengths`, read from an attention mask when the model has one)."""
 
     label: np.ndarray
     ids: list[list[int]] | None = None
     x: np.ndarray | None = None
     full_pred: np.ndarray | None = None
+    inputs: dict[str, np.ndarray] | None = None
+    lengths: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.label.size)
+
+
+def sequence_lengths(manifest: BundleManifest, inputs: dict[str, np.ndarray]) -> np.ndarray | None:
+    """Per-row lengths of named inputs with a sequence axis: the attention mask's sum where the
+    bundle has an input named like one (`*mask*`), else the full axis. None without a sequence axis."""
+    if manifest.seq_axis is None:
+        return None
+    axis = manifest.seq_axis
+    masks = [t.name for t in manifest.inputs if "mask" in t.name.lower() and t.name in inputs]
+    if masks:
+        mask = inputs[masks[0]]
+        return (mask != 0).reshape(mask.shape[0], mask.shape[axis], -1).any(axis=2).sum(axis=1).astype(np.int64)
+    first = inputs[manifest.inputs[0].name]
+    return np.full(first.shape[0], first.shape[axis], dtype=np.int64)
+
+
+def fit_to_bucket(manifest: BundleManifest, arrays: dict[str, np.ndarray], bucket: int) -> dict[str, np.ndarray]:
+    """Named inputs cut or padded along the sequence axis to `bucket` (token ids with the pad token,
+    everything else with zeros); unchanged without a sequence axis."""
+    if manifest.seq_axis is None:
+        return {name: np.ascontiguousarray(a) for name, a in arrays.items()}
+    axis, out = manifest.seq_axis, {}
+    for spec in manifest.inputs:
+        array = arrays[spec.name]
+        size = array.shape[axis]
+        if size >= bucket:
+            out[spec.name] = np.ascontiguousarray(np.take(array, np.arange(bucket), axis=axis))
+            continue
+        widths = [(0, 0)] * array.ndim
+        widths[axis] = (0, bucket - size)
+        fill = manifest.pad_token_id if "mask" not in spec.name.lower() and array.dtype.kind in "iu" else 0
+        out[spec.name] = np.pad(array, widths, constant_values=fill)
+    return out
 
 
 def load_heldout(directory: Path, manifest: BundleManifest) -> Heldout:
@@ -46,15 +84,24 @@ def load_heldout(directory: Path, manifest: BundleManifest) -> Heldout:
         tokenizer.enable_truncation(max_length=manifest.max_length or 512)
         ids = [enc.ids for enc in tokenizer.encode_batch([str(t) for t in data["text"]])]
         return Heldout(label=data["label"], ids=ids, full_pred=full)
+    names = [spec.name for spec in manifest.inputs]
+    if all(name in data.files for name in names):
+        inputs = {name: data[name] for name in names}
+        return Heldout(label=data["label"], full_pred=full, inputs=inputs, lengths=sequence_lengths(manifest, inputs))
     if "x" in data.files:
         return Heldout(label=data["label"], x=data["x"], full_pred=full)
-    raise BundleError(f"{path}: held-out data holds neither `text` nor `x` (it has {data.files})")
+    raise BundleError(
+        f"{path}: held-out data holds neither `text`, `x` nor one array per bundle input {names} (it has {data.files})"
+    )
 
 
 def heldout_batches(
     runtime: BundleRuntime, heldout: Heldout, batch: int = 64
 ) -> Iterator[tuple[np.ndarray, dict, int]]:
     """(rows, state, bucket) over the held-out inputs, each text in the smallest bucket that holds it."""
+    if heldout.inputs is not None:
+        yield from _named_batches(runtime, heldout, batch)
+        return
     if heldout.x is not None:
         for start in range(0, len(heldout), batch):
             rows = np.arange(start, min(start + batch, len(heldout)))
@@ -72,6 +119,22 @@ def heldout_batches(
                 pad_batch([heldout.ids[r][:bucket] for r in rows], bucket, runtime.manifest.pad_token_id),
                 int(bucket),
             )
+
+
+def _named_batches(runtime: BundleRuntime, heldout: Heldout, batch: int) -> Iterator[tuple[np.ndarray, dict, int]]:
+    assert heldout.inputs is not None
+    manifest = runtime.manifest
+    if heldout.lengths is None:
+        buckets = np.full(len(heldout), runtime.buckets[0])
+    else:
+        top = max(runtime.buckets)
+        buckets = np.array([bucket_for(min(int(n), top), runtime.buckets) for n in heldout.lengths])
+    for bucket in runtime.buckets:
+        members = np.flatnonzero(buckets == bucket)
+        for start in range(0, members.size, batch):
+            rows = members[start : start + batch]
+            arrays = {name: a[rows] for name, a in heldout.inputs.items()}
+            yield rows, fit_to_bucket(manifest, arrays, int(bucket)), int(bucket)
 
 
 def all_ramp_logits(
@@ -93,6 +156,13 @@ def all_ramp_logits(
 def batch_state(runtime: BundleRuntime, heldout: Heldout, batch: int, bucket: int) -> dict[str, np.ndarray]:
     """`batch` held-out inputs (repeated if need be) padded to `bucket`: the state before block 0."""
     rows = np.arange(batch) % len(heldout)
+    if heldout.inputs is not None:
+        if heldout.lengths is not None:  # the longest inputs that fit, like the bucket's real traffic
+            fitting = np.flatnonzero(heldout.lengths <= bucket)
+            order = fitting[np.argsort(-heldout.lengths[fitting], kind="stable")] if fitting.size else np.arange(1)
+            rows = order[np.arange(batch) % order.size]
+        arrays = {name: a[rows] for name, a in heldout.inputs.items()}
+        return fit_to_bucket(runtime.manifest, arrays, bucket)
     if heldout.x is not None:
         return {runtime.manifest.inputs[0].name: np.ascontiguousarray(heldout.x[rows])}
     assert heldout.ids is not None

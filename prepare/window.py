@@ -72,9 +72,12 @@ def ramp_window(manifest: BundleManifest, logits: dict[str, np.ndarray]) -> tupl
 
 
 def window_bucket(runtime: BundleRuntime, heldout: Heldout) -> int:
-    if heldout.ids is None:
+    if heldout.ids is not None:
+        median = int(np.median([len(s) for s in heldout.ids]))
+    elif heldout.lengths is not None:
+        median = int(np.median(heldout.lengths))
+    else:
         return runtime.buckets[0]
-    median = int(np.median([len(s) for s in heldout.ids]))
     return bucket_for(min(median, max(runtime.buckets)), runtime.buckets)
 
 
