@@ -18,9 +18,11 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from exitplan.api.dtypes import DTypeName
 from exitplan.api.resources import Model, Task
 
-DType = Literal["float32", "float16", "int64", "int32", "uint8"]
+DType = DTypeName
+"""A tensor dtype by its numpy name (the table is `exitplan.api.dtypes`)."""
 
 
 class TensorSpec(Model):

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from exitplan.api.bundle import BundleError, BundleManifest, read_manifest
+from exitplan.api.dtypes import by_numpy
 
 SPECIAL_TOKENS = 2
 """[CLS] and [SEP]: what every separately tokenized text carries once."""
@@ -213,12 +214,26 @@ def text_body(text: str) -> bytes:
 
 
 def tensor_body(name: str, array: np.ndarray) -> bytes:
-    datatype = {"float32": "FP32", "float16": "FP16", "int64": "INT64", "int32": "INT32", "uint8": "UINT8"}[
-        str(array.dtype)
-    ]
+    datatype = by_numpy(array.dtype.name).v2
     return json.dumps(
         {"inputs": [{"name": name, "datatype": datatype, "shape": [1, *array.shape], "data": array.ravel().tolist()}]}
     ).encode()
+
+
+def as_input_dtype(x: np.ndarray, name: str, dtype: str) -> np.ndarray:
+    """Held-out inputs `x` as the bundle input's dtype (a name of `exitplan.api.dtypes`); values that
+    dtype cannot hold (they would wrap around or become infinite) are an InputError."""
+    want = np.dtype(by_numpy(dtype).numpy)
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = x.astype(want)
+    bad = ~np.isfinite(cast) if want.kind == "f" else cast != x  # the router refuses NaN and infinities too
+    if bad.any():
+        index = int(np.flatnonzero(bad.ravel())[0])
+        raise InputError(
+            f"held-out input {name!r}: value {x.ravel()[index].item()!r} (flat position {index}) does not fit the "
+            f"bundle's dtype {dtype}, which holds {by_numpy(dtype).describe_values()}"
+        )
+    return cast
 
 
 class ReferenceCache:
@@ -296,9 +311,9 @@ def build_inputs(
         order = np.random.default_rng(seed).permutation(len(pool))
         picks = [int(order[i % len(pool)]) for i in range(targets.size)]
         name = pool.manifest.inputs[0].name
-        want = np.dtype(pool.manifest.inputs[0].dtype)
+        x = as_input_dtype(pool.x, name, pool.manifest.inputs[0].dtype)
         return RequestInputs(
-            bodies=[tensor_body(name, pool.x[p].astype(want)) for p in picks],
+            bodies=[tensor_body(name, x[p]) for p in picks],
             target_lengths=targets,
             lengths=np.ones(targets.size, dtype=np.int64),
             parts=[(p,) for p in picks],

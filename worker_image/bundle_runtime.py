@@ -23,19 +23,12 @@ import numpy as np
 import onnxruntime as ort
 
 from exitplan.api.bundle import BundleError, BundleManifest, RampSpec, read_manifest
+from exitplan.api.dtypes import UnknownDType, by_numpy, by_onnx
 
 SEQ_DIM = "seq"
 BATCH_DIM = "batch"
 FIXED_SIZE_BUCKET = 1
 """The only bucket of a model without a sequence axis (a profile's seqLens is [1] for them)."""
-
-_ORT_DTYPES = {
-    "tensor(float)": np.dtype(np.float32),
-    "tensor(float16)": np.dtype(np.float16),
-    "tensor(int64)": np.dtype(np.int64),
-    "tensor(int32)": np.dtype(np.int32),
-    "tensor(uint8)": np.dtype(np.uint8),
-}
 
 
 class StateError(ValueError):
@@ -265,11 +258,12 @@ class BundleRuntime:
         declared = {t.name: t for t in self.manifest.inputs}
         dtypes = []
         for name in inputs:
-            dtype = _ORT_DTYPES.get(by_name[name].type)
-            if dtype is None:
-                raise BundleError(f"{path}: input tensor {name!r} has unsupported type {by_name[name].type}")
+            try:
+                dtype = np.dtype(by_onnx(by_name[name].type).numpy)
+            except UnknownDType as err:
+                raise BundleError(f"{path}: input tensor {name!r}: {err}") from err
             spec = declared.get(name)
-            if spec is not None and np.dtype(spec.dtype) != dtype:
+            if spec is not None and np.dtype(by_numpy(spec.dtype).numpy) != dtype:
                 raise BundleError(
                     f"{path}: input tensor {name!r} is {dtype} in the ONNX file but {spec.dtype} in bundle.yaml"
                 )

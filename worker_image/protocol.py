@@ -21,12 +21,12 @@ import orjson
 from aiohttp import web
 
 from exitplan.api.bundle import BundleManifest
+from exitplan.api.dtypes import by_numpy
 
 SERVER_NAME = "exitplan-router"
 SERVER_VERSION = "0.1.0"
 CLASSIFIER_PLATFORM = "exitplan-early-exit-onnx"
 GENERATOR_PLATFORM = "exitplan-early-exit-generation"
-KSERVE_DATATYPES = {"float32": "FP32", "float16": "FP16", "int64": "INT64", "int32": "INT32", "uint8": "UINT8"}
 """Bundle tensor dtype -> the protocol's datatype name."""
 
 
@@ -129,7 +129,7 @@ def classifier_metadata(manifest: BundleManifest, name: str, version: str, param
         inputs = [tensor_spec("text", "BYTES", [-1]), tensor_spec("input_ids", "INT64", [-1, -1])]
     else:
         inputs = [
-            tensor_spec(t.name, KSERVE_DATATYPES[t.dtype], [-1 if isinstance(d, str) else d for d in t.shape])
+            tensor_spec(t.name, by_numpy(t.dtype).v2, [-1 if isinstance(d, str) else d for d in t.shape])
             for t in manifest.inputs
         ]
     outputs = [

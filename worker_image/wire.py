@@ -23,10 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from exitplan.api.dtypes import DTYPES
+
 MAGIC = b"EXP1"
 CONTENT_TYPE = "application/x-exitplan-frame"
-_DTYPES = {"float32", "float16", "int64", "int32", "uint8", "bool"}
-_ITEMSIZE = {name: np.dtype(name).itemsize for name in _DTYPES}
+_ITEMSIZE = {e.numpy: e.itemsize for e in DTYPES}
+"""Sendable dtypes (numpy names, the project's table) -> bytes per element."""
+_DTYPES = frozenset(_ITEMSIZE)
 _HEAD = struct.Struct("<4sI")
 
 

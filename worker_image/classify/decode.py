@@ -4,26 +4,31 @@ Accepted inputs:
 - text models: `text` (BYTES, shape [n]) tokenized here, or `input_ids` (INT64, [n, L]) with an
   optional `attention_mask` (INT64, [n, L]); lengths above the largest bucket are rejected unless
   truncation is requested (`parameters.truncate: true`, or the router's setting);
-- fixed-size models: the bundle's input tensor by name, with its dtype and shape.
-Every problem is a `BadRequest` whose message says what is wrong and what is expected.
+- fixed-size models: the bundle's input tensors by name, with their shapes; values are sent with the
+  input's datatype or, where no value can be lost to it, another one (integers to a float input,
+  narrower or wider integers checked against the input's range).
+Every problem is a `BadRequest` whose message says what is wrong and what is expected: an input the
+model does not take, a missing one, and every value its datatype cannot hold (out of range, not an
+integer in an integer input, NaN or infinite, beyond the float's range), named by its position in the
+input's flat (row-major) `data`. Datatypes are the project's table (`exitplan.api.dtypes`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
 from exitplan.api.bundle import BundleManifest
+from exitplan.api.dtypes import V2_DATATYPES, DTypeInfo, UnknownDType, by_numpy, by_v2
 
-_DTYPES = {
-    "FP32": np.float32,
-    "FP16": np.float16,
-    "INT64": np.int64,
-    "INT32": np.int32,
-    "UINT8": np.uint8,
-    "FP64": np.float64,
-}
+_INT64 = by_numpy("int64")
+_EXACT = 2**53
+"""float64 holds every integer up to this magnitude exactly."""
+_TEXT_INPUTS = ("text", "input_ids", "attention_mask")
+_TEXT_INPUTS_TEXT = "'text' (BYTES, [n]) or 'input_ids' (INT64, [n, length]) with an optional 'attention_mask'"
 
 
 class BadRequest(ValueError):
@@ -55,7 +60,9 @@ class DecodedBatch:
         return {"input_ids": ids, "attention_mask": mask}
 
 
-def _tensor(spec: dict) -> np.ndarray:
+def _tensor(spec: dict, target: DTypeInfo | None = None) -> np.ndarray:
+    """One input's array; numeric data is checked against its datatype and converted to `target`
+    (default: the datatype sent)."""
     for key in ("name", "datatype", "shape", "data"):
         if key not in spec:
             raise BadRequest(f"input is missing {key!r}; each input needs name, datatype, shape and data")
@@ -63,20 +70,126 @@ def _tensor(spec: dict) -> np.ndarray:
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise BadRequest(f"input {name!r}: shape must be a list of non-negative integers, got {shape!r}")
     if datatype == "BYTES":
+        if target is not None:
+            raise BadRequest(f"input {name!r} takes {target.v2} values, not BYTES")
         data = np.asarray(spec["data"], dtype=object).ravel()
-    elif datatype in _DTYPES:
-        try:
-            data = np.asarray(spec["data"], dtype=_DTYPES[datatype]).ravel()
-        except (ValueError, TypeError) as err:
-            raise BadRequest(f"input {name!r}: data does not hold {datatype} values: {err}") from err
     else:
-        raise BadRequest(
-            f"input {name!r}: datatype {datatype!r} is not supported; use one of BYTES, {', '.join(_DTYPES)}"
-        )
+        try:
+            source = by_v2(datatype)
+        except UnknownDType:
+            raise BadRequest(
+                f"input {name!r}: datatype {datatype!r} is not supported; use one of BYTES, {', '.join(V2_DATATYPES)}"
+            ) from None
+        data = _values(name, spec["data"], source, target or source)
     expected = int(np.prod(shape)) if shape else 1
     if data.size != expected:
         raise BadRequest(f"input {name!r}: shape {shape} needs {expected} values, data has {data.size}")
     return data.reshape(shape)
+
+
+@cache
+def _allowed(source: DTypeInfo, target: DTypeInfo) -> tuple[int | float, int | float, str, np.dtype | None]:
+    """(lo, hi, description, float dtype to check finiteness in) for values sent as `source` to a
+    `target` input. Integer sources: [lo, hi] is the integers both dtypes hold. Float sources: the
+    values must stay finite in the narrower float."""
+    if source.is_float:
+        narrow = source if source.itemsize < target.itemsize else target
+        return narrow.min, narrow.max, narrow.describe_values(), np.dtype(narrow.numpy)
+    lo, hi = max(int(source.min), math.ceil(target.min)), min(int(source.max), math.floor(target.max))
+    text = "true or false (or 0 or 1)" if (lo, hi) == (0, 1) else f"integers in [{lo}, {hi}]"
+    return lo, hi, text, np.dtype(target.numpy) if target.is_float else None
+
+
+def _value_error(
+    name: str, source: DTypeInfo, target: DTypeInfo, value: object, index: int, problem: str
+) -> BadRequest:
+    where = (
+        f"input {name!r} ({source.v2})"
+        if source == target
+        else f"input {name!r} ({source.v2} sent to a {target.v2} input)"
+    )
+    if isinstance(value, np.generic):
+        value = value.item()
+    return BadRequest(
+        f"{where}: value {value!r} at position {index} of its data {problem}; allowed: {_allowed(source, target)[2]}"
+    )
+
+
+def _values(name: str, data: object, source: DTypeInfo, target: DTypeInfo) -> np.ndarray:
+    """`data` (JSON numbers, flat or nested) as a flat `target` array, every value checked.
+
+    One numpy parse and a few vectorised reductions for well-formed data; a per-value pass only for
+    data numpy cannot hold as one numeric array (strings, nulls, integers past 64 bits) or integers
+    past 2**53 mixed with floats, where it names the first bad value or converts exactly."""
+    if source.is_float and not target.is_float:
+        raise BadRequest(
+            f"input {name!r} takes {target.v2} values; {source.v2} cannot be sent to it (send {target.v2})"
+        )
+    lo, hi, _, check = _allowed(source, target)
+    try:
+        flat = np.asarray(data).ravel()
+    except (ValueError, TypeError) as err:
+        raise BadRequest(f"input {name!r}: data does not hold {source.v2} values: {err}") from err
+    kind = flat.dtype.kind
+    if kind in "biu":
+        if not source.is_float and flat.size and (int(flat.min()) < lo or int(flat.max()) > hi):
+            bad = (flat < lo) | (flat > hi)
+            index = int(np.argmax(bad))
+            raise _value_error(name, source, target, flat[index], index, "is out of range")
+    elif kind == "f":
+        if source.is_float:
+            finite = np.isfinite(flat)
+            if not finite.all():
+                index = int(np.argmin(finite))
+                raise _value_error(name, source, target, flat[index], index, "is not a finite number")
+        else:  # integers sent as JSON floats: integral values only; exact where float64 is
+            with np.errstate(invalid="ignore"):
+                ok = np.isfinite(flat) & (flat == np.trunc(flat)) & (flat >= lo) & (flat < hi + 1)
+            if not ok.all() or (check is None and flat.size and np.abs(flat).max() > _EXACT):
+                flat = _exact(name, data, source, target)
+    else:
+        flat = _exact(name, data, source, target)
+    if check is not None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = flat.astype(target.numpy)
+            checked = out if check == out.dtype else flat.astype(check)
+        finite = np.isfinite(checked)
+        if not finite.all():
+            index = int(np.argmin(finite))
+            raise _value_error(name, source, target, flat[index], index, "is out of range")
+        return out
+    return flat.astype(target.numpy)
+
+
+def _exact(name: str, data: object, source: DTypeInfo, target: DTypeInfo) -> np.ndarray:
+    """The slow path of `_values`: value by value, raising on the first bad one; else float64 values
+    (float inputs, checked for range by the caller) or int64 values (integer inputs, checked here)."""
+    lo, hi, _, check = _allowed(source, target)
+    try:
+        items = np.asarray(data, dtype=object).ravel().tolist()
+    except (ValueError, TypeError) as err:
+        raise BadRequest(f"input {name!r}: data does not hold {source.v2} values: {err}") from err
+    for index, value in enumerate(items):
+        problem = None
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                problem = "is not a finite number"
+            elif not source.is_float and not value.is_integer():
+                problem = "is not an integer"
+        elif not isinstance(value, int):  # bool is an int
+            problem = "is not a number"
+        if problem is None and not source.is_float and not lo <= value <= hi:
+            problem = "is out of range"
+        if problem is None and check is not None:
+            try:
+                float(value)
+            except OverflowError:
+                problem = "is out of range"
+        if problem is not None:
+            raise _value_error(name, source, target, value, index, problem)
+    if check is not None:
+        return np.asarray([float(v) for v in items], dtype=np.float64)
+    return np.asarray([int(v) for v in items], dtype=np.int64)
 
 
 def decode_inputs(
@@ -88,19 +201,36 @@ def decode_inputs(
     if not isinstance(params, dict):
         raise BadRequest('"parameters" must be an object')
     truncate = bool(params.get("truncate", truncate_default))
-    inputs = {}
+    inputs: dict[str, dict] = {}
     for spec in body["inputs"]:
         if not isinstance(spec, dict):
             raise BadRequest("each entry of inputs must be an object")
-        inputs[spec.get("name")] = spec
+        name = spec.get("name")
+        if not isinstance(name, str):
+            raise BadRequest(f"each input needs a string 'name' (and datatype, shape and data), got {name!r}")
+        if name in inputs:
+            raise BadRequest(f"input {name!r} is sent twice; send each input once")
+        inputs[name] = spec
     if manifest.seq_axis is None:
-        return _decode_fixed(inputs, manifest)
+        known = [t.name for t in manifest.inputs]
+        takes = ", ".join(f"{t.name!r} ({by_numpy(t.dtype).v2}, shape {t.shape})" for t in manifest.inputs)
+    else:
+        known, takes = list(_TEXT_INPUTS), _TEXT_INPUTS_TEXT
+    for name in inputs:
+        if name not in known:
+            raise BadRequest(f"this model has no input named {name!r}; it takes {takes}")
+    if manifest.seq_axis is None:
+        return _decode_fixed(inputs, manifest, takes)
     return _decode_text(inputs, manifest, tokenizer, buckets, truncate)
 
 
 def _decode_text(inputs: dict, manifest: BundleManifest, tokenizer, buckets: list[int], truncate: bool) -> DecodedBatch:
     longest = buckets[-1]
     if "text" in inputs:
+        if len(inputs) > 1:
+            raise BadRequest(
+                f"send either 'text' or 'input_ids' (with an optional 'attention_mask'), not both; got {sorted(inputs)}"
+            )
         spec = inputs["text"]
         if spec.get("datatype") != "BYTES":
             raise BadRequest(f"input 'text' must have datatype BYTES, got {spec.get('datatype')!r}")
@@ -119,13 +249,13 @@ def _decode_text(inputs: dict, manifest: BundleManifest, tokenizer, buckets: lis
         spec = inputs["input_ids"]
         if spec.get("datatype") not in ("INT64", "INT32"):
             raise BadRequest(f"input 'input_ids' must have datatype INT64, got {spec.get('datatype')!r}")
-        ids = _tensor(spec).astype(np.int64)
+        ids = _tensor(spec, _INT64)
         if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
             raise BadRequest(
                 f"input 'input_ids' must have shape [n, length] with n, length >= 1, got {list(ids.shape)}"
             )
         if "attention_mask" in inputs:
-            mask = _tensor(inputs["attention_mask"]).astype(np.int64)
+            mask = _tensor(inputs["attention_mask"], _INT64)
             if mask.shape != ids.shape:
                 raise BadRequest(
                     f"attention_mask shape {list(mask.shape)} differs from input_ids shape {list(ids.shape)}"
@@ -136,7 +266,7 @@ def _decode_text(inputs: dict, manifest: BundleManifest, tokenizer, buckets: lis
         if any(len(t) == 0 for t in tokens):
             raise BadRequest("an input has no tokens (its attention_mask is all zeros)")
     else:
-        raise BadRequest(f"send an input named 'text' (BYTES) or 'input_ids' (INT64); got {sorted(map(str, inputs))}")
+        raise BadRequest(f"send an input named 'text' (BYTES) or 'input_ids' (INT64); got {sorted(inputs)}")
     for i, seq in enumerate(tokens):
         if len(seq) > longest:
             if not truncate:
@@ -149,21 +279,13 @@ def _decode_text(inputs: dict, manifest: BundleManifest, tokenizer, buckets: lis
     return DecodedBatch(len(tokens), lengths, tokens=tokens, pad_id=manifest.pad_token_id)
 
 
-def _decode_fixed(inputs: dict, manifest: BundleManifest) -> DecodedBatch:
+def _decode_fixed(inputs: dict, manifest: BundleManifest, takes: str) -> DecodedBatch:
     tensors = {}
     n = None
     for t in manifest.inputs:
         if t.name not in inputs:
-            raise BadRequest(
-                f"send an input named {t.name!r} ({t.dtype}, shape {t.shape}); got {sorted(map(str, inputs))}"
-            )
-        arr = _tensor(inputs[t.name])
-        want = np.dtype(t.dtype)
-        if arr.dtype != want:
-            if arr.dtype.kind == want.kind or (arr.dtype.kind in "iu" and want.kind == "f"):
-                arr = arr.astype(want)
-            else:
-                raise BadRequest(f"input {t.name!r} must be {t.dtype}, got {arr.dtype}")
+            raise BadRequest(f"send an input named {t.name!r}; this model takes {takes}; got {sorted(inputs)}")
+        arr = _tensor(inputs[t.name], by_numpy(t.dtype))
         if arr.ndim != len(t.shape) or any(isinstance(d, int) and arr.shape[k] != d for k, d in enumerate(t.shape)):
             raise BadRequest(f"input {t.name!r} has shape {list(arr.shape)}; expected {t.shape}")
         if arr.shape[0] == 0:

@@ -31,6 +31,7 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from exitplan.api.dtypes import by_onnx
 from exitplan.api.plan import Plan
 from exitplan.worker import wire
 from exitplan.worker.bundle_runtime import BundleRuntime, StateError
@@ -166,19 +167,14 @@ class SplitWorker:
 
         first = self.runtime.manifest.blocks[self.runtime.first_block]
         session = ort.InferenceSession(str(self.runtime.directory / first.file), providers=["CPUExecutionProvider"])
-        types = {
-            "tensor(float)": np.float32,
-            "tensor(float16)": np.float16,
-            "tensor(int64)": np.int64,
-            "tensor(int32)": np.int32,
-        }
         state = {}
         for spec in session.get_inputs():
             dims = [
                 n if d == "batch" else self.bucket if d == "seq" else (d if isinstance(d, int) else 1)
                 for d in spec.shape
             ]
-            state[spec.name] = (np.ones if "mask" in spec.name else np.zeros)(dims, dtype=types[spec.type])
+            dtype = np.dtype(by_onnx(spec.type).numpy)  # the runtime checked these types at load
+            state[spec.name] = (np.ones if "mask" in spec.name else np.zeros)(dims, dtype=dtype)
         return state
 
     def _time_batch(self, n: int, template: dict[str, np.ndarray]) -> float:
