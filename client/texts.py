@@ -136,6 +136,8 @@ class HeldoutPool:
     """Token length of each text (special tokens included, no truncation)."""
     x: np.ndarray | None = None
     tokenizer: object | None = None
+    arrays: dict[str, np.ndarray] | None = None
+    """One array per bundle input, keyed by its name (bundles built from a user's model)."""
 
     def __len__(self) -> int:
         return int(self.labels.size)
@@ -154,15 +156,23 @@ def load_pool(bundle: str | Path) -> HeldoutPool:
         raise InputError(f"{path}: the bundle has no held-out data; rebuild it with `exitplan prepare --force`")
     with np.load(path, allow_pickle=False) as data:
         files = set(data.files)
+        names = [spec.name for spec in manifest.inputs]
+        named = "text" not in files and all(name in files for name in names)
         missing = {"label", "full_pred"} - files
-        if missing or not ({"text", "x"} & files):
+        if missing or not ({"text", "x"} & files or named):
             raise InputError(
-                f"{path}: held-out data needs arrays `text` (or `x`), `label` and `full_pred`; it has {sorted(files)}"
+                f"{path}: held-out data needs arrays `text` (or `x`, or one per bundle input {names}), `label` and "
+                f"`full_pred`; it has {sorted(files)}"
             )
         labels = np.asarray(data["label"], dtype=np.int64)
         full_pred = np.asarray(data["full_pred"], dtype=np.int64)
         texts = [str(t) for t in data["text"]] if "text" in files else None
-        x = np.asarray(data["x"]) if texts is None else None
+        arrays = {name: np.asarray(data[name]) for name in names} if named else None
+        x = np.asarray(data["x"]) if texts is None and arrays is None else None
+    if arrays is not None:
+        if any(a.shape[0] != labels.size for a in arrays.values()) or full_pred.size != labels.size:
+            raise InputError(f"{path}: arrays disagree on the number of held-out inputs")
+        return HeldoutPool(manifest, directory, labels, full_pred, arrays=arrays)
     n = labels.size
     if full_pred.size != n or (texts is not None and len(texts) != n) or (x is not None and x.shape[0] != n):
         raise InputError(f"{path}: arrays disagree on the number of held-out inputs")
@@ -218,6 +228,47 @@ def tensor_body(name: str, array: np.ndarray) -> bytes:
     return json.dumps(
         {"inputs": [{"name": name, "datatype": datatype, "shape": [1, *array.shape], "data": array.ravel().tolist()}]}
     ).encode()
+
+
+def tensors_body(arrays: dict[str, np.ndarray]) -> bytes:
+    """One request holding one input row per array (each [1, ...]), keyed by input name."""
+    inputs = [
+        {"name": name, "datatype": by_numpy(a.dtype.name).v2, "shape": [1, *a.shape], "data": a.ravel().tolist()}
+        for name, a in arrays.items()
+    ]
+    return json.dumps({"inputs": inputs}).encode()
+
+
+def _named_inputs(pool: HeldoutPool, targets: np.ndarray, seed: int) -> RequestInputs:
+    """Requests from held-out inputs keyed by input name, in seeded order; with a sequence axis each
+    row is cut to its length (the attention mask's sum), so the router buckets it as it would a client's."""
+    assert pool.arrays is not None
+    manifest = pool.manifest
+    arrays = {s.name: as_input_dtype(pool.arrays[s.name], s.name, s.dtype) for s in manifest.inputs}
+    order = np.random.default_rng(seed).permutation(len(pool))
+    picks = [int(order[i % len(pool)]) for i in range(targets.size)]
+    axis = manifest.seq_axis
+    masks = [s.name for s in manifest.inputs if "mask" in s.name.lower()]
+    bodies, lengths = [], []
+    for p in picks:
+        row = {name: a[p] for name, a in arrays.items()}
+        length = 1
+        if axis is not None:
+            full = next(iter(row.values())).shape[axis - 1]
+            length = int((row[masks[0]] != 0).sum()) if masks else full
+            row = {name: np.take(a, np.arange(max(length, 1)), axis=axis - 1) for name, a in row.items()}
+        bodies.append(tensors_body(row))
+        lengths.append(length)
+    labels = manifest.labels
+    return RequestInputs(
+        bodies=bodies,
+        target_lengths=targets,
+        lengths=np.asarray(lengths, dtype=np.int64),
+        parts=[(p,) for p in picks],
+        reference=[labels[int(pool.full_pred[p])] for p in picks],
+        truth=[labels[int(pool.labels[p])] for p in picks],
+        meta={"inputs": "held-out rows keyed by input name, seeded order (trace lengths not matched)"},
+    )
 
 
 def as_input_dtype(x: np.ndarray, name: str, dtype: str) -> np.ndarray:
@@ -306,6 +357,8 @@ def build_inputs(
     """Request bodies for the trace's lengths (text models) or held-out inputs in seeded order (fixed-size)."""
     targets = np.asarray(target_lengths, dtype=np.int64)
     labels = pool.manifest.labels
+    if pool.arrays is not None:
+        return _named_inputs(pool, targets, seed)
     if not pool.is_text:
         assert pool.x is not None
         order = np.random.default_rng(seed).permutation(len(pool))

@@ -37,6 +37,24 @@ def command(
     json_path: Path | None = typer.Option(
         None, "--json", help="Also write the build report (accuracy, agreement, timings) as JSON."
     ),
+    onnx_model: Path | None = typer.Option(
+        None, "--onnx", help="Your own ONNX classifier: ramps are placed at its cut vertices automatically."
+    ),
+    data: Path | None = typer.Option(
+        None, "--data", help="With --onnx: DATA.npz, one array per model input keyed by its name, optional `label`."
+    ),
+    labels: Path | None = typer.Option(None, "--labels", help="With --onnx: class names, one a line (default 0..C-1)."),
+    max_ramps: int = typer.Option(3, "--max-ramps", min=0, help="With --onnx: most exit ramps kept."),
+    cuts: str | None = typer.Option(
+        None, "--cuts", help="With --onnx: place ramps at these tensors (comma-separated cut vertices) instead."
+    ),
+    seq_axis: int | None = typer.Option(
+        None, "--seq-axis", help="With --onnx: the inputs' sequence axis (default: 1 for integer [N, L] inputs)."
+    ),
+    ramp_hidden: int = typer.Option(
+        0, "--ramp-hidden", min=0, help="With --onnx: MLP ramps of this width (0: linear)."
+    ),
+    budget: float = typer.Option(0.01, "--budget", help="With --onnx: accuracy budget the ramp placement tunes to."),
 ) -> None:
     """Build an early-exit bundle: train the head and the ramps (backbone frozen), export each block and ramp to
     ONNX, and write bundle.yaml, the tokenizer, the held-out data and a calibration window. A rerun with the same
@@ -49,6 +67,12 @@ def command(
     from exitplan.prepare.minilm import ModelNotInstalled
 
     console = Console()
+    if onnx_model is not None:
+        onnx_options = dict(
+            labels=labels, max_ramps=max_ramps, cuts=cuts, seq_axis=seq_axis, ramp_hidden=ramp_hidden, budget=budget
+        )
+        _prepare_onnx(console, onnx_model, data, out, onnx_options, force, threads, json_path)
+        return
     options = BuildOptions(
         model=model, train_size=train_size, heldout_size=heldout_size, seed=seed, max_length=max_length
     )
@@ -63,6 +87,52 @@ def command(
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"path": str(result.path), "reused": result.reused, **result.report}, indent=2))
+
+
+def _prepare_onnx(console, model: Path, data: Path | None, out: Path | None, options: dict, force, threads, json_path):
+    """`--onnx`: the user's model through the automatic pipeline (exitplan.prepare.from_onnx)."""
+    from exitplan.prepare.build import PrepareError
+    from exitplan.prepare.from_onnx import from_onnx
+    from exitplan.prepare.graph_cuts import GraphError
+    from exitplan.prepare.user_data import DataError
+
+    if data is None:
+        console.print("[red]error:[/red] --onnx needs --data DATA.npz (one array per model input, keyed by its name)")
+        raise typer.Exit(2)
+    cuts = tuple(c.strip() for c in (options.pop("cuts") or "").split(",") if c.strip())
+    labels = options.pop("labels")
+    seq_axis = options.pop("seq_axis")
+    target = out if out is not None else Path("artifacts") / "bundles" / model.stem.lower()
+    try:
+        result = from_onnx(
+            model,
+            data,
+            target,
+            force=force,
+            threads=threads,
+            cuts=cuts,
+            labels=None if labels is None else str(labels),
+            seq_axis=-1 if seq_axis is None else seq_axis,
+            **options,
+        )
+    except (PrepareError, GraphError, DataError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from err
+    report = result.report
+    state = "reused (same options; --force rebuilds)" if result.reused else f"built in {report['total_seconds']:.1f} s"
+    console.print(f"bundle [bold]{result.path}[/bold]: {state}")
+    console.print(
+        f"{len(report['candidates'])} candidate cuts, kept {report['kept'] or 'none (no ramp pays on this model)'}; "
+        f"chained blocks vs the source model: max |diff| {report['chain_max_abs_diff']:.2e}"
+    )
+    for name, agreement in report["ramp_agreement"].items():
+        console.print(
+            f"  {name}: agreement {agreement:.3f}, saving {report['saving_ms'][name]:.3f} ms, "
+            f"cost {report['cost_ms'][name]:.4f} ms"
+        )
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"path": str(result.path), "reused": result.reused, **report}, indent=2))
 
 
 def _print_report(console, result) -> None:
