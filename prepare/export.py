@@ -64,6 +64,11 @@ def _name_free_axes(model, free_axes: Mapping[str, Mapping[int, str]], path: Pat
                 dim.ClearField("dim_value")
                 dim.dim_param = axes[axis]
             elif dim.HasField("dim_param"):
+                declared = {a: n for a, n in axes.items()} or "none"
                 raise ExportError(
-                    f"{path}: tensor {value.name!r} axis {axis} is symbolic ({dim.dim_param!r}) but not declared free"
+                    f"{path}: tensor {value.name!r} axis {axis} came out of the export with a free size (the exporter "
+                    f"named it {dim.dim_param!r}, which is only its guess at where the size comes from), but the free "
+                    f"axes declared for this tensor are {declared}: its size follows an input axis the export did not "
+                    f"pin, e.g. padding computed from the input's shape. Export the model whole and use `exitplan "
+                    f"prepare --onnx`, which pins every axis except batch and sequence to the data's sizes"
                 )
