@@ -257,6 +257,7 @@ async def run_bench_async(
     reference_max: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: bool = False,
+    binary: bool = False,
 ) -> BenchReport:
     """One open-loop run with `setup`'s router and held-out texts; see `run_bench`."""
     info = setup.info
@@ -282,8 +283,11 @@ async def run_bench_async(
         seed=seed,
         references=setup.references,
         progress=progress,
+        binary=binary,
     )
-    outcomes = await _replay_with_progress(info, inputs.bodies, window.timestamps, timeout_s, progress)
+    outcomes = await _replay_with_progress(
+        info, inputs.bodies, window.timestamps, timeout_s, progress, inputs.headers or None
+    )
     run = {
         "trace": window.source,
         "trace_name": Path(window.source).name,
@@ -297,6 +301,7 @@ async def run_bench_async(
         "window_s": plan.window_s,
         "seed": seed,
         "timeout_s": timeout_s,
+        "binary": binary,
         "buckets": info.buckets,
         "inputs": _inputs_summary(window, inputs, setup.pool),
     }
@@ -315,9 +320,11 @@ async def run_bench_async(
     return report
 
 
-async def _replay_with_progress(info: ModelInfo, bodies, arrivals, timeout_s: float, progress: bool) -> list[Outcome]:
+async def _replay_with_progress(
+    info: ModelInfo, bodies, arrivals, timeout_s: float, progress: bool, headers=None
+) -> list[Outcome]:
     if not progress:
-        return await replay(info.url, info.model, bodies, arrivals, timeout_s=timeout_s)
+        return await replay(info.url, info.model, bodies, arrivals, timeout_s=timeout_s, headers=headers)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     counts = {"ok": 0, "err": 0, "lost": 0}
@@ -336,7 +343,7 @@ async def _replay_with_progress(info: ModelInfo, bodies, arrivals, timeout_s: fl
             counts[key] += 1
             bar.update(task, advance=1, **counts)
 
-        return await replay(info.url, info.model, bodies, arrivals, timeout_s=timeout_s, on_done=done)
+        return await replay(info.url, info.model, bodies, arrivals, timeout_s=timeout_s, on_done=done, headers=headers)
 
 
 def run_bench(
@@ -357,6 +364,7 @@ def run_bench(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: bool = False,
     setup: BenchSetup | None = None,
+    binary: bool = False,
 ) -> BenchReport:
     """One open-loop run of `trace` (default: the shared Azure trace) against the router at `url`.
 
@@ -366,6 +374,7 @@ def run_bench(
     `reference_max` tokens, maps onto it; "clip": lengths are capped). `slo_ms` defaults to the
     router's own SLO. `setup` (from `BenchSetup.connect`) reuses the tokenized held-out texts and the
     full model's answers for concatenations across runs (the router's metadata is read again each run).
+    `binary` sends the inputs as binary tensors (the Open Inference Protocol's binary tensor extension).
     """
     setup = setup.retarget(url, model) if setup is not None else BenchSetup.connect(url, model, bundle)
     return asyncio.run(
@@ -383,6 +392,7 @@ def run_bench(
             reference_max=reference_max,
             timeout_s=timeout_s,
             progress=progress,
+            binary=binary,
         )
     )
 
@@ -443,6 +453,7 @@ def find_capacity(
     reference_max: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: bool = False,
+    binary: bool = False,
 ) -> CapacityResult:
     """Step the offered load up by `factor` until goodput grows by less than `min_growth`, a request is
     lost, or more than `max_error_share` of the requests get errors (overload included).
@@ -477,6 +488,7 @@ def find_capacity(
                 reference_max=reference_max,
                 timeout_s=timeout_s,
                 progress=progress,
+                binary=binary,
             )
         )
         steps.append(report)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import aiohttp
@@ -96,10 +96,11 @@ async def _one(
     scheduled: float,
     start: float,
     timeout_s: float,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> Outcome:
     loop = asyncio.get_running_loop()
     sent = loop.time() - start
-    headers = {"Content-Type": "application/json", "X-Request-Id": f"bench-{index}"}
+    headers = {"Content-Type": "application/json", "X-Request-Id": f"bench-{index}", **(extra_headers or {})}
     try:
         async with asyncio.timeout(timeout_s):
             async with session.post(endpoint, data=body, headers=headers) as resp:
@@ -132,14 +133,19 @@ async def replay(
     *,
     timeout_s: float = 30.0,
     on_done: Callable[[Outcome], object] | None = None,
+    headers: Sequence[Mapping[str, str]] | None = None,
 ) -> list[Outcome]:
     """Send `bodies[i]` at `arrivals[i]` seconds from now to the model's infer endpoint; one Outcome each.
 
     Open loop: a request is sent at its time whatever happened to the earlier ones (no connection
     limit, so nothing queues in the client). Each request waits at most `timeout_s` for its answer.
+    `headers[i]`, when given, adds to (or replaces) request i's HTTP headers: a binary-extension body
+    needs its Content-Type and Inference-Header-Content-Length.
     """
     if len(bodies) != len(arrivals):
         raise ValueError(f"{len(bodies)} bodies for {len(arrivals)} arrival times")
+    if headers is not None and len(headers) != len(bodies):
+        raise ValueError(f"{len(headers)} header sets for {len(bodies)} bodies")
     times = np.asarray(arrivals, dtype=np.float64)
     if times.size and (np.any(np.diff(times) < 0) or times[0] < 0):
         raise ValueError("arrival times must be non-negative and non-decreasing")
@@ -153,7 +159,8 @@ async def replay(
             delay = start + float(at) - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(_one(session, endpoint, index, body, float(at), start, timeout_s))
+            extra = headers[index] if headers is not None else None
+            task = asyncio.create_task(_one(session, endpoint, index, body, float(at), start, timeout_s, extra))
             if on_done is not None:
                 task.add_done_callback(
                     lambda t: on_done(t.result()) if not t.cancelled() and t.exception() is None else None

@@ -14,6 +14,12 @@ label is known only for single texts.
 
 Fixed-size models (no sequence axis, e.g. the digits CNN) ignore the trace's lengths: held-out
 inputs are drawn in a seeded order.
+
+With `binary`, bodies use the Open Inference Protocol's binary tensor extension: the JSON request
+first, each input declaring `"parameters": {"binary_data_size": bytes}` instead of `data`, then the
+raw tensors (little-endian, row-major; a BYTES element as its 4-byte little-endian length and its
+UTF-8 bytes); the request's `Inference-Header-Content-Length` header (in `RequestInputs.headers`)
+gives the JSON's length.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import numpy as np
 from exitplan.api.bundle import BundleError, BundleManifest, read_manifest
 from exitplan.api.dtypes import by_numpy
 
+BINARY_HEADER = "Inference-Header-Content-Length"
+"""The binary tensor extension's request header: the length in bytes of the JSON that starts the body."""
 SPECIAL_TOKENS = 2
 """[CLS] and [SEP]: what every separately tokenized text carries once."""
 JOINER = " "
@@ -210,6 +218,9 @@ class RequestInputs:
     truth: list[str | None]
     """The true label where known (single held-out inputs), else None."""
     meta: dict = field(default_factory=dict)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    """Per request, the HTTP headers its body needs (binary bodies: Content-Type and the JSON header's
+    length); empty when every body is plain JSON."""
 
     def __len__(self) -> int:
         return len(self.bodies)
@@ -239,7 +250,42 @@ def tensors_body(arrays: dict[str, np.ndarray]) -> bytes:
     return json.dumps({"inputs": inputs}).encode()
 
 
-def _named_inputs(pool: HeldoutPool, targets: np.ndarray, seed: int) -> RequestInputs:
+def binary_body(inputs: list[tuple[str, str, list[int], bytes]]) -> tuple[bytes, dict[str, str]]:
+    """A binary-extension body of (name, datatype, shape, raw bytes) inputs, and the headers it needs."""
+    specs = [
+        {"name": name, "datatype": datatype, "shape": shape, "parameters": {"binary_data_size": len(raw)}}
+        for name, datatype, shape, raw in inputs
+    ]
+    header = json.dumps({"inputs": specs}).encode()
+    headers = {"Content-Type": "application/octet-stream", BINARY_HEADER: str(len(header))}
+    return header + b"".join(raw for *_, raw in inputs), headers
+
+
+def _raw(array: np.ndarray) -> bytes:
+    """An array's values, row-major, little-endian (bool as one byte each)."""
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+
+
+def binary_text_body(text: str) -> tuple[bytes, dict[str, str]]:
+    """`text_body` in binary form."""
+    raw = text.encode()
+    return binary_body([("text", "BYTES", [1], len(raw).to_bytes(4, "little") + raw)])
+
+
+def binary_tensors_body(arrays: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
+    """`tensors_body` in binary form."""
+    return binary_body([(name, by_numpy(a.dtype.name).v2, [1, *a.shape], _raw(a)) for name, a in arrays.items()])
+
+
+def _request(arrays: dict[str, np.ndarray] | None, text: str | None, binary: bool) -> tuple[bytes, dict[str, str]]:
+    """One request's body (a text, or arrays by input name) and the headers it needs."""
+    if text is not None:
+        return binary_text_body(text) if binary else (text_body(text), {})
+    assert arrays is not None
+    return binary_tensors_body(arrays) if binary else (tensors_body(arrays), {})
+
+
+def _named_inputs(pool: HeldoutPool, targets: np.ndarray, seed: int, binary: bool = False) -> RequestInputs:
     """Requests from held-out inputs keyed by input name, in seeded order; with a sequence axis each
     row is cut to its length (the attention mask's sum), so the router buckets it as it would a client's."""
     assert pool.arrays is not None
@@ -249,7 +295,7 @@ def _named_inputs(pool: HeldoutPool, targets: np.ndarray, seed: int) -> RequestI
     picks = [int(order[i % len(pool)]) for i in range(targets.size)]
     axis = manifest.seq_axis
     masks = [s.name for s in manifest.inputs if "mask" in s.name.lower()]
-    bodies, lengths = [], []
+    bodies, headers, lengths = [], [], []
     for p in picks:
         row = {name: a[p] for name, a in arrays.items()}
         length = 1
@@ -257,7 +303,9 @@ def _named_inputs(pool: HeldoutPool, targets: np.ndarray, seed: int) -> RequestI
             full = next(iter(row.values())).shape[axis - 1]
             length = int((row[masks[0]] != 0).sum()) if masks else full
             row = {name: np.take(a, np.arange(max(length, 1)), axis=axis - 1) for name, a in row.items()}
-        bodies.append(tensors_body(row))
+        body, extra = _request(row, None, binary)
+        bodies.append(body)
+        headers.append(extra)
         lengths.append(length)
     labels = manifest.labels
     return RequestInputs(
@@ -268,6 +316,7 @@ def _named_inputs(pool: HeldoutPool, targets: np.ndarray, seed: int) -> RequestI
         reference=[labels[int(pool.full_pred[p])] for p in picks],
         truth=[labels[int(pool.labels[p])] for p in picks],
         meta={"inputs": "held-out rows keyed by input name, seeded order (trace lengths not matched)"},
+        headers=headers if binary else [],
     )
 
 
@@ -353,44 +402,56 @@ def build_inputs(
     seed: int = 0,
     references: ReferenceCache | None = None,
     progress: bool = False,
+    binary: bool = False,
 ) -> RequestInputs:
-    """Request bodies for the trace's lengths (text models) or held-out inputs in seeded order (fixed-size)."""
+    """Request bodies for the trace's lengths (text models) or held-out inputs in seeded order (fixed-size);
+    with `binary`, in the binary tensor extension's form (see the module's docstring)."""
     targets = np.asarray(target_lengths, dtype=np.int64)
     labels = pool.manifest.labels
     if pool.arrays is not None:
-        return _named_inputs(pool, targets, seed)
+        return _named_inputs(pool, targets, seed, binary)
     if not pool.is_text:
         assert pool.x is not None
         order = np.random.default_rng(seed).permutation(len(pool))
         picks = [int(order[i % len(pool)]) for i in range(targets.size)]
         name = pool.manifest.inputs[0].name
         x = as_input_dtype(pool.x, name, pool.manifest.inputs[0].dtype)
+        requests = [_request({name: x[p]}, None, binary) for p in picks]
         return RequestInputs(
-            bodies=[tensor_body(name, x[p]) for p in picks],
+            bodies=[body for body, _ in requests],
             target_lengths=targets,
             lengths=np.ones(targets.size, dtype=np.int64),
             parts=[(p,) for p in picks],
             reference=[labels[int(pool.full_pred[p])] for p in picks],
             truth=[labels[int(pool.labels[p])] for p in picks],
+            headers=[extra for _, extra in requests] if binary else [],
         )
     assert pool.texts is not None and pool.lengths is not None
     parts = match_lengths(targets, pool.lengths, max_length, seed)
     references = references or ReferenceCache(pool)
     references.resolve(parts, max_length, progress)
-    bodies, lengths, reference, truth = [], [], [], []
+    requests, lengths, reference, truth = [], [], [], []
     for combo in parts:
         if len(combo) == 1:
             (p,) = combo
-            bodies.append(text_body(pool.texts[p]))
+            requests.append(_request(None, pool.texts[p], binary))
             lengths.append(int(pool.lengths[p]))
             reference.append(labels[int(pool.full_pred[p])])
             truth.append(labels[int(pool.labels[p])])
         else:
-            bodies.append(text_body(JOINER.join(pool.texts[i] for i in combo)))
+            requests.append(_request(None, JOINER.join(pool.texts[i] for i in combo), binary))
             lengths.append(references.lengths[combo])
             reference.append(labels[references.answers[combo]])
             truth.append(None)
-    return RequestInputs(bodies, targets, np.asarray(lengths, dtype=np.int64), parts, reference, truth)
+    return RequestInputs(
+        [body for body, _ in requests],
+        targets,
+        np.asarray(lengths, dtype=np.int64),
+        parts,
+        reference,
+        truth,
+        headers=[extra for _, extra in requests] if binary else [],
+    )
 
 
 def check_labels(pool: HeldoutPool, served_labels: Sequence[str]) -> None:

@@ -60,6 +60,9 @@ def command(
     step_duration: float = typer.Option(
         10.0, "--step-duration", min=1.0, help="Seconds per load step with --find-capacity."
     ),
+    binary: bool = typer.Option(
+        False, "--binary", help="Send tensors as raw bytes (binary tensor extension), not JSON."
+    ),
     json_path: Path | None = typer.Option(None, "--json", dir_okay=False, help="Also write every figure as JSON here."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
 ) -> None:
@@ -80,6 +83,7 @@ def command(
         "reference_max": reference_max,
         "timeout_s": timeout_s,
         "progress": progress,
+        "binary": binary,
     }
     if capacity:
         load = {"start_rps": rps or 5.0, "step_duration": step_duration}

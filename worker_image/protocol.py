@@ -5,7 +5,9 @@ One place for the shape of every body a client reads: classification (`infer_res
 (`generate_response`, its server-sent events), model and server metadata, health, and errors
 (`{"error": message}`, with Retry-After on overload). The bodies are TypedDicts built by plain
 functions, serialised as before: orjson for the classification answer (the hot path: one dict, no
-validation layer), `json` (aiohttp's `json_response`) for the rest.
+validation layer), `json` (aiohttp's `json_response`) for the rest. A classification answer whose
+request asked for binary outputs (`infer_http_response`) follows the binary tensor extension: the
+JSON header, then the raw tensors of those outputs, its length in `Inference-Header-Content-Length`.
 
 Request decoding lives beside its router (`classify/decode.py`, `generate/routes.py`).
 """
@@ -13,7 +15,7 @@ Request decoding lives beside its router (`classify/decode.py`, `generate/routes
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol, TypedDict
 
 import numpy as np
@@ -21,12 +23,16 @@ import orjson
 from aiohttp import web
 
 from exitplan.api.bundle import BundleManifest
-from exitplan.api.dtypes import by_numpy
+from exitplan.api.dtypes import by_numpy, by_v2
 
 SERVER_NAME = "exitplan-router"
 SERVER_VERSION = "0.1.0"
 CLASSIFIER_PLATFORM = "exitplan-early-exit-onnx"
 GENERATOR_PLATFORM = "exitplan-early-exit-generation"
+BINARY_HEADER = "Inference-Header-Content-Length"
+"""The binary tensor extension's header: the length in bytes of the JSON that starts the body."""
+CLASSIFY_OUTPUTS = ("label", "scores", "exit_ramp")
+"""The outputs of a classification answer, in order."""
 """Bundle tensor dtype -> the protocol's datatype name."""
 
 
@@ -120,6 +126,39 @@ def infer_response(
         ],
         "parameters": {"latency_ms": round(latency_s * 1000, 3)},
     }
+
+
+def tensor_bytes(datatype: str, data: Sequence[Any]) -> bytes:
+    """An output's values in binary form: raw little-endian numbers, or per BYTES element its 4-byte
+    little-endian length and its UTF-8 bytes."""
+    if datatype == "BYTES":
+        encoded = [str(v).encode() for v in data]
+        return b"".join(len(b).to_bytes(4, "little") + b for b in encoded)
+    return np.asarray(data, dtype=np.dtype(by_v2(datatype).numpy).newbyteorder("<")).tobytes()
+
+
+def infer_http_response(
+    body: InferResponse, binary: Collection[str] = (), headers: dict[str, str] | None = None
+) -> web.Response:
+    """The HTTP answer of `body`: JSON, or with the outputs named in `binary` as binary tensors after
+    the JSON header (each with `parameters.binary_data_size` instead of `data`, in output order)."""
+    if not binary:
+        return orjson_response(body, headers)
+    outputs: list[dict[str, Any]] = []
+    blobs = []
+    for out in body["outputs"]:
+        if out["name"] not in binary:
+            outputs.append(dict(out))
+            continue
+        blobs.append(tensor_bytes(out["datatype"], out["data"]))
+        spec = tensor_spec(out["name"], out["datatype"], out["shape"])
+        outputs.append({**spec, "parameters": {"binary_data_size": len(blobs[-1])}})
+    header = orjson.dumps({**body, "outputs": outputs}, option=orjson.OPT_SERIALIZE_NUMPY)
+    return web.Response(
+        body=header + b"".join(blobs),
+        content_type="application/octet-stream",
+        headers={**(headers or {}), BINARY_HEADER: str(len(header))},
+    )
 
 
 def classifier_metadata(manifest: BundleManifest, name: str, version: str, parameters: dict[str, Any]) -> ModelMetadata:

@@ -11,6 +11,14 @@ Every problem is a `BadRequest` whose message says what is wrong and what is exp
 model does not take, a missing one, and every value its datatype cannot hold (out of range, not an
 integer in an integer input, NaN or infinite, beyond the float's range), named by its position in the
 input's flat (row-major) `data`. Datatypes are the project's table (`exitplan.api.dtypes`).
+
+The binary tensor extension (`parse_request`): with an `Inference-Header-Content-Length: n` header the
+first n bytes of the body are the JSON request and the rest the raw tensors (little-endian, row-major;
+BYTES as a 4-byte little-endian length then the bytes, per element) of the inputs that declare
+`"parameters": {"binary_data_size": bytes}`, concatenated in their order. Each becomes its input's
+`data` (a numpy array, or a list of strings for BYTES), so its values are checked exactly as JSON
+ones are. `parameters.binary_data_output` (all outputs) or an output's `parameters.binary_data` asks
+for the answer in the same layout (`DecodedBatch.binary_outputs`).
 """
 
 from __future__ import annotations
@@ -20,9 +28,11 @@ from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
+import orjson
 
 from exitplan.api.bundle import BundleManifest
 from exitplan.api.dtypes import V2_DATATYPES, DTypeInfo, UnknownDType, by_numpy, by_v2
+from exitplan.worker.protocol import BINARY_HEADER, CLASSIFY_OUTPUTS
 
 _INT64 = by_numpy("int64")
 _EXACT = 2**53
@@ -45,6 +55,8 @@ class DecodedBatch:
     fixed: dict[str, np.ndarray] | None = None
     """Fixed-size models: the input tensors, [n, ...]."""
     pad_id: int = 0
+    binary_outputs: frozenset[str] = frozenset()
+    """The outputs the answer carries as binary tensors (the binary tensor extension)."""
 
     def state_for(self, rows: list[int], bucket: int) -> dict[str, np.ndarray]:
         """The split-0 state for these inputs, padded to `bucket`."""
@@ -66,25 +78,35 @@ def _tensor(spec: dict, target: DTypeInfo | None = None) -> np.ndarray:
     for key in ("name", "datatype", "shape", "data"):
         if key not in spec:
             raise BadRequest(f"input is missing {key!r}; each input needs name, datatype, shape and data")
-    name, datatype, shape = spec["name"], spec["datatype"], spec["shape"]
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise BadRequest(f"input {name!r}: shape must be a list of non-negative integers, got {shape!r}")
+    name, datatype = spec["name"], spec["datatype"]
+    shape, expected = _shape(name, spec["shape"])
     if datatype == "BYTES":
         if target is not None:
             raise BadRequest(f"input {name!r} takes {target.v2} values, not BYTES")
         data = np.asarray(spec["data"], dtype=object).ravel()
     else:
-        try:
-            source = by_v2(datatype)
-        except UnknownDType:
-            raise BadRequest(
-                f"input {name!r}: datatype {datatype!r} is not supported; use one of BYTES, {', '.join(V2_DATATYPES)}"
-            ) from None
+        source = _datatype(name, datatype)
         data = _values(name, spec["data"], source, target or source)
-    expected = int(np.prod(shape)) if shape else 1
     if data.size != expected:
         raise BadRequest(f"input {name!r}: shape {shape} needs {expected} values, data has {data.size}")
     return data.reshape(shape)
+
+
+def _shape(name: object, shape: object) -> tuple[list[int], int]:
+    """(shape, number of values it holds); BadRequest unless a list of non-negative integers."""
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise BadRequest(f"input {name!r}: shape must be a list of non-negative integers, got {shape!r}")
+    return shape, math.prod(shape)  # exact: no int64 wrap-around for absurd shapes
+
+
+def _datatype(name: object, datatype: object) -> DTypeInfo:
+    """The table entry of a numeric datatype; BadRequest naming the supported ones."""
+    try:
+        return by_v2(datatype)
+    except UnknownDType:
+        raise BadRequest(
+            f"input {name!r}: datatype {datatype!r} is not supported; use one of BYTES, {', '.join(V2_DATATYPES)}"
+        ) from None
 
 
 @cache
@@ -192,6 +214,145 @@ def _exact(name: str, data: object, source: DTypeInfo, target: DTypeInfo) -> np.
     return np.asarray([int(v) for v in items], dtype=np.int64)
 
 
+# ---------------------------------------------------------------- the binary tensor extension
+
+
+def parse_request(raw: bytes, header_length: str | None) -> object:
+    """The request of a body: its JSON, or with `header_length` (the Inference-Header-Content-Length
+    header) the JSON header followed by binary tensors, each set as the `data` of its input."""
+    if header_length is None:
+        try:
+            body = orjson.loads(raw)
+        except ValueError as err:
+            raise BadRequest(
+                f"body is not valid JSON: {err} (a body with binary tensors needs the {BINARY_HEADER} header)"
+            ) from None
+        tail = memoryview(b"")
+    else:
+        text = header_length.strip()
+        if not text.isdigit() or not text.isascii():
+            raise BadRequest(
+                f"{BINARY_HEADER} must be the length in bytes of the JSON header that starts the body, got {header_length!r}"
+            )
+        n = int(text)
+        if n > len(raw):
+            raise BadRequest(f"{BINARY_HEADER} is {n} bytes, past the end of the body ({len(raw)} bytes)")
+        try:
+            body = orjson.loads(memoryview(raw)[:n])
+        except ValueError as err:
+            raise BadRequest(f"the first {n} bytes of the body ({BINARY_HEADER}) are not valid JSON: {err}") from None
+        tail = memoryview(raw)[n:]
+    inputs = body.get("inputs") if isinstance(body, dict) else None
+    if isinstance(inputs, list):
+        body["inputs"] = _attach_binary(inputs, tail, header_length is not None)
+    elif len(tail):
+        raise BadRequest(f"the body holds {len(tail)} bytes after the JSON header but no input declares binary data")
+    return body
+
+
+def _binary_size(spec: object) -> int | None:
+    """An input's `parameters.binary_data_size`, None when it has none (its values are JSON)."""
+    params = spec.get("parameters") if isinstance(spec, dict) else None
+    if not isinstance(params, dict) or "binary_data_size" not in params:
+        return None
+    size = params["binary_data_size"]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise BadRequest(f"input {spec.get('name')!r}: binary_data_size must be a number of bytes (>= 0), got {size!r}")
+    return size
+
+
+def _attach_binary(inputs: list, tail: memoryview, has_header: bool) -> list:
+    """The inputs, each that declares binary data with its share of `tail` (in input order) as its `data`."""
+    out, offset = [], 0
+    for spec in inputs:
+        size = _binary_size(spec)
+        if size is None:
+            out.append(spec)
+            continue
+        name = spec.get("name")
+        if not has_header:
+            raise BadRequest(
+                f"input {name!r} declares binary_data_size but the request has no {BINARY_HEADER} header "
+                "(the length of the JSON header that starts the body)"
+            )
+        if "data" in spec:
+            raise BadRequest(f"input {name!r} declares binary_data_size and also has data; send its values one way")
+        _, count = _shape(name, spec.get("shape"))
+        datatype = spec.get("datatype")
+        info = None if datatype == "BYTES" else _datatype(name, datatype)
+        if info is not None and size != count * info.itemsize:
+            raise BadRequest(
+                f"input {name!r}: binary_data_size is {size} bytes, but {count} {datatype} values of shape "
+                f"{spec.get('shape')} take {count * info.itemsize}"
+            )
+        if offset + size > len(tail):
+            raise BadRequest(
+                f"input {name!r}: its {size} bytes of binary data run past the end of the body: the binary part "
+                f"(after the {BINARY_HEADER} bytes of JSON) holds {len(tail)} bytes, {offset} of them used by earlier inputs"
+            )
+        chunk = tail[offset : offset + size]
+        offset += size
+        data = _binary_strings(name, chunk, count) if info is None else _binary_numbers(chunk, info)
+        out.append({**spec, "data": data})
+    if offset != len(tail):
+        raise BadRequest(
+            f"the body holds {len(tail)} bytes after the JSON header but the inputs declare {offset} "
+            "(the sum of their binary_data_size); send exactly the declared bytes"
+        )
+    return out
+
+
+def _binary_numbers(chunk: memoryview, info: DTypeInfo) -> np.ndarray:
+    """Raw little-endian values; BOOL as bytes (0 or 1, any other value refused like JSON's)."""
+    dtype = np.dtype(np.uint8 if info.is_bool else info.numpy).newbyteorder("<")
+    return np.frombuffer(chunk, dtype=dtype)
+
+
+def _binary_strings(name: object, chunk: memoryview, count: int) -> list[str]:
+    """`count` BYTES elements, each a 4-byte little-endian length and that many UTF-8 bytes."""
+    out, pos = [], 0
+    for i in range(count):
+        if pos + 4 > len(chunk):
+            raise BadRequest(f"input {name!r}: binary_data_size ends before element {i} of {count} (BYTES)")
+        length = int.from_bytes(chunk[pos : pos + 4], "little")
+        if pos + 4 + length > len(chunk):
+            raise BadRequest(
+                f"input {name!r}: element {i} (BYTES) declares {length} bytes, past its binary_data_size of {len(chunk)}"
+            )
+        try:
+            out.append(str(chunk[pos + 4 : pos + 4 + length], "utf-8"))
+        except UnicodeDecodeError as err:
+            raise BadRequest(f"input {name!r}: element {i} (BYTES) is not UTF-8 text: {err}") from None
+        pos += 4 + length
+    if pos != len(chunk):
+        raise BadRequest(
+            f"input {name!r}: binary_data_size is {len(chunk)} bytes, but its {count} BYTES elements take {pos}"
+        )
+    return out
+
+
+def _binary_outputs(body: dict, params: dict) -> frozenset[str]:
+    """The outputs to answer in binary form: `parameters.binary_data_output` for all, overridden per
+    output by its `parameters.binary_data`."""
+    default = params.get("binary_data_output", False)
+    if not isinstance(default, bool):
+        raise BadRequest(f'"parameters.binary_data_output" must be true or false, got {default!r}')
+    chosen = dict.fromkeys(CLASSIFY_OUTPUTS, default)
+    outputs = body.get("outputs", [])
+    if not isinstance(outputs, list):
+        raise BadRequest('"outputs" must be a list of objects like {"name": "scores"}')
+    for out in outputs:
+        name = out.get("name") if isinstance(out, dict) else None
+        if name not in chosen:
+            raise BadRequest(f"requested output {name!r} is not one of this model's outputs {list(CLASSIFY_OUTPUTS)}")
+        out_params = out.get("parameters") or {}
+        flag = out_params.get("binary_data", default) if isinstance(out_params, dict) else None
+        if not isinstance(flag, bool):
+            raise BadRequest(f"output {name!r}: parameters.binary_data must be true or false, got {flag!r}")
+        chosen[name] = flag
+    return frozenset(name for name, flag in chosen.items() if flag)
+
+
 def decode_inputs(
     body: object, manifest: BundleManifest, tokenizer, buckets: list[int], truncate_default: bool
 ) -> DecodedBatch:
@@ -219,9 +380,13 @@ def decode_inputs(
     for name in inputs:
         if name not in known:
             raise BadRequest(f"this model has no input named {name!r}; it takes {takes}")
+    binary = _binary_outputs(body, params)
     if manifest.seq_axis is None:
-        return _decode_fixed(inputs, manifest, takes)
-    return _decode_text(inputs, manifest, tokenizer, buckets, truncate)
+        batch = _decode_fixed(inputs, manifest, takes)
+    else:
+        batch = _decode_text(inputs, manifest, tokenizer, buckets, truncate)
+    batch.binary_outputs = binary
+    return batch
 
 
 def _decode_text(inputs: dict, manifest: BundleManifest, tokenizer, buckets: list[int], truncate: bool) -> DecodedBatch:

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -36,7 +35,7 @@ from exitplan.planner.dispatch import QueueParams
 from exitplan.worker import protocol
 from exitplan.worker.bundle_runtime import softmax
 from exitplan.worker.classify.admission import Admission, Admitted, Refusal
-from exitplan.worker.classify.decode import BadRequest, DecodedBatch, decode_inputs
+from exitplan.worker.classify.decode import BadRequest, DecodedBatch, decode_inputs, parse_request
 from exitplan.worker.classify.observe import FeedbackRing, WindowStats
 from exitplan.worker.control_client import ControlClient
 from exitplan.worker.discovery import PeerSet, parse_peer_spec
@@ -265,15 +264,27 @@ class Router:
             return _error(
                 413, f"request body of {request.content_length} bytes is over the limit of {self.max_body_bytes}"
             )
+        raw = await self._read_body(request)
+        if raw is None:
+            return _error(413, f"request body is over the limit of {self.max_body_bytes} bytes")
         try:
-            raw = await request.content.read(self.max_body_bytes + 1)
-            if len(raw) > self.max_body_bytes:
-                return _error(413, f"request body is over the limit of {self.max_body_bytes} bytes")
-            return decode_inputs(orjson.loads(raw), self.manifest, self.tokenizer, self.buckets, self.truncate_default)
+            body = parse_request(raw, request.headers.get(protocol.BINARY_HEADER))
+            return decode_inputs(body, self.manifest, self.tokenizer, self.buckets, self.truncate_default)
         except BadRequest as err:
             return self._bad_request(str(err))
         except (ValueError, UnicodeDecodeError) as err:
             return self._bad_request(f"body is not valid JSON: {err}")
+
+    async def _read_body(self, request: web.Request) -> bytes | None:
+        """The whole body (JSON, or a JSON header and binary tensors), or None past the body limit.
+        Read chunk by chunk to its end: one `read(n)` returns only what has arrived so far."""
+        chunks, size = [], 0
+        while chunk := await request.content.readany():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _bad_request(self, message: str) -> web.Response:
         self.window.record_error("bad_request")
@@ -414,7 +425,7 @@ class Router:
             [r.ramp for r in call.outcomes],
             latency,
         )
-        return protocol.orjson_response(body, headers={"Server-Timing": timing})
+        return protocol.infer_http_response(body, call.batch.binary_outputs, headers={"Server-Timing": timing})
 
     # ------------------------------------------------------------------ feedback and control
 
