@@ -7,10 +7,52 @@ from pathlib import Path
 
 import typer
 
+# The options of a user's own model (--onnx, --torch, --hf), declared here to keep `command` short.
+ONNX = typer.Option(
+    None, "--onnx", help="Your own ONNX classifier: ramps are placed at its cut vertices automatically."
+)
+TORCH = typer.Option(
+    None,
+    "--torch",
+    help="Your own PyTorch classifier, PKG.MODULE:FACTORY (imported with the current directory on the path); "
+    "FACTORY() returns the nn.Module, exported to ONNX, then as --onnx. DATA.npz's arrays other than `label`, "
+    "in the file's order, are passed to forward positionally and name the bundle's inputs.",
+)
+HF = typer.Option(
+    None,
+    "--hf",
+    help="A local Hugging Face checkpoint directory (nothing is downloaded): a sequence classifier as it is, or "
+    "an encoder with a linear head trained here on the labels; --data is then a .csv or .jsonl of labelled texts.",
+)
+TEXT_COLUMN = typer.Option("text", "--text-column", help="With --hf: the data's column of texts.")
+LABEL_COLUMN = typer.Option(
+    "label", "--label-column", help="With --hf: the data's column of labels (class names: its distinct values, sorted)."
+)
+DATA = typer.Option(
+    None,
+    "--data",
+    help="With --onnx/--torch: DATA.npz, one array per model input keyed by its name, optional `label`; "
+    "with --hf: FILE.csv or FILE.jsonl.",
+)
+LABELS = typer.Option(None, "--labels", help="With --onnx/--torch: class names, one a line (default 0..C-1).")
+MAX_RAMPS = typer.Option(3, "--max-ramps", min=0, help="With --onnx/--torch/--hf: most exit ramps kept.")
+CUTS = typer.Option(
+    None,
+    "--cuts",
+    help="With --onnx/--torch/--hf: place ramps at these tensors (comma-separated cut vertices) instead.",
+)
+SEQ_AXIS = typer.Option(
+    None, "--seq-axis", help="With --onnx/--torch: the inputs' sequence axis (default: 1 for integer [N, L] inputs)."
+)
+RAMP_HIDDEN = typer.Option(
+    0, "--ramp-hidden", min=0, help="With --onnx/--torch/--hf: MLP ramps of this width (0: linear)."
+)
+BUDGET = typer.Option(0.01, "--budget", help="With --onnx/--torch/--hf: accuracy budget the ramp placement tunes to.")
+
 
 def command(
-    model: str = typer.Option(
-        "minilm", "--model", help="Model to prepare: minilm (text, 6 blocks) or digits-cnn (images, 3 blocks)."
+    model: str | None = typer.Option(
+        None, "--model", help="Built-in model: minilm (text, 6 blocks; the default) or digits-cnn (images, 3 blocks)."
     ),
     out: Path | None = typer.Option(
         None, "--out", help="Bundle directory (default: artifacts/bundles/<model> under the current directory)."
@@ -24,7 +66,9 @@ def command(
         help="Held-out inputs kept in the bundle (default: 2000 for minilm, 360 for digits-cnn).",
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of the data splits and the training."),
-    max_length: int = typer.Option(128, "--max-length", help="Longest token sequence the MiniLM bundle accepts."),
+    max_length: int = typer.Option(
+        128, "--max-length", help="Longest token sequence the bundle accepts (minilm, --hf: capped by the model)."
+    ),
     force: bool = typer.Option(
         False, "--force", help="Rebuild even if a finished bundle with the same options exists."
     ),
@@ -37,48 +81,46 @@ def command(
     json_path: Path | None = typer.Option(
         None, "--json", help="Also write the build report (accuracy, agreement, timings) as JSON."
     ),
-    onnx_model: Path | None = typer.Option(
-        None, "--onnx", help="Your own ONNX classifier: ramps are placed at its cut vertices automatically."
-    ),
-    data: Path | None = typer.Option(
-        None, "--data", help="With --onnx: DATA.npz, one array per model input keyed by its name, optional `label`."
-    ),
-    labels: Path | None = typer.Option(None, "--labels", help="With --onnx: class names, one a line (default 0..C-1)."),
-    max_ramps: int = typer.Option(3, "--max-ramps", min=0, help="With --onnx: most exit ramps kept."),
-    cuts: str | None = typer.Option(
-        None, "--cuts", help="With --onnx: place ramps at these tensors (comma-separated cut vertices) instead."
-    ),
-    seq_axis: int | None = typer.Option(
-        None, "--seq-axis", help="With --onnx: the inputs' sequence axis (default: 1 for integer [N, L] inputs)."
-    ),
-    ramp_hidden: int = typer.Option(
-        0, "--ramp-hidden", min=0, help="With --onnx: MLP ramps of this width (0: linear)."
-    ),
-    budget: float = typer.Option(0.01, "--budget", help="With --onnx: accuracy budget the ramp placement tunes to."),
+    onnx_model: Path | None = ONNX,
+    torch_factory: str | None = TORCH,
+    hf: Path | None = HF,
+    text_column: str = TEXT_COLUMN,
+    label_column: str = LABEL_COLUMN,
+    data: Path | None = DATA,
+    labels: Path | None = LABELS,
+    max_ramps: int = MAX_RAMPS,
+    cuts: str | None = CUTS,
+    seq_axis: int | None = SEQ_AXIS,
+    ramp_hidden: int = RAMP_HIDDEN,
+    budget: float = BUDGET,
 ) -> None:
     """Build an early-exit bundle: train the head and the ramps (backbone frozen), export each block and ramp to
     ONNX, and write bundle.yaml, the tokenizer, the held-out data and a calibration window. A rerun with the same
-    options reuses the finished bundle."""
+    options reuses the finished bundle. The model is one of --model (built-in), --onnx, --torch or --hf (your own:
+    ramps placed at the graph's cut vertices automatically)."""
     from rich.console import Console
 
+    console = Console()
+    flag, source = _chosen(console, model, onnx_model, torch_factory, hf)
+    if flag == "--model":
+        builtin = dict(train_size=train_size, heldout_size=heldout_size, seed=seed, max_length=max_length)
+        _prepare_builtin(console, source, builtin, out, force, threads, json_path)
+        return
+    options = dict(max_ramps=max_ramps, cuts=cuts, ramp_hidden=ramp_hidden, budget=budget, seed=seed)
+    text = dict(text_column=text_column, label_column=label_column, max_length=max_length)
+    _prepare_user_model(console, flag, source, data, out, options, labels, seq_axis, text, force, threads, json_path)
+
+
+def _prepare_builtin(console, model: str, options: dict, out: Path | None, force, threads, json_path) -> None:
+    """--model minilm | digits-cnn: the built-in bundles."""
     from exitplan.api.bundle import BundleError
     from exitplan.prepare.build import BuildOptions, PrepareError, prepare_bundle
     from exitplan.prepare.datasets import DatasetError
     from exitplan.prepare.minilm import ModelNotInstalled
 
-    console = Console()
-    if onnx_model is not None:
-        onnx_options = dict(
-            labels=labels, max_ramps=max_ramps, cuts=cuts, seq_axis=seq_axis, ramp_hidden=ramp_hidden, budget=budget
-        )
-        _prepare_onnx(console, onnx_model, data, out, onnx_options, force, threads, json_path)
-        return
-    options = BuildOptions(
-        model=model, train_size=train_size, heldout_size=heldout_size, seed=seed, max_length=max_length
-    )
     target = out if out is not None else Path("artifacts") / "bundles" / model
     try:
-        result = prepare_bundle(options, target, force=force, threads=threads)
+        result = prepare_bundle(BuildOptions(model=model, **options), target, force=force, threads=threads)
     except (PrepareError, DatasetError, ModelNotInstalled, BundleError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err
@@ -89,35 +131,69 @@ def command(
         json_path.write_text(json.dumps({"path": str(result.path), "reused": result.reused, **result.report}, indent=2))
 
 
-def _prepare_onnx(console, model: Path, data: Path | None, out: Path | None, options: dict, force, threads, json_path):
-    """`--onnx`: the user's model through the automatic pipeline (exitplan.prepare.from_onnx)."""
+def _chosen(console, model, onnx_model, torch_factory, hf) -> tuple[str, object]:
+    """The one source chosen among --model, --onnx, --torch and --hf (none: --model minilm)."""
+    given = [(f, v) for f, v in (("--model", model), ("--onnx", onnx_model), ("--torch", torch_factory), ("--hf", hf))]
+    given = [(f, v) for f, v in given if v is not None]
+    if len(given) > 1:
+        console.print(
+            f"[red]error:[/red] choose one model source of --model, --onnx, --torch and --hf; got "
+            f"{' and '.join(f for f, _ in given)}"
+        )
+        raise typer.Exit(2)
+    return given[0] if given else ("--model", "minilm")
+
+
+DATA_HELP = {
+    "--onnx": "DATA.npz (one array per model input, keyed by its name)",
+    "--torch": "DATA.npz (one array per forward argument, in order, keyed by the input's name)",
+    "--hf": "FILE.csv or FILE.jsonl (labelled texts, see --text-column and --label-column)",
+}
+
+
+def _default_name(flag: str, source) -> str:
+    if flag == "--torch":
+        return str(source).partition(":")[0].rsplit(".", 1)[-1].lower() or "model"
+    return Path(source).stem.lower() if flag == "--onnx" else Path(source).resolve().name.lower()
+
+
+def _prepare_user_model(console, flag, source, data, out, options, labels, seq_axis, text, force, threads, json_path):
+    """--onnx, --torch, --hf: the user's model through the automatic pipeline (exitplan.prepare.from_onnx)."""
     from exitplan.prepare.build import PrepareError
-    from exitplan.prepare.from_onnx import from_onnx
     from exitplan.prepare.graph_cuts import GraphError
     from exitplan.prepare.user_data import DataError
 
     if data is None:
-        console.print("[red]error:[/red] --onnx needs --data DATA.npz (one array per model input, keyed by its name)")
+        console.print(f"[red]error:[/red] {flag} needs --data {DATA_HELP[flag]}")
         raise typer.Exit(2)
-    cuts = tuple(c.strip() for c in (options.pop("cuts") or "").split(",") if c.strip())
-    labels = options.pop("labels")
-    seq_axis = options.pop("seq_axis")
-    target = out if out is not None else Path("artifacts") / "bundles" / model.stem.lower()
+    if flag == "--hf" and (labels is not None or seq_axis is not None):
+        console.print("[red]error:[/red] --labels and --seq-axis do not apply to --hf (class names: the label column)")
+        raise typer.Exit(2)
+    options["cuts"] = tuple(c.strip() for c in (options.pop("cuts") or "").split(",") if c.strip())
+    target = out if out is not None else Path("artifacts") / "bundles" / _default_name(flag, source)
+    common = dict(force=force, threads=threads, **options)
+    if flag != "--hf":
+        common.update(labels=None if labels is None else str(labels), seq_axis=-1 if seq_axis is None else seq_axis)
     try:
-        result = from_onnx(
-            model,
-            data,
-            target,
-            force=force,
-            threads=threads,
-            cuts=cuts,
-            labels=None if labels is None else str(labels),
-            seq_axis=-1 if seq_axis is None else seq_axis,
-            **options,
-        )
+        if flag == "--onnx":
+            from exitplan.prepare.from_onnx import from_onnx
+
+            result = from_onnx(source, data, target, **common)
+        elif flag == "--torch":
+            from exitplan.prepare.from_torch import from_torch
+
+            result = from_torch(source, data, target, **common)
+        else:
+            from exitplan.prepare.from_hf import from_hf
+
+            result = from_hf(source, data, target, **text, **common)
     except (PrepareError, GraphError, DataError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err
+    _print_user_report(console, result, json_path)
+
+
+def _print_user_report(console, result, json_path: Path | None) -> None:
     report = result.report
     state = "reused (same options; --force rebuilds)" if result.reused else f"built in {report['total_seconds']:.1f} s"
     console.print(f"bundle [bold]{result.path}[/bold]: {state}")

@@ -12,7 +12,9 @@ The pipeline (Apparate's, on a model nobody wrote ramps for):
    ramps whose utility pays (latency saved minus overhead, greedily, at most `max_ramps`);
 5. split again at the kept cuts only and write the bundle: blocks, ramps, the model's own head,
    held-out data keyed by input name, the calibration window; chained blocks must reproduce the
-   source model (max absolute difference <= `tolerance`) or nothing is written.
+   source model (max absolute difference <= `tolerance`) or nothing is written. With `tokenizer` (and
+   `texts`, the text of each data row), the bundle takes texts: the tokenizer is copied in and the
+   held-out rows keep their `text` and token `length` (--hf, :mod:`exitplan.prepare.from_hf`).
 
 The build runs in a sibling directory that replaces the target only when complete (build.py).
 """
@@ -33,6 +35,9 @@ from exitplan.prepare.build import Bar, BuildResult, PrepareError, build_once, t
 from exitplan.prepare.user_data import DataError, InputInfo, UserData, load_data, model_inputs
 
 FORMAT_VERSION = 1
+TOKENIZER = "tokenizer.json"
+TEXT_INPUTS = {"input_ids", "attention_mask"}
+"""What the router feeds a bundle that takes texts."""
 
 
 @dataclass(frozen=True)
@@ -61,25 +66,39 @@ class OnnxOptions:
     heldout_fraction: float = 0.25
     tolerance: float = 1e-4
     seed: int = 0
+    tokenizer: str | None = None
+    """A `tokenizers` JSON file, copied into the bundle (no padding, no truncation) so the router takes texts."""
+    pad_token_id: int = 0
+    """The token id that pads token sequences (with `tokenizer`)."""
+    texts: str | None = None
+    """A JSON file with a list of texts, the text of each data row (with `tokenizer`): held-out rows keep theirs."""
+    source: str | None = None
+    """What reports call the model (default: the model file)."""
     fingerprint: str = field(default="", compare=False)
     """sha256 of the model and data files (set by `resolved`), so a changed file rebuilds."""
 
+    def files(self) -> tuple[str | None, ...]:
+        return (self.model, self.data, self.labels, self.tokenizer, self.texts)
+
     def resolved(self) -> OnnxOptions:
-        for what, path in (("model", self.model), ("data", self.data), ("labels", self.labels)):
+        for what, path in zip(("onnx", "data", "labels", "tokenizer", "texts"), self.files(), strict=True):
             if path is not None and not Path(path).is_file():
-                raise PrepareError(f"--{what if what != 'model' else 'onnx'} {path}: no such file")
+                raise PrepareError(f"--{what} {path}: no such file")
         if self.max_ramps < 0 or self.candidates < 1:
             raise PrepareError(f"--max-ramps ({self.max_ramps}) must be >= 0 and candidates ({self.candidates}) >= 1")
         if not 0.0 < self.heldout_fraction < 1.0 or not 0.0 <= self.budget < 1.0:
             raise PrepareError("the held-out fraction must be in (0, 1) and the accuracy budget in [0, 1)")
         digest = hashlib.sha256()
-        for path in (self.model, self.data, self.labels):
-            if path is not None:
-                digest.update(Path(path).read_bytes())
+        for path in self.files():
+            digest.update(b"-" if path is None else Path(path).read_bytes())
         return OnnxOptions(**{**asdict(self), "cuts": tuple(self.cuts), "fingerprint": digest.hexdigest()[:16]})
 
     def digest(self) -> str:
-        payload = json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True, default=str)
+        """The files by content (`fingerprint`), not by path: a model exported again to another temporary
+        directory (--torch, --hf) reuses the bundle; the name, which may come from the path, counts."""
+        paths = {"model", "data", "labels", "tokenizer", "texts"}
+        options = {k: v for k, v in asdict(self).items() if k not in paths}
+        payload = json.dumps({"format": FORMAT_VERSION, **options, "name": _name(self)}, sort_keys=True, default=str)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -170,8 +189,42 @@ def load_source(opts: OnnxOptions) -> Source:
     if n < classes:
         raise DataError(f"{opts.data}: {n} samples for {classes} classes; give at least one sample per class")
     seq_axis = _detect_seq_axis(opts.seq_axis, inputs)
+    if opts.tokenizer and (seq_axis != 1 or not {"input_ids"} <= {i.name for i in inputs} <= TEXT_INPUTS):
+        raise PrepareError(
+            f"{opts.model}: a bundle with a tokenizer takes token sequences as the router feeds them, inputs "
+            f"`input_ids` and optionally `attention_mask` [batch, seq]; this model takes "
+            f"{', '.join(i.describe() for i in inputs)}"
+        )
     mask = next((i.name for i in inputs if "mask" in i.name.lower()), None) if seq_axis is not None else None
     return Source(model, inputs, data, logits, _labels(opts.labels, classes), seq_axis, mask)
+
+
+def heldout_texts(opts: OnnxOptions, src: Source, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """`text` and `length` (tokens, no truncation) of the held-out `rows` when the data comes with its
+    texts (`opts.texts`); each text must tokenize, truncated at the sequence width, to its row's ids."""
+    if not opts.texts or not opts.tokenizer:
+        return {}
+    from tokenizers import Tokenizer
+
+    texts = json.loads(Path(opts.texts).read_text())
+    if not isinstance(texts, list) or len(texts) != len(src.data):
+        raise PrepareError(f"{opts.texts}: expected a JSON list of {len(src.data)} texts, one per data row")
+    held = [str(texts[r]) for r in rows]
+    tokenizer = Tokenizer.from_file(opts.tokenizer)
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    lengths = np.array([len(e.ids) for e in tokenizer.encode_batch(held)], dtype=np.int64)
+    ids = src.data.inputs["input_ids"]
+    tokenizer.enable_truncation(max_length=int(ids.shape[1]))
+    mask = src.data.inputs.get("attention_mask")
+    for row, encoded in zip(rows, tokenizer.encode_batch(held), strict=True):
+        used = int((mask[row] != 0).sum()) if mask is not None else len(encoded.ids)
+        if list(ids[row, :used]) != encoded.ids:
+            raise PrepareError(
+                f"{opts.texts}: text {int(row)} ({str(texts[row])[:40]!r}) tokenizes to {encoded.ids[:12]}... but its "
+                f"input_ids are {ids[row, :used][:12].tolist()}...; the texts and the ids must agree"
+            )
+    return {"text": np.asarray(held), "length": lengths}
 
 
 # ------------------------------------------------------------------------------ bundle files
@@ -215,12 +268,21 @@ def _manifest(opts: OnnxOptions, src: Source, blocks: list[Any], ramps: list[Any
         ramps=ramps,
         seq_axis=src.seq_axis,
         max_length=max_length,
+        tokenizer=TOKENIZER if opts.tokenizer else None,
+        pad_token_id=opts.pad_token_id,
     )
 
 
-def _write_manifest(directory: Path, manifest: Any) -> None:
+def _write_manifest(directory: Path, manifest: Any, opts: OnnxOptions | None = None) -> None:
     import yaml
 
+    if opts is not None and opts.tokenizer:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(opts.tokenizer)
+        tokenizer.no_padding()
+        tokenizer.no_truncation()  # the router decides: reject over-long inputs, or truncate when asked
+        tokenizer.save(str(directory / TOKENIZER))
     (directory / "bundle.yaml").write_text(
         yaml.safe_dump(manifest.model_dump(mode="json", exclude_none=True), sort_keys=False)
     )
@@ -249,7 +311,7 @@ def _write_split(directory: Path, opts: OnnxOptions, src: Source, cuts: list[Any
     blocks = split(src.model, [c.tensor for c in cuts], directory, seq_axis=src.seq_axis, example_inputs=example)
     head = _head(directory, blocks[-1], len(blocks) - 1)
     manifest = _manifest(opts, src, blocks, [*ramps, head])
-    _write_manifest(directory, manifest)
+    _write_manifest(directory, manifest, opts)
     return manifest
 
 
@@ -413,7 +475,7 @@ def _final_bundle(work: Path, src: Source, opts: OnnxOptions, kept: list[Candida
 
 
 def _verify_and_measure(
-    work: Path, src: Source, manifest: Any, held_rows: np.ndarray, opts: OnnxOptions
+    work: Path, src: Source, manifest: Any, held_rows: np.ndarray, opts: OnnxOptions, texts: dict[str, np.ndarray]
 ) -> dict[str, Any]:
     """Chained blocks against the source model on the held-out rows; held-out data and window written."""
     from exitplan.prepare.measure import all_ramp_logits
@@ -429,7 +491,9 @@ def _verify_and_measure(
             f"the split model differs from {opts.model} by {diff:.3g} (max absolute difference of the outputs on the "
             f"held-out data, tolerance {opts.tolerance:g}); report the model, or place ramps by hand with --cuts"
         )
-    np.savez_compressed(work / manifest.data.heldout, **held.inputs, label=held.label, full_pred=held.full_pred)
+    np.savez_compressed(
+        work / manifest.data.heldout, **held.inputs, label=held.label, full_pred=held.full_pred, **texts
+    )
     window = build_window(runtime, held, logits)
     window.save(work / "data" / "window.npz")
     return {
@@ -441,14 +505,20 @@ def _verify_and_measure(
     }
 
 
+def split_rows(n: int, heldout_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(held-out rows, training rows) of `n` samples, sorted: the split every build of these options makes."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_held = max(1, int(round(heldout_fraction * n)))
+    return np.sort(order[:n_held]), np.sort(order[n_held:])
+
+
 def _build(opts: OnnxOptions, work: Path, bar: Bar) -> dict[str, Any]:
     started = time.perf_counter()
     steps = bar(5, "prepare --onnx")
     src = load_source(opts)
     steps.update(1)
-    order = np.random.default_rng(opts.seed).permutation(len(src.data))
-    n_held = max(1, int(round(opts.heldout_fraction * len(order))))
-    held_rows, train = np.sort(order[:n_held]), np.sort(order[n_held:])
+    held_rows, train = split_rows(len(src.data), opts.heldout_fraction, opts.seed)
+    texts = heldout_texts(opts, src, held_rows)
     scratch, manifest, candidates = _candidate_bundle(work, src, opts, train)
     steps.update(1)
     kept_idx, figures = _place(scratch, src, manifest, held_rows, opts)
@@ -457,12 +527,12 @@ def _build(opts: OnnxOptions, work: Path, bar: Bar) -> dict[str, Any]:
     shutil.rmtree(scratch)
     final = _final_bundle(work, src, opts, kept)
     steps.update(1)
-    measured = _verify_and_measure(work, src, final, held_rows, opts)
+    measured = _verify_and_measure(work, src, final, held_rows, opts, texts)
     steps.update(1)
     steps.close()
     accuracy = None if src.data.label is None else float((src.answers == src.data.label).mean())
     return {
-        "source": opts.model,
+        "source": opts.source or opts.model,
         "samples": len(src.data),
         "heldout_size": int(held_rows.size),
         "model_accuracy": accuracy,
