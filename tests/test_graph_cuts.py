@@ -12,6 +12,7 @@ import time
 import numpy as np
 import onnx
 import pytest
+from byom_models import export, nn, torch
 from onnx import TensorProto, helper
 
 from exitplan.prepare.graph_cuts import (
@@ -26,26 +27,7 @@ from exitplan.prepare.graph_cuts import (
     verify_chain,
 )
 
-torch = pytest.importorskip("torch")
-nn = torch.nn
-
 OPSET = 17
-
-
-def _export(module, example: tuple, path, input_names: list[str], axes: dict) -> None:
-    module.eval()
-    with torch.no_grad():
-        torch.onnx.export(
-            module,
-            example,
-            str(path),
-            input_names=input_names,
-            output_names=["logits"],
-            dynamic_axes=axes,
-            opset_version=OPSET,
-            do_constant_folding=True,
-            dynamo=False,
-        )
 
 
 def _producer(model: onnx.ModelProto, tensor: str) -> str:
@@ -118,7 +100,7 @@ def cnn_path(tmp_path_factory):
             module.running_mean.uniform_(-0.2, 0.2)
             module.running_var.uniform_(0.5, 1.5)
     path = tmp_path_factory.mktemp("cnn") / "resnet.onnx"
-    _export(net, (torch.randn(2, 3, 32, 32),), path, ["x"], {"x": {0: "batch"}, "logits": {0: "batch"}})
+    export(net, (torch.randn(2, 3, 32, 32),), path, ["x"], {"x": {0: "batch"}, "logits": {0: "batch"}})
     return path
 
 
@@ -371,7 +353,7 @@ def minilm_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("minilm") / "minilm.onnx"
     ids, mask = _tokens(2, 12, seed=0).values()
     axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}, "logits": {0: "batch"}}
-    _export(net, (torch.from_numpy(ids), torch.from_numpy(mask)), path, ["input_ids", "attention_mask"], axes)
+    export(net, (torch.from_numpy(ids), torch.from_numpy(mask)), path, ["input_ids", "attention_mask"], axes)
     return path
 
 
