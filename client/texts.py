@@ -142,10 +142,9 @@ class HeldoutPool:
     texts: list[str] | None = None
     lengths: np.ndarray | None = None
     """Token length of each text (special tokens included, no truncation)."""
-    x: np.ndarray | None = None
     tokenizer: object | None = None
     arrays: dict[str, np.ndarray] | None = None
-    """One array per bundle input, keyed by its name (bundles built from a user's model)."""
+    """One array per bundle input, keyed by its name (models without a tokenizer)."""
 
     def __len__(self) -> int:
         return int(self.labels.size)
@@ -156,7 +155,8 @@ class HeldoutPool:
 
 
 def load_pool(bundle: str | Path) -> HeldoutPool:
-    """Read `<bundle>/data/heldout.npz` (arrays `text` or `x`, `label`, `full_pred`) and tokenize the texts."""
+    """Read `<bundle>/data/heldout.npz` (`text`, or one array per bundle input keyed by its name -- `x` for a
+    single input -- with `label` and `full_pred`) and tokenize the texts."""
     directory = Path(bundle)
     manifest = read_manifest(directory)
     path = directory / manifest.data.heldout
@@ -165,9 +165,11 @@ def load_pool(bundle: str | Path) -> HeldoutPool:
     with np.load(path, allow_pickle=False) as data:
         files = set(data.files)
         names = [spec.name for spec in manifest.inputs]
+        if len(names) == 1 and names[0] not in files and "x" in files:  # one input, stored as `x`
+            files = (files - {"x"}) | {names[0]}
         named = "text" not in files and all(name in files for name in names)
         missing = {"label", "full_pred"} - files
-        if missing or not ({"text", "x"} & files or named):
+        if missing or not ("text" in files or named):
             raise InputError(
                 f"{path}: held-out data needs arrays `text` (or `x`, or one per bundle input {names}), `label` and "
                 f"`full_pred`; it has {sorted(files)}"
@@ -175,19 +177,20 @@ def load_pool(bundle: str | Path) -> HeldoutPool:
         labels = np.asarray(data["label"], dtype=np.int64)
         full_pred = np.asarray(data["full_pred"], dtype=np.int64)
         texts = [str(t) for t in data["text"]] if "text" in files else None
-        arrays = {name: np.asarray(data[name]) for name in names} if named else None
-        x = np.asarray(data["x"]) if texts is None and arrays is None else None
-    if arrays is not None:
-        if any(a.shape[0] != labels.size for a in arrays.values()) or full_pred.size != labels.size:
-            raise InputError(f"{path}: arrays disagree on the number of held-out inputs")
-        return HeldoutPool(manifest, directory, labels, full_pred, arrays=arrays)
+        stored = {name: name if name in data.files else "x" for name in names}
+        arrays = {name: np.asarray(data[stored[name]]) for name in names} if named else None
     n = labels.size
-    if full_pred.size != n or (texts is not None and len(texts) != n) or (x is not None and x.shape[0] != n):
+    counts = [
+        full_pred.size,
+        *([len(texts)] if texts is not None else []),
+        *(a.shape[0] for a in (arrays or {}).values()),
+    ]
+    if any(c != n for c in counts):
         raise InputError(f"{path}: arrays disagree on the number of held-out inputs")
     if n == 0:
         raise InputError(f"{path}: the held-out data is empty")
     if texts is None:
-        return HeldoutPool(manifest, directory, labels, full_pred, x=x)
+        return HeldoutPool(manifest, directory, labels, full_pred, arrays=arrays)
     if not manifest.tokenizer:
         raise InputError(f"{directory / 'bundle.yaml'}: held-out texts but the manifest names no tokenizer")
     from tokenizers import Tokenizer
@@ -410,22 +413,6 @@ def build_inputs(
     labels = pool.manifest.labels
     if pool.arrays is not None:
         return _named_inputs(pool, targets, seed, binary)
-    if not pool.is_text:
-        assert pool.x is not None
-        order = np.random.default_rng(seed).permutation(len(pool))
-        picks = [int(order[i % len(pool)]) for i in range(targets.size)]
-        name = pool.manifest.inputs[0].name
-        x = as_input_dtype(pool.x, name, pool.manifest.inputs[0].dtype)
-        requests = [_request({name: x[p]}, None, binary) for p in picks]
-        return RequestInputs(
-            bodies=[body for body, _ in requests],
-            target_lengths=targets,
-            lengths=np.ones(targets.size, dtype=np.int64),
-            parts=[(p,) for p in picks],
-            reference=[labels[int(pool.full_pred[p])] for p in picks],
-            truth=[labels[int(pool.labels[p])] for p in picks],
-            headers=[extra for _, extra in requests] if binary else [],
-        )
     assert pool.texts is not None and pool.lengths is not None
     parts = match_lengths(targets, pool.lengths, max_length, seed)
     references = references or ReferenceCache(pool)

@@ -198,7 +198,12 @@ def _build(options: BuildOptions, directory: Path, bar: Bar) -> dict[str, Any]:
     # Verify through ONNX Runtime: the exported model's answers are the reference from here on.
     heldout_arrays = built.pop("heldout")
     runtime = BundleRuntime(directory)
-    heldout = Heldout(label=heldout_arrays["label"], ids=built.pop("heldout_ids", None), x=heldout_arrays.get("x"))
+    x = heldout_arrays.get("x")
+    heldout = Heldout(
+        label=heldout_arrays["label"],
+        ids=built.pop("heldout_ids", None),
+        inputs=None if x is None else {manifest.inputs[0].name: x},
+    )
     progress = bar(len(heldout), "held-out through ONNX Runtime")
     logits = all_ramp_logits(runtime, heldout, progress.update)
     progress.close()

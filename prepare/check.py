@@ -287,10 +287,8 @@ def warm_up(runtime: BundleRuntime, bucket: int, batch: int) -> BucketWarmup:
 
 
 def heldout_format(heldout: Heldout) -> str:
-    """`inputs` (one array per bundle input), `x` or `text`: how the held-out inputs are stored."""
-    if getattr(heldout, "inputs", None) is not None:
-        return "inputs"
-    return "x" if heldout.x is not None else "text"
+    """`inputs` (arrays keyed by bundle input) or `text`: how the held-out inputs are read."""
+    return "inputs" if heldout.inputs is not None else "text"
 
 
 class SourceModel:

@@ -20,13 +20,11 @@ from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, pad_batch
 @dataclass
 class Heldout:
     """A bundle's held-out inputs in model form, and labels: token ids (a text bundle with a
-    tokenizer), `x` (the built-in image bundle's one input), or `inputs`, one array per bundle input
-    keyed by the input's name (a bundle built from a user's model; with a sequence axis, each row's
-    length is `lengths`, read from an attention mask when the model has one)."""
+    tokenizer), or `inputs`, one array per bundle input keyed by the input's name (with a sequence
+    axis, each row's length is `lengths`, read from an attention mask when the model has one)."""
 
     label: np.ndarray
     ids: list[list[int]] | None = None
-    x: np.ndarray | None = None
     full_pred: np.ndarray | None = None
     inputs: dict[str, np.ndarray] | None = None
     lengths: np.ndarray | None = None
@@ -85,14 +83,16 @@ def load_heldout(directory: Path, manifest: BundleManifest) -> Heldout:
         ids = [enc.ids for enc in tokenizer.encode_batch([str(t) for t in data["text"]])]
         return Heldout(label=data["label"], ids=ids, full_pred=full)
     names = [spec.name for spec in manifest.inputs]
-    if all(name in data.files for name in names):
+    if len(names) == 1 and names[0] not in data.files and "x" in data.files:  # one input, stored as `x`
+        inputs = {names[0]: data["x"]}
+    elif all(name in data.files for name in names):
         inputs = {name: data[name] for name in names}
-        return Heldout(label=data["label"], full_pred=full, inputs=inputs, lengths=sequence_lengths(manifest, inputs))
-    if "x" in data.files:
-        return Heldout(label=data["label"], x=data["x"], full_pred=full)
-    raise BundleError(
-        f"{path}: held-out data holds neither `text`, `x` nor one array per bundle input {names} (it has {data.files})"
-    )
+    else:
+        raise BundleError(
+            f"{path}: held-out data holds neither `text`, `x` nor one array per bundle input {names} "
+            f"(it has {data.files})"
+        )
+    return Heldout(label=data["label"], full_pred=full, inputs=inputs, lengths=sequence_lengths(manifest, inputs))
 
 
 def heldout_batches(
@@ -101,11 +101,6 @@ def heldout_batches(
     """(rows, state, bucket) over the held-out inputs, each text in the smallest bucket that holds it."""
     if heldout.inputs is not None:
         yield from _named_batches(runtime, heldout, batch)
-        return
-    if heldout.x is not None:
-        for start in range(0, len(heldout), batch):
-            rows = np.arange(start, min(start + batch, len(heldout)))
-            yield rows, {runtime.manifest.inputs[0].name: heldout.x[rows]}, runtime.buckets[0]
         return
     assert heldout.ids is not None
     lengths = np.array([min(len(s), max(runtime.buckets)) for s in heldout.ids])
@@ -163,8 +158,6 @@ def batch_state(runtime: BundleRuntime, heldout: Heldout, batch: int, bucket: in
             rows = order[np.arange(batch) % order.size]
         arrays = {name: a[rows] for name, a in heldout.inputs.items()}
         return fit_to_bucket(runtime.manifest, arrays, bucket)
-    if heldout.x is not None:
-        return {runtime.manifest.inputs[0].name: np.ascontiguousarray(heldout.x[rows])}
     assert heldout.ids is not None
     fitting = [s for s in heldout.ids if len(s) <= bucket] or [s[:bucket] for s in heldout.ids]
     # prefer the longest inputs that fit, so the batch looks like this bucket's real traffic

@@ -178,7 +178,7 @@ def test_without_source_the_chain_is_compared_with_full_pred(tiny):
     report = check_bundle(tiny)
     assert report.ok and report.exit_code == 0
     assert report.full_pred_agreement == 1.0 and report.source is None
-    assert report.heldout_format in ("x", "inputs") and report.heldout_inputs == 40
+    assert report.heldout_format == "inputs" and report.heldout_inputs == 40
     assert [(w.bucket, w.batch) for w in report.warmup] == [(1, 32)]
 
 
@@ -295,7 +295,7 @@ def test_digits_bundle_passes_with_ramp_agreements(digits_bundle, tmp_path):
     assert result.exit_code == 0, result.output
     assert "check passed" in result.output and "ramp0" in result.output
     report = json.loads(out.read_text())
-    assert report["heldout_format"] in ("x", "inputs") and report["heldout_inputs"] > 0
+    assert report["heldout_format"] == "inputs" and report["heldout_inputs"] > 0
     assert report["full_pred_agreement"] == 1.0
     assert [r["name"] for r in report["ramps"]] == ["ramp0", "ramp1"]
     for ramp in report["ramps"]:
