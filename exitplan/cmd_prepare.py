@@ -47,6 +47,9 @@ SEQ_AXIS = typer.Option(
 RAMP_HIDDEN = typer.Option(
     0, "--ramp-hidden", min=0, help="With --onnx/--torch/--hf: MLP ramps of this width (0: linear)."
 )
+NAME = typer.Option(
+    None, "--name", help="With --onnx/--torch/--hf: the model's name (default: the file's, module's or folder's name)."
+)
 BUDGET = typer.Option(0.01, "--budget", help="With --onnx/--torch/--hf: accuracy budget the ramp placement tunes to.")
 
 
@@ -93,6 +96,7 @@ def command(
     seq_axis: int | None = SEQ_AXIS,
     ramp_hidden: int = RAMP_HIDDEN,
     budget: float = BUDGET,
+    name: str | None = NAME,
 ) -> None:
     """Build an early-exit bundle: train the head and the ramps (backbone frozen), export each block and ramp to
     ONNX, and write bundle.yaml, the tokenizer, the held-out data and a calibration window. A rerun with the same
@@ -107,6 +111,8 @@ def command(
         _prepare_builtin(console, source, builtin, out, force, threads, json_path)
         return
     options = dict(max_ramps=max_ramps, cuts=cuts, ramp_hidden=ramp_hidden, budget=budget, seed=seed)
+    if name is not None:
+        options["name"] = name
     text = dict(text_column=text_column, label_column=label_column, max_length=max_length)
     _prepare_user_model(console, flag, source, data, out, options, labels, seq_axis, text, force, threads, json_path)
 
@@ -170,7 +176,9 @@ def _prepare_user_model(console, flag, source, data, out, options, labels, seq_a
         console.print("[red]error:[/red] --labels and --seq-axis do not apply to --hf (class names: the label column)")
         raise typer.Exit(2)
     options["cuts"] = tuple(c.strip() for c in (options.pop("cuts") or "").split(",") if c.strip())
-    target = out if out is not None else Path("artifacts") / "bundles" / _default_name(flag, source)
+    target = (
+        out if out is not None else Path("artifacts") / "bundles" / (options.get("name") or _default_name(flag, source))
+    )
     common = dict(force=force, threads=threads, **options)
     if flag != "--hf":
         common.update(labels=None if labels is None else str(labels), seq_axis=-1 if seq_axis is None else seq_axis)

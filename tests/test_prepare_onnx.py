@@ -212,5 +212,7 @@ def test_cuts_by_hand_must_be_cut_vertices(tmp_path):
                                       "--out", str(out), "--cuts", "h0"])  # fmt: skip
     text = " ".join(result.output.split())
     assert result.exit_code == 2 and "'h0'" in text and "r0" in text, text  # inside a block; the cut is r0
-    _run("prepare", "--onnx", str(model), "--data", str(tmp_path / "d.npz"), "--out", str(out), "--cuts", "r0,r1")
-    assert [r.after for r in read_manifest(out).exit_ramps()] == [0, 1]
+    _run("prepare", "--onnx", str(model), "--data", str(tmp_path / "d.npz"), "--out", str(out), "--cuts", "r0,r1",
+         "--name", "Dense Chain")  # fmt: skip
+    manifest = read_manifest(out)
+    assert [r.after for r in manifest.exit_ramps()] == [0, 1] and manifest.name == "dense-chain"
