@@ -77,8 +77,9 @@ def ensure_profiles(setup: ServiceSetup, echo=print) -> None:
         if ref.name in setup.profiles:
             continue
         cache = setup.bundle / "profiles" / f"{ref.name}.yaml"
-        if not cache.is_file():
-            echo(f"no ModelProfile for pool {ref.name!r}: measuring one on this machine -> {cache}")
+        problem = _cached_profile_problem(cache)
+        if problem is not None:
+            echo(f"{problem} for pool {ref.name!r}: measuring one on this machine -> {cache}")
             cache.parent.mkdir(parents=True, exist_ok=True)
             cmd = [*exitplan_command(), "profile", str(setup.bundle), "--pool", ref.name, "--out", str(cache)]
             done = subprocess.run(cmd, check=False)
@@ -88,6 +89,23 @@ def ensure_profiles(setup: ServiceSetup, echo=print) -> None:
                 )
         doc = yaml.safe_load(cache.read_text())
         setup.profiles[ref.name] = ModelProfile.model_validate(doc).spec
+
+
+def _cached_profile_problem(cache: Path) -> str | None:
+    """Why the cached profile cannot be used (None: it can): missing, unreadable, or one the planner
+    rejects (e.g. measured by an older profiler on a busy machine)."""
+    if not cache.is_file():
+        return "no ModelProfile"
+    from pydantic import ValidationError
+
+    from exitplan.planner.costmodel import validate_profile
+    from exitplan.planner.errors import ProfileError
+
+    try:
+        validate_profile(ModelProfile.model_validate(yaml.safe_load(cache.read_text())).spec)
+    except (ValidationError, ProfileError, yaml.YAMLError, AttributeError) as err:
+        return f"the cached ModelProfile {cache} cannot be used ({str(err).splitlines()[0]})"
+    return None
 
 
 def tuned_thresholds(bundle: Path, budget: float, bounds: Sequence[int]) -> dict[str, float]:
