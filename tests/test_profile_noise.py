@@ -48,7 +48,8 @@ def test_the_profiler_on_a_busy_machine_writes_a_profile_the_planner_takes(digit
     for block in profile.spec.blocks:
         table = np.asarray(block.latency_ms)
         assert np.all(np.diff(table, axis=1) >= 0) and np.all(np.diff(table, axis=0) >= 0)
-    assert "measured again" in profile.metadata["annotations"][REPAIRS_ANNOTATION]
+    repairs = profile.metadata["annotations"][REPAIRS_ANNOTATION]  # what it took, in words: "N cell(s) ..."
+    assert repairs.split()[0].isdigit(), repairs
 
 
 def test_an_invalid_cached_profile_is_measured_again(digits_bundle, tmp_path):
