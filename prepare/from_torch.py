@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from exitplan.prepare.build import BuildResult, PrepareError
-from exitplan.prepare.user_data import DataError
+from exitplan.prepare.user_data import DataError, read_npz
 
 OPSET = 17
 CHECK_ROWS = 64
@@ -92,17 +92,7 @@ def make_module(factory: Callable[[], Any], what: str) -> Any:
 
 def read_inputs(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
     """DATA.npz: the model's inputs in the file's order (every array but `label`), and `label`."""
-    import zipfile
-
-    if not path.is_file():
-        raise DataError(f"{path}: no such file; pass an .npz with one array per forward argument (numpy.savez)")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            if not isinstance(data, np.lib.npyio.NpzFile):
-                raise DataError(f"{path}: a single array, not an .npz; save one array per input with numpy.savez")
-            arrays = {name: data[name] for name in data.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as err:
-        raise DataError(f"{path}: not a readable .npz file ({err}); save the data with numpy.savez") from err
+    arrays = read_npz(path, "forward argument")
     label = arrays.pop("label", None)
     if not arrays:
         raise DataError(f"{path}: no input arrays (only `label`); save one array per forward argument")

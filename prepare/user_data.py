@@ -63,13 +63,14 @@ class UserData:
         return UserData({k: v[rows] for k, v in self.inputs.items()}, None if self.label is None else self.label[rows])
 
 
-def _read(path: Path) -> dict[str, np.ndarray]:
+def read_npz(path: Path, what: str = "model input") -> dict[str, np.ndarray]:
+    """Every array of the .npz at `path`, in the file's order; `what` names what each array is for."""
     if not path.is_file():
-        raise DataError(f"{path}: no such file; pass an .npz with one array per model input (numpy.savez)")
+        raise DataError(f"{path}: no such file; pass an .npz with one array per {what} (numpy.savez)")
     try:
         with np.load(path, allow_pickle=False) as data:
             if not isinstance(data, np.lib.npyio.NpzFile):
-                raise DataError(f"{path}: a single array, not an .npz; save one array per model input with numpy.savez")
+                raise DataError(f"{path}: a single array, not an .npz; save one array per {what} with numpy.savez")
             return {name: data[name] for name in data.files}
     except (OSError, ValueError, zipfile.BadZipFile) as err:
         raise DataError(f"{path}: not a readable .npz file ({err}); save the data with numpy.savez") from err
@@ -98,7 +99,7 @@ def load_data(path: Path, inputs: list[InputInfo]) -> UserData:
     """The arrays of `path` checked against the model's inputs (names, dtypes, ranks, fixed sizes,
     one sample count) and the optional `label`."""
     path = Path(path)
-    arrays = _read(path)
+    arrays = read_npz(path)
     names = [i.name for i in inputs]
     missing = [i for i in inputs if i.name not in arrays]
     if missing:

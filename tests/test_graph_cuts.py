@@ -12,7 +12,7 @@ import time
 import numpy as np
 import onnx
 import pytest
-from byom_models import export, nn, torch
+from byom_models import MiniLMClassifier, export, nn, torch
 from onnx import TensorProto, helper
 
 from exitplan.prepare.graph_cuts import (
@@ -318,28 +318,6 @@ def test_not_an_onnx_file(tmp_path):
 # ------------------------------------------------------------------------------ MiniLM + a linear head
 
 
-class MiniLMClassifier(nn.Module):
-    """The whole encoder (embeddings with explicit token types and positions, six layers with the
-    additive mask computed once) + mean pooling + a linear head, as one graph."""
-
-    def __init__(self, encoder: nn.Module, classes: int = 3) -> None:
-        super().__init__()
-        self.embeddings = encoder.embeddings
-        self.layers = encoder.encoder.layer
-        self.head = nn.Linear(encoder.config.hidden_size, classes)
-
-    def forward(self, input_ids, attention_mask):
-        from exitplan.prepare.minilm import additive_mask, mean_pool
-
-        positions = torch.arange(input_ids.shape[1], dtype=torch.long).unsqueeze(0).expand_as(input_ids)
-        h = self.embeddings(input_ids=input_ids, token_type_ids=torch.zeros_like(input_ids), position_ids=positions)
-        mask = additive_mask(attention_mask)
-        for layer in self.layers:
-            out = layer(h, mask)
-            h = out[0] if isinstance(out, tuple) else out
-        return self.head(mean_pool(h, attention_mask))
-
-
 @pytest.fixture(scope="module")
 def minilm_path(tmp_path_factory):
     from exitplan.prepare.minilm import ModelNotInstalled, load_encoder
@@ -349,7 +327,7 @@ def minilm_path(tmp_path_factory):
     except ModelNotInstalled as err:
         pytest.skip(str(err))
     torch.manual_seed(0)
-    net = MiniLMClassifier(encoder)
+    net = MiniLMClassifier(encoder, nn.Linear(encoder.config.hidden_size, 3))
     path = tmp_path_factory.mktemp("minilm") / "minilm.onnx"
     ids, mask = _tokens(2, 12, seed=0).values()
     axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}, "logits": {0: "batch"}}
