@@ -55,7 +55,10 @@ BUDGET = typer.Option(0.01, "--budget", help="With --onnx/--torch/--hf: accuracy
 
 def command(
     model: str | None = typer.Option(
-        None, "--model", help="Built-in model: minilm (text, 6 blocks; the default) or digits-cnn (images, 3 blocks)."
+        None,
+        "--model",
+        help="Built-in model, a preset of --hf or --torch: minilm (all-MiniLM-L6-v2 on tweets, --hf, a ramp after "
+        "every encoder layer; the default) or digits-cnn (a CNN trained on scikit-learn's digits, --torch).",
     ),
     out: Path | None = typer.Option(
         None, "--out", help="Bundle directory (default: artifacts/bundles/<model> under the current directory)."
@@ -100,8 +103,8 @@ def command(
 ) -> None:
     """Build an early-exit bundle: train the head and the ramps (backbone frozen), export each block and ramp to
     ONNX, and write bundle.yaml, the tokenizer, the held-out data and a calibration window. A rerun with the same
-    options reuses the finished bundle. The model is one of --model (built-in), --onnx, --torch or --hf (your own:
-    ramps placed at the graph's cut vertices automatically)."""
+    options reuses the finished bundle. The model is one of --onnx, --torch or --hf (your own: ramps placed at the
+    graph's cut vertices automatically) or --model (a built-in preset of --hf or --torch)."""
     from rich.console import Console
 
     console = Console()
@@ -122,19 +125,18 @@ def _prepare_builtin(console, model: str, options: dict, out: Path | None, force
     from exitplan.api.bundle import BundleError
     from exitplan.prepare.build import BuildOptions, PrepareError, prepare_bundle
     from exitplan.prepare.datasets import DatasetError
+    from exitplan.prepare.graph_cuts import GraphError
     from exitplan.prepare.minilm import ModelNotInstalled
+    from exitplan.prepare.user_data import DataError
 
     target = out if out is not None else Path("artifacts") / "bundles" / model
     try:
         result = prepare_bundle(BuildOptions(model=model, **options), target, force=force, threads=threads)
-    except (PrepareError, DatasetError, ModelNotInstalled, BundleError) as err:
+    except (PrepareError, DatasetError, ModelNotInstalled, BundleError, GraphError, DataError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err
 
-    _print_report(console, result)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"path": str(result.path), "reused": result.reused, **result.report}, indent=2))
+    _print_report(console, result, json_path)
 
 
 def _chosen(console, model, onnx_model, torch_factory, hf) -> tuple[str, object]:
@@ -198,10 +200,10 @@ def _prepare_user_model(console, flag, source, data, out, options, labels, seq_a
     except (PrepareError, GraphError, DataError) as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from err
-    _print_user_report(console, result, json_path)
+    _print_report(console, result, json_path)
 
 
-def _print_user_report(console, result, json_path: Path | None) -> None:
+def _print_report(console, result, json_path: Path | None) -> None:
     report = result.report
     state = "reused (same options; --force rebuilds)" if result.reused else f"built in {report['total_seconds']:.1f} s"
     console.print(f"bundle [bold]{result.path}[/bold]: {state}")
@@ -209,44 +211,15 @@ def _print_user_report(console, result, json_path: Path | None) -> None:
         f"{len(report['candidates'])} candidate cuts, kept {report['kept'] or 'none (no ramp pays on this model)'}; "
         f"chained blocks vs the source model: max |diff| {report['chain_max_abs_diff']:.2e}"
     )
+    accuracy = report.get("ramp_heldout_accuracy", {})
     for name, agreement in report["ramp_agreement"].items():
+        shown = f", accuracy {accuracy[name]:.3f}" if name in accuracy else ""
         console.print(
-            f"  {name}: agreement {agreement:.3f}, saving {report['saving_ms'][name]:.3f} ms, "
+            f"  {name}: agreement {agreement:.3f}{shown}, saving {report['saving_ms'][name]:.3f} ms, "
             f"cost {report['cost_ms'][name]:.4f} ms"
         )
+    if report.get("head_heldout_accuracy") is not None:
+        console.print(f"  head: accuracy {report['head_heldout_accuracy']:.3f} on {report['heldout_size']} held-out")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"path": str(result.path), "reused": result.reused, **report}, indent=2))
-
-
-def _print_report(console, result) -> None:
-    """Whether the bundle was built or reused, then each ramp's held-out agreement, accuracy, saving and cost."""
-    from rich.table import Table
-
-    report = result.report
-    state = (
-        "reused (same options; --force rebuilds)"
-        if result.reused
-        else f"built in {report.get('total_seconds', 0):.1f} s"
-    )
-    console.print(f"bundle [bold]{result.path}[/bold]: {state}")
-    table = Table(title=f"{report['model']}: held-out ({report['heldout_size']} inputs)")
-    table.add_column("ramp")
-    table.add_column("agreement with head", justify="right")
-    table.add_column("accuracy", justify="right")
-    table.add_column("saving ms", justify="right")
-    table.add_column("cost ms", justify="right")
-    for name, agreement in report["ramp_agreement"].items():
-        table.add_row(
-            name,
-            f"{agreement:.3f}",
-            f"{report['ramp_heldout_accuracy'][name]:.3f}",
-            f"{report['saving_ms'][name]:.3f}",
-            f"{report['cost_ms'][name]:.4f}",
-        )
-    table.add_row("head (final)", "1.000", f"{report['head_heldout_accuracy']:.3f}", "-", "-")
-    console.print(table)
-    console.print(
-        f"ONNX vs PyTorch max |logit diff| on held-out: {report['onnx_vs_torch_max_abs_diff']:.2e}; "
-        f"latencies at bucket {report['window_bucket']}, batch 1..8 (ONNX Runtime, 1 thread)"
-    )

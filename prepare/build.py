@@ -13,21 +13,13 @@ import hashlib
 import json
 import os
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import yaml
-
-from exitplan.prepare.measure import Heldout, all_ramp_logits
-from exitplan.prepare.window import build_window
-from exitplan.worker.bundle_runtime import BundleRuntime
-
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bump when the bundle layout or training changes, so old bundles are rebuilt."""
 MARKER = ".complete.json"
 REPORT = "data/report.json"
@@ -123,14 +115,11 @@ def auto_threads() -> int:
 def prepare_bundle(
     options: BuildOptions, out: Path, *, force: bool = False, bar: Bar | None = None, threads: int | None = None
 ) -> BuildResult:
-    """Build (or reuse) the bundle for `options` at `out`; `threads` for PyTorch (None: `auto_threads()`)."""
-    options = options.resolved()
-    out = Path(out)
-    bar = bar or tqdm_bar()
-    path, reused, report = build_once(
-        out, options, lambda work: _build(options, work, bar), force=force, threads=threads
-    )
-    return BuildResult(path, reused, report)
+    """Build (or reuse) the built-in bundle for `options` at `out` (a preset of the bring-your-own-model
+    paths: exitplan.prepare.presets); `threads` for PyTorch (None: `auto_threads()`)."""
+    from exitplan.prepare.presets import build_preset
+
+    return build_preset(options, Path(out), force=force, threads=threads, bar=bar or tqdm_bar())
 
 
 def build_once(
@@ -169,66 +158,3 @@ def build_once(
             shutil.rmtree(out)
         work.rename(out)
     return out, False, report
-
-
-def _build(options: BuildOptions, directory: Path, bar: Bar) -> dict[str, Any]:
-    started = time.perf_counter()
-    if options.model == "minilm":
-        from exitplan.prepare import minilm
-
-        built = minilm.build(
-            directory,
-            train_size=options.train_size,
-            heldout_size=options.heldout_size,
-            seed=options.seed,
-            max_length=options.max_length,
-            bar=bar,
-        )
-    else:
-        from exitplan.prepare import digits_cnn
-
-        built = digits_cnn.build(
-            directory, train_size=options.train_size, heldout_size=options.heldout_size, seed=options.seed, bar=bar
-        )
-    manifest = built.pop("manifest")
-    (directory / "bundle.yaml").write_text(
-        yaml.safe_dump(manifest.model_dump(mode="json", exclude_none=True), sort_keys=False)
-    )
-
-    # Verify through ONNX Runtime: the exported model's answers are the reference from here on.
-    heldout_arrays = built.pop("heldout")
-    runtime = BundleRuntime(directory)
-    x = heldout_arrays.get("x")
-    heldout = Heldout(
-        label=heldout_arrays["label"],
-        ids=built.pop("heldout_ids", None),
-        inputs=None if x is None else {manifest.inputs[0].name: x},
-    )
-    progress = bar(len(heldout), "held-out through ONNX Runtime")
-    logits = all_ramp_logits(runtime, heldout, progress.update)
-    progress.close()
-    reference_rows, torch_logits = built.pop("torch_reference")
-    final_logits = logits[manifest.final_ramp().name]
-    full_pred = final_logits.argmax(axis=1)
-    np.savez_compressed(directory / manifest.data.heldout, **heldout_arrays, full_pred=full_pred)
-
-    measured = time.perf_counter()
-    window = build_window(runtime, heldout, logits)
-    window.save(directory / "data" / "window.npz")
-    built.update(
-        options=asdict(options),
-        heldout_size=len(heldout),
-        head_heldout_accuracy=float((full_pred == heldout.label).mean()),
-        ramp_agreement=dict(zip(window.ramps, window.agreement())),
-        ramp_heldout_accuracy={
-            r: float((window.pred[:, i] == heldout.label).mean()) for i, r in enumerate(window.ramps)
-        },
-        onnx_vs_torch_max_abs_diff=float(np.abs(final_logits[reference_rows] - torch_logits).max()),
-        onnx_vs_torch_inputs=int(len(reference_rows)),
-        window_bucket=window.bucket,
-        saving_ms=dict(zip(window.ramps, window.saving_ms.tolist())),
-        cost_ms=dict(zip(window.ramps, window.cost_ms.tolist())),
-        window_seconds=time.perf_counter() - measured,
-        total_seconds=time.perf_counter() - started,
-    )
-    return built

@@ -38,6 +38,8 @@ from exitplan.prepare.user_data import DataError
 MAX_LENGTH = 128
 FEATURE_BATCH = 64
 SUFFIXES = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+HEAD_FILE = "head.npz"
+"""The linear head trained here (`weight` [classes, hidden], `bias`), copied into the bundle's data/."""
 
 
 def _offline() -> None:
@@ -335,7 +337,7 @@ def _train_head(
 
     fraction = float(options.get("heldout_fraction", OnnxOptions.heldout_fraction))
     seed = int(options.get("seed", OnnxOptions.seed))
-    _, train = split_rows(len(data.texts), fraction, seed)
+    _, train = split_rows(len(data.texts), fraction, seed, int(options.get("heldout_last", 0)))
     previous = torch.get_num_threads()
     torch.set_num_threads(options.get("threads") or auto_threads())
     try:
@@ -391,8 +393,29 @@ def from_hf(
         tokenizer.save(str(work / "tokenizer.json"))
         extra = dict(labels=str(work / "labels.txt"), tokenizer=str(work / "tokenizer.json"), pad_token_id=pad)
         extra.update(texts=str(work / "texts.json"), seq_axis=1)
+        if isinstance(wrapper.head, nn.Linear):  # kept in the bundle (data/head.npz): a reference beside ONNX
+            weights = {k: v.detach().numpy() for k, v in wrapper.head.state_dict().items()}
+            np.savez(work / HEAD_FILE, **weights)
+            extra["extras"] = (*options.get("extras", ()), str(work / HEAD_FILE))
         result = run_onnx_pipeline(work / "model.onnx", work / "data.npz", out, what, {**options, **extra})
     result.report.setdefault("head", "the checkpoint's own" if classifier else "linear, trained here")
     if head_accuracy is not None:
         result.report.setdefault("head_train_accuracy", head_accuracy)
     return result
+
+
+def reference_model(directory: str | Path, bundle: str | Path) -> TextClassifier:
+    """The PyTorch model a bundle was built from by :func:`from_hf`: the checkpoint in `directory`, with the
+    head the build trained (the bundle's data/head.npz) when the checkpoint is an encoder."""
+    _offline()
+    directory = Path(directory)
+    classifier = is_sequence_classifier(load_config(directory))
+    model = load_model(directory, classifier)
+    ids, mask = np.ones((2, 8), dtype=np.int64), np.ones((2, 8), dtype=np.int64)
+    wrapper = text_classifier(model, ids, mask, classifier)
+    if not classifier:
+        with np.load(Path(bundle) / "data" / HEAD_FILE) as head:
+            linear = nn.Linear(head["weight"].shape[1], head["weight"].shape[0])
+            linear.load_state_dict({k: torch.from_numpy(head[k]) for k in ("weight", "bias")})
+        wrapper.head = linear
+    return wrapper.eval()

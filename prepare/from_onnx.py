@@ -34,7 +34,7 @@ import numpy as np
 from exitplan.prepare.build import Bar, BuildResult, PrepareError, build_once, tqdm_bar
 from exitplan.prepare.user_data import DataError, InputInfo, UserData, load_data, model_inputs
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 TOKENIZER = "tokenizer.json"
 TEXT_INPUTS = {"input_ids", "attention_mask"}
 """What the router feeds a bundle that takes texts."""
@@ -64,6 +64,9 @@ class OnnxOptions:
     overhead_frac: float = 0.05
     """The kept ramps together cost at most this fraction of a whole-model pass."""
     heldout_fraction: float = 0.25
+    heldout_last: int = 0
+    """> 0: the data's last `heldout_last` rows are the held-out rows (split beforehand, e.g. stratified),
+    instead of a random `heldout_fraction` of them."""
     tolerance: float = 1e-4
     seed: int = 0
     tokenizer: str | None = None
@@ -74,6 +77,8 @@ class OnnxOptions:
     """A JSON file with a list of texts, the text of each data row (with `tokenizer`): held-out rows keep theirs."""
     source: str | None = None
     """What reports call the model (default: the model file)."""
+    extras: tuple[str, ...] = ()
+    """Files copied into the bundle's data/ folder as they are (e.g. a head trained by --hf, for references)."""
     fingerprint: str = field(default="", compare=False)
     """sha256 of the model and data files (set by `resolved`), so a changed file rebuilds."""
 
@@ -84,20 +89,25 @@ class OnnxOptions:
         for what, path in zip(("onnx", "data", "labels", "tokenizer", "texts"), self.files(), strict=True):
             if path is not None and not Path(path).is_file():
                 raise PrepareError(f"--{what} {path}: no such file")
+        missing = [path for path in self.extras if not Path(path).is_file()]
+        if missing:
+            raise PrepareError(f"extra bundle files {missing}: no such file")
         if self.max_ramps < 0 or self.candidates < 1:
             raise PrepareError(f"--max-ramps ({self.max_ramps}) must be >= 0 and candidates ({self.candidates}) >= 1")
         if not 0.0 < self.heldout_fraction < 1.0 or not 0.0 <= self.budget < 1.0:
             raise PrepareError("the held-out fraction must be in (0, 1) and the accuracy budget in [0, 1)")
         digest = hashlib.sha256()
-        for path in self.files():
+        for path in (*self.files(), *self.extras):
             digest.update(b"-" if path is None else Path(path).read_bytes())
-        return OnnxOptions(**{**asdict(self), "cuts": tuple(self.cuts), "fingerprint": digest.hexdigest()[:16]})
+        resolved = {**asdict(self), "cuts": tuple(self.cuts), "extras": tuple(self.extras)}
+        return OnnxOptions(**{**resolved, "fingerprint": digest.hexdigest()[:16]})
 
     def digest(self) -> str:
         """The files by content (`fingerprint`), not by path: a model exported again to another temporary
         directory (--torch, --hf) reuses the bundle; the name, which may come from the path, counts."""
         paths = {"model", "data", "labels", "tokenizer", "texts"}
         options = {k: v for k, v in asdict(self).items() if k not in paths}
+        options["extras"] = [Path(path).name for path in self.extras]
         payload = json.dumps({"format": FORMAT_VERSION, **options, "name": _name(self)}, sort_keys=True, default=str)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -402,7 +412,9 @@ def _candidates(src: Source, opts: OnnxOptions) -> list[Any]:
     from exitplan.prepare.graph_cuts import GraphError, find_cuts, no_cut_message, spread
 
     example = {k: v[:2] for k, v in src.data.inputs.items()}
-    cuts = find_cuts(src.model, example, seq_axis=src.seq_axis)
+    # Cuts placed by hand may sit anywhere between input and output; the automatic choice skips the ends.
+    ends = {"margin": 0.0} if opts.cuts else {}
+    cuts = find_cuts(src.model, example, seq_axis=src.seq_axis, **ends)
     if opts.cuts:
         by_name = {c.tensor: c for c in cuts}
         unknown = [name for name in opts.cuts if name not in by_name]
@@ -505,8 +517,13 @@ def _verify_and_measure(
     }
 
 
-def split_rows(n: int, heldout_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(held-out rows, training rows) of `n` samples, sorted: the split every build of these options makes."""
+def split_rows(n: int, heldout_fraction: float, seed: int, last: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(held-out rows, training rows) of `n` samples, sorted: the split every build of these options makes
+    (the last `last` rows held out when `last` > 0)."""
+    if last > 0:
+        if last >= n:
+            raise PrepareError(f"{last} held-out rows leave none of the {n} samples to train on")
+        return np.arange(n - last, n), np.arange(n - last)
     order = np.random.default_rng(seed).permutation(n)
     n_held = max(1, int(round(heldout_fraction * n)))
     return np.sort(order[:n_held]), np.sort(order[n_held:])
@@ -517,7 +534,7 @@ def _build(opts: OnnxOptions, work: Path, bar: Bar) -> dict[str, Any]:
     steps = bar(5, "prepare --onnx")
     src = load_source(opts)
     steps.update(1)
-    held_rows, train = split_rows(len(src.data), opts.heldout_fraction, opts.seed)
+    held_rows, train = split_rows(len(src.data), opts.heldout_fraction, opts.seed, opts.heldout_last)
     texts = heldout_texts(opts, src, held_rows)
     scratch, manifest, candidates = _candidate_bundle(work, src, opts, train)
     steps.update(1)
@@ -528,6 +545,8 @@ def _build(opts: OnnxOptions, work: Path, bar: Bar) -> dict[str, Any]:
     final = _final_bundle(work, src, opts, kept)
     steps.update(1)
     measured = _verify_and_measure(work, src, final, held_rows, opts, texts)
+    for path in opts.extras:
+        shutil.copyfile(path, work / "data" / Path(path).name)
     steps.update(1)
     steps.close()
     accuracy = None if src.data.label is None else float((src.answers == src.data.label).mean())

@@ -536,6 +536,32 @@ def _block_model(g: _Graph, index: int, outputs: list[str], previous: str | None
     return block
 
 
+def _state_names(g: _Graph, cuts: Sequence[str]) -> dict[str, str]:
+    """The name each cut tensor carries between blocks: `hidden{i}` (with `_` appended while the source
+    graph uses the name), so bundle.yaml and the state on the wire read plainly whatever the exporter called it."""
+    used = {name for node in g.nodes for name in (*node.input, *node.output)} | set(g.inputs) | set(g.outputs)
+    names: dict[str, str] = {}
+    for i, tensor in enumerate(cuts):
+        name = f"hidden{i}"
+        while name in used:
+            name += "_"
+        names[tensor] = name
+    return names
+
+
+def _rename(graph: onnx.GraphProto, old: str, new: str) -> None:
+    """Rename tensor `old` to `new` in `graph`, its inputs and outputs and the subgraphs of its nodes."""
+    for node in graph.node:
+        node.input[:] = [new if n == old else n for n in node.input]
+        node.output[:] = [new if n == old else n for n in node.output]
+        for attr in node.attribute:
+            for sub in (*([attr.g] if attr.HasField("g") else []), *attr.graphs):
+                _rename(sub, old, new)
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        if value.name == old:
+            value.name = new
+
+
 def split(
     model: onnx.ModelProto,
     cut_tensors: Sequence[str | Cut],
@@ -575,13 +601,18 @@ def split(
     types |= {n: g.input_info[n].type.tensor_type.elem_type for n in g.inputs}
     (Path(out_dir) / "blocks").mkdir(parents=True, exist_ok=True)
     blocks: list[BlockFile] = []
+    names = _state_names(g, cuts)
     for index, outputs in enumerate([[t] for t in cuts] + [list(g.outputs)]):
         block = _block_model(g, index, outputs, cuts[index - 1] if index else None, dims, types)
+        for old_name, new_name in names.items():
+            _rename(block.graph, old_name, new_name)
+        outputs = [names.get(t, t) for t in outputs]
         rel, big = f"blocks/block{index}.onnx", block.ByteSize() >= EXTERNAL_DATA_BYTES
         onnx.save_model(block, str(Path(out_dir) / rel), save_as_external_data=big, location=f"block{index}.onnx.data")
         read = [v.name for v in block.graph.input]
         assert not set(read) & set(outputs), "a node output is never a graph input (SSA)"
-        blocks.append(BlockFile(rel, Path(out_dir) / rel, read, outputs, list(dims[outputs[0]]), types[outputs[0]]))
+        source = {v: k for k, v in names.items()}.get(outputs[0], outputs[0])
+        blocks.append(BlockFile(rel, Path(out_dir) / rel, read, outputs, list(dims[source]), types[source]))
     return blocks
 
 

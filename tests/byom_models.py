@@ -120,11 +120,11 @@ def minilm_classifier(directory: Path, minilm_bundle: Path, n: int = 480, length
 
     from exitplan.prepare.minilm import load_encoder
 
-    heads = np.load(minilm_bundle / "data" / "heads.npz")
-    head = nn.Linear(heads["head.weight"].shape[1], heads["head.weight"].shape[0])
+    heads = np.load(minilm_bundle / "data" / "head.npz")  # the head the preset's build trained
+    head = nn.Linear(heads["weight"].shape[1], heads["weight"].shape[0])
     with torch.no_grad():
-        head.weight.copy_(torch.from_numpy(heads["head.weight"]))
-        head.bias.copy_(torch.from_numpy(heads["head.bias"]))
+        head.weight.copy_(torch.from_numpy(heads["weight"]))
+        head.bias.copy_(torch.from_numpy(heads["bias"]))
     net = MiniLMClassifier(load_encoder(), head)
     held = np.load(minilm_bundle / "data" / "heldout.npz")
     tokenizer = Tokenizer.from_file(str(minilm_bundle / "tokenizer.json"))

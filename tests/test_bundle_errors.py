@@ -32,8 +32,8 @@ def test_the_copy_loads(digits_copy):
 
 
 def test_missing_onnx_file_is_named(digits_copy):
-    (digits_copy / "blocks" / "conv1.onnx").unlink()
-    with pytest.raises(BundleError, match=r"blocks/conv1\.onnx.*missing"):
+    (digits_copy / "blocks" / "block1.onnx").unlink()
+    with pytest.raises(BundleError, match=r"blocks/block1\.onnx.*missing"):
         BundleRuntime(digits_copy)
 
 
@@ -44,13 +44,13 @@ def test_renamed_tensor_in_bundle_yaml_names_file_and_tensor(digits_copy):
         doc["ramps"][0]["inputs"] = ["features0"]
 
     _edit_manifest(digits_copy, rename)
-    with pytest.raises(BundleError, match=r"conv0\.onnx.*output tensor 'features0'.*\['hidden0'\]"):
+    with pytest.raises(BundleError, match=r"block0\.onnx.*output tensor 'features0'.*\['hidden0'\]"):
         BundleRuntime(digits_copy)
 
 
 def test_onnx_file_with_other_tensor_names_names_file_and_tensor(digits_copy):
-    shutil.copy(digits_copy / "blocks" / "conv2.onnx", digits_copy / "blocks" / "conv1.onnx")
-    with pytest.raises(BundleError, match=r"conv1\.onnx.*input tensor 'hidden0'.*\['hidden1'\]"):
+    shutil.copy(digits_copy / "blocks" / "block2.onnx", digits_copy / "blocks" / "block1.onnx")
+    with pytest.raises(BundleError, match=r"block1\.onnx.*input tensor 'hidden0'.*\['hidden1'\]"):
         BundleRuntime(digits_copy)
     # a split that does not hold the bad file still loads
     assert BundleRuntime(digits_copy, first_block=0, last_block=0).last_block == 0
@@ -73,7 +73,7 @@ def test_tensor_nobody_writes_is_named(digits_copy):
 
 def test_dtype_mismatch_is_named(digits_copy):
     _edit_manifest(digits_copy, lambda doc: doc["inputs"][0].update(dtype="float16"))
-    with pytest.raises(BundleError, match=r"conv0\.onnx: input tensor 'x' is float32 in the ONNX file but float16"):
+    with pytest.raises(BundleError, match=r"block0\.onnx: input tensor 'x' is float32 in the ONNX file but float16"):
         BundleRuntime(digits_copy)
 
 

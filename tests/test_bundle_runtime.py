@@ -106,12 +106,17 @@ def test_chained_splits_with_exits_answer_like_one_runtime(minilm_bundle, minilm
 
 
 def test_runtime_matches_pytorch(minilm_bundle, heldout_ids, minilm_state, full_runtime):
-    from exitplan.prepare.minilm import torch_logits
+    import torch
+
+    from exitplan.prepare.from_hf import reference_model
+    from exitplan.prepare.minilm import model_path
 
     _, texts = heldout_ids
     onnx = _final_logits(full_runtime.run_range(minilm_state, BUCKET), len(texts))
-    reference = torch_logits(texts, minilm_bundle)
-    assert np.abs(onnx - reference).max() <= 1e-4
+    with torch.inference_mode():
+        tensors = {k: torch.from_numpy(v) for k, v in minilm_state.items()}
+        reference = reference_model(model_path(), minilm_bundle)(tensors["input_ids"], tensors["attention_mask"])
+    assert np.abs(onnx - reference.numpy()[: len(texts)]).max() <= 1e-4
 
 
 def test_buckets_give_the_same_answers(minilm_bundle, heldout_ids):
@@ -139,8 +144,9 @@ def test_a_middle_split_forwards_only_live_state(minilm_bundle, minilm_state):
     result = first.run_range(minilm_state, BUCKET, {"ramp0": 0.0})
     assert result.rows.size == 0 and {ex.ramp for ex in result.exits} == {"ramp0"}
     result = first.run_range(minilm_state, None, None)
-    assert sorted(result.state) == sorted(first.manifest.live_after(2)) == ["attention_mask", "hidden2"]
-    assert result.state["hidden2"].shape == (minilm_state["input_ids"].shape[0], BUCKET, 384)
+    hidden = first.manifest.blocks[2].outputs[0]
+    assert sorted(result.state) == sorted(first.manifest.live_after(2)) == sorted(["attention_mask", hidden])
+    assert result.state[hidden].shape == (minilm_state["input_ids"].shape[0], BUCKET, 384)
     assert result.exits == []
 
 
@@ -194,7 +200,7 @@ def test_bucket_helpers():
 
 def test_manifest_of_the_minilm_bundle(minilm_bundle):
     m = read_manifest(minilm_bundle)
-    assert [b.name for b in m.blocks] == [f"layer{i}" for i in range(6)]
+    assert [b.name for b in m.blocks] == [f"block{i}" for i in range(6)]
     assert [(r.name, r.after, r.final) for r in m.ramps] == [(f"ramp{i}", i, False) for i in range(5)] + [
         ("head", 5, True)
     ]

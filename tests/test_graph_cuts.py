@@ -208,9 +208,24 @@ def test_a_chain_of_dense_layers_cuts_after_each(tmp_path):
     assert [c.tensor for c in cuts] == ["r1", "r2_view"]
     assert [c.kind for c in cuts] == ["vector", "vector"] and cuts[0].dims == ("batch", 32)
     blocks = split(model, cuts[::-1], tmp_path / "out")  # Cut objects, in any order
-    assert [b.outputs for b in blocks] == [["r1"], ["r2_view"], ["logits"]]
-    assert blocks[1].inputs == ["r1"] and blocks[1].output_shape == ["batch", 32]
+    # the cut tensors carry plain names between blocks; the graph's outputs keep theirs
+    assert [b.outputs for b in blocks] == [["hidden0"], ["hidden1"], ["logits"]]
+    assert blocks[1].inputs == ["hidden0"] and blocks[1].output_shape == ["batch", 32]
     x = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
+    assert verify_chain(model, blocks, {"x": x}) <= 1e-5
+
+
+def test_a_state_name_the_graph_already_uses_is_not_reused(tmp_path):
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["hidden0"]),  # a tensor inside block 0 named like a state
+        helper.make_node("Relu", ["hidden0"], ["r1"]),
+        helper.make_node("MatMul", ["r1", "w2"], ["logits"]),
+    ]
+    inits = [_weight("w1", (8, 16), 1), _weight("w2", (16, 4), 2)]
+    model = load_model(_save(tmp_path, nodes, [_vec("x", "batch", 8)], [_vec("logits", "batch", 4)], inits))
+    blocks = split(model, ["r1"], tmp_path / "out")
+    assert blocks[0].outputs == ["hidden0_"] and blocks[1].inputs == ["hidden0_"]
+    x = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
     assert verify_chain(model, blocks, {"x": x}) <= 1e-5
 
 
@@ -257,7 +272,7 @@ def test_control_flow_on_input_shapes_is_recomputed_by_the_next_block(tmp_path):
     cuts = find_cuts(model, {"x": np.ones((2, 8), np.float32)})
     assert [c.tensor for c in cuts] == ["r1", "r2"]
     blocks = split(model, ["r1"], tmp_path / "out")
-    assert blocks[1].inputs == ["r1", "x"]  # x for its batch size, which the If reads
+    assert blocks[1].inputs == ["hidden0", "x"]  # x for its batch size, which the If reads
     for n in (1, 3, 4):  # both branches of the If
         x = np.random.default_rng(n).standard_normal((n, 8)).astype(np.float32)
         assert verify_chain(model, blocks, {"x": x}) <= 1e-5

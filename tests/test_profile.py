@@ -40,7 +40,7 @@ def test_digits_profile_document(digits_bundle, tmp_path):
     result = _profile(
         CliRunner(), [str(digits_bundle), "--pool", "cpu-pool", "--out", str(out), "--json", str(tmp_path / "p.json")]
     )
-    assert "profile written to" in _text(result) and "conv0" in _text(result)
+    assert "profile written to" in _text(result) and "block0" in _text(result)
     doc = yaml.safe_load(out.read_text())
     assert doc["kind"] == "ModelProfile" and doc["apiVersion"] == "exitplan.io/v1alpha1"
     assert doc["metadata"]["name"] == "digits-cnn-cpu-pool"
@@ -48,13 +48,15 @@ def test_digits_profile_document(digits_bundle, tmp_path):
     spec = ModelProfile.model_validate(doc).spec
     assert spec.model == "digits-cnn" and spec.pool == "cpu-pool"
     assert spec.batch_sizes == [1, 2, 4, 8, 16, 32, 64] and spec.seq_lens == [1]
-    assert [b.name for b in spec.blocks] == ["conv0", "conv1", "conv2"]
+    assert [b.name for b in spec.blocks] == ["block0", "block1", "block2"]
     assert [(r.name, r.after_block) for r in spec.ramps] == [("ramp0", 0), ("ramp1", 1), ("head", 2)]
     for entry in [*spec.blocks, *spec.ramps]:
         assert np.asarray(entry.latency_ms).shape == (1, 7) and min(min(r) for r in entry.latency_ms) > 0
-    # weights and activations follow from the architecture: conv 1->16->32->64 (3x3), 8x8 -> 8x8 -> 4x4 -> 2x2
-    assert [b.weight_bytes for b in spec.blocks] == [(16 * 9 + 16) * 4, (16 * 32 * 9 + 32) * 4, (32 * 64 * 9 + 64) * 4]
-    assert [b.output_bytes for b in spec.blocks] == [[16 * 8 * 8 * 4], [32 * 4 * 4 * 4], [64 * 2 * 2 * 4]]
+    # weights and activations follow from the architecture: conv 1->16->32->64 (3x3), 8x8 -> 8x8 -> 4x4, then the
+    # last block pools to 2x2 and ends in the linear layer over 10 classes
+    last = (32 * 64 * 9 + 64) * 4 + (64 * 4 * 10 + 10) * 4
+    assert [b.weight_bytes for b in spec.blocks] == [(16 * 9 + 16) * 4, (16 * 32 * 9 + 32) * 4, last]
+    assert [b.output_bytes for b in spec.blocks] == [[16 * 8 * 8 * 4], [32 * 4 * 4 * 4], [10 * 4]]
     assert spec.input_bytes == [8 * 8 * 4]
     # the survival curve is the held-out window's at 0.9 everywhere; the head repeats the last exit's
     with np.load(digits_bundle / "data" / "window.npz") as w:
@@ -101,8 +103,9 @@ def test_minilm_profile_with_buckets_and_thresholds(minilm_bundle, tmp_path):
     for entry in [*spec.blocks, *spec.ramps]:
         assert np.asarray(entry.latency_ms).shape == (2, 2)
     hidden = 384
-    for block in spec.blocks:  # hidden state (float32) + attention mask (int64) per sample
+    for block in spec.blocks[:-1]:  # hidden state (float32) + attention mask (int64) per sample
         assert block.output_bytes == [L * hidden * 4 + L * 8 for L in (16, 32)]
+    assert spec.blocks[-1].output_bytes == [3 * 4, 3 * 4]  # the last block ends in the class scores
     assert spec.input_bytes == [L * 8 * 2 for L in (16, 32)]
     from exitplan.prepare.minilm import load_encoder
 
@@ -110,7 +113,10 @@ def test_minilm_profile_with_buckets_and_thresholds(minilm_bundle, tmp_path):
     layer_bytes = [sum(p.numel() for p in encoder.encoder.layer[i].parameters()) * 4 for i in range(6)]
     embedding_bytes = sum(p.numel() for p in encoder.embeddings.parameters()) * 4
     assert spec.blocks[0].weight_bytes == pytest.approx(embedding_bytes + layer_bytes[0], rel=0.01)
-    assert [b.weight_bytes for b in spec.blocks[1:]] == pytest.approx(layer_bytes[1:], rel=0.01)
+    head_bytes = (hidden * 3 + 3) * 4  # the linear head, in the last block
+    assert [b.weight_bytes for b in spec.blocks[1:]] == pytest.approx(
+        [*layer_bytes[1:5], layer_bytes[5] + head_bytes], rel=0.01
+    )
     with np.load(minilm_bundle / "data" / "window.npz") as w:
         expected = survival_curve(w["conf"], [0.95, 2.0, 0.8, 2.0, 1.5])
     assert spec.survival == pytest.approx([*expected, expected[-1]])
