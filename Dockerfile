@@ -13,16 +13,30 @@
 #   docker build --target operator   -t exitplan-operator:0.1.0 .
 #   docker build --target worker     -t exitplan-worker:0.1.0 .
 #   docker build --target worker-cpu -t exitplan-worker-cpu:0.1.0 .
+#
+# Supply chain: everything an image is made of is pinned, and each kind of pin is renewed by one command.
+#   Base images  The *_IMAGE build ARGs below are IMAGE:TAG@sha256:DIGEST when pinned: Docker pulls the
+#                digest, the tag is there for people. `make pin-images` (tools/pin_images.py) asks the
+#                registries (Docker Hub, nvcr.io) which digest each tag names now and rewrites the ARGs. To
+#                move to a new tag (a Python patch release, a CUDA release), edit the TAG in the ARG and run
+#                it again; an ARG without @sha256:... is not pinned yet. `python3 tools/pin_images.py
+#                --check` changes nothing and exits 1 when a pin is missing or the tag has moved.
+#   Packages     requirements/<image>.lock pins every Python package the image gets, transitive ones, pip
+#                and setuptools included, with the sha256 hashes of their files (CPython 3.11, linux x86_64);
+#                it is installed with `pip install --require-hashes --no-deps`, then the exitplan wheel with
+#                `--no-deps`, so pip fetches nothing the lock does not name and `pip check` proves the set
+#                complete. `make lock` regenerates the locks after a change to pyproject.toml (the direct
+#                pins) or requirements/tools.in (pip, setuptools); `make lock-upgrade` also moves the
+#                transitive pins to their newest releases.
 
-ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
+ARG PYTHON_IMAGE=python:3.11.15-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu22.04
 
 # ---------------------------------------------------------------- the exitplan wheel
 FROM ${PYTHON_IMAGE} AS wheel
-ARG PIP_VERSION=26.3
-ARG SETUPTOOLS_VERSION=84.2.1
 WORKDIR /src
-RUN pip install --no-cache-dir "pip==${PIP_VERSION}" "setuptools==${SETUPTOOLS_VERSION}"
+COPY requirements/tools.lock /tmp/requirements/
+RUN pip install --no-cache-dir --require-hashes --no-deps -r /tmp/requirements/tools.lock
 COPY pyproject.toml README.md ./
 COPY exitplan/ exitplan/
 COPY api/ api/
@@ -45,25 +59,27 @@ ENV PATH=/opt/venv/bin:${PATH} \
     HOME=/tmp
 
 FROM slim-base AS operator-venv
-ARG PIP_VERSION=26.3
 ARG EXITPLAN_VERSION=0.1.0
+COPY requirements/operator.lock /tmp/requirements/
 COPY --from=wheel /wheels /wheels
 RUN python -m venv /opt/venv \
- && /opt/venv/bin/pip install --no-cache-dir "pip==${PIP_VERSION}" \
- && /opt/venv/bin/pip install --no-cache-dir "/wheels/exitplan-${EXITPLAN_VERSION}-py3-none-any.whl[operator]"
+ && /opt/venv/bin/pip install --no-cache-dir --require-hashes --no-deps -r /tmp/requirements/operator.lock \
+ && /opt/venv/bin/pip install --no-cache-dir --no-deps "/wheels/exitplan-${EXITPLAN_VERSION}-py3-none-any.whl[operator]" \
+ && /opt/venv/bin/pip check
 
 FROM slim-base AS worker-cpu-venv
-ARG PIP_VERSION=26.3
 ARG EXITPLAN_VERSION=0.1.0
+COPY requirements/worker.lock /tmp/requirements/
 COPY --from=wheel /wheels /wheels
 RUN python -m venv /opt/venv \
- && /opt/venv/bin/pip install --no-cache-dir "pip==${PIP_VERSION}" \
- && /opt/venv/bin/pip install --no-cache-dir "/wheels/exitplan-${EXITPLAN_VERSION}-py3-none-any.whl[worker,operator]"
+ && /opt/venv/bin/pip install --no-cache-dir --require-hashes --no-deps -r /tmp/requirements/worker.lock \
+ && /opt/venv/bin/pip install --no-cache-dir --no-deps "/wheels/exitplan-${EXITPLAN_VERSION}-py3-none-any.whl[worker,operator]" \
+ && /opt/venv/bin/pip check
 
 FROM slim-base AS operator
 COPY --from=operator-venv /opt/venv /opt/venv
 USER 10001:10001
-EXPOSE 9090
+EXPOSE 9464
 ENTRYPOINT ["exitplan"]
 CMD ["operator"]
 
@@ -91,12 +107,13 @@ ENV PATH=/opt/venv/bin:${PATH} \
     HOME=/tmp
 
 FROM cuda-base AS worker-venv
-ARG PIP_VERSION=26.3
 ARG EXITPLAN_VERSION=0.1.0
+COPY requirements/worker.lock /tmp/requirements/
 COPY --from=wheel /wheels /wheels
 RUN python3.11 -m venv /opt/venv \
- && /opt/venv/bin/pip install --no-cache-dir "pip==${PIP_VERSION}" \
- && /opt/venv/bin/pip install --no-cache-dir "/wheels/exitplan-${EXITPLAN_VERSION}-py3-none-any.whl[worker,operator]"
+ && /opt/venv/bin/pip install --no-cache-dir --require-hashes --no-deps -r /tmp/requirements/worker.lock \
+ && /opt/venv/bin/pip install --no-cache-dir --no-deps "/wheels/exitplan-${EXITPLAN_VERSION}-py3-none-any.whl[worker,operator]" \
+ && /opt/venv/bin/pip check
 
 FROM cuda-base AS worker
 COPY --from=worker-venv /opt/venv /opt/venv

@@ -15,6 +15,19 @@ class SpecError(ValueError):
     """A resource document that does not validate; the message names the document and field."""
 
 
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong and where (`... at line 3, column 11`)."""
+    problem = getattr(err, "problem", None) or str(err)
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(f"{problem}{where}".split())
+
+
+def validation_problems(err: ValidationError) -> str:
+    """A pydantic error in one line: `field.path: message` per problem."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(document)'}: {e['msg']}" for e in err.errors())
+
+
 def parse_resource(doc: dict[str, Any], source: str = "<input>") -> Resource:
     """Validate one resource document by its `kind`."""
     kind = doc.get("kind") if isinstance(doc, dict) else None
@@ -32,6 +45,8 @@ def load_resources(path: str | Path) -> list[Resource]:
     path = Path(path)
     try:
         docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
-    except (OSError, yaml.YAMLError) as err:
-        raise SpecError(f"{path}: cannot read YAML: {err}") from err
+    except yaml.YAMLError as err:
+        raise SpecError(f"{path}: not valid YAML: {yaml_problem(err)}") from err
+    except OSError as err:
+        raise SpecError(f"{path}: cannot read: {err.strerror or err}") from err
     return [parse_resource(d, f"{path}[{i}]") for i, d in enumerate(docs)]

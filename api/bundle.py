@@ -12,12 +12,15 @@ split is the part of the state that later blocks and ramps read (see `live_after
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from exitplan.api import validation_problems, yaml_problem
 from exitplan.api.dtypes import DTypeName
 from exitplan.api.resources import Model, Task
 
@@ -110,6 +113,10 @@ class BundleManifest(Model):
     data: BundleData = Field(default_factory=BundleData)
     decoder: DecoderSpec | None = None
     """Set for generative (decoder-only) bundles, for early-exit generation: the KV cache layout and tokenizer."""
+    digests: dict[str, Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(default_factory=dict)
+    """sha256 of every file of the bundle but bundle.yaml, by path relative to the bundle directory
+    (`exitplan prepare` records them last; `exitplan storage-init` checks a fetched bundle against
+    them). Empty in bundles prepared before digests were recorded: they load, unverified."""
 
     @model_validator(mode="after")
     def _consistent(self) -> BundleManifest:
@@ -163,8 +170,10 @@ def read_manifest(directory: str | Path) -> BundleManifest:
         raise BundleError(f"{path}: no bundle.yaml here; run `exitplan prepare` or point at a bundle directory")
     try:
         manifest = BundleManifest.model_validate(yaml.safe_load(path.read_text()))
-    except (ValidationError, yaml.YAMLError) as err:
-        raise BundleError(f"{path}: invalid manifest: {err}") from err
+    except yaml.YAMLError as err:
+        raise BundleError(f"{path}: not valid YAML: {yaml_problem(err)}") from err
+    except ValidationError as err:
+        raise BundleError(f"{path}: invalid manifest: {validation_problems(err)}") from err
     files = [b.file for b in manifest.blocks] + [r.file for r in manifest.ramps]
     if manifest.tokenizer:
         files.append(manifest.tokenizer)
@@ -174,10 +183,65 @@ def read_manifest(directory: str | Path) -> BundleManifest:
     return manifest
 
 
+MANIFEST = "bundle.yaml"
+CHUNK = 1 << 20
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, read in chunks (bundles hold files of gigabytes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def bundle_files(directory: str | Path) -> list[str]:
+    """Every regular file under a bundle directory but bundle.yaml, as sorted relative POSIX paths
+    (symbolic links are not followed: a bundle is plain files)."""
+    root = Path(directory)
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in files:
+            path = Path(folder) / name
+            if path.is_file() and not path.is_symlink():
+                rel = path.relative_to(root).as_posix()
+                if rel != MANIFEST:
+                    found.append(rel)
+    return sorted(found)
+
+
+def compute_digests(directory: str | Path) -> dict[str, str]:
+    """{relative path: sha256} of every file of the bundle but bundle.yaml."""
+    root = Path(directory)
+    return {rel: file_sha256(root / rel) for rel in bundle_files(root)}
+
+
+def write_manifest(directory: str | Path, manifest: BundleManifest) -> None:
+    """Write `bundle.yaml` (snake_case keys, unset optionals left out), replacing it atomically."""
+    path = Path(directory) / MANIFEST
+    tmp = path.with_name(f".{MANIFEST}.tmp")
+    tmp.write_text(yaml.safe_dump(manifest.model_dump(mode="json", exclude_none=True), sort_keys=False))
+    os.replace(tmp, path)
+
+
+def record_digests(directory: str | Path) -> BundleManifest:
+    """Record the sha256 of every file of the bundle in its bundle.yaml (`digests`): the last step of
+    every `exitplan prepare` path, and `exitplan bundle digest` for bundles prepared before."""
+    manifest = read_manifest(directory)
+    manifest = manifest.model_copy(update={"digests": compute_digests(directory)})
+    write_manifest(directory, manifest)
+    return manifest
+
+
 def resolve_bundle_uri(uri: str) -> Path:
     """A bundle URI (a path or file:// URI) as a local directory."""
     if uri.startswith("file://"):
         uri = uri[len("file://") :]
     if "://" in uri:
-        raise BundleError(f"bundle URI {uri!r}: only local paths and file:// URIs are supported here")
+        raise BundleError(
+            f"bundle URI {uri!r}: only local paths and file:// URIs are supported here; fetch a remote bundle "
+            f"into a directory first (`exitplan storage-init {uri} DIR`) and name the directory"
+        )
     return Path(uri).expanduser()

@@ -75,6 +75,11 @@ class Plan(Model):
     prediction: Prediction = Field(default_factory=Prediction)
     reason: str = "initial"
     """Why this plan was made (initial, spec-change, length-drift, survival-drift, slo-risk, ...)."""
+    routers: list[str] = Field(default_factory=list)
+    """host:port of the routers' control endpoints, the only places a worker posts shadow feedback to
+    (a /v1/run frame whose reply_to is not one of them is refused). A hostname stands for every
+    address it resolves to (a headless Service of the router pods). Wiring, not part of the plan's
+    hash: the operator and `exitplan up` fill it in."""
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
@@ -93,7 +98,7 @@ class Plan(Model):
 
     def content_hash(self) -> str:
         """Stable short hash of what the data plane runs (annotation exitplan.io/plan-hash)."""
-        body = self.model_dump(by_alias=True, mode="json", exclude={"prediction", "reason"})
+        body = self.model_dump(by_alias=True, mode="json", exclude={"prediction", "reason", "routers"})
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
     def to_json(self) -> str:

@@ -31,6 +31,14 @@ class Model(BaseModel):
 # ---------------------------------------------------------------- GPUPool (cluster-scoped)
 
 
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+
+
+class LocalObjectReference(Model):
+    name: Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
+    """Name of an object in the same namespace."""
+
+
 class Toleration(Model):
     key: str | None = None
     operator: Literal["Exists", "Equal"] = "Equal"
@@ -61,6 +69,14 @@ class GPUPoolSpec(Model):
     """CPU request of a worker pod on this pool."""
     memory: str = "4Gi"
     """Memory request of a worker pod on this pool."""
+    image: Annotated[str, Field(min_length=1, pattern=r"^\S+$")] | None = None
+    """Container image of the worker and profiling pods on this pool (default: the operator's data-plane
+    image, chart value dataPlane.image): e.g. the CUDA worker image on GPU pools, worker-cpu on CPU ones."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    """imagePullPolicy of those pods' containers (default: chart value dataPlane.image.pullPolicy)."""
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
+    """Secrets of the service's namespace for pulling this pool's images, added to the chart's
+    dataPlane.imagePullSecrets."""
 
 
 # ---------------------------------------------------------------- EarlyExitService (namespaced)
@@ -76,8 +92,33 @@ class ModelRef(Model):
     name: Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
     """Model name served at /v2/models/{name}; also the ModelProfile's model."""
     bundle: Annotated[str, Field(min_length=1)]
-    """Bundle URI: a local path or file:// URI of a directory holding bundle.yaml."""
+    """Bundle URI. A path or file:// URI: a directory holding bundle.yaml on the node (a hostPath, only
+    under the operator's allowed prefixes). pvc://CLAIM/PATH: a directory of a PersistentVolumeClaim of
+    the namespace, mounted read-only. s3://BUCKET/PREFIX: any S3-compatible store (bundleSecret names
+    the endpoint and credentials). https://HOST/PATH.tar.gz: a tarball (bundleSha256 pins it).
+    oci://IMAGE: an image holding the bundle at /bundle. The pods' storage-init container fetches a
+    remote bundle and verifies it against the digests in its bundle.yaml."""
+    bundle_secret: Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)] | None = None
+    """For s3:// bundles: a Secret of the namespace whose keys become the storage initializer's
+    environment: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, and optionally AWS_SESSION_TOKEN,
+    AWS_ENDPOINT_URL (e.g. http://minio.storage:9000; default AWS S3), AWS_REGION, AWS_CA_BUNDLE."""
+    bundle_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+    """sha256 of a tarball bundle (https:// and http://, where it is required; s3://.../x.tar.gz):
+    `exitplan bundle push` prints it."""
     task: Task = Task.text_classification
+
+    @model_validator(mode="after")
+    def _bundle_source(self) -> ModelRef:
+        from exitplan.api.bundle_source import HTTP, S3, parse_bundle_uri
+
+        source = parse_bundle_uri(self.bundle)
+        if source.kind == HTTP and self.bundle_sha256 is None:
+            raise ValueError("model.bundleSha256 is required for an http(s):// bundle (`exitplan bundle push` prints it)")
+        if self.bundle_sha256 is not None and not source.tarball:
+            raise ValueError("model.bundleSha256 applies to tarball bundles only (https://, http://, s3://.../x.tar.gz)")
+        if self.bundle_secret is not None and source.kind != S3:
+            raise ValueError("model.bundleSecret applies to s3:// bundles only")
+        return self
 
 
 class SLO(Model):
@@ -157,6 +198,10 @@ class PlannerSettings(Model):
     """active applies plans; advisory only reports what it would do."""
     drift: DriftLimits = Field(default_factory=DriftLimits)
     max_splits: Annotated[int, Field(ge=1, le=64)] = 4
+    max_replicas: Annotated[int, Field(ge=1, le=100000)] = 64
+    """The most worker replicas (accelerators) a plan of this service may run over all its pools:
+    max-goodput otherwise spends every allowed GPU, so a pool with capacity 100000 would get a
+    100000-replica plan. The drift loop's re-plans keep to it too."""
     rebatch: bool = True
     """Let splits rebatch (when exits are on): each block of such a split keeps its own fusion queue
     and runs on a full batch of the rows that reached it, instead of on what is left of one
@@ -168,7 +213,10 @@ class PlannerSettings(Model):
 
 
 class RouterSettings(Model):
-    replicas: Annotated[int, Field(ge=1, le=64)] = 1
+    replicas: Annotated[int, Field(ge=1, le=64)] = 2
+    """Router pods. With 2 or more the operator also keeps a PodDisruptionBudget (minAvailable 1), so
+    an eviction (a node drain) never takes the last one; a router that leaves drains (SIGTERM) without
+    losing requests."""
     queue_lambda: Annotated[float, Field(gt=0.0, le=1.0)] = 0.85
     """Arlo's congestion threshold: a bucket is congested above lambda of its capacity."""
     queue_alpha: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9

@@ -120,8 +120,8 @@ async def stream(
         async def one(i: int, n: str) -> None:
             url = urls[n]
             if i % log_every == 0:
-                async with s.get(f"{url}/v1/thresholds") as resp:
-                    thresholds_log[n].append((i, (await resp.json())["thresholds"]))
+                async with s.get(f"{url}/v2/models/{model}") as resp:  # (its metadata: no control token needed)
+                    thresholds_log[n].append((i, (await resp.json())["parameters"]["thresholds"]))
             body = {
                 "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [texts[i]]}],
                 "parameters": {"truncate": True},
@@ -306,7 +306,7 @@ def run_side_by_side(
     changes: dict = {}
     names = args.runs.split(",")
     with contextlib.ExitStack() as stack:
-        urls, tuner = {}, None
+        urls, deployments, tuner = {}, {}, None
         for k, name in enumerate(names):
             thresholds = {r: 2.0 for r in ramps} if name == "vanilla" else dict(start)
             plan = Plan(
@@ -319,9 +319,10 @@ def run_side_by_side(
             )
             tmp = stack.enter_context(tempfile.TemporaryDirectory())
             port = args.port + 10 * k
-            urls[name] = stack.enter_context(
+            deployments[name] = stack.enter_context(
                 LocalDeployment(bundle, plan, spec, Path(tmp), port=port, base_port=port + 1)
-            ).url
+            )
+            urls[name] = deployments[name].url
         if "continual" in urls:
             config = dataclasses.replace(
                 LIVE,
@@ -335,7 +336,10 @@ def run_side_by_side(
                 drift_z=args.drift_z,
                 drift_confirm=not args.no_drift_confirm,
             )
-            tuner = AutoTuner(urls["continual"], ramps, args.budget, config=config).start()
+            continual = deployments["continual"]
+            tuner = AutoTuner(
+                continual.control_url, ramps, args.budget, config=config, token=continual.control_token
+            ).start()
         t0 = time.time()
         raw = asyncio.run(stream(urls, manifest.name, texts, 100))
         print(f"{', '.join(names)} side by side: {len(texts)} requests each in {time.time() - t0:.0f} s")

@@ -78,6 +78,8 @@ def main() -> None:
                 "0",
                 "--health-port",
                 "0",
+                "--allow-host-path",  # the services' bundle is /models/minilm (tests/test_operator_support.service)
+                "/models",
             ],
             stdout=open(tmp / "operator.log", "wb"),
             stderr=subprocess.STDOUT,

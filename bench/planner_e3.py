@@ -53,7 +53,8 @@ def spec_for(pools: list[str], cost_cap: float | None = None) -> EarlyExitServic
         model=ModelRef(name="bert-base-ee", bundle="x"),
         slo=SLO(latency_ms=SLO_MS),
         pools=[PoolRef(name=p) for p in pools],
-        planner=PlannerSettings(max_splits=4, cost_cap_per_hour=cost_cap),
+        # E3's settings run up to 88 K80s: above the default maxReplicas (64) that caps a service
+        planner=PlannerSettings(max_splits=4, cost_cap_per_hour=cost_cap, max_replicas=1000),
     )
 
 

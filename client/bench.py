@@ -87,10 +87,14 @@ def _router_slo_ms(base: str) -> float | None:
     return None
 
 
-def router_observations(url: str) -> dict | None:
-    """The router's observation window in progress (best effort: None when it cannot be read)."""
+def router_observations(url: str, token: str | None = None) -> dict | None:
+    """The router's observation window in progress, from its control endpoints at `url` with the
+    service's control `token` (best effort: None when it cannot be read)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(f"{url.rstrip('/')}/v1/observations?window=current", headers=headers)
     try:
-        return json.loads(_get(f"{url.rstrip('/')}/v1/observations?window=current", 5.0))
+        with urllib.request.urlopen(request, timeout=5.0) as resp:
+            return json.loads(resp.read())
     except (urllib.error.URLError, OSError, ValueError):
         return None
 
@@ -200,6 +204,9 @@ class BenchSetup:
     info: ModelInfo
     pool: HeldoutPool
     references: ReferenceCache = field(init=False)
+    control_url: str | None = None
+    """The router's control endpoints (for its own observations in the report; default: `info.url`)."""
+    control_token: str | None = None
 
     def __post_init__(self) -> None:
         check_labels(self.pool, self.info.labels)
@@ -214,6 +221,8 @@ class BenchSetup:
         another deployment may serve other buckets)."""
         fresh = BenchSetup(model_info(url, model), self.pool)
         fresh.references = self.references
+        if fresh.info.url == self.info.url:  # the same router: the same control endpoints
+            fresh.control_url, fresh.control_token = self.control_url, self.control_token
         return fresh
 
 
@@ -316,7 +325,7 @@ async def run_bench_async(
         window_s=plan.window_s,
         run=run,
     )
-    report.router = await asyncio.to_thread(router_observations, info.url)
+    report.router = await asyncio.to_thread(router_observations, setup.control_url or info.url, setup.control_token)
     return report
 
 

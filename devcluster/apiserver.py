@@ -15,7 +15,8 @@ delete. `DevKubeAPI` adds, on top of the same object store and discovery:
   `labelSelector`, `fieldSelector` (metadata.name / metadata.namespace) and `timeoutSeconds`;
   lists with label selectors and a real list resourceVersion;
 - the built-in resources that kopf and the operator use (namespaces, events, services,
-  configmaps, pods, deployments, jobs, CRDs, kopf peerings), declared for discovery;
+  configmaps, secrets, pods, deployments, jobs, pod disruption budgets, CRDs, kopf peerings), declared for
+  discovery;
 - CRDs that register their resource when created (so `kubectl apply -f crds/` works) and whose
   OpenAPI schema (JSON schema draft 4) and CEL rules (`x-kubernetes-validations`, evaluated with
   cel-python) reject invalid custom resources with 422 like a real server; server-side printer
@@ -65,10 +66,12 @@ BUILTINS: list[tuple[str, str, bool, list[str], list[str]]] = [
     ("v1/events", "Event", True, ["ev"], []),
     ("v1/services", "Service", True, ["svc"], ["status"]),
     ("v1/configmaps", "ConfigMap", True, ["cm"], []),
+    ("v1/secrets", "Secret", True, [], []),
     ("v1/pods", "Pod", True, ["po"], ["status"]),
     ("v1/endpoints", "Endpoints", True, ["ep"], []),
     ("apps/v1/deployments", "Deployment", True, ["deploy"], ["status"]),
     ("batch/v1/jobs", "Job", True, [], ["status"]),
+    ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, ["pdb"], ["status"]),
     (
         "apiextensions.k8s.io/v1/customresourcedefinitions",
         "CustomResourceDefinition",

@@ -9,12 +9,17 @@ It talks to the API server over HTTP like a node agent would, and every `SYNC_SE
   with backoff; readiness comes from probing the container's readinessProbe path; the counts go
   to the Deployment's status (replicas, readyReplicas, updatedReplicas, observedGeneration).
 - Jobs: runs initContainers then containers one after the other; success or failure (with
-  backoffLimit retries) goes to the Job's status.
-- Volumes: configMap volumes are written to files under the pod's folder (and rewritten when the
-  ConfigMap changes, as a kubelet does); emptyDir is a folder; hostPath is the path itself.
-  Arguments and env values under a mountPath are rewritten to the local folder.
-- Services: see svcproxy.py (a TCP proxy per ClusterIP Service, published as its load-balancer
-  ingress; the resolve file for headless Services, named by env EXITPLAN_RESOLVE_FILE).
+  backoffLimit retries) goes to the Job's status: a Failed condition with reason BackoffLimitExceeded
+  and, in its message, the failed container's exit code and the tail of its log.
+- Volumes: configMap and secret volumes are written to files under the pod's folder (and rewritten
+  when the ConfigMap or Secret changes, as a kubelet does); emptyDir is a folder; hostPath is the path
+  itself. Arguments and env values under a mountPath are rewritten to the local folder.
+- Ports: the container's first port is EXITPLAN_PORT; every other named port gets a local port of its
+  own, in env EXITPLAN_<NAME>_PORT (a router's `control` port: EXITPLAN_CONTROL_PORT). A Service's
+  targetPort (a port name) picks which one its endpoints use.
+- Services: see svcproxy.py (a TCP proxy per Service, published as its load-balancer ingress, so that
+  processes outside the pods reach headless Services too; the resolve file, named by env
+  EXITPLAN_RESOLVE_FILE, maps a headless Service's name to its pods).
 
 There is no scheduler, no node selection, no resource accounting, no image: what matters here
 is that the pods' own commands run and talk to each other as they would in a cluster.
@@ -53,6 +58,19 @@ def exitplan_argv() -> list[str]:
     return exitplan_command()
 
 
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _log_tail(log: Path, limit: int = 600) -> str:
+    """What the last container run of a pod wrote (its lines joined; at most `limit` characters from
+    the end; '-' when nothing): a kubelet's termination message with FallbackToLogsOnError."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    starts = [i for i, line in enumerate(lines) if line.startswith("--- ")]  # _launch's header per run
+    text = " ".join(line.strip() for line in lines[starts[-1] + 1 if starts else 0 :] if line.strip())
+    return text[-limit:] if text else "-"
+
+
 def template_hash(template: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:8]
 
@@ -79,7 +97,9 @@ class LocalPod:
     stopping: bool = False
     mounts: dict[str, Path] = field(default_factory=dict)
     config: dict[str, str] = field(default_factory=dict)
-    """Materialized configMap files: local path -> content."""
+    """Materialized configMap and secret files: local path -> content."""
+    ports: dict[str, int] = field(default_factory=dict)
+    """Named container ports -> local port (the first one is `port`)."""
 
     @property
     def log_path(self) -> Path:
@@ -99,6 +119,7 @@ class PodRunner:
         self.proxies: dict[tuple[str, str], TcpProxy] = {}
         self.jobs_done: dict[str, dict[str, Any]] = {}
         self._next_port = base_port
+        self.secrets: dict[tuple[str, str], dict[str, Any]] = {}
         self._resolve: dict[str, list[str]] = {}
         self._reported: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._http: aiohttp.ClientSession | None = None
@@ -128,6 +149,9 @@ class PodRunner:
             (c["metadata"]["namespace"], c["metadata"]["name"]): c for c in await self.client.list(path("ConfigMap"))
         }
         services = await self.client.list(path("Service"))
+        self.secrets = {
+            (c["metadata"]["namespace"], c["metadata"]["name"]): c for c in await self.client.list(path("Secret"))
+        }
         self._sync_deployments(deployments, configmaps)
         self._sync_jobs(jobs, configmaps)
         self._refresh_config(configmaps)
@@ -228,7 +252,7 @@ class PodRunner:
                 pod.step += 1
                 self._launch(pod, pod.containers[pod.step])
             elif code == 0:
-                self.jobs_done[uid] = {"succeeded": 1, "failed": pod.restarts, "type": "Complete"}
+                self.jobs_done[uid] = {"succeeded": 1, "failed": pod.restarts, "type": "Complete", "at": _now()}
                 pod.phase = "Succeeded"
                 self._stop(pod)
             elif pod.restarts < int(job["spec"].get("backoffLimit", 6)):
@@ -245,7 +269,17 @@ class PodRunner:
                 pod.step = 0
                 self._launch(pod, pod.containers[0])
             else:
-                self.jobs_done[uid] = {"succeeded": 0, "failed": pod.restarts + 1, "type": "Failed"}
+                self.jobs_done[uid] = {
+                    "succeeded": 0,
+                    "failed": pod.restarts + 1,
+                    "type": "Failed",
+                    "at": _now(),
+                    "reason": "BackoffLimitExceeded",
+                    # the Job controller's message, and what a kubelet puts in the failed container's
+                    # termination message with FallbackToLogsOnError: the tail of its log
+                    "message": f"Job has reached the specified backoff limit; container "
+                    f"{pod.containers[pod.step].get('name')} exited {code}: {_log_tail(pod.log_path)}",
+                }
                 pod.phase = "Failed"
                 self._stop(pod)
         for pod in list(self.pods.values()):
@@ -258,11 +292,13 @@ class PodRunner:
             running = any(p.owner == ("Job", job["metadata"]["name"]) and p.alive() for p in self.pods.values())
             status: dict[str, Any] = {"active": int(running)}
             if done:
+                cond = {"type": done["type"], "status": "True", "lastTransitionTime": done["at"]}
+                cond.update({k: done[k] for k in ("reason", "message") if k in done})
                 status = {
                     "active": 0,
                     "succeeded": done["succeeded"],
                     "failed": done["failed"],
-                    "conditions": [{"type": done["type"], "status": "True"}],
+                    "conditions": [cond],
                 }
             await self._report("Job", job, status)
 
@@ -289,6 +325,8 @@ class PodRunner:
             folder=self.workdir / "pods" / ns / name,
             containers=containers,
         )
+        named = [p["name"] for p in containers[0].get("ports") or [] if p.get("name")]
+        pod.ports = {port_name: pod.port if i == 0 else self._port() for i, port_name in enumerate(named)}
         pod.folder.mkdir(parents=True, exist_ok=True)
         self._mount(pod, configmaps)
         self.pods[f"{ns}/{name}"] = pod
@@ -321,8 +359,24 @@ class PodRunner:
                 pod.mounts[mount["mountPath"]] = local
         self._write_config(pod, configmaps)
 
+    def _write_secret(self, pod: LocalPod, vol: dict) -> None:
+        import base64
+
+        secret = self.secrets.get((pod.namespace, vol["secret"]["secretName"])) or {}
+        for key, value in (secret.get("data") or {}).items():
+            target = pod.folder / "volumes" / vol["name"] / key
+            text = base64.b64decode(value).decode()
+            if pod.config.get(str(target)) != text:
+                tmp = target.with_suffix(".tmp")
+                with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+                    fh.write(text)
+                os.replace(tmp, target)
+                pod.config[str(target)] = text
+
     def _write_config(self, pod: LocalPod, configmaps: dict) -> None:
         for vol in pod.spec.get("volumes", []):
+            if "secret" in vol:
+                self._write_secret(pod, vol)
             if "configMap" not in vol:
                 continue
             cm = configmaps.get((pod.namespace, vol["configMap"]["name"]))
@@ -361,6 +415,7 @@ class PodRunner:
                 env[item["name"]] = fields.get(item["valueFrom"]["fieldRef"]["fieldPath"], "")
         env.update(
             EXITPLAN_PORT=str(pod.port),
+            **{f"EXITPLAN_{n.upper().replace('-', '_')}_PORT": str(p) for n, p in pod.ports.items() if p != pod.port},
             EXITPLAN_RESOLVE_FILE=str(self.resolve_file),
             KUBECONFIG=str(self.kubeconfig),
             POD_IP="127.0.0.1",
@@ -479,29 +534,28 @@ class PodRunner:
             if not selector:
                 continue
             live.add((ns, name))
+            target = ((svc["spec"].get("ports") or [{}])[0]).get("targetPort")
+            headless = svc["spec"].get("clusterIP") == "None"
             endpoints = sorted(
-                ("127.0.0.1", p.port)
+                ("127.0.0.1", p.ports.get(target, p.port) if isinstance(target, str) else p.port)
                 for p in self.pods.values()
-                if p.namespace == ns and p.ready and selector.items() <= p.labels.items()
+                if p.namespace == ns
+                and (p.ready or (headless and svc["spec"].get("publishNotReadyAddresses") and p.alive()))
+                and selector.items() <= p.labels.items()
             )
-            if svc["spec"].get("clusterIP") == "None":
-                addresses = [f"{h}:{port}" for h, port in endpoints]
-            else:
-                proxy = self.proxies.get((ns, name))
-                if proxy is None:
-                    proxy = self.proxies[(ns, name)] = TcpProxy(f"{ns}/{name}")
-                    await proxy.start()
-                    log.info("Service %s/%s: local endpoint 127.0.0.1:%d", ns, name, proxy.port)
-                proxy.endpoints = endpoints
-                addresses = [f"127.0.0.1:{proxy.port}"]
-                ingress = {
-                    "loadBalancer": {
-                        "ingress": [{"ip": "127.0.0.1", "ports": [{"port": proxy.port, "protocol": "TCP"}]}]
-                    }
-                }
-                if (svc.get("status") or {}) != ingress:
-                    with contextlib.suppress(ApiError):
-                        await self.client.merge_patch(path("Service", ns, name, "status"), {"status": ingress})
+            proxy = self.proxies.get((ns, name))
+            if proxy is None:
+                proxy = self.proxies[(ns, name)] = TcpProxy(f"{ns}/{name}")
+                await proxy.start()
+                log.info("Service %s/%s: local endpoint 127.0.0.1:%d", ns, name, proxy.port)
+            proxy.endpoints = endpoints
+            addresses = [f"{h}:{port}" for h, port in endpoints] if headless else [f"127.0.0.1:{proxy.port}"]
+            ingress = {
+                "loadBalancer": {"ingress": [{"ip": "127.0.0.1", "ports": [{"port": proxy.port, "protocol": "TCP"}]}]}
+            }
+            if (svc.get("status") or {}) != ingress:
+                with contextlib.suppress(ApiError):
+                    await self.client.merge_patch(path("Service", ns, name, "status"), {"status": ingress})
             for host in service_hostnames(name, ns):
                 mapping[host] = addresses
         for key in list(self.proxies):
@@ -512,6 +566,6 @@ class PodRunner:
             self._resolve = mapping
 
     def endpoint(self, namespace: str, service: str) -> str | None:
-        """The local URL of a ClusterIP Service (None until its proxy runs)."""
+        """The local URL of a Service (None until its proxy runs)."""
         proxy = self.proxies.get((namespace, service))
         return f"http://127.0.0.1:{proxy.port}" if proxy else None

@@ -1,8 +1,9 @@
 """The dev-cluster's stand-in for Services and cluster DNS.
 
-- `TcpProxy`: one local port per ClusterIP Service; each connection goes to the next ready
-  endpoint (round robin), bytes copied both ways. The port is published in the Service's
-  `status.loadBalancer.ingress` (ip 127.0.0.1 + port), where clients and the operator find it.
+- `TcpProxy`: one local port per Service; each connection goes to the next ready endpoint (round
+  robin), bytes copied both ways. The port is published in the Service's
+  `status.loadBalancer.ingress` (ip 127.0.0.1 + port), where clients and the operator find it (a
+  headless Service gets one too, for processes outside the pods: the operator, tests).
 - `write_resolve_file`: the JSON file named by EXITPLAN_RESOLVE_FILE that routers and workers read
   instead of DNS: {"<svc>.<ns>.svc": ["127.0.0.1:31001", ...]} for headless Services (every ready
   endpoint) and the proxy address for ClusterIP Services. Written atomically (rename).

@@ -1,9 +1,21 @@
 """The `exitplan` command line: one entry point, one module per command (`exitplan/cmd_*.py`).
 
 Command modules import their heavy dependencies inside the command body, so `--help` stays fast.
+
+What every command shares lives here too: a user error (a file missing or not valid YAML, a document
+or bundle that does not validate, a trace or window that cannot be read) ends the command with one
+line, `error: <what, naming the file>`, on stderr and exit code 2, never a traceback (`user_errors`
+wraps every command; `fail` for a command's own checks); help is plain text wrapped to the terminal
+(at most 80 columns, option names never cut), and `table` makes rich tables that fold a cell rather
+than cut it.
 """
 
 from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import typer
 
@@ -15,7 +27,90 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="rich",  # TMPCHECK
 )
+
+USER_ERRORS = {
+    "yaml": "YAMLError",
+    "json": "JSONDecodeError",
+    "pydantic": "ValidationError",
+    "exitplan.api": "SpecError",
+    "exitplan.api.bundle": "BundleError",
+    "exitplan.planner.errors": "PlannerError",
+    "exitplan.planner.traces": "TraceError",
+    "exitplan.planner.tuning.feedback": "WindowError",
+    "exitplan.localrun.service_setup": "ServiceFileError",
+    "exitplan.prepare.profile": "ProfileError",
+    "exitplan.prepare.user_data": "DataError",
+    "exitplan.prepare.graph_cuts": "GraphError",
+}
+"""Exceptions that mean the user's input is wrong (module -> class). An exception can only be one of
+them when its module was imported, so they are looked up in sys.modules (nothing heavy is imported)."""
+
+
+def one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def fail(message: object, code: int = 2) -> NoReturn:
+    """End the command: `error: <message>` as one line on stderr, exit `code` (2: the input is wrong)."""
+    typer.echo(f"error: {one_line(message)}", err=True)
+    raise typer.Exit(code)
+
+
+def is_user_error(err: BaseException) -> bool:
+    if isinstance(err, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
+        return True
+    for module, name in USER_ERRORS.items():
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type) and isinstance(err, cls):
+            return True
+    return False
+
+
+def describe(err: BaseException) -> str:
+    """A user error in one line that names the file where the error knows it."""
+    from exitplan.api import validation_problems, yaml_problem
+
+    if isinstance(err, OSError) and err.filename:
+        return f"{err.filename}: {err.strerror or err}"
+    yaml_error = sys.modules["yaml"].YAMLError if "yaml" in sys.modules else ()
+    if isinstance(err, yaml_error):
+        mark = getattr(err, "problem_mark", None)
+        source = f"{mark.name}: " if mark is not None and not str(mark.name).startswith("<") else ""
+        return f"{source}not valid YAML: {yaml_problem(err)}"
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is not None and isinstance(err, pydantic.ValidationError):
+        return f"invalid {err.title}: {validation_problems(err)}"
+    return one_line(err)
+
+
+def user_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`command` with its user errors turned into one `error: ...` line and exit code 2."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except Exception as err:  # only user errors are caught; the rest is raised again
+            if not is_user_error(err):
+                raise
+            fail(describe(err))
+
+    return run
+
+
+def table(*columns: str, title: str | None = None, right: bool = True) -> Any:
+    """A rich Table for a terminal of 80 columns: no vertical rules, and a cell or header that does not
+    fit folds onto a second line instead of ending in '…'. `right`: numbers' alignment (the first
+    column stays left)."""
+    from rich import box
+    from rich.table import Table
+
+    out = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for i, name in enumerate(columns):  # the first column names the rows: never folded
+        out.add_column(name, justify="right" if right and i else "left", overflow="fold", no_wrap=not i)
+    return out
 
 
 def _version(value: bool) -> None:
@@ -70,6 +165,12 @@ def _register() -> None:
     app.command("generate-server")(cmd_generate.server_command)
     app.command("generate-stage")(cmd_generate.stage_command)
     app.command("generate-plan")(cmd_generate.plan_command)
+    for typer_app in (app, cmd_operator.app):
+        for info in typer_app.registered_commands:
+            info.callback = user_errors(info.callback)
+    if cmd_operator.app.registered_callback is not None:
+        info = cmd_operator.app.registered_callback
+        info.callback = user_errors(info.callback)
 
 
 _register()

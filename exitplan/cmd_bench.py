@@ -65,6 +65,12 @@ def command(
     ),
     json_path: Path | None = typer.Option(None, "--json", dir_okay=False, help="Also write every figure as JSON here."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+    control_url: str | None = typer.Option(
+        None, help="The router's control endpoints (its observations go in the report)."
+    ),
+    control_token_file: Path | None = typer.Option(
+        None, envvar="EXITPLAN_CONTROL_TOKEN_FILE", help="Its control token."
+    ),
 ) -> None:
     """Replay a trace open-loop against a router (never waiting for answers); report goodput, p50/p95/p99, exits, agreement with the full model, errors by kind and lost requests."""
     from rich.console import Console
@@ -72,31 +78,26 @@ def command(
     console = Console()
     bounded_duration = duration if duration else None
     if bounded_duration is None and limit is None and not capacity:
-        console.print(
-            "[red]error:[/red] give --duration (seconds) and/or --limit (requests): the whole trace runs for about an hour"
-        )
-        raise typer.Exit(2)
-    shared = {
-        "slo_ms": slo_ms,
-        "seed": seed,
-        "length_mode": length_mode.value,
-        "reference_max": reference_max,
-        "timeout_s": timeout_s,
-        "progress": progress,
-        "binary": binary,
-    }
+        from exitplan.cli import fail
+
+        fail("give --duration (seconds) and/or --limit (requests): the whole trace runs for about an hour")
+    shared = {"slo_ms": slo_ms, "seed": seed, "length_mode": length_mode.value, "reference_max": reference_max}
+    shared.update(timeout_s=timeout_s, progress=progress, binary=binary)
     if capacity:
         load = {"start_rps": rps or 5.0, "step_duration": step_duration}
     else:
         load = {"rps": rps, "speed": speed, "start": start, "duration": bounded_duration, "limit": limit}
-    doc = _replay(console, url, model, bundle, trace, capacity, {**load, **shared})
+    control = (control_url, control_token_file.read_text().strip() if control_token_file else None)
+    doc = _replay(console, url, model, bundle, trace, capacity, {**load, **shared}, control)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(doc, indent=2))
         console.print(f"wrote {json_path}")
 
 
-def _replay(console, url: str, model: str, bundle: Path, trace: Path | None, capacity: bool, options: dict) -> dict:
+def _replay(
+    console, url: str, model: str, bundle: Path, trace: Path | None, capacity: bool, options: dict, control=(None, None)
+) -> dict:
     """Connect to the router, then step the load up to its capacity or run one bench with `options`; print the
     tables and return every figure as a dict (exit 2 on a bench, bundle or input error)."""
     from exitplan.api.bundle import BundleError
@@ -106,6 +107,7 @@ def _replay(console, url: str, model: str, bundle: Path, trace: Path | None, cap
     try:
         with console.status("reading the router's metadata and tokenizing held-out texts..."):
             setup = BenchSetup.connect(url, model, bundle)
+            setup.control_url, setup.control_token = control
         if capacity:
             result = find_capacity(url, model, bundle, trace, setup=setup, **options)
             console.print(result.table())
@@ -121,5 +123,6 @@ def _replay(console, url: str, model: str, bundle: Path, trace: Path | None, cap
             )
         return report.to_dict()
     except (BenchError, BundleError, InputError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from err
+        from exitplan.cli import fail
+
+        fail(err)

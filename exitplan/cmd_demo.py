@@ -39,8 +39,9 @@ def command(
         if not levels or any(x <= 0 for x in levels):
             raise ValueError
     except ValueError:
-        console.print(f"[red]error:[/red] --loads must be positive numbers separated by commas, got {loads!r}")
-        raise typer.Exit(2) from None
+        from exitplan.cli import fail
+
+        fail(f"--loads must be positive numbers separated by commas, got {loads!r}")
     try:
         import yaml
 
@@ -56,8 +57,9 @@ def command(
             keep=keep,
         )
     except (SpecError, ServiceFileError, StartError, BenchError, OSError, IndexError, ValueError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(1) from err
+        from exitplan.cli import fail
+
+        fail(err, 1)
     if json_path:
         json_path.write_text(json.dumps(result.to_dict(), indent=2))
         console.print(f"results written to {json_path}")

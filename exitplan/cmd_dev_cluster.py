@@ -56,6 +56,7 @@ def command(
     try:
         asyncio.run(main())
     except OSError as err:
-        typer.secho(f"error: cannot serve on port {port}: {err}; pick another --port", fg="red", err=True)
-        raise typer.Exit(2) from err
+        from exitplan.cli import fail
+
+        fail(f"cannot serve on port {port}: {err}; pick another --port")
     console.print("dev-cluster stopped; every local pod was stopped")

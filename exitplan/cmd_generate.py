@@ -60,8 +60,9 @@ def prepare_command(
     try:
         result = build_decoder_bundle(options, out, force=force, threads=threads)
     except (DecoderBuildError, DatasetError, BundleError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from err
+        from exitplan.cli import fail
+
+        fail(err)
     report = result.report
     state = "reused (same options; --force rebuilds)" if result.reused else f"built in {report['total_seconds']:.0f} s"
     console.print(f"bundle [bold]{result.path}[/bold]: {state}")
@@ -105,8 +106,9 @@ def command(
         engine = _engine(bundle, mode, splits, max_pending, 1)
         events = list(engine.generate(prompt, max_tokens, threshold))
     except (GenerationError, BundleError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from err
+        from exitplan.cli import fail
+
+        fail(err)
     finally:
         if "engine" in locals() and hasattr(engine, "close"):
             engine.close()
@@ -160,13 +162,15 @@ def server_command(
 
     console = Console()
     if not 0.0 <= threshold <= 1.0:
-        console.print(f"[red]error:[/red] --threshold must be in 0..1, got {threshold}")
-        raise typer.Exit(2)
+        from exitplan.cli import fail
+
+        fail(f"--threshold must be in 0..1, got {threshold}")
     try:
         engine = _engine(bundle, mode, splits, max_pending, threads, stage_urls)
     except (GenerationError, BundleError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from err
+        from exitplan.cli import fail
+
+        fail(err)
     name = model_name or engine.model.manifest.name
     app = generation_app(engine, name, threshold=threshold)
     console.print(f"serving {name!r} ({engine.mode}) on http://{host}:{port}/v2/models/{name}/generate")
@@ -216,13 +220,13 @@ def stage_command(
         else:
             raise GenerationError(f"--mode must be pipeline or recompute, got {mode!r}")
     except (BundleError, GenerationError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from err
+        from exitplan.cli import fail
+
+        fail(err)
     if mode == "pipeline" and (next_url is None) != (last == model.n_blocks - 1):
-        console.print(
-            f"[red]error:[/red] only the stage ending at block {model.n_blocks - 1} has no --next; this one runs {first}..{last}"
-        )
-        raise typer.Exit(2)
+        from exitplan.cli import fail
+
+        fail(f"only the stage ending at block {model.n_blocks - 1} has no --next; this one runs {first}..{last}")
     console.print(
         f"stage blocks {first}..{last} ({mode}) on http://{host}:{port}"
         + (f" -> {next_url}" if next_url else " (last)")
@@ -262,8 +266,9 @@ def plan_command(
         profile = GenerationProfile.load(measure_profile(model, sample, threshold, hop_ms=hop_ms))
         plan = plan_splits(profile, stages)
     except (GenerationError, GenerationPlanError, BundleError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from err
+        from exitplan.cli import fail
+
+        fail(err)
     table = Table(title=f"{stages} stages, threshold {threshold}, hop {hop_ms} ms (best first)")
     for col in ("splits", "decision ms", "bottleneck ms", "ms/token"):
         table.add_column(col, justify="left" if col == "splits" else "right")

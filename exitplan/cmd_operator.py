@@ -12,7 +12,15 @@ app = typer.Typer(
     help="Run the exitplan operator, or publish a profile to the cluster.",
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help, wrapped to the terminal (exitplan/cli.py)
 )
+
+HELP_ALLOW = (
+    "Node directory under which spec.model.bundle may be a host path (repeatable; default: env "
+    "EXITPLAN_ALLOWED_HOST_PATHS, comma-separated, else none: absolute bundle paths are refused)."
+)
+HELP_ATTEMPTS = "Profiling Jobs per pool and spec generation before the service is left ProfilingFailed."
+HELP_RETRY = "Backoff after the first failed profiling Job (doubled after each further failure)."
 
 
 @app.callback(invoke_without_command=True)
@@ -28,7 +36,7 @@ def command(
     priority: int = typer.Option(
         0, help="Peering priority: the replica with the highest priority serves, others wait."
     ),
-    metrics_port: int = typer.Option(9090, min=0, max=65535, help="Port of the Prometheus /metrics endpoint (0: off)."),
+    metrics_port: int = typer.Option(9464, min=0, max=65535, help="Port of the Prometheus /metrics endpoint (0: off)."),
     health_port: int = typer.Option(
         8081,
         min=0,
@@ -36,6 +44,11 @@ def command(
         help="Port of kopf's liveness endpoint /healthz (0: off); it fails when the operator's event loop is stuck.",
     ),
     tick: float = typer.Option(5.0, min=0.1, help="Seconds between timer ticks (readiness; drift once per period)."),
+    allow_host_path: list[str] = typer.Option([], help=HELP_ALLOW),
+    profile_attempts: int = typer.Option(3, min=1, envvar="EXITPLAN_PROFILE_ATTEMPTS", help=HELP_ATTEMPTS),
+    profile_retry_seconds: float = typer.Option(
+        30.0, min=0.1, envvar="EXITPLAN_PROFILE_RETRY_SECONDS", help=HELP_RETRY
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at debug level."),
 ) -> None:
     """Run the operator: reconcile EarlyExitServices, profile missing pools, re-plan on drift."""
@@ -46,15 +59,15 @@ def command(
 
     if kubeconfig is not None:
         if not kubeconfig.exists():
-            typer.secho(
-                f"error: --kubeconfig {kubeconfig} does not exist; run `exitplan dev-cluster` or pass "
-                "a kubeconfig that kubectl can use",
-                fg="red",
-                err=True,
+            from exitplan.cli import fail
+
+            fail(
+                f"--kubeconfig {kubeconfig} does not exist; run `exitplan dev-cluster` or pass "
+                "a kubeconfig that kubectl can use"
             )
-            raise typer.Exit(2)
         os.environ["KUBECONFIG"] = str(kubeconfig)
     os.environ["EXITPLAN_TICK_SECONDS"] = str(tick)
+    _export_settings(allow_host_path, namespace, profile_attempts, profile_retry_seconds)
     import kopf
     from prometheus_client import start_http_server
 
@@ -79,6 +92,22 @@ def command(
         priority=priority,
         liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz" if health_port else None,
     )
+
+
+def _export_settings(allow_host_path: list[str], namespace: list[str], attempts: int, retry_seconds: float) -> None:
+    """The operator's guard-rail settings, in the env its handlers read at startup (operator/guards.py)."""
+    from exitplan.operator import guards
+
+    bad = [p for p in allow_host_path if not p.startswith("/")]
+    if bad:
+        from exitplan.cli import fail
+
+        fail(f"--allow-host-path takes absolute paths, got {bad}")
+    if allow_host_path:
+        os.environ[guards.ENV_ALLOWED] = ",".join(allow_host_path)
+    os.environ[guards.ENV_NAMESPACES] = ",".join(namespace)  # pool capacity is accounted over these (empty: all)
+    os.environ[guards.ENV_PROFILE_ATTEMPTS] = str(attempts)
+    os.environ[guards.ENV_PROFILE_RETRY] = str(retry_seconds)
 
 
 @app.command("publish-profile")
@@ -117,8 +146,9 @@ def publish_profile(
                 raw[key] = value
         spec = ModelProfileSpec.model_validate(raw)
     except (OSError, ValueError, yaml.YAMLError, ValidationError) as err:
-        typer.secho(f"error: {file}: {err}", fg="red", err=True)
-        raise typer.Exit(2) from err
+        from exitplan.cli import fail
+
+        fail(f"{file}: {err}")
     name = name or builders.profile_name(spec.model, spec.pool)
     body = {
         "apiVersion": API_VERSION,
@@ -136,8 +166,9 @@ def publish_profile(
     try:
         report = asyncio.run(publish())
     except ApiError as err:
-        typer.secho(f"error: publishing ModelProfile {namespace}/{name} failed: {err}", fg="red", err=True)
-        raise typer.Exit(1) from err
+        from exitplan.cli import fail
+
+        fail(f"publishing ModelProfile {namespace}/{name} failed: {err}", 1)
     table = Table(title="ModelProfile published")
     for col in ("namespace", "name", "model", "pool", "blocks", "ramps", "result"):
         table.add_column(col)

@@ -13,17 +13,15 @@ def load_inputs(service_file: Path, extra: list[Path]):
 
     Profiles not given are looked up in the bundle's profiles/<pool>.yaml (where `exitplan up` caches them).
     """
-    from exitplan.api import load_resources
+    from exitplan.api import SpecError, load_resources
     from exitplan.api.resources import EarlyExitService, GPUPool, ModelProfile
 
     docs = []
     for path in [service_file, *extra]:
-        if not Path(path).is_file():
-            raise typer.BadParameter(f"{path}: no such file")
-        docs.extend(load_resources(path))
+        docs.extend(load_resources(path))  # a missing file or bad YAML: SpecError naming the file
     services = [d for d in docs if isinstance(d, EarlyExitService)]
     if len(services) != 1:
-        raise typer.BadParameter(f"{service_file}: expected exactly one EarlyExitService, found {len(services)}")
+        raise SpecError(f"{service_file}: expected exactly one EarlyExitService, found {len(services)}")
     svc = services[0]
     pools = {d.metadata.get("name", ""): d.spec for d in docs if isinstance(d, GPUPool)}
     profiles = {
@@ -122,7 +120,7 @@ def command(
     console = Console()
     name, spec, pools, profiles = load_inputs(service_file, with_files)
     lengths = trace_lengths(trace, spec, profiles, length_mode)
-    thresholds = json.loads(thresholds_file.read_text()) if thresholds_file else None
+    thresholds = _read_json(thresholds_file) if thresholds_file else None
     prev = Plan.from_file(previous) if previous else None
     result = _solve(console, name, spec, pools, profiles, thresholds, prev, lengths)
     _print_plan(console, name, spec, result)
@@ -141,9 +139,17 @@ def command(
         console.print(f"wrote {png}")
 
 
+def _read_json(path: Path):
+    from exitplan.api import SpecError
+
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise SpecError(f"{path}: not valid JSON: {err}") from err
+
+
 def _solve(console, name: str, spec, pools, profiles, thresholds, prev, lengths):
     """The verified planner result, or exit 2 with the planner's error printed."""
-    from rich.markup import escape
 
     from exitplan.planner import PlannerError, plan_service
 
@@ -160,21 +166,19 @@ def _solve(console, name: str, spec, pools, profiles, thresholds, prev, lengths)
         )
         result.verify()
     except PlannerError as err:
-        console.print(
-            f"[red]cannot plan {escape(name)}[/red] ({type(err).__name__}, field {escape(err.field or '-')}): {escape(str(err))}"
-        )
-        raise typer.Exit(2) from err
+        from exitplan.cli import fail
+
+        fail(f"cannot plan {name} ({type(err).__name__}, field {err.field or '-'}): {err}")
     return result
 
 
 def _print_plan(console, name: str, spec, result) -> None:
     """The plan's summary table, then one row per cell (worker Deployment)."""
-    from rich.table import Table
+    from exitplan.cli import table
 
     plan, pred = result.plan, result.plan.prediction
-    head = Table(title=f"plan for {name} ({spec.model.name})")
-    for col in ("splits", "buckets", "goodput req/s", "p99 bound ms", "cost /h", "cycle ms", "solve s"):
-        head.add_column(col, justify="right")
+    columns = ("splits", "buckets", "goodput req/s", "p99 bound ms", "cost /h", "cycle ms", "solve s")
+    head = table(*columns, title=f"plan for {name} ({spec.model.name})")
     head.add_row(
         " | ".join(f"{s.first_block}-{s.last_block}" for s in plan.splits),
         ",".join(map(str, plan.buckets)),
@@ -185,9 +189,8 @@ def _print_plan(console, name: str, spec, result) -> None:
         f"{result.timings['total']:.3f}",
     )
     console.print(head)
-    cells = Table(title="cells (one worker Deployment each)")
-    for col in ("split", "blocks", "rebatch", "bucket", "share", "pool", "replicas", "batch", "batch ms"):
-        cells.add_column(col, justify="right")
+    columns = ("split", "blocks", "rebatch", "bucket", "share", "pool", "replicas", "batch", "batch ms")
+    cells = table(*columns, title="cells (one worker Deployment each)")
     shares = dict(zip(plan.buckets, plan.length_histogram))
     for c in plan.cells:
         s = plan.splits[c.split]

@@ -133,8 +133,9 @@ def _prepare_builtin(console, model: str, options: dict, out: Path | None, force
     try:
         result = prepare_bundle(BuildOptions(model=model, **options), target, force=force, threads=threads)
     except (PrepareError, DatasetError, ModelNotInstalled, BundleError, GraphError, DataError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from err
+        from exitplan.cli import fail
+
+        fail(err)
 
     _print_report(console, result, json_path)
 
@@ -144,11 +145,9 @@ def _chosen(console, model, onnx_model, torch_factory, hf) -> tuple[str, object]
     given = [(f, v) for f, v in (("--model", model), ("--onnx", onnx_model), ("--torch", torch_factory), ("--hf", hf))]
     given = [(f, v) for f, v in given if v is not None]
     if len(given) > 1:
-        console.print(
-            f"[red]error:[/red] choose one model source of --model, --onnx, --torch and --hf; got "
-            f"{' and '.join(f for f, _ in given)}"
-        )
-        raise typer.Exit(2)
+        from exitplan.cli import fail
+
+        fail(f"choose one model source of --model, --onnx, --torch and --hf; got {' and '.join(f for f, _ in given)}")
     return given[0] if given else ("--model", "minilm")
 
 
@@ -167,16 +166,15 @@ def _default_name(flag: str, source) -> str:
 
 def _prepare_user_model(console, flag, source, data, out, options, labels, seq_axis, text, force, threads, json_path):
     """--onnx, --torch, --hf: the user's model through the automatic pipeline (exitplan.prepare.from_onnx)."""
+    from exitplan.cli import fail
     from exitplan.prepare.build import PrepareError
     from exitplan.prepare.graph_cuts import GraphError
     from exitplan.prepare.user_data import DataError
 
     if data is None:
-        console.print(f"[red]error:[/red] {flag} needs --data {DATA_HELP[flag]}")
-        raise typer.Exit(2)
+        fail(f"{flag} needs --data {DATA_HELP[flag]}")
     if flag == "--hf" and (labels is not None or seq_axis is not None):
-        console.print("[red]error:[/red] --labels and --seq-axis do not apply to --hf (class names: the label column)")
-        raise typer.Exit(2)
+        fail("--labels and --seq-axis do not apply to --hf (class names: the label column)")
     options["cuts"] = tuple(c.strip() for c in (options.pop("cuts") or "").split(",") if c.strip())
     target = (
         out if out is not None else Path("artifacts") / "bundles" / (options.get("name") or _default_name(flag, source))
@@ -198,8 +196,9 @@ def _prepare_user_model(console, flag, source, data, out, options, labels, seq_a
 
             result = from_hf(source, data, target, **text, **common)
     except (PrepareError, GraphError, DataError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from err
+        from exitplan.cli import fail
+
+        fail(err)
     _print_report(console, result, json_path)
 
 

@@ -124,8 +124,9 @@ def _measure(
             )
         elapsed = time.perf_counter() - started
     except (BundleError, ProfileError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from err
+        from exitplan.cli import fail
+
+        fail(err)
     return manifest, profile, elapsed
 
 
@@ -142,14 +143,16 @@ def _write(document: dict, out: Path, json_path: Path | None) -> None:
 
 def _print_table(console, spec, manifest) -> None:
     """Latency per block and ramp (first / last batch size) per sequence length, with each ramp's survival."""
-    from rich.table import Table
+    from exitplan.cli import table as make_table
 
     first, last = spec.batch_sizes[0], spec.batch_sizes[-1]
-    table = Table(title=f"{spec.model} on pool {spec.pool}: latency ms at batch {first} / {last}")
-    table.add_column("block / ramp")
-    table.add_column("survival", justify="right")
-    for length in spec.seq_lens:
-        table.add_column(f"seq {length}" if manifest.seq_axis is not None else "fixed size", justify="right")
+    lengths = [f"seq {n}" if manifest.seq_axis is not None else "fixed size" for n in spec.seq_lens]
+    table = make_table(
+        "block / ramp",
+        "survival",
+        *lengths,
+        title=f"{spec.model} on pool {spec.pool}: latency ms at batch {first} / {last}",
+    )
     for block in spec.blocks:
         table.add_row(block.name, "", *[f"{row[0]:.2f}/{row[-1]:.1f}" for row in block.latency_ms])
     for ramp, survival in zip(spec.ramps, spec.survival):

@@ -7,7 +7,68 @@ from pathlib import Path
 
 import typer
 
-from exitplan.worker.serve import port_from_env, serve
+from exitplan.worker.serve import ServerLimits, port_from_env, serve
+
+
+def required_token(file: Path | None) -> str:
+    """The control token from `file` / the environment; ValueError naming the options when there is none."""
+    from exitplan.worker.auth import TOKEN_ENV, token_from
+
+    token = token_from(file)
+    if token is None:
+        raise ValueError(
+            f"no control token: give --control-token-file (or env EXITPLAN_CONTROL_TOKEN_FILE, or {TOKEN_ENV}); "
+            "`exitplan up` and the operator give their processes one"
+        )
+    return token
+
+
+# The HTTP server's limits and drain (worker_image/server_guard.py, serve.py), shared with `exitplan worker`.
+_D = ServerLimits()
+
+HEADER_TIMEOUT = typer.Option(
+    _D.header_timeout_s,
+    min=0.001,
+    help="Seconds a client has, from opening a connection (or the first byte of a later request), to send a request's whole head; then the connection is closed.",
+)
+KEEPALIVE_TIMEOUT = typer.Option(
+    _D.keepalive_timeout_s, min=0.001, help="Seconds a kept-alive connection may stay idle between requests."
+)
+BODY_TIMEOUT = typer.Option(
+    _D.body_timeout_s, min=0.001, help="Seconds a client has, after a request's head, to send its body (408 past it)."
+)
+MAX_CONNECTIONS = typer.Option(
+    _D.max_connections, min=1, help="Open connections past which a new one is answered 503 and closed."
+)
+DRAIN_DELAY = typer.Option(
+    _D.drain_delay_s,
+    min=0.0,
+    help="After SIGTERM: keep serving, readiness off and answers with Connection: close, at least this many seconds.",
+)
+DRAIN_TIMEOUT = typer.Option(
+    _D.drain_timeout_s,
+    min=0.0,
+    help="After SIGTERM: the longest wait, in seconds, for requests in flight before exiting (the delay included).",
+)
+
+
+def server_limits(
+    header_timeout_s: float,
+    keepalive_timeout_s: float,
+    body_timeout_s: float,
+    max_connections: int,
+    drain_delay_s: float,
+    drain_timeout_s: float,
+) -> ServerLimits:
+    """The limits from the options; a bad combination exits 2 with the reason."""
+    try:
+        return ServerLimits(
+            header_timeout_s, keepalive_timeout_s, body_timeout_s, max_connections, drain_delay_s, drain_timeout_s
+        )
+    except ValueError as err:
+        from exitplan.cli import fail
+
+        fail(err)
 
 
 def command(
@@ -30,23 +91,43 @@ def command(
     timeout_ms: float = typer.Option(0.0, min=0.0, help="Hard per-request timeout (0 = max(5 x SLO, 2 s))."),
     window_seconds: float = typer.Option(30.0, min=0.5, help="Length of an observation window."),
     advertise: str = typer.Option(
-        "", help="host:port workers post feedback to (default: $POD_IP or 127.0.0.1, with the port)."
+        "",
+        help="host:port workers post feedback to (default: $POD_IP or 127.0.0.1, with the control port, else the port).",
     ),
     host: str = typer.Option("0.0.0.0", help="Address to listen on."),
     port: int = typer.Option(8080, help="Port to listen on (EXITPLAN_PORT overrides)."),
+    control_port: int = typer.Option(
+        0,
+        help="Port of the control endpoints (/v1/...; EXITPLAN_CONTROL_PORT overrides); 0 = on --port, behind the token all the same.",
+    ),
+    control_token_file: Path = typer.Option(
+        None,
+        envvar="EXITPLAN_CONTROL_TOKEN_FILE",
+        help="File holding the service's control token (else env EXITPLAN_CONTROL_TOKEN). Required.",
+    ),
+    header_timeout_s: float = HEADER_TIMEOUT,
+    keepalive_timeout_s: float = KEEPALIVE_TIMEOUT,
+    body_timeout_s: float = BODY_TIMEOUT,
+    max_connections: int = MAX_CONNECTIONS,
+    drain_delay_s: float = DRAIN_DELAY,
+    drain_timeout_s: float = DRAIN_TIMEOUT,
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
     """Run the router: KServe v2 inference endpoints, Arlo dispatch, admission control, observations."""
     from exitplan.planner.dispatch import QueueParams
+    from exitplan.worker.auth import control_port_from_env
     from exitplan.worker.classify.router import Router
 
     port = port_from_env(port)
-    advertise = advertise or f"{os.environ.get('POD_IP', '127.0.0.1')}:{port}"
+    control_port = control_port_from_env(control_port)
+    advertise = advertise or f"{os.environ.get('POD_IP', '127.0.0.1')}:{control_port or port}"
     try:
         from exitplan.worker.generate.router import GenerationRouter, is_generative
 
+        token = required_token(control_token_file)
+        control = {"control_token": token, "control_port": control_port or None, "control_host": host}
         # a decoder bundle: the generation router drives the stage workers instead
-        generation = GenerationRouter(bundle, plan, peers=peers) if is_generative(bundle) else None
+        generation = GenerationRouter(bundle, plan, peers=peers, **control) if is_generative(bundle) else None
         router = generation or Router(
             bundle,
             plan,
@@ -61,8 +142,13 @@ def command(
             timeout_ms=timeout_ms or None,
             window_seconds=window_seconds,
             advertise=advertise,
+            **control,
         )
     except (ValueError, OSError) as err:
-        typer.secho(f"error: {err}", fg="red", err=True)
-        raise typer.Exit(2) from err
-    serve(router.app(), host, port, log_level)
+        from exitplan.cli import fail
+
+        fail(err)
+    limits = server_limits(
+        header_timeout_s, keepalive_timeout_s, body_timeout_s, max_connections, drain_delay_s, drain_timeout_s
+    )
+    serve(router.app(), host, port, log_level, limits)

@@ -86,7 +86,6 @@ def _wanted(configs: str) -> list[str]:
 
 def _load_traces(console, trace: Path | None, spec, profiles, length_mode: str, rate: float | None, duration: float):
     """(path, full trace, replayed window): lengths fitted to the model's longest, sped up to `rate`."""
-    from rich.markup import escape
 
     from exitplan.planner.traces import TraceError, default_trace_path, load_trace
 
@@ -101,8 +100,9 @@ def _load_traces(console, trace: Path | None, spec, profiles, length_mode: str, 
         speed = rate / full.mean_rate if rate else 1.0
         tr = load_trace(path, max_length=int(top), length_mode=length_mode, speed=speed, duration=duration)  # type: ignore[arg-type]
     except TraceError as err:
-        console.print(f"[red]trace:[/red] {escape(str(err))}")
-        raise typer.Exit(2) from err
+        from exitplan.cli import fail
+
+        fail(f"trace: {err}")
     console.print(
         f"trace {path}: {len(tr)} requests over {tr.duration:.1f} s ({tr.mean_rate:.1f} req/s), lengths fitted to {top} ({length_mode})"
     )
@@ -150,22 +150,22 @@ def _compare(wanted: list[str], name: str, spec, pools, profiles, full, tr, seed
 def _print_table(console, name: str, spec, tr, rows: list[dict]) -> None:
     """One row per configuration (planning errors printed below their row's mark)."""
     from rich.markup import escape
-    from rich.table import Table
 
-    table = Table(title=f"{name}: {len(tr)} requests, SLO {spec.slo.latency_ms:g} ms")
-    for col in (
+    from exitplan.cli import table as make_table
+
+    table = make_table(  # two-line headers: ten columns fit 80 characters
         "config",
         "splits",
         "buckets",
-        "goodput req/s",
-        "within SLO",
-        "p50 ms",
-        "p99 ms",
-        "violations",
+        "goodput\nreq/s",
+        "within\nSLO",
+        "p50\nms",
+        "p99\nms",
+        "over\nSLO",
         "drops",
-        "cost /h",
-    ):
-        table.add_column(col, justify="right")
+        "cost\n/h",
+        title=f"{name}: {len(tr)} requests, SLO {spec.slo.latency_ms:g} ms",
+    )
     for r in rows:
         if "error" in r:
             table.add_row(r["config"], "-", "-", "[red]no plan[/red]", "-", "-", "-", "-", "-", "-")

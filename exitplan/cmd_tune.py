@@ -57,13 +57,12 @@ def command(
     import time
 
     from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
+    from exitplan.cli import fail
+    from exitplan.cli import table as make_table
     from exitplan.planner.tuning.thresholds import FeedbackWindow, WindowError, outcome, tune
 
     console = Console()
-    err = Console(stderr=True)
     try:
         w = FeedbackWindow.load(window)
         start_t = _parse_thresholds(start) if start is not None else None
@@ -71,12 +70,10 @@ def command(
         result = tune(w, budget, start_t, method=method.value, refine_pass=refine)
         took_ms = (time.perf_counter() - began) * 1e3
     except WindowError as exc:
-        err.print(f"[red]error:[/red] {escape(str(exc))}")
-        raise typer.Exit(2) from None
+        fail(exc)
     out = outcome(w, result.thresholds)
-    table = Table(title=f"{window.name}: {w.n_inputs} inputs, {w.n_ramps} ramps, budget {budget:g}")
-    for col in ("ramp", "threshold", "reached", "exits", "share", "agree", "saving_ms", "cost_ms"):
-        table.add_column(col, justify="left" if col == "ramp" else "right")
+    columns = ("ramp", "threshold", "reached", "exits", "share", "agree", "saving_ms", "cost_ms")
+    table = make_table(*columns, title=f"{window.name}: {w.n_inputs} inputs, {w.n_ramps} ramps, budget {budget:g}")
     for r in range(w.n_ramps):
         on = result.thresholds[r] <= 1.0
         exits = int(out.exits[r])

@@ -8,11 +8,17 @@ from pathlib import Path
 
 import typer
 
+ROUTERS = typer.Option(
+    1,
+    min=1,
+    max=16,
+    help="Router processes; with more than one, a front on --port balances connections over the ready ones (as the router Service in a cluster).",
+)
+
 
 def command(
     service: Path = typer.Argument(
         ...,
-        exists=True,
         dir_okay=False,
         help="YAML with an EarlyExitService (and its GPUPools, optionally ModelProfiles).",
     ),
@@ -25,6 +31,10 @@ def command(
     ),
     port: int = typer.Option(8080, help="Router port on localhost."),
     base_port: int = typer.Option(9100, help="First port for worker processes."),
+    routers: int = ROUTERS,
+    control_port: int = typer.Option(
+        0, min=0, help="The router's control port on localhost (0: a free port); answers only this run's token."
+    ),
     workdir: Path = typer.Option(Path("artifacts/up"), help="Where the plan file and process logs go."),
     threads: int = typer.Option(1, min=1, help="ONNX Runtime threads per worker process."),
     window_seconds: float = typer.Option(30.0, min=0.5, help="Router observation window."),
@@ -51,6 +61,9 @@ def command(
         base_port=base_port,
         threads=threads,
         window_seconds=window_seconds,
+        routers=routers,
+        on_event=lambda message: console.print(f"[yellow]{message}[/yellow]"),
+        control_port=control_port,
     )
     console.print(_plan_table(the_plan, setup.name))
     console.print(f"thresholds: {the_plan.thresholds}")
@@ -58,16 +71,21 @@ def command(
         try:
             deployment.start()
         except StartError as err:
-            console.print(f"[red]error:[/red] {err}")
-            raise typer.Exit(1) from err
+            from exitplan.cli import fail
+
+            fail(err, 1)
     verb = "generate" if setup.manifest.decoder is not None else "infer"
     console.print(
         f"[green]serving[/green] {the_plan.model} at {deployment.url}/v2/models/{the_plan.model}/{verb}  (logs: {deployment.workdir / 'logs'})"
     )
+    console.print(
+        f"control endpoints (/v1/thresholds, /v1/observations, ...) at {deployment.control_url}, "
+        f"token in {deployment.token_path}"
+    )
     console.print("Ctrl-C stops every process.")
     tuner = None
     if autotune and setup.manifest.decoder is None:  # generation: one threshold from the plan (POST /v1/thresholds)
-        tuner = _start_tuner(setup, deployment.url, tune_seconds, console)
+        tuner = _start_tuner(setup, deployment, tune_seconds, console)
     try:
         _serve_until_stopped(deployment, console)
     finally:
@@ -105,16 +123,17 @@ def _plan(service: Path, resources: list[Path], plan: Path | None, trace: Path |
         lengths = trace_lengths(trace, int(setup.manifest.max_length or 1))[0] if trace else None
         return setup, planned(setup, thresholds, lengths=lengths)
     except (SpecError, ServiceFileError, BundleError, ValueError) as err:
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from err
+        from exitplan.cli import fail
+
+        fail(err)
 
 
 def _plan_table(plan, name: str):
-    from rich.table import Table
+    from exitplan.cli import table as make_table
 
-    table = Table(title=f"plan {plan.content_hash()} for {name}")
-    for col in ("split", "blocks", "bucket", "pool", "replicas", "batch"):
-        table.add_column(col)
+    table = make_table(
+        "split", "blocks", "bucket", "pool", "replicas", "batch", title=f"plan {plan.content_hash()} for {name}"
+    )
     for cell in sorted(plan.cells, key=lambda c: (c.split, c.bucket)):
         sp = plan.splits[cell.split]
         table.add_row(
@@ -129,7 +148,8 @@ def _plan_table(plan, name: str):
 
 
 def _serve_until_stopped(deployment, console) -> None:
-    """Until SIGTERM, Ctrl-C or a process of the deployment exits (shown with its log tail)."""
+    """Until SIGTERM or Ctrl-C. A process of the deployment that exits is restarted meanwhile, after a
+    back-off (localrun/supervisor.py); its exit and restart are printed (`deployment.on_event`)."""
     stop = {"now": False}
 
     def _stop(*_):
@@ -139,17 +159,13 @@ def _serve_until_stopped(deployment, console) -> None:
     try:
         while not stop["now"]:
             time.sleep(0.5)
-            dead = [p for p in deployment.procs if p.popen and p.popen.poll() is not None]
-            if dead:
-                console.print(f"[red]{dead[0].name} exited[/red] ({dead[0].popen.returncode}):\n{dead[0].log_tail()}")
-                break
     except KeyboardInterrupt:
         pass
 
 
-def _start_tuner(setup, url: str, period_s: float, console):
+def _start_tuner(setup, deployment, period_s: float, console):
     """The threshold tuning loop (exitplan.localrun.autotune.AutoTuner, the live settings, every
-    `period_s` seconds) on the router at `url`, started."""
+    `period_s` seconds) on the deployment's router (its control endpoints, with the run's token), started."""
     from dataclasses import replace
 
     from exitplan.localrun.autotune import AutoTuner
@@ -157,9 +173,10 @@ def _start_tuner(setup, url: str, period_s: float, console):
 
     ramps = [r.name for r in setup.manifest.exit_ramps()]
     return AutoTuner(
-        url,
+        deployment.control_url,
         ramps,
         setup.spec.accuracy.max_drop,
         config=replace(LIVE, period_s=period_s),
         on_change=lambda d: console.print(f"thresholds re-tuned ({d.reason}): {d.thresholds}"),
+        token=deployment.control_token,
     ).start()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from exitplan import cmd_router
 from exitplan.worker.serve import port_from_env, serve
 
 
@@ -33,13 +34,26 @@ def command(
         "auto",
         help="ONNX Runtime execution providers, comma-separated; auto = CUDA when this onnxruntime has it and a GPU is visible, else CPU.",
     ),
+    control_token_file: Path = typer.Option(
+        None,
+        envvar="EXITPLAN_CONTROL_TOKEN_FILE",
+        help="File holding the service's control token (else env EXITPLAN_CONTROL_TOKEN). Required.",
+    ),
+    header_timeout_s: float = cmd_router.HEADER_TIMEOUT,
+    keepalive_timeout_s: float = cmd_router.KEEPALIVE_TIMEOUT,
+    body_timeout_s: float = cmd_router.BODY_TIMEOUT,
+    max_connections: int = cmd_router.MAX_CONNECTIONS,
+    drain_delay_s: float = cmd_router.DRAIN_DELAY,
+    drain_timeout_s: float = cmd_router.DRAIN_TIMEOUT,
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
     """Run one split worker: a contiguous range of blocks for one length bucket, with exits and a fusion queue."""
+    from exitplan.cmd_router import required_token
     from exitplan.worker.bundle_runtime import choose_providers
     from exitplan.worker.classify.worker import SplitWorker
 
     try:
+        token = required_token(control_token_file)
         chosen = choose_providers(providers)
         worker = SplitWorker(
             bundle,
@@ -51,8 +65,15 @@ def command(
             max_wait_ms=max_wait_ms,
             threads=threads,
             providers=chosen,
+            control_token=token,
         )
     except (ValueError, OSError) as err:
-        typer.secho(f"error: {err}", fg="red", err=True)
-        raise typer.Exit(2) from err
-    serve(worker.app(), host, port_from_env(port), log_level)
+        from exitplan.cli import fail
+
+        fail(err)
+    limits = cmd_router.server_limits(
+        header_timeout_s, keepalive_timeout_s, body_timeout_s, max_connections, drain_delay_s, drain_timeout_s
+    )
+    serve(
+        worker.app(), host, port_from_env(port), log_level, limits, on_drain=lambda: setattr(worker, "draining", True)
+    )

@@ -32,7 +32,7 @@ class AutoTuner:
     decisions taken on a window, ``state`` the :class:`TunerState` carried between steps (its
     ``alarm_log`` tells the drift alarms' story). ``on_change(decision)`` is called, in the loop's
     thread, after new thresholds were pushed. ``client`` is the router's control client (replace it
-    before the first step to talk to something else)."""
+    before the first step to talk to something else); ``token`` the service's control token."""
 
     def __init__(
         self,
@@ -42,10 +42,11 @@ class AutoTuner:
         *,
         config: TuneConfig = LIVE,
         on_change: Callable[[Decision], object] | None = None,
+        token: str | None = None,
     ) -> None:
         self.router_url, self.ramps, self.budget, self.config = router_url, ramps, budget, config
         self.on_change = on_change
-        self.client = ControlClient(router_url, timeout_s=10.0)
+        self.client = ControlClient(router_url, timeout_s=10.0, token=token)
         self.history: list[Decision] = []
         self.state = TunerState()
         self._loop = asyncio.new_event_loop()

@@ -3,6 +3,19 @@
 The processes run exactly the commands the pods run (`exitplan worker ...`, `exitplan router ...`);
 only the addresses differ (127.0.0.1 and one port per process instead of pod IPs and headless
 Services). `LocalDeployment` is what `exitplan up` and `exitplan demo` use.
+
+Each run has its own control token (random, in `<workdir>/control-token`, readable only by this user,
+named to every process by EXITPLAN_CONTROL_TOKEN_FILE), and the router serves its control endpoints
+on a port of their own (`control_url`); the plan names that address as the service's router, the only
+one workers post feedback to.
+
+With `routers` > 1 (`exitplan up --routers N`) the routers listen on ports after the workers', each
+with a control port of its own (the plan names them all), behind a front on `port` (front.py) that
+balances connections over the ready ones, as the router Service does in a cluster.
+
+A process that exits is started again after a back-off, as the kubelet restarts a container
+(supervisor.py); `stop()` stops restarting first, then stops every process with SIGINT (a drain
+without the SIGTERM delay: nothing is left to move to, worker_image/serve.py).
 """
 
 from __future__ import annotations
@@ -17,11 +30,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec
+from exitplan.localrun.front import Front
+from exitplan.localrun.ports import free_port
+from exitplan.localrun.supervisor import RestartPolicy, Supervisor
+from exitplan.worker.auth import TOKEN_FILE_ENV, new_token
 
 
 class StartError(RuntimeError):
@@ -64,6 +82,14 @@ class Proc:
     port: int
     log_path: Path
     popen: subprocess.Popen | None = None
+    restarts: int = 0
+    """Times the supervisor started it again."""
+    last_exit: int | None = None
+    """Its last exit code (negative: the signal that ended it)."""
+    started_at: float = 0.0
+    backoff_s: float = 0.0
+    restart_at: float | None = None
+    """When the supervisor starts it again (monotonic clock), while it is down."""
 
     @property
     def address(self) -> str:
@@ -90,19 +116,47 @@ class LocalDeployment:
     window_seconds: float = 30.0
     env: dict[str, str] = field(default_factory=dict)
     procs: list[Proc] = field(default_factory=list)
+    control_port: int = 0
+    """The router's control port (0: a free port, chosen at start)."""
+    control_token: str = field(default_factory=new_token)
+    """This run's control token (ControlClient(deployment.control_url, token=deployment.control_token))."""
+    routers: int = 1
+    """Router processes; more than one run behind a front on `port` (front.py)."""
+    router_args: list[str] = field(default_factory=list)
+    """More command-line options for every router (e.g. its server limits, `exitplan router --help`)."""
+    restart: RestartPolicy | None = field(default_factory=RestartPolicy)
+    """How processes that exit are restarted (None: they are not)."""
+    on_event: Callable[[str], object] | None = None
+    """Called (on the supervisor's thread) with each exit and restart of a process."""
+    control_ports: list[int] = field(default_factory=list)
+    """The control port of each router (the first is `control_port`), chosen at start."""
+    front: Front | None = field(default=None, init=False, repr=False)
+    _supervisor: Supervisor | None = field(default=None, init=False, repr=False)
+    _env: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def plan_path(self) -> Path:
         return self.workdir / "plan.json"
 
     @property
+    def token_path(self) -> Path:
+        return self.workdir / "control-token"
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def control_url(self) -> str:
+        """The router's control endpoints (/v1/thresholds, /v1/observations, ...)."""
+        return f"http://127.0.0.1:{self.control_port}"
 
     def _commands(self) -> list[Proc]:
         from exitplan.localrun.generation import is_generation_bundle, stage_commands
 
         if is_generation_bundle(self.bundle):  # a decoder: generation stages + their router
+            if self.routers > 1:
+                raise StartError("a generation service runs one router on this machine (--routers 1)")
             return stage_commands(self)
         cli = exitplan_command()
         logs = self.workdir / "logs"
@@ -145,10 +199,22 @@ class LocalDeployment:
                 by_split.setdefault(cell.split, []).append(Proc(name, args, port, logs / f"{name}.log"))
                 port += 1
         workers = [p for s in sorted(by_split) for p in by_split[s]]
-        router_args = self._router_args(cli, by_split.get(0, []))
-        return [*workers, Proc("router", router_args, self.port, logs / "router.log")]
+        first = by_split.get(0, [])
+        if self.routers == 1:
+            return [
+                *workers,
+                Proc("router", self._router_args(cli, first, self.port, 0), self.port, logs / "router.log"),
+            ]
+        routers = [
+            Proc(f"router-{i}", self._router_args(cli, first, port + i, i), port + i, logs / f"router-{i}.log")
+            for i in range(self.routers)
+        ]
+        return [*workers, *routers]
 
-    def _router_args(self, cli: list[str], first_split: list[Proc]) -> list[str]:
+    def router_procs(self) -> list[Proc]:
+        return [p for p in self.procs if p.name == "router" or p.name.startswith("router-")]
+
+    def _router_args(self, cli: list[str], first_split: list[Proc], port: int, index: int) -> list[str]:
         """The router's command line: the service's SLO, accuracy and router settings, and the
         workers of split 0 as its peers."""
         args = [
@@ -163,7 +229,9 @@ class LocalDeployment:
             "--host",
             "127.0.0.1",
             "--port",
-            str(self.port),
+            str(port),
+            "--control-port",
+            str(self.control_ports[index] if self.control_ports else self.control_port),
             "--slo-ms",
             str(self.spec.slo.latency_ms),
             "--accuracy-budget",
@@ -185,43 +253,93 @@ class LocalDeployment:
         ]
         if self.spec.router.truncate:
             args.append("--truncate")
-        return args
+        return args + list(self.router_args)
 
     def write_plan(self, plan: Plan | None = None) -> None:
         """Write the plan atomically (workers and the router re-read it when it changes)."""
         if plan is not None:
             self.plan = plan
+        routers = [f"127.0.0.1:{p}" for p in (self.control_ports or [self.control_port]) if p]
+        if routers and self.plan.routers != routers:
+            self.plan = self.plan.model_copy(update={"routers": routers})
         self.workdir.mkdir(parents=True, exist_ok=True)
         tmp = self.plan_path.with_suffix(".tmp")
         tmp.write_text(self.plan.to_json())
         os.replace(tmp, self.plan_path)
 
     def start(self, timeout: float = 180.0) -> None:
+        if not self.control_port:
+            workers = sum(c.replicas for c in self.plan.cells) + len(self.plan.splits)
+            taken = {self.port, *range(self.base_port, self.base_port + workers + 1)}
+            while not self.control_port or self.control_port in taken:
+                self.control_port = free_port()
+        self._choose_control_ports()
         self.write_plan()
+        self._write_token()
         self.procs = self._commands()
         busy = [p.port for p in self.procs if not port_free(p.port)]
+        busy += [p for p in self.control_ports if not port_free(p)]
+        if self.routers > 1 and not port_free(self.port):
+            busy.append(self.port)
         if busy:
             raise StartError(
                 f"ports {busy} on 127.0.0.1 are in use (another exitplan up or demo still running?); "
                 f"stop it or choose other ports (--port, --base-port)"
             )
-        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1", TOKEN_FILE_ENV: str(self.token_path)}
         env.pop("EXITPLAN_PORT", None)
+        env.pop("EXITPLAN_CONTROL_PORT", None)
+        self._env = env
         for proc in self.procs:
-            with proc.log_path.open("wb") as log:
-                proc.popen = subprocess.Popen(
-                    proc.args,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
+            self._spawn(proc, fresh=True)
         try:
             self.wait_ready(timeout)
+            if self.routers > 1:
+                self.front = Front(self.port, [("127.0.0.1", p.port) for p in self.router_procs()])
+                self.front.start()
         except BaseException:
             self.stop()
             raise
+        if self.restart is not None:
+            self._supervisor = Supervisor(self.procs, self._spawn, self.restart, self.on_event)
+            self._supervisor.start()
+
+    def _spawn(self, proc: Proc, fresh: bool = False) -> None:
+        """Start `proc`'s process: a new log at start, appended to when the supervisor restarts it.
+        (Its parent-death signal follows the thread that starts it: the supervisor's thread lives
+        until `stop()`, which stops every process anyway.)"""
+        with proc.log_path.open("wb" if fresh else "ab") as log:
+            proc.popen = subprocess.Popen(
+                proc.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        proc.started_at = time.monotonic()
+
+    def _choose_control_ports(self) -> None:
+        """The control port of each router: `control_port` for the first, free ports for the others
+        (none among the workers' and routers' ports)."""
+        listening = sum(c.replicas for c in self.plan.cells) + len(self.plan.splits) + self.routers + 1
+        taken = {self.port, *range(self.base_port, self.base_port + listening)}
+        while not self.control_port or self.control_port in taken:
+            self.control_port = free_port()
+        ports = [self.control_port]
+        while len(ports) < self.routers:
+            candidate = free_port()
+            if candidate not in taken and candidate not in ports:
+                ports.append(candidate)
+        self.control_ports = ports
+
+    def _write_token(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        tmp = self.token_path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(self.control_token)
+        os.replace(tmp, self.token_path)
 
     def wait_ready(self, timeout: float) -> None:
         end = time.monotonic() + timeout
@@ -239,9 +357,15 @@ class LocalDeployment:
             time.sleep(0.2)
 
     def stop(self, grace: float = 10.0) -> None:
+        if self._supervisor is not None:
+            self._supervisor.stop()
+            self._supervisor = None
+        if self.front is not None:
+            self.front.stop()
+            self.front = None
         for proc in self.procs:
             if proc.popen and proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
+                proc.popen.send_signal(signal.SIGINT)
         end = time.monotonic() + grace
         for proc in self.procs:
             if proc.popen is None:
@@ -260,7 +384,16 @@ class LocalDeployment:
         self.stop()
 
     def describe(self) -> list[dict]:
-        return [{"name": p.name, "address": p.address, "log": str(p.log_path)} for p in self.procs]
+        return [
+            {
+                "name": p.name,
+                "address": p.address,
+                "log": str(p.log_path),
+                "restarts": p.restarts,
+                "lastExit": p.last_exit,
+            }
+            for p in self.procs
+        ]
 
 
 def _get_ok(url: str) -> bool:

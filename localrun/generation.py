@@ -140,5 +140,7 @@ def stage_commands(deployment: LocalDeployment) -> list[Proc]:
         "127.0.0.1",
         "--port",
         str(deployment.port),
+        "--control-port",
+        str(deployment.control_port),
     ]
     return [*reversed(stages), Proc("router", router, deployment.port, logs / "router.log")]

@@ -4,7 +4,8 @@
 
 1. grow: create new worker Deployments, raise replicas of existing ones to max(current, desired),
    create/patch the split Services; the old plan still serves (plan.json unchanged);
-2. switch: patch the plan ConfigMap (routers and workers re-read plan.json) and the router;
+2. switch: patch the plan ConfigMap (routers and workers re-read plan.json), the router and its
+   PodDisruptionBudget;
 3. shrink: set every worker Deployment to its exact desired replicas and delete the children the
    new plan no longer has.
 
@@ -115,7 +116,7 @@ async def list_children(client: KubeClient, service: str, namespace: str) -> dic
     """The service's existing children by kind (by the exitplan.io/service label)."""
     selector = f"{builders.L_SERVICE}={service}"
     out: dict[str, list[Manifest]] = {}
-    for kind in ("Deployment", "Service", "ConfigMap", "Job"):
+    for kind in ("Deployment", "Service", "ConfigMap", "Job", "PodDisruptionBudget"):
         items = await client.list(path(kind, namespace), selector)
         for item in items:
             item.setdefault("kind", kind)
@@ -137,7 +138,11 @@ async def apply_children(client: KubeClient, desired: list[Manifest], service: s
 
     workers = [d for d in desired if is_worker(d)]
     services = [d for d in desired if d["kind"] == "Service"]
-    switch = [d for d in desired if d["kind"] == "ConfigMap" or (d["kind"] == "Deployment" and not is_worker(d))]
+    switch = [
+        d
+        for d in desired
+        if d["kind"] in ("ConfigMap", "PodDisruptionBudget") or (d["kind"] == "Deployment" and not is_worker(d))
+    ]
 
     # 1. grow
     for dep in workers:
@@ -154,7 +159,7 @@ async def apply_children(client: KubeClient, desired: list[Manifest], service: s
         if current_replicas.get(dep["metadata"]["name"], 0) > dep["spec"]["replicas"]:
             await apply_one(client, dep, report)
     wanted = {(d["kind"], d["metadata"]["name"]) for d in desired}
-    for kind in ("Deployment", "Service", "ConfigMap"):
+    for kind in ("Deployment", "Service", "ConfigMap", "PodDisruptionBudget"):
         for obj in existing[kind]:
             if (kind, obj["metadata"]["name"]) not in wanted:
                 await delete_one(client, obj, report)

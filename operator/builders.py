@@ -6,9 +6,12 @@ Children of one EarlyExitService `<svc>` (DESIGN.md "The objects"):
 |---|---|---|
 | ConfigMap | `<svc>-plan` | `plan.json` = Plan.to_json(), mounted at /etc/exitplan in every pod |
 | Deployment + Service | `<svc>-router`, `<svc>` | the router; the Service (port 8080) is the cluster entry point |
+| headless Service | `<svc>-control` | the routers' control port (8081): the operator's reads and pushes, the plan's `routers` (workers post feedback only there) |
+| Secret | `<svc>-control-token` | the service's control token (control_token.py: created once, not a plan child), mounted in every pod |
 | headless Service | `<svc>-split-<S>` | the workers of split S (router --peers, worker --next resolve it) |
 | Deployment | `<svc>-s<S>-b<B>-<pool>` | one per plan cell (split, bucket, pool), absolute replica count |
 | Job | `<svc>-profile-<pool>` | measures a missing ModelProfile, then publishes it |
+| PodDisruptionBudget | `<svc>-router` | minAvailable 1 over 2+ router replicas (disruption.py) |
 
 Every child carries the labels exitplan.io/service, exitplan.io/split, exitplan.io/bucket,
 exitplan.io/pool (where they apply), the annotation exitplan.io/plan-hash, and an ownerReference
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 import re
 from typing import Any
 
@@ -33,6 +37,13 @@ PORT = 8080
 PLAN_DIR = "/etc/exitplan"
 PLAN_PATH = f"{PLAN_DIR}/plan.json"
 PROFILE_DIR = "/var/run/exitplan-profile"
+CONTROL_PORT = 8081
+"""The routers' control endpoints (/v1/...): open only to the operator and the service's own pods."""
+CONTROL_DIR = "/var/run/exitplan-control"
+TOKEN_KEY = "token"
+TOKEN_PATH = f"{CONTROL_DIR}/{TOKEN_KEY}"
+PRESTOP_SLEEP_S = 5
+"""Seconds a router or worker pod waits between leaving its endpoints and its SIGTERM."""
 DEFAULT_IMAGE = "ghcr.io/exitplan/exitplan:0.1.0"
 IMAGE = os.environ.get("EXITPLAN_IMAGE", DEFAULT_IMAGE)
 """Container image of routers, workers and profiling Jobs (env EXITPLAN_IMAGE of the operator)."""
@@ -66,6 +77,19 @@ def router_name(service: str) -> str:
     return dns_name(service, "router")
 
 
+def control_service_name(service: str) -> str:
+    return dns_name(service, "control")
+
+
+def control_secret_name(service: str) -> str:
+    return dns_name(service, "control-token")
+
+
+def control_host(service: str, namespace: str) -> str:
+    """host:port of the routers' control endpoints (a headless Service: every router pod)."""
+    return f"{control_service_name(service)}.{namespace}.svc:{CONTROL_PORT}"
+
+
 def split_service_name(service: str, split: int) -> str:
     return dns_name(service, "split", split)
 
@@ -85,8 +109,17 @@ def split_host(service: str, namespace: str, split: int) -> str:
 
 
 def bundle_path(uri: str) -> str:
-    """The bundle directory a pod reads: file:// URIs become paths."""
-    return uri[len("file://") :] if uri.startswith("file://") else uri
+    """The bundle directory a pod reads: file:// URIs become paths; an absolute path is normalised
+    (`/opt/b/../../etc` is `/etc`: what a hostPath would mount, and what the operator's allowed
+    host-path prefixes are checked against, operator/guards.py)."""
+    path = uri[len("file://") :] if uri.startswith("file://") else uri
+    return normalize_host_path(path) if path.startswith("/") else path
+
+
+def normalize_host_path(path: str) -> str:
+    """An absolute path with `.`, `..` and repeated slashes resolved lexically (the operator cannot
+    see the node's symlinks; Kubernetes refuses hostPaths with `..` anyway)."""
+    return "/" + posixpath.normpath(path).lstrip("/")
 
 
 def selector_labels(service: str, component: str, cell: Cell | None = None, split: int | None = None) -> dict[str, str]:
@@ -129,9 +162,25 @@ def _probes() -> dict[str, Manifest]:
     }
 
 
+def _prestop() -> dict[str, Manifest]:
+    """Routers and workers sleep PRESTOP_SLEEP_S before their SIGTERM: the pod is already out of its
+    Service's endpoints (and a split's DNS, which senders re-resolve every 2 s), so by the time the
+    process drains (worker_image/serve.py: readiness off, in-flight requests answered, at most 20 s)
+    no new connection is on its way to it. terminationGracePeriodSeconds (30) covers both."""
+    return {"lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}}}
+
+
 def _volumes(service: str, bundle: str) -> tuple[list[Manifest], list[Manifest]]:
-    volumes = [{"name": "plan", "configMap": {"name": plan_configmap_name(service)}}, {"name": "tmp", "emptyDir": {}}]
-    mounts = [{"name": "plan", "mountPath": PLAN_DIR, "readOnly": True}, {"name": "tmp", "mountPath": "/tmp"}]
+    volumes = [
+        {"name": "plan", "configMap": {"name": plan_configmap_name(service)}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "control-token", "secret": {"secretName": control_secret_name(service), "defaultMode": 0o440}},
+    ]
+    mounts = [
+        {"name": "plan", "mountPath": PLAN_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "control-token", "mountPath": CONTROL_DIR, "readOnly": True},
+    ]
     if bundle.startswith("/"):  # a node-local bundle directory (kind extraMounts, a shared disk)
         volumes.append({"name": "bundle", "hostPath": {"path": bundle, "type": "Directory"}})
         mounts.append({"name": "bundle", "mountPath": bundle, "readOnly": True})
@@ -222,6 +271,8 @@ def _deployment(
 
 
 def build_configmap(service: str, namespace: str, plan: Plan) -> Manifest:
+    """The plan ConfigMap; its plan names the routers' control Service as the service's routers."""
+    plan = plan.model_copy(update={"routers": [control_host(service, namespace)]})
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -280,14 +331,19 @@ def build_router(service: str, namespace: str, spec: EarlyExitServiceSpec, plan:
             str(PORT),
             "--peers",
             split_host(service, namespace, 0),
+            "--control-port",
+            str(CONTROL_PORT),
+            "--control-token-file",
+            TOKEN_PATH,
             *router_settings(spec),
         ],
-        "ports": [{"name": "http", "containerPort": PORT}],
+        "ports": [{"name": "http", "containerPort": PORT}, {"name": "control", "containerPort": CONTROL_PORT}],
         "env": _env(service, namespace),
         "resources": _resources(None),
         "volumeMounts": mounts,
         "securityContext": security,
         **_probes(),
+        **_prestop(),
     }
     deployment = _deployment(
         router_name(service),
@@ -310,6 +366,24 @@ def build_router(service: str, namespace: str, spec: EarlyExitServiceSpec, plan:
         },
     }
     return [deployment, svc]
+
+
+def build_control_service(service: str, namespace: str, plan: Plan) -> Manifest:
+    """The headless Service of the routers' control port: its DNS name resolves to every router pod
+    (the plan's `routers`, where workers may post feedback), and the operator reaches the routers
+    there when it cannot list their pods."""
+    labels = selector_labels(service, "router")
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {**_meta(control_service_name(service), labels, plan.content_hash()), "namespace": namespace},
+        "spec": {
+            "clusterIP": "None",
+            "selector": labels,
+            "publishNotReadyAddresses": True,
+            "ports": [{"name": "control", "port": CONTROL_PORT, "targetPort": "control", "protocol": "TCP"}],
+        },
+    }
 
 
 def build_split_services(service: str, namespace: str, plan: Plan) -> list[Manifest]:
@@ -356,6 +430,8 @@ def build_worker(
         cell.pool,
         "--port",
         str(PORT),
+        "--control-token-file",
+        TOKEN_PATH,
     ]
     if cell.split < len(plan.splits) - 1:
         args += ["--next", split_host(service, namespace, cell.split + 1)]
@@ -371,6 +447,7 @@ def build_worker(
         "volumeMounts": mounts,
         "securityContext": security,
         **_probes(),
+        **_prestop(),
     }
     spread = {L_SERVICE: service, L_SPLIT: str(cell.split)}
     return _deployment(
@@ -407,6 +484,7 @@ def build_children(
         build_configmap(service, namespace, plan),
         *workers,
         *build_split_services(service, namespace, plan),
+        build_control_service(service, namespace, plan),
         router_svc,
         router,
     ]
@@ -438,6 +516,9 @@ def build_profile_job(
         "resources": _resources(pool),
         "volumeMounts": mounts,
         "securityContext": security,
+        # a failed step's last log lines become its termination message: the operator's
+        # ProfilingFailed condition quotes it (operator/profiling.py)
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     publish = {
         "name": "publish",
@@ -457,6 +538,7 @@ def build_profile_job(
         "resources": _resources(None),
         "volumeMounts": mounts,
         "securityContext": security,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     placement = _placement(pool, labels)
     placement.pop("affinity")

@@ -107,13 +107,18 @@ KINDS: dict[str, dict[str, Any]] = {
         "scope": "Namespaced",
         "spec": res.EarlyExitServiceSpec,
         "status": ServiceStatus,
+        # kubectl get ees: what the plan promises next to what was measured, READY as worker replicas
+        # ready / planned, REASON the phase's condition reason (status.py with_columns); priority 1:
+        # only with `-o wide`.
         "columns": [
             ("Phase", "string", ".status.phase"),
+            ("Ready", "string", ".status.ready"),
             ("Goodput", "number", ".status.plan.goodputRps"),
+            ("Measured", "number", ".status.drift.goodputRps"),
             ("P99-ms", "number", ".status.plan.p99Ms"),
-            ("Splits", "integer", ".status.plan.splits"),
-            ("Replicas", "integer", ".status.plan.replicas"),
-            ("Cost/h", "number", ".status.plan.costPerHour"),
+            ("Splits", "integer", ".status.plan.splits", 1),
+            ("Cost/h", "number", ".status.plan.costPerHour", 1),
+            ("Reason", "string", ".status.reason"),
         ],
     },
     "ModelProfile": {
@@ -199,7 +204,13 @@ def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def _columns(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    cols = [{"name": n, "type": t, "jsonPath": p} for n, t, p in spec["columns"]]
+    """additionalPrinterColumns from (name, type, jsonPath[, priority]) tuples, then Age."""
+    cols = []
+    for name, kind, json_path, *priority in spec["columns"]:
+        col: dict[str, Any] = {"name": name, "type": kind, "jsonPath": json_path}
+        if priority:
+            col["priority"] = priority[0]
+        cols.append(col)
     return cols + [{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
 
 

@@ -22,11 +22,13 @@ how much history a read can recover: a read sees the window in progress and the 
 Thresholds the routers run with but the plan does not carry (the loop's own re-tuning pushed them,
 or someone else did) are written into the plan ConfigMap, so a router that restarts reads them.
 
-Where the routers' `/v1/observations` is read from, first that answers:
-1. router Pods with a podIP (in a cluster: every replica, windows merged);
-2. the router Service's `status.loadBalancer.ingress` ip:port (a LoadBalancer, or the local
+Where the routers' control endpoints (`/v1/observations`, `/v1/window.npz`, `/v1/thresholds`; the
+routers' control port, with the service's control token from its Secret, control_token.py) are
+reached, first that answers:
+1. router Pods with a podIP, at the control port (in a cluster: every replica, windows merged);
+2. the control Service's `status.loadBalancer.ingress` ip:port (a LoadBalancer, or the local
    endpoint the dev-cluster's Service stand-in publishes there);
-3. the router Service's cluster DNS name `<svc>.<ns>.svc:8080`.
+3. the control Service's cluster DNS name `<svc>-control.<ns>.svc:8081`.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from exitplan.api.observations import Observations
 from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec, Mode
 from exitplan.operator import apply as applying
-from exitplan.operator import builders, drift
+from exitplan.operator import builders, capacity, control_token, drift, guards
 from exitplan.operator import reconcile as rec
 from exitplan.operator.drift_policy import Action, Do, DriftState, decide, needs_reassess
 from exitplan.operator.kube import ApiError, path
@@ -71,24 +73,36 @@ def drift_state(memo: Any) -> DriftState:
 
 
 async def router_urls(svc: rec.Service) -> list[str]:
+    """The routers' control endpoints (see the module docstring for the order)."""
     pods = await svc.client.list(
         path("Pod", svc.namespace), f"{builders.L_SERVICE}={svc.name},{builders.L_COMPONENT}=router"
     )
-    urls = [f"http://{p['status']['podIP']}:{builders.PORT}" for p in pods if (p.get("status") or {}).get("podIP")]
+    port = builders.CONTROL_PORT
+    urls = [f"http://{p['status']['podIP']}:{port}" for p in pods if (p.get("status") or {}).get("podIP")]
     if urls:
         return urls
     try:
-        service = await svc.client.get(path("Service", svc.namespace, builders.dns_name(svc.name)))
+        service = await svc.client.get(path("Service", svc.namespace, builders.control_service_name(svc.name)))
     except ApiError as err:
         if err.status == 404:
             return []
         raise
     for ingress in ((service.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []:
         host = ingress.get("ip") or ingress.get("hostname")
-        ports = ingress.get("ports") or [{"port": builders.PORT}]
+        ports = ingress.get("ports") or [{"port": port}]
         if host:
             return [f"http://{host}:{ports[0]['port']}"]
-    return [f"http://{builders.dns_name(svc.name)}.{svc.namespace}.svc:{builders.PORT}"]
+    return [f"http://{builders.control_host(svc.name, svc.namespace)}"]
+
+
+async def router_token(svc: rec.Service) -> str | None:
+    """The service's control token (None when it cannot be read: the routers then answer 401, which
+    the caller reports like any unreachable router)."""
+    try:
+        return await control_token.read_token(svc.client, svc.name, svc.namespace)
+    except ApiError as err:
+        log.warning("%s/%s: cannot read the control token: %s", svc.namespace, svc.name, err)
+        return None
 
 
 def merge_windows(windows: list[Observations]) -> Observations:
@@ -103,10 +117,11 @@ async def read_routers(
     window, merged over routers; a note on what failed). `seen` (router URL -> that router's
     window in progress as last read) is updated in place; `urls`: the routers (default: looked up)."""
     urls = await router_urls(svc) if urls is None else urls
+    token = await router_token(svc) if urls else None
     slices, latest, notes = [], [], []
     for url in urls:
         try:
-            async with ControlClient(url, timeout_s=timeout) as router:
+            async with ControlClient(url, timeout_s=timeout, token=token) as router:
                 current = await router.observations(current=True)
                 closed = await router.observations()
         except ControlError as err:
@@ -128,9 +143,10 @@ async def read_routers(
 async def fetch_observations(svc: rec.Service, timeout: float = 5.0) -> tuple[Observations | None, str]:
     """The merged last closed window of every router that answers, and a note on what failed."""
     windows, notes = [], []
+    token = await router_token(svc)
     for url in await router_urls(svc):
         try:
-            async with ControlClient(url, timeout_s=timeout) as router:
+            async with ControlClient(url, timeout_s=timeout, token=token) as router:
                 windows.append(await router.observations())
         except ControlError as err:
             notes.append(str(err))  # the URL and what failed
@@ -142,11 +158,13 @@ def _tune(arrays: dict[str, Any], ramps: list[str], current: dict[str, float], b
     return autotune.decide(FeedbackWindow(**arrays), ramps, current, budget, autotune.TuneConfig())
 
 
-async def _retune_step(urls: list[str], ramps: list[str], budget: float, apply: bool) -> autotune.Decision | None:
+async def _retune_step(
+    urls: list[str], ramps: list[str], budget: float, apply: bool, token: str | None = None
+) -> autotune.Decision | None:
     """Read the first router's feedback and thresholds, decide (in a worker thread), and push new
     thresholds to every router when `apply`. None when there is no feedback yet or a step failed."""
     try:
-        async with ControlClient(urls[0], timeout_s=TUNE_TIMEOUT) as router:
+        async with ControlClient(urls[0], timeout_s=TUNE_TIMEOUT, token=token) as router:
             arrays = await router.feedback(TUNE_WINDOW)
             if arrays is None:  # no feedback yet
                 return None
@@ -154,7 +172,7 @@ async def _retune_step(urls: list[str], ramps: list[str], budget: float, apply: 
         decision = await asyncio.to_thread(_tune, arrays, ramps, current, budget)
         if decision.thresholds is not None and apply:
             for url in urls:
-                async with ControlClient(url, timeout_s=TUNE_TIMEOUT) as router:
+                async with ControlClient(url, timeout_s=TUNE_TIMEOUT, token=token) as router:
                     await router.push_thresholds(decision.thresholds, f"tune-{decision.reason}")
         return decision
     except (ControlError, WindowError, KeyError) as err:  # unreachable router, short/odd window
@@ -177,7 +195,7 @@ async def retune(
     if not urls:
         return
     active = spec.planner.mode == Mode.active
-    decision = await _retune_step(urls, ramps, spec.accuracy.max_drop, active)
+    decision = await _retune_step(urls, ramps, spec.accuracy.max_drop, active, await router_token(svc))
     if decision is not None and decision.thresholds is not None:
         verb = "re-tuned" if active else "would re-tune"
         svc.event(
@@ -193,7 +211,9 @@ async def retune(
                 )
                 if fresh:
                     await persist_thresholds(
-                        rec.Service(body=fresh[0], client=svc.client), decision.thresholds, f"tune-{decision.reason}"
+                        rec.Service(body=fresh[0], client=svc.client, memo=svc.memo),
+                        decision.thresholds,
+                        f"tune-{decision.reason}",
                     )
 
 
@@ -212,6 +232,8 @@ async def persist_thresholds(svc: rec.Service, thresholds: dict[str, float], sou
         spec = EarlyExitServiceSpec.model_validate(svc.body.get("spec") or {})
     except ValidationError:
         return False
+    if guards.bundle_refusal(spec, svc.settings) is not None:
+        return False  # the spec names a bundle path this operator does not mount (the reconcile says so)
     inputs = await rec.read_inputs(svc.client, spec, svc.namespace)
     if inputs.unknown_pools or {c.pool for c in plan.cells} - set(inputs.pools):
         return False  # the next reconcile reports it; the routers keep the pushed values meanwhile
@@ -239,13 +261,19 @@ PROFILE_RECHECK_SECONDS = 30.0
 
 
 async def on_tick(svc: rec.Service, memo: Any) -> None:
-    """One timer tick: re-check a profiling wait, refresh readiness, read the routers for drift."""
-    if (svc.body.get("status") or {}).get("phase") == "Profiling":
+    """One timer tick: re-check a profiling wait (and start a failed profiling Job's successor once its
+    backoff passed), re-plan a service refused for pool capacity when what is left changed, refresh
+    readiness, read the routers for drift."""
+    phase = (svc.body.get("status") or {}).get("phase")
+    if phase in (Phase.profiling.value, Phase.profiling_failed.value):
         now = time.monotonic()
         state = drift_state(memo)
-        if now - state.profile_check > PROFILE_RECHECK_SECONDS:
+        if now - state.profile_check > min(PROFILE_RECHECK_SECONDS, svc.settings.profile_retry_seconds):
             state.profile_check = now
             await rec.reconcile(svc, reason="initial")
+        return
+    if phase == Phase.infeasible.value and await capacity.recheck(svc, memo):
+        await rec.reconcile(svc, reason="capacity-freed")
         return
     await rec.refresh_readiness(svc)
     await check_drift(svc, memo)

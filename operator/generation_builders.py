@@ -113,6 +113,7 @@ def build_children(
         builders.build_configmap(service, namespace, plan),
         *stages,
         *builders.build_split_services(service, namespace, plan),
+        builders.build_control_service(service, namespace, plan),
         router_svc,
         router,
     ]

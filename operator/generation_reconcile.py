@@ -16,7 +16,7 @@ from pathlib import Path
 
 from exitplan.api.bundle import BundleError, read_manifest
 from exitplan.api.resources import EarlyExitServiceSpec
-from exitplan.operator import builders, generation_builders
+from exitplan.operator import builders, capacity, generation_builders
 from exitplan.operator.metrics import METRICS
 from exitplan.operator.reconcile import Service, ServiceResources, _infeasible, current_plan, propose_or_apply
 from exitplan.operator.status import ServiceStatus, set_condition
@@ -50,6 +50,20 @@ def plan_for(name: str, spec: EarlyExitServiceSpec, inputs: ServiceResources, re
 async def reconcile_generation(
     svc: Service, spec: EarlyExitServiceSpec, inputs: ServiceResources, status: ServiceStatus, reason: str
 ) -> ServiceStatus:
+    """Plan and apply on what other services leave of the pools (capacity.py), under the capacity lock."""
+    async with svc.capacity_lock():
+        room = await capacity.room(svc, inputs)
+        return await _plan_and_apply(svc, spec, room.reduced(inputs), status, reason, room)
+
+
+async def _plan_and_apply(
+    svc: Service,
+    spec: EarlyExitServiceSpec,
+    inputs: ServiceResources,
+    status: ServiceStatus,
+    reason: str,
+    room: capacity.Room,
+) -> ServiceStatus:
     gen = svc.generation
     try:
         result = await asyncio.get_running_loop().run_in_executor(None, plan_for, svc.name, spec, inputs, reason)
@@ -57,6 +71,7 @@ async def reconcile_generation(
         message = (
             f"cannot plan the generation service: {err}; the operator reads the bundle's bundle.yaml "
             f"(and profiles/generation-<pool>.json if present) from spec.model.bundle"
+            + (f"; other services hold capacity: {room.describe()}" if room.shared() else "")
         )
         svc.event("Warning", "PlannerInput", message)
         status = _infeasible(status, gen, "GenerationPlan", message)
@@ -67,6 +82,7 @@ async def reconcile_generation(
     previous = await current_plan(svc.client, svc.name, svc.namespace)
     if previous is not None and previous.content_hash() == plan.content_hash():
         plan = previous
+    reason = plan.reason  # one reason per plan (reconcile._apply_plan)
     children = generation_builders.build_children(svc.body, spec, plan, inputs.pools)
     what = (
         f"generation plan {plan.content_hash()} ({reason}): {result.mode}, {len(plan.splits)} stage(s), "

@@ -18,7 +18,7 @@ from typing import Any
 import kopf
 
 from exitplan.api.resources import GROUP, VERSION
-from exitplan.operator import driftloop, reconcile
+from exitplan.operator import driftloop, guards, reconcile
 from exitplan.operator.kube import KubeClient, bearer, load_config, path
 from exitplan.operator.metrics import METRICS
 
@@ -30,7 +30,8 @@ TICK = float(os.environ.get("EXITPLAN_TICK_SECONDS", "5"))
 (at most once a tick; driftloop.py)."""
 
 # Per operator (kopf's operator-wide memo, shared by reference into every object's memo):
-# memo.client, the API client; memo.locks, one asyncio.Lock per (namespace, name). Several
+# memo.client, the API client; memo.locks, one asyncio.Lock per (namespace, name); memo.settings,
+# the operator's guards.Settings; memo.capacity_lock, held while a service plans on shared pools. Several
 # operators in one process (tests, peering) each keep their own. Per object, the drift loop keeps
 # its drift_policy.DriftState in the object's memo (driftloop.drift_state creates it at the first tick).
 
@@ -43,7 +44,7 @@ async def _service(memo: Any, body: Any) -> reconcile.Service | None:
     items = await client.list(path("EarlyExitService", meta.get("namespace")), fields=f"metadata.name={meta['name']}")
     if not items:
         return None
-    return reconcile.Service(body=items[0], client=client)
+    return reconcile.Service(body=items[0], client=client, memo=memo)
 
 
 def _lock(memo: Any, body: Any) -> asyncio.Lock:
@@ -76,6 +77,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.background.instant_exit_timeout = 5.0  # graceful shutdown: let a running tick finish
     memo.client = KubeClient.from_config(os.environ.get("KUBECONFIG") or None)
     memo.locks = collections.defaultdict(asyncio.Lock)
+    memo.settings = guards.Settings.from_env()  # allowed bundle host paths, served namespaces, profiling retries
+    memo.capacity_lock = asyncio.Lock()  # one service at a time plans into the pools' free capacity (capacity.py)
 
 
 @kopf.on.cleanup()

@@ -22,12 +22,14 @@ Manifest = dict[str, Any]
 # kind -> (api path prefix, plural, namespaced)
 KINDS: dict[str, tuple[str, str, bool]] = {
     "ConfigMap": ("/api/v1", "configmaps", True),
+    "Secret": ("/api/v1", "secrets", True),
     "Service": ("/api/v1", "services", True),
     "Pod": ("/api/v1", "pods", True),
     "Event": ("/api/v1", "events", True),
     "Namespace": ("/api/v1", "namespaces", False),
     "Deployment": ("/apis/apps/v1", "deployments", True),
     "Job": ("/apis/batch/v1", "jobs", True),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets", True),
     "GPUPool": ("/apis/exitplan.io/v1alpha1", "gpupools", False),
     "EarlyExitService": ("/apis/exitplan.io/v1alpha1", "earlyexitservices", True),
     "ModelProfile": ("/apis/exitplan.io/v1alpha1", "modelprofiles", True),

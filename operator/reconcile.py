@@ -24,10 +24,19 @@ from exitplan.api.observations import Observations
 from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, Mode, ModelProfileSpec
 from exitplan.operator import apply as applying
-from exitplan.operator import builders, drift
+from exitplan.operator import builders, capacity, control_token, disruption, drift, guards
 from exitplan.operator.kube import ApiError, KubeClient, path
 from exitplan.operator.metrics import METRICS
-from exitplan.operator.status import Phase, Proposal, ServiceStatus, now_iso, parse_status, set_condition, summarize
+from exitplan.operator.status import (
+    Phase,
+    Proposal,
+    ServiceStatus,
+    now_iso,
+    parse_status,
+    set_condition,
+    summarize,
+    with_columns,
+)
 
 log = logging.getLogger("exitplan.operator")
 RETRY_DELAY = 10.0
@@ -41,6 +50,8 @@ class ServiceResources:
     unknown_pools: list[str] = field(default_factory=list)
     missing_profiles: list[str] = field(default_factory=list)
     bad_profiles: list[str] = field(default_factory=list)
+    capacity: dict[str, int] = field(default_factory=dict)
+    """Each GPUPool's own capacity (before the service's maxGpus): what services share (capacity.py)."""
 
     def digest(self) -> str:
         """What the plan depends on in the service's GPUPools (their specs as read, after the
@@ -70,17 +81,31 @@ class Service:
     def generation(self) -> int:
         return int(self.body["metadata"].get("generation") or 0)
 
+    @property
+    def settings(self) -> guards.Settings:
+        """The operator's settings: kopf's memo holds them from startup (handlers.configure), else the env's."""
+        return getattr(self.memo, "settings", None) or guards.Settings.from_env()
+
+    def capacity_lock(self) -> asyncio.Lock:
+        """The operator-wide lock under which a service reads what other services hold on the pools,
+        plans and applies (capacity.py): two services never plan into the same free capacity."""
+        lock = getattr(self.memo, "capacity_lock", None)
+        return lock if lock is not None else asyncio.Lock()
+
     def event(self, kind: str, reason: str, message: str) -> None:
         log.info("%s/%s %s %s: %s", self.namespace, self.name, kind, reason, message[:300])
         kopf.event(self.body, type=kind, reason=reason, message=message[:1000])
 
     async def write_status(self, status: ServiceStatus) -> None:
-        patch = {"status": status.model_dump(by_alias=True, mode="json")}
+        """Write the status (its `ready` and `reason` derived here, for kubectl's columns)."""
+        patch = {"status": with_columns(status).model_dump(by_alias=True, mode="json")}
         try:
             await self.client.merge_patch(path("EarlyExitService", self.namespace, self.name, "status"), patch)
         except ApiError as err:
             if err.status != 404:  # deleted meanwhile: nothing to report on
                 raise
+        else:  # the conditions as written, as metrics (a deleted service's series are gone: handlers.py)
+            METRICS.record_conditions(self.namespace, self.name, [(c.type, c.status) for c in status.conditions])
         self.body["status"] = patch["status"]
 
 
@@ -96,6 +121,7 @@ async def read_inputs(client: KubeClient, spec: EarlyExitServiceSpec, namespace:
                 continue
             raise
         pool = GPUPoolSpec.model_validate(raw.get("spec", {}))
+        inputs.capacity[ref.name] = pool.capacity
         if ref.max_gpus is not None:
             pool = pool.model_copy(update={"capacity": min(pool.capacity, ref.max_gpus)})
         inputs.pools[ref.name] = pool
@@ -173,7 +199,7 @@ async def plan_in_executor(
                 keep_layout=keep_layout,
             )
         finally:
-            METRICS.solve_seconds.labels(namespace, name).observe(time.perf_counter() - started)
+            METRICS.record_solve(namespace, name, time.perf_counter() - started)
         return result.plan
 
     plan = await asyncio.get_running_loop().run_in_executor(None, solve)
@@ -195,44 +221,25 @@ async def current_plan(client: KubeClient, name: str, namespace: str) -> Plan | 
         return None
 
 
-def _finished(job: dict[str, Any]) -> bool:
-    status = job.get("status") or {}
-    return bool(status.get("succeeded")) or any(
-        c.get("type") in ("Complete", "Failed") and c.get("status") == "True" for c in status.get("conditions") or []
-    )
-
-
-async def ensure_profiling(svc: Service, spec: EarlyExitServiceSpec, inputs: ServiceResources) -> list[str]:
-    """A profiling Job per pool without a ModelProfile; returns what the status should say.
-
-    While a Job for the pool runs, nothing new starts. When every Job for the pool has finished
-    and the profile is still (or again) missing -- it was rejected and deleted, or the Job
-    failed -- the next attempt is a new Job (`-2`, `-3`, ...): Jobs do not re-run by themselves,
-    and finished ones expire by ttlSecondsAfterFinished or go with the service."""
-    waiting = []
-    for pool in inputs.missing_profiles:
-        prof = builders.profile_name(spec.model.name, pool)
-        selector = f"{builders.L_SERVICE}={svc.name},{builders.L_POOL}={pool},{builders.L_COMPONENT}=profiler"
-        jobs = await svc.client.list(path("Job", svc.namespace), selector)
-        if not jobs or all(_finished(j) for j in jobs):
-            job = builders.build_profile_job(svc.body, spec, pool, inputs.pools[pool], prof, attempt=len(jobs))
-            report = applying.ApplyReport()
-            await applying.apply_one(svc.client, job, report)
-            svc.event(
-                "Normal",
-                "Profiling",
-                f"no ModelProfile for model {spec.model.name} on pool {pool}: "
-                f"Job {job['metadata']['name']} measures it and publishes ModelProfile {prof}",
-            )
-        waiting.append(pool)
-    return waiting
-
-
 def _infeasible(status: ServiceStatus, gen: int, reason: str, message: str) -> ServiceStatus:
     status.conditions = set_condition(status.conditions, "PlanInfeasible", True, reason, message, gen)
     status.conditions = set_condition(status.conditions, "Planned", False, reason, message, gen)
     status.conditions = set_condition(status.conditions, "Progressing", False, reason, message, gen)
     status.phase, status.message, status.observed_generation = Phase.infeasible, message, gen
+    return status
+
+
+async def report_infeasible(svc: Service, status: ServiceStatus, reason: str, message: str) -> ServiceStatus:
+    """PlanInfeasible with `reason`; the Warning event only when the condition says something new
+    (a resume or a re-check that finds the same refusal posts nothing)."""
+    same = any(
+        c.type == "PlanInfeasible" and c.status == "True" and (c.reason, c.message) == (reason, message)
+        for c in status.conditions
+    )
+    if not same:
+        svc.event("Warning", reason, message)
+    status = _infeasible(status, svc.generation, reason, message)
+    await svc.write_status(status)
     return status
 
 
@@ -249,6 +256,7 @@ async def pools_changed(svc: Service) -> bool:
 
 async def reconcile(svc: Service, reason: str) -> ServiceStatus:
     """Plan and apply the service from scratch (create, spec change, resume, a profile arrived)."""
+    METRICS.zero(svc.namespace, svc.name)
     gen = svc.generation
     status = parse_status(svc.body.get("status"))
     try:
@@ -260,6 +268,8 @@ async def reconcile(svc: Service, reason: str) -> ServiceStatus:
         status = _infeasible(status, gen, "InvalidSpec", message)
         await svc.write_status(status)
         return status
+    if (refusal := guards.bundle_refusal(spec, svc.settings)) is not None:
+        return await report_infeasible(svc, status, guards.REFUSED, refusal)  # nothing is read, built or run
 
     inputs = await read_inputs(svc.client, spec, svc.namespace)
     status.pools_digest = inputs.digest()
@@ -278,20 +288,11 @@ async def reconcile(svc: Service, reason: str) -> ServiceStatus:
     if is_generation(spec):  # text generation: a decoder's stages, planned without ModelProfiles
         return await reconcile_generation(svc, spec, inputs, status, reason)
 
+    from exitplan.operator import profiling
+
     if inputs.missing_profiles:
-        waiting = await ensure_profiling(svc, spec, inputs)
-        message = (
-            f"waiting for ModelProfile(s) of model {spec.model.name} on pool(s) {waiting}; "
-            f"profiling Jobs measure them"
-            + (f" (ignored invalid: {inputs.bad_profiles})" if inputs.bad_profiles else "")
-        )
-        status.conditions = set_condition(status.conditions, "Progressing", True, "ProfileMissing", message, gen)
-        status.conditions = set_condition(status.conditions, "Planned", False, "ProfileMissing", message, gen)
-        status.phase, status.message, status.waiting_for_profiles = Phase.profiling, message, waiting
-        status.observed_generation = gen
-        await svc.write_status(status)
-        return status
-    status.waiting_for_profiles = []
+        return await profiling.wait_for_profiles(svc, spec, inputs, status)
+    profiling.profiles_present(status, gen)
 
     previous = await current_plan(svc.client, svc.name, svc.namespace)
     return await plan_and_apply(svc, spec, inputs, status, reason=reason, previous=previous)
@@ -308,29 +309,55 @@ async def plan_and_apply(
     observations: Observations | None = None,
     max_move_fraction: float | None = None,
 ) -> ServiceStatus:
-    """Plan, then apply (active) or propose (advisory); the status says which and why."""
-    from exitplan.planner.errors import PlanInfeasible, PlannerError, ProfileError
+    """Plan, then apply (active) or propose (advisory); the status says which and why.
 
-    gen = svc.generation
-    try:
-        plan = await plan_in_executor(
-            svc.name, svc.namespace, spec, inputs, reason=reason, previous=previous, observations=observations
+    The planner sees the service's pools less what other services' running plans hold on them
+    (capacity.py); reading that, planning and applying happen under the operator's capacity lock.
+    A bundle host path the operator does not allow plans nothing (guards.py; the drift loop re-plans
+    specs too, not only reconcile)."""
+    from exitplan.planner.errors import PlannerError
+
+    if (refusal := guards.bundle_refusal(spec, svc.settings)) is not None:
+        return await report_infeasible(svc, status, guards.REFUSED, refusal)
+    async with svc.capacity_lock():
+        room = await capacity.room(svc, inputs)
+        left = room.reduced(inputs)
+        try:
+            plan = await plan_in_executor(
+                svc.name, svc.namespace, spec, left, reason=reason, previous=previous, observations=observations
+            )
+        except PlannerError as err:
+            return await capacity.not_planned(svc, spec, inputs, status, room, err, previous)
+        return await _apply_plan(
+            svc,
+            spec,
+            left,
+            status,
+            plan,
+            reason=reason,
+            previous=previous,
+            observations=observations,
+            max_move_fraction=max_move_fraction,
         )
-    except PlanInfeasible as err:
-        message = f"no plan meets the spec: {err}"
-        svc.event("Warning", "PlanInfeasible", message)
-        status = _infeasible(status, gen, "PlanInfeasible", message)
-        await svc.write_status(status)
-        return status
-    except (ProfileError, PlannerError) as err:
-        message = f"cannot plan: {err}"
-        svc.event("Warning", "PlannerInput", message)
-        status = _infeasible(status, gen, type(err).__name__, message)
-        await svc.write_status(status)
-        return status
 
+
+async def _apply_plan(
+    svc: Service,
+    spec: EarlyExitServiceSpec,
+    inputs: ServiceResources,
+    status: ServiceStatus,
+    plan: Plan,
+    *,
+    reason: str,
+    previous: Plan | None,
+    observations: Observations | None,
+    max_move_fraction: float | None,
+) -> ServiceStatus:
+    """Apply (or propose) a plan the planner made, capped by maxMoveFraction."""
+    gen = svc.generation
     if previous is not None and plan.content_hash() == previous.content_hash():
         plan = previous  # the same plan: keep the applied one (its reason, its ConfigMap bytes)
+    reason = plan.reason  # one reason per plan: its events, conditions, status and proposal all say it
     status.conditions = set_condition(
         status.conditions, "PlanInfeasible", False, "Planned", "a plan meets the spec", gen
     )
@@ -426,12 +453,15 @@ async def propose_or_apply(
 
     `plan` is what is applied now, `target` where the steps lead (they differ under a move cap, when
     `held_back` says what follows); `what` names the plan in messages and events. A failed apply leaves
-    the previous plan serving, marks the service Degraded and retries with backoff.
+    the previous plan serving, marks the service Degraded and retries with backoff. The routers'
+    PodDisruptionBudget (disruption.py) joins the children here, for every kind of service.
     """
     gen = svc.generation
+    desired = disruption.with_router_budget(svc.body, spec, plan.content_hash(), children)
     if spec.planner.mode == Mode.advisory:
+        await control_token.ensure_token(svc.client, svc.body)  # to read the routers (nothing else changes)
         existing = await applying.list_children(svc.client, svc.name, svc.namespace)
-        changes = applying.diff_children(existing, children)
+        changes = applying.diff_children(existing, desired)
         status.proposal = Proposal(
             reason=reason, hash=target.content_hash(), changes=changes, held_back="advisory mode: nothing applied"
         )
@@ -446,7 +476,8 @@ async def propose_or_apply(
         return status
 
     try:
-        report = await applying.apply_children(svc.client, children, svc.name, svc.namespace)
+        await control_token.ensure_token(svc.client, svc.body)  # before the pods that mount it
+        report = await applying.apply_children(svc.client, desired, svc.name, svc.namespace)
     except ApiError as err:
         METRICS.applies_failed.labels(svc.namespace, svc.name).inc()
         message = (
@@ -479,7 +510,8 @@ async def propose_or_apply(
 async def refresh_readiness(svc: Service) -> ServiceStatus:
     """Ready / Progressing from the Deployments' status (the timer calls it every tick)."""
     status = parse_status(svc.body.get("status"))
-    if status.plan is None or status.phase in (Phase.infeasible, Phase.advisory, Phase.profiling):
+    idle = (Phase.infeasible, Phase.advisory, Phase.profiling, Phase.profiling_failed)
+    if status.plan is None or status.phase in idle:
         return status
     gen = svc.generation
     deployments = await svc.client.list(path("Deployment", svc.namespace), f"{builders.L_SERVICE}={svc.name}")

@@ -2,13 +2,16 @@
 from them) and pure helpers that fill them.
 
 Conditions follow the standard Kubernetes shape (type, status, reason, message,
-lastTransitionTime, observedGeneration). The five condition types are fixed:
+lastTransitionTime, observedGeneration). The six condition types are fixed:
 
 - Planned: a plan exists for the current generation of the spec.
 - Ready: every child Deployment has its desired replicas ready.
 - Progressing: children are being created or rolled to a new plan (or a profile is being measured).
 - Degraded: something the operator cannot fix by itself (an apply failed, a bundle is unreachable).
-- PlanInfeasible: the planner proved the spec cannot be met (unknown pool, SLO no pool can meet).
+- PlanInfeasible: the planner proved the spec cannot be met (unknown pool, SLO no pool can meet,
+  a bundle host path the operator does not allow, no room left on a pool other services hold).
+- ProfilingFailed: a profiling Job failed after its backoff limit (the reason and message are the
+  Job's and its pod's); set only once a Job failed, False again when the profiles are there.
 """
 
 from __future__ import annotations
@@ -17,12 +20,27 @@ import datetime as dt
 from enum import Enum
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from exitplan.api.plan import Plan
 from exitplan.api.resources import Model
 
-CONDITION_TYPES = ("Planned", "Ready", "Progressing", "Degraded", "PlanInfeasible")
+CONDITION_TYPES = ("Planned", "Ready", "Progressing", "Degraded", "PlanInfeasible", "ProfilingFailed")
+
+
+def _rounded(digits: int) -> AfterValidator:
+    """Round a float as it enters the status: `kubectl get` and `-o yaml` show 172393.2, not 172393.1521609003."""
+    return AfterValidator(lambda value: round(value, digits))
+
+
+Rps = Annotated[float, Field(ge=0.0), _rounded(1)]
+"""Requests per second, to 0.1."""
+Ms = Annotated[float, Field(ge=0.0), _rounded(2)]
+"""Milliseconds, to 0.01."""
+Cost = Annotated[float, Field(ge=0.0), _rounded(3)]
+"""Cost per hour, to 0.001."""
+Score = Annotated[float, Field(ge=0.0), _rounded(4)]
+"""A drift score (a distance or an error in 0..1), to 0.0001."""
 
 
 class Phase(str, Enum):
@@ -30,6 +48,9 @@ class Phase(str, Enum):
     """Accepted, nothing planned yet."""
     profiling = "Profiling"
     """Waiting for a ModelProfile (a profiling Job runs)."""
+    profiling_failed = "ProfilingFailed"
+    """A profiling Job failed; the next one waits (exponential backoff), or none follows (attempts
+    spent: a spec change retries). The ProfilingFailed condition says why."""
     deploying = "Deploying"
     """A plan is applied; children are not all ready yet."""
     ready = "Ready"
@@ -43,7 +64,7 @@ class Phase(str, Enum):
 
 
 class Condition(Model):
-    type: Literal["Planned", "Ready", "Progressing", "Degraded", "PlanInfeasible"]
+    type: Literal["Planned", "Ready", "Progressing", "Degraded", "PlanInfeasible", "ProfilingFailed"]
     status: Literal["True", "False", "Unknown"]
     reason: Annotated[str, Field(min_length=1)] = "Unknown"
     """A CamelCase word for machines (e.g. ProfileMissing, UnknownPool)."""
@@ -72,9 +93,9 @@ class PlanSummary(Model):
     buckets: list[int]
     replicas: Annotated[int, Field(ge=0)]
     """Worker replicas over all cells."""
-    goodput_rps: Annotated[float, Field(ge=0.0)] = 0.0
-    p99_ms: Annotated[float, Field(ge=0.0)] = 0.0
-    cost_per_hour: Annotated[float, Field(ge=0.0)] = 0.0
+    goodput_rps: Rps = 0.0
+    p99_ms: Ms = 0.0
+    cost_per_hour: Cost = 0.0
     cells: list[CellSummary] = Field(default_factory=list)
 
 
@@ -82,14 +103,15 @@ class DriftReport(Model):
     """What the drift loop measured in the last observation window."""
 
     observed_at: str = ""
-    length_score: Annotated[float, Field(ge=0.0)] = 0.0
+    length_score: Score = 0.0
     """Total-variation distance between the observed and the planned length histogram (0..1)."""
-    survival_error: Annotated[float, Field(ge=0.0)] = 0.0
+    survival_error: Score = 0.0
     """Max abs difference between the forecast and the planned survival curve."""
-    p99_ms: Annotated[float, Field(ge=0.0)] = 0.0
+    p99_ms: Ms = 0.0
     """Observed p99 latency of the window."""
     requests: Annotated[int, Field(ge=0)] = 0
-    goodput_rps: Annotated[float, Field(ge=0.0)] = 0.0
+    goodput_rps: Rps = 0.0
+    """Requests answered within the SLO per second in the window, as measured (kubectl's MEASURED column)."""
     trigger: str = ""
     """The re-plan reason the window raised (length-drift, survival-drift, slo-risk) or empty."""
 
@@ -107,6 +129,11 @@ class Proposal(Model):
 
 class ServiceStatus(Model):
     phase: Phase = Phase.pending
+    ready: str = ""
+    """Worker replicas ready / planned, e.g. "3/4" (kubectl's READY column); empty without a plan applied."""
+    reason: str = ""
+    """Why the service is in its phase: the reason of the condition that explains it, e.g. AllReady,
+    Rollout, ProfileMissing, PoolCapacity, RolloutStalled (kubectl's REASON column)."""
     observed_generation: Annotated[int, Field(ge=0)] = 0
     conditions: list[Condition] = Field(default_factory=list)
     plan: PlanSummary | None = None
@@ -117,6 +144,9 @@ class ServiceStatus(Model):
     """In-cluster URL of the router Service."""
     waiting_for_profiles: list[str] = Field(default_factory=list)
     """Pools whose ModelProfile is being measured; planning waits for them."""
+    profile_attempts: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    """Profiling Jobs started per pool for the spec generation in observedGeneration (bounded by the
+    operator's profiling attempts; a spec change starts the count again)."""
     drift: DriftReport | None = None
     proposal: Proposal | None = None
     message: str = ""
@@ -190,6 +220,32 @@ def summarize(plan: Plan, ready: dict[tuple[int, int, str], int] | None = None) 
         cost_per_hour=plan.prediction.cost_per_hour,
         cells=cells,
     )
+
+
+PHASE_CONDITION = {
+    Phase.ready: "Ready",
+    Phase.deploying: "Progressing",
+    Phase.degraded: "Degraded",
+    Phase.infeasible: "PlanInfeasible",
+    Phase.profiling: "Progressing",
+    Phase.profiling_failed: "ProfilingFailed",
+    Phase.advisory: "Planned",
+}
+"""The condition whose reason says why a service is in a phase (status.reason)."""
+
+
+def with_columns(status: ServiceStatus) -> ServiceStatus:
+    """`status` with `ready` and `reason` derived from its plan and conditions (every status write
+    fills them, so kubectl's READY and REASON columns never disagree with the rest)."""
+    reasons = {c.type: c.reason for c in status.conditions}
+    wanted = PHASE_CONDITION.get(status.phase)
+    status.reason = reasons.get(wanted, reasons.get("Planned", "")) if wanted else ""
+    if status.plan is None or status.phase == Phase.advisory:
+        status.ready = ""  # nothing of this plan runs (advisory: it is only proposed)
+    else:
+        cells = status.plan.cells
+        status.ready = f"{sum(c.ready_replicas for c in cells)}/{sum(c.replicas for c in cells)}"
+    return status
 
 
 def parse_status(raw: dict | None) -> ServiceStatus:

@@ -178,6 +178,7 @@ class CostModel:
         self.seq_lens = np.asarray(self.profile.seq_lens, dtype=np.float64)
         self.ramp_after = [r.after_block for r in self.profile.ramps]
         self._clamped: set[str] = set()
+        self._bs0 = np.concatenate([[0.0], self.batch_sizes])
 
     @property
     def n_blocks(self) -> int:
@@ -208,25 +209,21 @@ class CostModel:
         return table[..., lo, :] * (1 - w) + table[..., hi, :] * w
 
     def _interp_batch(self, rows: np.ndarray, batch: np.ndarray) -> np.ndarray:
-        """rows[i, n_batch] evaluated at batch[i, ...] (any trailing shape), linear, 0 at batch 0."""
-        bs = np.concatenate([[0.0], self.batch_sizes])
+        """rows[i, n_batch] evaluated at batch[i, ...] (any trailing shape), linear, 0 at batch 0,
+        past the last measured batch along the last measured step."""
+        bs = self._bs0
         batch = np.asarray(batch, dtype=np.float64)
-        if np.any(batch > bs[-1] + 1e-9) and "batch" not in self._clamped:
+        if "batch" not in self._clamped and np.any(batch > bs[-1] + 1e-9):
             self._clamped.add("batch")
             self.notes.append(
                 f"pool {self.pool_name}: batches above {int(bs[-1])} extrapolated from the last measured step"
             )
         flat = batch.reshape(batch.shape[0], -1)
-        out = np.empty_like(flat)
-        for i in range(rows.shape[0]):
-            ys = np.concatenate([[0.0], rows[i]])
-            x = flat[i]
-            y = np.interp(x, bs, ys)
-            over = x > bs[-1]
-            if np.any(over):
-                slope = (ys[-1] - ys[-2]) / (bs[-1] - bs[-2])
-                y[over] = ys[-1] + slope * (x[over] - bs[-1])
-            out[i] = y
+        ys = np.concatenate([np.zeros((rows.shape[0], 1)), rows], axis=1)
+        slope = np.diff(ys, axis=1) / np.diff(bs)[None, :]
+        i = np.clip(np.searchsorted(bs, flat, side="right") - 1, 0, len(bs) - 2)
+        r = np.arange(rows.shape[0])[:, None]
+        out: np.ndarray = ys[r, i] + slope[r, i] * (flat - bs[i])
         return out.reshape(batch.shape)
 
     def block_ms(self, block: int, batch: float, seq: float) -> float:
@@ -304,7 +301,7 @@ class CostModel:
             cost = np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], cost, 0.0)
             cum = np.cumsum(cost, axis=1)  # cum[a, b] = exec of [a, b]
             if rebatch and expected and fill_ms is not None:  # queues that may not fill: per split, not a running sum
-                cum = self._rebatch_fill(per_block, ramp_rows, ramps_on, ratio, float(bsz), float(fill_ms))
+                cum, _ = self._rebatch_fill(per_block, ramp_rows, ramps_on, ratio, float(bsz), float(fill_ms))
             xfer = self._transfer_out(s, bsz, seq, expected)
             if not transfer:
                 xfer = np.zeros_like(xfer)
@@ -375,11 +372,13 @@ class CostModel:
         ratio: np.ndarray,
         bsz: float,
         fill_ms: float,
-    ) -> np.ndarray:
-        """T[a, b]: mean ms per `bsz` entering rows of rebatching split [a, b] when each block's queue
-        launches at the latest every `fill_ms` (see stage_tables); inf where T would exceed fill_ms
-        (slower than any split without rebatching that fits the cycle) or a row would take longer
-        than two cycles through the split."""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(T[a, b], W[a, b]): T the mean ms per `bsz` entering rows of rebatching split [a, b] when
+        each block's queue launches at the latest every `fill_ms` (see stage_tables); inf where T
+        would exceed fill_ms (slower than any split without rebatching that fits the cycle) or a row
+        would take longer than two cycles through the split on average. W the longest a row that
+        runs every block of the split takes through it: at each block the whole time its queue takes
+        to gather its rows, then the run (inf where T is)."""
         n = self.n_blocks
         comb = per_block.copy()
         for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
@@ -426,11 +425,47 @@ class CostModel:
         # a block whose rows all come from the block before in whole batches fills at once
         prev = np.concatenate([np.zeros((len(ok), 1)), sh[:, :-1]], axis=-1)
         gather = np.where((k_ > a_all[ok][:, None]) & (np.abs(prev - sh) <= 1e-12), 0.0, gather)
-        latency = np.where(mk, gather / 2 + at(bsz * frac), 0.0).sum(axis=-1)
-        out[ok[latency > 2.0 * fill_ms * (1 + 1e-9)]] = np.inf
+        run = at(bsz * frac)
+        latency = np.where(mk, gather / 2 + run, 0.0).sum(axis=-1)
+        worst = np.full(len(a_all), np.inf)
+        worst[ok] = np.where(mk, gather + run, 0.0).sum(axis=-1)
+        too_long = latency > 2.0 * fill_ms * (1 + 1e-9)
+        out[ok[too_long]] = np.inf
+        worst[ok[too_long]] = np.inf
         table = np.full((n, n), np.inf)
         table[a_all, b_all] = out
-        return table
+        longest = np.full((n, n), np.inf)
+        longest[a_all, b_all] = worst
+        return table, longest
+
+    def rebatch_tables(
+        self,
+        batches: Sequence[float] | FloatArray,
+        seq: float,
+        survival_before: np.ndarray,
+        ramps_on: Sequence[bool],
+        fill_ms: float,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(mean[bi, a, b], longest[bi, a, b]) of rebatching split [a, b] at batch batches[bi] when
+        every queue launches at the latest every `fill_ms`: the mean time per batch of entering rows
+        that holds the replica (`stage_tables(..., expected=True, transfer=False, rebatch=True,
+        fill_ms=...)`), and the longest a row takes through the split (a queue's whole gather time
+        at each block, the run, and the transfer of the survivors of one batch out); inf where the
+        split cannot rebatch at that wait."""
+        n = self.n_blocks
+        s = np.maximum(survival_before, 1e-12)
+        ratio = np.minimum(s[None, :n] / s[:n, None], 1.0)
+        per_block = self._at_seq(self.block_ms_table, seq)
+        ramp_rows = (
+            self._at_seq(self.ramp_ms_table, seq) if len(self.ramp_ms_table) else np.zeros((0, len(self.batch_sizes)))
+        )
+        batch_arr = np.asarray(batches, dtype=np.float64)
+        mean = np.full((len(batch_arr), n, n), np.inf)
+        longest = np.full((len(batch_arr), n, n), np.inf)
+        for bi, bsz in enumerate(batch_arr):
+            mean[bi], worst = self._rebatch_fill(per_block, ramp_rows, ramps_on, ratio, float(bsz), float(fill_ms))
+            longest[bi] = worst + self._transfer_out(s, float(bsz), seq, False)
+        return mean, longest
 
     def replica_bytes(self, first: int, last: int, batch: float, seq: float, rebatch: bool = False) -> float:
         """Memory one replica of split [first, last] needs: weights + one batch of in/out activations
@@ -440,6 +475,21 @@ class CostModel:
         if rebatch:
             acts += batch * sum(self.bytes_per_sample(k, seq) for k in range(first, last))
         return weights + acts
+
+    def replica_bytes_table(self, batches: Sequence[float] | FloatArray, seq: float, rebatch: bool = False) -> np.ndarray:
+        """mem[bi, a, b]: `replica_bytes(a, b, batches[bi], seq, rebatch)` for every split (inf for b < a)."""
+        n = self.n_blocks
+        out_b = np.asarray([self.bytes_per_sample(k, seq) for k in range(-1, n)])  # out_b[k + 1]: leaving block k
+        cw = np.concatenate([[0.0], np.cumsum(self.weight_bytes)])
+        a, b = np.arange(n)[:, None], np.arange(n)[None, :]
+        weights = cw[b + 1] - cw[a]
+        per_row = out_b[a] + out_b[b + 1]  # entering block a, leaving block b
+        if rebatch:  # rows waiting at every inner boundary a..b-1
+            co = np.concatenate([[0.0], np.cumsum(out_b[1:])])
+            per_row = per_row + np.maximum(co[b] - co[a], 0.0)
+        bs = np.asarray(batches, dtype=np.float64)[:, None, None]
+        table: np.ndarray = np.where(b >= a, weights + bs * per_row, np.inf)
+        return table
 
     def full_model_ms(self, seq: float, batch: float = 1.0) -> float:
         """One input (or batch) through every block and enabled ramp, no exits."""

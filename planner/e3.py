@@ -13,7 +13,7 @@ The model (data in `E3Problem`, built from the cost model by `plan_service`):
 - At a total goodput G (requests/s), bucket k sends G * share[k] requests/s, of which the fraction
   sigma_in[a] reaches split [a, b]; it needs ceil(G share[k] sigma_in[a] / rate) replicas, and at
   least one (the router may send any bucket to any split).
-- Constraints: replicas per pool <= caps[p]; total cost <= cost_cap.
+- Constraints: replicas per pool <= caps[p]; total cost <= cost_cap; total replicas <= max_replicas.
 - Objectives: max goodput (then min cost), or min cost at a target goodput.
 
 The solver: for a candidate G, a DP over (splits used, next block, replicas used on every pool but
@@ -70,6 +70,8 @@ class E3Problem:
     cost_cap: float | None = None
     cuts: np.ndarray | None = None
     """cuts[b] (b < N-1): may a split end after block b; None = anywhere."""
+    max_replicas: int | None = None
+    """The most replicas over all pools (spec.planner.maxReplicas); None: the caps alone."""
 
     @property
     def max_splits(self) -> int:
@@ -131,6 +133,8 @@ class E3Solution:
         cost = float(use @ problem.costs)
         if problem.cost_cap is not None and cost > problem.cost_cap + 1e-6:
             raise PlanInvalid(f"cost {cost} exceeds the cap {problem.cost_cap}")
+        if problem.max_replicas is not None and int(use.sum()) > problem.max_replicas:
+            raise PlanInvalid(f"{int(use.sum())} replicas exceed maxReplicas {problem.max_replicas}")
         got = min(problem.split_goodput(self.splits, s.pool, s.first, s.last, s.replicas) for s in self.segments)
         if got + 1e-6 * max(1.0, got) < self.goodput:
             raise PlanInvalid(f"claimed goodput {self.goodput} but the replicas sustain {got}")
@@ -288,11 +292,15 @@ def _final_values(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> F3
 def _feasible_states(problem: E3Problem, grid: _Grid, final: F32Array) -> FloatArray:
     cap_v = problem.caps[grid.value_pool]
     cost = final * problem.costs[grid.value_pool]
+    total = final.astype(np.float64)
     for p in grid.grid_pools:
         cost = cost + grid.coords[p] * problem.costs[p]
+        total = total + grid.coords[p]
     ok = final <= cap_v + EPS
     if problem.cost_cap is not None:
         ok &= cost <= problem.cost_cap + 1e-9
+    if problem.max_replicas is not None:
+        ok &= total <= problem.max_replicas + EPS
     costs: FloatArray = np.where(ok, cost, np.inf)
     return costs
 
@@ -369,7 +377,8 @@ def max_goodput(problem: E3Problem) -> E3Solution:
     ties = [(c, s) for s, (g, c) in search.cost_at.items() if lo > 0 and g == lo]
     if not ties:
         raise PlanInfeasible(
-            "no plan fits: not even one replica per split and bucket fits the caps, cost cap and SLO", field="spec"
+            "no plan fits: not even one replica per split and bucket fits the caps, cost cap, maxReplicas and SLO",
+            field="spec",
         )
     _, s = min(ties)
     best = _probe(problem, grid, lo, order=[s])  # the cheapest plan at the optimum, with its argmins
@@ -426,7 +435,7 @@ def _structure_frontier(
         use = np.zeros(P, dtype=np.int64)
         for (a, _), p, r in zip(bounds, pools, rates):
             use[p] += int(np.maximum(1, np.ceil(g * problem.shares * problem.sigma_in[a] / r - EPS)).sum())
-        if np.any(use > problem.caps):
+        if np.any(use > problem.caps) or (problem.max_replicas is not None and use.sum() > problem.max_replicas):
             return None
         c = float(use @ problem.costs)
         if problem.cost_cap is not None and c > problem.cost_cap + 1e-9:

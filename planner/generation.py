@@ -276,13 +276,14 @@ class GenerationPlanResult:
 
 
 def max_stages(spec: EarlyExitServiceSpec, pools: dict[str, GPUPoolSpec], n_blocks: int) -> int:
-    """The most stages the service may use: blocks, spec.planner.maxSplits, and the pools' capacity."""
+    """The most stages the service may use: blocks, spec.planner.maxSplits, spec.planner.maxReplicas
+    (one replica per stage), and the pools' capacity."""
     capacity = 0
     for ref in spec.pools:
         pool = pools.get(ref.name)
         if pool is not None:
             capacity += min(pool.capacity, ref.max_gpus) if ref.max_gpus is not None else pool.capacity
-    return min(n_blocks, spec.planner.max_splits, capacity)
+    return min(n_blocks, spec.planner.max_splits, spec.planner.max_replicas, capacity)
 
 
 def plan_generation(

@@ -37,6 +37,8 @@ class Inputs:
     fixed_buckets: bool
     cost_cap: float | None
     notes: list[str] = field(default_factory=list)
+    max_replicas: int | None = None
+    """spec.planner.maxReplicas: the most replicas over all pools (None: the caps alone)."""
 
     @property
     def n_blocks(self) -> int:
@@ -82,6 +84,7 @@ def _resolve_pools(
             )
         pool = pools[ref.name]
         cap = pool.capacity if ref.max_gpus is None else min(pool.capacity, ref.max_gpus)
+        cap = min(cap, spec.planner.max_replicas)  # no pool can hold more than the whole service may run
         if cap < 0 or pool.cost_per_hour < 0:
             raise SpecError(f"pool {ref.name}: capacity and costPerHour must be >= 0", field=f"pools[{ref.name}]")
         names.append(ref.name)
@@ -239,4 +242,5 @@ def resolve_inputs(
         fixed,
         cost_cap,
         notes,
+        max_replicas=spec.planner.max_replicas,
     )

@@ -39,64 +39,79 @@ def rebatching(spec: EarlyExitServiceSpec, inp: Inputs) -> bool:
 
 @dataclass
 class PlanProblem(E3Problem):
-    """E3's problem plus, per (splits, pool, first, last), whether that split rebatches (the DP ignores it)."""
+    """E3's problem plus, per (splits, pool, first, last), whether that split rebatches and how long a row may
+    take through it (the DP ignores both)."""
 
     rebatch: np.ndarray | None = None
     """bool (max_splits, P, N, N); None: no split rebatches."""
+    longest_ms: np.ndarray | None = None
+    """(max_splits, P, N, N, K): the longest a row takes through the option's split (a rebatching split: each
+    queue's whole gather time and the run, the transfer out; a plain one: wait one cycle, run one)."""
 
     def rebatches(self, splits: int, pool: int, first: int, last: int) -> bool:
         return bool(self.rebatch is not None and self.rebatch[splits - 1, pool, first, last])
 
 
+_LengthOptions = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""Of one pool at one length, per (splits, first, last): rate, batch, stage time and the longest a row takes."""
+OptionCache = dict[tuple[int, int, bool, int], _LengthOptions]
+"""(pool, length, rebatch, max splits) -> that pool's options at that length: bucket sets share their lengths."""
+
+REBATCH_MIN_GAIN = 0.01
+"""A split rebatches only where that needs this share fewer replicas for the bucket mix than without (and is
+no slower for any bucket): the rebatching rate comes from a model of queues that fill within a cycle, the
+plain one from whole batches, and rebatching holds rows longer, so a tie or a sliver goes to the plain split."""
+
+
+def _length_options(inp: Inputs, p: int, length: int, S: int, rebatch: bool) -> _LengthOptions:
+    """Pool p's options at `length`: rate, batch, stage time (the bound, for the cycle) and the longest a
+    row takes through the split (rebatching: each queue's whole gather time and the run; plain: wait one
+    cycle, run one), each (S, N, N)."""
+    model, n = inp.models[p], inp.n_blocks
+    sigma, ramps_on = inp.sigma(), inp.ramps_on()
+    sizes = np.asarray(model.profile.batch_sizes, dtype=np.float64)
+    tables = model.stage_tables(sizes, length, sigma, ramps_on, rebatch=rebatch)  # (nB, n, n): the bound
+    # the mean time a batch holds its replica (survivors forwarded beside the next batch), for throughput
+    # (with rebatching it depends on the cycle: an inner block's queue launches at the latest every cycle)
+    plain_mean = None if rebatch else model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False)
+    fits = model.replica_bytes_table(sizes, length, rebatch=rebatch) <= model.pool.memory_bytes
+    rate, stage, longest = np.zeros((S, n, n)), np.full((S, n, n), np.inf), np.full((S, n, n), np.inf)
+    batch = np.zeros((S, n, n), dtype=np.int64)
+    for s in range(1, S + 1):
+        cycle = inp.budget_ms / cycles(s)
+        if plain_mean is None:
+            mean, worst = model.rebatch_tables(sizes, length, sigma, ramps_on, cycle)
+        else:
+            mean, worst = plain_mean, 2.0 * tables
+        ok = fits & (tables <= cycle) & np.isfinite(tables) & np.isfinite(mean)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            thr = np.where(ok, sizes[:, None, None] / np.where(mean > 0, mean, 1e-9) * 1e3, 0.0)
+        best = np.argmax(thr, axis=0)[None]
+        rate[s - 1] = np.take_along_axis(thr, best, 0)[0]
+        batch[s - 1] = sizes[best[0]].astype(np.int64)
+        stage[s - 1] = np.take_along_axis(tables, best, 0)[0]
+        longest[s - 1] = np.take_along_axis(worst, best, 0)[0]
+    return rate, batch, stage, longest
+
+
 def _options(
-    inp: Inputs, bucket_set: Sequence[int], S: int, rebatch: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """rate, batch and stage time of every (splits, pool, first, last, bucket) option, splits rebatching or not."""
-    n, P, K = inp.n_blocks, len(inp.pool_names), len(bucket_set)
-    sigma = inp.sigma()
-    ramps_on = inp.ramps_on()
-    rate = np.zeros((S, P, n, n, K))
-    batch = np.zeros((S, P, n, n, K), dtype=np.int64)
-    stage = np.full((S, P, n, n, K), np.inf)
-    for p, model in enumerate(inp.models):
-        sizes = np.asarray(model.profile.batch_sizes, dtype=np.float64)
-        for k, length in enumerate(bucket_set):
-            tables = model.stage_tables(
-                sizes, length, sigma, ramps_on, rebatch=rebatch
-            )  # (nB, n, n): the bound, for the cycle
-            # the mean time a batch holds its replica (survivors forwarded beside the next batch), for throughput
-            # (with rebatching it depends on the cycle: an inner block's queue launches at the latest every cycle)
-            plain_mean = (
-                None if rebatch else model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False)
-            )
-            mem = np.stack(
-                [
-                    [
-                        [
-                            model.replica_bytes(a, b, bsz, length, rebatch=rebatch) if b >= a else np.inf
-                            for b in range(n)
-                        ]
-                        for a in range(n)
-                    ]
-                    for bsz in sizes
-                ]
-            )
-            fits = mem <= model.pool.memory_bytes
-            for s in range(1, S + 1):
-                cycle = inp.budget_ms / cycles(s)
-                mean = plain_mean
-                if mean is None:  # rebatching: at this cycle
-                    mean = model.stage_tables(
-                        sizes, length, sigma, ramps_on, expected=True, transfer=False, rebatch=True, fill_ms=cycle
-                    )
-                ok = fits & (tables <= cycle) & np.isfinite(tables) & np.isfinite(mean)
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    thr = np.where(ok, sizes[:, None, None] / np.where(mean > 0, mean, 1e-9) * 1e3, 0.0)
-                best = np.argmax(thr, axis=0)
-                rate[s - 1, p, :, :, k] = np.take_along_axis(thr, best[None], 0)[0]
-                batch[s - 1, p, :, :, k] = sizes[best].astype(np.int64)
-                stage[s - 1, p, :, :, k] = np.take_along_axis(tables, best[None], 0)[0]
-    return rate, batch, stage
+    inp: Inputs, bucket_set: Sequence[int], S: int, rebatch: bool, cache: OptionCache | None = None
+) -> _LengthOptions:
+    """rate, batch, stage time and longest time of every (splits, pool, first, last, bucket) option, splits
+    rebatching or not."""
+    cache = {} if cache is None else cache
+    per: list[list[_LengthOptions]] = []
+    for p in range(len(inp.pool_names)):
+        row = []
+        for length in bucket_set:
+            key = (p, int(length), rebatch, S)
+            if key not in cache:
+                cache[key] = _length_options(inp, p, int(length), S, rebatch)
+            row.append(cache[key])
+        per.append(row)
+    # (S, P, n, n, K) from [P][K] of (S, n, n)
+    stacked = [np.stack([np.stack([opt[i] for opt in row], axis=-1) for row in per], axis=1) for i in range(4)]
+    return stacked[0], stacked[1], stacked[2], stacked[3]
 
 
 def build_problem(
@@ -105,26 +120,35 @@ def build_problem(
     max_splits: int,
     layout: tuple[list[tuple[int, int]], list[int]] | None = None,
     rebatch: bool = False,
+    cache: OptionCache | None = None,
 ) -> PlanProblem:
     """Rates of every (splits, pool, first, last, bucket) option under the cycle and memory limits.
 
     `layout` = (segments, pool per segment) restricts the problem to one layout (the previous plan's).
     `rebatch`: a split may regroup rows at each block (the cost model's rebatching tables and
-    memory); on a pool it does where that is at least as fast as without for every bucket (and
-    feasible for one), so no option is slower than E3's own and the DP's optimum is at least E3's.
+    memory); on a pool it does where that is no slower for any bucket and needs REBATCH_MIN_GAIN fewer
+    replicas for the bucket mix, so no option is slower than E3's own and the DP's optimum is at least E3's.
+    `cache`: options already computed for other bucket sets of the same inputs (filled here).
     """
     n = inp.n_blocks
     S = max_splits if layout is None else len(layout[0])
-    rate, batch, stage = _options(inp, bucket_set, S, False)
+    rate, batch, stage, longest = _options(inp, bucket_set, S, False, cache)
+    shares = bk.shares(inp.grid, inp.mass, bucket_set)
     chosen = None
     if rebatch:
-        rb_rate, rb_batch, rb_stage = _options(inp, bucket_set, S, True)
-        chosen = np.all(rb_rate >= rate, axis=4) & np.any(rb_rate > 0, axis=4)  # (S, P, n, n)
+        rb_rate, rb_batch, rb_stage, rb_longest = _options(inp, bucket_set, S, True, cache)
+        # no bucket slower, and the replicas the split needs for the bucket mix (share / rate) fewer by the gain
+        with np.errstate(divide="ignore", invalid="ignore"):
+            work = (shares / np.where(rate > 0, rate, np.inf)).sum(axis=4)
+            rb_work = (shares / np.where(rb_rate > 0, rb_rate, np.inf)).sum(axis=4)
+        no_slower = np.all(rb_rate >= rate, axis=4) & np.any(rb_rate > 0, axis=4)
+        chosen = no_slower & ((rb_work < work * (1 - REBATCH_MIN_GAIN)) | (work == 0))  # (S, P, n, n)
         pick = chosen[..., None]
-        rate, batch, stage = (
+        rate, batch, stage, longest = (
             np.where(pick, rb_rate, rate),
             np.where(pick, rb_batch, batch),
             np.where(pick, rb_stage, stage),
+            np.where(pick, rb_longest, longest),
         )
     if layout is not None:
         keep = np.zeros_like(rate, dtype=bool)
@@ -132,7 +156,6 @@ def build_problem(
             keep[S - 1, p, a, b, :] = True
         # Fewer splits than the layout's are not this layout.
         rate = np.where(keep, rate, 0.0)
-    shares = bk.shares(inp.grid, inp.mass, bucket_set)
     return PlanProblem(
         n,
         list(inp.pool_names),
@@ -144,7 +167,9 @@ def build_problem(
         batch,
         stage,
         inp.cost_cap,
+        max_replicas=inp.max_replicas,
         rebatch=chosen,
+        longest_ms=longest,
     )
 
 
@@ -185,6 +210,7 @@ def diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int) -> PlanInf
     return PlanInfeasible(
         f"no plan fits {len(bucket_set)} bucket(s) x at least one split within the pools' caps {dict(zip(inp.pool_names, inp.caps.tolist()))}"
         + (f" and the cost cap {inp.cost_cap:g}/h" if inp.cost_cap is not None else "")
-        + "; raise capacity/maxGpus or the cost cap",
+        + (f" and maxReplicas {inp.max_replicas}" if inp.max_replicas is not None else "")
+        + "; raise capacity/maxGpus, the cost cap or spec.planner.maxReplicas",
         field="spec.pools",
     )

@@ -30,7 +30,7 @@ from exitplan.planner.densepipe import Placement, place
 from exitplan.planner.e3 import E3Problem, E3Solution, max_goodput, min_cost
 from exitplan.planner.errors import PlanInfeasible, PlanInvalid
 from exitplan.planner.inputs import Inputs, _windows, resolve_inputs
-from exitplan.planner.problem import PlanProblem, build_problem, cycles, diagnose, rebatching
+from exitplan.planner.problem import OptionCache, PlanProblem, build_problem, cycles, diagnose, rebatching
 
 MAX_BUCKETS = 6
 HYSTERESIS = 0.05
@@ -88,6 +88,8 @@ class PlanResult:
         for name, cap in zip(inp.pool_names, inp.caps):
             if per_pool[name] > cap:
                 out.append(f"pool {name}: {per_pool[name]} replicas exceed the cap {cap}")
+        if inp.max_replicas is not None and sum(per_pool.values()) > inp.max_replicas:
+            out.append(f"{sum(per_pool.values())} replicas exceed maxReplicas {inp.max_replicas}")
         cost = sum(per_pool[p] * c for p, c in zip(inp.pool_names, inp.costs))
         if inp.cost_cap is not None and cost > inp.cost_cap + 1e-6:
             out.append(f"cost {cost:.4g}/h exceeds the cap {inp.cost_cap:.4g}/h")
@@ -127,10 +129,11 @@ class PlanResult:
 
 
 def _fill_spare(problem: E3Problem, sol: E3Solution) -> None:
-    """Max-goodput spends the whole budget: spare replicas go, one at a time, to the tightest cell."""
+    """Max-goodput spends the whole budget (caps, cost cap, maxReplicas): spare replicas go, one at a
+    time, to the tightest cell."""
     use = sol.replicas_per_pool(len(problem.caps))
     cost = float(use @ problem.costs)
-    while True:
+    while problem.max_replicas is None or int(use.sum()) < problem.max_replicas:
         best = None
         for i, seg in enumerate(sol.segments):
             if use[seg.pool] >= problem.caps[seg.pool]:
@@ -294,6 +297,8 @@ def _densepipe(problem: E3Problem, sol: E3Solution) -> Placement | None:
         placement = place(mu, q, problem.caps, problem.costs, cost_cap=problem.cost_cap, time_limit_s=2.0)
     except PlanInfeasible:
         return None
+    if problem.max_replicas is not None and int(placement.replicas.sum()) > problem.max_replicas:
+        return None  # DensePipe knows no total cap: E3's replicas keep to maxReplicas
     return placement if placement.goodput > sol.goodput * (1 + 1e-6) else None
 
 
@@ -336,7 +341,7 @@ def _bucket_sets(inp: Inputs) -> dict[int, list[int]]:
     candidates = bk.staircase(inp.grid, per_input)
     useful = [g for g, w in zip(inp.grid, inp.mass) if w > 0]
     candidates = [c for c in candidates if c == inp.grid[-1] or any(u <= c for u in useful)]
-    limit = min(MAX_BUCKETS, int(inp.caps.sum()))
+    limit = min(MAX_BUCKETS, int(inp.caps.sum()), inp.max_replicas or MAX_BUCKETS)
     sets = bk.best_bucket_sets(inp.grid, inp.mass, per_input, candidates, limit)
     return {
         m: b for m, b in sets.items() if all(inp.mass[inp.grid.index(x)] > 0 or x == inp.grid[-1] for x in b) or m == 1
@@ -344,7 +349,12 @@ def _bucket_sets(inp: Inputs) -> dict[int, list[int]]:
 
 
 def _best_bucket_set(
-    inp: Inputs, spec: EarlyExitServiceSpec, sets: dict[int, list[int]], max_splits: int, rebatch: bool
+    inp: Inputs,
+    spec: EarlyExitServiceSpec,
+    sets: dict[int, list[int]],
+    max_splits: int,
+    rebatch: bool,
+    cache: OptionCache | None = None,
 ) -> tuple[_Choice, list[dict[str, object]]]:
     """The best plan over the bucket sets (most goodput, or least cost for min-cost) and what each set gave.
 
@@ -353,7 +363,7 @@ def _best_bucket_set(
     chosen: _Choice | None = None
     last_error: PlanInfeasible | None = None
     for _, bucket_set in sorted(sets.items()):
-        problem = build_problem(inp, bucket_set, max_splits, rebatch=rebatch)
+        problem = build_problem(inp, bucket_set, max_splits, rebatch=rebatch, cache=cache)
         try:
             sol = _solve(problem, spec)
         except PlanInfeasible as err:
@@ -385,6 +395,7 @@ def _previous_if_close(
     max_splits: int,
     rebatch: bool,
     keep_layout: bool,
+    cache: OptionCache | None = None,
 ) -> _Choice | None:
     """The previous plan's buckets and layout, re-solved, when they still apply and reach within HYSTERESIS of
     `best` (or at all, with `keep_layout`); else None."""
@@ -393,7 +404,7 @@ def _previous_if_close(
         return None
     prev_buckets, prev_layout = layout
     try:
-        problem = build_problem(inp, prev_buckets, max_splits, layout=prev_layout, rebatch=rebatch)
+        problem = build_problem(inp, prev_buckets, max_splits, layout=prev_layout, rebatch=rebatch, cache=cache)
         sol = _solve(problem, spec)
     except PlanInfeasible:
         return None
@@ -445,12 +456,13 @@ def plan_service(
     timings["buckets"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()
-    chosen, tried = _best_bucket_set(inp, spec, sets, max_splits, rebatch)
+    cache: OptionCache = {}
+    chosen, tried = _best_bucket_set(inp, spec, sets, max_splits, rebatch, cache)
     timings["solve"] = time.perf_counter() - t2
 
     kept = False
     if previous is not None:
-        again = _previous_if_close(previous, inp, spec, chosen[2], max_splits, rebatch, keep_layout)
+        again = _previous_if_close(previous, inp, spec, chosen[2], max_splits, rebatch, keep_layout, cache)
         if again is not None:
             chosen, kept = again, True
             inp.notes.append("kept the previous layout (within 5 % of the optimum): fewest replaced instances")

@@ -30,6 +30,14 @@ from published latency figures (not measured here):
   (us-central1, GPU only): V100 2.48, P100 1.46, K80 0.45 units/h. (Previously AWS p3.2xlarge
   3.06 for V100 and p2.xlarge 0.90 for K80 were mixed with GCP's P100 price.)
 
+`tensorrt_bert_base_profile(gpu)` is the near-linear counterpart: BERT-base FP16 under TensorRT on
+A100 (40GB) and T4 from NVIDIA's published tables (NVIDIA/TensorRT, demo/BERT/README.md, commit
+007c347, "Inference performance", FP16 average latency, batch 1-128 at lengths 128 and 384). A
+batch of 128 costs 24x one on A100 (the V100 TensorFlow table above: 1.7x from 1 to 8), so exits
+save nearly their whole share. Lengths other than 128 and 384 follow, per batch size, the power law
+through those two rows. Prices: Google Cloud's per-GPU list prices (us-central1): A100 40GB 2.93,
+T4 0.35 units/h.
+
 `flops_bert_base_profile` keeps the earlier FLOP-derived model (peak x 60 % with a flat region
 below 512 tokens in flight) for comparison. `synthetic_profile` builds a profile from any latency
 function; `easy_hard_survival` maps an easy:hard mix onto exit depths (stated in its docstring).
@@ -62,6 +70,9 @@ GPUS = {
     "v100": GPU("v100", 15.7, 0.25, 2.48, 16),
     "p100": GPU("p100", 9.3, 0.25, 1.46, 16),
     "k80": GPU("k80", 4.4, 0.40, 0.45, 12),
+    # the GPUs of the TensorRT tables (tensorrt_bert_base_profile); FP32 peaks for the FLOP model
+    "a100": GPU("a100", 19.5, 0.25, 2.93, 40),
+    "t4": GPU("t4", 8.1, 0.25, 0.35, 16),
 }
 
 PUBLISHED_V100_FP16_MS = {1: 1e3 / 206.82, 2: 2e3 / 376.75, 4: 4e3 / 635.00, 8: 8e3 / 962.83}
@@ -76,6 +87,30 @@ FIXED_MS = {"v100": 1.0, "p100": 1.0, "k80": 1.3}
 """The fixed (batch-independent) part of a batch on each GPU, relative to V100's."""
 PER_INPUT_PEAK_TFLOPS = {"v100": None, "p100": 2 * 9.3, "k80": 4.37}
 """The arithmetic rate the per-input part scales with (None: V100's own FP16 figures)."""
+
+
+TENSORRT_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 64, 128)
+TENSORRT_FP16_MS = {
+    "a100": {
+        128: (0.67, 0.83, 1.02, 1.38, 1.87, 2.18, 3.34, 4.10, 8.05, 16.14),
+        384: (1.31, 1.64, 2.31, 3.62, 5.03, 6.72, 9.79, 13.51, 26.11, 51.26),
+    },
+    "t4": {
+        128: (1.95, 2.71, 4.53, 9.09, 12.53, 17.90, 26.86, 36.63, 72.04, 144.20),
+        384: (4.04, 6.61, 13.02, 27.81, 41.82, 55.31, 84.11, 114.90, 227.73, 458.76),
+    },
+}
+"""Whole-model BERT-base batch time (ms), FP16, TensorRT, average latency at batch TENSORRT_BATCHES,
+lengths 128 and 384 (NVIDIA/TensorRT demo/BERT/README.md, commit 007c347)."""
+
+
+def tensorrt_model_ms(gpu_name: str, batch_index: int, length: float) -> float:
+    """The published whole-model time at TENSORRT_BATCHES[batch_index] and `length`: exact at 128 and
+    384, elsewhere the power law in length through those two figures."""
+    rows = TENSORRT_FP16_MS[gpu_name]
+    t128, t384 = rows[128][batch_index], rows[384][batch_index]
+    exponent = float(np.log(t384 / t128) / np.log(3.0))
+    return float(t128 * (length / 128.0) ** exponent)
 
 
 def _v100_fixed_and_slope() -> tuple[float, float]:
@@ -219,6 +254,39 @@ def bert_base_profile(
         output_bytes=lambda L: int(HIDDEN * L * 2),  # FP16 activations
         weight_bytes=int(7.1e6 * 2),  # FP16 weights
         measured_on=f"derived: published BERT-base FP16 V100 figures (NVIDIA DeepLearningExamples), {gpu_name} scaled as stated in planner/synthetic.py",
+    )
+
+
+def tensorrt_bert_base_profile(
+    gpu_name: str,
+    survival: Sequence[float] | None = None,
+    *,
+    seq_lens: Sequence[int] = (128,),
+    batch_sizes: Sequence[int] = TENSORRT_BATCHES,
+    model: str = "bert-base-ee",
+) -> ModelProfileSpec:
+    """The BERT-base 12-block early-exit profile on `gpu_name` (a100, t4) from NVIDIA's TensorRT FP16
+    tables (see the module docstring): each of the 12 layers a twelfth of the whole model, ramps 2 %
+    of a layer, FP16 activations and weights. `batch_sizes` must be among TENSORRT_BATCHES."""
+    n = 12
+    index = {b: i for i, b in enumerate(TENSORRT_BATCHES)}
+
+    def layer(b: float, L: float) -> float:
+        return tensorrt_model_ms(gpu_name, index[int(b)], L) / n
+
+    return synthetic_profile(
+        model,
+        gpu_name,
+        n,
+        seq_lens,
+        batch_sizes,
+        lambda k, b, L: layer(b, L),
+        ramp_after=list(range(n - 1)),
+        ramp_ms=lambda b, L: 0.02 * layer(b, L),
+        survival=list(survival) if survival is not None else easy_hard_survival(n, 0.8),
+        output_bytes=lambda L: int(HIDDEN * L * 2),
+        weight_bytes=int(7.1e6 * 2),
+        measured_on=f"derived: published TensorRT BERT-base FP16 latency on {gpu_name} (NVIDIA/TensorRT demo/BERT), planner/synthetic.py",
     )
 
 

@@ -315,7 +315,7 @@ def _head(directory: Path, block: Any, after: int) -> Any:
 
 def _write_split(directory: Path, opts: OnnxOptions, src: Source, cuts: list[Any], ramps: list[Any]) -> Any:
     """Blocks split at `cuts`, the given exit ramps and the head: the manifest, written."""
-    from exitplan.prepare.graph_cuts import split
+    from exitplan.prepare.graph_split import split
 
     example = {k: v[:2] for k, v in src.data.inputs.items()}
     blocks = split(src.model, [c.tensor for c in cuts], directory, seq_axis=src.seq_axis, example_inputs=example)

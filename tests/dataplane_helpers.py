@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -11,29 +10,7 @@ from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.localrun.deployment import LocalDeployment
-
-
-def free_port_block(n: int) -> int:
-    """First of n consecutive free ports on 127.0.0.1."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65000:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + n):
-                sock = socket.socket()
-                sock.bind(("127.0.0.1", port))
-                socks.append(sock)
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no block of free ports")
+from exitplan.localrun.ports import free_port_block  # noqa: F401  (tests import it from here)
 
 
 def service_spec(
@@ -76,6 +53,11 @@ def deployment(bundle: Path, plan: Plan, spec: EarlyExitServiceSpec, workdir: Pa
     )
 
 
+def control_headers(dep: LocalDeployment) -> dict[str, str]:
+    """The header that opens the deployment's control endpoints (its run's token)."""
+    return {"Authorization": f"Bearer {dep.control_token}"}
+
+
 def ramp_names(bundle: Path) -> list[str]:
     return [r.name for r in read_manifest(bundle).exit_ramps()]
 
@@ -84,3 +66,14 @@ def heldout_texts(bundle: Path, n: int) -> list[str]:
     """The first `n` texts of the bundle's held-out set."""
     with np.load(bundle / "data" / "heldout.npz", allow_pickle=True) as data:
         return [str(t) for t in data["text"][:n]]
+
+
+def one_cell_plan(model: str, blocks: int, bucket: int, batch: int = 8) -> Plan:
+    """One split over all `blocks` blocks, one bucket, one worker fusing up to `batch` inputs."""
+    return Plan(
+        service="one-cell",
+        model=model,
+        splits=[SplitPlan(index=0, first_block=0, last_block=blocks - 1)],
+        buckets=[bucket],
+        cells=[Cell(split=0, bucket=bucket, pool="cpu", replicas=1, batch_size=batch)],
+    )

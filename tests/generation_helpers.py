@@ -23,9 +23,11 @@ def tiny_decoder_bundle() -> Path:
     return build_decoder_bundle(options, TEST_BUNDLES / "decoder-tiny", bar=tqdm_bar(False), threads=1).path
 
 
-def post(url: str, body: object) -> tuple[int, dict]:
+def post(url: str, body: object, headers: dict[str, str] | None = None) -> tuple[int, dict]:
     """POST JSON; (status, decoded JSON body) for 2xx and HTTP errors alike."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as r:
             return r.status, json.loads(r.read())

@@ -2,9 +2,10 @@
 
 What must hold: it renders with the defaults and with every toggle on, lints clean, every object
 validates strictly (kubernetes-validate) for Kubernetes 1.29 through the newest bundled version,
-bad values fail `helm install` naming the key, the CRDs are exactly crds/*.yaml, the operator pod
-has secure defaults and arguments the real CLI accepts, and the NetworkPolicies allow exactly the
-data plane's paths.
+bad values fail `helm install` naming the key, the CRDs are templates rendered from the generated
+crds/*.yaml (labelled, kept on uninstall, changed by an upgrade), the operator pod has secure
+defaults and arguments the real CLI accepts, its template no chart version, and the
+NetworkPolicies allow exactly the data plane's paths.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import functools
 import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +30,13 @@ from test_chart_support import (
     VARIANTS,
     build_children,
     chart,
+    chart_copy,
     crd_objects,
     of_kind,
     one,
     operator_pod,
     render,
+    render_dir,
     render_raw,
 )
 
@@ -42,6 +44,8 @@ helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk is in t
 kv = pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate is in the dev extra")
 
 MIN_KUBE = Version("1.29")
+ALL_ON_METRICS_PORT = 9464
+"""The operator's metrics port in ALL_ON: the chart's default, which is the CLI's (test below)."""
 
 
 # ------------------------------------------------------------------ rendering and linting
@@ -63,7 +67,13 @@ def test_defaults_render_the_operator_rbac_profiler_and_dashboards() -> None:
     ]
     sts = one(objs, "StatefulSet", "exitplan-operator", NAMESPACE)
     assert sts["spec"]["replicas"] == 1
-    assert one(objs, "CustomResourceDefinition")["metadata"]["name"] == "clusterkopfpeerings.kopf.dev"
+    assert sorted(o["metadata"]["name"] for o in of_kind(objs, "CustomResourceDefinition")) == [
+        "clusterkopfpeerings.kopf.dev",
+        "earlyexitservices.exitplan.io",
+        "gpupools.exitplan.io",
+        "modelprofiles.exitplan.io",
+    ]
+    assert not of_kind(objs, "PodDisruptionBudget")  # one replica: a budget would block node drains
     # gated off by default
     for kind in ("ServiceMonitor", "PodMonitor", "NetworkPolicy"):
         assert not of_kind(objs, kind)
@@ -96,6 +106,8 @@ def test_every_toggle_on_renders_monitors_policies_and_peering() -> None:
     )
     assert one(objs, "NetworkPolicy", "exitplan-operator", NAMESPACE)
     assert one(objs, "StatefulSet")["spec"]["replicas"] == 3
+    pdb = one(objs, "PodDisruptionBudget", "exitplan-operator", NAMESPACE)["spec"]
+    assert pdb["maxUnavailable"] == 1 and selects(pdb["selector"], operator_pod(objs)["metadata"]["labels"])
     assert {o["metadata"]["namespace"] for o in of_kind(objs, "ConfigMap")} == {"monitoring"}
     assert {o["metadata"]["namespace"] for o in of_kind(objs, "ServiceAccount")} == {NAMESPACE, "default", "ml-serving"}
 
@@ -108,6 +120,7 @@ def test_toggles_off_render_only_the_operator() -> None:
             "profiler": {"create": False},
             "dashboards": {"enabled": False},
             "leaderElection": {"enabled": False},
+            "crds": {"enabled": False},
         }
     )
     assert sorted(o["kind"] for o in objs) == ["Service", "StatefulSet"]
@@ -222,7 +235,8 @@ def validate_monitor(obj: dict[str, Any]) -> None:
 def test_every_object_validates_strictly_for_each_kubernetes_version(
     variant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    objs = render(VARIANTS[variant]) + crd_objects()
+    objs = render(VARIANTS[variant])
+    assert len(crd_objects(VARIANTS[variant])) == 3
     versions = kube_versions()
     assert versions[0] == "1.29.0" and Version(versions[-1]) >= Version("1.37"), versions
     checked = 0
@@ -279,6 +293,10 @@ BAD_VALUES = [
     ({"networkPolicy": {"maxSplits": 0}}, "/networkPolicy/maxSplits"),
     ({"metrics": {"podMonitor": {"interval": "often"}}}, "/metrics/podMonitor/interval"),
     ({"dashboards": {"labelValue": 1}}, "/dashboards/labelValue"),
+    ({"crds": {"keep": "yes"}}, "/crds/keep"),
+    ({"operator": {"image": {"repository": "r", "digest": "latest"}}}, "/operator/image/digest"),
+    ({"operator": {"extraEnv": [{"value": "x"}]}}, "/operator/extraEnv/0"),
+    ({"operator": {"podDisruptionBudget": {"maxUnavailable": 0}}}, "/operator/podDisruptionBudget/maxUnavailable"),
 ]
 
 
@@ -312,30 +330,7 @@ def test_network_policy_refuses_a_podmonitor_it_would_block() -> None:
         render_raw(values)
 
 
-# ------------------------------------------------------------------ CRDs: exactly the generated ones
-
-
-def test_chart_crds_are_exactly_the_generated_crds(tmp_path: Path) -> None:
-    generated = {p.name: p.read_bytes() for p in sorted((ROOT / "crds").glob("*.yaml"))}
-    assert generated, "crds/*.yaml is empty"
-    loaded = {Path(c["name"]).name: c["data"] for c in chart().crds}
-    assert sorted(loaded) == sorted(generated), "charts/exitplan/crds must hold one link per crds/*.yaml"
-    for name, data in generated.items():
-        assert loaded[name].encode() == data, f"chart crds/{name} differs from crds/{name}"
-        link = CHART / "crds" / name
-        assert link.is_symlink() and link.resolve() == (ROOT / "crds" / name).resolve()
-    # a packaged chart carries the files themselves (links dereferenced)
-    archive = helm_python.package(CHART, destination=tmp_path)
-    with tarfile.open(archive) as tar:
-        for name, data in generated.items():
-            member = tar.getmember(f"exitplan/crds/{name}")
-            assert member.isfile()
-            assert tar.extractfile(member).read() == data
-
-
-def test_chart_crds_are_valid_and_cover_the_three_kinds() -> None:
-    kinds = {c["spec"]["names"]["kind"] for c in crd_objects()}
-    assert kinds == {"GPUPool", "EarlyExitService", "ModelProfile"}
+# ------------------------------------------------------------------ CRDs: tests/test_chart_crds.py
 
 
 # ------------------------------------------------------------------ the operator pod
@@ -396,9 +391,12 @@ def test_operator_args_are_accepted_by_the_cli() -> None:
     assert (params["peering"], params["priority"], params["metrics_port"], params["verbose"]) == (
         "exitplan",
         2,
-        9090,
+        ALL_ON_METRICS_PORT,
         True,
     )
+    assert params["profile_attempts"] == 5  # operator.extraArgs, appended
+    assert {"name": "EXITPLAN_EXTRA", "value": "1"} in pod["env"]  # operator.extraEnv
+    assert pod["image"] == "registry.example.com/exitplan-operator@sha256:" + "0f" * 32  # the digest, not a tag
     assert params["namespace"] == []  # cluster-wide
     restricted = operator_pod(render(RESTRICTED))["spec"]["containers"][0]
     params = _parse_cli(restricted["args"])
@@ -418,6 +416,78 @@ def test_operator_gets_the_data_plane_image_through_the_env_the_builders_read() 
         check=True,
     ).stdout.strip()
     assert got == "registry.local/exitplan-worker:e2e"
+
+
+def test_metrics_port_is_not_prometheus_and_is_the_cli_and_image_default() -> None:
+    """The operator's /metrics port: one number in the chart, `exitplan operator`'s default and the
+    operator image's EXPOSE, and not 9090 (Prometheus's own port)."""
+    chart_default = yaml.safe_load((CHART / "values.yaml").read_text())["operator"]["metricsPort"]
+    cli_default = _parse_cli(["operator"])["metrics_port"]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    operator_stage = dockerfile.split("AS operator\n", 1)[1].split("\nFROM ", 1)[0]
+    assert chart_default == cli_default == ALL_ON_METRICS_PORT != 9090
+    assert f"EXPOSE {chart_default}" in operator_stage
+    pod = operator_pod(render())["spec"]["containers"][0]
+    assert {p["name"]: p["containerPort"] for p in pod["ports"]}["metrics"] == chart_default
+    assert one(render(), "Service")["spec"]["ports"][0]["port"] == chart_default
+
+
+def test_pod_template_carries_no_chart_version(tmp_path: Path) -> None:
+    """A chart bump that changes nothing else leaves the operator's pod template as it was (no
+    restart), while the StatefulSet's own labels name the new chart version."""
+    copy = chart_copy(tmp_path)
+    meta = yaml.safe_load((copy / "Chart.yaml").read_text())
+    old_version = meta["version"]
+    meta["version"] = "9.8.7"
+    (copy / "Chart.yaml").write_text(yaml.safe_dump(meta))
+    before, after = render(ALL_ON), render_dir(copy, ALL_ON)
+    assert operator_pod(after) == operator_pod(before)
+    assert one(after, "StatefulSet")["metadata"]["labels"]["helm.sh/chart"] == "exitplan-9.8.7"
+    assert one(before, "StatefulSet")["metadata"]["labels"]["helm.sh/chart"] == f"exitplan-{old_version}"
+    for variant in VARIANTS.values():
+        labels = operator_pod(render(variant))["metadata"]["labels"]
+        assert "helm.sh/chart" not in labels and "app.kubernetes.io/version" not in labels
+        assert not any(old_version in v for v in labels.values()), labels
+
+
+def test_operator_pod_labels_spread_and_budget() -> None:
+    objs = render(ALL_ON)
+    pod = operator_pod(objs)
+    assert pod["metadata"]["labels"]["example.com/team"] == "ml"  # operator.podLabels
+    # podLabels cannot take the pods out of their StatefulSet's selector
+    hijack = render({"operator": {"podLabels": {"app.kubernetes.io/component": "other"}}})
+    sts = one(hijack, "StatefulSet")
+    assert selects(sts["spec"]["selector"], sts["spec"]["template"]["metadata"]["labels"])
+    (spread,) = pod["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["labelSelector"]["matchLabels"] == one(objs, "StatefulSet")["spec"]["selector"]["matchLabels"]
+    own = {"matchLabels": {"app": "mine"}}
+    mine = {"maxSkew": 2, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"}
+    kept = render({"operator": {"topologySpreadConstraints": [{**mine, "labelSelector": own}]}})
+    assert operator_pod(kept)["spec"]["topologySpreadConstraints"] == [{**mine, "labelSelector": own}]
+    assert "topologySpreadConstraints" not in operator_pod(render())["spec"]
+    # a budget only with more than one replica, and only when enabled
+    assert not of_kind(
+        render({"operator": {"replicas": 3, "podDisruptionBudget": {"enabled": False}}}), "PodDisruptionBudget"
+    )
+    two = render({"operator": {"replicas": 2, "podDisruptionBudget": {"maxUnavailable": 1}}})
+    assert one(two, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+
+
+def test_image_digests_override_the_tags() -> None:
+    digest = "sha256:" + "ab" * 32
+    objs = render(
+        {
+            "operator": {"image": {"repository": "r.example/op", "tag": "1.2.3", "digest": digest}},
+            "dataPlane": {"image": {"repository": "r.example/worker", "tag": "1.2.3", "digest": digest}},
+        }
+    )
+    container = operator_pod(objs)["spec"]["containers"][0]
+    assert container["image"] == f"r.example/op@{digest}"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["EXITPLAN_IMAGE"] == f"r.example/worker@{digest}"
+    tagged = operator_pod(render({"operator": {"image": {"repository": "r.example/op", "tag": "1.2.3"}}}))
+    assert tagged["spec"]["containers"][0]["image"] == "r.example/op:1.2.3"
 
 
 # ------------------------------------------------------------------ the data plane the operator builds
@@ -547,17 +617,23 @@ def test_network_policies_allow_exactly_the_data_plane_paths() -> None:
         assert not allowed(policies, workers[s + 1], workers[s], port)  # never backwards
     assert not allowed(policies, workers[0], workers[2], port)  # no skipping a split
     assert not allowed(policies, workers[3], workers[4], port)  # past maxSplits: denied
+    control = builders.CONTROL_PORT
     for s in range(0, 4):
-        assert allowed(policies, workers[s], router, port)  # shadow feedback
+        assert allowed(policies, workers[s], router, control)  # shadow feedback, on the control port
+        assert not allowed(policies, workers[s], router, port)
         assert allowed(policies, workers[s], dns, 53, "UDP")  # split Services by name
         assert not allowed(policies, stranger, workers[s], port)
         assert not allowed(policies, client, workers[s], port)
         assert allowed(policies, prometheus, workers[s], port)  # metricsFrom
     assert allowed(policies, client, router, port)  # routerIngressFrom
     assert not allowed(policies, stranger, router, port)
-    assert allowed(policies, operator, router, port)  # observations
-    assert allowed(policies, prometheus, operator, 9090)
-    assert not allowed(policies, stranger, operator, 9090)
+    assert allowed(policies, operator, router, control)  # observations, feedback, thresholds
+    assert not allowed(policies, client, router, control)  # the control port: operator and own pods only
+    assert not allowed(policies, stranger, router, control)
+    assert not allowed(policies, prometheus, router, control)
+    assert not allowed(policies, workers[4], router, control)  # past maxSplits: denied
+    assert allowed(policies, prometheus, operator, ALL_ON_METRICS_PORT)
+    assert not allowed(policies, stranger, operator, ALL_ON_METRICS_PORT)
     assert not allowed(policies, router, stranger, port)  # router egress: split 0 only
     # the profiling Job is not a router or worker: its API calls are not blocked
     assert allowed(policies, profiler, Pod("apiserver", "default", {"component": "kube-apiserver"}), 443)
@@ -572,6 +648,13 @@ def test_router_is_open_to_everyone_when_no_ingress_peers_are_named() -> None:
         if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("router")
     )
     assert allowed(policies, Pod("curl", "anywhere", {}), router, 8080)
+    assert not allowed(policies, Pod("curl", "anywhere", {}), router, 8081)  # the control port is not
+    worker = next(
+        Pod("w", "default", d["spec"]["template"]["metadata"]["labels"])
+        for d in children
+        if d["kind"] == "Deployment" and not d["metadata"]["name"].endswith("router")
+    )
+    assert allowed(policies, worker, router, 8081)  # the service's own pods are (shadow feedback)
 
 
 # ------------------------------------------------------------------ dashboards shipped as ConfigMaps

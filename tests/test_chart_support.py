@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,16 @@ ALL_ON: dict[str, Any] = {
         "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "control", "effect": "NoSchedule"}],
         "priorityClassName": "system-cluster-critical",
         "imagePullSecrets": [{"name": "regcred"}],
+        "image": {"repository": "registry.example.com/exitplan-operator", "digest": "sha256:" + "0f" * 32},
+        "podLabels": {"example.com/team": "ml"},
+        "extraArgs": ["--profile-attempts", "5"],
+        "extraEnv": [{"name": "EXITPLAN_EXTRA", "value": "1"}],
+        "topologySpreadConstraints": [
+            {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
+        ],
+        "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1},
     },
+    "crds": {"enabled": True, "keep": False},
     "leaderElection": {"enabled": True, "installPeeringCRD": True},
     "namespaces": {"services": ["default", "ml-serving"]},
     "metrics": {
@@ -72,25 +82,44 @@ def render_raw(values: dict[str, Any] | None = None, namespace: str = NAMESPACE)
     return chart().render(copy.deepcopy(values or {}), name=RELEASE, namespace=namespace, is_install=True)
 
 
-@functools.lru_cache(maxsize=16)
-def _render_cached(key: str) -> tuple[dict[str, Any], ...]:
-    values = yaml.safe_load(key)
+def _objects(rendered: dict[str, str]) -> list[dict[str, Any]]:
     out = []
-    for name, text in sorted(render_raw(values).items()):
+    for name, text in sorted(rendered.items()):
         if name.endswith("NOTES.txt"):
             continue
         out.extend(doc for doc in yaml.safe_load_all(text) if doc)
-    return tuple(out)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _render_cached(key: str) -> tuple[dict[str, Any], ...]:
+    return tuple(_objects(render_raw(yaml.safe_load(key))))
 
 
 def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The rendered objects (templates only; the chart's crds/ are installed by Helm before them)."""
+    """The rendered objects (the CRDs too: they are templates, templates/crds.yaml)."""
     return copy.deepcopy(list(_render_cached(yaml.safe_dump(values or {}, sort_keys=True))))
 
 
-def crd_objects() -> list[dict[str, Any]]:
-    """The chart's crds/ as Helm loads them."""
-    return [yaml.safe_load(c["data"]) for c in chart().crds]
+def chart_copy(dest: Path) -> Path:
+    """A copy of the chart to edit (links dereferenced, as `helm package` stores them)."""
+    return Path(shutil.copytree(CHART, dest / CHART.name))
+
+
+def render_dir(chart_dir: Path, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The objects a chart directory renders (as `render` does for charts/exitplan)."""
+    import helm_python
+
+    loaded = helm_python.Chart.load(chart_dir)
+    try:
+        return _objects(loaded.render(copy.deepcopy(values or {}), name=RELEASE, namespace=NAMESPACE, is_install=True))
+    finally:
+        loaded.close()
+
+
+def crd_objects(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """exitplan's own CRDs as the chart renders them (kopf's peering CRD left out)."""
+    return [o for o in of_kind(render(values), "CustomResourceDefinition") if o["spec"]["group"] == "exitplan.io"]
 
 
 def of_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

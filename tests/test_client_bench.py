@@ -11,7 +11,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from dataplane_helpers import deployment, service_spec
+from dataplane_helpers import control_headers, deployment, service_spec
 from typer.testing import CliRunner
 
 from exitplan.api.bundle import BundleError, read_manifest
@@ -47,12 +47,15 @@ def served(minilm_bundle, manifest, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def setup(served, minilm_bundle):
-    return BenchSetup.connect(served.url, "minilm", minilm_bundle)
+    setup = BenchSetup.connect(served.url, "minilm", minilm_bundle)
+    setup.control_url, setup.control_token = served.control_url, served.control_token
+    return setup
 
 
-def _set_thresholds(url: str, thresholds: dict[str, float]) -> None:
+def _set_thresholds(served, thresholds: dict[str, float]) -> None:
     body = json.dumps({"thresholds": thresholds, "reason": "bench-test"}).encode()
-    req = urllib.request.Request(f"{url}/v1/thresholds", data=body, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **control_headers(served)}
+    req = urllib.request.Request(f"{served.control_url}/v1/thresholds", data=body, headers=headers)
     with urllib.request.urlopen(req, timeout=10) as resp:
         assert resp.status == 200
 
@@ -84,9 +87,10 @@ def test_matched_texts_tokenize_to_the_lengths_reported(minilm_bundle):
 
 
 def test_replay_accounts_for_every_request_and_agrees_with_the_routers_counts(served, setup, manifest, shared_trace):
-    before = router_observations(served.url)
+    assert router_observations(served.control_url) is None  # not without the token
+    before = router_observations(served.control_url, served.control_token)
     report = run_bench(served.url, "minilm", served.bundle, setup=setup, rps=25.0, limit=120, slo_ms=SLO_MS, seed=1)
-    after = router_observations(served.url)
+    after = router_observations(served.control_url, served.control_token)
     assert report.requests == 120
     _assert_all_answered(report)
     assert report.results > 0
@@ -103,7 +107,7 @@ def test_replay_accounts_for_every_request_and_agrees_with_the_routers_counts(se
 def test_without_exits_every_answer_is_the_full_models(served, setup, manifest, shared_trace):
     """Thresholds above 1: the router answers with the final head, so agreement must be exact, concatenations included."""
     exit_ramps = [r.name for r in manifest.exit_ramps()]
-    _set_thresholds(served.url, {r: 2.0 for r in exit_ramps})
+    _set_thresholds(served, {r: 2.0 for r in exit_ramps})
     try:
         single = run_bench(served.url, "minilm", served.bundle, setup=setup, rps=20.0, limit=30, slo_ms=SLO_MS, seed=2)
         joined = run_bench(
@@ -118,7 +122,7 @@ def test_without_exits_every_answer_is_the_full_models(served, setup, manifest, 
             length_mode="clip",
         )
     finally:
-        _set_thresholds(served.url, {r: 0.9 for r in exit_ramps})
+        _set_thresholds(served, {r: 0.9 for r in exit_ramps})
     for report in (single, joined):
         _assert_all_answered(report)
         assert report.results > 0

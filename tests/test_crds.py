@@ -52,15 +52,12 @@ def test_ees_crd_has_status_subresource_printer_columns_and_descriptions():
     crd = crdgen.build_crd("EarlyExitService")
     (version,) = crd["spec"]["versions"]
     assert version["subresources"] == {"status": {}}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Phase",
-        "Goodput",
-        "P99-ms",
-        "Splits",
-        "Replicas",
-        "Cost/h",
-        "Age",
-    ]
+    columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
+    assert list(columns) == ["Phase", "Ready", "Goodput", "Measured", "P99-ms", "Splits", "Cost/h", "Reason", "Age"]
+    assert columns["Ready"]["jsonPath"] == ".status.ready"  # worker replicas ready / planned
+    assert columns["Measured"]["jsonPath"] == ".status.drift.goodputRps"  # next to the planned goodput
+    assert columns["Reason"]["jsonPath"] == ".status.reason"
+    assert [n for n, c in columns.items() if c.get("priority")] == ["Splits", "Cost/h"]  # -o wide
     props = version["schema"]["openAPIV3Schema"]["properties"]
     slo = props["spec"]["properties"]["slo"]
     assert slo["required"] == ["latencyMs"] and "p99" in slo["properties"]["latencyMs"]["description"]
@@ -68,7 +65,14 @@ def test_ees_crd_has_status_subresource_printer_columns_and_descriptions():
     mode = props["spec"]["properties"]["planner"]["properties"]["mode"]
     assert mode["enum"] == ["active", "advisory"]
     cond = props["status"]["properties"]["conditions"]["items"]
-    assert cond["properties"]["type"]["enum"] == ["Planned", "Ready", "Progressing", "Degraded", "PlanInfeasible"]
+    assert cond["properties"]["type"]["enum"] == [
+        "Planned",
+        "Ready",
+        "Progressing",
+        "Degraded",
+        "PlanInfeasible",
+        "ProfilingFailed",
+    ]
     assert crdgen.build_crd("GPUPool")["spec"]["scope"] == "Cluster"
     assert crdgen.build_crd("ModelProfile")["spec"]["scope"] == "Namespaced"
 

@@ -16,7 +16,7 @@ import time
 import aiohttp
 import numpy as np
 import pytest
-from dataplane_helpers import deployment, heldout_texts, ramp_names, service_spec, two_split_plan
+from dataplane_helpers import control_headers, deployment, heldout_texts, ramp_names, service_spec, two_split_plan
 from tokenizers import Tokenizer
 
 from exitplan.api.bundle import read_manifest
@@ -180,44 +180,46 @@ async def test_model_metadata_and_health(served, ramps):
 
 async def test_hot_threshold_update_changes_exits_without_dropping_requests(served, texts, ramps):
     url = f"{served.url}/v2/models/minilm/infer"
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=control_headers(served)) as s:
 
         async def load():
             return await post_each(s, url, texts)
 
         before = asyncio.create_task(load())
-        status, _, _ = await post(s, f"{served.url}/v1/thresholds", {"thresholds": {ramps[0]: 0.0}, "reason": "test"})
+        status, _, _ = await post(
+            s, f"{served.control_url}/v1/thresholds", {"thresholds": {ramps[0]: 0.0}, "reason": "test"}
+        )
         assert status == 200
         during = await before
         assert all(st == 200 for st, _, _ in during)  # nothing dropped while thresholds changed
         after = await load()
         assert {outputs(a)["exit_ramp"]["data"][0] for _, a, _ in after} == {ramps[0]}
         status, _, _ = await post(
-            s, f"{served.url}/v1/thresholds", {"thresholds": {r: 2.0 for r in ramps}, "reason": "test"}
+            s, f"{served.control_url}/v1/thresholds", {"thresholds": {r: 2.0 for r in ramps}, "reason": "test"}
         )
         assert status == 200
-        bad, answer, _ = await post(s, f"{served.url}/v1/thresholds", {"thresholds": {"nope": 0.5}})
+        bad, answer, _ = await post(s, f"{served.control_url}/v1/thresholds", {"thresholds": {"nope": 0.5}})
         assert bad == 400 and "nope" in answer["error"]
         async with s.get(f"{served.url}/metrics") as resp:
             text = await resp.text()
         updates = [
             line
             for line in text.splitlines()
-            if line.startswith("exitplan_threshold_updates_total{") and 'reason="test"' in line
-        ]
+            if line.startswith("exitplan_threshold_updates_total{") and 'reason="other"' in line
+        ]  # the free-text reason "test" is not a label value: it counts as "other"
         assert updates and float(updates[0].split()[-1]) >= 2
 
 
 async def test_shadow_feedback_fills_the_tuning_window(served, texts, ramps):
     url = f"{served.url}/v2/models/minilm/infer"
-    async with aiohttp.ClientSession() as s:
-        await post(s, f"{served.url}/v1/thresholds", {"thresholds": {ramps[0]: 0.0}, "reason": "test"})
+    async with aiohttp.ClientSession(headers=control_headers(served)) as s:
+        await post(s, f"{served.control_url}/v1/thresholds", {"thresholds": {ramps[0]: 0.0}, "reason": "test"})
         results = await post_each(s, url, texts)
         assert all(st == 200 for st, _, _ in results)
         await asyncio.sleep(1.0)  # feedback arrives after the answers
-        async with s.get(f"{served.url}/v1/window.npz") as resp:
+        async with s.get(f"{served.control_url}/v1/window.npz") as resp:
             raw = await resp.read()
-        await post(s, f"{served.url}/v1/thresholds", {"thresholds": {r: 2.0 for r in ramps}, "reason": "test"})
+        await post(s, f"{served.control_url}/v1/thresholds", {"thresholds": {r: 2.0 for r in ramps}, "reason": "test"})
     import io
 
     window = np.load(io.BytesIO(raw))
@@ -236,26 +238,32 @@ async def test_autotune_step_reads_the_window_and_pushes_to_every_worker(served,
     from exitplan.planner.tuning.autotune import LIVE
     from exitplan.worker.control_client import ControlClient
 
-    async with aiohttp.ClientSession() as s:  # feedback to tune on (shadow fraction 0.5)
+    async with aiohttp.ClientSession(headers=control_headers(served)) as s:  # feedback to tune on (shadow fraction 0.5)
         await post_each(s, f"{served.url}/v2/models/minilm/infer", texts)
     await asyncio.sleep(1.0)
 
-    tuner = AutoTuner(served.url, ramps, budget=0.05, config=replace(LIVE, min_samples=5, savings_samples=5))
+    tuner = AutoTuner(
+        served.control_url,
+        ramps,
+        budget=0.05,
+        config=replace(LIVE, min_samples=5, savings_samples=5),
+        token=served.control_token,
+    )
     decision = await asyncio.to_thread(tuner.step)
     await asyncio.to_thread(tuner.stop)  # closes its client and event loop
     assert decision.samples >= 5 and decision.reason in {"accuracy", "savings", "no-gain"}
     if decision.thresholds is None:  # nothing to gain on this window: make a change to see it travel
         decision_thresholds = {r: 0.97 for r in ramps}
-        async with ControlClient(served.url) as control:
+        async with ControlClient(served.control_url, token=served.control_token) as control:
             await control.push_thresholds(decision_thresholds, "test")
     else:
         decision_thresholds = decision.thresholds
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=control_headers(served)) as s:
         for proc in served.procs:
             if proc.name.startswith("worker"):
                 async with s.get(f"http://{proc.address}/v1/info") as resp:
                     assert (await resp.json())["thresholds"] == decision_thresholds, proc.name
-        await post(s, f"{served.url}/v1/thresholds", {"thresholds": {r: 2.0 for r in ramps}, "reason": "test"})
+        await post(s, f"{served.control_url}/v1/thresholds", {"thresholds": {r: 2.0 for r in ramps}, "reason": "test"})
 
 
 async def test_straggler_is_marked_skipped_and_recovers(served, texts):
@@ -264,7 +272,7 @@ async def test_straggler_is_marked_skipped_and_recovers(served, texts):
     slow, fast = split1_b32
     short = [t for t in texts if len(t.split()) < 12][:10] or texts[:10]
     url = f"{served.url}/v2/models/minilm/infer"
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=control_headers(served)) as s:
         await post(s, f"http://{slow.address}/v1/faults", {"slowdown": 8})
 
         async def marked() -> bool:

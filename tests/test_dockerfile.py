@@ -164,17 +164,21 @@ def test_versions_are_pinned(dockerfile: tuple[dict, dict[str, Stage]]) -> None:
     for stage in stages.values():
         if stage.base in stages:
             continue
-        image, _, tag = stage.base.rpartition(":")
+        # IMAGE:TAG or, pinned to a digest (tests/test_supply_chain.py), IMAGE:TAG@sha256:DIGEST
+        image, _, tag = stage.base.partition("@")[0].rpartition(":")
         assert image and tag and tag != "latest" and re.search(r"\d+\.\d+", tag), f"base {stage.base!r} is not pinned"
     text = DOCKERFILE.read_text()
     assert set(re.findall(r"ARG EXITPLAN_VERSION=(\S+)", text)) == {PYPROJECT["project"]["version"]}
-    assert len(set(re.findall(r"ARG PIP_VERSION=(\S+)", text))) == 1
     python = re.search(r"python:(\d+\.\d+)\.\d+", args["PYTHON_IMAGE"])
     assert python and f">={python.group(1)}" in PYPROJECT["project"]["requires-python"]
     for _, line in (i for s in stages.values() for i in s.instructions if i[0] == "RUN"):
         for spec in re.findall(r"pip install [^&]*", line):
-            for token in spec.split()[2:]:
+            tokens = spec.split()[2:]
+            for before, token in zip(["", *tokens], tokens):
                 if token.startswith("-"):
+                    continue
+                if before == "-r":  # a lock file: every line pinned with hashes (tests/test_supply_chain.py)
+                    assert token.endswith(".lock") and "--require-hashes" in tokens, f"pip install -r {token}"
                     continue
                 assert "==" in token or token.strip('"').startswith("/wheels/"), f"unpinned pip install {token}"
 

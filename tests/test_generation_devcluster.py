@@ -75,7 +75,18 @@ def stack(tmp_path_factory):
         wait("the dev-cluster's kubeconfig", kubeconfig.exists, 60)
         procs.append(
             subprocess.Popen(
-                [*EXITPLAN, "operator", "--kubeconfig", str(kubeconfig), "--tick", "1", "--metrics-port", "0"],
+                [
+                    *EXITPLAN,
+                    "operator",
+                    "--kubeconfig",
+                    str(kubeconfig),
+                    "--tick",
+                    "1",
+                    "--metrics-port",
+                    "0",
+                    "--allow-host-path",  # the decoder bundles are copies under tmp: host paths of the "node"
+                    str(tmp),
+                ],
                 stdout=logs["operator"],
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -109,7 +120,7 @@ def test_operator_runs_a_generation_service_that_answers_over_http(stack):
                 "apiVersion": "exitplan.io/v1alpha1",
                 "kind": "GPUPool",
                 "metadata": {"name": "local"},
-                "spec": {"capacity": 2, "gpuResource": "", "cpu": "1", "memory": "1Gi"},
+                "spec": {"capacity": 3, "gpuResource": "", "cpu": "1", "memory": "1Gi"},  # shared: 1 + 2 stages
             }
         )
     )
@@ -188,7 +199,7 @@ def test_a_pipeline_plan_runs_chained_stage_pods(stack):
                     "apiVersion": "exitplan.io/v1alpha1",
                     "kind": "GPUPool",
                     "metadata": {"name": "local"},
-                    "spec": {"capacity": 2, "gpuResource": "", "cpu": "1", "memory": "1Gi"},
+                    "spec": {"capacity": 3, "gpuResource": "", "cpu": "1", "memory": "1Gi"},  # shared: 1 + 2 stages
                 }
             )
         )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from generation_helpers import PROMPTS, tiny_decoder_bundle
 
+from exitplan.localrun.ports import free_port
 from exitplan.worker.generate.decoder import DecoderModel, full_greedy
 from exitplan.worker.generate.local_pipeline import PipelineEngine
 from exitplan.worker.generate.remote_pipeline import RemotePipelineEngine
@@ -23,12 +23,6 @@ from exitplan.worker.generate.routes import generation_app
 
 TOL = 1e-5
 EXITPLAN = [sys.executable, "-c", "from exitplan.cli import app; app()"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

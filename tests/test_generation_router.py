@@ -20,36 +20,13 @@ from generation_helpers import PROMPTS, post, tiny_decoder_bundle
 
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
 from exitplan.localrun.deployment import LocalDeployment
+from exitplan.localrun.ports import free_port, free_port_block
 from exitplan.planner.generation import plan_generation
 from exitplan.worker.generate.decoder import DecoderModel, RecomputeEngine, full_greedy
 from exitplan.worker.generate.local_pipeline import PipelineEngine
 
 NAME = "tweets"
 HANG_GUARD = 120.0  # only stops a broken run from hanging the suite; not a performance assertion
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_block(n: int) -> int:
-    """A first port of `n` consecutive free ones."""
-    for _ in range(50):
-        start = free_port()
-        if all(_free(start + i) for i in range(1, n)):
-            return start
-    raise RuntimeError("no run of free ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def service_spec(bundle: Path) -> EarlyExitServiceSpec:
@@ -105,7 +82,7 @@ def deployment(request, bundle, tmp_path_factory):
         stages=request.param,
     ).plan
     deployment = LocalDeployment(
-        bundle, plan, spec, tmp_path_factory.mktemp("up"), port=free_port(), base_port=free_block(3)
+        bundle, plan, spec, tmp_path_factory.mktemp("up"), port=free_port(), base_port=free_port_block(3)
     )
     deployment.start(timeout=HANG_GUARD)
     try:
@@ -234,7 +211,10 @@ def test_client_disconnect_mid_stream_stops_and_releases_every_stage_cache(deplo
 
 
 def test_threshold_is_hot_updated_through_the_router(deployment):
-    code, answer = post(f"{deployment.url}/v1/thresholds", {"threshold": 0.0})
+    auth = {"Authorization": f"Bearer {deployment.control_token}"}
+    code, answer = post(f"{deployment.control_url}/v1/thresholds", {"threshold": 0.0})
+    assert code == 401  # the control endpoints take the run's token
+    code, answer = post(f"{deployment.control_url}/v1/thresholds", {"threshold": 0.0}, auth)
     assert code == 200 and answer["threshold"] == 0.0
     try:
         code, answer = post(
@@ -242,15 +222,15 @@ def test_threshold_is_hot_updated_through_the_router(deployment):
             {"text_input": PROMPTS[0], "parameters": {"max_tokens": 6, "ignore_eos": True}},
         )
         assert code == 200 and answer["threshold"] == 0.0 and "exit0" in answer["exits"]
-        code, answer = post(f"{deployment.url}/v1/thresholds", {"thresholds": {"nope": 0.5}})
+        code, answer = post(f"{deployment.control_url}/v1/thresholds", {"thresholds": {"nope": 0.5}}, auth)
         assert code == 400 and "unknown ramps" in answer["error"]
     finally:
-        post(f"{deployment.url}/v1/thresholds", {"threshold": 1.0})
+        post(f"{deployment.control_url}/v1/thresholds", {"threshold": 1.0}, auth)
 
 
 def test_exitplan_up_plans_and_serves_a_decoder_service(bundle, tmp_path):
     """The CLI end to end: measure (cached in the bundle), plan, start stages + router, generate, stop."""
-    port, base = free_port(), free_block(4)
+    port, base = free_port(), free_port_block(4)
     service = tmp_path / "service.yaml"
     service.write_text(
         yaml.safe_dump_all(

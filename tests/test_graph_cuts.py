@@ -22,10 +22,9 @@ from exitplan.prepare.graph_cuts import (
     find_cuts,
     load_model,
     no_cut_message,
-    split,
     spread,
-    verify_chain,
 )
+from exitplan.prepare.graph_split import split, verify_chain
 
 OPSET = 17
 

@@ -67,6 +67,7 @@ def test_children_cover_every_cell_with_labels_owner_and_hash():
         "Service/minilm",
         "Service/minilm-split-0",
         "Service/minilm-split-1",
+        "Service/minilm-control",
         "Deployment/minilm-s0-b32-gpu-a",
         "Deployment/minilm-s0-b128-cpu",
         "Deployment/minilm-s1-b32-gpu-a",
@@ -92,8 +93,10 @@ def test_children_cover_every_cell_with_labels_owner_and_hash():
     assert {builders.L_SPLIT: "0", builders.L_BUCKET: "128", builders.L_POOL: "cpu"}.items() <= worker["metadata"][
         "labels"
     ].items()
-    # The ConfigMap holds the plan exactly.
-    assert Plan.model_validate_json(names["ConfigMap/minilm-plan"]["data"]["plan.json"]) == PLAN
+    # The ConfigMap holds the plan exactly, naming the routers' control Service as its routers.
+    held = Plan.model_validate_json(names["ConfigMap/minilm-plan"]["data"]["plan.json"])
+    assert held == PLAN.model_copy(update={"routers": ["minilm-control.ml.svc:8081"]})
+    assert held.content_hash() == PLAN.content_hash()  # wiring, not part of the plan's hash
 
 
 def test_selectors_match_pod_labels():
@@ -129,6 +132,8 @@ def test_worker_pod_follows_the_contract_and_the_pool():
         "gpu-a",
         "--port",
         "8080",
+        "--control-token-file",
+        "/var/run/exitplan-control/token",
         "--next",
         "minilm-split-1.ml.svc:8080",
     ]
@@ -142,6 +147,9 @@ def test_worker_pod_follows_the_contract_and_the_pool():
     term = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
     assert term["topologyKey"] == "kubernetes.io/hostname"
     assert {"name": "plan", "mountPath": "/etc/exitplan", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "control-token", "mountPath": "/var/run/exitplan-control", "readOnly": True} in c["volumeMounts"]
+    token = next(v for v in pod["volumes"] if v["name"] == "control-token")
+    assert token["secret"]["secretName"] == "minilm-control-token" and token["secret"]["defaultMode"] == 0o440
     # The last split has no --next; a CPU-only pool asks for no GPU.
     last = names["Deployment/minilm-s1-b128-gpu-a"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--next" not in last
@@ -167,10 +175,16 @@ def test_router_and_entry_service():
     ]
     flags = dict(zip(c["args"][8::2], c["args"][9::2]))
     assert flags["--slo-ms"] == "100" and flags["--accuracy-budget"] == "0.01" and flags["--max-inflight"] == "4096"
+    assert flags["--control-port"] == "8081" and flags["--control-token-file"] == "/var/run/exitplan-control/token"
+    assert {"name": "control", "containerPort": 8081} in c["ports"]
     svc = names["Service/minilm"]
     assert (
         svc["spec"]["ports"][0]["port"] == 8080 and svc["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
     )
+    assert [p["port"] for p in svc["spec"]["ports"]] == [8080]  # clients reach only the inference port
+    control = names["Service/minilm-control"]  # headless: every router pod, at the control port
+    assert control["spec"]["clusterIP"] == "None" and control["spec"]["selector"] == svc["spec"]["selector"]
+    assert control["spec"]["ports"] == [{"name": "control", "port": 8081, "targetPort": "control", "protocol": "TCP"}]
 
 
 def test_builders_are_pure_and_deterministic():

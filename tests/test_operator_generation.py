@@ -78,7 +78,8 @@ def test_pipeline_plan_builds_one_stage_deployment_per_split_chained_by_next():
     router = deployments["gen-router"]["spec"]["template"]["spec"]["containers"][0]
     assert router["command"] == ["exitplan", "router"]
     assert router["args"][router["args"].index("--peers") + 1] == builders.split_host("gen", "ns", 0)
-    assert set(by_kind(children, "Service")) == {"gen"} | {builders.split_service_name("gen", i) for i in range(3)}
+    splits = {builders.split_service_name("gen", i) for i in range(3)}
+    assert set(by_kind(children, "Service")) == {"gen", "gen-control"} | splits  # the router's control port too
     assert json.loads(by_kind(children, "ConfigMap")["gen-plan"]["data"]["plan.json"])["splits"][2]["lastBlock"] == 3
     assert all(c["metadata"]["ownerReferences"][0]["uid"] == "u-1" for c in children)
     # apply order: the ConfigMap, stages from the last split back, Services, the router last
@@ -147,7 +148,7 @@ def generation_service(name: str, ns: str, bundle, pools=("gpu-a", "gpu-b")) -> 
 
 def test_operator_creates_the_stage_deployments_of_a_generation_service(cluster, bundle_copy):
     ns = "gen"
-    with operator(cluster):
+    with operator(cluster, env={"EXITPLAN_ALLOWED_HOST_PATHS": str(bundle_copy.parent)}):
         svc = cluster.create(generation_service("tweets", ns, bundle_copy))
         st = wait_for(
             "the generation service is planned and applied",
@@ -173,7 +174,7 @@ def test_operator_creates_the_stage_deployments_of_a_generation_service(cluster,
 
 def test_without_measurements_the_plan_is_one_stage_that_never_exits(cluster, bundle_copy, tmp_path):
     ns = "bare"
-    with operator(cluster):
+    with operator(cluster, env={"EXITPLAN_ALLOWED_HOST_PATHS": str(tmp_path)}):
         cluster.create(generation_service("bare", ns, bundle_copy, pools=("gpu-b",)))  # no measurements for gpu-b
         st = wait_for(
             "planned", lambda: (s := status(cluster, ns, "bare")).get("phase") in ("Deploying", "Ready") and s

@@ -2,14 +2,18 @@
 
 Profiles are the synthetic ones in tests/test_operator_data/profiles.yaml; the planner is the
 real one; observations for the drift tests come from a real tiny HTTP server in the test that
-serves a crafted Observations window (that is the injected drift), published as the router
-Service's load-balancer ingress the way the dev-cluster's Service stand-in publishes its port.
+serves a crafted Observations window (that is the injected drift), published as the routers' control
+Service's load-balancer ingress the way the dev-cluster's Service stand-in publishes its port. Like a
+router's control port it answers only requests carrying the service's control token (the Secret the
+operator created), so the drift and tuning tests show the operator sends it.
 """
 
 from __future__ import annotations
 
+import base64
 import http.server
 import json
+import logging
 import threading
 
 import pytest
@@ -66,7 +70,11 @@ def test_create_builds_every_child_with_the_right_specs(cluster):
             assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
             assert dep["metadata"]["annotations"][builders.A_PLAN_HASH] == plan.content_hash()
         names = {o["metadata"]["name"] for o in cluster.list("Service", ns, "exitplan.io/service=minilm")}
-        assert names == {"minilm"} | {builders.split_service_name("minilm", s.index) for s in plan.splits}
+        splits = {builders.split_service_name("minilm", s.index) for s in plan.splits}
+        assert names == {"minilm", "minilm-control"} | splits
+        secret = cluster.get("Secret", ns, "minilm-control-token")  # the control token, made once
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == svc["metadata"]["uid"]
+        assert len(base64.b64decode(secret["data"]["token"])) >= 32
         router = cluster.get("Deployment", ns, "minilm-router")
         assert router["spec"]["template"]["spec"]["containers"][0]["command"] == ["exitplan", "router"]
         for kind in ("Deployment", "Service", "ConfigMap"):
@@ -109,9 +117,12 @@ def test_spec_change_replans_and_patches(cluster):
 class ObservationServer:
     """A real HTTP endpoint standing in for a router: `window` is the last closed observation
     window (GET /v1/observations), `current` the one in progress (?window=current; by default an
-    empty one that starts where `window` ends); GET/POST /v1/thresholds keep `thresholds`."""
+    empty one that starts where `window` ends); GET/POST /v1/thresholds keep `thresholds`. Requests
+    without `Authorization: Bearer <token>` are answered 401 and counted in `refused`."""
 
     def __init__(self) -> None:
+        self.token: str | None = None
+        self.refused = 0
         self.window: dict = {}
         self.current: dict | None = None
         self.thresholds: dict[str, float] = {}
@@ -128,7 +139,16 @@ class ObservationServer:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def refuse(self) -> bool:
+                if owner.token is not None and self.headers.get("Authorization") == f"Bearer {owner.token}":
+                    return False
+                owner.refused += 1
+                self._send(401, {"error": "control endpoints need the service's control token"})
+                return True
+
             def do_GET(self) -> None:  # noqa: N802
+                if self.refuse():
+                    return
                 if self.path == "/v1/observations":
                     self._send(200, owner.window)
                 elif self.path == "/v1/observations?window=current":
@@ -146,6 +166,8 @@ class ObservationServer:
 
             def do_POST(self) -> None:  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                if self.refuse():
+                    return
                 if self.path == "/v1/thresholds":
                     owner.pushed.append(body)
                     owner.thresholds = dict(body["thresholds"])
@@ -202,14 +224,14 @@ def observations():
     server.close()
 
 
-def publish_endpoint(cluster: ClusterThread, ns: str, name: str, port: int) -> None:
-    """Publish the observation server as the router Service's ingress (as the dev-cluster does)."""
+def publish_endpoint(cluster: ClusterThread, ns: str, name: str, server: ObservationServer) -> None:
+    """Publish the observation server as the routers' control Service's ingress (as the dev-cluster
+    does), answering to the service's control token."""
+    secret = cluster.get("Secret", ns, builders.control_secret_name(name))
+    server.token = base64.b64decode(secret["data"]["token"]).decode()
+    ingress = [{"ip": "127.0.0.1", "ports": [{"port": server.port, "protocol": "TCP"}]}]
     cluster.patch(
-        "Service",
-        ns,
-        builders.dns_name(name),
-        {"status": {"loadBalancer": {"ingress": [{"ip": "127.0.0.1", "ports": [{"port": port, "protocol": "TCP"}]}]}}},
-        "status",
+        "Service", ns, builders.control_service_name(name), {"status": {"loadBalancer": {"ingress": ingress}}}, "status"
     )
 
 
@@ -233,7 +255,7 @@ def test_injected_length_drift_moves_replicas_between_cells(cluster, observation
         plan0 = plan_of(cluster, ns, "minilm")
         before = bucket_replicas(cluster, ns, "minilm")
         observations.window = window(950, 50)  # the traffic turned short: most inputs fit bucket 32
-        publish_endpoint(cluster, ns, "minilm", observations.port)
+        publish_endpoint(cluster, ns, "minilm", observations)
         st = wait_for(
             "a length-drift re-plan is applied",
             lambda: (s := deployed(cluster, ns, "minilm")) and s.get("lastReplanReason") == "length-drift" and s,
@@ -297,7 +319,7 @@ def test_advisory_mode_reports_and_changes_nothing(cluster, observations):
         snapshot = {n: d["metadata"]["resourceVersion"] for n, d in workers(cluster, ns, "minilm").items()}
         cm_rv = cluster.get("ConfigMap", ns, "minilm-plan")["metadata"]["resourceVersion"]
         observations.window = window(950, 50)
-        publish_endpoint(cluster, ns, "minilm", observations.port)
+        publish_endpoint(cluster, ns, "minilm", observations)
         st = wait_for(
             "a length-drift proposal",
             lambda: (
@@ -341,17 +363,22 @@ def test_restart_resumes_without_duplicating_children(cluster):
         for k in ("Deployment", "Service", "ConfigMap")
         for o in cluster.list(k, ns)
     }
-    with operator(cluster):
-        wait_for(
-            "the resume handler ran",
-            lambda: "(resume)" in condition(status(cluster, ns, "minilm"), "Planned").get("message", ""),
-        )
-        again = {
-            (k, o["metadata"]["name"]): (o["metadata"]["uid"], o["metadata"]["resourceVersion"])
-            for k in ("Deployment", "Service", "ConfigMap")
-            for o in cluster.list(k, ns)
-        }
+    done: list[str] = []  # kopf logs the end of the resume handling (the plan keeps its reason, "initial")
+    grab = logging.Handler()
+    grab.emit = lambda record: done.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("kopf.objects").addHandler(grab)
+    try:
+        with operator(cluster):
+            wait_for("the resume handler ran", lambda: any("Resuming is processed" in m for m in done))
+            again = {
+                (k, o["metadata"]["name"]): (o["metadata"]["uid"], o["metadata"]["resourceVersion"])
+                for k in ("Deployment", "Service", "ConfigMap")
+                for o in cluster.list(k, ns)
+            }
+    finally:
+        logging.getLogger("kopf.objects").removeHandler(grab)
     assert again == snapshot  # same objects, not even patched
+    assert "(initial)" in condition(status(cluster, ns, "minilm"), "Planned")["message"]  # one reason per plan
 
 
 def test_invalid_specs_become_conditions_not_crash_loops(cluster):
@@ -560,8 +587,9 @@ def test_live_tuned_thresholds_are_written_into_the_plan(cluster, observations):
         cluster.create(service("minilm", ns, planner=DRIFT, accuracy={"maxDrop": 0.02}))
         first = wait_for("first plan applied", lambda: deployed(cluster, ns, "minilm"))
         observations.window = window(500, 500)
-        publish_endpoint(cluster, ns, "minilm", observations.port)
+        publish_endpoint(cluster, ns, "minilm", observations)
         wait_for("thresholds pushed", lambda: observations.pushed)
+        assert observations.refused == 0  # every read and push carried the service's control token
         pushed = observations.pushed[0]["thresholds"]
         assert pushed["ramp1"] > 0.75 and observations.pushed[0]["reason"] == "tune-accuracy"
         plan = wait_for(
@@ -601,9 +629,12 @@ def pool_replicas(cluster: ClusterThread, ns: str, name: str) -> dict[str, int]:
 def test_gpupool_changes_replan_the_services_that_use_them(cluster):
     ns = "pools"
     install_profiles(cluster, ns)
+    # Services share a pool's capacity (operator/capacity.py): gpu-a holds the 2 + 2 + 2 replicas that
+    # minilm, other and marker may take of it.
+    cluster.patch("GPUPool", None, "gpu-a", {"spec": {"capacity": 8}})
     with operator(cluster):
-        cluster.create(service("minilm", ns))
-        cluster.create(service("other", ns, pools=[{"name": "gpu-a"}]))
+        cluster.create(service("minilm", ns, pools=[{"name": "gpu-a", "maxGpus": 2}, {"name": "gpu-b"}]))
+        cluster.create(service("other", ns, pools=[{"name": "gpu-a", "maxGpus": 2}]))
         first = wait_for("planned", lambda: deployed(cluster, ns, "minilm"))
         other = wait_for("planned", lambda: deployed(cluster, ns, "other"))
         assert pool_replicas(cluster, ns, "minilm").get("gpu-b", 0) > 1
@@ -622,7 +653,7 @@ def test_gpupool_changes_replan_the_services_that_use_them(cluster):
         # A change the plan does not depend on (a label) re-plans nothing.
         digest = status(cluster, ns, "minilm")["poolsDigest"]
         cluster.patch("GPUPool", None, "gpu-a", {"metadata": {"labels": {"team": "ml"}}})
-        cluster.create(service("marker", ns, pools=[{"name": "gpu-a"}]))  # an event after the label's
+        cluster.create(service("marker", ns, pools=[{"name": "gpu-a", "maxGpus": 2}]))  # an event after the label's
         wait_for("the next service planned", lambda: deployed(cluster, ns, "marker"))
         assert status(cluster, ns, "minilm")["poolsDigest"] == digest
         assert "(pool-changed)" not in condition(status(cluster, ns, "other"), "Planned")["message"]
@@ -673,7 +704,7 @@ def test_move_cap_moves_a_fraction_per_step_and_converges(cluster, observations)
         mark_ready(cluster, ns, "minilm")
         seen = [plan_of(cluster, ns, "minilm")]
         observations.window = window(950, 50)
-        publish_endpoint(cluster, ns, "minilm", observations.port)
+        publish_endpoint(cluster, ns, "minilm", observations)
         for _ in range(20):
 
             def moved() -> Plan | None:

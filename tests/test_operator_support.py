@@ -109,14 +109,22 @@ def wait_for(what: str, probe: Callable[[], Any], guard: float = HANG_GUARD) -> 
     raise AssertionError(f"never happened: {what} (last probe: {json.dumps(last, default=str)[:1500]})")
 
 
+ALLOWED_HOST_PATHS = "/models"
+"""The operator's allowed bundle host paths in these tests: service() names /models/minilm."""
+
+
 @contextlib.contextmanager
-def operator(cluster: ClusterThread, extra: list[str] | None = None) -> Iterator[Any]:
+def operator(
+    cluster: ClusterThread, extra: list[str] | None = None, env: dict[str, str] | None = None
+) -> Iterator[Any]:
     """The real operator (exitplan.operator.handlers) under kopf, all namespaces; standalone
-    unless `extra` names a peering (leader election)."""
+    unless `extra` names a peering (leader election). `env`: operator settings (operator/guards.py)
+    over the default ones (bundles under /models may be host paths)."""
     from kopf.testing import KopfRunner
 
     args = ["run", "--all-namespaces", "-m", "exitplan.operator.handlers", *(extra or ["--standalone"])]
-    runner = KopfRunner(args, env={"KUBECONFIG": str(cluster.kubeconfig)}, timeout=60)
+    settings = {"KUBECONFIG": str(cluster.kubeconfig), "EXITPLAN_ALLOWED_HOST_PATHS": ALLOWED_HOST_PATHS, **(env or {})}
+    runner = KopfRunner(args, env=settings, timeout=60)
     try:
         with runner:
             yield runner

@@ -238,7 +238,8 @@ def test_densepipe_spreads_a_split_over_pools():
 def test_too_many_pool_states_is_a_typed_error():
     names = ("a", "b", "c")
     pools = {n: CPU_POOLS["cpu"].model_copy(update={"capacity": 200}) for n in names}
-    spec = cpu_spec().model_copy(update={"pools": [PoolRef(name=n) for n in names]})
+    spec = cpu_spec(planner=PlannerSettings(max_replicas=600))  # maxReplicas 64 would cap each pool at 64
+    spec = spec.model_copy(update={"pools": [PoolRef(name=n) for n in names]})
     with pytest.raises(PlanInfeasible) as err:
         plan_service("minilm", spec, pools, {n: cpu_profile(n) for n in names})
     assert err.value.field == "spec.pools" and "maxGpus" in str(err.value)
@@ -285,7 +286,7 @@ def test_a_split_rebatches_only_where_that_is_no_slower(gpu, count):
         model=ModelRef(name="bert-base-ee", bundle="x"),
         slo=SLO(latency_ms=100),
         pools=[PoolRef(name=gpu)],
-        planner=PlannerSettings(max_splits=4),
+        planner=PlannerSettings(max_splits=4, max_replicas=count),  # E3's K80 setting has 88, over the default 64
     )
     ramps = {r.name: 0.9 for r in bert_base_profile(gpu).ramps}
     plans = {

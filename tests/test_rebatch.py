@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import aiohttp
 import numpy as np
 import pytest
-from dataplane_helpers import deployment, heldout_texts, ramp_names, service_spec
+from dataplane_helpers import control_headers, deployment, heldout_texts, ramp_names, service_spec
 from tokenizers import Tokenizer
 
 from exitplan.api.bundle import read_manifest
@@ -132,7 +132,7 @@ async def test_rebatching_split_answers_like_the_model_in_one_piece_and_runs_ful
         infos = []
         for proc in rebatched.procs:
             if "worker" in proc.name:
-                async with s.get(f"http://127.0.0.1:{proc.port}/v1/info") as resp:
+                async with s.get(f"http://127.0.0.1:{proc.port}/v1/info", headers=control_headers(rebatched)) as resp:
                     infos.append(await resp.json())
     out = {o["name"]: o for o in answer["outputs"]}
     ramp_of, scores = expected_answers(minilm_bundle, texts)

@@ -7,6 +7,9 @@ Used by the operator's drift loop, by the threshold tuning loop of `exitplan up`
 - ``GET  /v1/window.npz?last=N``: the newest N shadow-sampled feedback samples (the `exitplan tune` format);
 - ``GET  /v1/thresholds`` / ``POST /v1/thresholds``: the exit thresholds in force / a hot update.
 
+Every request carries ``Authorization: Bearer <token>`` when the client has the service's control
+token (the endpoints answer 401 without it, 403 with another one).
+
 Every call raises :class:`ControlError` (with the URL and the HTTP status, when there was one) on a
 failed request, a non-2xx answer or a body that does not parse, so callers handle one error type.
 """
@@ -39,10 +42,19 @@ class ControlClient:
     """Async client of one pod's control endpoints (``base_url`` like ``http://10.0.0.7:8080``).
 
     Pass a shared ``session`` to reuse its connections (it is not closed here); without one, the
-    client opens its own, closed by :meth:`close` or ``async with``."""
+    client opens its own, closed by :meth:`close` or ``async with``. ``token``: the service's control
+    token (a shared session may carry it in its default headers instead)."""
 
-    def __init__(self, base_url: str, *, session: aiohttp.ClientSession | None = None, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        timeout_s: float = 5.0,
+        token: str | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else None
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session = session
         self._owned = session is None
@@ -68,7 +80,9 @@ class ControlClient:
     async def _request(self, method: str, route: str, json: object = None) -> bytes:
         url = f"{self.base_url}{route}"
         try:
-            async with self._client().request(method, url, json=json, timeout=self.timeout) as resp:
+            async with self._client().request(
+                method, url, json=json, timeout=self.timeout, headers=self.headers
+            ) as resp:
                 body = await resp.read()
                 if resp.status // 100 != 2:
                     raise ControlError(url, f"HTTP {resp.status}: {body[:200].decode(errors='replace')}", resp.status)

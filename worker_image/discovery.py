@@ -229,3 +229,32 @@ class PeerSet:
             }
             for p in sorted(self.peers.values(), key=lambda p: p.address)
         ]
+
+
+class ReplyTargets:
+    """Where a worker may post shadow feedback: the routers its plan names (`Plan.routers`, host:port
+    entries resolved like peers, so a headless Service stands for its router pods). A frame whose
+    reply_to is not among them is refused: a worker answers only to the service's own routers."""
+
+    def __init__(self, entries: Iterable[str] = (), min_interval_s: float = 1.0) -> None:
+        self.min_interval_s = min_interval_s
+        self.set(entries)
+
+    def set(self, entries: Iterable[str]) -> None:
+        self.entries = [e for e in entries if e]
+        self.spec = parse_peer_spec(",".join(self.entries))
+        self.known: set[str] = set(self.entries)
+        self.resolved_at = -float("inf")
+
+    async def refresh(self) -> None:
+        self.resolved_at = time.monotonic()
+        self.known = set(self.entries) | set(await resolve(self.spec))
+
+    async def allows(self, address: str) -> bool:
+        """True when `address` is a router the plan names (re-resolved, at most once per
+        min_interval_s, when it is not among the addresses resolved so far: a new router pod)."""
+        if address in self.known:
+            return True
+        if self.spec and time.monotonic() - self.resolved_at >= self.min_interval_s:
+            await self.refresh()
+        return address in self.known

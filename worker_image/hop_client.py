@@ -146,11 +146,13 @@ class HopClient:
     A connection carries one request at a time; concurrent sends to one pod open more connections
     (up to `max_idle` are kept per pod afterwards). A kept connection that the pod closed while idle
     is detected before use, or retried once on a fresh connection when it fails before any answer
-    byte arrives (the usual keep-alive race).
+    byte arrives (the usual keep-alive race). `token`: the service's control token, sent with every
+    request (a pod's /v1/run answers only requests that carry it).
     """
 
-    def __init__(self, max_idle: int = 64) -> None:
+    def __init__(self, max_idle: int = 64, token: str | None = None) -> None:
         self.max_idle = max_idle
+        self._auth = f"Authorization: Bearer {token}\r\n" if token else ""
         self.idle: dict[str, list[_Connection]] = {}
         self.closed = False
 
@@ -173,7 +175,7 @@ class HopClient:
         if self.closed:
             raise HopConnectionError("the hop client is closed")
         head = (
-            f"POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: {content_type}\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: {content_type}\r\n{self._auth}"
             f"Content-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1")
         async with asyncio.timeout(timeout):

@@ -1,12 +1,58 @@
-"""Running an aiohttp app as a process: uvloop, port from the environment, logging, clean shutdown on SIGTERM/SIGINT."""
+"""Running an aiohttp app as a process: uvloop, port from the environment, logging, the server's
+limits (server_guard.py) and a drain on SIGTERM.
+
+SIGTERM (what the kubelet sends after the pod's preStop hook) drains: readiness answers 503 at once,
+requests keep being served (with `Connection: close`, so kept-alive clients reconnect elsewhere) for
+at least `drain_delay_s` and until none is in flight, at most `drain_timeout_s`; then the listener
+closes, idle connections close, what is still running gets one more second before it is cancelled,
+the app's cleanup runs, and the process exits 0. SIGINT (`exitplan up` stopping every process at
+once, or Ctrl-C) drains the same way without the delay: nobody is left to move to.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 PORT_ENV = "EXITPLAN_PORT"
+CANCEL_GRACE_S = 1.0
+"""After the drain, how long aiohttp's shutdown still waits for a handler before cancelling it."""
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What a server holds its clients to, and how it drains (server_guard.py)."""
+
+    header_timeout_s: float = 10.0
+    """From a connection's opening, or the first byte of a later request on it, to the end of the request's head."""
+    keepalive_timeout_s: float = 75.0
+    """How long a kept-alive connection may stay idle between requests."""
+    body_timeout_s: float = 30.0
+    """From the end of a request's head to the end of its body (408 past it)."""
+    max_connections: int = 4096
+    """Open connections past which a new one is answered 503 and closed."""
+    drain_delay_s: float = 2.0
+    """After SIGTERM, keep serving (readiness off, answers with Connection: close) at least this long,
+    so that clients with kept-alive connections and the other hops see the replica leave."""
+    drain_timeout_s: float = 20.0
+    """After SIGTERM, the longest the server waits for its in-flight requests (the delay included)."""
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "keepalive_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.drain_delay_s < 0 or self.drain_timeout_s < self.drain_delay_s:
+            raise ValueError(
+                f"need 0 <= drain_delay_s <= drain_timeout_s, got {self.drain_delay_s} and {self.drain_timeout_s}"
+            )
 
 
 def port_from_env(default: int) -> int:
@@ -15,12 +61,72 @@ def port_from_env(default: int) -> int:
     return int(value) if value else default
 
 
-def serve(app, host: str, port: int, log_level: str = "info") -> None:
-    from aiohttp import web
-
+def serve(
+    app,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    limits: ServerLimits | None = None,
+    on_drain: Callable[[], None] | None = None,
+) -> None:
+    """Serve `app` until SIGTERM or SIGINT, then drain and return. `on_drain` runs when the drain
+    begins (a worker reports itself not ready to the hops that send to it)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    web.run_app(app, host=host, port=port, print=None, shutdown_timeout=5.0, access_log=None, loop=new_loop())
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(_serve(app, host, port, limits or ServerLimits(), on_drain))
+
+
+async def _serve(app, host: str, port: int, limits: ServerLimits, on_drain: Callable[[], None] | None) -> None:
+    from aiohttp import web
+
+    from exitplan.worker.server_guard import Guard, GuardedRunner
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    received: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not received:
+            received.append(sig)
+            stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before startup: a worker warming up drains too
+        loop.add_signal_handler(sig, on_signal, sig)
+    guard = Guard(limits)
+    runner = GuardedRunner(
+        app,
+        guard,
+        keepalive_timeout=limits.keepalive_timeout_s,
+        shutdown_timeout=CANCEL_GRACE_S,
+        access_log=None,
+    )
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        await stop.wait()
+        if received[0] == signal.SIGINT:
+            limits = guard.limits = replace(limits, drain_delay_s=0.0)
+        guard.begin_drain()
+        if on_drain is not None:
+            on_drain()
+        log.info(
+            "%s: draining (readiness off), %d request(s) in flight, at most %g s",
+            received[0].name,
+            guard.inflight,
+            limits.drain_timeout_s,
+        )
+        started = loop.time()
+        if await guard.drained():
+            log.info("drained in %.2f s; exiting", loop.time() - started)
+        else:
+            log.warning(
+                "drain timeout (%g s): %d request(s) still in flight are cut off",
+                limits.drain_timeout_s,
+                guard.inflight,
+            )
+    finally:
+        await runner.cleanup()
 
 
 def new_loop() -> asyncio.AbstractEventLoop:

@@ -239,6 +239,9 @@ class HopResult:
     """Answered by the final head."""
     error: str | None = None
     shadow: bool = False
+    input_error: bool = False
+    """The error is the input's own: the model cannot run it (it failed alone, while inputs batched
+    with it ran). The router answers it 4xx and sends it nowhere else; any other error is the pod's."""
 
     @classmethod
     def answer(cls, id: str, ramp: str, final: bool) -> HopResult:
@@ -249,42 +252,58 @@ class HopResult:
         return cls(id, error=error)
 
     @classmethod
+    def rejection(cls, id: str, error: str) -> HopResult:
+        """The input's own failure (see `input_error`)."""
+        return cls(id, error=error, input_error=True)
+
+    @classmethod
     def shadow_of(cls, id: str) -> HopResult:
         return cls(id, shadow=True)
 
     def to_meta(self) -> dict[str, Any]:
         if self.error is not None:
-            return {"id": self.id, "error": self.error}
+            meta: dict[str, Any] = {"id": self.id, "error": self.error}
+            if self.input_error:
+                meta["input_error"] = True
+            return meta
         if self.shadow:
             return {"id": self.id, "shadow": True}
         return {"id": self.id, "ramp": self.ramp, "final": self.final}
 
-    _FIELDS = (("id", "string", True), ("error", "string", False), ("shadow", "bool", False), ("final", "bool", False))
+    _FIELDS = (
+        ("id", "string", True),
+        ("error", "string", False),
+        ("shadow", "bool", False),
+        ("final", "bool", False),
+        ("input_error", "bool", False),
+    )
 
     @classmethod
     def from_meta(cls, meta: Any, where: str = "result") -> HopResult:
         if type(meta) is not dict:
             raise _named_error(meta, where, cls._FIELDS)
         get = meta.get
-        id_, ramp, final, error, shadow = (
+        id_, ramp, final, error, shadow, own = (
             get("id"),
             get("ramp"),
             get("final", False),
             get("error"),
             get("shadow", False),
+            get("input_error", False),
         )
         if not (
             type(id_) is str
             and (final is None or type(final) is bool)
             and (error is None or type(error) is str)
             and (shadow is None or type(shadow) is bool)
+            and (own is None or type(own) is bool)
         ):
             raise _named_error(meta, where, cls._FIELDS)
         if error is not None or shadow:
             ramp = None
         elif type(ramp) is not str:
             raise _named_error(meta, where, (("ramp", "string", True),))
-        return cls(id_, ramp, bool(final), error, bool(shadow))
+        return cls(id_, ramp, bool(final), error, bool(shadow), bool(own) and error is not None)
 
 
 @dataclass(frozen=True, slots=True)

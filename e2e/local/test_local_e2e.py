@@ -158,6 +158,8 @@ def stack(tmp_path_factory):
             "0",
             "--health-port",
             "0",
+            "--allow-host-path",  # the pods mount the bundle directory as a host path
+            str(bundle.resolve()),
         ],
         tmp / "operator.log",
     )

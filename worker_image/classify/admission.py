@@ -1,12 +1,15 @@
 """Admission control: which length bucket takes each input of a request, or why none can.
 
-`Admission.admit(lengths)` is the router's one admission decision. In order: the router's own limit
-on inputs in flight (else 503, Retry-After 1 s); then per input, Arlo's bucket choice
-(`exitplan.planner.dispatch.choose_bucket`, the policy the simulator shares) over each bucket's load,
-and a bucket at its limit refuses (429, Retry-After from its recent latency) rather than admit an
-input to miss its deadline. An idle bucket takes a request whatever its size (else a request larger
-than the limit would starve). The inputs of an admitted request count as in flight until
-`answered` / `release`.
+`Admission.admit(lengths)` is the router's one admission decision. In order: a request that can never
+be admitted is refused for good (413, no Retry-After): more inputs than the router's limit on inputs
+in flight, or more than the ready pods of every bucket together answer before the router's hard
+timeout (their reported inputs/s times the timeout: the request would time out, a 504, even on an
+idle service). Then the router's own limit on inputs in flight (else 503, Retry-After 1 s); then per
+input, Arlo's bucket choice (`exitplan.planner.dispatch.choose_bucket`, the policy the simulator
+shares) over each bucket's load, and a bucket at its limit refuses (429, Retry-After from its recent
+latency) rather than admit an input to miss its deadline. An idle bucket takes a request whatever its
+size (else a request larger than the limit would starve). The inputs of an admitted request count as
+in flight until `answered` / `release`.
 
 `BucketLimiter` is each bucket's limit: an AIMD limit on inputs in flight, driven by latency.
 
@@ -87,10 +90,10 @@ class Admitted:
 @dataclass(frozen=True, slots=True)
 class Refusal:
     status: int
-    """503: the router's in-flight limit; 429: no bucket can answer within the SLO."""
+    """503: the router's in-flight limit; 429: no bucket can answer within the SLO; 413: never (too many inputs)."""
     reason: str
     retry_after_s: float
-    """Whole seconds, at least 1 (the Retry-After header)."""
+    """Whole seconds, at least 1 (the Retry-After header); 0 for a request that can never be admitted (413)."""
     ideal: list[int] | tuple[int, ...] = ()
     """As `Admitted.ideal` for a refusal of bucket choice (429); empty when refused before it (503)."""
 
@@ -109,8 +112,11 @@ class Admission:
         *,
         queue: QueueParams | None = None,
         max_inflight: int = 4096,
+        timeout_s: float | None = None,
     ) -> None:
+        """`timeout_s`: the router's hard timeout (None: requests are not sized against it)."""
         self.buckets = list(buckets)
+        self.timeout_s = timeout_s
         self.slo_s = slo_s
         self.capacity = capacity
         self.queue = queue or QueueParams()
@@ -137,6 +143,9 @@ class Admission:
         """Buckets for a request's inputs (`lengths` in tokens), counted in flight at once so that
         concurrent decisions see each other; or a refusal, and nothing counted."""
         n = len(lengths)
+        never = self.never_fits(n)
+        if never is not None:
+            return never
         if self.inflight + n > self.max_inflight:
             return Refusal(503, f"router is at its limit of {self.max_inflight} inputs in flight; retry later", 1.0)
         loads = self.loads()
@@ -160,6 +169,29 @@ class Admission:
             self.outstanding[b] += 1
         self.inflight += n
         return Admitted(chosen, ideal)
+
+    def never_fits(self, n: int) -> Refusal | None:
+        """The 413 of a request of n inputs that can never be admitted, or None."""
+        if n > self.max_inflight:
+            return Refusal(
+                413,
+                f"the request holds {n} inputs, more than the router's limit of {self.max_inflight} inputs in flight, "
+                f"so it can never be admitted; send at most {self.max_inflight} inputs per request",
+                0.0,
+            )
+        total = sum(self.capacity(b) for b in range(len(self.buckets)))
+        if self.timeout_s is None or total <= 0:
+            return None  # no ready pod: the usual refusal (429) says so
+        most = max(1, math.floor(total * self.timeout_s))
+        if n <= most:
+            return None
+        return Refusal(
+            413,
+            f"the request holds {n} inputs, more than this service answers before the router's timeout of "
+            f"{self.timeout_s:g} s even when idle (its ready pods report {total:.0f} inputs/s, about {most} "
+            f"inputs in that time); send at most {most} inputs per request",
+            0.0,
+        )
 
     def answered(self, b: int, rows: int, latency_s: float, now: float) -> None:
         """`rows` inputs of bucket b got their answers (or errors) after `latency_s`."""

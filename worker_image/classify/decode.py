@@ -1,9 +1,10 @@
 """Decoding an Open Inference Protocol (KServe v2) request body into model inputs.
 
 Accepted inputs:
-- text models: `text` (BYTES, shape [n]) tokenized here, or `input_ids` (INT64, [n, L]) with an
-  optional `attention_mask` (INT64, [n, L]); lengths above the largest bucket are rejected unless
-  truncation is requested (`parameters.truncate: true`, or the router's setting);
+- text models: `text` (BYTES, shape [n]) tokenized here, or `input_ids` (INT64, [n, L]; ids inside
+  the model's vocabulary) with an optional `attention_mask` (INT64, [n, L]; 0 or 1); lengths above
+  the largest bucket are rejected unless truncation is requested (`parameters.truncate: true`, or
+  the router's setting);
 - fixed-size models: the bundle's input tensors by name, with their shapes; values are sent with the
   input's datatype or, where no value can be lost to it, another one (integers to a float input,
   narrower or wider integers checked against the input's range).
@@ -83,7 +84,10 @@ def _tensor(spec: dict, target: DTypeInfo | None = None) -> np.ndarray:
     if datatype == "BYTES":
         if target is not None:
             raise BadRequest(f"input {name!r} takes {target.v2} values, not BYTES")
-        data = np.asarray(spec["data"], dtype=object).ravel()
+        try:
+            data = np.asarray(spec["data"], dtype=object).ravel()
+        except ValueError as err:  # ragged nesting
+            raise BadRequest(f"input {name!r}: data does not hold BYTES values in shape {shape}: {err}") from None
     else:
         source = _datatype(name, datatype)
         data = _values(name, spec["data"], source, target or source)
@@ -94,7 +98,7 @@ def _tensor(spec: dict, target: DTypeInfo | None = None) -> np.ndarray:
 
 def _shape(name: object, shape: object) -> tuple[list[int], int]:
     """(shape, number of values it holds); BadRequest unless a list of non-negative integers."""
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise BadRequest(f"input {name!r}: shape must be a list of non-negative integers, got {shape!r}")
     return shape, math.prod(shape)  # exact: no int64 wrap-around for absurd shapes
 
@@ -354,8 +358,15 @@ def _binary_outputs(body: dict, params: dict) -> frozenset[str]:
 
 
 def decode_inputs(
-    body: object, manifest: BundleManifest, tokenizer, buckets: list[int], truncate_default: bool
+    body: object,
+    manifest: BundleManifest,
+    tokenizer,
+    buckets: list[int],
+    truncate_default: bool,
+    vocab_size: int | None = None,
 ) -> DecodedBatch:
+    """The request's inputs, every value checked; `vocab_size`: the token ids the model runs
+    (`exitplan.worker.vocabulary`), None when unknown (ids are then only checked to be >= 0)."""
     if not isinstance(body, dict) or not isinstance(body.get("inputs"), list) or not body["inputs"]:
         raise BadRequest('body must be a JSON object with a non-empty "inputs" list (Open Inference Protocol)')
     params = body.get("parameters") or {}
@@ -384,12 +395,14 @@ def decode_inputs(
     if manifest.seq_axis is None:
         batch = _decode_fixed(inputs, manifest, takes)
     else:
-        batch = _decode_text(inputs, manifest, tokenizer, buckets, truncate)
+        batch = _decode_text(inputs, manifest, tokenizer, buckets, truncate, vocab_size)
     batch.binary_outputs = binary
     return batch
 
 
-def _decode_text(inputs: dict, manifest: BundleManifest, tokenizer, buckets: list[int], truncate: bool) -> DecodedBatch:
+def _decode_text(
+    inputs: dict, manifest: BundleManifest, tokenizer, buckets: list[int], truncate: bool, vocab_size: int | None
+) -> DecodedBatch:
     longest = buckets[-1]
     if "text" in inputs:
         if len(inputs) > 1:
@@ -413,18 +426,20 @@ def _decode_text(inputs: dict, manifest: BundleManifest, tokenizer, buckets: lis
     elif "input_ids" in inputs:
         spec = inputs["input_ids"]
         if spec.get("datatype") not in ("INT64", "INT32"):
-            raise BadRequest(f"input 'input_ids' must have datatype INT64, got {spec.get('datatype')!r}")
+            raise BadRequest(f"input 'input_ids' must have datatype INT64 (or INT32), got {spec.get('datatype')!r}")
         ids = _tensor(spec, _INT64)
         if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
             raise BadRequest(
                 f"input 'input_ids' must have shape [n, length] with n, length >= 1, got {list(ids.shape)}"
             )
+        _check_token_ids(ids, vocab_size)
         if "attention_mask" in inputs:
             mask = _tensor(inputs["attention_mask"], _INT64)
             if mask.shape != ids.shape:
                 raise BadRequest(
                     f"attention_mask shape {list(mask.shape)} differs from input_ids shape {list(ids.shape)}"
                 )
+            _check_mask(mask)
             tokens = [row[m.astype(bool)] for row, m in zip(ids, mask)]
         else:
             tokens = list(ids)
@@ -442,6 +457,34 @@ def _decode_text(inputs: dict, manifest: BundleManifest, tokenizer, buckets: lis
             tokens[i] = np.concatenate([seq[: longest - 1], seq[-1:]])  # keep the closing special token
     lengths = np.asarray([len(t) for t in tokens], dtype=np.int64)
     return DecodedBatch(len(tokens), lengths, tokens=tokens, pad_id=manifest.pad_token_id)
+
+
+def _check_token_ids(ids: np.ndarray, vocab_size: int | None) -> None:
+    """BadRequest naming the first token id outside the model's vocabulary (or negative)."""
+    top = (vocab_size - 1) if vocab_size else None
+    bad = (ids < 0) if top is None else (ids < 0) | (ids > top)
+    if bad.any():
+        index = int(np.argmax(bad.ravel()))
+        allowed = (
+            f"token ids in [0, {top}] (the model's vocabulary of {vocab_size} ids)"
+            if top is not None
+            else "token ids >= 0"
+        )
+        raise BadRequest(
+            f"input 'input_ids': value {int(ids.ravel()[index])} at position {index} of its data is not a token id "
+            f"this model knows; allowed: {allowed}"
+        )
+
+
+def _check_mask(mask: np.ndarray) -> None:
+    """BadRequest naming the first attention_mask value that is neither 0 nor 1."""
+    bad = (mask != 0) & (mask != 1)
+    if bad.any():
+        index = int(np.argmax(bad.ravel()))
+        raise BadRequest(
+            f"input 'attention_mask': value {int(mask.ravel()[index])} at position {index} of its data is not 0 or 1; "
+            "allowed: 1 for a token of the input, 0 for padding"
+        )
 
 
 def _decode_fixed(inputs: dict, manifest: BundleManifest, takes: str) -> DecodedBatch:

@@ -50,6 +50,8 @@ class BatchOutcome:
     """Row -> what this split added to the row's feedback record (recorded rows only)."""
     compute_ms: float = 0.0
     """Wall time of this call, measured on the thread that ran it (no hand-off or queueing in it)."""
+    rejected: dict[int, str] = field(default_factory=dict)
+    """Row -> why the model cannot run it (rows that failed alone, `isolate.execute_isolated`)."""
 
 
 def execute(

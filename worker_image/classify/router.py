@@ -8,8 +8,9 @@ comes back through the chain of splits. A shadow-sampled fraction of inputs keep
 final head after it exits; the last split posts their complete per-ramp outputs to /v1/feedback.
 
 Endpoints: POST /v2/models/{name}/infer, GET /v2/models/{name}, GET /v2/models/{name}/ready,
-GET /v2, GET /v2/health/live|ready, GET /metrics, GET /v1/observations, GET /v1/window.npz,
-GET/POST /v1/thresholds, GET /v1/peers, POST /v1/feedback (workers only).
+GET /v2, GET /v2/health/live|ready, GET /metrics; behind the service's control token, on the control
+port when there is one (control.py): GET /v1/observations, GET /v1/window.npz, GET/POST /v1/thresholds,
+GET /v1/peers, POST /v1/feedback (workers only).
 """
 
 from __future__ import annotations
@@ -33,16 +34,19 @@ from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Plan
 from exitplan.planner.dispatch import QueueParams
 from exitplan.worker import protocol
+from exitplan.worker.auth import ControlPlane, bearer
 from exitplan.worker.bundle_runtime import softmax
 from exitplan.worker.classify.admission import Admission, Admitted, Refusal
+from exitplan.worker.classify.control import RouterControl
 from exitplan.worker.classify.decode import BadRequest, DecodedBatch, decode_inputs, parse_request
 from exitplan.worker.classify.observe import FeedbackRing, WindowStats
 from exitplan.worker.control_client import ControlClient
 from exitplan.worker.discovery import PeerSet, parse_peer_spec
 from exitplan.worker.hop_client import HopClient, HopFailed, NoPeer, send
-from exitplan.worker.metrics import Children, RouterMetrics
+from exitplan.worker.metrics import Children, RouterMetrics, reason_label
 from exitplan.worker.planfile import read_plan, watch_plan
 from exitplan.worker.protocol import error_response as _error
+from exitplan.worker.vocabulary import vocabulary_size
 from exitplan.worker.wire import HopAnswer, HopItem
 
 log = logging.getLogger(__name__)
@@ -59,9 +63,9 @@ class Outcome:
     final: bool = False
     error: str | None = None
     reason: str = "worker"
-    """The error counter's label (worker, deadline)."""
+    """The error counter's label (worker, deadline, bad_input)."""
     status: int = 502
-    """The HTTP status of a request failed by this input."""
+    """The HTTP status of a request failed by this input (422: the model cannot run the input itself)."""
 
 
 NO_ANSWER = Outcome(error="no answer")
@@ -100,7 +104,13 @@ class Router:
         window_seconds: float = 30.0,
         advertise: str | None = None,
         seed: int | None = None,
+        control_token: str | None = None,
+        control_port: int | None = None,
+        control_host: str = "0.0.0.0",
     ) -> None:
+        """`control_token`: the service's control token (None: every control request is refused);
+        `control_port`: serve the control routes there instead of on the inference port; `advertise`:
+        host:port of the control endpoints that workers post shadow feedback to."""
         self.bundle_dir = Path(bundle)
         self.manifest = read_manifest(self.bundle_dir)
         self.plan_path = Path(plan_path)
@@ -125,12 +135,16 @@ class Router:
         self.final_name = self.manifest.final_ramp().name
         self.thresholds = dict(self.plan.thresholds)
         self.tokenizer = self._load_tokenizer()
+        self.vocab_size = vocabulary_size(self.bundle_dir, self.manifest, self.tokenizer)
         self.buckets = list(self.plan.buckets)
-        self.admission = Admission(self.buckets, self.slo_s, self._capacity, queue=queue, max_inflight=max_inflight)
+        self.admission = Admission(
+            self.buckets, self.slo_s, self._capacity, queue=queue, max_inflight=max_inflight, timeout_s=self.timeout_s
+        )
         self.ids = itertools.count()
         self.prefix = f"{os.getpid():x}{int(time.time()) % 100000:x}"
         self.metrics = RouterMetrics(self.plan.service)
         self._child = Children(self.plan.service)
+        self.metrics.zero(self.buckets, [*self.exit_ramps, self.final_name])
         self.metrics.slo.labels(self.plan.service).set(self.slo_s)
         self.metrics.accuracy_budget.labels(self.plan.service).set(accuracy_budget)
         self.window = self._new_window()
@@ -139,7 +153,9 @@ class Router:
         self.pending_records: dict[str, str] = {}  # id of a shadow-sampled input -> ramp that answered it
         self.saving_ms, self.cost_ms = self._ramp_costs()
         self.session: aiohttp.ClientSession | None = None
-        self.hop = HopClient()
+        self.control_token = control_token
+        self.control = ControlPlane(control_token, control_port, control_host)
+        self.hop = HopClient(token=control_token)
         """Frames to the next hop's /v1/run (the session serves probes, thresholds and feedback)."""
         self.tasks: list[asyncio.Task] = []
         self._publish_thresholds()
@@ -176,7 +192,7 @@ class Router:
 
     def _publish_thresholds(self) -> None:
         for name in self.exit_ramps:
-            self.metrics.threshold.labels(self.plan.service, name).set(self.thresholds.get(name, 2.0))
+            self.metrics.set_threshold(name, self.thresholds.get(name))
 
     def apply_plan(self, plan: Plan) -> None:
         if plan.buckets != self.buckets:
@@ -199,9 +215,7 @@ class Router:
         while True:
             await asyncio.sleep(tick)
             for b, load in enumerate(self.admission.loads()):
-                self.metrics.bucket_load.labels(self.plan.service, str(self.buckets[b])).set(
-                    load if math.isfinite(load) else -1.0
-                )
+                self.metrics.set_bucket_load(self.buckets[b], load)
 
     async def _window_loop(self) -> None:
         while True:
@@ -212,7 +226,13 @@ class Router:
         now = time.time()
         obs = self._snapshot(now)
         self.last_window = obs
-        self.metrics.agreement.labels(self.plan.service).set(obs.agreement_overall)
+        samples = int(self.window.samples.sum())
+        early = int(self.window.exit_counts[:-1].sum())
+        # Evidence: shadow samples, or answers that all came from the final head (the full model itself).
+        evidence = obs.requests > 0 and (samples > 0 or early == 0)
+        self.metrics.set_agreement(
+            samples, obs.agreement_overall, obs.agreement_ci_low, obs.agreement_ci_high, evidence
+        )
         self.window = self._new_window()
 
     def _snapshot(self, now: float):
@@ -269,7 +289,9 @@ class Router:
             return _error(413, f"request body is over the limit of {self.max_body_bytes} bytes")
         try:
             body = parse_request(raw, request.headers.get(protocol.BINARY_HEADER))
-            return decode_inputs(body, self.manifest, self.tokenizer, self.buckets, self.truncate_default)
+            return decode_inputs(
+                body, self.manifest, self.tokenizer, self.buckets, self.truncate_default, self.vocab_size
+            )
         except BadRequest as err:
             return self._bad_request(str(err))
         except (ValueError, UnicodeDecodeError) as err:
@@ -302,10 +324,13 @@ class Router:
             self._child(self.metrics.length_inputs, str(self.buckets[b])).inc(count)
 
     def _refuse(self, refusal: Refusal, n: int) -> web.Response:
-        self.window.record_error("overload", n)
-        self.metrics.errors.labels(self.plan.service, "overload").inc(n)
+        """429/503 (overload, Retry-After) or 413 (a request that can never be admitted, no Retry-After)."""
+        reason = "overload" if refusal.retry_after_s > 0 else "too_large"
+        self.window.record_error(reason, n)
+        self.metrics.errors.labels(self.plan.service, reason).inc(n)
         self.metrics.requests.labels(self.plan.service, str(refusal.status)).inc()
-        return _error(refusal.status, refusal.reason, retry_after=math.ceil(refusal.retry_after_s))
+        retry = math.ceil(refusal.retry_after_s) if refusal.retry_after_s > 0 else None
+        return _error(refusal.status, refusal.reason, retry_after=retry)
 
     async def _dispatch_all(self, call: InferCall, admitted: Admitted) -> None:
         groups = admitted.groups()
@@ -324,7 +349,12 @@ class Router:
         for _ in range(n):
             record = frac > 0 and self.rng.random() < frac
             reply_to = self.advertise if record and self.advertise else None
-            items.append(HopItem(f"{self.prefix}-{next(self.ids)}", call.deadline, call.timeout_at, record, reply_to))
+            item = HopItem(f"{self.prefix}-{next(self.ids)}", call.deadline, call.timeout_at, record, reply_to)
+            if reply_to:  # its feedback sample is awaited (and only such samples count, see control.py)
+                self.pending_records[item.id] = ""
+                if len(self.pending_records) > SHADOW_RECORDS_KEPT:
+                    self.pending_records.pop(next(iter(self.pending_records)))
+            items.append(item)
         return items
 
     async def _dispatch(self, call: InferCall, b: int, rows: list[int]) -> None:
@@ -361,16 +391,17 @@ class Router:
             i, item = by_id.pop(res.id, (None, None))
             if i is None or item is None:
                 continue
+            if res.input_error:  # the model cannot run this input: the client's, retried nowhere
+                call.outcomes[i] = Outcome(error=res.error, reason="bad_input", status=422)
+                continue
             if res.error is not None or res.ramp is None:
                 call.outcomes[i] = Outcome(error=res.error or "the worker answered no ramp for this input")
                 continue
             call.outcomes[i] = Outcome(res.ramp, res.final)
             answered_k.append(k)
             answered_i.append(i)
-            if item.record:
+            if item.record and item.id in self.pending_records:  # (its feedback may have come first)
                 self.pending_records[item.id] = res.ramp
-                if len(self.pending_records) > SHADOW_RECORDS_KEPT:
-                    self.pending_records.pop(next(iter(self.pending_records)))
         if logits is not None and answered_k:
             call.scores[answered_i] = softmax(logits[answered_k])
         for i, _ in by_id.values():
@@ -388,7 +419,7 @@ class Router:
                 continue
             index = len(self.exit_ramps) if r.final else self.ramp_index.get(r.ramp, len(self.exit_ramps))
             self.window.record_answer(index, latency, within)
-            label = "final" if r.final else r.ramp
+            label = self.final_name if r.final else r.ramp
             per_exit[label] = per_exit.get(label, 0) + 1
             per_bucket[b] = per_bucket.get(b, 0) + 1
         # Metrics once per label set rather than per input (the labels() lookups were most of the cost).
@@ -405,11 +436,13 @@ class Router:
     def _respond(self, call: InferCall, chosen: list[int], request: web.Request) -> web.Response:
         latency = time.time() - call.started
         self._account(call.outcomes, chosen, latency)
-        errors = [r for r in call.outcomes if r.error is not None]
-        if errors:
-            first = errors[0]
+        errors = [(i, r) for i, r in enumerate(call.outcomes) if r.error is not None]
+        if errors:  # an input's own fault (4xx) first: the request fails for it whatever else happened
+            i, first = min(errors, key=lambda e: (e[1].status >= 500, e[0]))
             self._child(self.metrics.requests, str(first.status)).inc()
-            return _error(first.status, f"{len(errors)} of {len(call.outcomes)} inputs failed: {first.error}")
+            return _error(
+                first.status, f"{len(errors)} of {len(call.outcomes)} inputs failed; input {i}: {first.error}"
+            )
         names = self.manifest.labels
         labels = [names[k] for k in call.scores.argmax(axis=1).tolist()]
         self._child(self.metrics.requests, "200").inc()
@@ -429,40 +462,6 @@ class Router:
 
     # ------------------------------------------------------------------ feedback and control
 
-    async def handle_feedback(self, request: web.Request) -> web.Response:
-        try:
-            samples = (await request.json())["samples"]
-            for s in samples:
-                answered_by = self.pending_records.pop(s["id"], None)
-                final = int(s["final"])
-                if not self.feedback.add(s["conf"], s["pred"], final):
-                    continue
-                if answered_by in self.ramp_index:
-                    r = self.ramp_index[answered_by]
-                    self.window.record_feedback(r, int(s["pred"][r]) == final)
-        except (ValueError, KeyError, TypeError, IndexError) as err:
-            return _error(400, f"bad feedback: {err}")
-        return web.json_response({"accepted": len(samples)})
-
-    async def handle_thresholds_get(self, _: web.Request) -> web.Response:
-        return web.json_response({"thresholds": self.thresholds})
-
-    async def handle_thresholds_post(self, request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-            new = {str(k): float(v) for k, v in body["thresholds"].items()}
-            reason = str(body.get("reason", "api"))
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            return _error(400, f'bad thresholds: {err}; send {{"thresholds": {{ramp: value}}, "reason": ...}}')
-        unknown = sorted(set(new) - {r.name for r in self.manifest.ramps})
-        if unknown or any(not math.isfinite(v) for v in new.values()):
-            return _error(
-                400,
-                f"thresholds must be finite numbers for the bundle's ramps {self.exit_ramps}; got unknown {unknown}",
-            )
-        await self.push_thresholds(new, reason)
-        return web.json_response({"thresholds": self.thresholds})
-
     async def push_thresholds(self, new: dict[str, float], reason: str) -> None:
         """Apply new thresholds here and on every split-0 pod (which forward them down the chain)."""
         assert self.session is not None
@@ -474,25 +473,10 @@ class Router:
             if isinstance(r, Exception):
                 log.warning("threshold push failed: %s", r)
         if new != self.thresholds:
-            log.info("thresholds %s -> %s (%s)", self.thresholds, new, reason)
+            log.info("thresholds %s -> %s (%r)", self.thresholds, new, reason)
             self.thresholds = dict(new)
-            self.metrics.threshold_updates.labels(self.plan.service, reason).inc()
+            self.metrics.threshold_updates.labels(self.plan.service, reason_label(reason)).inc()
             self._publish_thresholds()
-
-    async def handle_observations(self, request: web.Request) -> web.Response:
-        current = request.query.get("window") == "current"
-        obs = self._snapshot(time.time()) if current or self.last_window is None else self.last_window
-        return web.json_response(obs.dump())
-
-    async def handle_window(self, request: web.Request) -> web.Response:
-        try:
-            last = int(request.query.get("last", 0))
-            if last < 0:
-                raise ValueError
-        except ValueError:
-            return _error(400, "last must be a non-negative integer (0 = every stored sample)")
-        body = self.feedback.to_npz(self.saving_ms, self.cost_ms, last=last or None)
-        return web.Response(body=body, content_type="application/octet-stream")
 
     async def handle_model(self, request: web.Request) -> web.Response:
         if request.match_info["name"] != self.model:
@@ -519,8 +503,11 @@ class Router:
         return protocol.live_response()
 
     def is_ready(self) -> bool:
-        """Ready when every bucket has a ready split-0 pod."""
-        return all(self.peers.candidates(b, 0) for b in self.buckets)
+        """Ready when every bucket has a ready split-0 pod that reports capacity (a pod probed before the
+        splits after it were ready reports none, and admission would refuse every request until the next probe)."""
+        return all(self.peers.candidates(b, 0) for b in self.buckets) and all(
+            self._capacity(i) > 0 for i in range(len(self.buckets))
+        )
 
     async def handle_ready(self, _: web.Request) -> web.Response:
         return protocol.ready_response(self.is_ready())
@@ -528,13 +515,12 @@ class Router:
     async def handle_metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def handle_peers(self, _: web.Request) -> web.Response:
-        return web.json_response(self.peers.snapshot())
-
     # ------------------------------------------------------------------ lifecycle
 
     async def _startup(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), headers=bearer(self.control_token)
+        )  # probes of split-0 pods and threshold pushes carry the control token
         await self.peers.refresh(self.session)
         self.tasks += [
             asyncio.create_task(self.peers.run(self.session)),
@@ -562,14 +548,9 @@ class Router:
                 web.get("/v2/health/live", self.handle_live),
                 web.get("/v2/health/ready", self.handle_ready),
                 web.get("/metrics", self.handle_metrics),
-                web.get("/v1/observations", self.handle_observations),
-                web.get("/v1/window.npz", self.handle_window),
-                web.get("/v1/thresholds", self.handle_thresholds_get),
-                web.post("/v1/thresholds", self.handle_thresholds_post),
-                web.get("/v1/peers", self.handle_peers),
-                web.post("/v1/feedback", self.handle_feedback),
             ]
         )
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
+        self.control.mount(app, RouterControl(self).routes())
         return app

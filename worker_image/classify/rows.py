@@ -52,7 +52,12 @@ class Pending:
             self.future.set_result(None)
 
     def fail(self, index: int, reason: str) -> None:
+        """Row `index` failed through no fault of its own (the pod's, or a pod's further down)."""
         self.answer(index, HopResult.failure(self.items[index].id, reason), None)
+
+    def reject(self, index: int, reason: str) -> None:
+        """Row `index` failed for its own input: the model cannot run it."""
+        self.answer(index, HopResult.rejection(self.items[index].id, reason), None)
 
     def reply(self) -> HopAnswer:
         """The frame's answer (once every row has its result)."""

@@ -9,10 +9,15 @@ expected time to finish the model from this split), or — when `max_wait_ms` is
 processors whose batch latency grows with the batch (CPUs) — when its oldest row has waited that long.
 When the plan's split rebatches, every block of the split has such a queue of its own (`fusion.py`):
 a batch runs one block and its survivors wait for the next block with the survivors of other batches.
+A batch that fails in ONNX Runtime is split until only the inputs the model cannot run fail, each
+answered with an input error (a 422 at the router), the others as usual (`isolate.py`).
 
 Also: GET /v1/info (what this pod is), /v1/peers (next-split pods with their straggler marks),
 /v2/health/live, /v2/health/ready, /metrics; POST /v1/thresholds (hot update, forwarded to the
 next split). The plan file is re-read when it changes. The frames and rows in flight are in `rows.py`.
+
+Every /v1 route answers only requests that carry the service's control token (`exitplan.worker.auth`),
+and a frame is refused (403) when an input's reply_to is not a router the plan names (`Plan.routers`).
 """
 
 from __future__ import annotations
@@ -34,14 +39,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from exitplan.api.dtypes import by_onnx
 from exitplan.api.plan import Plan
 from exitplan.worker import wire
+from exitplan.worker.auth import bearer, guarded, json_body
 from exitplan.worker.bundle_runtime import BundleRuntime, StateError
-from exitplan.worker.classify.executor import execute
+from exitplan.worker.classify.control import MAX_THRESHOLDS_BODY, BadControl, parse_thresholds
+from exitplan.worker.classify.executor import BatchOutcome, execute
 from exitplan.worker.classify.fusion import FusionQueues
+from exitplan.worker.classify.isolate import execute_isolated, known_input_check
 from exitplan.worker.classify.rows import Pending, Row, batch_state
 from exitplan.worker.control_client import ControlClient
-from exitplan.worker.discovery import PeerSet, parse_peer_spec
+from exitplan.worker.discovery import PeerSet, ReplyTargets, parse_peer_spec
 from exitplan.worker.hop_client import HopClient, HopFailed, NoPeer, send
-from exitplan.worker.metrics import Children, WorkerMetrics
+from exitplan.worker.metrics import Children, WorkerMetrics, reason_label
 from exitplan.worker.planfile import read_plan, watch_plan
 from exitplan.worker.wire import HopRequest, HopResult, ShadowRecord
 
@@ -77,7 +85,9 @@ class SplitWorker:
         max_wait_ms: float | None = None,
         threads: int = 1,
         providers: Sequence[str] = ("CPUExecutionProvider",),
+        control_token: str | None = None,
     ) -> None:
+        """`control_token`: the service's control token (None: every /v1 request is refused)."""
         self.plan_path = Path(plan_path)
         self.plan = read_plan(self.plan_path)
         if not 0 <= split < len(self.plan.splits):
@@ -116,13 +126,20 @@ class SplitWorker:
         self.pool_exec = ThreadPoolExecutor(1, thread_name_prefix="infer")
         self.metrics = WorkerMetrics(self.plan.service, split, bucket, pool)
         self._child = Children(*self.metrics.labels.values())
+        self.metrics.zero([r.name for r in manifest.ramps_in(sp.first_block, sp.last_block)])
         self.metrics.planned_batch.set(self.batch_size)
         self.fit = (1.0, 0.1)  # expected batch ms = a + b * n, refitted at warm-up
+        self.warm_input: dict[str, np.ndarray] | None = None
+        """One row the model ran at warm-up: tells a batch it cannot run from a model that runs nothing."""
         self.slowdown = 1.0
         self.ready = False
+        self.draining = False
+        """Set when the process drains (SIGTERM): /v1/info says not ready, so senders stop choosing this pod."""
         self.served = 0
         self.session: aiohttp.ClientSession | None = None
-        self.hop = HopClient()
+        self.control_token = control_token
+        self.replies = ReplyTargets(self.plan.routers)
+        self.hop = HopClient(token=control_token)
         """Frames to the next hop's /v1/run (the session serves probes, thresholds and feedback)."""
         self.tasks: list[asyncio.Task] = []
         self.forwarding = 0
@@ -143,6 +160,8 @@ class SplitWorker:
             log.info("rebatching %s (plan update)", "on" if sp.rebatch else "off")
             self.stages.set_rebatch(sp.rebatch)
         self.plan = plan
+        if plan.routers != self.replies.entries:
+            self.replies.set(plan.routers)
         self.batch_size = self._planned_batch(plan)
         self.metrics.planned_batch.set(self.batch_size)
         self.set_thresholds(plan.thresholds, "plan-update")
@@ -155,9 +174,9 @@ class SplitWorker:
                 f"thresholds name ramps the bundle does not have: {unknown}; its ramps are {sorted(known)}"
             )
         if dict(thresholds) != self.thresholds:
-            log.info("thresholds %s -> %s (%s)", self.thresholds, dict(thresholds), reason)
+            log.info("thresholds %s -> %s (%r)", self.thresholds, dict(thresholds), reason)
             self.thresholds = {k: float(v) for k, v in thresholds.items()}
-            self.metrics.threshold_updates.labels(self.plan.service, reason).inc()
+            self.metrics.threshold_updates.labels(self.plan.service, reason_label(reason)).inc()
 
     # ------------------------------------------------------------------ warm-up and expected service time
 
@@ -189,6 +208,7 @@ class SplitWorker:
     def warm_up(self) -> None:
         template = self._dummy_state(1)
         small = self._time_batch(1, template)
+        self.warm_input = template
         big_n = max(2, self.batch_size)
         big = self._time_batch(big_n, template)
         slope = max((big - small) / (big_n - 1), 1e-3)
@@ -226,6 +246,13 @@ class SplitWorker:
             self._check_tensors(tensors, len(items))
         except (wire.WireError, KeyError, TypeError, ValueError) as err:
             return web.Response(status=400, text=f"bad frame: {err}")
+        for target in {item.reply_to for item in items if item.reply_to}:
+            if not await self.replies.allows(target):
+                return web.Response(
+                    status=403,
+                    text=f"reply_to {target[:100]!r} is not a router of this service's plan "
+                    f"(its routers: {self.replies.entries}); a worker posts feedback only to them",
+                )
         pending = Pending(items, self.n_labels, {k: tensors[k] for k in self.input_names})
         now = time.time()
         for i, item in enumerate(items):
@@ -264,7 +291,7 @@ class SplitWorker:
                 "bucket": self.bucket,
                 "pool": self.pool,
                 "batchSize": self.batch_size,
-                "ready": self.ready,
+                "ready": self.ready and not self.draining,
                 "firstBlock": self.runtime.first_block,
                 "lastBlock": self.runtime.last_block,
                 "queued": self.stages.held(),
@@ -294,12 +321,14 @@ class SplitWorker:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def handle_thresholds(self, request: web.Request) -> web.Response:
+        body = await json_body(request, MAX_THRESHOLDS_BODY)
+        if isinstance(body, web.Response):
+            return body
         try:
-            body = await request.json()
-            thresholds = {str(k): float(v) for k, v in body["thresholds"].items()}
-            reason = str(body.get("reason", "api"))
+            manifest = self.runtime.manifest
+            thresholds, reason = parse_thresholds(body, self.exit_ramps, manifest.final_ramp().name)
             self.set_thresholds(thresholds, reason)
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
+        except (BadControl, ValueError) as err:
             return web.Response(status=400, text=f"bad thresholds: {err}")
         if self.next and self.session:  # on down the chain
             clients = [
@@ -309,8 +338,13 @@ class SplitWorker:
         return web.json_response({"thresholds": self.thresholds})
 
     async def handle_faults(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.slowdown = max(1.0, float(body.get("slowdown", 1.0)))
+        body = await json_body(request, 1024)
+        if isinstance(body, web.Response):
+            return body
+        slowdown = body.get("slowdown", 1.0) if isinstance(body, dict) else None
+        if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 1.0 <= slowdown <= 100.0:
+            return web.Response(status=400, text='send {"slowdown": x} with x in [1, 100]')
+        self.slowdown = float(slowdown)
         log.warning("fault injection: slowdown x%.1f", self.slowdown)
         return web.json_response({"slowdown": self.slowdown})
 
@@ -356,8 +390,7 @@ class SplitWorker:
             state = {name: np.stack([row.state[name] for row in batch]) for name in batch[0].state}
         answered = np.array([row.answered for row in batch], dtype=bool)
         recorded = np.array([row.item.record for row in batch], dtype=bool)
-        thresholds = self.thresholds
-        loop = asyncio.get_running_loop()
+        args = (state, self.thresholds, answered, recorded, first, last)
         fraction = (last - first + 1) / (self.runtime.last_block - self.runtime.first_block + 1)
         expected = self.expected_ms(len(batch)) * fraction
         t0 = time.perf_counter()
@@ -365,20 +398,9 @@ class SplitWorker:
             if expected <= INLINE_BATCH_MS or (
                 expected <= INLINE_IDLE_MAX_MS and self.stages.held() == 0 and self.forwarding == 0
             ):
-                outcome = execute(self.runtime, state, self.bucket, thresholds, answered, recorded, first, last)
+                outcome = self._execute(*args)
             else:
-                outcome = await loop.run_in_executor(
-                    self.pool_exec,
-                    execute,
-                    self.runtime,
-                    state,
-                    self.bucket,
-                    thresholds,
-                    answered,
-                    recorded,
-                    first,
-                    last,
-                )
+                outcome = await asyncio.get_running_loop().run_in_executor(self.pool_exec, self._execute, *args)
         except StateError as err:
             for row in batch:
                 row.pending.fail(row.index, f"split {self.split} cannot run this input: {err}")
@@ -407,6 +429,9 @@ class SplitWorker:
             row.pending.answer(row.index, HopResult.answer(row.item.id, ans.ramp, ans.final), ans.logits)
         for ramp, count in per_ramp.items():
             self._child(self.metrics.exits, ramp).inc(count)
+        for i, why in outcome.rejected.items():  # inputs the model cannot run: the client's fault (isolate.py)
+            batch[i].pending.reject(batch[i].index, why)
+        self.metrics.rejected.inc(len(outcome.rejected))
         self.stages.record(stage, len(batch), len(outcome.survivors))
         if last < self.runtime.last_block:  # on to the next block's queue, each row with its slice of the state
             now = time.time()
@@ -423,6 +448,11 @@ class SplitWorker:
             rows = [batch[i] for i in outcome.survivors]
             self.forwarding += 1
             asyncio.create_task(self.forward(rows, outcome.state))
+
+    def _execute(self, state, thresholds, answered, recorded, first: int, last: int) -> BatchOutcome:
+        """A batch through blocks first..last; an input the model cannot run fails alone (isolate.py)."""
+        known = known_input_check(self.runtime, self.warm_input, self.bucket, first, last)
+        return execute_isolated(self.runtime, state, self.bucket, thresholds, answered, recorded, first, last, known)
 
     async def forward(self, rows: list[Row], state: dict[str, np.ndarray]) -> None:
         try:
@@ -455,8 +485,8 @@ class SplitWorker:
             row = by_id.pop(result.id, None)
             if row is None or result.shadow:
                 continue
-            if result.error is not None:
-                row.pending.fail(row.index, result.error)
+            if result.error is not None:  # the pod's failure or the input's own (result.input_error), kept as is
+                row.pending.answer(row.index, result, None)
             else:
                 row.pending.answer(row.index, result, logits[k] if logits is not None else None)
         for row in by_id.values():
@@ -494,7 +524,10 @@ class SplitWorker:
     # ------------------------------------------------------------------ lifecycle
 
     async def _startup(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), headers=bearer(self.control_token)
+        )  # probes of the next split, threshold pushes and feedback posts carry the control token
+        await self.replies.refresh()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.pool_exec, self.warm_up)
         self.ready = True
@@ -519,19 +552,20 @@ class SplitWorker:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 << 20)
+        token = self.control_token
         app.add_routes(
             [
-                web.post("/v1/run", self.handle_run),
-                web.get("/v1/info", self.handle_info),
-                web.get("/v1/peers", self.handle_peers),
+                web.post("/v1/run", guarded(token, self.handle_run)),
+                web.get("/v1/info", guarded(token, self.handle_info)),
+                web.get("/v1/peers", guarded(token, self.handle_peers)),
                 web.get("/v2/health/live", self.handle_live),
                 web.get("/v2/health/ready", self.handle_ready),
                 web.get("/metrics", self.handle_metrics),
-                web.post("/v1/thresholds", self.handle_thresholds),
+                web.post("/v1/thresholds", guarded(token, self.handle_thresholds)),
             ]
         )
         if os.environ.get(FAULTS_ENV) == "1":
-            app.router.add_post("/v1/faults", self.handle_faults)
+            app.router.add_post("/v1/faults", guarded(token, self.handle_faults))
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app

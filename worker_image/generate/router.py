@@ -11,8 +11,9 @@ when it ends or the client goes away.
 
 Endpoints: POST /v2/models/{name}/generate and /generate_stream (see routes.py),
 GET /v2/models/{name}, GET /v2/models/{name}/ready, GET /v2, GET /v2/health/live|ready, GET /metrics,
-GET/POST /v1/thresholds (one exit threshold for every head; the plan's thresholds are hot-updated),
-POST /v2/models/{name}/infer answers 400 (this model generates).
+POST /v2/models/{name}/infer answers 400 (this model generates); behind the service's control token,
+on the control port when there is one (`exitplan.worker.auth`): GET/POST /v1/thresholds (one exit
+threshold for every head; the plan's thresholds are hot-updated).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Plan
 from exitplan.worker import protocol
+from exitplan.worker.auth import ControlPlane, json_body
 from exitplan.worker.discovery import parse_peer_spec, resolve
 from exitplan.worker.generate.decoder import NEVER_EXIT
 from exitplan.worker.generate.remote_pipeline import RemotePipelineEngine
@@ -52,7 +54,17 @@ def plan_threshold(plan: Plan) -> float:
 
 
 class GenerationRouter:
-    def __init__(self, bundle: str | Path, plan_path: str | Path, *, peers: str) -> None:
+    def __init__(
+        self,
+        bundle: str | Path,
+        plan_path: str | Path,
+        *,
+        peers: str,
+        control_token: str | None = None,
+        control_port: int | None = None,
+        control_host: str = "0.0.0.0",
+    ) -> None:
+        self.control = ControlPlane(control_token, control_port, control_host)
         self.bundle = Path(bundle)
         self.plan_path = Path(plan_path)
         self.plan = read_plan(self.plan_path)
@@ -167,8 +179,12 @@ class GenerationRouter:
 
     async def handle_thresholds_post(self, request: web.Request) -> web.Response:
         """`{"threshold": x}` or `{"thresholds": {ramp: x}}` (the heads share one threshold: the lowest given)."""
+        body = await json_body(request, 64 << 10)
+        if isinstance(body, web.Response):
+            return body
         try:
-            body = await request.json()
+            if not isinstance(body, dict):
+                raise TypeError("the body must be a JSON object")
             if "threshold" in body:
                 value = float(body["threshold"])
             else:
@@ -225,10 +241,15 @@ class GenerationRouter:
                 web.get("/v2/health/live", self.handle_live),
                 web.get("/v2/health/ready", self.handle_ready),
                 web.get("/metrics", self.handle_metrics),
-                web.get("/v1/thresholds", self.handle_thresholds_get),
-                web.post("/v1/thresholds", self.handle_thresholds_post),
             ]
         )
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
+        self.control.mount(
+            app,
+            [
+                web.get("/v1/thresholds", self.handle_thresholds_get),
+                web.post("/v1/thresholds", self.handle_thresholds_post),
+            ],
+        )
         return app

@@ -22,76 +22,13 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from exitplan.worker import protocol
 from exitplan.worker.generate.decoder import EngineBase, GenerationError, GenerationHandle, TokenEvent
+from exitplan.worker.metrics import GenerationMetrics
 
-TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 DEFAULT_MAX_TOKENS = 32
-
-
-class GenerationMetrics:
-    """Prometheus metrics of generation (labels: service, mode; ramp on per-token counters)."""
-
-    def __init__(self, service: str, mode: str, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        r, labels = self.registry, ["service", "mode"]
-        self.labels = {"service": service, "mode": mode}
-        self.token_seconds = Histogram(
-            "exitplan_generation_token_seconds",
-            "Time per generated token (one forward pass).",
-            labels,
-            buckets=TOKEN_BUCKETS,
-            registry=r,
-        ).labels(**self.labels)
-        self.first_token_seconds = Histogram(
-            "exitplan_generation_first_token_seconds",
-            "Time to the first token (prompt pass).",
-            labels,
-            buckets=TOKEN_BUCKETS,
-            registry=r,
-        ).labels(**self.labels)
-        self.tokens = Counter(
-            "exitplan_generation_tokens_total",
-            "Generated tokens, by the head that chose them (ramp=final head's name for full passes).",
-            [*labels, "ramp"],
-            registry=r,
-        )
-        self.requests = Counter(
-            "exitplan_generation_requests_total",
-            "Generation requests answered, by HTTP status code.",
-            [*labels, "code"],
-            registry=r,
-        )
-        self.disconnects = Counter(
-            "exitplan_generation_disconnects_total", "Streams stopped because the client went away.", labels, registry=r
-        ).labels(**self.labels)
-        self.recomputed = Counter(
-            "exitplan_generation_recomputed_positions_total",
-            "Positions whose missing KV entries were recomputed.",
-            labels,
-            registry=r,
-        ).labels(**self.labels)
-        self.full_passes = Counter(
-            "exitplan_generation_full_passes_total",
-            "Tokens that ran every block (final head or forced by the pending bound).",
-            labels,
-            registry=r,
-        ).labels(**self.labels)
-        self.sequences = Gauge(
-            "exitplan_generation_active_sequences", "Sequences holding a KV cache now.", labels, registry=r
-        ).labels(**self.labels)
-
-    def token(self, event: TokenEvent) -> None:
-        (self.first_token_seconds if event.index == 0 else self.token_seconds).observe(event.seconds)
-        self.tokens.labels(**self.labels, ramp=event.exit).inc()
-        self.recomputed.inc(event.recomputed)
-        if event.full_pass:
-            self.full_passes.inc()
-
-    def answered(self, code: int) -> None:
-        self.requests.labels(**self.labels, code=str(code)).inc()
 
 
 class _BadRequest(Exception):
@@ -267,6 +204,8 @@ def add_generate_routes(
     `threshold`: the service's threshold, or a function giving the one in force (hot-updated thresholds);
     `unavailable`: a function giving why the engine cannot take a request now (answered 503), or None."""
     metrics = metrics or GenerationMetrics(service or model_name, engine.mode)
+    manifest = engine.model.manifest
+    metrics.zero([*(r.name for r in manifest.exit_ramps()), manifest.final_ramp().name])
     metrics.sequences.set_function(lambda: engine.active_caches)
     current_threshold = threshold if callable(threshold) else (lambda: threshold)
     routes = GenerateRoutes(engine, model_name, metrics, current_threshold, unavailable)

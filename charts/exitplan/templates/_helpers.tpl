@@ -32,6 +32,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: exitplan
 {{- end -}}
 
+{{/* Labels of the operator's pod template: the selector labels and what names the app, never the
+     chart's version (a chart bump would otherwise restart the operator for nothing), then
+     operator.podLabels (which cannot replace the selector labels). */}}
+{{- define "exitplan.operatorPodLabels" -}}
+{{- $labels := include "exitplan.operatorSelectorLabels" . | fromYaml -}}
+{{- $_ := set $labels "app.kubernetes.io/managed-by" .Release.Service -}}
+{{- $_ := set $labels "app.kubernetes.io/part-of" "exitplan" -}}
+{{- toYaml (merge $labels (.Values.operator.podLabels | default dict)) -}}
+{{- end -}}
+
 {{/* Selector labels of the operator pods (stable across upgrades). */}}
 {{- define "exitplan.operatorSelectorLabels" -}}
 app.kubernetes.io/name: {{ include "exitplan.name" . }}
@@ -63,12 +73,24 @@ app.kubernetes.io/managed-by: exitplan-operator
 exitplan-profiler
 {{- end -}}
 
+{{/* An image reference: repository@digest when image.digest is set (it overrides the tag), else
+     repository:tag (the tag defaulting to the chart's appVersion). Call with (list $image $). */}}
+{{- define "exitplan.image" -}}
+{{- $image := index . 0 -}}
+{{- $root := index . 1 -}}
+{{- if $image.digest -}}
+{{- printf "%s@%s" $image.repository $image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $image.repository (default $root.Chart.AppVersion $image.tag) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "exitplan.operatorImage" -}}
-{{- printf "%s:%s" .Values.operator.image.repository (default .Chart.AppVersion .Values.operator.image.tag) -}}
+{{- include "exitplan.image" (list .Values.operator.image .) -}}
 {{- end -}}
 
 {{- define "exitplan.dataPlaneImage" -}}
-{{- printf "%s:%s" .Values.dataPlane.image.repository (default .Chart.AppVersion .Values.dataPlane.image.tag) -}}
+{{- include "exitplan.image" (list .Values.dataPlane.image .) -}}
 {{- end -}}
 
 {{/* "true" when the replicas run in a kopf peering (cluster-wide mode only). */}}
@@ -79,4 +101,9 @@ exitplan-profiler
 {{/* The port of every router and worker (operator/builders.py PORT): inference, peers and /metrics. */}}
 {{- define "exitplan.dataPlanePort" -}}
 8080
+{{- end -}}
+
+{{/* The routers' control port (operator/builders.py CONTROL_PORT): thresholds, feedback, observations. */}}
+{{- define "exitplan.controlPort" -}}
+8081
 {{- end -}}

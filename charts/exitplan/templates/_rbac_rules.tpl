@@ -63,6 +63,11 @@ exactly: nothing missing, nothing extra.
 - apiGroups: [""]
   resources: ["configmaps", "services"]
   verbs: ["get", "list", "create", "patch", "delete"]
+# app: each service's control token (operator/control_token.py: read it to call the routers'
+# control endpoints, create it once, before the pods that mount it).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
 # app: router pods' IPs for /v1/observations (operator/driftloop.py router_urls).
 - apiGroups: [""]
   resources: ["pods"]
@@ -70,6 +75,11 @@ exactly: nothing missing, nothing extra.
 # app: router and worker Deployments (operator/apply.py; reconcile.py refresh_readiness).
 - apiGroups: ["apps"]
   resources: ["deployments"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+# app: the routers' PodDisruptionBudget (operator/disruption.py, applied, listed and pruned by
+# operator/apply.py like the other children).
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "create", "patch", "delete"]
 # app: profiling Jobs (operator/reconcile.py ensure_profiling; apply.py list_children). Finished
 # Jobs expire by ttlSecondsAfterFinished and go with their service, so no delete.

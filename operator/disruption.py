@@ -1,0 +1,55 @@
+"""The routers' PodDisruptionBudget: voluntary disruptions (a node drain, a cluster upgrade) never take
+the last ready router of a service.
+
+| object | name | what |
+|---|---|---|
+| PodDisruptionBudget (policy/v1) | `<svc>-router` | `minAvailable: 1` over the router pods, while `spec.router.replicas` >= 2 |
+
+With one router replica there is no budget: `minAvailable: 1` over one pod would refuse every
+eviction and hold a node drain forever. A rolling update does not go through the budget; the router
+Deployment's `maxUnavailable: 0` keeps its replicas serving during one. A router that leaves drains
+(its preStop hook, then SIGTERM, builders.py and worker_image/serve.py).
+
+`with_router_budget` adds the budget to the children of a plan (reconcile.py `propose_or_apply`,
+for classification and generation services alike); apply.py creates, patches and deletes it with
+the other children.
+"""
+
+from __future__ import annotations
+
+import kopf
+
+from exitplan.api.resources import EarlyExitServiceSpec
+from exitplan.operator import builders
+from exitplan.operator.builders import Manifest
+
+MIN_AVAILABLE = 1
+
+
+def build_router_budget(service: str, namespace: str, spec: EarlyExitServiceSpec, plan_hash: str) -> Manifest | None:
+    """The PodDisruptionBudget of the service's routers, or None with fewer than 2 router replicas."""
+    if spec.router.replicas < 2:
+        return  # (a bare return: tests/test_rbac.py follows the manifests this returns)
+    labels = builders.selector_labels(service, "router")
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": builders.router_name(service),
+            "namespace": namespace,
+            "labels": {**builders.MANAGED, **labels},
+            "annotations": {builders.A_PLAN_HASH: plan_hash},
+        },
+        "spec": {"minAvailable": MIN_AVAILABLE, "selector": {"matchLabels": labels}},
+    }
+
+
+def with_router_budget(
+    owner: Manifest, spec: EarlyExitServiceSpec, plan_hash: str, children: list[Manifest]
+) -> list[Manifest]:
+    """`children` and, when the service has 2 or more routers, their budget, adopted by `owner`."""
+    budget = build_router_budget(owner["metadata"]["name"], owner["metadata"]["namespace"], spec, plan_hash)
+    if budget is None:
+        return children
+    kopf.adopt([budget], owner=owner)
+    return [*children, budget]
