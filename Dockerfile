@@ -47,6 +47,7 @@ COPY prepare/ prepare/
 COPY client/ client/
 COPY localrun/ localrun/
 COPY devcluster/ devcluster/
+COPY storage/ storage/
 RUN pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels .
 
 # ---------------------------------------------------------------- slim images (operator, worker-cpu)

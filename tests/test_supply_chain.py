@@ -31,7 +31,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
@@ -194,7 +193,9 @@ def test_locks_are_closed_as_far_as_installed_metadata_tells() -> None:
             package = canonicalize_name(req.name)
             assert package in locked, f"{name}.lock lacks {req} (required by {via})"
             version = locked[package].version
-            assert req.specifier.contains(version, prereleases=True), f"{name}.lock: {package}=={version} but {via} needs {req}"
+            assert req.specifier.contains(version, prereleases=True), (
+                f"{name}.lock: {package}=={version} but {via} needs {req}"
+            )
             key = (package, frozenset(req.extras))
             if key in checked:
                 continue
@@ -269,7 +270,10 @@ def test_make_lock_compiles_each_lock_with_its_extras() -> None:
         extras = {words[i + 1] for i, w in enumerate(words) if w == "--extra"}
         made[Path(words[words.index("-o") + 1]).stem] = extras if "pyproject.toml" in words else None
     assert made == LOCKS, made
-    assert "tools/pin_images.py" in subprocess.run(["make", "-n", "pin-images"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert (
+        "tools/pin_images.py"
+        in subprocess.run(["make", "-n", "pin-images"], cwd=ROOT, capture_output=True, text=True).stdout
+    )
 
 
 # ------------------------------------------------------------------ base images
@@ -298,8 +302,18 @@ def test_references_parse_as_docker_reads_them() -> None:
     digest = "sha256:" + "0" * 64
     cases = {
         "python:3.11.15-slim-bookworm": ("docker.io", "library/python", "3.11.15-slim-bookworm", None),
-        "nvidia/cuda:13.0.1-cudnn-runtime-ubuntu22.04": ("docker.io", "nvidia/cuda", "13.0.1-cudnn-runtime-ubuntu22.04", None),
-        f"nvcr.io/nvidia/cuda:13.0.1-runtime-ubuntu22.04@{digest}": ("nvcr.io", "nvidia/cuda", "13.0.1-runtime-ubuntu22.04", digest),
+        "nvidia/cuda:13.0.1-cudnn-runtime-ubuntu22.04": (
+            "docker.io",
+            "nvidia/cuda",
+            "13.0.1-cudnn-runtime-ubuntu22.04",
+            None,
+        ),
+        f"nvcr.io/nvidia/cuda:13.0.1-runtime-ubuntu22.04@{digest}": (
+            "nvcr.io",
+            "nvidia/cuda",
+            "13.0.1-runtime-ubuntu22.04",
+            digest,
+        ),
         "localhost:5000/base:1.2": ("localhost:5000", "base", "1.2", None),
         "index.docker.io/library/python:3.11": ("docker.io", "library/python", "3.11", None),
     }
