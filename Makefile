@@ -20,7 +20,14 @@ install: $(VENV)/.installed
 demo: install
 	$(EXITPLAN) demo $(ARGS)
 
-test: install
+# The tests' S3-compatible server (moto) in a venv of its own: see tools/s3-test-server.txt.
+S3_VENV ?= .venv-s3
+$(S3_VENV)/.installed: tools/s3-test-server.txt
+	python3 -P -m venv $(S3_VENV)
+	$(S3_VENV)/bin/python -P -m pip install -q -r tools/s3-test-server.txt
+	touch $@
+
+test: install $(S3_VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -P tools/typecheck.py

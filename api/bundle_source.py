@@ -66,7 +66,9 @@ def _relative(value: str, what: str, uri: str) -> str:
     """A relative path inside a claim or bucket: no `..`, no empty components (slashes at the ends dropped)."""
     value = value.strip("/")
     if value and (any(part in ("", ".", "..") for part in value.split("/")) or posixpath.normpath(value) != value):
-        raise SourceError(f"bundle URI {uri!r}: the {what} {value!r} must be a plain relative path (no '.', '..' or '//')")
+        raise SourceError(
+            f"bundle URI {uri!r}: the {what} {value!r} must be a plain relative path (no '.', '..' or '//')"
+        )
     return value
 
 
@@ -77,7 +79,7 @@ def parse_bundle_uri(uri: str) -> BundleSource:
         if not uri:
             raise SourceError(f"an empty bundle URI: give {FORMS}")
         return BundleSource(LOCAL, uri, location=uri)
-    scheme = uri.split("://", 1)[0].lower()
+    scheme = uri.split("://", 1)[0]
     kind = SCHEMES.get(scheme)
     if kind is None:
         raise SourceError(f"bundle URI {uri!r}: unknown scheme {scheme!r}; give {FORMS}")
@@ -86,11 +88,13 @@ def parse_bundle_uri(uri: str) -> BundleSource:
         return BundleSource(LOCAL, uri, location=rest)
     if kind == OCI:
         if not _IMAGE.match(rest):
-            raise SourceError(f"bundle URI {uri!r}: {rest!r} is not an image reference (REGISTRY/REPO:TAG or @sha256:...)")
+            raise SourceError(
+                f"bundle URI {uri!r}: {rest!r} is not an image reference (REGISTRY/REPO:TAG or @sha256:...)"
+            )
         return BundleSource(OCI, uri, location=rest)
     if kind == HTTP:
         parts = urlsplit(uri)
-        if not parts.hostname or not parts.path.endswith(TARBALL_SUFFIXES):
+        if not parts.hostname or parts.fragment or not parts.path.endswith(TARBALL_SUFFIXES):
             raise SourceError(
                 f"bundle URI {uri!r}: an http(s) bundle is a tarball URL, https://HOST/PATH.tar.gz (.tgz, .tar); "
                 "`exitplan bundle push BUNDLE FILE.tar.gz` writes one"

@@ -91,7 +91,7 @@ class Task(str, Enum):
 class ModelRef(Model):
     name: Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
     """Model name served at /v2/models/{name}; also the ModelProfile's model."""
-    bundle: Annotated[str, Field(min_length=1)]
+    bundle: Annotated[str, Field(min_length=1, max_length=4096)]
     """Bundle URI. A path or file:// URI: a directory holding bundle.yaml on the node (a hostPath, only
     under the operator's allowed prefixes). pvc://CLAIM/PATH: a directory of a PersistentVolumeClaim of
     the namespace, mounted read-only. s3://BUCKET/PREFIX: any S3-compatible store (bundleSecret names
@@ -113,9 +113,13 @@ class ModelRef(Model):
 
         source = parse_bundle_uri(self.bundle)
         if source.kind == HTTP and self.bundle_sha256 is None:
-            raise ValueError("model.bundleSha256 is required for an http(s):// bundle (`exitplan bundle push` prints it)")
+            raise ValueError(
+                "model.bundleSha256 is required for an http(s):// bundle (`exitplan bundle push` prints it)"
+            )
         if self.bundle_sha256 is not None and not source.tarball:
-            raise ValueError("model.bundleSha256 applies to tarball bundles only (https://, http://, s3://.../x.tar.gz)")
+            raise ValueError(
+                "model.bundleSha256 applies to tarball bundles only (https://, http://, s3://.../x.tar.gz)"
+            )
         if self.bundle_secret is not None and source.kind != S3:
             raise ValueError("model.bundleSecret applies to s3:// bundles only")
         return self

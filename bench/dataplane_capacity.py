@@ -1,8 +1,8 @@
 """Zero lost requests up to 1.2x the measured capacity, explicit overload errors above it.
 
 Serves a bundle with a real router and real worker processes (one split, one worker per length
-bucket), measures its capacity with `find_capacity` (the offered load stepped up until goodput stops
-growing, a request is lost or over 1 % get errors), then replays the trace open-loop at fixed multiples of that capacity,
+bucket), measures its capacity with `find_capacity` (the highest offered rate at which >= 99 % of
+requests finish within the SLO, over a step and its last third), then replays the trace open-loop at fixed multiples of that capacity,
 all in one run, and prints per load: offered rate, goodput, latency, results, overload errors
 (429/503, with or without Retry-After), other errors and lost requests.
 

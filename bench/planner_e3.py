@@ -5,10 +5,11 @@
 Profile: planner/synthetic.py (NVIDIA's published BERT-base FP16 V100 figures, batch 1-8; P100
 and K80 scaled from datasheet rates; GCP per-GPU prices; all stated there).
 Workload: 80:20 easy:hard; an easy input exits after 2-5 of the 12 blocks, a hard one after 10-12
-(uniform), all inputs of length 128; SLO 100 ms (p99). Goodput = the largest Poisson rate at which
->= 99 % of requests are answered within the SLO (drops count as misses), over the whole run and
-over the requests of its last third (a steady state, not a queue still building), found by
-bisection in the discrete-event simulator with the data plane's batching and dispatch rules (fusion queues launch
+(uniform), all inputs of length 128; SLO 100 ms (p99). Goodput = the answers within the SLO per
+second at the largest Poisson rate at which >= 99 % of requests are answered within the SLO (drops
+count as misses), over the whole run and over the requests of its last third (a steady state, not a
+queue still building), found in the discrete-event simulator (planner/compare.py `measure`: search
+runs of the stated seconds, then a 30 s run) with the data plane's batching and dispatch rules (fusion queues launch
 on a full batch or when the oldest deadline needs it; the data plane's extra 2 ms max wait is off,
 see MAX_WAIT_MS). Naive early exit = exits inside one unsplit model: a batch runs each later block
 at the size that remains (E3's account); a second row shows the variant where exited rows keep
@@ -61,7 +62,7 @@ def spec_for(pools: list[str], cost_cap: float | None = None) -> EarlyExitServic
 def measure(label: str, result, duration: float, iters: int, compact_exits: bool = True) -> float:
     t = time.perf_counter()
     rate, res = sustainable_rate(
-        result, LENGTHS, SLO_MS, duration_s=duration, iters=iters, max_wait_ms=MAX_WAIT_MS, compact_exits=compact_exits
+        result, LENGTHS, SLO_MS, duration_s=duration, max_wait_ms=MAX_WAIT_MS, compact_exits=compact_exits
     )
     plan = result.plan
     layout = " | ".join(

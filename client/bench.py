@@ -12,11 +12,13 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from exitplan.client.capacity import TARGET, CapacityResult, CapacityStep, search_capacity
 from exitplan.client.loadgen import Outcome, replay
 from exitplan.client.report import BenchReport, summarize
 from exitplan.client.texts import HeldoutPool, ReferenceCache, RequestInputs, build_inputs, check_labels, load_pool
@@ -409,40 +411,6 @@ def run_bench(
 # ---------------------------------------------------------------------------- capacity
 
 
-@dataclass
-class CapacityResult:
-    capacity_rps: float
-    """The highest goodput measured over the steps."""
-    steps: list[BenchReport]
-    reason: str
-    """Why the search stopped."""
-
-    def to_dict(self) -> dict:
-        return {
-            "capacity_rps": self.capacity_rps,
-            "reason": self.reason,
-            "steps": [s.to_dict() for s in self.steps],
-        }
-
-    def table(self):
-        from rich.table import Table
-
-        table = Table(title=f"capacity search: {self.capacity_rps:.1f} rps ({self.reason})")
-        for col in ("offered rps", "goodput rps", "p99 ms", "results", "errors", "lost"):
-            table.add_column(col, justify="right")
-        for s in self.steps:
-            p99 = s.latency_ms["p99"]
-            table.add_row(
-                f"{s.offered_rps:.1f}",
-                f"{s.goodput_rps:.1f}",
-                "-" if p99 is None else f"{p99:.1f}",
-                str(s.results),
-                str(s.error_total),
-                str(s.lost),
-            )
-        return table
-
-
 def find_capacity(
     url: str,
     model: str,
@@ -451,11 +419,12 @@ def find_capacity(
     *,
     setup: BenchSetup | None = None,
     start_rps: float = 5.0,
-    factor: float = 1.5,
+    max_rps: float = 1000.0,
+    min_rps: float = 0.25,
+    resolution: float = 0.05,
     step_duration: float = 10.0,
     max_steps: int = 10,
-    min_growth: float = 0.05,
-    max_error_share: float = 0.01,
+    target: float = TARGET,
     slo_ms: float | None = None,
     seed: int = 0,
     length_mode: LengthMode = "scale",
@@ -463,34 +432,33 @@ def find_capacity(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: bool = False,
     binary: bool = False,
+    on_step: Callable[[CapacityStep], None] | None = None,
+    settle_s: float = 0.0,
 ) -> CapacityResult:
-    """Step the offered load up by `factor` until goodput grows by less than `min_growth`, a request is
-    lost, or more than `max_error_share` of the requests get errors (overload included).
+    """The capacity within the SLO: the highest offered rate at which at least `target` (99 %) of the
+    requests finish within it, over a step and over its last third (errors and lost requests are misses).
 
-    Each step replays `step_duration` seconds of the trace at its rate. The capacity is the highest
-    goodput measured (results within the SLO per second). A few overload answers do not end the search:
-    the router's admission limit follows the answers' latency, so a burst of a bursty trace can be
-    refused at a rate the pods sustain (one 429 at 15 rps once put vanilla's capacity at 14.9 rps in
-    `make demo`, which then served 23.8 rps without one).
+    Each step replays the first `step_duration` seconds of the trace window rescaled to its rate (the
+    same arrivals, closer together, at every rate); the search doubles from `start_rps` until a step
+    misses (halves while they miss), then bisects until the rate that passed and the rate that missed
+    are within `resolution` of each other, or after `max_steps` steps, or at `max_rps` / `min_rps`
+    (see `exitplan.client.capacity`). With `settle_s`, the first step and every step after a miss
+    follow `settle_s` seconds of the trace at a rate that passed (half the first step's before any did),
+    not counted: the service recovers from the miss before the next rate is judged.
     """
     setup = setup.retarget(url, model) if setup is not None else BenchSetup.connect(url, model, bundle)
-    if factor <= 1.0:
-        raise BenchError(f"the load step factor must be > 1, got {factor}")
-    if not 0.0 <= max_error_share < 1.0:
-        raise BenchError(f"max_error_share must be within [0, 1), got {max_error_share}")
-    if start_rps <= 0 or step_duration <= 0 or max_steps < 1:
-        raise BenchError("start_rps and step_duration must be > 0 and max_steps >= 1")
-    steps: list[BenchReport] = []
-    best = 0.0
-    rps = start_rps
-    reason = f"reached {max_steps} steps"
-    for _ in range(max_steps):
-        report = asyncio.run(
+    if start_rps <= 0 or step_duration <= 0 or max_steps < 1 or settle_s < 0:
+        raise BenchError("start_rps and step_duration must be > 0, max_steps >= 1 and settle_s >= 0")
+    if not 0 < min_rps <= max_rps or resolution <= 0 or not 0 < target <= 1:
+        raise BenchError("need 0 < min_rps <= max_rps, resolution > 0 and a target share within (0, 1]")
+
+    def probe(rps: float, duration: float = step_duration) -> BenchReport:
+        return asyncio.run(
             run_bench_async(
                 setup,
                 trace,
                 rps=rps,
-                duration=step_duration,
+                duration=duration,
                 slo_ms=slo_ms,
                 seed=seed,
                 length_mode=length_mode,
@@ -500,17 +468,15 @@ def find_capacity(
                 binary=binary,
             )
         )
-        steps.append(report)
-        grew = report.goodput_rps > best * (1.0 + min_growth)
-        best = max(best, report.goodput_rps)
-        if report.lost:
-            reason = f"{report.lost} lost at {report.offered_rps:.1f} rps offered"
-            break
-        if report.error_total > max_error_share * max(report.requests, 1):
-            reason = f"errors on {report.error_total / max(report.requests, 1):.1%} of requests at {report.offered_rps:.1f} rps offered"
-            break
-        if not grew:
-            reason = f"goodput stopped growing at {report.offered_rps:.1f} rps offered"
-            break
-        rps *= factor
-    return CapacityResult(best, steps, reason)
+
+    return search_capacity(
+        probe,
+        start_rps=start_rps,
+        max_rps=max_rps,
+        min_rps=min_rps,
+        resolution=resolution,
+        max_steps=max_steps,
+        target=target,
+        on_step=on_step,
+        settle=(lambda rps: probe(rps, settle_s)) if settle_s > 0 else None,
+    )

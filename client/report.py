@@ -5,6 +5,9 @@ Definitions (stated once, used everywhere):
   errors; lost requests do not stretch it), at least the arrival window;
 - offered load: requests / arrival window (the run's duration, else up to the last arrival);
 - goodput: results answered within the SLO per second of run time; throughput: results per second;
+- share within the SLO: results answered within the SLO / requests (an error or a lost request is a
+  miss), over the whole run and over its last third (the requests scheduled in the last third of the
+  arrival window: a queue that grows through the run shows there first);
 - latency: client-side, from sending a request to receiving its whole answer, over results only;
 - exit histogram: the share of results answered by each ramp (the final head included);
 - agreement: the share of results whose label equals the full model's label for exactly that input;
@@ -74,6 +77,10 @@ class BenchReport:
     overload_without_retry_after: int
     send_lag_ms: dict[str, float | None]
     """How late the generator sent requests against the trace (open-loop fidelity)."""
+    within_slo_share: float = 0.0
+    """Requests answered within the SLO / requests (errors and lost requests are misses)."""
+    last_third_within_slo_share: float | None = None
+    """The same over the requests scheduled in the last third of the arrival window (None: none there)."""
     error_samples: dict[str, list[str]] = field(default_factory=dict)
     run: dict = field(default_factory=dict)
     """How the run was set up: trace, length mode, speed or rps, seed, window, inputs."""
@@ -131,6 +138,10 @@ class BenchReport:
                 f"{ms(self.latency_ms['p50'])} / {ms(self.latency_ms['p95'])} / {ms(self.latency_ms['p99'])} ms",
             ),
             ("within SLO", f"{self.within_slo} ({pct(self.within_slo / self.results if self.results else None)})"),
+            (
+                "requests within SLO (last third)",
+                f"{pct(self.within_slo_share)} ({pct(self.last_third_within_slo_share)})",
+            ),
             ("agreement with full model", pct(self.agreement)),
             (
                 "accuracy vs labels (full model)",
@@ -238,6 +249,16 @@ def summarize(
         lost=kinds.get("lost", 0),
         overload_without_retry_after=sum(1 for o in outcomes if o.kind == "overload" and not o.retry_after),
         send_lag_ms=latency_summary(lags),
+        within_slo_share=within / n if n else 0.0,
+        last_third_within_slo_share=_last_third_share(outcomes, slo_s, span),
         error_samples=samples,
         run=dict(run or {}),
     )
+
+
+def _last_third_share(outcomes: Sequence[Outcome], slo_s: float, span: float) -> float | None:
+    """The share of the requests scheduled in the last third of the arrival window (`span` seconds) that
+    were answered within the SLO (None when no request was scheduled there)."""
+    last_third = [o for o in outcomes if o.scheduled_s >= span * 2 / 3]
+    within = sum(1 for o in last_third if o.kind == "ok" and o.latency_s is not None and o.latency_s <= slo_s)
+    return within / len(last_third) if last_third else None

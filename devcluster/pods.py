@@ -8,6 +8,10 @@ It talks to the API server over HTTP like a node agent would, and every `SYNC_SE
   make-before-break (new ones ready first, maxUnavailable 0); a process that exits is restarted
   with backoff; readiness comes from probing the container's readinessProbe path; the counts go
   to the Deployment's status (replicas, readyReplicas, updatedReplicas, observedGeneration).
+- Init containers: a Deployment pod runs its initContainers one after the other before its container;
+  one that fails runs again after a back-off (the pod stays in Init, its restarts count towards a
+  stalled rollout), as a kubelet does. Each Deployment pod is also a Pod object in the API, with the
+  container statuses a kubelet reports (podstatus.py), and a container's envFrom Secrets are in its env.
 - Jobs: runs initContainers then containers one after the other; success or failure (with
   backoffLimit retries) goes to the Job's status: a Failed condition with reason BackoffLimitExceeded
   and, in its message, the failed container's exit code and the tail of its log.
@@ -42,6 +46,7 @@ from typing import Any
 
 import aiohttp
 
+from exitplan.devcluster import podstatus
 from exitplan.devcluster.svcproxy import TcpProxy, service_hostnames, write_resolve_file
 from exitplan.operator.kube import ApiError, KubeClient, path
 
@@ -100,6 +105,10 @@ class LocalPod:
     """Materialized configMap and secret files: local path -> content."""
     ports: dict[str, int] = field(default_factory=dict)
     """Named container ports -> local port (the first one is `port`)."""
+    main: int = 0
+    """Deployments: the index of the serving container in `containers` (its init containers come first)."""
+    exits: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Container name -> how it last ended (podstatus.py)."""
 
     @property
     def log_path(self) -> Path:
@@ -123,6 +132,7 @@ class PodRunner:
         self._resolve: dict[str, list[str]] = {}
         self._reported: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._http: aiohttp.ClientSession | None = None
+        self._pod_objects = podstatus.PodObjects()
         workdir.mkdir(parents=True, exist_ok=True)
         write_resolve_file(self.resolve_file, {})
 
@@ -158,6 +168,7 @@ class PodRunner:
         await self._probe()
         await self._report_deployments(deployments)
         await self._report_jobs(jobs)
+        await self._pod_objects.publish(self.client, list(self.pods.values()))
         await self._sync_services(services)
 
     async def shutdown(self) -> None:
@@ -212,6 +223,11 @@ class PodRunner:
             return
         if pod.proc is not None:  # exited: restart with backoff (restartPolicy Always)
             if pod.restart_at == 0.0:
+                podstatus.record_exit(pod, _log_tail(pod.log_path))
+                if pod.proc.returncode == 0 and pod.step < pod.main:  # an init container is done: the next
+                    pod.step += 1
+                    self._launch(pod, pod.containers[pod.step])
+                    return
                 pod.restarts += 1
                 pod.ready = False
                 pod.restart_at = time.monotonic() + min(10.0, 0.5 * 2**pod.restarts)
@@ -226,7 +242,7 @@ class PodRunner:
             if time.monotonic() < pod.restart_at:
                 return
             pod.restart_at = 0.0
-        self._launch(pod, pod.containers[0])
+        self._launch(pod, pod.containers[pod.step])  # a failed init container again, or the main one
 
     # ------------------------------------------------------------ Jobs
 
@@ -311,9 +327,8 @@ class PodRunner:
         index = next(i for i in range(len(used) + 1) if i not in used)
         name = f"{owner[1]}-{tmpl_hash[:5]}-{index}"
         spec = template.get("spec", {})
-        containers = (
-            (spec.get("initContainers", []) + spec.get("containers", [])) if job else spec.get("containers", [])[:1]
-        )
+        inits = spec.get("initContainers", [])  # Jobs: run in order with the containers; Deployments: before
+        containers = inits + (spec.get("containers", []) if job else spec.get("containers", [])[:1])
         pod = LocalPod(
             name=name,
             namespace=ns,
@@ -324,8 +339,9 @@ class PodRunner:
             port=self._port(),
             folder=self.workdir / "pods" / ns / name,
             containers=containers,
+            main=0 if job else len(inits),
         )
-        named = [p["name"] for p in containers[0].get("ports") or [] if p.get("name")]
+        named = [p["name"] for p in containers[pod.main].get("ports") or [] if p.get("name")]
         pod.ports = {port_name: pod.port if i == 0 else self._port() for i, port_name in enumerate(named)}
         pod.folder.mkdir(parents=True, exist_ok=True)
         self._mount(pod, configmaps)
@@ -408,6 +424,7 @@ class PodRunner:
             "status.podIP": "127.0.0.1",
             "spec.nodeName": "localhost",
         }
+        env.update(podstatus.env_from(container, pod.namespace, self.secrets))
         for item in container.get("env", []):
             if "value" in item:
                 env[item["name"]] = self._local(pod, str(item["value"]))
@@ -464,10 +481,10 @@ class PodRunner:
 
     async def _probe(self) -> None:
         async def one(pod: LocalPod) -> None:
-            if pod.owner[0] != "Deployment" or pod.stopping or not pod.alive():
+            if pod.owner[0] != "Deployment" or pod.stopping or not pod.alive() or pod.step < pod.main:
                 pod.ready = False
                 return
-            probe = (pod.containers[0].get("readinessProbe") or {}).get("httpGet")
+            probe = (pod.containers[pod.main].get("readinessProbe") or {}).get("httpGet")
             if not probe:
                 pod.ready = True
                 return

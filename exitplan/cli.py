@@ -27,7 +27,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",  # TMPCHECK
+    rich_markup_mode=None,
 )
 
 USER_ERRORS = {
@@ -130,6 +130,7 @@ def _register() -> None:
     # One line per command; each module holds `command` (and sometimes more sub-commands).
     from exitplan import (
         cmd_bench,
+        cmd_bundle,
         cmd_check,
         cmd_demo,
         cmd_dev_cluster,
@@ -160,6 +161,8 @@ def _register() -> None:
     app.command("simulate")(cmd_simulate.command)
     app.add_typer(cmd_operator.app, name="operator")
     app.command("dev-cluster")(cmd_dev_cluster.command)
+    app.command("storage-init")(cmd_bundle.storage_init)
+    app.add_typer(cmd_bundle.app, name="bundle")
     app.command("prepare-decoder")(cmd_generate.prepare_command)
     app.command("generate")(cmd_generate.command)
     app.command("generate-server")(cmd_generate.server_command)

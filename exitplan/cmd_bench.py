@@ -55,7 +55,7 @@ def command(
     capacity: bool = typer.Option(
         False,
         "--find-capacity",
-        help="Step the load up (from --rps, default 5) until goodput stops growing, a request is lost or over 1 % get errors; report the capacity.",
+        help="Measure the capacity within the SLO: the highest rate at which >= 99 % of requests (errors and lost ones are misses) finish within it, over a step and its last third; doubles from --rps (default 5), then bisects.",
     ),
     step_duration: float = typer.Option(
         10.0, "--step-duration", min=1.0, help="Seconds per load step with --find-capacity."

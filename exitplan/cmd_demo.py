@@ -1,4 +1,4 @@
-"""`exitplan demo`: prepare the MiniLM bundle, profile it, and serve vanilla / naive early exit / exitplan side by side."""
+"""`exitplan demo`: prepare the MiniLM bundle, profile it, and measure the capacity of vanilla / naive early exit / exitplan."""
 
 from __future__ import annotations
 
@@ -13,14 +13,18 @@ def command(
         Path("examples/minilm-local.yaml"), help="The service file (its bundle path is where the bundle is prepared)."
     ),
     trace: Path | None = typer.Option(None, help="Trace to replay (default: the shared Azure LLM inference trace)."),
-    loads: str = typer.Option("0.5,1.0,1.2,1.6", help="Offered loads, as multiples of vanilla's measured capacity."),
-    duration: float = typer.Option(15.0, min=2.0, help="Seconds of trace replayed per load level."),
+    step_duration: float = typer.Option(
+        10.0, min=2.0, help="Seconds of trace replayed per step of each configuration's capacity search."
+    ),
+    resolution: float = typer.Option(
+        0.05, min=0.01, help="Bisect until the rate that met the SLO and the rate that missed it are this close."
+    ),
     port: int = typer.Option(8080, help="Router port."),
     base_port: int = typer.Option(9100, help="First worker port."),
     keep: bool = typer.Option(False, "--keep", help="Leave exitplan serving after the comparison (Ctrl-C stops it)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the results as JSON."),
 ) -> None:
-    """Prepare, profile, plan, and compare vanilla, naive early exit and exitplan on the same trace and loads."""
+    """Prepare, profile, plan, and measure the capacity within the SLO of vanilla, naive early exit and exitplan on the same trace."""
     import sys
 
     from rich.console import Console
@@ -35,14 +39,6 @@ def command(
 
     console = Console(width=None if sys.stdout.isatty() else 160)  # the comparison table needs the width in logs too
     try:
-        levels = tuple(float(x) for x in loads.split(",") if x.strip())
-        if not levels or any(x <= 0 for x in levels):
-            raise ValueError
-    except ValueError:
-        from exitplan.cli import fail
-
-        fail(f"--loads must be positive numbers separated by commas, got {loads!r}")
-    try:
         import yaml
 
         docs = [d for d in yaml.safe_load_all(service.read_text()) if d and d.get("kind") == "EarlyExitService"]
@@ -51,7 +47,12 @@ def command(
         prepare_bundle(BuildOptions(model="minilm"), bundle_dir, bar=tqdm_bar(enabled=True))
         result = run_demo(
             DemoOptions(
-                service_file=service, trace=trace, loads=levels, duration=duration, port=port, base_port=base_port
+                service_file=service,
+                trace=trace,
+                step_duration=step_duration,
+                resolution=resolution,
+                port=port,
+                base_port=base_port,
             ),
             console,
             keep=keep,

@@ -102,7 +102,9 @@ def command(
     trace: Path | None = typer.Option(None, "--trace", help="Size the length buckets from this trace's input lengths."),
     length_mode: str = typer.Option("scale", help="Fit trace lengths to the model: scale or clip."),
     thresholds_file: Path | None = typer.Option(
-        None, "--thresholds", help="JSON {ramp: threshold}; default: every ramp as profiled."
+        None,
+        "--thresholds",
+        help="JSON {ramp: threshold}: the plan names them and is sized with them (default: none, so no ramp exits).",
     ),
     previous: Path | None = typer.Option(
         None, "--previous", help="A previous plan.json: keep its layout when close (fewest changes)."

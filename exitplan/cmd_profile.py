@@ -44,9 +44,9 @@ def command(
         None, "--thresholds", help="JSON {ramp: threshold} for the survival curve (default: 0.9 at every exit ramp)."
     ),
     providers: str = typer.Option(
-        "CPUExecutionProvider",
+        "auto",
         "--providers",
-        help="Comma-separated ONNX Runtime execution providers in order of preference (e.g. CUDAExecutionProvider,CPUExecutionProvider on a GPU pool).",
+        help="Comma-separated ONNX Runtime execution providers in order of preference (e.g. CUDAExecutionProvider,CPUExecutionProvider); auto: what a worker picks, CUDA first where onnxruntime-gpu sees a GPU (a profiling Job on a GPU pool measures the GPU).",
     ),
     model_name: str | None = typer.Option(
         None,
@@ -112,7 +112,7 @@ def _measure(
             threads=threads,
             thresholds=read_thresholds(thresholds) if thresholds else None,
             model_name=model_name,
-            providers=tuple(p.strip() for p in providers.split(",") if p.strip()),
+            providers=_providers(providers),
         )
         n_lengths = len(lengths) if lengths and manifest.seq_axis is not None else None
         started = time.perf_counter()
@@ -128,6 +128,15 @@ def _measure(
 
         fail(err)
     return manifest, profile, elapsed
+
+
+def _providers(text: str) -> tuple[str, ...]:
+    """The providers to measure with: `auto` as a worker chooses them (bundle_runtime.choose_providers)."""
+    if text.strip() == "auto":
+        from exitplan.worker.bundle_runtime import choose_providers
+
+        return choose_providers("auto")
+    return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 def _write(document: dict, out: Path, json_path: Path | None) -> None:

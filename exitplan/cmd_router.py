@@ -114,6 +114,7 @@ def command(
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
     """Run the router: KServe v2 inference endpoints, Arlo dispatch, admission control, observations."""
+    from exitplan.cli import fail
     from exitplan.planner.dispatch import QueueParams
     from exitplan.worker.auth import control_port_from_env
     from exitplan.worker.classify.router import Router
@@ -145,8 +146,6 @@ def command(
             **control,
         )
     except (ValueError, OSError) as err:
-        from exitplan.cli import fail
-
         fail(err)
     limits = server_limits(
         header_timeout_s, keepalive_timeout_s, body_timeout_s, max_connections, drain_delay_s, drain_timeout_s

@@ -41,12 +41,16 @@ def command(
     ),
     with_files: list[Path] = typer.Option([], "--with", "-w", help="More YAML files with GPUPools / ModelProfiles."),
     configs: str = typer.Option(
-        "vanilla,naive-ee,e3,arlo,exitplan,oracle", help="Comma-separated configurations to compare."
+        "vanilla,naive-ee,naive-ee+buckets,e3,e3+buckets,arlo,exitplan,oracle",
+        help="Comma-separated configurations to compare.",
     ),
-    rate: float | None = typer.Option(
-        None, help="Replay at this mean request rate (req/s) instead of the trace's own."
+    rate: float | None = typer.Option(None, help="Mean request rate (req/s) to simulate; default: the trace's own."),
+    duration: float = typer.Option(
+        60.0, help="Seconds to simulate at that rate, whatever the trace's own length (its pattern loops)."
     ),
-    duration: float = typer.Option(60.0, help="Seconds of (sped-up) trace to replay."),
+    arrivals: str = typer.Option(
+        "trace", help="trace: the trace's arrival pattern looped and scaled to the rate; poisson: Poisson arrivals."
+    ),
     length_mode: str = typer.Option("scale", help="Fit trace lengths to the model: scale or clip."),
     seed: int = typer.Option(0, help="Seed of the exit-depth draws."),
     json_out: Path | None = typer.Option(None, "--json", help="Write per-configuration results as JSON here."),
@@ -60,7 +64,7 @@ def command(
     console = Console()
     name, spec, pools, profiles = load_inputs(service_file, with_files)
     wanted = _wanted(configs)
-    path, full, tr = _load_traces(console, trace, spec, profiles, length_mode, rate, duration)
+    path, full, tr = _load_traces(console, trace, spec, profiles, length_mode, rate, duration, arrivals, seed)
     results, rows = _compare(wanted, name, spec, pools, profiles, full, tr, seed)
     _print_table(console, name, spec, tr, rows)
     if json_out:
@@ -84,11 +88,29 @@ def _wanted(configs: str) -> list[str]:
     return wanted
 
 
-def _load_traces(console, trace: Path | None, spec, profiles, length_mode: str, rate: float | None, duration: float):
-    """(path, full trace, replayed window): lengths fitted to the model's longest, sped up to `rate`."""
+def _load_traces(
+    console,
+    trace: Path | None,
+    spec,
+    profiles,
+    length_mode: str,
+    rate: float | None,
+    duration: float,
+    arrivals: str,
+    seed: int,
+):
+    """(path, full trace, what to replay): lengths fitted to the model's longest; `duration` seconds at `rate`
+    (default: the trace's own mean rate), the trace's pattern looped and scaled or Poisson arrivals with
+    lengths drawn from the trace."""
+    import numpy as np
 
-    from exitplan.planner.traces import TraceError, default_trace_path, load_trace
+    from exitplan.planner.arrivals import looped_trace, poisson_for
+    from exitplan.planner.traces import Trace, TraceError, default_trace_path, load_trace
 
+    if arrivals not in ("trace", "poisson"):
+        raise typer.BadParameter(f"choose trace or poisson, not {arrivals!r}", param_hint="--arrivals")
+    if duration <= 0 or (rate is not None and rate <= 0):
+        raise typer.BadParameter("--rate and --duration must be > 0", param_hint="--rate/--duration")
     try:
         path = trace or default_trace_path()
         top = (
@@ -97,14 +119,21 @@ def _load_traces(console, trace: Path | None, spec, profiles, length_mode: str, 
             else max(max(p.seq_lens) for p in profiles.values())
         )
         full = load_trace(path, max_length=int(top), length_mode=length_mode)  # type: ignore[arg-type]
-        speed = rate / full.mean_rate if rate else 1.0
-        tr = load_trace(path, max_length=int(top), length_mode=length_mode, speed=speed, duration=duration)  # type: ignore[arg-type]
     except TraceError as err:
         from exitplan.cli import fail
 
         fail(f"trace: {err}")
+    mean = rate or full.mean_rate
+    if arrivals == "poisson":
+        rng = np.random.default_rng(seed)
+        times = poisson_for(rng, mean, duration)
+        lengths = rng.choice(full.lengths, size=len(times))
+    else:
+        times, lengths = looped_trace(full.timestamps, full.lengths, mean, duration)
+    tr = Trace(times, lengths, str(path))
     console.print(
-        f"trace {path}: {len(tr)} requests over {tr.duration:.1f} s ({tr.mean_rate:.1f} req/s), lengths fitted to {top} ({length_mode})"
+        f"trace {path}: {len(tr)} requests over {duration:g} s ({len(tr) / duration:.1f} req/s, "
+        f"{'Poisson' if arrivals == 'poisson' else 'its pattern looped'}), lengths fitted to {top} ({length_mode})"
     )
     return path, full, tr
 
@@ -141,7 +170,7 @@ def _compare(wanted: list[str], name: str, spec, pools, profiles, full, tr, seed
             {
                 "config": "oracle",
                 "goodput_rps": bound,
-                "note": "fluid bound: min(offered rate, capacity with perfect batching and free exits)",
+                "note": "fluid bound: min(offered rate, capacity with perfect batching, exits and ramps as drawn, no padding, within the caps and cost cap)",
             }
         )
     return results, rows

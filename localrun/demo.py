@@ -4,8 +4,13 @@ vanilla     the whole model in one split, every input padded to the longest buck
 naive-ee    the same with exits at the tuned thresholds (early exit without splitting or buckets)
 exitplan    the planner's plan: splits, length buckets (Arlo), replicas, tuned thresholds
 
-All three get the same number of worker processes (the pool's capacity), the same trace window and
-the same offered loads: multiples of vanilla's capacity measured at the start of the run.
+All three get the same number of worker processes (the pool's capacity) and the same trace, and each
+one's capacity within the SLO is measured by the same search (`exitplan.client.capacity`): the highest
+offered rate at which at least 99 % of the requests finish within the SLO, over a short step and over
+its last third (refused, failed and lost requests are misses), bracketed by doubling and then bisected;
+a few seconds at a rate that passed, not counted, come before the first step and after each miss.
+The comparison is the ratio of those measured capacities, with each configuration's latency and
+agreement with the full model at its capacity.
 
 Trace lengths are scaled onto the model's range with the trace's 99th percentile mapped to the
 longest bucket (longer inputs clipped to it), so short and long inputs both occur; the planner sizes
@@ -36,7 +41,7 @@ from exitplan.localrun.service_setup import (
 )
 
 if TYPE_CHECKING:
-    from exitplan.client.report import BenchReport
+    from exitplan.client.capacity import CapacityResult
 
 CONFIGS = ("vanilla", "naive-ee", "exitplan")
 
@@ -45,9 +50,17 @@ CONFIGS = ("vanilla", "naive-ee", "exitplan")
 class DemoOptions:
     service_file: Path = Path("examples/minilm-local.yaml")
     trace: Path | None = None
-    loads: tuple[float, ...] = (0.5, 1.0, 1.2, 1.6)
-    duration: float = 15.0
-    trace_start: float = 0.0
+    step_duration: float = 10.0
+    """Seconds of trace replayed per step of a capacity search."""
+    settle_s: float = 4.0
+    """Seconds of trace replayed, not counted, before the first step and after each miss (at a rate that
+    passed): a fresh deployment warms up, and one that missed recovers before the next rate is judged."""
+    start_rps: float = 8.0
+    """Vanilla's first step; the others start at vanilla's capacity."""
+    max_rps: float = 400.0
+    resolution: float = 0.05
+    """Bisect until the rate that passed and the rate that missed are within this fraction."""
+    max_steps: int = 10
     port: int = 8080
     base_port: int = 9100
     workdir: Path = Path("artifacts/demo")
@@ -57,20 +70,38 @@ class DemoOptions:
 @dataclass
 class DemoResult:
     thresholds: dict[str, float]
-    capacity_rps: float
+    slo_ms: float = 0.0
     plans: dict[str, dict] = field(default_factory=dict)
-    runs: list[dict] = field(default_factory=list)
+    capacities: dict[str, dict] = field(default_factory=dict)
+    """Per configuration: its measured capacity and the figures at it (`capacity_row`)."""
 
-    def best_goodput(self, config: str) -> float:
-        return max((r["goodput_rps"] for r in self.runs if r["config"] == config), default=0.0)
+    def capacity(self, config: str) -> float:
+        return self.capacities[config]["capacity_rps"] if config in self.capacities else 0.0
+
+    def ratio(self, config: str, baseline: str) -> float | None:
+        """capacity(config) / capacity(baseline); None when the baseline passed at no rate."""
+        base = self.capacity(baseline)
+        return self.capacity(config) / base if base > 0 else None
+
+    def ratio_bounds(self, config: str, baseline: str) -> tuple[float, float] | None:
+        """The range the ratio can take given both searches' brackets (each capacity lies between the
+        rate that passed and the rate that missed above it); None unless both were bracketed."""
+        a, b = self.capacities.get(config), self.capacities.get(baseline)
+        if not a or not b or a["failed_rps"] is None or b["failed_rps"] is None or b["capacity_rps"] <= 0:
+            return None
+        return a["capacity_rps"] / b["failed_rps"], a["failed_rps"] / b["capacity_rps"]
 
     def to_dict(self) -> dict:
         return {
             "thresholds": self.thresholds,
-            "vanilla_capacity_rps": self.capacity_rps,
+            "slo_ms": self.slo_ms,
             "plans": self.plans,
-            "runs": self.runs,
-            "best_goodput_rps": {c: self.best_goodput(c) for c in CONFIGS},
+            "capacities": self.capacities,
+            "capacity_rps": {c: self.capacity(c) for c in self.capacities},
+            "ratios": {
+                "exitplan/vanilla": self.ratio("exitplan", "vanilla"),
+                "exitplan/naive-ee": self.ratio("exitplan", "naive-ee"),
+            },
         }
 
 
@@ -109,7 +140,7 @@ def build_plans(
 
 
 def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
-    from exitplan.client.bench import BenchSetup, find_capacity, run_bench
+    from exitplan.client.bench import BenchSetup
 
     setup = load_setup(opts.service_file)
     ensure_profiles(setup, console.print)
@@ -123,83 +154,108 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
     plans = build_plans(setup, thresholds, lengths)
     model = setup.spec.model.name
     slo = setup.spec.slo.latency_ms
-    result = DemoResult(thresholds, 0.0, plans={k: json.loads(p.to_json()) for k, p in plans.items()})
+    result = DemoResult(thresholds, slo, plans={k: json.loads(p.to_json()) for k, p in plans.items()})
     bench_setup: BenchSetup | None = None
     kept: LocalDeployment | None = None
     for config in CONFIGS:
+        plan = plans[config]
         dep = LocalDeployment(
-            setup.bundle, plans[config], setup.spec, opts.workdir / config, port=opts.port, base_port=opts.base_port
+            setup.bundle, plan, setup.spec, opts.workdir / config, port=opts.port, base_port=opts.base_port
         )
-        console.rule(
-            f"{config}: {len(plans[config].splits)} split(s), buckets {plans[config].buckets}, "
-            f"{sum(c.replicas for c in plans[config].cells)} workers"
-        )
+        console.rule(f"{config}: {describe_plan(plan)}")
         with console.status(f"starting {config}..."):
             dep.start()
         try:
             bench_setup = bench_setup or BenchSetup.connect(dep.url, model, setup.bundle)
-            if config == "vanilla":
-                cap = find_capacity(
-                    dep.url,
-                    model,
-                    setup.bundle,
-                    opts.trace,
-                    setup=bench_setup,
-                    start_rps=2.0,
-                    step_duration=min(opts.duration, 8.0),
-                    slo_ms=slo,
-                    seed=opts.seed,
-                    reference_max=reference,
-                )
-                result.capacity_rps = cap.capacity_rps
-                console.print(f"vanilla capacity: {cap.capacity_rps:.1f} rps within the SLO ({cap.reason})")
-            for load in opts.loads:
-                rps = max(load * result.capacity_rps, 0.5)
-                report = run_bench(
-                    dep.url,
-                    model,
-                    setup.bundle,
-                    opts.trace,
-                    rps=rps,
-                    start=opts.trace_start,
-                    duration=opts.duration,
-                    slo_ms=slo,
-                    seed=opts.seed,
-                    setup=bench_setup,
-                    reference_max=reference,
-                )
-                row = _run_row(config, load, report)
-                result.runs.append(row)
-                console.print(_row_text(row))
+            start = result.capacity("vanilla") or opts.start_rps
+            cap = _search(opts, dep.url, model, setup.bundle, bench_setup, start, slo, reference, console, config)
+            result.capacities[config] = capacity_row(config, describe_plan(plan), cap)
+            console.print(f"{config}: capacity {cap.capacity_rps:.1f} rps within the SLO ({cap.reason})")
         finally:
             if keep and config == CONFIGS[-1]:
                 kept = dep
             else:
                 with console.status(f"stopping {config}..."):
                     dep.stop()
-    console.print(summary_table(result, slo))
+    console.print(summary_table(result))
     if kept is not None:
         _serve_until_interrupted(kept, model, console)
     return result
 
 
-def _run_row(config: str, load: float, report: BenchReport) -> dict:
-    """One bench run of the demo, as a row of its summary (`DemoResult.runs`)."""
+def describe_plan(plan: Plan) -> str:
+    batches = sorted({c.batch_size for c in plan.cells})
+    return (
+        f"{len(plan.splits)} split(s), buckets {plan.buckets}, {sum(c.replicas for c in plan.cells)} workers, "
+        f"batch {'/'.join(str(b) for b in batches)}"
+    )
+
+
+def _search(opts: DemoOptions, url, model, bundle, bench_setup, start, slo, reference, console, config):
+    """One configuration's capacity search, a line per step."""
+    from exitplan.client.bench import find_capacity
+
+    def show(step) -> None:
+        r = step.report
+        last = "-" if r.last_third_within_slo_share is None else f"{r.last_third_within_slo_share:.1%}"
+        console.print(
+            f"  {config:9s} {r.offered_rps:6.1f} rps offered: {r.within_slo_share:6.1%} within the SLO "
+            f"(last third {last}), p50 {_ms(r.latency_ms['p50'])} p99 {_ms(r.latency_ms['p99'])} ms, "
+            f"errors {r.error_total}, lost {r.lost} -> {'pass' if step.passed else 'miss'}"
+        )
+
+    return find_capacity(
+        url,
+        model,
+        bundle,
+        opts.trace,
+        setup=bench_setup,
+        start_rps=start,
+        max_rps=opts.max_rps,
+        resolution=opts.resolution,
+        step_duration=opts.step_duration,
+        max_steps=opts.max_steps,
+        settle_s=opts.settle_s,
+        slo_ms=slo,
+        seed=opts.seed,
+        reference_max=reference,
+        on_step=show,
+    )
+
+
+def capacity_row(config: str, plan: str, cap: CapacityResult) -> dict:
+    """One configuration's measured capacity and the figures of the step at it (`DemoResult.capacities`)."""
+    at = cap.at_capacity
+    latency = at.latency_ms if at else {}
     return {
         "config": config,
-        "load": load,
-        "offered_rps": report.offered_rps,
-        "goodput_rps": report.goodput_rps,
-        "p50_ms": report.latency.get("p50"),
-        "p95_ms": report.latency.get("p95"),
-        "p99_ms": report.latency.get("p99"),
-        "agreement_drop": report.agreement_drop,
-        "requests": report.requests,
-        "results": report.results,
-        "overload": report.errors.get("overload", 0),
-        "errors": report.error_total,
-        "lost": report.lost,
-        "exit_share": report.exit_share,
+        "plan": plan,
+        "capacity_rps": cap.capacity_rps,
+        "failed_rps": cap.failed_rps,
+        "ended": cap.ended,
+        "reason": cap.reason,
+        "p50_ms": latency.get("p50"),
+        "p95_ms": latency.get("p95"),
+        "p99_ms": latency.get("p99"),
+        "within_slo_share": at.within_slo_share if at else None,
+        "last_third_within_slo_share": at.last_third_within_slo_share if at else None,
+        "agreement": at.agreement if at else None,
+        "exit_share": at.exit_share if at else {},
+        "errors": at.error_total if at else None,
+        "lost": at.lost if at else None,
+        "steps": [
+            {
+                "offered_rps": s.report.offered_rps,
+                "passed": s.passed,
+                "within_slo_share": s.report.within_slo_share,
+                "last_third_within_slo_share": s.report.last_third_within_slo_share,
+                "p50_ms": s.report.latency_ms["p50"],
+                "p99_ms": s.report.latency_ms["p99"],
+                "errors": s.report.error_total,
+                "lost": s.report.lost,
+            }
+            for s in cap.steps
+        ],
     }
 
 
@@ -215,71 +271,64 @@ def _serve_until_interrupted(kept: LocalDeployment, model: str, console) -> None
         kept.stop()
 
 
-def _row_text(row: dict) -> str:
-    drop = "-" if row["agreement_drop"] is None else f"{row['agreement_drop']:.2%}"
-    return (
-        f"  {row['config']:9s} x{row['load']:.1f}: offered {row['offered_rps']:.1f} rps, goodput {row['goodput_rps']:.1f} rps, "
-        f"p50 {_ms(row['p50_ms'])} p99 {_ms(row['p99_ms'])} ms, drop {drop}, overload {row['overload']}, lost {row['lost']}"
-    )
-
-
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f}"
 
 
-def summary_table(result: DemoResult, slo_ms: float):
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def summary_table(result: DemoResult):
     from rich.table import Table
 
     table = Table(
-        title=f"goodput within the {slo_ms:.0f} ms SLO, same trace, same loads (x vanilla capacity {result.capacity_rps:.1f} rps)"
+        title=f"measured capacity within the {result.slo_ms:.0f} ms SLO: the highest offered rate at which "
+        f">= 99 % of requests finished within it, over the step and its last third (refused, failed and lost "
+        f"requests count as misses); same trace for each configuration"
     )
-    for col in (
-        "config",
-        "load",
-        "offered rps",
-        "goodput rps",
-        "p50 ms",
-        "p95 ms",
-        "p99 ms",
-        "accuracy drop",
-        "overload",
-        "errors",
-        "lost",
-    ):
-        table.add_column(col, justify="right" if col != "config" else "left")
-    for r in result.runs:
-        drop = "-" if r["agreement_drop"] is None else f"{r['agreement_drop']:.2%}"
+    for col in ("config", "what runs", "capacity rps", "missed at rps", "p50 ms", "p99 ms", "within SLO (last third)"):
+        table.add_column(col, justify="left" if col in ("config", "what runs") else "right")
+    table.add_column("agreement with full model", justify="right")
+    table.add_column("steps", justify="right")
+    for config in CONFIGS:
+        row = result.capacities.get(config)
+        if row is None:
+            continue
+        missed = "-" if row["failed_rps"] is None else f"{row['failed_rps']:.1f}"
         table.add_row(
-            r["config"],
-            f"{r['load']:.1f}",
-            f"{r['offered_rps']:.1f}",
-            f"{r['goodput_rps']:.1f}",
-            _ms(r["p50_ms"]),
-            _ms(r["p95_ms"]),
-            _ms(r["p99_ms"]),
-            drop,
-            str(r["overload"]),
-            str(r["errors"]),
-            str(r["lost"]),
+            config,
+            row["plan"],
+            f"{row['capacity_rps']:.1f}",
+            missed,
+            _ms(row["p50_ms"]),
+            _ms(row["p99_ms"]),
+            f"{_pct(row['within_slo_share'])} ({_pct(row['last_third_within_slo_share'])})",
+            _pct(row["agreement"]),
+            str(len(row["steps"])),
         )
-    best = {c: result.best_goodput(c) for c in CONFIGS}
-    table.caption = (
-        f"best goodput: vanilla {best['vanilla']:.1f}, naive-ee {best['naive-ee']:.1f}, exitplan {best['exitplan']:.1f} rps; "
-        f"exitplan = {best['exitplan'] / max(best['vanilla'], 1e-9):.2f}x vanilla, {best['exitplan'] / max(best['naive-ee'], 1e-9):.2f}x naive-ee"
-    )
-    if not any(saturated(result, c) for c in CONFIGS):
-        top = max(r["load"] for r in result.runs)
-        table.caption += (
-            f"\nevery configuration kept up with the highest load (x{top:g}): the ratios are lower bounds; "
-            f"add higher loads (--loads ...,{2 * top:g}) to see where each one falls behind"
-        )
+    table.caption = summary_caption(result)
     return table
 
 
-def saturated(result: DemoResult, config: str) -> bool:
-    """Whether `config` fell behind at its highest load: goodput under 95 % of the offered rate, or errors."""
-    runs = [r for r in result.runs if r["config"] == config]
-    if not runs:
-        return False
-    top = max(runs, key=lambda r: r["load"])
-    return top["goodput_rps"] < 0.95 * top["offered_rps"] or top["errors"] > 0
+def summary_caption(result: DemoResult) -> str:
+    """The ratios of the measured capacities, their range from the searches' brackets, and a plain
+    note for every capacity that is not a bracketed measurement."""
+    parts = []
+    for baseline in ("vanilla", "naive-ee"):
+        ratio = result.ratio("exitplan", baseline)
+        if ratio is None:
+            parts.append(f"no ratio to {baseline} (it met the target at no rate tried)")
+            continue
+        bounds = result.ratio_bounds("exitplan", baseline)
+        span = f" (between {bounds[0]:.2f}x and {bounds[1]:.2f}x given the search steps)" if bounds else ""
+        parts.append(f"{ratio:.2f}x {baseline}{span}")
+    lines = ["measured capacities: exitplan = " + ", ".join(parts)]
+    for config, row in result.capacities.items():
+        if row["ended"] == "ceiling":
+            lines.append(f"{config} passed at the highest rate tried: its capacity is a lower bound")
+        elif row["ended"] == "floor":
+            lines.append(f"{config} missed the target even at the lowest rate tried")
+        elif row["ended"] == "steps":
+            lines.append(f"{config}'s search ran out of steps ({row['reason']})")
+    return "\n".join(lines)

@@ -28,8 +28,11 @@ from typing import Any
 
 import kopf
 
+from exitplan.api.bundle_source import SourceError, parse_bundle_uri
 from exitplan.api.plan import Cell, Plan
-from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
+from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelRef
+from exitplan.operator import bundle_volumes
+from exitplan.operator.images import Images
 
 Manifest = dict[str, Any]
 
@@ -47,6 +50,8 @@ PRESTOP_SLEEP_S = 5
 DEFAULT_IMAGE = "ghcr.io/exitplan/exitplan:0.1.0"
 IMAGE = os.environ.get("EXITPLAN_IMAGE", DEFAULT_IMAGE)
 """Container image of routers, workers and profiling Jobs (env EXITPLAN_IMAGE of the operator)."""
+IMAGES = Images.from_env(IMAGE)
+"""IMAGE with its pull policy and pull Secrets (images.py); a GPUPool may override them for its pods."""
 
 L_SERVICE, L_SPLIT, L_BUCKET, L_POOL = (
     "exitplan.io/service",
@@ -111,7 +116,13 @@ def split_host(service: str, namespace: str, split: int) -> str:
 def bundle_path(uri: str) -> str:
     """The bundle directory a pod reads: file:// URIs become paths; an absolute path is normalised
     (`/opt/b/../../etc` is `/etc`: what a hostPath would mount, and what the operator's allowed
-    host-path prefixes are checked against, operator/guards.py)."""
+    host-path prefixes are checked against, operator/guards.py); a remote bundle (pvc://, s3://,
+    https://, oci://) is read at bundle_volumes.BUNDLE_DIR."""
+    try:
+        if parse_bundle_uri(uri).remote:
+            return bundle_volumes.BUNDLE_DIR
+    except SourceError:
+        pass  # refused by the spec's validation; nothing is built for it
     path = uri[len("file://") :] if uri.startswith("file://") else uri
     return normalize_host_path(path) if path.startswith("/") else path
 
@@ -170,7 +181,9 @@ def _prestop() -> dict[str, Manifest]:
     return {"lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}}}
 
 
-def _volumes(service: str, bundle: str) -> tuple[list[Manifest], list[Manifest]]:
+def _volumes(service: str, model: ModelRef, images: Images) -> tuple[list[Manifest], list[Manifest], Manifest]:
+    """A router's or worker's volumes, its container's mounts, and what its pod spec adds: the
+    bundle's init containers (bundle_volumes.py) and the image pull Secrets."""
     volumes = [
         {"name": "plan", "configMap": {"name": plan_configmap_name(service)}},
         {"name": "tmp", "emptyDir": {}},
@@ -181,10 +194,9 @@ def _volumes(service: str, bundle: str) -> tuple[list[Manifest], list[Manifest]]
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "control-token", "mountPath": CONTROL_DIR, "readOnly": True},
     ]
-    if bundle.startswith("/"):  # a node-local bundle directory (kind extraMounts, a shared disk)
-        volumes.append({"name": "bundle", "hostPath": {"path": bundle, "type": "Directory"}})
-        mounts.append({"name": "bundle", "mountPath": bundle, "readOnly": True})
-    return volumes, mounts
+    parts = bundle_volumes.bundle_parts(model, images, _security()[1], bundle_path(model.bundle))
+    pod: Manifest = {"initContainers": parts.init_containers} if parts.init_containers else {}
+    return volumes + parts.volumes, mounts + parts.mounts, {**pod, **images.pod()}
 
 
 def _env(service: str, namespace: str) -> list[Manifest]:
@@ -315,12 +327,11 @@ def router_settings(spec: EarlyExitServiceSpec) -> list[str]:
 def build_router(service: str, namespace: str, spec: EarlyExitServiceSpec, plan: Plan) -> list[Manifest]:
     """The router Deployment and its Service (the cluster entry point)."""
     labels = selector_labels(service, "router")
-    volumes, mounts = _volumes(service, bundle_path(spec.model.bundle))
+    volumes, mounts, pod_extra = _volumes(service, spec.model, IMAGES)
     _, security = _security()
     container = {
         "name": "router",
-        "image": IMAGE,
-        "imagePullPolicy": "IfNotPresent",
+        **IMAGES.container(),
         "command": ["exitplan", "router"],
         "args": [
             "--bundle",
@@ -352,7 +363,7 @@ def build_router(service: str, namespace: str, spec: EarlyExitServiceSpec, plan:
         plan.content_hash(),
         spec.router.replicas,
         container,
-        _placement(None, labels),
+        {**_placement(None, labels), **pod_extra},
         volumes,
     )
     svc = {
@@ -415,7 +426,8 @@ def build_worker(
 ) -> Manifest:
     """The Deployment of one plan cell: split `cell.split`, bucket `cell.bucket`, on `cell.pool`."""
     labels = selector_labels(service, "worker", cell)
-    volumes, mounts = _volumes(service, bundle_path(spec.model.bundle))
+    images = IMAGES.for_pool(pool)
+    volumes, mounts, pod_extra = _volumes(service, spec.model, images)
     _, security = _security()
     args = [
         "--bundle",
@@ -437,8 +449,7 @@ def build_worker(
         args += ["--next", split_host(service, namespace, cell.split + 1)]
     container = {
         "name": "worker",
-        "image": IMAGE,
-        "imagePullPolicy": "IfNotPresent",
+        **images.container(),
         "command": ["exitplan", "worker"],
         "args": args,
         "ports": [{"name": "http", "containerPort": PORT}],
@@ -457,7 +468,7 @@ def build_worker(
         plan.content_hash(),
         cell.replicas,
         container,
-        _placement(pool, spread),
+        {**_placement(pool, spread), **pod_extra},
         volumes,
     )
 
@@ -503,14 +514,13 @@ def build_profile_job(
     out_file = f"{PROFILE_DIR}/profile.yaml"
     labels = {L_SERVICE: service, L_POOL: pool_name, L_COMPONENT: "profiler"}
     pod_security, security = _security()
-    volumes = [{"name": "out", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
-    mounts = [{"name": "out", "mountPath": PROFILE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
-    if bundle.startswith("/"):
-        volumes.append({"name": "bundle", "hostPath": {"path": bundle, "type": "Directory"}})
-        mounts.append({"name": "bundle", "mountPath": bundle, "readOnly": True})
+    images = IMAGES.for_pool(pool)
+    parts = bundle_volumes.bundle_parts(spec.model, images, security, bundle)
+    volumes = [{"name": "out", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}, *parts.volumes]
+    mounts = [{"name": "out", "mountPath": PROFILE_DIR}, {"name": "tmp", "mountPath": "/tmp"}, *parts.mounts]
     measure = {
         "name": "profile",
-        "image": IMAGE,
+        **images.container(),
         "command": ["exitplan", "profile"],
         "args": [bundle, "--pool", pool_name, "--out", out_file],
         "resources": _resources(pool),
@@ -522,7 +532,7 @@ def build_profile_job(
     }
     publish = {
         "name": "publish",
-        "image": IMAGE,
+        **images.container(),
         "command": ["exitplan", "operator", "publish-profile"],
         "args": [
             out_file,
@@ -557,12 +567,13 @@ def build_profile_job(
                 "metadata": {"labels": {**MANAGED, **labels}},
                 "spec": {
                     "restartPolicy": "Never",
-                    "initContainers": [measure],
+                    "initContainers": [*parts.init_containers, measure],
                     "containers": [publish],
                     "volumes": volumes,
                     "securityContext": pod_security,
                     "serviceAccountName": "exitplan-profiler",
                     **placement,
+                    **images.pod(),
                 },
             },
         },

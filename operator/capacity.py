@@ -16,7 +16,6 @@ is deleted or scales down.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections import defaultdict
@@ -28,6 +27,7 @@ from pydantic import ValidationError
 from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec, Objective
 from exitplan.operator import builders
+from exitplan.operator.executors import run_planner
 from exitplan.operator.kube import path
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ async def explain(
         except PlannerError:
             return None
 
-    plan = await asyncio.get_running_loop().run_in_executor(None, alone)
+    plan = await run_planner(alone)
     if plan is None:
         return None
     need: dict[str, int] = defaultdict(int)

@@ -45,6 +45,24 @@ CEL_RULES: dict[type[BaseModel], list[dict[str, str]]] = {
             "message": "workload.lengthBuckets must increase strictly",
         }
     ],
+    res.ModelRef: [
+        {
+            "rule": "!self.bundle.contains('://') || self.bundle.matches('^(file|pvc|s3|https?|oci)://')",
+            "message": "model.bundle: a path, file://, pvc://, s3://, https://, http:// or oci:// URI",
+        },
+        {
+            "rule": "!self.bundle.matches('^https?://') || has(self.bundleSha256)",
+            "message": "model.bundleSha256 is required for an http(s):// bundle",
+        },
+        {
+            "rule": "!has(self.bundleSha256) || self.bundle.matches('^(https?|s3)://[^?]*[.](tar[.]gz|tgz|tar)([?].*)?$')",
+            "message": "model.bundleSha256 applies to tarball bundles only",
+        },
+        {
+            "rule": "!has(self.bundleSecret) || self.bundle.startsWith('s3://')",
+            "message": "model.bundleSecret applies to s3:// bundles only",
+        },
+    ],
     res.EarlyExitServiceSpec: [
         {
             "rule": "self.pools.all(p, self.pools.exists_one(q, q.name == p.name))",

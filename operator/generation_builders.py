@@ -62,12 +62,12 @@ def build_stage(
             f"cell of split {cell.split} asks for {cell.replicas}"
         )
     labels = builders.selector_labels(service, "worker", cell)
-    volumes, mounts = builders._volumes(service, builders.bundle_path(spec.model.bundle))
+    images = builders.IMAGES.for_pool(pool)
+    volumes, mounts, pod_extra = builders._volumes(service, spec.model, images)
     _, security = builders._security()
     container = {
         "name": "stage",
-        "image": builders.IMAGE,
-        "imagePullPolicy": "IfNotPresent",
+        **images.container(),
         "command": ["exitplan", "generate-stage"],
         "args": stage_args(service, namespace, spec, plan, cell),
         "ports": [{"name": "http", "containerPort": builders.PORT}],
@@ -85,7 +85,7 @@ def build_stage(
         plan.content_hash(),
         1,
         container,
-        builders._placement(pool, spread),
+        {**builders._placement(pool, spread), **pod_extra},
         volumes,
     )
     deployment["spec"]["strategy"] = {"type": "Recreate"}

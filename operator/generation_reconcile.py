@@ -11,12 +11,12 @@ changed live through the router's POST /v1/thresholds.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 from exitplan.api.bundle import BundleError, read_manifest
 from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.operator import builders, capacity, generation_builders
+from exitplan.operator.executors import run_planner
 from exitplan.operator.metrics import METRICS
 from exitplan.operator.reconcile import Service, ServiceResources, _infeasible, current_plan, propose_or_apply
 from exitplan.operator.status import ServiceStatus, set_condition
@@ -66,7 +66,7 @@ async def _plan_and_apply(
 ) -> ServiceStatus:
     gen = svc.generation
     try:
-        result = await asyncio.get_running_loop().run_in_executor(None, plan_for, svc.name, spec, inputs, reason)
+        result = await run_planner(plan_for, svc.name, spec, inputs, reason)
     except (BundleError, PlannerError, OSError) as err:
         message = (
             f"cannot plan the generation service: {err}; the operator reads the bundle's bundle.yaml "

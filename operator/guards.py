@@ -18,6 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from exitplan.api.bundle_source import parse_bundle_uri
 from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.operator import builders
 
@@ -69,7 +70,10 @@ def under(path: str, prefix: str) -> bool:
 
 
 def host_path(spec: EarlyExitServiceSpec) -> str | None:
-    """The node directory the service's pods would mount (None: the bundle is not a host path)."""
+    """The node directory the service's pods would mount (None: the bundle is not a host path; remote
+    sources, pvc:// s3:// https:// oci://, mount no node directory)."""
+    if parse_bundle_uri(spec.model.bundle).remote:
+        return None
     path = builders.bundle_path(spec.model.bundle)
     return path if path.startswith("/") else None
 

@@ -24,7 +24,8 @@ from exitplan.api.observations import Observations
 from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, Mode, ModelProfileSpec
 from exitplan.operator import apply as applying
-from exitplan.operator import builders, capacity, control_token, disruption, drift, guards
+from exitplan.operator import builders, bundle_health, capacity, control_token, disruption, drift, guards
+from exitplan.operator.executors import run_planner
 from exitplan.operator.kube import ApiError, KubeClient, path
 from exitplan.operator.metrics import METRICS
 from exitplan.operator.status import (
@@ -182,7 +183,7 @@ async def plan_in_executor(
         bounds = list(spec.workload.length_buckets) or sorted(
             {int(n) for p in inputs.profiles.values() for n in p.seq_lens}
         )
-        thresholds = await asyncio.get_running_loop().run_in_executor(None, initial_thresholds, spec, bounds)
+        thresholds = await run_planner(initial_thresholds, spec, bounds)
 
     def solve() -> Plan:
         started = time.perf_counter()
@@ -202,7 +203,7 @@ async def plan_in_executor(
             METRICS.record_solve(namespace, name, time.perf_counter() - started)
         return result.plan
 
-    plan = await asyncio.get_running_loop().run_in_executor(None, solve)
+    plan = await run_planner(solve)  # the planner's own threads (executors.py)
     METRICS.replans.labels(namespace, name, reason).inc()
     return plan
 
@@ -554,6 +555,7 @@ async def refresh_readiness(svc: Service) -> ServiceStatus:
     elif degraded and any(c.type == "Degraded" and c.reason == "RolloutStalled" for c in status.conditions):
         status.conditions = set_condition(status.conditions, "Degraded", False, "Recovered", "rollout progresses", gen)
         status.phase, degraded = Phase.deploying, False
+    degraded = await bundle_health.surface(svc, status, degraded)
     if all_ready:
         status.conditions = set_condition(
             status.conditions, "Ready", True, "AllReady", "every Deployment is ready", gen

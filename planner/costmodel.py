@@ -291,124 +291,111 @@ class CostModel:
         s = np.maximum(survival_before, 1e-12)
         batch_arr = np.asarray(batches, dtype=np.float64)
         ratio = np.minimum(s[None, :n] / s[:n, None], 1.0)  # ratio[a, k] = s(k)/s(a) for k >= a
-        per_block = self._at_seq(self.block_ms_table, seq)  # (n, n_batch)
-        ramp_rows = (
-            self._at_seq(self.ramp_ms_table, seq) if len(self.ramp_ms_table) else np.zeros((0, len(self.batch_sizes)))
-        )
-        out = np.full((len(batch_arr), n, n), np.inf)
-        for bi, bsz in enumerate(batch_arr):
-            cost = self._block_costs(per_block, ramp_rows, ramps_on, ratio, bsz, expected, rebatch)
-            cost = np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], cost, 0.0)
-            cum = np.cumsum(cost, axis=1)  # cum[a, b] = exec of [a, b]
-            if rebatch and expected and fill_ms is not None:  # queues that may not fill: per split, not a running sum
-                cum, _ = self._rebatch_fill(per_block, ramp_rows, ramps_on, ratio, float(bsz), float(fill_ms))
-            xfer = self._transfer_out(s, bsz, seq, expected)
-            if not transfer:
-                xfer = np.zeros_like(xfer)
-            tri = np.arange(n)[None, :] >= np.arange(n)[:, None]
-            out[bi] = np.where(tri, cum + xfer, np.inf)
+        comb = self.block_ramp_ms(seq, ramps_on)
+        tri = np.arange(n)[None, :] >= np.arange(n)[:, None]
+        if rebatch and expected and fill_ms is not None:  # queues that may not fill: per split, not a running sum
+            cum, _ = self._rebatch_fill(comb, ratio, batch_arr, float(fill_ms))
+        else:
+            cost = np.where(tri[None], self._block_costs(comb, ratio, batch_arr, expected, rebatch), 0.0)
+            cum = np.cumsum(cost, axis=2)  # cum[bi, a, b] = exec of [a, b]
+        xfer = self._transfer_out(s, batch_arr, seq, expected) if transfer else 0.0
+        out: np.ndarray = np.where(tri[None], cum + xfer, np.inf)
         return out
 
+    def block_ramp_ms(self, seq: float, ramps_on: Sequence[bool]) -> np.ndarray:
+        """[block, batch size]: each block's time at `seq` plus its enabled ramp's (a ramp runs on the
+        rows its block ran)."""
+        comb: np.ndarray = self._at_seq(self.block_ms_table, seq).copy()  # (n, n_batch)
+        if len(self.ramp_ms_table):
+            ramp_rows = self._at_seq(self.ramp_ms_table, seq)
+            for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
+                if on:
+                    comb[after] += ramp_rows[r]
+        return comb
+
     def _block_costs(
-        self,
-        per_block: np.ndarray,
-        ramp_rows: np.ndarray,
-        ramps_on: Sequence[bool],
-        ratio: np.ndarray,
-        bsz: float,
-        expected: bool,
-        rebatch: bool,
+        self, comb: np.ndarray, ratio: np.ndarray, batches: np.ndarray, expected: bool, rebatch: bool
     ) -> np.ndarray:
-        """cost[a, k]: time of block k (and its enabled ramp) in a split starting at block a, at batch
-        `bsz` entering the split (see stage_tables: the bound, `expected` or `rebatch`); k < a unused."""
-        n = self.n_blocks
+        """cost[bi, a, k]: time of block k (and its enabled ramp; `comb` from block_ramp_ms) in a split
+        starting at block a, at batch batches[bi] entering the split (see stage_tables: the bound,
+        `expected` or `rebatch`); k < a unused."""
+        n, nb = self.n_blocks, len(batches)
         if rebatch:
-            # (a, k): block k at a full batch B, weighted by the share of entering rows that
-            # reach it (expected), or once per round if any row reaches it (the bound)
-            at_b = self._interp_batch(per_block, np.full((n, 1), bsz))[:, 0]  # (k,)
-            for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
-                if on:
-                    at_b[after] += self._interp_batch(ramp_rows[r : r + 1], np.asarray([[bsz]]))[0, 0]
-            weight = ratio if expected else (bsz * ratio > 1e-9).astype(np.float64)
-            cost: np.ndarray = weight * at_b[None, :]
+            # block k at a full batch B, weighted by the share of entering rows that reach it
+            # (expected), or once per round if any row reaches it (the bound)
+            at_b = self._interp_batch(comb, np.broadcast_to(batches[None, :], (n, nb))).T  # (bi, k)
+            bsz = batches[:, None, None]
+            weight = np.broadcast_to(ratio, (nb, n, n)) if expected else (bsz * ratio[None] > 1e-9).astype(np.float64)
+            cost: np.ndarray = weight * at_b[:, None, :]
         elif expected:
-            # (a, k): the mean time of block k over the number of the batch's rows still in it
-            # (each row survives independently: binomial), a block with no row left not run
-            pmf = survivor_pmf(int(round(bsz)), ratio)  # (a, k, x)
-            rows_x = np.arange(pmf.shape[-1], dtype=np.float64)
-            at_x = self._interp_batch(per_block, np.broadcast_to(rows_x, (n, len(rows_x))))  # (k, x)
-            cost = np.einsum("akx,kx->ak", pmf, at_x)
-            for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
-                if on:
-                    cost[:, after] += pmf[:, after, :] @ self._interp_batch(ramp_rows[r : r + 1], rows_x[None, :])[0]
+            # the mean time of block k over the number of the batch's rows still in it (each row
+            # survives independently: binomial), a block with no row left not run
+            top = int(round(float(batches.max()))) if nb else 0
+            rows_x = np.arange(top + 1, dtype=np.float64)
+            at_x = self._interp_batch(comb, np.broadcast_to(rows_x, (n, len(rows_x))))  # (k, x)
+            cost = np.empty((nb, n, n))
+            for bi, bsz_ in enumerate(batches):
+                b = int(round(float(bsz_)))
+                cost[bi] = np.einsum("akx,kx->ak", survivor_pmf(b, ratio), at_x[:, : b + 1])
         else:
-            # (a, k): inputs running block k in a split starting at a, rounded up: a batch that
-            # still holds anyone runs at the latency of a whole input (conservative for the cycle)
-            load = np.ceil(bsz * ratio - 1e-9)
-            cost = self._interp_batch(per_block, load.T).T  # (a, k)
-            for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
-                if on:
-                    cost[:, after] += self._interp_batch(ramp_rows[r : r + 1], load[:, after][None, :])[0]
+            # inputs running block k in a split starting at a, rounded up: a batch that still holds
+            # anyone runs at the latency of a whole input (conservative for the cycle)
+            load = np.ceil(batches[:, None, None] * ratio[None] - 1e-9)  # (bi, a, k)
+            at = self._interp_batch(comb, load.transpose(2, 0, 1).reshape(n, -1))  # (k, bi * a)
+            cost = at.reshape(n, nb, n).transpose(1, 2, 0)
         return cost
 
-    def _transfer_out(self, s: np.ndarray, bsz: float, seq: float, expected: bool) -> np.ndarray:
-        """xfer[a, b]: ms to send over the pool's link the survivors leaving block b of `bsz` rows that
-        entered at block a (whole rows unless `expected`; 0 after the last block). `s`: the survival
-        before each block, kept off 0 (stage_tables')."""
+    def _transfer_out(self, s: np.ndarray, batches: float | np.ndarray, seq: float, expected: bool) -> np.ndarray:
+        """xfer[..., a, b]: ms to send over the pool's link the survivors leaving block b of `batches`
+        rows (a number, or one per leading entry) that entered at block a (whole rows unless
+        `expected`; 0 after the last block). `s`: the survival before each block, kept off 0
+        (stage_tables')."""
         n = self.n_blocks
         bytes_out = np.asarray([self.bytes_per_sample(b, seq) for b in range(n)])
+        bsz = np.asarray(batches, dtype=np.float64)[..., None, None]
         leaving = bsz * np.minimum(s[None, 1 : n + 1] / s[:n, None], 1.0)  # samples leaving block b
         if not expected:
             leaving = np.ceil(leaving - 1e-9)
-        xfer: np.ndarray = 8.0 * leaving * bytes_out[None, :] / (self.pool.link_bandwidth_gbps * 1e9) * 1e3
-        xfer[:, n - 1] = 0.0  # the last split answers the router; that hop is in the slack
+        xfer: np.ndarray = 8.0 * leaving * bytes_out / (self.pool.link_bandwidth_gbps * 1e9) * 1e3
+        xfer[..., n - 1] = 0.0  # the last split answers the router; that hop is in the slack
         return xfer
 
     def _rebatch_fill(
-        self,
-        per_block: np.ndarray,
-        ramp_rows: np.ndarray,
-        ramps_on: Sequence[bool],
-        ratio: np.ndarray,
-        bsz: float,
-        fill_ms: float,
+        self, comb: np.ndarray, ratio: np.ndarray, batches: np.ndarray, fill_ms: float
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(T[a, b], W[a, b]): T the mean ms per `bsz` entering rows of rebatching split [a, b] when
-        each block's queue launches at the latest every `fill_ms` (see stage_tables); inf where T
-        would exceed fill_ms (slower than any split without rebatching that fits the cycle) or a row
-        would take longer than two cycles through the split on average. W the longest a row that
-        runs every block of the split takes through it: at each block the whole time its queue takes
-        to gather its rows, then the run (inf where T is)."""
-        n = self.n_blocks
-        comb = per_block.copy()
-        for r, (after, on) in enumerate(zip(self.ramp_after, ramps_on)):
-            if on:
-                comb[after] += ramp_rows[r]
-        xs = np.concatenate([[0.0], self.batch_sizes])
+        """(T[bi, a, b], W[bi, a, b]) at batch batches[bi] (`comb` from block_ramp_ms): T the mean ms per
+        batch of entering rows of rebatching split [a, b] when each block's queue launches at the
+        latest every `fill_ms` (see stage_tables); inf where T would exceed fill_ms (slower than any
+        split without rebatching that fits the cycle) or a row would take longer than two cycles
+        through the split on average. W the longest a row that runs every block of the split takes
+        through it: at each block the whole time its queue takes to gather its rows, then the run
+        (inf where T is)."""
+        n, nb = self.n_blocks, len(batches)
+        xs = self._bs0
         ys = np.concatenate([np.zeros((n, 1)), comb], axis=1)  # (k, len(xs))
         slope = np.diff(ys, axis=1) / np.diff(xs)[None, :]  # (k, segments)
         k_idx = np.arange(n)[None, :]
 
-        def at(
-            x: np.ndarray,
-        ) -> np.ndarray:  # block k (+ ramp) at x[pair, k] rows, linear, 0 at 0, extrapolated past the top
+        def at(x: np.ndarray) -> np.ndarray:  # block k (+ ramp) at x[row, k] rows, linear, 0 at 0, extrapolated
             i = np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2)
             y: FloatArray = ys[k_idx, i] + slope[k_idx, i] * (x - xs[i])
             return y
 
-        a_all, b_all = np.triu_indices(n)  # the splits [a, b], a <= b
+        a_pair, b_pair = np.triu_indices(n)  # the splits [a, b], a <= b; rows: (batch, split)
+        a_all, b_all = np.tile(a_pair, nb), np.tile(b_pair, nb)
+        bsz = np.repeat(np.asarray(batches, dtype=np.float64), len(a_pair))[:, None]
         k_ = np.arange(n)[None, :]
-        share = ratio[a_all][:, :n]  # (pair, k)
+        share = ratio[a_all][:, :n]  # (row, k)
         mask = (k_ >= a_all[:, None]) & (k_ <= b_all[:, None]) & (bsz * share > 1e-9)
         share = np.where(mask, share, 0.0)
-        total = np.where(mask, share * at(np.full(share.shape, bsz)), 0.0).sum(axis=-1)  # full batches
+        total = np.where(mask, share * at(np.broadcast_to(bsz, share.shape)), 0.0).sum(axis=-1)  # full batches
         out = np.full(len(a_all), np.inf)
         active = np.flatnonzero(total <= fill_ms)
         t = total[active]
         for _ in range(200):
             sh, mk = share[active], mask[active]
             frac = np.where(mk, np.clip(sh * fill_ms / t[:, None], 1e-12, 1.0), 1.0)
-            nxt = np.where(mk, sh / frac * at(bsz * frac), 0.0).sum(axis=-1)
+            nxt = np.where(mk, sh / frac * at(bsz[active] * frac), 0.0).sum(axis=-1)
             done = np.abs(nxt - t) <= 1e-9 * t
             out[active[done]] = nxt[done]
             keep = ~done & (nxt <= fill_ms)
@@ -425,17 +412,17 @@ class CostModel:
         # a block whose rows all come from the block before in whole batches fills at once
         prev = np.concatenate([np.zeros((len(ok), 1)), sh[:, :-1]], axis=-1)
         gather = np.where((k_ > a_all[ok][:, None]) & (np.abs(prev - sh) <= 1e-12), 0.0, gather)
-        run = at(bsz * frac)
+        run = at(bsz[ok] * frac)
         latency = np.where(mk, gather / 2 + run, 0.0).sum(axis=-1)
         worst = np.full(len(a_all), np.inf)
         worst[ok] = np.where(mk, gather + run, 0.0).sum(axis=-1)
         too_long = latency > 2.0 * fill_ms * (1 + 1e-9)
         out[ok[too_long]] = np.inf
         worst[ok[too_long]] = np.inf
-        table = np.full((n, n), np.inf)
-        table[a_all, b_all] = out
-        longest = np.full((n, n), np.inf)
-        longest[a_all, b_all] = worst
+        table, longest = np.full((nb, n, n), np.inf), np.full((nb, n, n), np.inf)
+        rows = np.repeat(np.arange(nb), len(a_pair))
+        table[rows, a_all, b_all] = out
+        longest[rows, a_all, b_all] = worst
         return table, longest
 
     def rebatch_tables(
@@ -455,16 +442,9 @@ class CostModel:
         n = self.n_blocks
         s = np.maximum(survival_before, 1e-12)
         ratio = np.minimum(s[None, :n] / s[:n, None], 1.0)
-        per_block = self._at_seq(self.block_ms_table, seq)
-        ramp_rows = (
-            self._at_seq(self.ramp_ms_table, seq) if len(self.ramp_ms_table) else np.zeros((0, len(self.batch_sizes)))
-        )
         batch_arr = np.asarray(batches, dtype=np.float64)
-        mean = np.full((len(batch_arr), n, n), np.inf)
-        longest = np.full((len(batch_arr), n, n), np.inf)
-        for bi, bsz in enumerate(batch_arr):
-            mean[bi], worst = self._rebatch_fill(per_block, ramp_rows, ramps_on, ratio, float(bsz), float(fill_ms))
-            longest[bi] = worst + self._transfer_out(s, float(bsz), seq, False)
+        mean, worst = self._rebatch_fill(self.block_ramp_ms(seq, ramps_on), ratio, batch_arr, float(fill_ms))
+        longest: np.ndarray = worst + self._transfer_out(s, batch_arr, seq, False)
         return mean, longest
 
     def replica_bytes(self, first: int, last: int, batch: float, seq: float, rebatch: bool = False) -> float:
@@ -476,7 +456,9 @@ class CostModel:
             acts += batch * sum(self.bytes_per_sample(k, seq) for k in range(first, last))
         return weights + acts
 
-    def replica_bytes_table(self, batches: Sequence[float] | FloatArray, seq: float, rebatch: bool = False) -> np.ndarray:
+    def replica_bytes_table(
+        self, batches: Sequence[float] | FloatArray, seq: float, rebatch: bool = False
+    ) -> np.ndarray:
         """mem[bi, a, b]: `replica_bytes(a, b, batches[bi], seq, rebatch)` for every split (inf for b < a)."""
         n = self.n_blocks
         out_b = np.asarray([self.bytes_per_sample(k, seq) for k in range(-1, n)])  # out_b[k + 1]: leaving block k

@@ -237,6 +237,13 @@ def _run_dp(
 def _final_values(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> F32Array:
     """F[n] of `_run_dp` without argmins (a feasibility probe): the same recursion, but only over
     the options whose demand fits their pool's cap, each end's candidates reduced in one call."""
+    final: F32Array = _value_layers(problem, grid, goodput, s)[-1][problem.n_blocks]
+    return final
+
+
+def _value_layers(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> list[F32Array]:
+    """`_final_values`' layers F[0..s] (each (N + 1, states)): the values alone, from which `_backtrack`
+    recovers a plan without the argmins `_run_dp` keeps."""
     n = problem.n_blocks
     demand = problem.demand(goodput, s)  # (P, N, N)
     ends_ok = np.ones(n, dtype=bool) if problem.cuts is None else np.append(problem.cuts.astype(bool), True)
@@ -250,6 +257,7 @@ def _final_values(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> F3
         opts.append((a, b, Dt[b, a]))
     F = np.full((n + 1, G), np.inf, dtype=np.float32)
     F[0, 0] = 0.0
+    layers = [F]
     for k in range(1, s + 1):
         live: npt.NDArray[np.bool_] = np.any(np.isfinite(F[:n]), axis=1)
         end_ok = ends_ok.copy() if k < s else np.zeros(n, dtype=bool)
@@ -285,8 +293,47 @@ def _final_values(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> F3
             tgt = b_[first] + 1
             new[tgt] = np.minimum(new[tgt], red)
         F = new
-    final: F32Array = F[n]
-    return final
+        layers.append(F)
+    return layers
+
+
+def _backtrack(problem: E3Problem, grid: _Grid, goodput: float, s: int, layers: list[F32Array], f: int) -> E3Solution:
+    """The plan behind final state f of `_value_layers`: at each layer, from the last split back, the option
+    whose predecessor's value accounts for this one's (the same ties as `_run_dp`'s argmins: the first
+    pool, then the first start)."""
+    n = problem.n_blocks
+    demand = problem.demand(goodput, s)
+    pos = n
+    segs: list[Segment] = []
+    for k in range(s, 0, -1):
+        target, prev, b = layers[k][pos, f], layers[k - 1], pos - 1
+        found = None
+        for p in range(len(problem.caps)):
+            for a in range(b + 1):
+                d = demand[p, a, b]
+                if not np.isfinite(d):
+                    continue
+                if p == grid.value_pool:
+                    if prev[a, f] + np.float32(d) == target:
+                        found = (a, p, f)
+                elif grid.coords[p][f] >= d and prev[a, f - int(d) * grid.strides[p]] == target:
+                    found = (a, p, f - int(d) * grid.strides[p])
+                if found is not None:
+                    break
+            if found is not None:
+                break
+        if found is None:  # cannot happen: every finite value has a predecessor
+            raise PlanInvalid("the planner's DP lost its own path; please report this")
+        a, p, f = found
+        need = goodput * problem.shares * problem.sigma_in[a]
+        reps = np.maximum(1, np.ceil(need / problem.rate[s - 1, p, a, b] - EPS)).astype(np.int64)
+        segs.append(Segment(a, b, p, reps))
+        pos = a
+    segs.reverse()
+    actual = min(problem.split_goodput(s, g.pool, g.first, g.last, g.replicas) for g in segs)
+    sol = E3Solution(s, segs, actual, 0.0)
+    sol.cost = float(sol.replicas_per_pool(len(problem.caps)) @ problem.costs)
+    return sol
 
 
 def _feasible_states(problem: E3Problem, grid: _Grid, final: F32Array) -> FloatArray:
@@ -305,29 +352,6 @@ def _feasible_states(problem: E3Problem, grid: _Grid, final: F32Array) -> FloatA
     return costs
 
 
-def _reconstruct(
-    problem: E3Problem, grid: _Grid, goodput: float, s: int, layers: list[_Layer], demand: FloatArray, f: int
-) -> E3Solution:
-    n = problem.n_blocks
-    pos = n
-    segs: list[Segment] = []
-    for k in range(s, 0, -1):
-        _, arg_a, arg_p = layers[k - 1]
-        a, p = int(arg_a[pos, f]), int(arg_p[pos, f])
-        b = pos - 1
-        need = goodput * problem.shares * problem.sigma_in[a]
-        reps = np.maximum(1, np.ceil(need / problem.rate[s - 1, p, a, b] - EPS)).astype(np.int64)
-        segs.append(Segment(a, b, p, reps))
-        if p != grid.value_pool:
-            f -= int(demand[p, a, b]) * grid.strides[p]
-        pos = a
-    segs.reverse()
-    actual = min(problem.split_goodput(s, g.pool, g.first, g.last, g.replicas) for g in segs)
-    sol = E3Solution(s, segs, actual, 0.0)
-    sol.cost = float(sol.replicas_per_pool(len(problem.caps)) @ problem.costs)
-    return sol
-
-
 def _probe(
     problem: E3Problem, grid: _Grid, goodput: float, cheapest: bool = True, order: list[int] | None = None
 ) -> E3Solution | None:
@@ -335,12 +359,12 @@ def _probe(
     first one found); None if there is none."""
     best: tuple[float, int, E3Solution] | None = None
     for s in order or range(1, problem.max_splits + 1):
-        final, layers, demand = _run_dp(problem, grid, goodput, s)
-        cost = _feasible_states(problem, grid, final)
+        layers = _value_layers(problem, grid, goodput, s)
+        cost = _feasible_states(problem, grid, layers[-1][problem.n_blocks])
         f = int(np.argmin(cost))
         if not np.isfinite(cost[f]):
             continue
-        sol = _reconstruct(problem, grid, goodput, s, layers, demand, f)
+        sol = _backtrack(problem, grid, goodput, s, layers, f)
         if not cheapest:
             return sol
         key = (sol.cost, s)
@@ -352,6 +376,12 @@ def _probe(
 def _min_cost_at(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> float:
     """The least cost of a plan with `s` splits reaching `goodput` (inf: none), without argmins."""
     return float(_feasible_states(problem, grid, _final_values(problem, grid, goodput, s)).min())
+
+
+def reaches(problem: E3Problem, goodput: float) -> bool:
+    """Whether some plan (any split count) sustains `goodput`: one feasibility probe per split count."""
+    grid = _Grid(problem.caps)
+    return any(np.isfinite(_min_cost_at(problem, grid, goodput, s)) for s in range(1, problem.max_splits + 1))
 
 
 def max_goodput(problem: E3Problem) -> E3Solution:

@@ -5,12 +5,18 @@ Stages (timed in `PlanResult.timings`):
 2. survival: the thresholds in force (ramps off -> no exits there), observed or forecast survival;
 3. lengths: a histogram on the profile's length grid, the staircase, candidate bucket sets;
 4. solve: E3's exact DP per bucket set (splits x replicas x pool per split, one pipeline per bucket)
-   on the problem planner/problem.py builds; with spec.planner.rebatch on and exits enabled, a split
-   rebatches (a fusion queue per block) on a pool where the rebatching cost tables make it at least
-   as fast for every bucket;
+   on the problem planner/problem.py builds (options cached per pool and length across bucket sets; a set
+   that cannot beat the best plan found is not solved); with spec.planner.rebatch on and exits enabled, a
+   split rebatches (a fusion queue per block) on a pool where the rebatching cost tables make it no slower
+   for any bucket and REBATCH_MIN_GAIN cheaper for the bucket mix;
 5. plan: cells, spare replicas to the tightest cells (max-goodput), DensePipe's placement of the
-   layout over all pools when it beats one pool per split (one bucket, several pools), prediction,
+   layout over all pools when it beats one pool per split (one bucket, several pools), prediction
+   (p99: cycles(splits) x the slowest stage; with rebatching splits, each split's longest time -- its
+   queues' whole gather times and runs -- summed, at most the budget, which the deadline rule keeps),
    smallest change.
+
+The thresholds a plan names are those it is sized with (given, else the latest observation window's, else the
+previous plan's, else none: then no ramp exits).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from exitplan.api.plan import Cell, Plan, Prediction, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec, Objective
 from exitplan.planner import buckets as bk
 from exitplan.planner.densepipe import Placement, place
-from exitplan.planner.e3 import E3Problem, E3Solution, max_goodput, min_cost
+from exitplan.planner.e3 import E3Problem, E3Solution, Segment, max_goodput, min_cost, reaches
+from exitplan.planner.e3_search import upper_bounds
 from exitplan.planner.errors import PlanInfeasible, PlanInvalid
 from exitplan.planner.inputs import Inputs, _windows, resolve_inputs
 from exitplan.planner.problem import OptionCache, PlanProblem, build_problem, cycles, diagnose, rebatching
@@ -195,6 +202,18 @@ def _to_plan(
                 ms = float(problem.stage_ms[s - 1, p, seg.first, seg.last, k])
                 stage[(i, int(length))] = max(stage.get((i, int(length)), 0.0), ms)
     slowest = max(stage.values())
+    p99 = cycles(s) * slowest
+    if any(x.rebatch for x in splits):
+        # rebatching splits: each queue's whole gather time and the run, split by split (PlanProblem.longest_ms);
+        # the deadline rule caps every row at the budget whatever the queues do
+        longest = problem.longest_ms if isinstance(problem, PlanProblem) else None
+        p99 = inp.budget_ms
+        if longest is not None:
+            per_split = [
+                max(float(longest[s - 1, c_pool, seg.first, seg.last, k]) for c_pool, k in _cells_of(i, placement, seg))
+                for i, seg in enumerate(sol.segments)
+            ]
+            p99 = min(inp.budget_ms, sum(per_split))
     goodput = sol.goodput if math.isfinite(sol.goodput) else 0.0
     if placement is not None:
         goodput, sol = (
@@ -210,16 +229,18 @@ def _to_plan(
         thresholds={k: float(v) for k, v in thresholds.items()},
         survival=[float(x) for x in inp.survival],
         length_histogram=[float(x) for x in problem.shares],
-        # a rebatching split's inner queues hold rows until a batch gathers or their deadline rule
-        # fires, so with one the bound is the budget itself (the simulator reads ~95 ms of 100 at capacity)
-        prediction=Prediction(
-            goodput_rps=float(goodput),
-            p99_ms=float(inp.budget_ms if any(x.rebatch for x in splits) else cycles(s) * slowest),
-            cost_per_hour=float(sol.cost),
-        ),
+        prediction=Prediction(goodput_rps=float(goodput), p99_ms=float(p99), cost_per_hour=float(sol.cost)),
         reason=reason,
     )
     return plan, cycle, stage
+
+
+def _cells_of(i: int, placement: Placement | None, seg: Segment) -> list[tuple[int, int]]:
+    """(pool, bucket index) of every cell of split i."""
+    if placement is not None:
+        pools = [p for p, r in enumerate(placement.replicas[i]) if r > 0]
+        return [(p, k) for p in pools for k in range(len(seg.replicas))]
+    return [(seg.pool, k) for k in range(len(seg.replicas)) if seg.replicas[k] > 0]
 
 
 @dataclass
@@ -316,18 +337,13 @@ _Choice = tuple[list[int], PlanProblem, E3Solution]
 
 
 def _default_thresholds(
-    observations: Observations | Sequence[Observations] | None, previous: Plan | None, inp: Inputs
-) -> Mapping[str, float]:
+    observations: Observations | Sequence[Observations] | None, previous: Plan | None
+) -> dict[str, float]:
     """The thresholds a plan names when the caller gives none: the latest observation window's, else the
-    previous plan's, else none."""
+    previous plan's, else none (then no ramp exits, and the plan is sized so)."""
     windows = _windows(observations)
     latest = windows[-1].thresholds if windows and windows[-1].thresholds else None
-    thresholds = latest or (previous.thresholds if previous else None) or {}
-    if not thresholds and inp.ramp_names:
-        inp.notes.append(
-            "no thresholds given: the plan names none, so the data plane exits nowhere until thresholds are set"
-        )
-    return thresholds
+    return dict(latest or (previous.thresholds if previous else None) or {})
 
 
 def _bucket_sets(inp: Inputs) -> dict[int, list[int]]:
@@ -358,12 +374,28 @@ def _best_bucket_set(
 ) -> tuple[_Choice, list[dict[str, object]]]:
     """The best plan over the bucket sets (most goodput, or least cost for min-cost) and what each set gave.
 
+    For max-goodput the sets are solved in the order of their fractional upper bound (e3_search.upper_bounds),
+    and a set whose bound is below the best plan found, or that no plan of it reaches, is not solved (it
+    could not beat it). Ties go to the set with fewer buckets.
+
     Raises the min-cost target's PlanInfeasible, or one naming the binding constraint, when no set has a plan."""
     tried: list[dict[str, object]] = []
     chosen: _Choice | None = None
     last_error: PlanInfeasible | None = None
-    for _, bucket_set in sorted(sets.items()):
-        problem = build_problem(inp, bucket_set, max_splits, rebatch=rebatch, cache=cache)
+    most = spec.planner.objective == Objective.max_goodput
+    problems = [
+        (bucket_set, build_problem(inp, bucket_set, max_splits, rebatch=rebatch, cache=cache))
+        for _, bucket_set in sorted(sets.items())
+    ]
+    bounds = [float(upper_bounds(problem).max(initial=0.0)) if most else 0.0 for _, problem in problems]
+    for i in sorted(range(len(problems)), key=lambda i: -bounds[i]) if most else range(len(problems)):
+        bucket_set, problem = problems[i]
+        if most and chosen is not None:
+            # a set that cannot beat the best plan (or tie it with fewer buckets) is not solved
+            floor = chosen[2].goodput * (1 - 1e-9 if len(bucket_set) < len(chosen[0]) else 1 + 1e-9)
+            if bounds[i] < floor or not reaches(problem, floor):
+                tried.append({"buckets": bucket_set, "bound": bounds[i], "skipped": "it cannot beat the best plan"})
+                continue
         try:
             sol = _solve(problem, spec)
         except PlanInfeasible as err:
@@ -371,11 +403,13 @@ def _best_bucket_set(
             tried.append({"buckets": bucket_set, "goodput": 0.0, "cost": 0.0, "error": str(err)})
             continue
         tried.append({"buckets": bucket_set, "goodput": sol.goodput, "cost": sol.cost, "splits": sol.splits})
-        better = chosen is None or (
-            sol.goodput > chosen[2].goodput * (1 + 1e-9)
-            if spec.planner.objective == Objective.max_goodput
-            else sol.cost < chosen[2].cost - 1e-9
-        )
+        if chosen is None:
+            better = True
+        elif most:
+            ratio = sol.goodput / chosen[2].goodput if chosen[2].goodput > 0 else math.inf
+            better = ratio > 1 + 1e-9 or (ratio >= 1 - 1e-9 and len(bucket_set) < len(chosen[0]))
+        else:
+            better = sol.cost < chosen[2].cost - 1e-9
         if better:
             chosen = (bucket_set, problem, sol)
     if chosen is None:
@@ -432,9 +466,10 @@ def plan_service(
 ) -> PlanResult:
     """Plan a service: splits, length buckets, cells (split, bucket, pool) with replicas and batch sizes.
 
-    `thresholds`: per exit ramp (None keeps the profile's survival as is; ramps not named do not
-    exit). `observations`: the latest window(s); their survival (forecast over windows) and length
-    histogram replace the profile's. `lengths`: raw input lengths (e.g. from a trace) to size the
+    `thresholds`: per exit ramp (ramps not named do not exit); None: the latest observation window's,
+    else the previous plan's, else none. The plan names them and is sized with them: without any, no
+    ramp exits (the data plane exits nowhere until thresholds are set). `observations`: the latest
+    window(s); their survival (forecast over windows) and length histogram replace the profile's. `lengths`: raw input lengths (e.g. from a trace) to size the
     buckets when no observations exist. `previous`: keep its layout when it is within 5 % of the
     optimum (fewest replaced instances), or whatever the optimum with `keep_layout` (the operator's
     move cap: replicas move within a layout, a new layout replaces every instance). Raises
@@ -442,11 +477,14 @@ def plan_service(
     """
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
+    if thresholds is None:
+        thresholds = _default_thresholds(observations, previous)
+    # sized with exactly the thresholds the plan names: the data plane exits where they say, nowhere else
     inp = resolve_inputs(
         spec, pools, profiles, thresholds=thresholds, observations=observations, lengths=lengths, forecaster=forecaster
     )
-    if thresholds is None:
-        thresholds = _default_thresholds(observations, previous, inp)
+    if not thresholds and inp.ramp_names:
+        inp.notes.append("no thresholds given: the plan names none, so it is sized (and served) without exits")
     timings["inputs"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -470,13 +508,8 @@ def plan_service(
     t3 = time.perf_counter()
     bucket_set, problem, sol = chosen
     placement = None
-    if (
-        len(bucket_set) == 1
-        and len(inp.pool_names) > 1
-        and spec.planner.objective == Objective.max_goodput
-        and not kept
-    ):
-        placement = _densepipe(problem, sol)
+    if len(bucket_set) == 1 and len(inp.pool_names) > 1 and spec.planner.objective == Objective.max_goodput:
+        placement = None if kept else _densepipe(problem, sol)
         if placement is not None:
             inp.notes.append(
                 f"DensePipe placement spreads splits over pools: goodput {sol.goodput:.4g} -> {placement.goodput:.4g} req/s"

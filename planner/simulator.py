@@ -2,8 +2,11 @@
 
 What it models (the same rules as worker_image/router_app.py and worker_app.py):
 - Router: each request picks its bucket runtime with Arlo's Algorithm 1 (`dispatch.choose_bucket`)
-  over loads = outstanding inputs / (pipeline rate x SLO); a request whose bucket is at load >= 1
-  (or that fits no bucket) is refused at once (a drop, counted). Split 0 replica: least loaded.
+  over loads = outstanding requests / (pipeline rate x (ADMIT_FRACTION x SLO + the time a request
+  spends in the pipeline at capacity)); a request whose bucket is at load >= 1 (or that fits no bucket)
+  is refused at once (a drop, counted): the queue stays within a fraction of the SLO, so past capacity
+  the excess is refused and the rest still meets it.
+  Split 0 replica: least loaded.
   The pipeline rate is the slowest split's, each at full batches with the mean batch time given
   its exits (the data plane's workers time a full batch without exits, which under-admits a
   one-split early-exit model; the simulator counts the exits so that no configuration is refused
@@ -38,10 +41,11 @@ What it models (the same rules as worker_image/router_app.py and worker_app.py):
   slots until every row of the batch has exited (an implementation that cannot shrink a batch
   mid-model); the batch still ends early when all its rows are done.
 
-Reports goodput (answers within the SLO per second), latency percentiles, SLO violations, drops,
+Reports goodput (answers within the SLO per second, from the first arrival to the last answer, so
+the drain after the last arrival counts against it), latency percentiles, SLO violations, drops,
 cost, the mean rows per launched batch (per block with rebatching) and the attainment over the
-requests that arrived in the last third of the run (a queue still building shows there). `oracle_goodput` is the fluid upper bound: every GPU busy on exactly the blocks each
-input needs, at its best per-input efficiency, free exits, no padding, no latency limit.
+requests that arrived in the last third of the run (a queue still building shows there). Arrivals:
+planner/arrivals.py; the fluid upper bound (`oracle_goodput`): planner/oracle.py.
 """
 
 from __future__ import annotations
@@ -50,87 +54,63 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from exitplan.api.plan import Plan
+from exitplan.planner.arrivals import poisson_arrivals
 from exitplan.planner.costmodel import CostModel, survival_before_blocks, survivor_pmf
 from exitplan.planner.dispatch import QueueParams, choose_bucket, choose_queue, least_loaded
+from exitplan.planner.oracle import oracle_goodput
+from exitplan.planner.sim_result import SimResult
+
+__all__ = ["SimResult", "Simulation", "depths_from_survival", "oracle_goodput", "poisson_arrivals"]
 
 FloatArray = npt.NDArray[np.float64]
 
-
-@dataclass
-class SimResult:
-    name: str
-    offered: int
-    answered: int
-    within_slo: int
-    dropped: int
-    duration_s: float
-    latencies_ms: np.ndarray = field(repr=False)
-    cost_per_hour: float = 0.0
-    mean_batch: float = 0.0
-    tail_offered: int = 0
-    """Requests that arrived in the last third of the arrival span."""
-    tail_within_slo: int = 0
-    """Of those, answered within the SLO: a queue that is still building shows here first."""
-    block_rows: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
-    """Rows run through each block, over all workers."""
-    block_runs: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
-    """Batches that ran each block."""
-    answers: int = 0
-    """Answer events (a request answered twice would count twice here, once in `answered`)."""
-
-    @property
-    def goodput(self) -> float:
-        return self.within_slo / self.duration_s if self.duration_s > 0 else 0.0
-
-    @property
-    def attainment(self) -> float:
-        return self.within_slo / self.offered if self.offered else 1.0
-
-    @property
-    def block_batch(self) -> np.ndarray:
-        """Mean rows per run of each block (nan for a block never run)."""
-        return np.where(self.block_runs > 0, self.block_rows / np.maximum(self.block_runs, 1), np.nan)
-
-    @property
-    def tail_attainment(self) -> float:
-        """Attainment over the requests that arrived in the last third of the run."""
-        return self.tail_within_slo / self.tail_offered if self.tail_offered else self.attainment
-
-    @property
-    def violations(self) -> int:
-        return self.answered - self.within_slo
-
-    def pct(self, q: float) -> float:
-        return float(np.percentile(self.latencies_ms, q)) if len(self.latencies_ms) else float("nan")
-
-    def summary(self) -> dict[str, object]:
-        return {
-            "config": self.name,
-            "offered": self.offered,
-            "answered": self.answered,
-            "within_slo": self.within_slo,
-            "dropped": self.dropped,
-            "violations": self.violations,
-            "goodput_rps": self.goodput,
-            "attainment": self.attainment,
-            "p50_ms": self.pct(50),
-            "p98_ms": self.pct(98),
-            "p99_ms": self.pct(99),
-            "mean_ms": float(np.mean(self.latencies_ms)) if len(self.latencies_ms) else float("nan"),
-            "cost_per_hour": self.cost_per_hour,
-            "mean_batch": self.mean_batch,
-        }
+ADMIT_FRACTION = 0.3
+"""The router admits a request to a bucket while the bucket's outstanding requests stay under its capacity x
+(this fraction of the SLO + the time a request spends in the pipeline at capacity): by Little's law the
+requests waiting then hold about this fraction of the SLO of work, so past capacity the excess is refused
+and what is admitted still meets the SLO. With half the SLO and no pipeline time, rebatching plans lost
+10-12 % of their goodput at 1.3x their capacity (rows reached the worker half an SLO old, and its inner
+queues launched partial batches on their deadlines), and a plan whose batches take a quarter of the SLO
+(V100 at length 512) was refused work below its capacity. A bound on the requests waiting for their
+first batch alone let queues build behind the first split and collapsed. (The real router's limiter aims
+at 0.8 x the SLO on the latency of answers, which a rebatching plan's answers pass by design.)"""
 
 
-_Queue = deque[tuple[int, float]]
-"""A fusion queue: (request, time it joined)."""
+class _Queue:
+    """A fusion queue: requests in the order they joined, when each joined, and the earliest deadline
+    among them in O(1) (a monotone deque of candidates for the minimum)."""
+
+    __slots__ = ("rows", "mins")
+
+    def __init__(self) -> None:
+        self.rows: deque[tuple[int, float]] = deque()
+        self.mins: deque[tuple[float, int]] = deque()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def push(self, r: int, t: float, deadline: float) -> None:
+        self.rows.append((r, t))
+        mins = self.mins
+        while mins and mins[-1][0] >= deadline:
+            mins.pop()
+        mins.append((deadline, r))
+
+    def pop(self) -> int:
+        r = self.rows.popleft()[0]
+        if self.mins[0][1] == r:
+            self.mins.popleft()
+        return r
+
+    def launch_at(self, max_wait: float, rest_s: float) -> float:
+        """The oldest row's maximum wait, or the earliest deadline less the time to the end (20 % margin)."""
+        return min(self.rows[0][1] + max_wait, self.mins[0][0] - rest_s * 1.2)
 
 
 class _Worker:
@@ -182,8 +162,8 @@ class _Worker:
             first,
             last,
         )
-        self.queue: _Queue = deque()
-        self.stages: list[_Queue] | None = [self.queue] + [deque() for _ in range(last - first)] if rebatch else None
+        self.queue = _Queue()
+        self.stages: list[_Queue] | None = [self.queue] + [_Queue() for _ in range(last - first)] if rebatch else None
         """With rebatching: one fusion queue per block (stages[0] is `queue`), rows enter the next on leaving one."""
         self.stage_rest_ms: list[float] = []
         self.held = 0
@@ -238,8 +218,10 @@ class Simulation:
         seed: int = 0,
         name: str = "",
         compact_exits: bool = True,
+        admit_fraction: float = ADMIT_FRACTION,
     ) -> None:
         self.plan, self.models, self.slo_s = plan, models, slo_ms / 1e3
+        self.admit_fraction = admit_fraction
         ref = next(iter(models.values()))
         self.n_blocks = ref.n_blocks
         self.ramp_after = list(ref.ramp_after)
@@ -277,8 +259,12 @@ class Simulation:
                 w.lat, w.ramp_lat, w.xfer, w.expect_ms = lat, ramp_lat, xfer, full
                 w.mean_ms = self._mean_batch_ms(lat, ramp_lat, a, top, w.stages is not None)
                 self.workers[k][cell.split].append(w)
-        # expected time to finish the model from each split (for the deadline rule), per bucket;
-        # from each block of a rebatching split
+        self._set_rest()
+        self._set_admission(admit_fraction)
+
+    def _set_rest(self) -> None:
+        """Expected time to finish the model from each split (for the deadline rule), per bucket; from each
+        block of a rebatching split."""
         for k in range(len(self.buckets)):
             rest = 0.0
             for s in range(self.n_splits - 1, -1, -1):
@@ -291,9 +277,12 @@ class Simulation:
                         rest + float(per_block[j:].sum()) + float(w.xfer[w.batch]) for j in range(len(per_block))
                     ]
                 rest += here
-        # Admission: requests/s each bucket's pipeline takes, the slowest split's rate at full
-        # batches (mean batch time with the exits inside it) over the share of inputs reaching it.
-        self.capacity = []
+
+    def _set_admission(self, admit_fraction: float) -> None:
+        """Admission: requests/s each bucket's pipeline takes, the slowest split's rate at full batches (mean
+        batch time with the exits inside it) over the share of inputs reaching it; and how many seconds of
+        that the outstanding requests may hold (ADMIT_FRACTION)."""
+        self.capacity: list[float] = []
         for k in range(len(self.buckets)):
             rates = []
             for ws in self.workers[k]:
@@ -301,6 +290,20 @@ class Simulation:
                     reach = max(float(self._reach[ws[0].first]), 1e-9)
                     rates.append(sum(w.batch / max(w.mean_ms, 1e-6) * 1e3 for w in ws) / reach)
             self.capacity.append(min(rates) if rates else 0.0)
+        self.admit_s = [self.slo_s * admit_fraction + self._in_flight_ms(per) / 1e3 for per in self.workers]
+        """Per bucket: the outstanding requests may hold this many seconds of its capacity (ADMIT_FRACTION of
+        the SLO of queue, plus the time a request spends in the pipeline at capacity)."""
+
+    @staticmethod
+    def _in_flight_ms(per_split: list[list[_Worker]]) -> float:
+        """The time a request spends in a bucket's pipeline at capacity, by the plan's own account: it waits
+        about one full batch's time at the first split for its batch to gather, and runs a full batch's time
+        at every split (a rebatching split's blocks run as rows come: no wait for a whole batch)."""
+        total = 0.0
+        for i, ws in enumerate(per_split):
+            here = max((w.expect_ms for w in ws), default=0.0)
+            total += 2.0 * here if i == 0 and ws and ws[0].stages is None else here
+        return total
 
     def _mean_batch_ms(self, lat: np.ndarray, ramp_lat: np.ndarray, a: int, top: int, rebatch: bool) -> float:
         """Mean time a replica of blocks a.. spends per `top` entering rows: each block over the
@@ -378,6 +381,7 @@ class _EventLoop:
         self.deadline = arrivals + sim.slo_s
         self.done_at = np.full(n, np.nan)
         self.outstanding = [0] * len(sim.buckets)
+        """Per bucket: admitted requests not yet answered."""
         self.bucket_of = np.full(n, -1, dtype=np.int64)
         self.events: list[tuple[float, int, _Event]] = [(float(arrivals[i]), i, _Arrival(i)) for i in range(n)]
         heapq.heapify(self.events)
@@ -415,7 +419,7 @@ class _EventLoop:
     def arrive(self, i: int, now: float) -> None:
         """The router admits the request to a bucket's runtime (Arlo's Algorithm 1), or refuses it."""
         sim, caps, outstanding = self.sim, self.sim.capacity, self.outstanding
-        loads = [outstanding[k] / (caps[k] * sim.slo_s) if caps[k] > 0 else math.inf for k in range(len(caps))]
+        loads = [outstanding[k] / (caps[k] * sim.admit_s[k]) if caps[k] > 0 else math.inf for k in range(len(caps))]
         k = choose_bucket(int(self.lengths[i]), sim.buckets, loads, sim.queue_params)
         if k < 0 or loads[k] >= 1.0:
             self.dropped += 1
@@ -438,8 +442,9 @@ class _EventLoop:
         stages = w.stages
         assert stages is not None  # only rebatching workers run single blocks
         if surv and j + 1 < len(stages):
+            deadline, q = self.deadline, stages[j + 1]
             for r in surv:
-                stages[j + 1].append((r, now))
+                q.push(r, now, deadline[r])
             w.held += len(surv)
         elif surv:
             self.push(now + float(w.xfer[len(surv)]) / 1e3, _Hop(w.bucket, w.split + 1, surv))
@@ -456,8 +461,9 @@ class _EventLoop:
         return ws[i]
 
     def enqueue(self, w: _Worker, rows: list[int], now: float) -> None:
+        deadline, q = self.deadline, w.queue
         for r in rows:
-            w.queue.append((r, now))
+            q.push(r, now, deadline[r])
         w.held += len(rows)
         self.kick(w, now)
 
@@ -480,8 +486,9 @@ class _EventLoop:
             self.kick_stages(w, w.stages, now)
             return
         at = self.launch_at(w)
-        if len(w.queue) >= w.batch or at <= now:
-            rows = [w.queue.popleft()[0] for _ in range(min(w.batch, len(w.queue)))]
+        if len(w.queue.rows) >= w.batch or at <= now:
+            q = w.queue
+            rows = [q.pop() for _ in range(min(w.batch, len(q.rows)))]
             w.held -= len(rows)
             d = self.depths[rows]
             m = len(rows)
@@ -507,10 +514,7 @@ class _EventLoop:
     def launch_at(self, w: _Worker) -> float:
         """When the queue of a worker without rebatching must launch: its oldest row's maximum wait,
         or the earliest deadline minus the expected time to the end of the model (20 % margin)."""
-        oldest = w.queue[0][1]
-        earliest = min(self.deadline[r] for r, _ in w.queue)
-        at: float = min(oldest + self.sim.max_wait, earliest - w.rest_ms * 1.2 / 1e3)
-        return at
+        return w.queue.launch_at(self.sim.max_wait, w.rest_ms / 1e3)
 
     def kick_stages(self, w: _Worker, stages: list[_Queue], now: float) -> None:
         # The data plane's policy (dispatch.choose_queue): of the stages whose launch time has
@@ -518,21 +522,19 @@ class _EventLoop:
         # from the stage's block to the end of the model with the same 20 % margin), the one
         # whose time came first; else the deepest stage holding a full batch; else sleep until
         # the first launch time.
-        deadline, max_wait = self.deadline, self.sim.max_wait
+        max_wait, rest = self.sim.max_wait, w.stage_rest_ms
 
         def launch(j: int) -> float:
-            q = stages[j]
-            at: float = min(q[0][1] + max_wait, min(deadline[r] for r, _ in q) - w.stage_rest_ms[j] * 1.2 / 1e3)
-            return at
+            return stages[j].launch_at(max_wait, rest[j] / 1e3)
 
-        chosen, soonest = choose_queue([len(q) for q in stages], w.batch, launch, now)
+        chosen, soonest = choose_queue([len(q.rows) for q in stages], w.batch, launch, now)
         if chosen < 0:
             if soonest < w.timer:
                 w.timer = soonest
                 self.push(soonest, _Timer(w))
             return
         q = stages[chosen]
-        rows = [q.popleft()[0] for _ in range(min(w.batch, len(q)))]
+        rows = [q.pop() for _ in range(min(w.batch, len(q.rows)))]
         m = len(rows)
         w.held -= m
         blk = w.first + chosen
@@ -552,8 +554,12 @@ class _EventLoop:
         answered = ~np.isnan(done_at)
         lat = (done_at[answered] - arrivals[answered]) * 1e3
         within = int(np.sum(lat <= sim.slo_s * 1e3 + 1e-9))
-        duration = float(arrivals[-1] - arrivals[0]) if n > 1 else 1.0
-        tail = arrivals >= arrivals[0] + duration * 2.0 / 3.0 if n > 1 else np.zeros(n, dtype=bool)
+        # from the first arrival to the last answer (or arrival): answers per second over that span can
+        # never beat what the GPUs serve, the drain after the last arrival included
+        span = float(arrivals[-1] - arrivals[0]) if n > 1 else 0.0
+        last = float(np.nanmax(done_at)) - float(arrivals[0]) if answered.any() else 0.0
+        duration = max(span, last) if n > 1 else 1.0
+        tail = arrivals >= arrivals[0] + span * 2.0 / 3.0 if n > 1 else np.zeros(n, dtype=bool)
         with np.errstate(invalid="ignore"):
             tail_within = int(np.sum(tail & ((done_at - arrivals) * 1e3 <= sim.slo_s * 1e3 + 1e-9)))
         batches = sum(w.batches for per in sim.workers for ws in per for w in ws)
@@ -574,25 +580,3 @@ class _EventLoop:
             self.blk_runs,
             self.answers,
         )
-
-
-def poisson_arrivals(rng: np.random.Generator, rate: float, n: int) -> np.ndarray:
-    return np.cumsum(rng.exponential(1.0 / rate, n))
-
-
-def oracle_goodput(
-    models: dict[str, CostModel], caps: dict[str, int], lengths: np.ndarray, depths: np.ndarray, arrivals_rate: float
-) -> float:
-    """Fluid bound: every GPU busy on exactly the blocks each input needs, at the best per-input
-    cost over the profiled batch sizes, at the input's own length (no padding), ramps free."""
-    capacity = 0.0
-    for pool, model in models.items():
-        sizes = model.profile.batch_sizes
-        uniq, inverse = np.unique(lengths, return_inverse=True)
-        per_len = []
-        for length in uniq:
-            per_block = [min(model.block_ms(k, b, length) / b for b in sizes) for k in range(model.n_blocks)]
-            per_len.append(np.cumsum([0.0, *per_block]))
-        work = np.asarray([per_len[j][d] for j, d in zip(inverse, depths)])  # ms of GPU time per input
-        capacity += caps.get(pool, 0) * 1e3 / float(np.mean(work))
-    return min(capacity, arrivals_rate)

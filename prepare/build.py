@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from exitplan.api.bundle import record_digests
+
 FORMAT_VERSION = 2
 """Bump when the bundle layout or training changes, so old bundles are rebuilt."""
 MARKER = ".complete.json"
@@ -154,6 +156,7 @@ def build_once(
         report["torch_threads"] = chosen
         (work / REPORT).write_text(json.dumps(report, indent=2))
         (work / MARKER).write_text(json.dumps({"options_hash": options.digest(), "options": asdict(options)}, indent=2))
+        record_digests(work)  # last: the sha256 of every file, in bundle.yaml (exitplan storage-init checks them)
         if out.exists():
             shutil.rmtree(out)
         work.rename(out)

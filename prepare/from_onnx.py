@@ -161,15 +161,39 @@ def _detect_seq_axis(option: int | None, inputs: list[InputInfo]) -> int | None:
     return 1 if tokens else None
 
 
-def _run_source(model: Any, data: UserData, batch: int = 64) -> np.ndarray:
+def _widths(data: UserData, inputs: list[InputInfo], seq_axis: int | None, mask: str | None) -> np.ndarray | None:
+    """Per sample, the sequence width that holds its tokens (the mask's last 1), when the model's sequence
+    axis is free on every sequence input (padding beyond it changes no answer): batches are then run
+    trimmed, several times faster on short texts padded to a long width. None: run as given."""
+    if seq_axis != 1 or mask is None:
+        return None
+    if any(len(i.shape) > 1 and isinstance(i.shape[1], int) for i in inputs if data.inputs[i.name].ndim > 1):
+        return None
+    held = data.inputs[mask] != 0
+    last = held.shape[1] - np.argmax(held[:, ::-1], axis=1)
+    return np.where(held.any(axis=1), last, 1)
+
+
+def _run_source(model: Any, data: UserData, widths: np.ndarray | None = None, batch: int = 64) -> np.ndarray:
+    """The model's first output for every sample; with `widths`, samples sorted by width and each batch
+    trimmed to its widest."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    outputs = []
+    name = session.get_outputs()[0].name
+    order = np.arange(len(data)) if widths is None else np.argsort(widths, kind="stable")
+    outputs: list[np.ndarray] = []
     for start in range(0, len(data), batch):
-        rows = np.arange(start, min(start + batch, len(data)))
-        outputs.append(session.run([session.get_outputs()[0].name], {k: v[rows] for k, v in data.inputs.items()})[0])
-    return np.concatenate(outputs).astype(np.float32)
+        rows = order[start : start + batch]
+        feeds = {k: v[rows] for k, v in data.inputs.items()}
+        if widths is not None:
+            width = int(widths[rows].max())
+            feeds = {k: v[:, :width] if v.ndim > 1 else v for k, v in feeds.items()}
+        outputs.append(session.run([name], feeds)[0])
+    logits = np.concatenate(outputs).astype(np.float32)
+    answer = np.empty_like(logits)
+    answer[order] = logits
+    return answer
 
 
 def _labels(path: str | None, classes: int) -> list[str]:
@@ -189,7 +213,9 @@ def load_source(opts: OnnxOptions) -> Source:
     model = load_model(Path(opts.model))
     inputs = model_inputs(model)
     data = load_data(Path(opts.data), inputs)
-    logits = _run_source(model, data)
+    seq_axis = _detect_seq_axis(opts.seq_axis, inputs)
+    mask = next((i.name for i in inputs if "mask" in i.name.lower()), None) if seq_axis is not None else None
+    logits = _run_source(model, data, _widths(data, inputs, seq_axis, mask))
     if logits.ndim != 2 or logits.shape[1] < 2:
         raise PrepareError(
             f"{opts.model}: the first output has shape {list(logits.shape)}; a classifier must output class "
@@ -198,14 +224,12 @@ def load_source(opts: OnnxOptions) -> Source:
     n, classes = logits.shape
     if n < classes:
         raise DataError(f"{opts.data}: {n} samples for {classes} classes; give at least one sample per class")
-    seq_axis = _detect_seq_axis(opts.seq_axis, inputs)
     if opts.tokenizer and (seq_axis != 1 or not {"input_ids"} <= {i.name for i in inputs} <= TEXT_INPUTS):
         raise PrepareError(
             f"{opts.model}: a bundle with a tokenizer takes token sequences as the router feeds them, inputs "
             f"`input_ids` and optionally `attention_mask` [batch, seq]; this model takes "
             f"{', '.join(i.describe() for i in inputs)}"
         )
-    mask = next((i.name for i in inputs if "mask" in i.name.lower()), None) if seq_axis is not None else None
     return Source(model, inputs, data, logits, _labels(opts.labels, classes), seq_axis, mask)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from exitplan.api.bundle import record_digests
 from exitplan.prepare.build import MARKER, REPORT, BuildOptions, BuildResult, read_report
 
 PRESET_MARKER = ".preset.json"
@@ -69,6 +70,7 @@ def build_preset(options: BuildOptions, out: Path, *, force: bool, threads: int 
     (out / REPORT).write_text(json.dumps(result.report, indent=2))
     complete = json.loads((out / MARKER).read_text())
     (out / PRESET_MARKER).write_text(json.dumps(_marker(options, complete["options_hash"])))
+    record_digests(out)  # again: the report changed after the build
     return result
 
 

@@ -93,7 +93,7 @@ def objects(store: Store, bucket: str, prefix: str, what: str) -> Iterator[tuple
     head = f"{prefix}/" if prefix else ""
     try:
         for obj in store.client.list_objects(bucket, prefix=head, recursive=True):
-            if not obj.is_dir:
+            if not obj.is_dir and not obj.object_name.endswith("/"):  # folder markers hold nothing
                 yield obj.object_name, obj.object_name[len(head) :]
     except _errors() as err:
         raise explain(err, what, store) from err

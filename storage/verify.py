@@ -27,7 +27,9 @@ class Verification:
                 f"unverified: bundle.yaml records no digests (prepared before they were recorded; "
                 f"`exitplan bundle digest` adds them); {len(self.uncovered)} files"
             )
-        extra = f"; {len(self.uncovered)} files not covered by the digests: {self.uncovered[:5]}" if self.uncovered else ""
+        extra = (
+            f"; {len(self.uncovered)} files not covered by the digests: {self.uncovered[:5]}" if self.uncovered else ""
+        )
         return f"verified: {self.verified} files match bundle.yaml's sha256 digests{extra}"
 
 

@@ -79,8 +79,10 @@ def test_defaults_render_the_operator_rbac_profiler_and_dashboards() -> None:
         assert not of_kind(objs, kind)
     # the profiler identity lands in the default service namespace
     assert one(objs, "ServiceAccount", "exitplan-profiler", "default")
-    dash = one(objs, "ConfigMap")
-    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboards = of_kind(objs, "ConfigMap")  # one per dashboards/*.json
+    assert len(dashboards) == len(list((CHART / "dashboards").glob("*.json"))) >= 2
+    assert all(d["metadata"]["labels"]["grafana_dashboard"] == "1" for d in dashboards)
+    assert not of_kind(objs, "PrometheusRule")
 
 
 def test_every_toggle_on_renders_monitors_policies_and_peering() -> None:
@@ -92,6 +94,8 @@ def test_every_toggle_on_renders_monitors_policies_and_peering() -> None:
     pm = one(objs, "PodMonitor")
     assert pm["spec"]["namespaceSelector"]["matchNames"] == ["default", "ml-serving"]
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    rule = one(objs, "PrometheusRule")  # the alerts (tests/test_prometheus_rules.py)
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack" and rule["spec"]["groups"]
     # per namespace: deny + router + one per split + metrics; plus the operator's
     names = sorted(
         o["metadata"]["name"] for o in of_kind(objs, "NetworkPolicy") if o["metadata"]["namespace"] == "default"
@@ -167,6 +171,38 @@ _MONITOR_ENDPOINT = {
         "path": {"type": "string"},
         "honorLabels": {"type": "boolean"},
         "interval": {"type": "string", "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
+        "relabelings": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "sourceLabels": {
+                        "type": "array",
+                        "items": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"},
+                    },
+                    "targetLabel": {"type": "string"},
+                    "action": {"enum": ["replace", "keep", "drop", "labelmap", "labeldrop", "labelkeep"]},
+                    "regex": {"type": "string"},
+                    "replacement": {"type": "string"},
+                    "separator": {"type": "string"},
+                },
+            },
+        },
+    },
+}
+_RULE = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["expr"],
+    "oneOf": [{"required": ["record"]}, {"required": ["alert"]}],
+    "properties": {
+        "record": {"type": "string"},
+        "alert": {"type": "string"},
+        "expr": {"type": "string", "minLength": 1},
+        "for": {"type": "string", "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?)$"},
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
     },
 }
 _SELECTOR = {
@@ -198,6 +234,22 @@ MONITOR_SCHEMAS = {
         "selector": _SELECTOR,
         "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _MONITOR_ENDPOINT},
     },
+    "PrometheusRule": {
+        "groups": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "rules"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "interval": {"type": "string"},
+                    "rules": {"type": "array", "items": _RULE},
+                },
+            },
+        }
+    },
 }
 
 
@@ -223,7 +275,7 @@ def validate_monitor(obj: dict[str, Any]) -> None:
             "spec": {
                 "type": "object",
                 "additionalProperties": False,
-                "required": ["selector"],
+                "required": ["groups" if obj["kind"] == "PrometheusRule" else "selector"],
                 "properties": spec_props,
             },
         },

@@ -48,6 +48,7 @@ ALL_ON: dict[str, Any] = {
     "metrics": {
         "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
         "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+        "prometheusRule": {"enabled": True},
     },
     "networkPolicy": {
         "enabled": True,

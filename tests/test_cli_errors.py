@@ -30,9 +30,7 @@ def exitplan(*args: str, columns: int = 80) -> subprocess.CompletedProcess[str]:
     """`exitplan ARGS` as the console script runs it (typer's app in a fresh interpreter)."""
     code = "import sys; from exitplan.cli import app; sys.argv[0] = 'exitplan'; app()"
     env = {**os.environ, "COLUMNS": str(columns), "TERM": "dumb", "NO_COLOR": "1"}
-    return subprocess.run(
-        [sys.executable, "-P", "-c", code, *args], capture_output=True, text=True, cwd=ROOT, env=env
-    )
+    return subprocess.run([sys.executable, "-P", "-c", code, *args], capture_output=True, text=True, cwd=ROOT, env=env)
 
 
 def _one_error_line(proc: subprocess.CompletedProcess[str], *words: str) -> str:

@@ -1,53 +1,68 @@
-"""The demo's summary: best goodput per configuration, and a plain warning when no configuration
-fell behind at the highest load (then the ratios say nothing about capacity)."""
+"""The demo's summary: each configuration's measured capacity within the SLO (from the capacity search),
+the ratios of those capacities with the range the searches' brackets leave, and a plain note for a
+capacity that is only a bound (the search passed at its ceiling, missed at its floor, or ran out of steps)."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+from capacity_helpers import queue_probe
 from rich.console import Console
 
-from exitplan.localrun.demo import CONFIGS, DemoResult, saturated, summary_table
+from exitplan.client.capacity import search_capacity
+from exitplan.localrun.demo import CONFIGS, DemoResult, capacity_row, summary_table
 
 
-def _result(goodput_at_top: dict[str, float], errors_at_top: dict[str, int] | None = None) -> DemoResult:
-    result = DemoResult(thresholds={}, capacity_rps=10.0)
+def _result(capacities: dict[str, float], max_rps: float = 1000.0) -> DemoResult:
+    """Each configuration searched on a single-server queue with the given capacity."""
+    result = DemoResult(thresholds={}, slo_ms=100.0)
     for config in CONFIGS:
-        for load, offered in ((0.5, 5.0), (1.6, 16.0)):
-            goodput = goodput_at_top[config] if load == 1.6 else offered
-            errors = (errors_at_top or {}).get(config, 0) if load == 1.6 else 0
-            result.runs.append(
-                {
-                    "config": config,
-                    "load": load,
-                    "offered_rps": offered,
-                    "goodput_rps": goodput,
-                    "p50_ms": 30.0,
-                    "p95_ms": 60.0,
-                    "p99_ms": 90.0,
-                    "agreement_drop": 0.0,
-                    "overload": errors,
-                    "errors": errors,
-                    "lost": 0,
-                }
-            )
+        cap = search_capacity(queue_probe(capacities[config]), start_rps=8.0, max_rps=max_rps, resolution=0.05)
+        result.capacities[config] = capacity_row(config, "1 split(s), buckets [128], 2 workers, batch 2", cap)
     return result
 
 
-def _caption(result: DemoResult) -> str:
-    console = Console(width=300, record=True)
-    console.print(summary_table(result, 250.0))
-    return " ".join(console.export_text().split())  # the caption wraps
+def _text(result: DemoResult) -> str:
+    console = Console(width=400, record=True)
+    console.print(summary_table(result))
+    return " ".join(console.export_text().split())  # the title and caption wrap
 
 
-def test_saturation_is_goodput_behind_the_offered_rate_or_errors():
-    result = _result({"vanilla": 12.0, "naive-ee": 15.9, "exitplan": 16.0}, {"naive-ee": 3})
-    assert saturated(result, "vanilla")  # 12 of 16 rps
-    assert saturated(result, "naive-ee")  # kept up, but with overload errors
-    assert not saturated(result, "exitplan")
-    text = _caption(result)
-    assert "exitplan = 1.33x vanilla" in text and "lower bounds" not in text
+def test_the_summary_reports_the_ratio_of_measured_capacities_and_its_range():
+    result = _result({"vanilla": 20.0, "naive-ee": 25.0, "exitplan": 30.0})
+    for config, true in (("vanilla", 20.0), ("naive-ee", 25.0), ("exitplan", 30.0)):
+        row = result.capacities[config]
+        assert row["ended"] == "bracketed"
+        assert row["capacity_rps"] <= true * 1.02 and row["failed_rps"] > true  # passed at it, missed above it
+        assert row["p50_ms"] is not None and row["within_slo_share"] >= 0.99 and row["agreement"] == 1.0
+    ratio = result.ratio("exitplan", "vanilla")
+    assert ratio == result.capacity("exitplan") / result.capacity("vanilla")
+    low, high = result.ratio_bounds("exitplan", "vanilla")
+    assert low <= 1.5 <= high and low <= ratio <= high and high / low < 1.15
+    text = _text(result)
+    assert "measured capacity within the 100 ms SLO" in text and ">= 99 % of requests" in text
+    assert f"measured capacities: exitplan = {ratio:.2f}x vanilla (between {low:.2f}x and {high:.2f}x" in text
+    assert f"{result.ratio('exitplan', 'naive-ee'):.2f}x naive-ee" in text
+    assert "lower bound" not in text
+    doc = json.loads(json.dumps(result.to_dict()))
+    assert doc["ratios"]["exitplan/vanilla"] == pytest.approx(ratio)
+    assert doc["capacity_rps"]["naive-ee"] == result.capacity("naive-ee")
 
 
-def test_no_configuration_behind_says_the_ratios_are_lower_bounds():
-    text = _caption(_result({"vanilla": 15.9, "naive-ee": 16.0, "exitplan": 16.0}))
-    assert "exitplan = 1.01x vanilla" in text
-    assert "lower bounds" in text and "--loads ...,3.2" in text
+def test_a_capacity_at_the_search_ceiling_is_called_a_lower_bound():
+    result = _result({"vanilla": 20.0, "naive-ee": 25.0, "exitplan": 500.0}, max_rps=100.0)
+    assert result.capacities["exitplan"]["ended"] == "ceiling"
+    assert result.ratio_bounds("exitplan", "vanilla") is None  # no rate above exitplan's missed
+    text = _text(result)
+    assert "exitplan passed at the highest rate tried: its capacity is a lower bound" in text
+    assert f"exitplan = {result.ratio('exitplan', 'vanilla'):.2f}x vanilla," in text
+
+
+def test_no_ratio_when_a_baseline_met_the_target_at_no_rate():
+    result = _result({"vanilla": 20.0, "naive-ee": 25.0, "exitplan": 30.0})
+    slow = search_capacity(queue_probe(0.5, slo_ms=1000.0), start_rps=8.0, max_rps=100.0, min_rps=1.0)
+    result.capacities["vanilla"] = capacity_row("vanilla", "-", slow)
+    assert result.ratio("exitplan", "vanilla") is None
+    text = _text(result)
+    assert "no ratio to vanilla" in text and "vanilla missed the target even at the lowest rate tried" in text

@@ -23,6 +23,7 @@ FOLDERS = {
     "client": "exitplan.client",
     "localrun": "exitplan.localrun",
     "devcluster": "exitplan.devcluster",
+    "storage": "exitplan.storage",
 }
 HEAVY = ("kopf", "kubernetes", "torch", "transformers")
 HTTP = ("aiohttp", "urllib", "http", "httptools", "requests", "socket")
@@ -60,6 +61,8 @@ CONTRACTS = {
         ("exitplan.api", "exitplan.planner", "exitplan.worker", "exitplan.client", "exitplan.localrun"),
         ("kopf", "kubernetes"),
     ),
+    # bundle storage: fetch, verify, push (the storage-init container, `exitplan bundle`)
+    "exitplan.storage": (("exitplan.api", "exitplan.storage"), ("aiohttp", "numpy", "onnxruntime") + HEAVY),
     # the emulated cluster: its API server, the local pod runner; the operator's API client and
     # CRD generator to install CRDs, and how to start the CLI's pod commands
     "exitplan.devcluster": (

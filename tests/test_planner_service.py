@@ -95,12 +95,21 @@ def test_observation_window_sets_survival_and_histogram():
         survival=[0.2, 0.1],
         length_buckets=[32, 64, 128],
         length_histogram=[90, 0, 10],
+        thresholds={"ramp1": 0.8, "ramp3": 0.8},
     )
     pools = {"cpu": CPU_POOLS["cpu"].model_copy(update={"capacity": 4})}
     result = plan_service("minilm", cpu_spec(), pools, {"cpu": cpu_profile()}, observations=obs)
     result.verify()
     assert result.plan.survival == pytest.approx([0.2, 0.1])
+    assert result.plan.thresholds == {"ramp1": 0.8, "ramp3": 0.8}  # the thresholds it was sized with
     assert result.plan.buckets[-1] == 128
+    # a window without thresholds: the plan names none, so the data plane exits nowhere -- and it is sized so
+    bare = plan_service(
+        "minilm", cpu_spec(), pools, {"cpu": cpu_profile()}, observations=obs.model_copy(update={"thresholds": {}})
+    )
+    assert bare.plan.thresholds == {} and bare.plan.survival == [1.0, 1.0]
+    assert bare.plan.prediction.goodput_rps < result.plan.prediction.goodput_rps
+    assert any("without exits" in n for n in bare.notes)
 
 
 def test_thresholds_off_mean_no_exits_and_less_goodput():
@@ -280,8 +289,8 @@ def test_rebatching_plan_marks_its_splits_and_plans_more_goodput():
 @pytest.mark.parametrize("gpu,count", [("v100", 16), ("p100", 27), ("k80", 88)])
 def test_a_split_rebatches_only_where_that_is_no_slower(gpu, count):
     """Per split, rebatching is taken where its tables are at least as fast for every pool and
-    bucket, so the plan's predicted goodput is never below split-and-replicate's (on K80 the
-    inner queues of the later splits fill too slowly within a cycle, and those splits do not)."""
+    bucket and need REBATCH_MIN_GAIN fewer replicas, so the plan's predicted goodput is never below
+    split-and-replicate's."""
     spec = EarlyExitServiceSpec(
         model=ModelRef(name="bert-base-ee", bundle="x"),
         slo=SLO(latency_ms=100),
@@ -301,9 +310,13 @@ def test_a_split_rebatches_only_where_that_is_no_slower(gpu, count):
     }
     plans[True].verify()
     assert plans[True].plan.prediction.goodput_rps >= plans[False].plan.prediction.goodput_rps * (1 - 1e-9)
-    assert any(s.rebatch for s in plans[True].plan.splits)
     if gpu == "k80":
-        assert not all(s.rebatch for s in plans[True].plan.splits)
+        # the later splits' queues fill too slowly within a cycle and the first split gains less than
+        # REBATCH_MIN_GAIN: none rebatches (rebatching there sustained less than split and replicate in
+        # the simulator: 26,416 against 26,780 req/s, BENCHMARKS.md)
+        assert not any(s.rebatch for s in plans[True].plan.splits)
+    else:
+        assert any(s.rebatch for s in plans[True].plan.splits)
 
 
 def test_rebatch_off_reproduces_split_and_replicate():

@@ -8,7 +8,7 @@ import pytest
 from exitplan.api.resources import SLO, EarlyExitServiceSpec, ModelRef, PlannerSettings, PoolRef
 from exitplan.planner.compare import oracle_for, plan_config, simulate_plan, sustainable_rate
 from exitplan.planner.simulator import depths_from_survival, poisson_arrivals
-from exitplan.planner.synthetic import bert_base_profile, gpu_pool
+from exitplan.planner.synthetic import PUBLISHED_V100_FP16_MS, bert_base_profile, gpu_pool
 
 SPEC = EarlyExitServiceSpec(
     model=ModelRef(name="bert-base-ee", bundle="x"),
@@ -58,14 +58,16 @@ def test_exit_depths_follow_survival():
 
 def test_oracle_bounds_every_configuration_and_exits_help(plans):
     lengths = np.full(2000, 128)
-    # runs long enough (>= 2 s of arrivals) that a rate above capacity shows as SLO misses
+    # search runs of 2 s, the rate found confirmed on 10 s; goodput = answers within the SLO per second
     rates = {
-        name: sustainable_rate(result, np.array([128]), 100.0, n=3000, iters=7, duration_s=2.0)[0]
+        name: sustainable_rate(result, np.array([128]), 100.0, duration_s=2.0, confirm_s=10.0)[0]
         for name, result in plans.items()
     }
     bound = oracle_for(plans["e3"], lengths, 1e12)
-    assert all(r <= bound for r in rates.values()), (rates, bound)
-    assert rates["e3"] > rates["vanilla"]
+    assert all(0 < r <= bound for r in rates.values()), (rates, bound)
+    # what the GPUs serve, never more than the plan's own capacity (vanilla: 4 x 8 rows per published batch time)
+    assert rates["vanilla"] <= 4 * 8 / (PUBLISHED_V100_FP16_MS[8] / 1e3)
+    assert rates["e3"] > rates["naive-ee"] > 1.3 * rates["vanilla"]
 
 
 def test_exited_rows_that_keep_their_slots_cost_time(plans):

@@ -36,6 +36,7 @@ import pytest
 import yaml
 from dataplane_helpers import control_headers, free_port_block, heldout_texts, ramp_names, service_spec, two_split_plan
 from generation_helpers import PROMPTS, tiny_decoder_bundle
+from prometheus_client import REGISTRY
 from prometheus_helpers import RULES, PrometheusServer, binary, free_port, promtool, scrape_job
 from test_dashboards import DASHBOARDS, load, queries
 from test_operator_support import ClusterThread, install_profiles, mark_ready, operator, pool, service, status, wait_for
@@ -50,7 +51,10 @@ NS, NAME = "live", "minilm"
 HANG_GUARD = 120.0
 WINDOWS = {"$__rate_interval": "20s", "$__interval": "5s", "$__range": "10m"}
 """Grafana's interval variables: the rate window spans several 1 s scrapes, the range the whole run."""
-DRIFT = {"periodSeconds": 5, "drift": {"cooldownSeconds": 0, "maxMoveFraction": 1.0}}
+DRIFT = {"periodSeconds": 5, "drift": {"lengthScore": 1.0, "survivalError": 1.0, "sloRisk": 2.0}}
+"""The drift loop reads the run's router every 5 s and scores it, but never re-plans on it: the
+operator's service plans a synthetic model (tests/test_operator_data, two ramps), not the bundle the
+run serves (a re-plan from its observations would name ramps that model lacks)."""
 
 
 @dataclass
@@ -92,7 +96,9 @@ class Trickle:
     def run(self) -> None:
         i = 0
         while not self.stopped.is_set():
-            self.codes.append(_post(f"{self.url}/v2/models/minilm/infer", _infer_body([self.texts[i % len(self.texts)]])))
+            self.codes.append(
+                _post(f"{self.url}/v2/models/minilm/infer", _infer_body([self.texts[i % len(self.texts)]]))
+            )
             i += 1
             self.stopped.wait(0.05)
 
@@ -165,7 +171,7 @@ def _operator_service(cluster: ClusterThread, dep: LocalDeployment) -> None:
             "data": {builders.TOKEN_KEY: token},
         }
     )
-    cluster.create(service(NAME, NS, planner=DRIFT))
+    cluster.create(service(NAME, NS, planner=DRIFT, slo={"latencyMs": 2000}))
 
 
 def _publish_router(cluster: ClusterThread, dep: LocalDeployment) -> None:
@@ -202,8 +208,9 @@ def _drive(live: Live, cluster: ClusterThread, texts: list[str]) -> None:
         body = {"text_input": PROMPTS[0], "parameters": {"max_tokens": 8, "threshold": threshold, "ignore_eos": True}}
         assert _post(url, body) == 200
     assert _post(url, {"text_input": ""}) == 400
-    cluster.patch("EarlyExitService", NS, NAME, {"spec": {"slo": {"latencyMs": 60}}})
-    wait_for("the spec change re-planned", lambda: status(cluster, NS, NAME).get("lastReplanReason") == "spec-change")
+    cluster.patch("EarlyExitService", NS, NAME, {"spec": {"slo": {"latencyMs": 3000}}})
+    labels = {"namespace": NS, "service": NAME, "reason": "spec-change"}  # the operator runs in this process
+    wait_for("the spec change re-planned", lambda: REGISTRY.get_sample_value("exitplan_replan_total", labels))
 
 
 @pytest.fixture(scope="module")
@@ -250,8 +257,8 @@ def live(minilm_bundle, tmp_path_factory) -> Iterator[Live]:
         truths = (
             'sum(increase(exitplan_replan_total{reason="spec-change"}[10m])) > 0',
             'sum(increase(exitplan_router_requests_total{code="429"}[10m])) > 0',
-            'max(increase(exitplan_threshold_updates_total{reason="api"}[10m])) > 0',
-            'max(increase(exitplan_threshold_updates_total{reason="plan-update"}[10m])) > 0',
+            'count(increase(exitplan_threshold_updates_total{reason="api"}[10m]) > 0) == 5',  # router, 4 workers
+            'count(increase(exitplan_threshold_updates_total{reason="plan-update"}[10m]) > 0) == 5',
             "max(exitplan_router_agreement_samples) > 0",
             "count(exitplan_drift_length_score_ratio) > 0",
         )
@@ -277,7 +284,7 @@ def test_every_dashboard_query_returns_series(live: Live) -> None:
             asked += 1
             if not live.prom.query(promql):
                 empty.append(f"{path.name} {where}: {promql}")
-    assert asked >= 45 and empty == [], "\n".join(empty)
+    assert asked >= 50 and empty == [], "\n".join(empty)
 
 
 def test_counters_count_their_first_events_and_ramps_have_one_name(live: Live) -> None:
@@ -297,9 +304,7 @@ def test_counters_count_their_first_events_and_ramps_have_one_name(live: Live) -
     # gauges tell only what they know: a load in [0, inf), agreement with its samples and interval
     loads = [float(s["value"][1]) for s in prom.query("exitplan_router_bucket_load_ratio")]
     assert loads and min(loads) >= 0
-    low, estimate, high = (
-        prom.value(f"exitplan_router_agreement{part}_ratio") for part in ("_low", "", "_high")
-    )
+    low, estimate, high = (prom.value(f"exitplan_router_agreement{part}_ratio") for part in ("_low", "", "_high"))
     assert 0 <= low <= estimate <= high <= 1 and prom.value("exitplan_router_agreement_samples") >= 1
     # the operator: its conditions, its last solve, and the generation router's heads
     planned = prom.value(f'exitplan_service_condition{{namespace="{NS}", service="{NAME}", condition="Planned"}}')
@@ -320,8 +325,15 @@ def test_every_rule_evaluates_on_the_run(live: Live) -> None:
     rules = wait_for("every rule evaluated", evaluated)
     assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
     assert len(rules) == sum(len(g["rules"]) for g in yaml.safe_load(RULES.read_text())["groups"])
-    states = {r["name"]: r["state"] for r in rules if r["type"] == "alerting"}
-    assert states["ExitplanRoutersAbsent"] == "inactive" and states["ExitplanRouterDown"] == "inactive"
+
+    # A scrape that times out on a busy machine makes one evaluation see no router (pending); the next
+    # scrape that answers clears it. What must hold is that the routers are found, so wait for that.
+    def quiet():
+        now = [r for g in live.prom.api("rules")["groups"] for r in g["rules"] if r["type"] == "alerting"]
+        states = {r["name"]: r["state"] for r in now}
+        return states["ExitplanRoutersAbsent"] == "inactive" and states["ExitplanRouterDown"] == "inactive"
+
+    wait_for("RoutersAbsent and RouterDown inactive", quiet)
     assert live.prom.value('count(exitplan_service:slo_miss:ratio_rate5m{namespace="live", service="minilm"})') == 1
 
 

@@ -111,9 +111,10 @@ def test_the_chart_ships_the_same_rules_as_a_prometheus_rule() -> None:
     assert rule["metadata"]["labels"]["release"] == "monitoring-stack"
     assert rule["spec"] == yaml.safe_load(RULES.read_text())  # the file as it is: promtool checked this
     endpoint = one(objs, "PodMonitor")["spec"]["podMetricsEndpoints"][0]
-    assert {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"], "targetLabel": "component"} in (
-        endpoint["relabelings"]
-    )  # the `component` label the router alerts select by
+    assert {
+        "sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
+        "targetLabel": "component",
+    } in (endpoint["relabelings"])  # the `component` label the router alerts select by
 
 
 def test_promtool_check_metrics_flags_a_bad_exposition() -> None:

@@ -18,7 +18,6 @@ the router's and the workers' `ramp` label alike.
 from __future__ import annotations
 
 import math
-
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -121,31 +120,7 @@ class RouterMetrics:
             ["service", "bucket"],
             registry=r,
         )
-        self.agreement = Gauge(
-            "exitplan_router_agreement_ratio",
-            "Agreement of the answers with the full model in the last window, estimated from shadow samples "
-            "(absent when the window had early exits but no shadow sample).",
-            ["service"],
-            registry=r,
-        )
-        self.agreement_low = Gauge(
-            "exitplan_router_agreement_low_ratio",
-            "Lower bound of the last window's agreement (95 % Wilson intervals per ramp, weighted by exits).",
-            ["service"],
-            registry=r,
-        )
-        self.agreement_high = Gauge(
-            "exitplan_router_agreement_high_ratio",
-            "Upper bound of the last window's agreement (95 % Wilson intervals per ramp, weighted by exits).",
-            ["service"],
-            registry=r,
-        )
-        self.agreement_samples = Gauge(
-            "exitplan_router_agreement_samples",
-            "Shadow samples behind the last window's agreement estimate.",
-            ["service"],
-            registry=r,
-        )
+        self._declare_agreement(r)
         self.accuracy_budget = Gauge(
             "exitplan_router_accuracy_budget_ratio",
             "The accuracy budget: the agreement must stay >= 1 - budget.",
@@ -167,6 +142,34 @@ class RouterMetrics:
         )
         self.length_inputs = Counter(
             "exitplan_router_length_inputs_total", "Inputs by ideal length bucket.", ["service", "bucket"], registry=r
+        )
+
+    def _declare_agreement(self, r: CollectorRegistry) -> None:
+        """The last window's agreement with the full model: estimate, interval and the samples behind them."""
+        self.agreement = Gauge(
+            "exitplan_router_agreement_ratio",
+            "Agreement of the answers with the full model in the last window with answers, estimated from shadow "
+            "samples (absent when that window had early exits but no shadow sample).",
+            ["service"],
+            registry=r,
+        )
+        self.agreement_low = Gauge(
+            "exitplan_router_agreement_low_ratio",
+            "Lower bound of the last window's agreement (95 % Wilson intervals per ramp, weighted by exits).",
+            ["service"],
+            registry=r,
+        )
+        self.agreement_high = Gauge(
+            "exitplan_router_agreement_high_ratio",
+            "Upper bound of the last window's agreement (95 % Wilson intervals per ramp, weighted by exits).",
+            ["service"],
+            registry=r,
+        )
+        self.agreement_samples = Gauge(
+            "exitplan_router_agreement_samples",
+            "Shadow samples behind the agreement estimate (the last window with answers).",
+            ["service"],
+            registry=r,
         )
 
     def zero(self, buckets: list[int], ramps: list[str]) -> None:

@@ -214,13 +214,16 @@ def test_trace_through_the_service(router_url: str) -> None:
 
 
 def test_router_metrics_feed_the_dashboard(router_url: str) -> None:
-    """The router's /metrics (what the PodMonitor scrapes) carries the series the dashboard queries."""
+    """The router's /metrics (what the PodMonitor scrapes) carries the series the dashboard queries (a
+    gauge that exists only with evidence, such as a window's agreement, at least declared)."""
     import json
     import re
 
     with urllib.request.urlopen(f"{router_url}/metrics", timeout=5) as rsp:
         text = rsp.read().decode()
     exposed = set(re.findall(r"^(exitplan_[a-z_]+?)(?:\{| )", text, flags=re.M))
+    gauges = set(re.findall(r"^# TYPE (exitplan_[a-z_]+) gauge$", text, flags=re.M))
+    exposed |= {g for g in gauges if "agreement" in g or g.endswith(("_load_ratio", "threshold_ratio"))}
     dashboard = json.loads((ROOT / "charts" / "exitplan" / "dashboards" / "exitplan-overview.json").read_text())
     queried = {
         m

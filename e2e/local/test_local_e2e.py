@@ -273,8 +273,13 @@ def test_local_end_to_end(stack):
         ),
     )[0]["ports"][0]["port"]
     url = f"http://127.0.0.1:{port}"
-    table = kubectl(stack, "get", "ees")
-    assert table.split()[:7] == ["NAME", "PHASE", "GOODPUT", "P99-MS", "SPLITS", "REPLICAS", "COST/H"]
+    head, row = kubectl(stack, "get", "ees").splitlines()[:2]
+    header = head.split()
+    assert header == ["NAME", "PHASE", "READY", "GOODPUT", "MEASURED", "P99-MS", "REASON", "AGE"]
+    starts = [head.index(name) for name in header] + [None]  # MEASURED is blank before a drift window
+    cells = {name: row[a:b].strip() for name, a, b in zip(header, starts, starts[1:])}
+    ready, planned = cells["READY"].split("/")
+    assert ready == planned and cells["REASON"] == "AllReady", cells
 
     # Phase 1: short inputs. Every request answered; accuracy within budget.
     short, setup = bench(stack, url, "scale")

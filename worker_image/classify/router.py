@@ -226,13 +226,13 @@ class Router:
         now = time.time()
         obs = self._snapshot(now)
         self.last_window = obs
-        samples = int(self.window.samples.sum())
-        early = int(self.window.exit_counts[:-1].sum())
-        # Evidence: shadow samples, or answers that all came from the final head (the full model itself).
-        evidence = obs.requests > 0 and (samples > 0 or early == 0)
-        self.metrics.set_agreement(
-            samples, obs.agreement_overall, obs.agreement_ci_low, obs.agreement_ci_high, evidence
-        )
+        if obs.requests:  # a window without answers tells nothing new: the last estimate stands
+            samples = int(self.window.samples.sum())
+            # Evidence: shadow samples, or answers that all came from the final head (the full model itself).
+            evidence = samples > 0 or int(self.window.exit_counts[:-1].sum()) == 0
+            self.metrics.set_agreement(
+                samples, obs.agreement_overall, obs.agreement_ci_low, obs.agreement_ci_high, evidence
+            )
         self.window = self._new_window()
 
     def _snapshot(self, now: float):

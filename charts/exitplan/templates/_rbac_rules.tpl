@@ -68,7 +68,8 @@ exactly: nothing missing, nothing extra.
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create"]
-# app: router pods' IPs for /v1/observations (operator/driftloop.py router_urls).
+# app: router pods' IPs for /v1/observations (operator/driftloop.py router_urls); the init container
+# statuses of a service's pods, for a remote bundle they cannot fetch (operator/bundle_health.py).
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
