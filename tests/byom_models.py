@@ -62,6 +62,20 @@ class DigitsResNet(nn.Module):
         return self.fc(x.mean(dim=(2, 3)))
 
 
+def train_classifier(net: nn.Module, x: np.ndarray, y: np.ndarray, epochs: int, batch: int = 50) -> nn.Module:
+    """`net` trained in place on (x, y): Adam, `epochs` passes of consecutive batches, seed 0."""
+    torch.manual_seed(0)
+    optimiser = torch.optim.Adam(net.parameters(), lr=3e-3)
+    for _ in range(epochs):
+        for start in range(0, len(y), batch):
+            optimiser.zero_grad()
+            rows = slice(start, start + batch)
+            loss = nn.functional.cross_entropy(net(torch.from_numpy(x[rows])), torch.from_numpy(y[rows]))
+            loss.backward()
+            optimiser.step()
+    return net.eval()
+
+
 def digits_cnn(directory: Path, epochs: int = 4, seed: int = 0) -> tuple[Path, Path]:
     """(model.onnx, data.npz) of a residual CNN trained on the digits scaled up to 32x32 (so blocks
     cost more than a call into ONNX Runtime); the data is the digits it was not trained on."""

@@ -106,16 +106,9 @@ def _digits(directory: Path, module: str) -> None:
     x = np.kron(digits.images[:800].astype(np.float32) / 16.0, np.ones((2, 2), np.float32))[:, None]
     y = digits.target[:800].astype(np.int64)
     np.savez(directory / "digits.npz", pixels=x, label=y)
-    net = importlib.import_module(module).DigitsCNN()
-    torch.manual_seed(0)
-    optimiser = torch.optim.Adam(net.parameters(), lr=3e-3)
-    for _ in range(6):
-        for start in range(0, len(y), 50):
-            optimiser.zero_grad()
-            rows = slice(start, start + 50)
-            loss = torch.nn.functional.cross_entropy(net(torch.from_numpy(x[rows])), torch.from_numpy(y[rows]))
-            loss.backward()
-            optimiser.step()
+    from byom_models import train_classifier
+
+    net = train_classifier(importlib.import_module(module).DigitsCNN(), x, y, epochs=6)
     torch.save(net.state_dict(), directory / "cnn.pt")
 
 

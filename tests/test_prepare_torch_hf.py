@@ -128,17 +128,9 @@ def _train_cnn(module_name: str, x: np.ndarray, y: np.ndarray, path) -> None:
     import importlib
 
     import torch
+    from byom_models import train_classifier
 
-    net = importlib.import_module(module_name).DigitsCNN()
-    torch.manual_seed(0)
-    optimiser = torch.optim.Adam(net.parameters(), lr=3e-3)
-    for _ in range(3):
-        for start in range(0, len(y), 50):
-            optimiser.zero_grad()
-            batch = slice(start, start + 50)
-            loss = torch.nn.functional.cross_entropy(net(torch.from_numpy(x[batch])), torch.from_numpy(y[batch]))
-            loss.backward()
-            optimiser.step()
+    net = train_classifier(importlib.import_module(module_name).DigitsCNN(), x, y.astype(np.int64), epochs=3)
     torch.save(net.state_dict(), path)
 
 

@@ -1,0 +1,671 @@
+"""The operator at scale on the emulated API (tracker issue 15 part 8): apply and drift-loop costs.
+
+Many EarlyExitServices of ~10 plan cells each, measured in one run:
+
+- apply -> children: all services are created in one burst (through the API, as `kubectl apply -f
+  dir/` would); per service, the time from its create to every child of its plan existing (plan
+  ConfigMap, router Deployment + Service + control Service, split Services, one worker Deployment
+  per cell, the control Secret, the routers' PodDisruptionBudget) -- p50 / p99 over services -- and
+  the total, from the first create to the last service complete;
+- one drift period over all services once they are Ready (every Deployment's status is marked
+  ready, there is no Deployment controller): the operator process's CPU time during one
+  spec.planner.periodSeconds, with the timer at its tick,
+  (a) with no router reachable (nothing runs the routers in the emulated cluster: each read looks
+      the routers up, finds no Pod and a control Service without ingress, tries its cluster DNS
+      name, fails, and the service is left as it is), and
+  (b) with every service's control Service published at one stand-in router (a local HTTP server
+      answering /v1/observations with a steady window that matches the plan: arrivals since the
+      previous read, the plan's length mix and survival, p99 well within the SLO) so the loop does
+      its whole read -> score (ARIMA survival forecast) -> decide -> status path, without a re-plan;
+- the loop's decision part alone, in this process, over the services' plans: one period of reads
+  (drift.CHECKS_PER_PERIOD) per service -- since_last, the judged window, drift.assess (the ARIMA
+  forecast over a full survival history), drift_policy.decide.
+
+Plans: pools come in pairs (a fast, dear pool and a slow, cheap one: the test suite's synthetic
+MiniLM profiles); each service names one pair, caps the fast pool at B GPUs and has B length buckets
+with maxSplits 2 and maxReplicas 2B, so its plan has 2 splits x B buckets = 2B cells over both
+pools (B = cells-per-service / 2). Pool capacity leaves room for every service (capacity is shared).
+
+The operator runs as `exitplan operator` (a process, kopf standalone, timer tick --tick); the API
+server runs in a thread of this script (its CPU is that thread's), the stand-in router in a process
+of its own. CPU figures are CPU time (user + system), not wall time: the machine may be shared.
+Without a working cluster DNS (the usual case outside a cluster), (a)'s lookups of the control
+Services' names fail -- quickly, or after the resolver's timeout when many run at once.
+--profile / --profile-api write cProfile stats of the operator's main thread / the API server's.
+
+    python -P bench/operator_scale.py [--services 200] [--cells-per-service 10] [--pools 4] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import copy
+import cProfile
+import http.server
+import io
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from test_operator_support import ClusterThread, load_docs  # noqa: E402
+
+from exitplan.api.observations import Observations  # noqa: E402
+from exitplan.api.plan import Plan  # noqa: E402
+from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec  # noqa: E402
+from exitplan.devcluster.apiserver import ApiServer, DevKubeAPI  # noqa: E402
+from exitplan.operator import builders, disruption, drift  # noqa: E402
+from exitplan.operator.drift_policy import HISTORY, DriftState, decide  # noqa: E402
+from exitplan.operator.status import Phase  # noqa: E402
+
+PLURALS = {
+    "Deployment": "deployments",
+    "Service": "services",
+    "ConfigMap": "configmaps",
+    "Secret": "secrets",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+}
+MODEL = "minilm"
+SLO_MS = 50.0
+RATE_RPS = 200.0
+"""Arrival rate of the stand-in router's windows."""
+
+
+class CountingAPI(DevKubeAPI):
+    """The emulated API, counting requests by (action, resource plural)."""
+
+    counts: collections.Counter
+
+    async def _handle(self, request: Any) -> Any:
+        res = request.resource
+        self.counts[(request.action or request.method, getattr(res, "plural", None) or "-")] += 1
+        return await super()._handle(request)
+
+
+# ---------------------------------------------------------------- objects
+
+
+def buckets_for(n: int) -> list[int]:
+    """n length buckets evenly spread up to 128 (the synthetic profiles' longest length)."""
+    return sorted({max(1, round(128 * (j + 1) / n)) for j in range(n)})
+
+
+def pool_body(name: str, capacity: int, cost: float) -> dict:
+    return {
+        "apiVersion": "exitplan.io/v1alpha1",
+        "kind": "GPUPool",
+        "metadata": {"name": name},
+        "spec": {"capacity": capacity, "costPerHour": cost, "nodeSelector": {"exitplan.io/pool": name}},
+    }
+
+
+def profile_bodies(namespace: str, pools: int) -> list[dict]:
+    """A ModelProfile per pool: even pools get the fast synthetic profile, odd ones the slow one."""
+    docs = {d["spec"]["pool"]: d for d in load_docs("profiles.yaml")}
+    out = []
+    for p in range(pools):
+        doc = copy.deepcopy(docs["gpu-a" if p % 2 == 0 else "gpu-b"])
+        doc["metadata"] = {"name": f"{MODEL}-pool-{p}", "namespace": namespace}
+        doc["spec"]["pool"] = f"pool-{p}"
+        out.append(doc)
+    return out
+
+
+def service_body(name: str, namespace: str, pair: int, n_buckets: int, period: int) -> dict:
+    return {
+        "apiVersion": "exitplan.io/v1alpha1",
+        "kind": "EarlyExitService",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"name": MODEL, "bundle": "/models/minilm"},
+            "slo": {"latencyMs": SLO_MS},
+            "workload": {"rps": 2000, "lengthBuckets": buckets_for(n_buckets)},
+            "pools": [{"name": f"pool-{2 * pair}", "maxGpus": n_buckets}, {"name": f"pool-{2 * pair + 1}"}],
+            "planner": {"maxSplits": 2, "maxReplicas": max(2 * n_buckets, 4), "periodSeconds": period},
+        },
+    }
+
+
+# ---------------------------------------------------------------- process measurements
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_operator(cluster: ClusterThread, tmp: Path, tick: float, profile: Path | None) -> tuple[Any, int]:
+    health = free_port()
+    exe = str(Path(sys.executable).with_name("exitplan"))
+    prefix = [sys.executable, "-P", "-m", "cProfile", "-o", str(profile), exe] if profile else [exe]
+    cmd = [
+        *prefix,
+        "operator",
+        "--kubeconfig",
+        str(cluster.kubeconfig),
+        "--tick",
+        str(tick),
+        "--metrics-port",
+        "0",
+        "--health-port",
+        str(health),
+        "--allow-host-path",
+        "/models",
+    ]
+    op = subprocess.Popen(cmd, stdout=open(tmp / "operator.log", "wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if op.poll() is not None:
+            sys.exit(f"the operator exited ({op.returncode}); see {tmp / 'operator.log'}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=1):
+                return op, health
+        except OSError:
+            time.sleep(0.2)
+    sys.exit("the operator did not become live in 120 s")
+
+
+# ---------------------------------------------------------------- the emulated API, read in its own loop
+
+
+async def _live_keys(api: DevKubeAPI) -> set[tuple[str, str | None, str]]:
+    return {(res.plural, ns, name) for (res, ns, name), obj in api._objects.items() if not obj.deleted}
+
+
+async def _phases(api: DevKubeAPI) -> dict[tuple[str, str], str]:
+    return {
+        (ns, name): ((obj.raw.get("status") or {}).get("phase") or "")
+        for (res, ns, name), obj in api._objects.items()
+        if res.plural == "earlyexitservices" and not obj.deleted
+    }
+
+
+def expected_children(body: dict, plan: Plan, pools: dict[str, GPUPoolSpec]) -> set[tuple[str, str]]:
+    spec = EarlyExitServiceSpec.model_validate(body["spec"])
+    children = builders.build_children(body, spec, plan, pools)
+    children = disruption.with_router_budget(body, spec, plan.content_hash(), children)
+    want = {(PLURALS[c["kind"]], c["metadata"]["name"]) for c in children}
+    return want | {("secrets", builders.control_secret_name(body["metadata"]["name"]))}
+
+
+def plan_of(cluster: ClusterThread, namespace: str, name: str) -> Plan | None:
+    cm = cluster.api.get_object("v1/configmaps", namespace, builders.plan_configmap_name(name))
+    return Plan.model_validate_json(cm["data"]["plan.json"]) if cm else None
+
+
+def wait_children(
+    cluster: ClusterThread, created: dict, pools: dict[str, GPUPoolSpec], timeout: float
+) -> tuple[dict, dict]:
+    """Poll the API's store until every service's children exist: (key -> time complete, key -> plan)."""
+    done: dict[tuple[str, str], float] = {}
+    want: dict[tuple[str, str], set] = {}
+    plans: dict[tuple[str, str], Plan] = {}
+    deadline = time.perf_counter() + timeout
+    while len(done) < len(created):
+        if time.perf_counter() > deadline:
+            missing = sorted(set(created) - set(done))[:5]
+            sys.exit(f"{len(created) - len(done)} services without all children after {timeout:.0f} s: {missing}")
+        time.sleep(0.2)
+        live = cluster.run(_live_keys(cluster.api))
+        now = time.perf_counter()
+        for key, (body, _t0) in created.items():
+            if key in done:
+                continue
+            ns, name = key
+            if key not in want:
+                if ("configmaps", ns, builders.plan_configmap_name(name)) not in live:
+                    continue
+                plans[key] = plan_of(cluster, ns, name)
+                want[key] = expected_children(body, plans[key], pools)
+            if all((plural, ns, child) in live for plural, child in want[key]):
+                done[key] = now
+    return done, plans
+
+
+async def _mark_ready(cluster: ClusterThread, deployments: list[dict]) -> None:
+    async def one(dep: dict) -> None:
+        n = dep["spec"]["replicas"]
+        status = {"replicas": n, "readyReplicas": n, "availableReplicas": n, "updatedReplicas": n}
+        status["observedGeneration"] = dep["metadata"]["generation"]
+        url = f"/apis/apps/v1/namespaces/{dep['metadata']['namespace']}/deployments/{dep['metadata']['name']}/status"
+        await cluster.client.merge_patch(url, {"status": status})
+
+    for i in range(0, len(deployments), 64):
+        await asyncio.gather(*(one(d) for d in deployments[i : i + 64]))
+
+
+def mark_all_ready(cluster: ClusterThread, services: set[tuple[str, str]], timeout: float) -> float:
+    """Report every Deployment ready (no Deployment controller here); wait for every service Ready."""
+    t0 = time.perf_counter()
+    deps = cluster.list("Deployment")
+    cluster.run(_mark_ready(cluster, deps))
+    while True:
+        phases = cluster.run(_phases(cluster.api))
+        if all(phases.get(k) == Phase.ready.value for k in services):
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout:
+            stuck = collections.Counter(phases.get(k) for k in services)
+            sys.exit(f"services not Ready after {timeout:.0f} s: {dict(stuck)}")
+        time.sleep(0.5)
+
+
+# ---------------------------------------------------------------- the stand-in router
+
+
+def steady_window(plan: Plan, period: float, current: bool, now: float) -> dict:
+    """A router's window at `now` for steady traffic that matches `plan`: the one in progress
+    (`current`) or the last closed one; windows are one period long on the wall clock."""
+    start = math.floor(now / period) * period
+    since, until = (start, now) if current else (start - period, start)
+    n = int(RATE_RPS * (until - since))
+    mix = plan.length_histogram or [1.0 / len(plan.buckets)] * len(plan.buckets)
+    hist = [int(round(n * share / sum(mix))) for share in mix]
+    wobble = 1.0 + 0.03 * math.sin(start / period)  # survival varies a little from window to window
+    return {
+        "service": plan.service,
+        "model": MODEL,
+        "since": since,
+        "until": until,
+        "requests": sum(hist),
+        "withinSlo": sum(hist),
+        "ramps": ["ramp1", "ramp3"],
+        "survival": [min(1.0, x * wobble) for x in plan.survival],
+        "lengthBuckets": list(plan.buckets),
+        "lengthHistogram": hist,
+        "latency": {"p50Ms": 0.1 * SLO_MS, "p99Ms": 0.3 * SLO_MS},
+    }
+
+
+class StandInRouter:
+    """One HTTP server answering every service's router control endpoints with a steady window:
+    windows one period long on the wall clock, arrivals at RATE_RPS, the plan's length mix and
+    survival, p99 at 30 % of the SLO; no shadow feedback yet (an empty window.npz). It runs in a
+    process of its own (RouterProcess): in this one it would share the GIL with the API server.
+    GET /stats (no token) answers what it served."""
+
+    def __init__(self, plan: Plan, period: float) -> None:
+        self.plan, self.period, self.served, self.reads = plan, period, 0, 0
+        buf = io.BytesIO()
+        empty = np.zeros(0)
+        np.savez(buf, conf=empty, pred=empty, final=empty, saving_ms=empty, cost_ms=empty)
+        self.npz = buf.getvalue()
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path == "/stats":
+                    return self._send(200, json.dumps({"served": owner.served, "reads": owner.reads}).encode())
+                owner.served += 1
+                if not (self.headers.get("Authorization") or "").startswith("Bearer "):
+                    return self._send(401, b'{"error": "no token"}')
+                if self.path.startswith("/v1/observations"):
+                    owner.reads += "window=current" not in self.path  # one closed-window GET per read
+                    body = json.dumps(owner.window(current="window=current" in self.path)).encode()
+                    return self._send(200, body)
+                if self.path.startswith("/v1/window.npz"):
+                    return self._send(200, owner.npz, "application/octet-stream")
+                if self.path == "/v1/thresholds":
+                    return self._send(200, json.dumps({"thresholds": owner.plan.thresholds}).encode())
+                return self._send(404, b'{"error": "not here"}')
+
+            def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+
+    def window(self, current: bool) -> dict:
+        return steady_window(self.plan, self.period, current, time.time())
+
+
+class RouterProcess:
+    """The stand-in router in a child process (this script with --serve-router)."""
+
+    def __init__(self, plan: Plan, period: float, tmp: Path) -> None:
+        plan_file = tmp / "stand-in-plan.json"
+        plan_file.write_text(plan.model_dump_json())
+        cmd = [sys.executable, "-P", __file__, "--serve-router", str(plan_file), "--period", str(int(period))]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        self.port = int(self.proc.stdout.readline())
+
+    def stats(self) -> tuple[int, int]:
+        """(requests served, router reads: one closed-window GET each)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats", timeout=30) as resp:
+            doc = json.loads(resp.read())
+        return doc["served"], doc["reads"]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def serve_router(plan_file: Path, period: float) -> None:
+    router = StandInRouter(Plan.model_validate_json(plan_file.read_text()), period)
+    print(router.port, flush=True)
+    router.httpd.serve_forever()
+
+
+async def _publish(cluster: ClusterThread, keys: list[tuple[str, str]], port: int) -> None:
+    ingress = {"status": {"loadBalancer": {"ingress": [{"ip": "127.0.0.1", "ports": [{"port": port}]}]}}}
+    for ns, name in keys:
+        url = f"/api/v1/namespaces/{ns}/services/{builders.control_service_name(name)}/status"
+        await cluster.client.merge_patch(url, ingress)
+
+
+# ---------------------------------------------------------------- one drift period
+
+
+def measure_period(
+    cluster: ClusterThread, op_pid: int, period: float, warmup: float, router: RouterProcess | None = None
+) -> dict:
+    """The operator's CPU over one period (after `warmup` s), the API server thread's, and the API
+    requests the period saw."""
+    time.sleep(warmup)
+    api_clock = time.pthread_getcpuclockid(cluster._thread.ident)
+    counts0 = collections.Counter(cluster.api.counts)
+    served, reads = router.stats() if router else (0, 0)
+    op0, api0, t0 = proc_cpu(op_pid), time.clock_gettime(api_clock), time.perf_counter()
+    time.sleep(period)
+    op1, api1, t1 = proc_cpu(op_pid), time.clock_gettime(api_clock), time.perf_counter()
+    if router:
+        served1, reads1 = router.stats()
+        served, reads = served1 - served, reads1 - reads
+    requests = collections.Counter(cluster.api.counts)
+    requests.subtract(counts0)
+    by_action: collections.Counter = collections.Counter()
+    for (action, _plural), n in requests.items():
+        if n:
+            by_action[str(getattr(action, "name", action)).lower()] += n
+    return {
+        "wall_s": t1 - t0,
+        "operator_cpu_s": op1 - op0,
+        "api_server_cpu_s": api1 - api0,
+        "api_requests": sum(by_action.values()),
+        "api_requests_by_action": dict(by_action),
+        "router_requests": served,
+        "router_reads": reads,
+    }
+
+
+def decision_cost(plans: list[Plan], spec: EarlyExitServiceSpec, period: float) -> dict:
+    """CPU of the loop's decision part for one period of reads per service, in this process: what
+    check_drift does after the HTTP reads (since_last, the judged window, assess, decide), with a
+    full survival history (drift_policy.HISTORY points) so the ARIMA fit is at its steady size."""
+    limits = spec.planner.drift
+    t_start = math.floor(time.time() / period) * period + 10 * period
+    states = []
+    for plan in plans:
+        state = DriftState()
+        state.survival = [[x * (1.0 + 0.03 * math.sin(k)) for x in plan.survival] for k in range(HISTORY - 1)]
+        states.append(state)
+    reads = drift.CHECKS_PER_PERIOD
+    cpu0 = time.thread_time()  # this thread's: the API server's thread keeps serving the operator meanwhile
+    replans, assess_s = 0, 0.0
+    for plan, state in zip(plans, states):
+        for r in range(reads + 1):  # the windows the stand-in router serves
+            now = t_start + (r + 1) * period / reads
+            current = Observations.model_validate(steady_window(plan, period, True, now))
+            closed = Observations.model_validate(steady_window(plan, period, False, now))
+            piece = drift.since_last([closed, current], state.seen.get("r"))
+            state.seen["r"] = max([closed, current], key=lambda w: (w.since, w.until))
+            if r == 0 or piece is None:  # the first read only sets where the next one starts
+                continue
+            state.add_slice(piece, period)
+            judged = drift.recent(state.slices, period)
+            t = time.thread_time()
+            report = drift.assess(plan, judged, limits, spec.slo.latency_ms, list(state.survival))
+            assess_s += time.thread_time() - t
+            state.add_to_survival(piece, period)
+            state.judged = judged
+            action = decide(
+                state, report, limits, now, active=True, phase=Phase.ready, proposal=None,
+                last_replan_time="", period=period, ramps=current.ramps, tuning=False,
+            )  # fmt: skip
+            state.record(action, now)
+            replans += int(action.plans)
+    cpu = time.thread_time() - cpu0
+    return {
+        "services": len(plans),
+        "reads_per_service": reads,
+        "cpu_s": cpu,
+        "assess_cpu_s": assess_s,
+        "replans": replans,
+    }
+
+
+# ---------------------------------------------------------------- main
+
+
+def create_world(cluster: ClusterThread, args: argparse.Namespace) -> dict[str, GPUPoolSpec]:
+    pairs = args.pools // 2
+    per_pair = math.ceil(args.services / pairs)
+    b = max(1, args.cells_per_service // 2)
+    pools = {}
+    for p in range(args.pools):
+        body = pool_body(f"pool-{p}", 2 * per_pair * max(2 * b, 4), 3.0 if p % 2 == 0 else 1.0)
+        cluster.create(body)
+        pools[body["metadata"]["name"]] = GPUPoolSpec.model_validate(body["spec"])
+    for n in range(args.namespaces):
+        for doc in profile_bodies(f"scale{n}", args.pools):
+            cluster.create(doc)
+    return pools
+
+
+def apply_all(cluster: ClusterThread, args: argparse.Namespace) -> dict:
+    """Create every service in one burst: key -> (created body, create time)."""
+    b = max(1, args.cells_per_service // 2)
+    created = {}
+    for i in range(args.services):
+        ns, name = f"scale{i % args.namespaces}", f"svc-{i}"
+        body = service_body(name, ns, i % (args.pools // 2), b, args.period)
+        t0 = time.perf_counter()
+        created[(ns, name)] = (cluster.create(body), t0)
+    return created
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def run(args: argparse.Namespace, tmp: Path) -> dict:
+    cluster = ClusterThread(tmp)
+    api = CountingAPI()
+    api.counts = collections.Counter()
+    cluster.server = ApiServer()
+    cluster.server.api = api  # (not ApiServer(api): an emulator that has served nothing yet is falsy)
+    figures: dict[str, Any] = {"services": args.services, "pools": args.pools, "namespaces": args.namespaces}
+    figures.update(tick_s=args.tick, period_s=args.period)
+    with cluster:
+        api_profile = cProfile.Profile() if args.profile_api else None
+        if api_profile is not None:  # the API server's event loop thread (cProfile profiles one thread)
+            cluster.loop.call_soon_threadsafe(api_profile.enable)
+        pools = create_world(cluster, args)
+        op, _health = start_operator(cluster, tmp, args.tick, args.profile)
+        try:
+            cpu_idle = proc_cpu(op.pid)
+            created = apply_all(cluster, args)
+            done, plans = wait_children(cluster, created, pools, args.timeout)
+            cpu_apply = proc_cpu(op.pid) - cpu_idle
+            lat = [done[k] - t0 for k, (_b, t0) in created.items()]
+            first = min(t0 for _b, t0 in created.values())
+            cells = [len(p.cells) for p in plans.values()]
+            figures["apply_to_children_s"] = {
+                "p50": statistics.median(lat),
+                "p99": pct(lat, 99),
+                "max": max(lat),
+                "total": max(done.values()) - first,
+                "operator_cpu_s": cpu_apply,
+            }
+            figures["cells"] = {"total": sum(cells), "per_service_min": min(cells), "per_service_max": max(cells)}
+            figures["splits_per_service"] = statistics.median(len(p.splits) for p in plans.values())
+            figures["pools_per_service"] = statistics.median(len({c.pool for c in p.cells}) for p in plans.values())
+            figures["objects"] = len(cluster.run(_live_keys(cluster.api)))
+            if not args.skip_drift:
+                figures.update(drift_figures(cluster, op.pid, created, plans, args, tmp))
+            figures["operator_rss_mib"] = proc_rss_mib(op.pid)
+        finally:
+            op.terminate()
+            op.wait(60)
+            if api_profile is not None:
+                cluster.loop.call_soon_threadsafe(api_profile.disable)
+                time.sleep(0.5)
+                api_profile.dump_stats(args.profile_api)
+    if not args.skip_drift:  # with the operator and the API server stopped
+        spec = EarlyExitServiceSpec.model_validate(next(iter(created.values()))[0]["spec"])
+        figures["decision_part"] = decision_cost(list(plans.values()), spec, float(args.period))
+    return figures
+
+
+def drift_figures(
+    cluster: ClusterThread, pid: int, created: dict, plans: dict, args: argparse.Namespace, tmp: Path
+) -> dict:
+    out: dict[str, Any] = {}
+    out["mark_ready_s"] = mark_all_ready(cluster, set(created), args.timeout)
+    hashes = {k: p.content_hash() for k, p in plans.items()}
+    out["drift_period_unreachable"] = measure_period(cluster, pid, args.period, args.period)
+    router = RouterProcess(next(iter(plans.values())), args.period, tmp)
+    try:
+        cluster.run(_publish(cluster, sorted(created), router.port))
+        warm = args.warmup_periods * args.period  # a full survival series: ARIMA fits, not EWMA
+        d = measure_period(cluster, pid, args.period, warm, router)
+        d["reads_done"], d["reads_due"] = d["router_reads"], args.services * drift.CHECKS_PER_PERIOD
+        out["drift_period_stand_in_router"] = d
+    finally:
+        router.close()
+    changed = sum(1 for (ns, name), h in hashes.items() if (p := plan_of(cluster, ns, name)) and p.content_hash() != h)
+    out["replans_during_drift_periods"] = changed
+    return out
+
+
+def report(f: dict) -> None:
+    a = f["apply_to_children_s"]
+    rows = [
+        ("services / namespaces / pools", f"{f['services']} / {f['namespaces']} / {f['pools']}"),
+        (
+            "plan cells (worker Deployments)",
+            f"{f['cells']['total']} ({f['cells']['per_service_min']}-"
+            f"{f['cells']['per_service_max']} per service, {f['splits_per_service']:g} splits x "
+            f"{f['pools_per_service']:g} pools)",
+        ),  # fmt: skip
+        ("API objects after apply", f"{f['objects']}"),
+        ("apply -> children, per service p50", f"{a['p50']:.2f} s"),
+        ("apply -> children, per service p99", f"{a['p99']:.2f} s (max {a['max']:.2f} s)"),
+        ("apply -> children, all services", f"{a['total']:.2f} s"),
+        ("operator CPU during the apply", f"{a['operator_cpu_s']:.2f} s"),
+    ]
+    for key, what in (("drift_period_unreachable", "no router"), ("drift_period_stand_in_router", "stand-in router")):
+        if key in f:
+            d = f[key]
+            rows.append(
+                (
+                    f"one drift period ({what})",
+                    f"operator CPU {d['operator_cpu_s']:.2f} s in {d['wall_s']:.1f} s "
+                    f"({100 * d['operator_cpu_s'] / d['wall_s']:.0f} % of a core; "
+                    f"{1000 * d['operator_cpu_s'] / f['services']:.1f} ms/service); API {d['api_requests']} "
+                    f"requests, API server CPU {d['api_server_cpu_s']:.2f} s"
+                    + (f"; {d['reads_done']} of {d['reads_due']} router reads done" if "reads_due" in d else ""),
+                )
+            )
+    if "decision_part" in f:
+        d = f["decision_part"]
+        rows.append(
+            (
+                "decision part alone, one period",
+                f"{d['cpu_s']:.2f} s CPU ({1000 * d['cpu_s'] / d['services']:.1f} ms/service, "
+                f"{d['reads_per_service']} reads each; drift.assess {100 * d['assess_cpu_s'] / d['cpu_s']:.0f} %; "
+                f"{d['replans']} re-plans)",
+            )
+        )
+    if "replans_during_drift_periods" in f:
+        rows.append(("plans changed during the drift periods", str(f["replans_during_drift_periods"])))
+    rows.append(("operator RSS at the end", f"{f['operator_rss_mib']:.0f} MiB"))
+    width = max(len(r[0]) for r in rows)
+    print(f"operator at scale (tick {f['tick_s']:g} s, period {f['period_s']} s)")
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--services", type=int, default=200, help="EarlyExitServices created in one burst")
+    parser.add_argument("--cells-per-service", type=int, default=10, help="2 splits x cells/2 length buckets")
+    parser.add_argument(
+        "--pools", type=int, default=4, help="GPUPools, in (fast, slow) pairs; each service uses one pair"
+    )
+    parser.add_argument("--namespaces", type=int, default=0, help="default: one per 20 services")
+    parser.add_argument("--tick", type=float, default=5.0, help="the operator's timer tick (its default: 5 s)")
+    parser.add_argument("--period", type=int, default=20, help="spec.planner.periodSeconds (>= 5)")
+    parser.add_argument(
+        "--warmup-periods",
+        type=int,
+        default=3,
+        help="periods the stand-in router serves before the measured one (the survival forecast fits "
+        "ARIMA from 6 half-period points on: 3 periods)",
+    )
+    parser.add_argument("--timeout", type=float, default=1800.0, help="give up waiting after this many seconds")
+    parser.add_argument("--skip-drift", action="store_true", help="measure the apply only")
+    parser.add_argument("--profile", type=Path, help="run the operator under cProfile, stats to this file")
+    parser.add_argument("--profile-api", type=Path, help="cProfile the emulated API server, stats to this file")
+    parser.add_argument("--json", nargs="?", const="-", help="also print (or write to a file) the figures as JSON")
+    parser.add_argument("--serve-router", type=Path, help=argparse.SUPPRESS)  # the stand-in router's process
+    args = parser.parse_args()
+    if args.serve_router:
+        return serve_router(args.serve_router, args.period)
+    if args.pools < 2:
+        parser.error("--pools takes at least 2 (one fast, slow pair)")
+    args.namespaces = args.namespaces or max(1, math.ceil(args.services / 20))
+    with tempfile.TemporaryDirectory(prefix="exitplan-scale-") as tmp:
+        try:
+            figures = run(args, Path(tmp))
+        finally:
+            log = Path(tmp) / "operator.log"
+            if log.exists():
+                (Path(tempfile.gettempdir()) / "exitplan-scale-operator.log").write_bytes(log.read_bytes())
+    report(figures)
+    if args.json == "-":
+        print(json.dumps(figures, indent=2))
+    elif args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
