@@ -34,7 +34,7 @@ from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Plan
 from exitplan.planner.dispatch import QueueParams
 from exitplan.worker import protocol
-from exitplan.worker.auth import ControlPlane, bearer
+from exitplan.worker.auth import BodyTooLarge, ControlPlane, bearer, read_limited
 from exitplan.worker.bundle_runtime import softmax
 from exitplan.worker.classify.admission import Admission, Admitted, Refusal
 from exitplan.worker.classify.control import RouterControl
@@ -280,13 +280,10 @@ class Router:
         name = request.match_info["name"]
         if name != self.model:
             return _error(404, f"unknown model {name!r}; this router serves {self.model!r}")
-        if request.content_length is not None and request.content_length > self.max_body_bytes:
-            return _error(
-                413, f"request body of {request.content_length} bytes is over the limit of {self.max_body_bytes}"
-            )
-        raw = await self._read_body(request)
-        if raw is None:
-            return _error(413, f"request body is over the limit of {self.max_body_bytes} bytes")
+        try:  # the whole body: one `read(n)` returns only what has arrived so far
+            raw = await read_limited(request, self.max_body_bytes)
+        except BodyTooLarge as err:
+            return _error(413, f"request {err}")
         try:
             body = parse_request(raw, request.headers.get(protocol.BINARY_HEADER))
             return decode_inputs(
@@ -296,17 +293,6 @@ class Router:
             return self._bad_request(str(err))
         except (ValueError, UnicodeDecodeError) as err:
             return self._bad_request(f"body is not valid JSON: {err}")
-
-    async def _read_body(self, request: web.Request) -> bytes | None:
-        """The whole body (JSON, or a JSON header and binary tensors), or None past the body limit.
-        Read chunk by chunk to its end: one `read(n)` returns only what has arrived so far."""
-        chunks, size = [], 0
-        while chunk := await request.content.readany():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                return None
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     def _bad_request(self, message: str) -> web.Response:
         self.window.record_error("bad_request")
