@@ -58,11 +58,15 @@ async def run_dev_cluster(
     """Serve until `stop` is set (or the task is cancelled), then stop every local process."""
     stop = stop or asyncio.Event()
     async with ApiServer(port=port) as server:
-        kubeconfig.parent.mkdir(parents=True, exist_ok=True)
-        kubeconfig.write_text(server.kubeconfig())
         async with KubeClient(server.url) as client:
             if crds:
                 await install(client)
+            # Written once the CRDs are served, and atomically: clients wait for this file to appear and
+            # then create custom resources at once.
+            kubeconfig.parent.mkdir(parents=True, exist_ok=True)
+            partial = kubeconfig.with_name(kubeconfig.name + ".partial")
+            partial.write_text(server.kubeconfig())
+            partial.replace(kubeconfig)
             runner = PodRunner(client, workdir, kubeconfig)
             task = asyncio.create_task(runner.run(stop))
             cluster = DevCluster(server, runner, kubeconfig)
