@@ -65,6 +65,12 @@ class GPUPoolSpec(Model):
     """Memory of one accelerator in bytes."""
     link_bandwidth_gbps: Annotated[float, Field(gt=0.0)] = 10.0
     """Bandwidth between workers of this pool and the next hop, in Gbit/s."""
+    shared_cores: Annotated[int, Field(ge=1, le=4096)] | None = None
+    """CPU cores that this pool's worker processes share with each other (and, when every pool of a
+    service shares cores, with its routers): a pool of worker processes on one machine, as `exitplan up`
+    runs them (it sets this to the machine's cores for CPU pools that leave it unset). The planner caps
+    the goodput it predicts at what those cores can compute. Unset: each worker replica has its own
+    accelerator, and host cores are no limit."""
     cpu: str = "2"
     """CPU request of a worker pod on this pool."""
     memory: str = "4Gi"
@@ -273,6 +279,23 @@ class RampProfile(Model):
     """Same layout as BlockProfile.latency_ms."""
 
 
+class ServingCosts(Model):
+    """What the serving path costs beside the model, measured on the profiled machine by running the real
+    router and worker processes (`exitplan profile`, localrun/serving_costs.py)."""
+
+    router_ms: Annotated[float, Field(ge=0.0)]
+    """Router CPU per request: reading, decoding and tokenizing it, admission, the hop out, the answer."""
+    hop_ms: Annotated[float, Field(ge=0.0)]
+    """Worker CPU per batch beyond the model's compute: the hop in (decode, validate) and the answer or
+    forward out. The planner adds it to every split's time per batch."""
+    threads: Annotated[int, Field(ge=1)] = 1
+    """ONNX Runtime intra-op threads per worker: the cores one busy worker keeps busy."""
+    cores: Annotated[int, Field(ge=1)] = 1
+    """Cores the measuring process could use (its CPU affinity and cgroup quota)."""
+    requests: Annotated[int, Field(ge=0)] = 0
+    """Requests the figures were measured over."""
+
+
 class ModelProfileSpec(Model):
     model: str
     pool: str
@@ -287,6 +310,8 @@ class ModelProfileSpec(Model):
     """Bytes per sample entering the first block, per entry of seqLens."""
     measured_on: str = ""
     """Free text: the machine and runtime that measured the profile."""
+    serving: ServingCosts | None = None
+    """The serving path's own costs on the profiled machine (absent: not measured; counted as free)."""
 
 
 class Resource(BaseModel):

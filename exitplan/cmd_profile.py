@@ -54,6 +54,11 @@ def command(
         help="The profile's spec.model (default: the bundle's name); match the EarlyExitService's model.name.",
     ),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the profile document as JSON."),
+    serving: bool = typer.Option(
+        True,
+        "--serving/--no-serving",
+        help="Also measure the serving path's own CPU per request and per batch by running one router and one worker on this machine (a few seconds); the planner counts them.",
+    ),
 ) -> None:
     """Measure per-block and per-ramp latency (batch x sequence length) with ONNX Runtime on this machine,
     activation and weight bytes, and the survival curve on the bundle's held-out window; write a ModelProfile."""
@@ -76,6 +81,8 @@ def command(
         model_name=model_name,
         providers=providers,
     )
+    if serving:
+        profile.spec.serving = _serving_costs(console, bundle, profile.spec, threads)
     _write(profile_document(profile), out, json_path)
     _print_table(console, profile.spec, manifest)
     console.print(f"profile written to {out} in {elapsed:.1f} s ({profile.spec.measured_on})")
@@ -128,6 +135,24 @@ def _measure(
 
         fail(err)
     return manifest, profile, elapsed
+
+
+def _serving_costs(console, bundle: Path, spec, threads: int):
+    """The serving path's costs (localrun/serving_costs.py), or exit 2 with the reason."""
+    from exitplan.localrun.serving_costs import ServingCostError, measure_serving_costs
+
+    with console.status("measuring the serving path (one router, one worker)"):
+        try:
+            costs = measure_serving_costs(bundle.resolve(), spec, threads=threads)
+        except ServingCostError as err:
+            from exitplan.cli import fail
+
+            fail(f"{err} (or pass --no-serving to skip this measurement)")
+    console.print(
+        f"serving path: router {costs.router_ms:.2f} ms CPU per request, worker {costs.hop_ms:.2f} ms per batch "
+        f"beyond the model ({costs.requests} requests, {costs.cores} core(s))"
+    )
+    return costs
 
 
 def _providers(text: str) -> tuple[str, ...]:

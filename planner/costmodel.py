@@ -14,6 +14,8 @@
   entering rows); one round, every block once at B, bounds the cycle.
 - Transfer time of the activations leaving a split: survivors x output bytes per sample at that
   boundary / the pool's link bandwidth.
+- The worker's own work per batch (the profile's `serving.hopMs`: the hop in, the answer or forward
+  out, measured by running the real processes) is added once to every split's time per batch.
 - Memory per replica: the split's weights plus input and output activations of one batch (with
   rebatching also up to one batch of rows waiting at every inner block boundary).
 """
@@ -179,6 +181,10 @@ class CostModel:
         self.ramp_after = [r.after_block for r in self.profile.ramps]
         self._clamped: set[str] = set()
         self._bs0 = np.concatenate([[0.0], self.batch_sizes])
+        serving = self.profile.serving
+        self.hop_ms = float(serving.hop_ms) if serving is not None else 0.0
+        """The worker's own work per batch beyond the model (the hop in, the answer or forward out), added
+        once to every split's time per batch."""
 
     @property
     def n_blocks(self) -> int:
@@ -299,7 +305,7 @@ class CostModel:
             cost = np.where(tri[None], self._block_costs(comb, ratio, batch_arr, expected, rebatch), 0.0)
             cum = np.cumsum(cost, axis=2)  # cum[bi, a, b] = exec of [a, b]
         xfer = self._transfer_out(s, batch_arr, seq, expected) if transfer else 0.0
-        out: np.ndarray = np.where(tri[None], cum + xfer, np.inf)
+        out: np.ndarray = np.where(tri[None], cum + xfer + self.hop_ms, np.inf)
         return out
 
     def block_ramp_ms(self, seq: float, ramps_on: Sequence[bool]) -> np.ndarray:
@@ -444,8 +450,8 @@ class CostModel:
         ratio = np.minimum(s[None, :n] / s[:n, None], 1.0)
         batch_arr = np.asarray(batches, dtype=np.float64)
         mean, worst = self._rebatch_fill(self.block_ramp_ms(seq, ramps_on), ratio, batch_arr, float(fill_ms))
-        longest: np.ndarray = worst + self._transfer_out(s, batch_arr, seq, False)
-        return mean, longest
+        longest: np.ndarray = worst + self._transfer_out(s, batch_arr, seq, False) + self.hop_ms
+        return mean + self.hop_ms, longest
 
     def replica_bytes(self, first: int, last: int, batch: float, seq: float, rebatch: bool = False) -> float:
         """Memory one replica of split [first, last] needs: weights + one batch of in/out activations

@@ -2,7 +2,8 @@
 
 Every GPU is busy on exactly the blocks each input needs at its own length (no padding), plus the ramp
 after each block it runs (the exit decision needs it; the ramp after the last block is the model's
-head), each block at its best per-row cost over the profiled batch sizes, with no latency limit. A pool
+head), each block at its best per-row cost over the profiled batch sizes (the first with one hop into a
+worker per batch, the profile's serving.hopMs), with no latency limit. A pool
 may take any share of any block at any length. GPUs are fractional, within each pool's cap, the cost
 cap and maxReplicas: the bound spends the service's budget, not every GPU in sight.
 
@@ -28,6 +29,7 @@ def _per_row_ms(model: CostModel, length: float, ramps_on: Sequence[bool]) -> np
     """[block]: ms per row of each block with its enabled ramp at `length`, at the best profiled batch."""
     sizes = model.batch_sizes
     comb = model.block_ramp_ms(length, ramps_on)  # (n, batch sizes)
+    comb[0] += model.hop_ms  # every input crosses at least one hop into a worker (one split)
     best: np.ndarray = (comb / sizes[None, :]).min(axis=1)
     return best
 

@@ -11,7 +11,8 @@ Stages (timed in `PlanResult.timings`):
    for any bucket and REBATCH_MIN_GAIN cheaper for the bucket mix;
 5. plan: cells, spare replicas to the tightest cells (max-goodput), DensePipe's placement of the
    layout over all pools when it beats one pool per split (one bucket, several pools), prediction
-   (p99: cycles(splits) x the slowest stage; with rebatching splits, each split's longest time -- its
+   (goodput: the solver's, capped by the routers and shared cores, planner/serving_path.py;
+   p99: cycles(splits) x the slowest stage; with rebatching splits, each split's longest time -- its
    queues' whole gather times and runs -- summed, at most the budget, which the deadline rule keeps),
    smallest change.
 
@@ -38,6 +39,7 @@ from exitplan.planner.e3_search import upper_bounds
 from exitplan.planner.errors import PlanInfeasible, PlanInvalid
 from exitplan.planner.inputs import Inputs, _windows, resolve_inputs
 from exitplan.planner.problem import OptionCache, PlanProblem, build_problem, cycles, diagnose, rebatching
+from exitplan.planner.serving_path import path_limits
 
 MAX_BUCKETS = 6
 HYSTERESIS = 0.05
@@ -220,6 +222,12 @@ def _to_plan(
             placement.goodput,
             E3Solution(sol.splits, sol.segments, placement.goodput, placement.cost, sol.probes),
         )
+    for limit in path_limits(inp, problem, splits, bucket_set, cells, spec.router.replicas):
+        if limit.goodput_rps < goodput:
+            inp.notes.append(
+                f"goodput {goodput:.4g} -> {limit.goodput_rps:.4g} req/s: the serving path limits it ({limit.what})"
+            )
+            goodput = limit.goodput_rps
     plan = Plan(
         service=service,
         model=spec.model.name,

@@ -248,6 +248,7 @@ class Simulation:
             top = max(cell.batch_size, 1)
             sizes = np.arange(top + 1, dtype=np.float64)
             lat = np.stack([[model.block_ms(blk, x, cell.bucket) for x in sizes] for blk in range(a, b + 1)])
+            lat[0, 1:] += model.hop_ms  # the worker's own work per batch, once per split (the cost model's)
             ramp_lat = np.zeros_like(lat)
             for r, after in enumerate(self.ramp_after):
                 if a <= after <= b and all_on[r]:

@@ -66,6 +66,11 @@ def test_digits_profile_document(digits_bundle, tmp_path):
     assert expected[0] == pytest.approx(float((conf[:, 0] < 0.9).mean()))
     assert expected[1] == pytest.approx(float(((conf[:, 0] < 0.9) & (conf[:, 1] < 0.9)).mean()))
     assert json.loads(doc["metadata"]["annotations"][THRESHOLDS_ANNOTATION]) == {"ramp0": 0.9, "ramp1": 0.9}
+    # the serving path, measured with a real router and worker: CPU per request and per batch beyond the model
+    serving = spec.serving
+    assert serving is not None and serving.requests >= 100 and serving.threads == 1 and serving.cores >= 1
+    assert serving.router_ms > 0.05 and serving.hop_ms >= 0.0
+    assert "serving path: router" in _text(result)
 
 
 def test_minilm_profile_with_buckets_and_thresholds(minilm_bundle, tmp_path):

@@ -1,0 +1,204 @@
+"""The serving path's own costs on this machine, measured with the real processes (`exitplan profile`).
+
+The block tables say what the model costs; a request also costs its router (read, decode and tokenize,
+admission, the hop out, the answer) and its worker something beyond the model (the hop in, decoding
+and checking the tensors, the answer back). Both are measured here as the plan runs them: one router
+and one worker (`exitplan router`, `exitplan worker`, the commands pods run) serving the whole model
+in one split at batch 1 and the shortest profiled length that holds real held-out inputs, no exits;
+requests are sent one at a time over one keep-alive connection, and each process's CPU time is read
+from /proc before and after:
+
+router_ms   the router's CPU time per request;
+hop_ms      the worker's CPU time per batch less its compute (the worker's own batch timer,
+            exitplan_worker_batch_seconds, times its intra-op threads): its work beyond the model.
+
+CPU time, not wall time: on a machine the processes share, what one request takes from the others is
+its CPU; the planner counts it against the cores (planner/serving_path.py). Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import http.client
+import math
+import os
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from exitplan.api.bundle import read_manifest
+from exitplan.api.plan import Cell, Plan, SplitPlan
+from exitplan.api.resources import EarlyExitServiceSpec, ModelProfileSpec, ServingCosts
+from exitplan.client.texts import build_inputs, load_pool
+from exitplan.localrun.deployment import LocalDeployment
+from exitplan.localrun.ports import free_port, free_port_block
+
+WARMUP = 20
+"""Requests sent before the clocks are read (sessions, allocators and connections warm up)."""
+MIN_REQUESTS = 100
+MODEL = "serving-costs"
+
+
+class ServingCostError(RuntimeError):
+    """The serving path could not be measured; the message says why."""
+
+
+@dataclass
+class _Sample:
+    router_cpu_s: float
+    worker_cpu_s: float
+    compute_s: float
+    batches: float
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by the cgroup's CPU quota (a pod's limit)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (/proc/PID/stat fields 14 and 15)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _worker_compute(url: str) -> tuple[float, float]:
+    """(seconds of compute, batches) from the worker's exitplan_worker_batch_seconds histogram."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "exitplan_worker_batch_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_count"):
+                    count += sample.value
+    return total, count
+
+
+def _bodies(bundle: Path, profile: ModelProfileSpec, n: int) -> tuple[int, list[bytes]]:
+    """(the bucket, `n` request bodies of held-out inputs that fit it): the shortest profiled length that
+    holds at least a tenth of the held-out texts (fixed-size models: their one bucket)."""
+    pool = load_pool(bundle)
+    if pool.lengths is None:
+        return profile.seq_lens[0], build_inputs(pool, np.ones(n, dtype=np.int64), max_length=1).bodies
+    lengths = np.sort(pool.lengths)
+    enough = max(1, len(lengths) // 10)
+    bucket = next((b for b in profile.seq_lens if np.searchsorted(lengths, b, side="right") >= enough), None)
+    if bucket is None:
+        raise ServingCostError(
+            f"no profiled length ({profile.seq_lens}) holds a tenth of the bundle's held-out texts; "
+            "profile longer lengths (--seq-lens)"
+        )
+    fitting = lengths[lengths <= bucket]
+    targets = np.resize(fitting, n)
+    return bucket, build_inputs(pool, targets, max_length=bucket).bodies
+
+
+def measure_serving_costs(
+    bundle: Path,
+    profile: ModelProfileSpec,
+    *,
+    threads: int = 1,
+    seconds: float = 3.0,
+    workdir: Path | None = None,
+) -> ServingCosts:
+    """Run one router and one worker of `bundle` on this machine and measure the CPU they spend per request
+    beyond the model (see the module's docstring). Raises ServingCostError when they cannot run."""
+    manifest = read_manifest(bundle)
+    bucket, bodies = _bodies(bundle, profile, MIN_REQUESTS + WARMUP)
+    plan = Plan(
+        service=MODEL,
+        model=MODEL,
+        splits=[SplitPlan(index=0, first_block=0, last_block=len(manifest.blocks) - 1)],
+        buckets=[bucket],
+        cells=[Cell(split=0, bucket=bucket, pool=profile.pool, replicas=1, batch_size=1)],
+        thresholds={r.name: 2.0 for r in manifest.ramps},  # above 1: no ramp exits, every input runs the model
+    )
+    spec = EarlyExitServiceSpec.model_validate(
+        {
+            "model": {"name": MODEL, "bundle": str(bundle)},
+            "slo": {"latencyMs": 60000},
+            "pools": [{"name": profile.pool}],
+        }
+    )
+    with tempfile.TemporaryDirectory(prefix="exitplan-serving-costs-", dir=workdir) as tmp:
+        deployment = LocalDeployment(
+            bundle=bundle,
+            plan=plan,
+            spec=spec,
+            workdir=Path(tmp),
+            port=free_port(),
+            base_port=free_port_block(2),
+            threads=threads,
+            max_wait_ms=0.0,
+            restart=None,
+        )
+        try:
+            deployment.start()
+        except Exception as err:  # StartError, OSError: the processes did not come up
+            raise ServingCostError(f"the router and worker did not start: {err}") from err
+        try:
+            sample, sent = _drive(deployment, bodies, seconds)
+        finally:
+            deployment.stop()
+    if sent == 0 or sample.batches <= 0:
+        raise ServingCostError("no request was answered; see the processes' logs")
+    router = sample.router_cpu_s / sent * 1e3
+    hop = max(0.0, (sample.worker_cpu_s - sample.compute_s * threads) / sample.batches * 1e3)
+    return ServingCosts(
+        router_ms=round(router, 4),
+        hop_ms=round(hop, 4),
+        threads=threads,
+        cores=usable_cores(),
+        requests=sent,
+    )
+
+
+def _drive(deployment: LocalDeployment, bodies: list[bytes], seconds: float) -> tuple[_Sample, int]:
+    """Send requests one at a time (the warm-up first, then for `seconds` and at least MIN_REQUESTS); the
+    CPU and compute they took, and how many were counted."""
+    router = next(p for p in deployment.procs if p.name == "router")
+    worker = next(p for p in deployment.procs if p.name.startswith("worker"))
+    assert router.popen is not None and worker.popen is not None
+    worker_url = f"http://{worker.address}"
+    conn = http.client.HTTPConnection("127.0.0.1", deployment.port, timeout=60)
+    path = f"/v2/models/{MODEL}/infer"
+
+    def send(body: bytes) -> None:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        data = reply.read()
+        if reply.status != 200:
+            raise ServingCostError(f"the router answered {reply.status}: {data[:200]!r}")
+
+    try:
+        for body in bodies[:WARMUP]:
+            send(body)
+        compute0, batches0 = _worker_compute(worker_url)
+        cpu0 = (_cpu_seconds(router.popen.pid), _cpu_seconds(worker.popen.pid))
+        sent, started, rest = 0, time.perf_counter(), bodies[WARMUP:]
+        while sent < MIN_REQUESTS or time.perf_counter() - started < seconds:
+            send(rest[sent % len(rest)])
+            sent += 1
+        cpu1 = (_cpu_seconds(router.popen.pid), _cpu_seconds(worker.popen.pid))
+        compute1, batches1 = _worker_compute(worker_url)
+    finally:
+        conn.close()
+    return _Sample(cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], compute1 - compute0, batches1 - batches0), sent

@@ -1,0 +1,104 @@
+"""The serving path in the plan (planner/serving_path.py, the cost model's hop): the worker's own work per
+batch in every split's time, the routers' CPU and shared cores capping the predicted goodput."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_planner_service import CPU_POOLS, cpu_profile, cpu_spec
+
+from exitplan.api.resources import GPUPoolSpec, RouterSettings, ServingCosts
+from exitplan.planner import plan_service
+from exitplan.planner.costmodel import CostModel
+from exitplan.planner.serving_path import path_limits
+
+THRESHOLDS = {"ramp1": 0.8, "ramp3": 0.8}
+
+
+def _plan(pools=CPU_POOLS, serving: ServingCosts | None = None, routers: int = 2, **spec):
+    profile = cpu_profile()
+    profile.serving = serving
+    return plan_service(
+        "minilm",
+        cpu_spec(router=RouterSettings(replicas=routers), **spec),
+        pools,
+        {"cpu": profile},
+        thresholds=THRESHOLDS,
+    )
+
+
+def test_the_workers_hop_is_added_once_to_every_splits_time_per_batch():
+    plain, hop = cpu_profile(), cpu_profile()
+    hop.serving = ServingCosts(router_ms=1.0, hop_ms=0.75)
+    pool = CPU_POOLS["cpu"]
+    a, b = CostModel(plain, "cpu", pool), CostModel(hop, "cpu", pool)
+    s = np.asarray([1.0, 0.6, 0.6, 0.3, 0.3, 0.3, 0.3])
+    for kw in ({}, {"expected": True, "transfer": False}):
+        ta, tb = a.stage_tables([1, 4], 64, s, [True, True], **kw), b.stage_tables([1, 4], 64, s, [True, True], **kw)
+        finite = np.isfinite(ta)
+        assert np.array_equal(finite, np.isfinite(tb))
+        assert np.allclose(tb[finite] - ta[finite], 0.75)
+    assert b.full_model_ms(64) == pytest.approx(a.full_model_ms(64) + 0.75)
+
+
+def test_without_serving_costs_or_shared_cores_the_prediction_is_the_solvers():
+    result = _plan()
+    assert not any("serving path limits" in n for n in result.notes)
+    assert result.plan.prediction.goodput_rps == pytest.approx(result.solution.goodput)
+
+
+def test_routers_cap_the_goodput_at_their_cpu_per_request():
+    free = _plan(serving=ServingCosts(router_ms=0.0, hop_ms=0.0)).plan.prediction.goodput_rps
+    router_ms = 2000.0 / free  # one router at this cost answers half what the workers could
+    result = _plan(serving=ServingCosts(router_ms=router_ms, hop_ms=0.0), routers=1)
+    assert result.plan.prediction.goodput_rps == pytest.approx(1000.0 / router_ms)
+    assert result.plan.prediction.goodput_rps == pytest.approx(free / 2)
+    assert any("1 router(s)" in n and "serving path limits" in n for n in result.notes)
+    two = _plan(serving=ServingCosts(router_ms=router_ms, hop_ms=0.0), routers=2)
+    assert two.plan.prediction.goodput_rps == pytest.approx(free)  # two routers: the workers bind again
+
+
+def _cores_pools(cores: int | None, capacity: int = 2) -> dict[str, GPUPoolSpec]:
+    base = CPU_POOLS["cpu"].model_copy(update={"capacity": capacity, "shared_cores": cores})
+    return {"cpu": base}
+
+
+def test_shared_cores_cap_what_the_workers_compute_together():
+    """Two worker processes on one core compute what one does; on two cores, what two do. The bound is
+    the cores over the busy time per request, which the test recomputes from the cells and rates."""
+    serving = ServingCosts(router_ms=0.5, hop_ms=0.3, threads=1)
+    own = _plan(pools=_cores_pools(None), serving=serving)
+    one = _plan(pools=_cores_pools(1), serving=serving)
+    two = _plan(pools=_cores_pools(2), serving=serving)
+    assert own.plan.cells == one.plan.cells  # the same layout: the cap is on the prediction
+    # busy core-ms per request: per cell, its share of the inputs reaching it x 1000 / (its replicas' rate)
+    problem, plan = one.problem, one.plan
+    s = len(plan.splits)
+    busy = 0.0
+    for c in plan.cells:
+        split = plan.splits[c.split]
+        k = plan.buckets.index(c.bucket)
+        rate = problem.rate[s - 1, 0, split.first_block, split.last_block, k]
+        busy += problem.shares[k] * problem.sigma_in[split.first_block] * 1000.0 / rate
+    busy += serving.router_ms  # every pool shares cores: the routers run beside the workers
+    assert one.plan.prediction.goodput_rps == pytest.approx(min(own.plan.prediction.goodput_rps, 1000.0 / busy))
+    assert one.plan.prediction.goodput_rps < own.plan.prediction.goodput_rps
+    assert two.plan.prediction.goodput_rps == pytest.approx(min(own.plan.prediction.goodput_rps, 2000.0 / busy))
+    assert any("pool cpu: 1 shared core(s)" in n and "and the routers" in n for n in one.notes)
+
+
+def test_threads_multiply_the_cores_a_worker_keeps_busy():
+    one_thread = _plan(pools=_cores_pools(4, capacity=2), serving=ServingCosts(router_ms=0.0, hop_ms=0.0, threads=1))
+    four = _plan(pools=_cores_pools(4, capacity=2), serving=ServingCosts(router_ms=0.0, hop_ms=0.0, threads=4))
+    limits_1 = path_limits(
+        one_thread.inputs,
+        one_thread.problem,
+        one_thread.plan.splits,
+        one_thread.plan.buckets,
+        one_thread.plan.cells,
+        routers=2,
+    )
+    limits_4 = path_limits(four.inputs, four.problem, four.plan.splits, four.plan.buckets, four.plan.cells, routers=2)
+    (core_1,) = [x.goodput_rps for x in limits_1 if "shared core" in x.what]
+    (core_4,) = [x.goodput_rps for x in limits_4 if "shared core" in x.what]
+    assert core_4 == pytest.approx(core_1 / 4)
