@@ -41,6 +41,25 @@ class RampAgreement(Model):
     (inputs that passed it while it was active)."""
 
 
+class BucketObservations(Model):
+    """One length bucket's part of the window: what its cells (the plan's workers of that bucket, over
+    every split and pool) answered. The figures add over routers and over consecutive windows, except
+    p99_ms (the max is kept)."""
+
+    requests: Annotated[int, Field(ge=0)] = 0
+    """Inputs this bucket answered with a result (the bucket that took them, after any demotion)."""
+    within_slo: Annotated[int, Field(ge=0)] = 0
+    """Of those, answered within the SLO."""
+    refused: Annotated[int, Field(ge=0)] = 0
+    """Inputs refused for overload (429: no bucket could answer them within the SLO) whose ideal
+    bucket this is."""
+    p99_ms: float = 0.0
+    """p99 latency of the answers this bucket gave."""
+    load_seconds: float = 0.0
+    """Capacity in use integrated over the window: `load` (outstanding inputs / capacity) sampled
+    each second, times the interval; / (until - since) is the mean capacity in use."""
+
+
 class Observations(Model):
     service: str
     model: str
@@ -65,6 +84,9 @@ class Observations(Model):
     latency: LatencySummary = Field(default_factory=LatencySummary)
     load: dict[str, float] = Field(default_factory=dict)
     """Per bucket (as a string key): outstanding inputs / capacity at the end of the window."""
+    per_bucket: dict[str, BucketObservations] = Field(default_factory=dict)
+    """Per bucket (as a string key): answered, within the SLO, refused, p99 and capacity in use over
+    the window (what the operator compares with the plan's goodput: operator/plan_accuracy.py)."""
     agreement: list[RampAgreement] = Field(default_factory=list)
     agreement_overall: float = 1.0
     """Estimated agreement of all answers with the full model: per exit ramp the shadow agreement

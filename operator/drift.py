@@ -21,7 +21,9 @@ in progress less what the previous read saw, across a window roll); the judged w
 of those slices covering at least half a period and MIN_REQUESTS arrivals (`recent`). A shift
 therefore fills the judged window half a period after it starts (sooner when its share alone
 crosses the limit), not after a whole router window has closed and been read.
-Precedence when several limits are crossed: slo-risk, length-drift, survival-drift.
+Precedence when several limits are crossed: slo-risk, length-drift, survival-drift; then
+plan-mismatch (plan_accuracy.py: measured goodput persistently off the plan's under load; driftloop.py
+adds it to a report that raised nothing else).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import datetime as dt
 import math
 from collections.abc import Sequence
 
-from exitplan.api.observations import Observations
+from exitplan.api.observations import BucketObservations, Observations
 from exitplan.api.plan import Cell, Plan
 from exitplan.api.resources import DriftLimits
 from exitplan.operator.status import DriftReport, now_iso
@@ -112,8 +114,8 @@ def since_last(windows: Sequence[Observations], seen: Observations | None) -> Ob
 
 def subtract(new: Observations, old: Observations) -> Observations:
     """The part of router window `new` after `old`, an earlier read of the same window (same since):
-    counts are differences; survival is recomputed from the survivor counts; latency, load,
-    thresholds and agreement are `new`'s (they cannot be split)."""
+    counts (per bucket too, and the capacity-in-use seconds) are differences; survival is recomputed
+    from the survivor counts; latency, load, thresholds and agreement are `new`'s (they cannot be split)."""
     hist_n, exits_n, surv_n, err_n = _counts(new)
     hist_o, exits_o, surv_o, err_o = _counts(old)
     requests = max(0, new.requests - old.requests)
@@ -128,12 +130,19 @@ def subtract(new: Observations, old: Observations) -> Observations:
     if len(surv_n) == len(surv_o):
         out.survival = [min(1.0, max(0.0, (a - b) / requests)) if requests else 0.0 for a, b in zip(surv_n, surv_o)]
     out.errors = out.errors.model_validate({k: max(0, err_n[k] - err_o.get(k, 0)) for k in err_n})
+    for key, now in out.per_bucket.items():
+        if (was := old.per_bucket.get(key)) is not None:
+            now.requests = max(0, now.requests - was.requests)
+            now.within_slo = max(0, now.within_slo - was.within_slo)
+            now.refused = max(0, now.refused - was.refused)
+            now.load_seconds = max(0.0, now.load_seconds - was.load_seconds)
     return out
 
 
 def combine(windows: Sequence[Observations]) -> Observations:
     """Several windows (slices in time, or routers) as one: counts add, survival is weighted by
-    answered requests, p99 is the max; thresholds, load and plan hash are the newest window's."""
+    answered requests, p99 is the max (per bucket too); thresholds, load and plan hash are the newest
+    window's."""
     if len(windows) == 1:
         return windows[0]
     newest = max(windows, key=lambda w: w.until)
@@ -158,6 +167,22 @@ def combine(windows: Sequence[Observations]) -> Observations:
     errs = [w.errors.model_dump() for w in windows]
     out.errors = out.errors.model_validate({k: sum(e.get(k, 0) for e in errs) for k in errs[0]})
     out.latency.p99_ms = max(w.latency.p99_ms for w in windows)
+    out.per_bucket = combine_buckets(windows)
+    return out
+
+
+def combine_buckets(windows: Sequence[Observations]) -> dict[str, BucketObservations]:
+    """The per-bucket figures of several windows: counts and capacity-in-use seconds add (over
+    routers they add up to the service's outstanding inputs; over time, to its integral), p99 is the max."""
+    out: dict[str, BucketObservations] = {}
+    for w in windows:
+        for key, part in w.per_bucket.items():
+            have = out.setdefault(key, BucketObservations())
+            have.requests += part.requests
+            have.within_slo += part.within_slo
+            have.refused += part.refused
+            have.load_seconds += part.load_seconds
+            have.p99_ms = max(have.p99_ms, part.p99_ms)
     return out
 
 
@@ -209,8 +234,14 @@ def assess(
     The length test counts arrivals (a plan short of capacity for the new lengths answers fewer
     requests, which must not hide the shift); survival and latency count answered requests."""
     window = max(obs.until - obs.since, 1e-9)
+    goodput = obs.within_slo / window
+    planned = plan.prediction.goodput_rps
     report = DriftReport(
-        observed_at=now_iso(), p99_ms=obs.latency.p99_ms, requests=obs.requests, goodput_rps=obs.within_slo / window
+        observed_at=now_iso(),
+        p99_ms=obs.latency.p99_ms,
+        requests=obs.requests,
+        goodput_rps=goodput,
+        goodput_ratio=goodput / planned if planned > 0 else 0.0,
     )
     if plan.length_histogram and arrivals(obs) >= MIN_REQUESTS:
         report.length_score = round(tv_distance(bucket_shares(obs, plan.buckets), plan.length_histogram), 4)

@@ -8,8 +8,8 @@ apply, the background re-tune). The rules, in order:
    its next step once the previous one is rolled out (phase Ready) and a period has passed since
    it; until then it holds (:attr:`Hold.rollout`, :attr:`Hold.move_cap`). A step names the new
    trigger, if any, else the re-plan's own reason.
-2. A trigger (drift.assess: slo-risk, length-drift, survival-drift) re-plans (active) or proposes
-   (advisory), except that advisory mode proposes the same reason at most once a period
+2. A trigger (drift.assess: slo-risk, length-drift, survival-drift; plan_accuracy: plan-mismatch)
+   re-plans (active) or proposes (advisory), except that advisory mode proposes the same reason at most once a period
    (:attr:`Hold.advisory_repeat`) and active mode holds while the cooldown after the last re-plan
    runs (:attr:`Hold.cooldown`: status.proposal says so; the ReplanHeld event once per hold).
 3. No trigger: a cooldown hold whose drift has gone is cleared, and the thresholds are re-tuned
@@ -28,7 +28,7 @@ from enum import Enum
 
 from exitplan.api.observations import Observations
 from exitplan.api.resources import DriftLimits
-from exitplan.operator import drift
+from exitplan.operator import drift, plan_accuracy
 from exitplan.operator.status import DriftReport, Phase, Proposal
 
 HISTORY = 12
@@ -101,7 +101,8 @@ class Action:
 
     do: Do
     reason: str = ""
-    """The re-plan reason (slo-risk, length-drift, survival-drift) for replan, propose, step and hold."""
+    """The re-plan reason (slo-risk, length-drift, survival-drift, plan-mismatch) for replan, propose, step
+    and hold."""
     hold: Hold | None = None
     """Why nothing is applied (do == hold)."""
     message: str = ""
@@ -154,6 +155,8 @@ class DriftState:
     """The background re-tune (an asyncio.Task, owned by the loop), or None."""
     profile_check: float = 0.0
     """When a service waiting for a profile last re-checked."""
+    accuracy: plan_accuracy.Tracker = field(default_factory=plan_accuracy.Tracker)
+    """Measured against planned goodput over consecutive windows (condition PlanAccurate, trigger plan-mismatch)."""
 
     def take_read(self, now: float, interval: float) -> bool:
         """Whether the routers are due for a read at `now` (reads `interval` apart); when they are,
@@ -204,7 +207,8 @@ def _replan_event(reason: str, report: DriftReport, limits: DriftLimits) -> Even
     return Event(
         "Replan",
         f"{reason}: length score {report.length_score} (limit {limits.length_score}), "
-        f"survival error {report.survival_error} (limit {limits.survival_error}), p99 {report.p99_ms} ms",
+        f"survival error {report.survival_error} (limit {limits.survival_error}), p99 {report.p99_ms} ms, "
+        f"measured/planned goodput {report.goodput_ratio}",
     )
 
 
@@ -270,7 +274,8 @@ def _trigger(
             event = Event(
                 "ReplanHeld",
                 f"{reason} (length score {report.length_score}, survival error "
-                f"{report.survival_error}, p99 {report.p99_ms} ms): cooldown, {wait:.0f}s left",
+                f"{report.survival_error}, p99 {report.p99_ms} ms, measured/planned goodput "
+                f"{report.goodput_ratio}): cooldown, {wait:.0f}s left",
             )
         return Action(
             Do.hold,

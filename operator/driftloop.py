@@ -19,6 +19,12 @@ limit sooner), a read falls at most P/4 (or one timer tick, if longer) later, an
 apply follow at once: t + 3P/4 + plan + apply. Router windows (one period long) matter only for
 how much history a read can recover: a read sees the window in progress and the one before it.
 
+Each read also feeds the comparison of measured with planned goodput (plan_accuracy.py: condition
+PlanAccurate, per non-overlapping window of half a period); a mismatch that persists under load raises
+the trigger plan-mismatch when nothing else did, and its re-plan first re-profiles the pools that are
+off (profiling.reprofile) and plans on their profiles corrected by the measured ratio (kept for the
+loop's later re-plans until the pools' ModelProfiles change).
+
 Thresholds the routers run with but the plan does not carry (the loop's own re-tuning pushed them,
 or someone else did) are written into the plan ConfigMap, so a router that restarts reads them.
 
@@ -45,12 +51,12 @@ from exitplan.api.observations import Observations
 from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec, Mode
 from exitplan.operator import apply as applying
-from exitplan.operator import builders, capacity, control_token, drift, guards
+from exitplan.operator import builders, capacity, control_token, drift, guards, plan_accuracy, profiling
 from exitplan.operator import reconcile as rec
 from exitplan.operator.drift_policy import Action, Do, DriftState, decide, needs_reassess
 from exitplan.operator.kube import ApiError, path
 from exitplan.operator.metrics import METRICS
-from exitplan.operator.status import DriftReport, Phase, ServiceStatus, parse_status, summarize
+from exitplan.operator.status import DriftReport, Phase, ServiceStatus, parse_status, set_condition, summarize
 from exitplan.planner.tuning import autotune
 from exitplan.planner.tuning.feedback import FeedbackWindow, WindowError
 from exitplan.worker.control_client import ControlClient, ControlError
@@ -337,6 +343,10 @@ async def _score_new(
         f" -> {report.trigger}" if report.trigger else "",
     )
     state.add_to_survival(piece, period)
+    verdict = state.accuracy.add(piece, plan, period)
+    if verdict is not None:  # a window of the comparison with the plan is full (plan_accuracy.py)
+        log.info("%s/%s: plan %s: %s", svc.namespace, svc.name, plan.content_hash(), verdict.text())
+        plan_accuracy.update_condition(status, state.accuracy, verdict, plan.content_hash(), svc.generation)
     METRICS.length_score.labels(svc.namespace, svc.name).set(report.length_score)
     METRICS.survival_error.labels(svc.namespace, svc.name).set(report.survival_error)
     status.drift = report
@@ -362,6 +372,8 @@ async def _judge(
             report = await _score_new(svc, state, spec, plan, piece, status, period)
     if needs_reassess(state, report, status.proposal) and state.judged is not None:
         report = await _assess(spec, plan, state.judged, state)
+    if report is not None and not report.trigger and state.accuracy.mismatch() is not None:
+        report.trigger = plan_accuracy.REASON  # the other triggers explain a gap first
     return report
 
 
@@ -463,6 +475,9 @@ async def _replan(
         return  # the next spec reconcile reports these
     status.pools_digest = inputs.digest()
     state.last_step = now
+    if action.reason == plan_accuracy.REASON and (mismatch := state.accuracy.mismatch()) is not None:
+        await _mismatched(svc, state, spec, status, inputs, mismatch, propose=action.do is Do.propose)
+    inputs.profiles = state.accuracy.correct(inputs.profiles)  # measured ratios, until the pools are re-profiled
     observed = state.judged if state.judged is not None else latest
     if action.reason == "length-drift" and (shifted := drift.after_change(state.slices, plan)) is not None:
         # size the buckets for the traffic since the shift, not for the mix the judged window holds
@@ -479,5 +494,40 @@ async def _replan(
         observations=observed,
         max_move_fraction=spec.planner.drift.max_move_fraction,
     )
-    if action.do is not Do.propose and after.plan is not None and after.plan.hash != plan.content_hash():
-        state.slices.clear()  # judged against the old plan; the new one is judged on what arrives from now on
+    if action.do is not Do.propose and after.plan is not None:
+        state.accuracy.planned_with_corrections(after.plan.hash, after.plan.goodput_rps)
+        if after.plan.hash != plan.content_hash():
+            state.slices.clear()  # judged against the old plan; the new one is judged on what arrives from now on
+
+
+async def _mismatched(
+    svc: rec.Service,
+    state: DriftState,
+    spec: EarlyExitServiceSpec,
+    status: ServiceStatus,
+    inputs: rec.ServiceResources,
+    mismatch: plan_accuracy.Mismatch,
+    *,
+    propose: bool,
+) -> None:
+    """A persistent plan mismatch is acted on: re-profile the pools (active mode; advisory only says
+    it would), keep the measured ratio as a correction of their profiles for the re-plan that follows,
+    and say so in PlanAccurate."""
+    why = f"{plan_accuracy.REASON}: measured goodput {mismatch.text()}"
+    if propose:
+        done = {pool: "would be measured again (advisory mode)" for pool in mismatch.pools}
+    else:
+        done = await profiling.reprofile(svc, spec, inputs, list(mismatch.pools), why, plan_accuracy.REASON)
+    state.accuracy.acted(mismatch, inputs.profiles)
+    cond = next((c for c in status.conditions if c.type == plan_accuracy.CONDITION), None)
+    if cond is not None and cond.status == "False":
+        text = "; ".join(f"pool {pool}: {what}" for pool, what in done.items())
+        status.conditions = set_condition(
+            status.conditions,
+            plan_accuracy.CONDITION,
+            False,
+            cond.reason,
+            f"{cond.message}; {'proposed a plan' if propose else 're-planned'} ({plan_accuracy.REASON}) with the "
+            f"measured ratio {mismatch.ratio:.2f}; {text}",
+            svc.generation,
+        )

@@ -23,9 +23,10 @@ REPLAN_REASONS = (
     "length-drift",
     "survival-drift",
     "slo-risk",
+    "plan-mismatch",
 )
 """The `reason` label values of exitplan_replan_total (what reconcile and the drift loop plan for)."""
-CONDITIONS = ("Planned", "Ready", "Progressing", "Degraded", "PlanInfeasible", "ProfilingFailed")
+CONDITIONS = ("Planned", "Ready", "Progressing", "Degraded", "PlanInfeasible", "ProfilingFailed", "PlanAccurate")
 """The condition types of an EarlyExitService's status (status.CONDITION_TYPES), exported as
 exitplan_service_condition."""
 
@@ -48,7 +49,7 @@ class OperatorMetrics:
         self.replans = Counter(
             "exitplan_replan_total",
             "Plans made, by reason (initial, spec-change, resume, profile-change, pool-changed, capacity-freed, "
-            "length-drift, survival-drift, slo-risk); advisory plans count too.",
+            "length-drift, survival-drift, slo-risk, plan-mismatch); advisory plans count too.",
             ["namespace", "service", "reason"],
             registry=registry,
         )

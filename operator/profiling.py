@@ -10,6 +10,12 @@ each failure) until settings.profile_attempts Jobs of the current spec generatio
 operator stops: a change of the spec (a new generation) tries again, and a ModelProfile published by
 hand ends the wait at once. Jobs carry their spec generation and attempt in annotations, and
 status.profileAttempts keeps the count when finished Jobs expire (ttlSecondsAfterFinished).
+
+A pool whose profile exists can be measured again (:func:`reprofile`, when the measured goodput is
+persistently off the plan's: plan_accuracy.py): the same Job, annotated with its reason instead of a
+spec generation (it is no attempt of the wait above), while the current plan keeps serving; the
+ModelProfile it publishes re-plans the service (reason profile-change). One Job per pool at a time,
+and at most one re-profile per pool in REPROFILE_BACKOFF_SECONDS.
 """
 
 from __future__ import annotations
@@ -30,7 +36,12 @@ if TYPE_CHECKING:
 
 A_GENERATION = "exitplan.io/spec-generation"
 A_ATTEMPT = "exitplan.io/profile-attempt"
+A_REASON = "exitplan.io/profile-reason"
+"""On a re-profiling Job (:func:`reprofile`): why the pool is measured again (e.g. plan-mismatch)."""
 CONDITION = "ProfilingFailed"
+REPROFILE_BACKOFF_SECONDS = 3600.0
+"""A pool is re-profiled (:func:`reprofile`) at most once in this many seconds: the newest profiling
+Job's creation time tells, so a restarted operator does not start another."""
 
 Job = dict[str, Any]
 
@@ -231,3 +242,40 @@ def profiles_present(status: ServiceStatus, generation: int) -> None:
         status.conditions = set_condition(
             status.conditions, CONDITION, False, "ProfilesPresent", "every ModelProfile is present", generation
         )
+
+
+async def reprofile(
+    svc: Service, spec: EarlyExitServiceSpec, inputs: ServiceResources, pools: list[str], why: str, reason: str
+) -> dict[str, str]:
+    """Measure the named pools again (their ModelProfiles exist): a profiling Job per pool unless one
+    runs or one was started less than REPROFILE_BACKOFF_SECONDS ago. Pool -> what happened (for
+    messages); each started Job posts a Reprofiling event saying `why`."""
+    out: dict[str, str] = {}
+    for pool in pools:
+        if pool not in inputs.pools:
+            continue
+        selector = f"{builders.L_SERVICE}={svc.name},{builders.L_POOL}={pool},{builders.L_COMPONENT}=profiler"
+        jobs = await svc.client.list(path("Job", svc.namespace), selector)
+        running = [j for j in jobs if not finished(j)]
+        if running:
+            out[pool] = f"Job {running[-1]['metadata']['name']} measures it"
+            continue
+        created = [(_epoch(j["metadata"].get("creationTimestamp")) or 0.0, j["metadata"]["name"]) for j in jobs]
+        if created and time.time() - max(created)[0] < REPROFILE_BACKOFF_SECONDS:
+            out[pool] = f"Job {max(created)[1]} measured it less than {REPROFILE_BACKOFF_SECONDS:g} s ago"
+            continue
+        names = {j["metadata"]["name"] for j in jobs}
+        index = next(i for i in range(len(names) + 1) if builders.profile_job_name(svc.name, pool, i) not in names)
+        prof = builders.profile_name(spec.model.name, pool)
+        job = builders.build_profile_job(svc.body, spec, pool, inputs.pools[pool], prof, attempt=index)
+        job["metadata"]["annotations"] = {A_REASON: reason}
+        await applying.apply_one(svc.client, job, applying.ApplyReport())
+        name = job["metadata"]["name"]
+        out[pool] = f"Job {name} measures it again"
+        svc.event(
+            "Normal",
+            "Reprofiling",
+            f"{why}: Job {name} measures model {spec.model.name} on pool {pool} again and publishes "
+            f"ModelProfile {prof}; the new profile re-plans the service",
+        )
+    return out

@@ -356,9 +356,17 @@ async def _apply_plan(
 ) -> ServiceStatus:
     """Apply (or propose) a plan the planner made, capped by maxMoveFraction."""
     gen = svc.generation
+    corrected = False
     if previous is not None and plan.content_hash() == previous.content_hash():
-        plan = previous  # the same plan: keep the applied one (its reason, its ConfigMap bytes)
+        if reason == "plan-mismatch" and plan.prediction != previous.prediction:
+            # the same workers, re-planned on measured profiles (plan_accuracy.py): the plan in force
+            # takes the corrected prediction (what kubectl's GOODPUT shows) and says why it changed
+            plan, corrected = previous.model_copy(update={"prediction": plan.prediction, "reason": plan.reason}), True
+        else:
+            plan = previous  # the same plan: keep the applied one (its reason, its ConfigMap bytes)
     reason = plan.reason  # one reason per plan: its events, conditions, status and proposal all say it
+    if corrected and spec.planner.mode == Mode.active:
+        status.last_replan_time, status.last_replan_reason = now_iso(), reason
     status.conditions = set_condition(
         status.conditions, "PlanInfeasible", False, "Planned", "a plan meets the spec", gen
     )

@@ -2,7 +2,7 @@
 from them) and pure helpers that fill them.
 
 Conditions follow the standard Kubernetes shape (type, status, reason, message,
-lastTransitionTime, observedGeneration). The six condition types are fixed:
+lastTransitionTime, observedGeneration). The seven condition types are fixed:
 
 - Planned: a plan exists for the current generation of the spec.
 - Ready: every child Deployment has its desired replicas ready.
@@ -12,6 +12,10 @@ lastTransitionTime, observedGeneration). The six condition types are fixed:
   a bundle host path the operator does not allow, no room left on a pool other services hold).
 - ProfilingFailed: a profiling Job failed after its backoff limit (the reason and message are the
   Job's and its pod's); set only once a Job failed, False again when the profiles are there.
+- PlanAccurate: the routers' measured goodput agrees with the plan's under real load (True), or has
+  been off by more than 30 % in several consecutive saturated windows (False: the pools are
+  re-profiled and the service re-planned, reason plan-mismatch); the message carries measured/planned.
+  Set by the drift loop once a window could be judged (plan_accuracy.py says the rule).
 """
 
 from __future__ import annotations
@@ -25,7 +29,15 @@ from pydantic import AfterValidator, Field
 from exitplan.api.plan import Plan
 from exitplan.api.resources import Model
 
-CONDITION_TYPES = ("Planned", "Ready", "Progressing", "Degraded", "PlanInfeasible", "ProfilingFailed")
+CONDITION_TYPES = (
+    "Planned",
+    "Ready",
+    "Progressing",
+    "Degraded",
+    "PlanInfeasible",
+    "ProfilingFailed",
+    "PlanAccurate",
+)
 
 
 def _rounded(digits: int) -> AfterValidator:
@@ -41,6 +53,8 @@ Cost = Annotated[float, Field(ge=0.0), _rounded(3)]
 """Cost per hour, to 0.001."""
 Score = Annotated[float, Field(ge=0.0), _rounded(4)]
 """A drift score (a distance or an error in 0..1), to 0.0001."""
+Ratio = Annotated[float, Field(ge=0.0), _rounded(2)]
+"""A ratio of two measures, to 0.01."""
 
 
 class Phase(str, Enum):
@@ -64,7 +78,7 @@ class Phase(str, Enum):
 
 
 class Condition(Model):
-    type: Literal["Planned", "Ready", "Progressing", "Degraded", "PlanInfeasible", "ProfilingFailed"]
+    type: Literal["Planned", "Ready", "Progressing", "Degraded", "PlanInfeasible", "ProfilingFailed", "PlanAccurate"]
     status: Literal["True", "False", "Unknown"]
     reason: Annotated[str, Field(min_length=1)] = "Unknown"
     """A CamelCase word for machines (e.g. ProfileMissing, UnknownPool)."""
@@ -112,8 +126,11 @@ class DriftReport(Model):
     requests: Annotated[int, Field(ge=0)] = 0
     goodput_rps: Rps = 0.0
     """Requests answered within the SLO per second in the window, as measured (kubectl's MEASURED column)."""
+    goodput_ratio: Ratio = 0.0
+    """Measured / planned goodput in the window (0 when the plan predicts none); condition PlanAccurate
+    judges it under load."""
     trigger: str = ""
-    """The re-plan reason the window raised (length-drift, survival-drift, slo-risk) or empty."""
+    """The re-plan reason the window raised (slo-risk, length-drift, survival-drift, plan-mismatch) or empty."""
 
 
 class Proposal(Model):

@@ -72,6 +72,7 @@ def test_ees_crd_has_status_subresource_printer_columns_and_descriptions():
         "Degraded",
         "PlanInfeasible",
         "ProfilingFailed",
+        "PlanAccurate",
     ]
     assert crdgen.build_crd("GPUPool")["spec"]["scope"] == "Cluster"
     assert crdgen.build_crd("ModelProfile")["spec"]["scope"] == "Namespaced"

@@ -59,7 +59,9 @@ def test_status_numbers_are_rounded_as_they_enter_the_status() -> None:
     summary = summarize(_plan())
     dumped = summary.model_dump(by_alias=True, mode="json")
     assert (dumped["goodputRps"], dumped["p99Ms"], dumped["costPerHour"]) == (172393.2, 43.22, 4.123)
-    drift = DriftReport(length_score=0.123456789, survival_error=0.0000449, p99_ms=51.239, goodput_rps=99.96)
+    drift = DriftReport(
+        length_score=0.123456789, survival_error=0.0000449, p99_ms=51.239, goodput_rps=99.96, goodput_ratio=0.45678
+    )
     assert drift.model_dump(by_alias=True) | {"observedAt": ""} == {
         "observedAt": "",
         "lengthScore": 0.1235,
@@ -67,6 +69,7 @@ def test_status_numbers_are_rounded_as_they_enter_the_status() -> None:
         "p99Ms": 51.24,
         "requests": 0,
         "goodputRps": 100.0,
+        "goodputRatio": 0.46,
         "trigger": "",
     }
     # what is stored parses back to the same status (a write that changes nothing stays a no-op)

@@ -1,7 +1,8 @@
 """The router's observation windows and shadow-sampled feedback (pure bookkeeping, no I/O).
 
-`WindowStats` accumulates one window of answers (exit ramp, latency, ideal bucket, errors) and
-rolls over into an `Observations` document. `FeedbackRing` keeps the last N shadow-sampled inputs
+`WindowStats` accumulates one window of answers (exit ramp, latency, ideal bucket, errors; per bucket
+that answered: answers, within the SLO, latency; per ideal bucket: overload refusals; per bucket: the
+capacity in use, sampled) and rolls over into an `Observations` document. `FeedbackRing` keeps the last N shadow-sampled inputs
 (confidence and answer at every exit ramp, and the full model's answer): the window format of
 `exitplan tune` and the planner's threshold tuner.
 """
@@ -14,7 +15,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from exitplan.api.observations import ErrorCounts, LatencySummary, Observations, RampAgreement
+from exitplan.api.observations import (
+    BucketObservations,
+    ErrorCounts,
+    LatencySummary,
+    Observations,
+    RampAgreement,
+)
 
 
 @dataclass
@@ -32,23 +39,51 @@ class WindowStats:
     errors: dict[str, int] = field(default_factory=dict)
     agree: np.ndarray = field(init=False)
     samples: np.ndarray = field(init=False)
+    bucket_answered: np.ndarray = field(init=False)
+    bucket_within_slo: np.ndarray = field(init=False)
+    bucket_refused: np.ndarray = field(init=False)
+    bucket_latencies: list[list[float]] = field(init=False)
+    bucket_load_seconds: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self.exit_counts = np.zeros(len(self.ramps) + 1, dtype=np.int64)
         self.length_counts = np.zeros(len(self.buckets), dtype=np.int64)
         self.agree = np.zeros(len(self.ramps), dtype=np.int64)
         self.samples = np.zeros(len(self.ramps), dtype=np.int64)
+        self.bucket_answered = np.zeros(len(self.buckets), dtype=np.int64)
+        self.bucket_within_slo = np.zeros(len(self.buckets), dtype=np.int64)
+        self.bucket_refused = np.zeros(len(self.buckets), dtype=np.int64)
+        self.bucket_latencies = [[] for _ in self.buckets]
+        self.bucket_load_seconds = np.zeros(len(self.buckets), dtype=np.float64)
 
     def record_length(self, bucket_index: int) -> None:
         if bucket_index >= 0:
             self.length_counts[bucket_index] += 1
 
-    def record_answer(self, ramp_index: int, latency_s: float, within_slo: bool) -> None:
-        """`ramp_index` = position in `ramps`, or len(ramps) for the final head."""
+    def record_answer(self, ramp_index: int, latency_s: float, within_slo: bool, bucket_index: int = -1) -> None:
+        """`ramp_index` = position in `ramps`, or len(ramps) for the final head; `bucket_index`: the
+        bucket that answered (-1: not counted per bucket)."""
         self.answered += 1
         self.within_slo += within_slo
         self.exit_counts[ramp_index] += 1
         self.latencies.append(latency_s)
+        if 0 <= bucket_index < len(self.buckets):
+            self.bucket_answered[bucket_index] += 1
+            self.bucket_within_slo[bucket_index] += within_slo
+            self.bucket_latencies[bucket_index].append(latency_s)
+
+    def record_refused(self, ideal: list[int] | tuple[int, ...]) -> None:
+        """Inputs refused for overload, per ideal bucket (-1: none holds the input; not counted)."""
+        for b in ideal:
+            if 0 <= b < len(self.buckets):
+                self.bucket_refused[b] += 1
+
+    def record_load(self, loads: list[float], interval_s: float) -> None:
+        """One sample of each bucket's capacity in use (outstanding / capacity), standing for
+        `interval_s` seconds; a bucket without a ready pod (inf) adds nothing."""
+        for b, load in enumerate(loads[: len(self.buckets)]):
+            if np.isfinite(load):
+                self.bucket_load_seconds[b] += load * interval_s
 
     def record_error(self, reason: str, count: int = 1) -> None:
         self.errors[reason] = self.errors.get(reason, 0) + count
@@ -117,6 +152,16 @@ class WindowStats:
         per_ramp, overall, low, high = self.agreement_summary(
             zeros if saving_ms is None else saving_ms, zeros if cost_ms is None else cost_ms, thresholds
         )
+        per_bucket = {
+            str(bucket): BucketObservations(
+                requests=int(self.bucket_answered[b]),
+                within_slo=int(self.bucket_within_slo[b]),
+                refused=int(self.bucket_refused[b]),
+                p99_ms=float(np.percentile(self.bucket_latencies[b], 99)) * 1000.0 if self.bucket_latencies[b] else 0.0,
+                load_seconds=float(self.bucket_load_seconds[b]),
+            )
+            for b, bucket in enumerate(self.buckets)
+        }
         known = set(ErrorCounts.model_fields)
         errors = ErrorCounts(**{k: v for k, v in self.errors.items() if k in known})
         return Observations(
@@ -134,6 +179,7 @@ class WindowStats:
             length_histogram=self.length_counts.tolist(),
             latency=latency,
             load=load,
+            per_bucket=per_bucket,
             agreement=per_ramp,
             agreement_overall=overall,
             agreement_ci_low=low,

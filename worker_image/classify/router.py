@@ -212,10 +212,15 @@ class Router:
         return sum(p.capacity for p in self.peers.candidates(self.buckets[b], 0))
 
     async def _gauge_loop(self, tick: float = 1.0) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(tick)
-            for b, load in enumerate(self.admission.loads()):
+            now = time.monotonic()
+            loads = self.admission.loads()
+            for b, load in enumerate(loads):
                 self.metrics.set_bucket_load(self.buckets[b], load)
+            self.window.record_load(loads, now - last)  # the window's capacity in use, per bucket
+            last = now
 
     async def _window_loop(self) -> None:
         while True:
@@ -313,6 +318,8 @@ class Router:
         """429/503 (overload, Retry-After) or 413 (a request that can never be admitted, no Retry-After)."""
         reason = "overload" if refusal.retry_after_s > 0 else "too_large"
         self.window.record_error(reason, n)
+        if reason == "overload":
+            self.window.record_refused(refusal.ideal)  # per ideal bucket (a 429; a 503 names none)
         self.metrics.errors.labels(self.plan.service, reason).inc(n)
         self.metrics.requests.labels(self.plan.service, str(refusal.status)).inc()
         retry = math.ceil(refusal.retry_after_s) if refusal.retry_after_s > 0 else None
@@ -404,7 +411,7 @@ class Router:
                 self._child(self.metrics.errors, r.reason).inc()
                 continue
             index = len(self.exit_ramps) if r.final else self.ramp_index.get(r.ramp, len(self.exit_ramps))
-            self.window.record_answer(index, latency, within)
+            self.window.record_answer(index, latency, within, b)
             label = self.final_name if r.final else r.ramp
             per_exit[label] = per_exit.get(label, 0) + 1
             per_bucket[b] = per_bucket.get(b, 0) + 1

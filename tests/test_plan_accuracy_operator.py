@@ -1,0 +1,186 @@
+"""PlanAccurate and the plan-mismatch re-plan with the real operator under kopf against the emulated API
+server (tier 2 of DESIGN.md), in the style of tests/test_operator_integration.py: a real HTTP endpoint
+stands in for the routers and serves observation windows that roll (a new closed window each time the
+test advances it), first idle far below the plan, then saturated and short of it."""
+
+from __future__ import annotations
+
+import pytest
+from test_operator_integration import ObservationServer, deployed, plan_of, publish_endpoint
+from test_operator_support import ClusterThread, condition, install_profiles, operator, pool, service, status, wait_for
+
+from exitplan.operator import builders, plan_accuracy, profiling
+
+PLANNER = {"periodSeconds": 5, "drift": {"cooldownSeconds": 0, "maxMoveFraction": 1.0}}
+SPAN = 4.0
+"""Seconds each published window covers (the judged windows need half a period)."""
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    with ClusterThread(tmp_path) as c:
+        c.create(pool("gpu-a", 4, 3.0))
+        c.create(pool("gpu-b", 6, 1.0))
+        yield c
+
+
+class Router:
+    """Rolls the stand-in router's windows: each `roll()` (once the operator read the last one) closes a
+    window of SPAN seconds in which each bucket answered `rps` within the SLO, refused `refused` of its
+    inputs and kept `load` of its capacity in use; the window in progress is empty. `reads` counts the
+    operator's reads (one GET of the window in progress per read)."""
+
+    def __init__(self, server: ObservationServer) -> None:
+        self.server = server
+        self.t = 1000.0
+        self.rolled, self.rolled_at = False, 0
+        self.reads = 0
+        self.rps, self.refused, self.load = 0.0, 0.0, 0.0
+        inner = server.in_progress
+
+        def counted() -> dict:
+            self.reads += 1
+            return inner()
+
+        server.in_progress = counted  # type: ignore[method-assign]
+
+    def set(self, rps: float, refused: float, load: float) -> None:
+        self.rps, self.refused, self.load = rps, refused, load
+
+    def roll(self) -> None:
+        if self.rolled and self.reads <= self.rolled_at:
+            return  # each window is read before the next one closes (as a router's period-long windows are)
+        self.rolled, self.rolled_at = True, self.reads
+        within = round(self.rps * SPAN)
+        refused = round(self.refused * within / (1 - self.refused))
+        per = {
+            "requests": within,
+            "withinSlo": within,
+            "refused": refused,
+            "p99Ms": 30.0,
+            "loadSeconds": self.load * SPAN,
+        }
+        since, self.t = self.t, self.t + SPAN
+        self.server.window = {
+            "service": "minilm",
+            "model": "minilm",
+            "since": since,
+            "until": self.t,
+            "requests": 2 * within,
+            "withinSlo": 2 * within,
+            "errors": {"overload": 2 * refused},
+            "lengthBuckets": [32, 128],
+            "lengthHistogram": [within + refused, within + refused],
+            "latency": {"p99Ms": 30.0},
+            "perBucket": {"32": per, "128": per},
+        }
+        self.server.current = {
+            "service": "minilm",
+            "model": "minilm",
+            "since": self.t,
+            "until": self.t,
+            "lengthBuckets": [32, 128],
+            "lengthHistogram": [0, 0],
+        }
+
+
+def profiler_jobs(cluster: ClusterThread, ns: str, name: str) -> dict[str, dict]:
+    jobs = cluster.list("Job", ns, f"{builders.L_SERVICE}={name},{builders.L_COMPONENT}=profiler")
+    return {j["metadata"]["labels"][builders.L_POOL]: j for j in jobs}
+
+
+def test_goodput_short_of_the_plan_under_load_replans_and_reprofiles(cluster):
+    ns = "accuracy"
+    install_profiles(cluster, ns)
+    server = ObservationServer()
+    router = Router(server)
+    try:
+        with operator(cluster):
+            cluster.create(service("minilm", ns, planner=PLANNER))
+            first = wait_for("first plan applied", lambda: deployed(cluster, ns, "minilm"))
+            plan0 = plan_of(cluster, ns, "minilm")
+            planned = plan0.prediction.goodput_rps
+            assert planned > 0 and first["plan"]["goodputRps"] == round(planned, 1)
+            share = planned / 2  # the plan's share per bucket (sized for 50/50 here)
+
+            def rolled(probe):
+                def run():
+                    router.roll()
+                    return probe()
+
+                return run
+
+            # Idle: a tenth of the plan's goodput, nothing refused, little capacity in use: not judged.
+            router.set(0.1 * share, 0.0, 0.2)
+            router.roll()
+            publish_endpoint(cluster, ns, "minilm", server)
+            st = wait_for(
+                "the first window compared",
+                rolled(lambda: (s := status(cluster, ns, "minilm")) and condition(s, "PlanAccurate") and s),
+            )
+            cond = condition(st, "PlanAccurate")
+            assert (cond["status"], cond["reason"]) == ("Unknown", "NotJudged")
+            assert "measured/planned goodput 0.10" in cond["message"] and "not saturated" in cond["message"]
+            seen = router.reads
+            wait_for("eight more reads of idle windows", rolled(lambda: router.reads >= seen + 8))
+            st = status(cluster, ns, "minilm")
+            assert condition(st, "PlanAccurate")["status"] == "Unknown" and st["lastReplanReason"] == "initial"
+            assert st["drift"]["goodputRatio"] == pytest.approx(0.1, abs=0.01)
+            assert profiler_jobs(cluster, ns, "minilm") == {}
+
+            # Saturated (5 % refused, capacity 95 % in use) at 40 % of the plan: persistently off.
+            router.set(0.4 * share, 0.05, 0.95)
+            st = wait_for(
+                "PlanAccurate False",
+                rolled(
+                    lambda: (
+                        (s := status(cluster, ns, "minilm")) and condition(s, "PlanAccurate")["status"] == "False" and s
+                    )
+                ),
+            )
+            cond = condition(st, "PlanAccurate")
+            assert cond["reason"] == "MeasuredBelowPlan"
+            assert f"plan {plan0.content_hash()}: measured/planned goodput 0.40" in cond["message"]
+            assert "below the plan by more than 30%" in cond["message"] and "3 consecutive windows" in cond["message"]
+            st = wait_for(
+                "a plan-mismatch re-plan applied",
+                rolled(
+                    lambda: (
+                        (s := deployed(cluster, ns, "minilm")) and s.get("lastReplanReason") == "plan-mismatch" and s
+                    )
+                ),
+            )
+            plan1 = plan_of(cluster, ns, "minilm")
+            assert plan1.reason == "plan-mismatch" == st["plan"]["reason"]
+            # re-planned on the measured speed: the plan now promises about what was measured
+            assert plan1.prediction.goodput_rps == pytest.approx(0.4 * planned, rel=0.3)
+            assert st["plan"]["goodputRps"] < first["plan"]["goodputRps"]
+            # the pools of the short cells are measured again, while the plan keeps serving
+            jobs = profiler_jobs(cluster, ns, "minilm")
+            assert set(jobs) == {c.pool for c in plan0.cells}
+            for pool_name, job in jobs.items():
+                assert job["metadata"]["annotations"][profiling.A_REASON] == plan_accuracy.REASON
+                assert job["spec"]["template"]["spec"]["nodeSelector"] == {"exitplan.io/pool": pool_name}
+            events = cluster.events(ns, "minilm")
+            assert any(e["reason"] == "Reprofiling" and "plan-mismatch" in e["message"] for e in events)
+            assert any(e["reason"] == "Replan" and e["message"].startswith("plan-mismatch") for e in events)
+            cond = condition(status(cluster, ns, "minilm"), "PlanAccurate")
+            assert "re-planned (plan-mismatch) with the measured ratio 0.40" in cond["message"]
+            from prometheus_client import REGISTRY
+
+            labels = {"namespace": ns, "service": "minilm", "reason": "plan-mismatch"}
+            assert REGISTRY.get_sample_value("exitplan_replan_total", labels) >= 1
+            # The same load against the new plan: it holds, and PlanAccurate says so.
+            st = wait_for(
+                "PlanAccurate True against the new plan",
+                rolled(
+                    lambda: (
+                        (s := status(cluster, ns, "minilm")) and condition(s, "PlanAccurate")["status"] == "True" and s
+                    )
+                ),
+            )
+            assert condition(st, "PlanAccurate")["reason"] == "MeasuredMatchesPlan"
+            assert condition(st, "PlanAccurate")["message"].startswith(f"plan {plan1.content_hash()}")
+            assert set(profiler_jobs(cluster, ns, "minilm")) == set(jobs)  # no second round of Jobs
+    finally:
+        server.close()
