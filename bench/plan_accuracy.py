@@ -85,7 +85,7 @@ def predictions(setup, thresholds, lengths) -> tuple[object, float, float, list[
     return whole.plan, whole.plan.prediction.goodput_rps, blocks.plan.prediction.goodput_rps, notes
 
 
-def measure(setup, plan, step_s: float, workdir: Path) -> tuple[float, str, float]:
+def measure(setup, plan, step_s: float, workdir: Path, reference: int | None) -> tuple[float, str, float]:
     """(capacity within the SLO, how the search ended, the load generator's CPU ms per request)."""
     dep = LocalDeployment(
         setup.bundle, plan, setup.spec, workdir, port=free_port(), base_port=free_port_block(8), restart=None
@@ -104,6 +104,7 @@ def measure(setup, plan, step_s: float, workdir: Path) -> tuple[float, str, floa
             settle_s=2.0,
             max_steps=8,
             max_rps=5000.0,
+            reference_max=reference,  # the trace's p99 = the longest bucket, as the plan's lengths were scaled
         )
         after = resource.getrusage(resource.RUSAGE_SELF)
     finally:
@@ -128,10 +129,12 @@ def main() -> None:
             thresholds = tuned_thresholds(
                 setup.bundle, setup.spec.accuracy.max_drop, setup.spec.workload.length_buckets
             )
-            lengths = trace_lengths(None, int(setup.manifest.max_length or 1))[0] if setup.manifest.seq_axis else None
+            lengths, reference = (
+                trace_lengths(None, int(setup.manifest.max_length or 1)) if setup.manifest.seq_axis else (None, None)
+            )
             plan, whole, blocks, notes = predictions(setup, thresholds, lengths)
             started = time.perf_counter()
-            measured, how, client_ms = measure(setup, plan, step_s, Path(tmp) / setup.name)
+            measured, how, client_ms = measure(setup, plan, step_s, Path(tmp) / setup.name, reference)
             rows.append((setup.name, plan, blocks, whole, measured, how, client_ms, notes))
             print(f"{setup.name}: measured in {time.perf_counter() - started:.0f} s; {how}", flush=True)
     print()

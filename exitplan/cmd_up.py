@@ -15,6 +15,17 @@ ROUTERS = typer.Option(
     help="Router processes; with more than one, a front on --port balances connections over the ready ones (as the router Service in a cluster).",
 )
 
+BUNDLE_CACHE = typer.Option(
+    Path("artifacts/bundle-cache"),
+    help="Where an s3:// or https:// spec.model.bundle is fetched and verified (kept for the next run).",
+)
+BUNDLE_ENV_FILE = typer.Option(
+    None,
+    dir_okay=False,
+    help="KEY=VALUE lines over the environment for an s3:// bundle: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+    "AWS_ENDPOINT_URL, AWS_REGION, ... (the keys of the spec.model.bundleSecret Secret in a cluster).",
+)
+
 
 def command(
     service: Path = typer.Argument(
@@ -44,6 +55,8 @@ def command(
     tune_seconds: float = typer.Option(
         2.0, min=0.5, help="Period of the threshold tuning loop (a shift is caught within a period or two of feedback)."
     ),
+    bundle_cache: Path = BUNDLE_CACHE,
+    bundle_env_file: Path | None = BUNDLE_ENV_FILE,
 ) -> None:
     """Plan the service, start its router and workers on this machine (the same commands pods run), serve until Ctrl-C."""
     from rich.console import Console
@@ -51,7 +64,7 @@ def command(
     from exitplan.localrun.deployment import LocalDeployment, StartError
 
     console = Console()
-    setup, the_plan = _plan(service, resources, plan, trace, console)
+    setup, the_plan = _plan(service, resources, plan, trace, console, (bundle_cache, bundle_env_file), routers)
     deployment = LocalDeployment(
         setup.bundle,
         the_plan,
@@ -96,8 +109,42 @@ def command(
         console.print("stopped.")
 
 
-def _plan(service: Path, resources: list[Path], plan: Path | None, trace: Path | None, console):
-    """(the service setup, the plan to serve): `plan` if given, else planned here; a user error exits 2."""
+def _bundle_fetcher(service: Path, cache: Path, env_file: Path | None, console):
+    """spec.model's bundle as a local directory: a path as it is; s3://, https:// fetched into `cache` and
+    verified against its digests (exitplan.storage.cache); a failure is the service file's error, one line."""
+
+    def fetch(model) -> Path:
+        from exitplan.localrun.service_setup import ServiceFileError
+        from exitplan.storage.cache import cached_bundle, read_env_file
+        from exitplan.storage.errors import StorageError
+
+        try:
+            env = read_env_file(env_file) if env_file is not None else None
+            return cached_bundle(
+                model.bundle,
+                cache,
+                sha256=model.bundle_sha256,
+                env=env,
+                say=lambda line: console.print(line, markup=False, highlight=False),
+            )
+        except StorageError as err:
+            raise ServiceFileError(f"{service}: spec.model.bundle: {err}") from err
+
+    return fetch
+
+
+def _plan(
+    service: Path,
+    resources: list[Path],
+    plan: Path | None,
+    trace: Path | None,
+    console,
+    bundle_from: tuple[Path, Path | None] = (BUNDLE_CACHE.default, None),
+    routers: int = 1,
+):
+    """(the service setup, the plan to serve): `plan` if given, else planned here for `routers` router
+    processes on this machine's cores; a user error exits 2. `bundle_from`: the cache a remote bundle is
+    fetched into, the env file with its store's credentials."""
     from exitplan.api import SpecError
     from exitplan.api.bundle import BundleError
     from exitplan.api.plan import Plan
@@ -111,7 +158,7 @@ def _plan(service: Path, resources: list[Path], plan: Path | None, trace: Path |
     )
 
     try:
-        setup = load_setup(service, list(resources))
+        setup = load_setup(service, list(resources), _bundle_fetcher(service, *bundle_from, console))
         if plan is not None:
             return setup, Plan.from_file(plan)
         if setup.manifest.decoder is not None:  # a generative bundle: its own measurements and planner
@@ -121,7 +168,7 @@ def _plan(service: Path, resources: list[Path], plan: Path | None, trace: Path |
         ensure_profiles(setup, console.print)
         thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop, setup.spec.workload.length_buckets)
         lengths = trace_lengths(trace, int(setup.manifest.max_length or 1))[0] if trace else None
-        return setup, planned(setup, thresholds, lengths=lengths)
+        return setup, planned(setup, thresholds, lengths=lengths, routers=routers)
     except (SpecError, ServiceFileError, BundleError, ValueError) as err:
         from exitplan.cli import fail
 

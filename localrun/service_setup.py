@@ -9,7 +9,7 @@ compares against: vanilla (no exits, one split) and naive early exit (exits, one
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from exitplan.api.resources import (
     GPUPoolSpec,
     ModelProfile,
     ModelProfileSpec,
+    ModelRef,
 )
 from exitplan.localrun.deployment import exitplan_command
 
@@ -44,8 +45,14 @@ class ServiceSetup:
     profiles: dict[str, ModelProfileSpec] = field(default_factory=dict)
 
 
-def load_setup(service_file: Path, extra: list[Path] = ()) -> ServiceSetup:
-    """The service, its pools and profiles from `service_file` and `extra` YAML files."""
+BundleFetcher = Callable[[ModelRef], Path]
+"""Gives the local directory of spec.model's bundle, fetching a remote one (the CLI passes
+exitplan.storage.cache.cached_bundle: this room imports no storage code)."""
+
+
+def load_setup(service_file: Path, extra: list[Path] = (), fetch_bundle: BundleFetcher | None = None) -> ServiceSetup:
+    """The service, its pools and profiles from `service_file` and `extra` YAML files; the bundle from
+    `fetch_bundle` (s3://, https:// into a local cache), else only a path or file:// URI."""
     docs = []
     for path in [service_file, *extra]:
         docs.extend(load_resources(path))
@@ -54,7 +61,7 @@ def load_setup(service_file: Path, extra: list[Path] = ()) -> ServiceSetup:
         raise ServiceFileError(f"{service_file}: expected exactly one EarlyExitService, found {len(services)}")
     svc = services[0]
     name = svc.metadata.get("name") or "exitplan"
-    bundle = resolve_bundle_uri(svc.spec.model.bundle)
+    bundle = fetch_bundle(svc.spec.model) if fetch_bundle else resolve_bundle_uri(svc.spec.model.bundle)
     if not bundle.is_absolute():
         bundle = (Path.cwd() / bundle).resolve()
     manifest = read_manifest(bundle)
@@ -88,7 +95,25 @@ def ensure_profiles(setup: ServiceSetup, echo=print) -> None:
                     f"profiling the bundle for pool {ref.name!r} failed (exit {done.returncode}): {' '.join(cmd)}"
                 )
         doc = yaml.safe_load(cache.read_text())
-        setup.profiles[ref.name] = ModelProfile.model_validate(doc).spec
+        profile = ModelProfile.model_validate(doc)
+        if profile.spec.serving is None:  # written before the profiler measured the serving path
+            _add_serving_costs(setup.bundle, profile, cache, echo)
+        setup.profiles[ref.name] = profile.spec
+
+
+def _add_serving_costs(bundle: Path, profile: ModelProfile, cache: Path, echo) -> None:
+    """Measure the serving path's costs for a cached profile that lacks them and write them into it (a
+    failure leaves the profile as it is, with a message: the planner then counts the path as free)."""
+    from exitplan.localrun.serving_costs import ServingCostError, measure_serving_costs
+
+    echo(f"{cache} has no serving-path costs: measuring them (one router, one worker, a few seconds)")
+    try:
+        profile.spec.serving = measure_serving_costs(bundle, profile.spec)
+    except ServingCostError as err:
+        echo(f"could not measure the serving path ({err}); planning without it")
+        return
+    document = profile.model_dump(by_alias=True, exclude_none=True, mode="json")
+    cache.write_text(yaml.safe_dump(document, sort_keys=False))
 
 
 def _cached_profile_problem(cache: Path) -> str | None:
@@ -130,12 +155,33 @@ def trace_lengths(trace: Path | None, max_length: int) -> tuple[np.ndarray, int]
     return load_trace(path, max_length=max_length, length_mode="scale", reference_max=reference).lengths, reference
 
 
-def planned(setup: ServiceSetup, thresholds: dict[str, float], reason: str = "initial", lengths=None) -> Plan:
-    """The planner's plan; `lengths` (input lengths in tokens, e.g. a trace's) size the length buckets."""
+def on_this_machine(setup: ServiceSetup, routers: int = 1) -> tuple[EarlyExitServiceSpec, dict[str, GPUPoolSpec]]:
+    """The spec and pools as this machine runs them: `routers` router processes, and every CPU pool (no
+    accelerator resource) sharing this machine's cores unless it says how many (`sharedCores`), so the
+    planner counts the cores the worker processes and routers really have."""
+    from exitplan.localrun.serving_costs import usable_cores
+
+    cores = usable_cores()
+    spec = setup.spec.model_copy(update={"router": setup.spec.router.model_copy(update={"replicas": routers})})
+    pools = {
+        name: pool.model_copy(update={"shared_cores": cores})
+        if not pool.gpu_resource and pool.shared_cores is None
+        else pool
+        for name, pool in setup.pools.items()
+    }
+    return spec, pools
+
+
+def planned(
+    setup: ServiceSetup, thresholds: dict[str, float], reason: str = "initial", lengths=None, routers: int = 1
+) -> Plan:
+    """The planner's plan for this machine (`on_this_machine`); `lengths` (input lengths in tokens, e.g. a
+    trace's) size the length buckets."""
     from exitplan.planner import plan_service
 
+    spec, pools = on_this_machine(setup, routers)
     result = plan_service(
-        setup.name, setup.spec, setup.pools, setup.profiles, thresholds=thresholds, reason=reason, lengths=lengths
+        setup.name, spec, pools, setup.profiles, thresholds=thresholds, reason=reason, lengths=lengths
     )
     return result.plan
 

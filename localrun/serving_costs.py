@@ -93,11 +93,18 @@ def _worker_compute(url: str) -> tuple[float, float]:
 
 
 def _bodies(bundle: Path, profile: ModelProfileSpec, n: int) -> tuple[int, list[bytes]]:
-    """(the bucket, `n` request bodies of held-out inputs that fit it): the shortest profiled length that
-    holds at least a tenth of the held-out texts (fixed-size models: their one bucket)."""
+    """(the bucket, `n` request bodies of held-out inputs that fit it): texts, the shortest profiled length
+    that holds at least a tenth of them; held-out arrays, the shortest that holds every row that fits the
+    longest (fixed-size models: their one bucket)."""
     pool = load_pool(bundle)
-    if pool.lengths is None:
-        return profile.seq_lens[0], build_inputs(pool, np.ones(n, dtype=np.int64), max_length=1).bodies
+    if pool.lengths is None:  # held-out arrays: rows cut to their mask's length (fixed-size: length 1)
+        inputs = build_inputs(pool, np.ones(n, dtype=np.int64), max_length=1)
+        longest = profile.seq_lens[-1]
+        fits = [i for i, length in enumerate(inputs.lengths) if length <= longest]
+        if not fits:
+            raise ServingCostError(f"no held-out input fits the longest profiled length {longest}")
+        bucket = next(b for b in profile.seq_lens if b >= max(int(inputs.lengths[i]) for i in fits))
+        return bucket, [inputs.bodies[fits[i % len(fits)]] for i in range(n)]
     lengths = np.sort(pool.lengths)
     enough = max(1, len(lengths) // 10)
     bucket = next((b for b in profile.seq_lens if np.searchsorted(lengths, b, side="right") >= enough), None)

@@ -7,6 +7,12 @@ into stages using the generation measurements kept beside the bundle
 the operator can read them, and otherwise plans one KV-recomputation stage that never exits
 (threshold 1.0, exactly the full model's tokens) and says so in the status. The thresholds can be
 changed live through the router's POST /v1/thresholds.
+
+The stages and the router get a remote bundle (s3://, https://, pvc://, oci://) as a classification
+service's pods do (builders._volumes: bundle_volumes.py's storage-init container and volume), but
+planning needs the bundle's bundle.yaml here, in the operator, which reads only a path it can see:
+a remote generation bundle is reported as an Infeasible plan (reason GenerationPlan) that says so,
+and nothing is started.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from exitplan.api.bundle import BundleError, read_manifest
+from exitplan.api.bundle_source import parse_bundle_uri
 from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.operator import builders, capacity, generation_builders
 from exitplan.operator.executors import run_planner
@@ -28,6 +35,14 @@ is_generation = generation_builders.is_generation
 
 def plan_for(name: str, spec: EarlyExitServiceSpec, inputs: ServiceResources, reason: str) -> GenerationPlanResult:
     """The generation plan from the bundle's manifest and, when present, its measurements (blocking I/O)."""
+    if parse_bundle_uri(spec.model.bundle).remote:  # the spec's validation accepted it
+        shown = spec.model.bundle.split("?", 1)[0]  # never a presigned URL's signature
+        raise BundleError(
+            f"spec.model.bundle {shown!r} is a {shown.split('://', 1)[0]}:// bundle: the pods would fetch and "
+            "verify it (storage-init), but the operator plans a generation service from the bundle's bundle.yaml "
+            "(its blocks, exit ramps and context) and reads it only from a path it can see; give a directory "
+            "the operator can read (a path under its allowed host paths)"
+        )
     bundle = Path(builders.bundle_path(spec.model.bundle))
     manifest = read_manifest(bundle)
     if manifest.decoder is None:

@@ -1,5 +1,5 @@
 """`exitplan storage-init URI DEST`: fetch a bundle into DEST and verify it (the pods' storage-init
-init container; also by hand, to fetch a bundle for `exitplan up` or to check a copy).
+init container; also by hand, to check a copy; `exitplan up` fetches through cache.py).
 
 - s3://, https://, http://, a path or file://: DEST is emptied (only a directory that storage-init
   filled before, or an empty one) and filled, then verified.
@@ -48,8 +48,8 @@ def _copy_local(src: Path, dest: Path, uri: str) -> None:
         shutil.copyfile(src / rel, dest / rel)
 
 
-def _fetch_s3(source: BundleSource, dest: Path, sha256: str | None) -> None:
-    store = s3.connect()
+def _fetch_s3(source: BundleSource, dest: Path, sha256: str | None, env: dict[str, str] | None) -> None:
+    store = s3.connect(env)
     if source.tarball:
         tarball = dest / DOWNLOAD
         s3.download(store, source.location, source.path, tarball, source.uri)
@@ -78,8 +78,11 @@ def _unpack(tarball: Path, dest: Path, uri: str, sha256: str | None) -> None:
         tarball.unlink(missing_ok=True)
 
 
-def fetch(source: BundleSource, dest: Path, *, sha256: str | None, allow_http: bool) -> None:
-    """Fill `dest` (emptied first) with the bundle `source` names."""
+def fetch(
+    source: BundleSource, dest: Path, *, sha256: str | None, allow_http: bool, env: dict[str, str] | None = None
+) -> None:
+    """Fill `dest` (emptied first) with the bundle `source` names; `env`: the S3 variables (storage/s3.py;
+    None: this process's environment)."""
     if source.kind in (PVC, OCI):
         raise StorageError(
             f"{source.uri}: a {source.kind}:// bundle is mounted (pvc) or copied out of its image (oci) by the "
@@ -89,7 +92,7 @@ def fetch(source: BundleSource, dest: Path, *, sha256: str | None, allow_http: b
     if source.kind == LOCAL:
         _copy_local(Path(source.location).expanduser(), dest, source.uri)
     elif source.kind == S3:
-        _fetch_s3(source, dest, sha256)
+        _fetch_s3(source, dest, sha256, env)
     elif source.kind == HTTP:
         if sha256 is None:
             raise StorageError(f"{https.shown(source.uri)}: an http(s) bundle needs its sha256 (--sha256)")
@@ -105,9 +108,11 @@ def storage_init(
     sha256: str | None = None,
     allow_http: bool = False,
     verify_only: bool = False,
+    env: dict[str, str] | None = None,
     say: Callable[[str], None] = print,
 ) -> Verification:
-    """Fetch (unless `verify_only`) and verify; StorageError with a one-line reason otherwise."""
+    """Fetch (unless `verify_only`) and verify; StorageError with a one-line reason otherwise. `env`: the
+    S3 variables (None: this process's environment)."""
     try:
         source = parse_bundle_uri(uri)
     except SourceError as err:
@@ -116,7 +121,7 @@ def storage_init(
     try:
         if not verify_only:
             say(f"fetching {shown} into {dest}")
-            fetch(source, dest, sha256=sha256, allow_http=allow_http)
+            fetch(source, dest, sha256=sha256, allow_http=allow_http, env=env)
         result = verify_bundle(dest, shown)
     except OSError as err:  # the local side: a full disk, a read-only or missing directory
         raise StorageError(f"{shown}: {err.filename or dest}: {err.strerror or err}") from err

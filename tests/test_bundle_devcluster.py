@@ -5,26 +5,38 @@ dev-cluster` and `exitplan operator` as processes, a real S3 server (moto), the 
 credentials of the Secret spec.model.bundleSecret names, verify its digests, and the pods serve it:
 an inference through the router Service answers what the bundle answers locally. A second service
 whose copy in the store has one corrupted file never starts: the service is Degraded with reason
-BundleFetchFailed and the file named, from the Pod statuses the runner reports."""
+BundleFetchFailed and the file named, from the Pod statuses the runner reports.
+
+The same over HTTP: the bundle pushed as a tarball (`exitplan bundle push BUNDLE FILE.tar.gz`) into
+the folder a real HTTP server serves, the service naming its URL and sha256: storage-init downloads
+it, checks the tarball's sha256 and every file's digest, and the pods serve it. A wrong sha256 or a
+server that does not answer is a Degraded/BundleFetchFailed condition with the reason, while the
+operator keeps running and the pods retry with back-off; once the server answers, they start."""
 
 from __future__ import annotations
 
 import base64
+import functools
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
-from s3_server import bundle_with_digests, s3_server
+from s3_server import bundle_with_digests, free_port, s3_server
 from test_generation_devcluster import Api
 from test_operator_support import wait_for
 
 from exitplan.operator.bundle_volumes import STORAGE_INIT
+from exitplan.storage.push import push
 from exitplan.worker.bundle_runtime import BundleRuntime
 
 EXITPLAN = [sys.executable, "-P", "-c", "from exitplan.cli import app; app()"]
@@ -35,6 +47,31 @@ BUCKET = "bundles"
 
 def wait(what: str, probe, guard: float = GUARD):
     return wait_for(what, probe, guard)
+
+
+class _Counting(http.server.SimpleHTTPRequestHandler):
+    """Serves a folder; remembers the paths it was asked for."""
+
+    asked: list[str]
+
+    def log_message(self, *args: object) -> None:
+        self.asked.append(self.path)
+
+
+@contextmanager
+def web_server(root: Path, port: int = 0) -> Iterator[tuple[str, list[str]]]:
+    """A real HTTP server over `root` on 127.0.0.1 (what hosting a pushed tarball looks like): its base
+    URL, and the request paths it logged."""
+    asked: list[str] = []
+    handler = type("Handler", (_Counting,), {"asked": asked})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), functools.partial(handler, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", asked
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +119,11 @@ def stack(tmp_path_factory, digits_bundle):
                         "apiVersion": "exitplan.io/v1alpha1",
                         "kind": "GPUPool",
                         "metadata": {"name": "local"},
-                        "spec": {"capacity": 4, "gpuResource": "", "cpu": "1", "memory": "1Gi"},
+                        "spec": {"capacity": 8, "gpuResource": "", "cpu": "1", "memory": "1Gi"},
                     }
                 )
             )
-            yield {"api": api, "bundle": bundle, "s3": s3, "tmp": tmp}
+            yield {"api": api, "bundle": bundle, "s3": s3, "tmp": tmp, "operator": procs[-1]}
             api.close()
         finally:
             for proc in reversed(procs):
@@ -103,7 +140,10 @@ def stack(tmp_path_factory, digits_bundle):
                 print(f"---- {name} ----\n" + "\n".join(text))
 
 
-def create_service(api: Api, name: str, bundle: str) -> None:
+def create_service(api: Api, name: str, bundle: str, **model: str) -> None:
+    """A service of the digits bundle at `bundle`; `model`: more spec.model fields (default: the S3
+    Secret, as bundleSecret)."""
+    model = model or {"bundleSecret": "s3-creds"}
     api(
         api.client.create(
             {
@@ -111,7 +151,7 @@ def create_service(api: Api, name: str, bundle: str) -> None:
                 "kind": "EarlyExitService",
                 "metadata": {"name": name, "namespace": NS},
                 "spec": {
-                    "model": {"name": "digits-cnn", "bundle": bundle, "bundleSecret": "s3-creds"},
+                    "model": {"name": "digits-cnn", "bundle": bundle, **model},
                     "slo": {"latencyMs": 1000},
                     "pools": [{"name": "local", "maxGpus": 1}],
                     "router": {"replicas": 1},
@@ -137,6 +177,32 @@ def phase(api: Api, name: str) -> dict | None:
     return obj.get("status")
 
 
+def answers_like_the_local_copy(api: Api, name: str, bundle: Path) -> None:
+    """An inference through service `name`'s router Service answers what each ramp of the local copy does."""
+    port = wait(
+        "the router Service's local endpoint",
+        lambda: ((api.get("Service", name) or {}).get("status") or {}).get("loadBalancer", {}).get("ingress"),
+    )[0]["ports"][0]["port"]
+    with np.load(bundle / "data" / "heldout.npz") as held:
+        x = held["x"][:4].astype(np.float32)
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}]}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v2/models/digits-cnn/infer",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as r:
+        answer = json.loads(r.read())
+    labels = next(o for o in answer["outputs"] if o["name"] == "label")["data"]
+    scores = np.array(next(o for o in answer["outputs"] if o["name"] == "scores")["data"]).reshape(len(x), -1)
+    assert len(labels) == len(x)
+    exits = next(o for o in answer["outputs"] if o["name"] == "exit_ramp")["data"]
+    local = ramp_logits(bundle, x)  # what each ramp of the local copy answers
+    for row, ramp in enumerate(exits):
+        assert int(np.argmax(scores[row])) == int(np.argmax(local[ramp][row])), (row, ramp)
+        assert labels[row] == str(int(np.argmax(local[ramp][row])))
+
+
 def test_an_s3_bundle_is_fetched_verified_and_served(stack):
     api: Api = stack["api"]
     create_service(api, "digits", f"s3://{BUCKET}/digits")
@@ -150,28 +216,8 @@ def test_an_s3_bundle_is_fetched_verified_and_served(stack):
     for pod in pods:
         (init,) = pod["status"]["initContainerStatuses"]
         assert init["name"] == STORAGE_INIT and init["state"]["terminated"]["exitCode"] == 0
-    port = wait(
-        "the router Service's local endpoint",
-        lambda: ((api.get("Service", "digits") or {}).get("status") or {}).get("loadBalancer", {}).get("ingress"),
-    )[0]["ports"][0]["port"]
-    with np.load(stack["bundle"] / "data" / "heldout.npz") as held:
-        x = held["x"][:4].astype(np.float32)
-    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}]}
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v2/models/digits-cnn/infer",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=60) as r:
-        answer = json.loads(r.read())
-    labels = next(o for o in answer["outputs"] if o["name"] == "label")["data"]
-    scores = np.array(next(o for o in answer["outputs"] if o["name"] == "scores")["data"]).reshape(len(x), -1)
-    assert len(labels) == len(x) and st["plan"]["replicas"] >= 1
-    exits = next(o for o in answer["outputs"] if o["name"] == "exit_ramp")["data"]
-    local = ramp_logits(stack["bundle"], x)  # what each ramp of the local copy answers
-    for row, ramp in enumerate(exits):
-        assert int(np.argmax(scores[row])) == int(np.argmax(local[ramp][row])), (row, ramp)
-        assert labels[row] == str(int(np.argmax(local[ramp][row])))
+    assert st["plan"]["replicas"] >= 1
+    answers_like_the_local_copy(api, "digits", stack["bundle"])
 
 
 def test_a_corrupted_copy_makes_the_service_degraded_naming_the_file(stack):
@@ -204,3 +250,80 @@ def test_a_corrupted_copy_makes_the_service_degraded_naming_the_file(stack):
     (init,) = pods[0]["status"]["initContainerStatuses"]
     assert "ramps/ramp1.onnx" in (init["state"].get("terminated") or init["lastState"]["terminated"])["message"]
     assert not (api.get("Deployment", "broken-router") or {}).get("status", {}).get("readyReplicas")
+
+
+def degraded_by_the_bundle(api: Api, name: str) -> dict | None:
+    """The service's status once it is Degraded with reason BundleFetchFailed (None before)."""
+    s = phase(api, name)
+    if s and any(c["type"] == "Degraded" and c["reason"] == "BundleFetchFailed" for c in s.get("conditions", [])):
+        return s
+    return None
+
+
+def init_messages(api: Api, name: str) -> list[str]:
+    """What each of the service's pods' storage-init container said when it last failed."""
+    pods = api(api.client.list("/api/v1/namespaces/default/pods", f"exitplan.io/service={name}"))
+    out = []
+    for pod in pods:
+        for init in pod["status"].get("initContainerStatuses") or []:
+            term = init["state"].get("terminated") or (init.get("lastState") or {}).get("terminated") or {}
+            out.append(str(term.get("message") or ""))
+    return out
+
+
+def test_an_http_tarball_is_fetched_checked_against_its_sha256_and_served(stack):
+    api: Api = stack["api"]
+    wait("the first service's profile", lambda: api.get("ModelProfile", "digits-cnn-local"))  # planning uses it
+    root = stack["tmp"] / "www"
+    pushed = push(stack["bundle"], str(root / "models"))  # what `exitplan bundle push BUNDLE DIR` writes
+    assert pushed.sha256 and Path(pushed.uri) == root / "models" / "digits-cnn.tar.gz"
+    with web_server(root) as (base, asked):
+        url = f"{base}/models/digits-cnn.tar.gz"
+        create_service(api, "webbundle", url, bundleSha256=pushed.sha256)
+        wait("the service is Ready", lambda: (s := phase(api, "webbundle")) and s.get("phase") == "Ready" and s)
+        router = api.get("Deployment", "webbundle-router")
+        (init,) = router["spec"]["template"]["spec"]["initContainers"]
+        assert init["name"] == STORAGE_INIT and init["args"][:2] == [url, "/var/run/exitplan-bundle"]
+        assert init["args"][init["args"].index("--sha256") + 1] == pushed.sha256 and "--allow-http" in init["args"]
+        pods = api(api.client.list("/api/v1/namespaces/default/pods", "exitplan.io/service=webbundle"))
+        assert len(pods) >= 2 and all(p["status"]["phase"] == "Running" for p in pods)  # the router, the workers
+        for pod in pods:
+            (status,) = pod["status"]["initContainerStatuses"]
+            assert status["state"]["terminated"]["exitCode"] == 0
+        # every pod downloaded the tarball from this server (none read the bundle from elsewhere)
+        assert asked.count("/models/digits-cnn.tar.gz") >= len(pods)
+        answers_like_the_local_copy(api, "webbundle", stack["bundle"])
+        api(api.client.delete(f"/apis/exitplan.io/v1alpha1/namespaces/{NS}/earlyexitservices/webbundle"))
+
+
+def test_a_wrong_sha256_or_an_unreachable_server_is_a_condition_and_the_pods_retry(stack):
+    api: Api = stack["api"]
+    wait("the first service's profile", lambda: api.get("ModelProfile", "digits-cnn-local"))
+    root = stack["tmp"] / "www2"
+    pushed = push(stack["bundle"], str(root / "digits.tar.gz"))
+    port = free_port()  # nothing listens here yet
+    with web_server(root) as (base, _):
+        create_service(api, "badsha", f"{base}/digits.tar.gz", bundleSha256="0" * 64)
+        create_service(api, "noserver", f"http://127.0.0.1:{port}/digits.tar.gz", bundleSha256=pushed.sha256)
+        wrong = wait("badsha: Degraded, BundleFetchFailed", lambda: degraded_by_the_bundle(api, "badsha"))
+    down = wait("noserver: Degraded, BundleFetchFailed", lambda: degraded_by_the_bundle(api, "noserver"))
+    message = next(c["message"] for c in wrong["conditions"] if c["type"] == "Degraded")
+    assert f"the tarball's sha256 is {pushed.sha256}, not {'0' * 64}" in message and wrong["phase"] == "Degraded"
+    assert any(pushed.sha256 in m for m in init_messages(api, "badsha"))
+    message = next(c["message"] for c in down["conditions"] if c["type"] == "Degraded")
+    assert f"http://127.0.0.1:{port}/digits.tar.gz: cannot reach the server" in message
+    assert "retry with back-off" in message and down["phase"] == "Degraded"
+    for name in ("badsha", "noserver"):
+        pods = api(api.client.list("/api/v1/namespaces/default/pods", f"exitplan.io/service={name}"))
+        assert pods and all(p["status"]["phase"] == "Pending" for p in pods)  # held in Init, as in a cluster
+    assert stack["operator"].poll() is None  # the operator reports; it does not crash
+    assert phase(api, "digits")["phase"] == "Ready"  # nor does the trouble reach another service
+    # the pods keep retrying storage-init with back-off: once the server answers, they fetch and start
+    with web_server(root, port):
+        wait("noserver recovers: Ready", lambda: (s := phase(api, "noserver")) and s.get("phase") == "Ready" and s)
+        st = phase(api, "noserver")
+        degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+        assert degraded["status"] == "False" and degraded["reason"] == "BundleFetched"
+    assert degraded_by_the_bundle(api, "badsha")  # a wrong sha256 stays wrong
+    for name in ("badsha", "noserver"):
+        api(api.client.delete(f"/apis/exitplan.io/v1alpha1/namespaces/{NS}/earlyexitservices/{name}"))

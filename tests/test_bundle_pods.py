@@ -146,6 +146,30 @@ def test_a_generation_stage_fetches_its_bundle_too():
     assert bundle_arg(pod["containers"][0]) == BUNDLE_DIR
 
 
+@pytest.mark.parametrize("kind", sorted(set(SOURCES) - {"host"}))
+def test_a_generation_service_gets_the_classification_workers_bundle_parts(kind, kube_versions):
+    """Every stage and the router of a generation service: the storage-init container and bundle volume
+    a classification worker of the same source gets (bundle_volumes.py's, not a copy), valid strictly."""
+    gen = spec(kind, Task.text_generation)
+    worker = pod_of(builders.build_worker("digits", "default", gen, PLAN, PLAN.cells[0], POOLS["cpu"]))
+    children = generation_builders.build_children(OWNER, gen, PLAN, POOLS)
+    deployments = [c for c in children if c["kind"] == "Deployment"]
+    assert len(deployments) == 3  # a stage per split, the router
+    want_volume = next(v for v in worker["volumes"] if v["name"] == "bundle")
+    for dep in deployments:
+        pod = pod_of(dep)
+        assert pod["initContainers"] == worker["initContainers"]
+        assert pod["initContainers"][-1]["name"] == STORAGE_INIT
+        assert pod["initContainers"][-1]["args"][:2] == [SOURCES[kind]["bundle"], BUNDLE_DIR]
+        assert next(v for v in pod["volumes"] if v["name"] == "bundle") == want_volume
+        (main,) = pod["containers"]
+        assert bundle_arg(main) == BUNDLE_DIR and "envFrom" not in main
+        (mount,) = [m for m in main["volumeMounts"] if m["name"] == "bundle"]
+        assert mount["mountPath"] == BUNDLE_DIR and mount["readOnly"] is True
+        for version in kube_versions:
+            kv.validate(dep, version, strict=True)
+
+
 @pytest.fixture(scope="module")
 def kube_versions() -> list[str]:
     versions = sorted((v for v in kv.all_versions() if Version(v) >= Version("1.29")), key=Version)

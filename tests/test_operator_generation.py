@@ -189,3 +189,28 @@ def test_without_measurements_the_plan_is_one_stage_that_never_exits(cluster, bu
             lambda: (s := status(cluster, ns, "nobundle")).get("phase") == "Infeasible" and s,
         )
         assert "no bundle.yaml here" in st["message"] and not workers(cluster, ns, "nobundle")
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"bundle": "https://models.example.com/decoder.tar.gz?X-Amz-Signature=secret", "bundleSha256": "a" * 64},
+        {"bundle": "s3://bundles/decoder", "bundleSecret": "s3-creds"},
+    ],
+)
+def test_a_remote_generation_bundle_is_an_infeasible_plan_that_says_why(cluster, tmp_path, model):
+    """The pods could fetch it, but the operator plans from bundle.yaml, which it cannot read: a condition
+    that names the source (without a presigned URL's query), not a crash, and no half-built service."""
+    ns = "remote"
+    with operator(cluster, env={"EXITPLAN_ALLOWED_HOST_PATHS": str(tmp_path)}):
+        body = generation_service("far", ns, "/unused")
+        body["spec"]["model"].update(model)
+        cluster.create(body)
+        st = wait_for(
+            "a remote generation bundle becomes a condition",
+            lambda: (s := status(cluster, ns, "far")).get("phase") == "Infeasible" and s,
+        )
+        kind = model["bundle"].split("://")[0]
+        assert f"is a {kind}:// bundle" in st["message"] and "reads it only from a path it can see" in st["message"]
+        assert "secret" not in st["message"] and condition(st, "PlanInfeasible")["reason"] == "GenerationPlan"
+        assert not workers(cluster, ns, "far") and not cluster.list("Deployment", ns)
