@@ -43,6 +43,7 @@ def test_the_issue_alerts_are_there() -> None:
         "ExitplanAccuracyBudgetBreached",
         "ExitplanPlanInfeasible",
         "ExitplanProfilingFailed",
+        "ExitplanPlanInaccurate",
         "ExitplanRouterDown",
         "ExitplanRoutersAbsent",
         "ExitplanStragglers",
