@@ -65,3 +65,8 @@ lock-upgrade:
 # now: IMAGE:TAG becomes IMAGE:TAG@sha256:DIGEST. Needs the registries (Docker Hub, nvcr.io) on the network.
 pin-images:
 	python3 tools/pin_images.py --dockerfile Dockerfile
+
+# The peers' bench-only venvs (.bench-venvs/{kserve,mlserver,ray}) for bench/peers.py, from bench/peers/*.txt.
+.PHONY: peers-venvs
+peers-venvs:
+	bash tools/peers-venvs.sh
