@@ -45,6 +45,10 @@ def command(
     max_connections: int = cmd_router.MAX_CONNECTIONS,
     drain_delay_s: float = cmd_router.DRAIN_DELAY,
     drain_timeout_s: float = cmd_router.DRAIN_TIMEOUT,
+    trim: str = typer.Option(
+        "auto",
+        help="auto|on|off: a last split pads each batch only to the shortest length bucket that holds its longest row (a session per bucket; auto = on for CPU providers).",
+    ),
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
     """Run one split worker: a contiguous range of blocks for one length bucket, with exits and a fusion queue."""
@@ -66,6 +70,7 @@ def command(
             threads=threads,
             providers=chosen,
             control_token=token,
+            trim=_trim(trim),
         )
     except (ValueError, OSError) as err:
         from exitplan.cli import fail
@@ -77,3 +82,11 @@ def command(
     serve(
         worker.app(), host, port_from_env(port), log_level, limits, on_drain=lambda: setattr(worker, "draining", True)
     )
+
+
+def _trim(value: str) -> bool | None:
+    """--trim: None (auto), True or False; anything else is a one-line error."""
+    choices = {"auto": None, "on": True, "off": False}
+    if value not in choices:
+        raise typer.BadParameter(f"--trim takes auto, on or off, not {value!r}")
+    return choices[value]

@@ -36,6 +36,7 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from exitplan.api.bundle import read_manifest
 from exitplan.api.dtypes import by_onnx
 from exitplan.api.plan import Plan
 from exitplan.worker import wire
@@ -46,6 +47,7 @@ from exitplan.worker.classify.executor import BatchOutcome, execute
 from exitplan.worker.classify.fusion import FusionQueues
 from exitplan.worker.classify.isolate import execute_isolated, known_input_check
 from exitplan.worker.classify.rows import Pending, Row, batch_state
+from exitplan.worker.classify.trim import mask_input, seq_axes, trim_buckets, trimmed, trims
 from exitplan.worker.control_client import ControlClient
 from exitplan.worker.discovery import PeerSet, ReplyTargets, parse_peer_spec
 from exitplan.worker.hop_client import HopClient, HopFailed, NoPeer, send
@@ -86,6 +88,7 @@ class SplitWorker:
         threads: int = 1,
         providers: Sequence[str] = ("CPUExecutionProvider",),
         control_token: str | None = None,
+        trim: bool | None = None,
     ) -> None:
         """`control_token`: the service's control token (None: every /v1 request is refused)."""
         self.plan_path = Path(plan_path)
@@ -96,15 +99,21 @@ class SplitWorker:
             raise ValueError(f"--bucket {bucket}: the plan's buckets are {self.plan.buckets}")
         self.split, self.bucket, self.pool = split, bucket, pool
         sp = self.plan.splits[split]
+        manifest = read_manifest(bundle)
+        self.trim_mask = mask_input(manifest)
+        trim = trims(manifest, sp, providers, trim)  # trim.py: pad each batch only to its longest row's bucket
         self.runtime = BundleRuntime(
             bundle,
             first_block=sp.first_block,
             last_block=sp.last_block,
-            buckets=[bucket],
+            buckets=trim_buckets(manifest, bucket) if trim else [bucket],
             providers=providers,
             threads=threads,
         )
         manifest = self.runtime.manifest
+        self.trim_axes = seq_axes({i.name: i.shape for i in self._first_block_inputs()}) if trim else {}
+        if self.trim_mask not in self.trim_axes:
+            self.trim_axes = {}
         self.n_labels = len(manifest.labels)
         self.exit_ramps = [r.name for r in manifest.exit_ramps()]
         self.input_names = (
@@ -180,14 +189,18 @@ class SplitWorker:
 
     # ------------------------------------------------------------------ warm-up and expected service time
 
-    def _dummy_state(self, n: int) -> dict[str, np.ndarray]:
-        """Inputs of the split's first block, shaped for batch n and this bucket (read from the ONNX file)."""
+    def _first_block_inputs(self) -> list:
+        """The input specs (name, shape with its named dimensions, type) of the split's first block's ONNX file."""
         import onnxruntime as ort
 
         first = self.runtime.manifest.blocks[self.runtime.first_block]
         session = ort.InferenceSession(str(self.runtime.directory / first.file), providers=["CPUExecutionProvider"])
+        return list(session.get_inputs())
+
+    def _dummy_state(self, n: int) -> dict[str, np.ndarray]:
+        """Inputs of the split's first block, shaped for batch n and this bucket (read from the ONNX file)."""
         state = {}
-        for spec in session.get_inputs():
+        for spec in self._first_block_inputs():
             dims = [
                 n if d == "batch" else self.bucket if d == "seq" else (d if isinstance(d, int) else 1)
                 for d in spec.shape
@@ -213,6 +226,13 @@ class SplitWorker:
         big = self._time_batch(big_n, template)
         slope = max((big - small) / (big_n - 1), 1e-3)
         self.fit = (max(small - slope, 0.0), slope)
+        for shorter in self.runtime.buckets:  # the trimming sessions run once before any request needs them
+            if shorter < self.bucket:
+                cut = {
+                    k: np.take(v, np.arange(shorter), axis=self.trim_axes[k]) if k in self.trim_axes else v
+                    for k, v in template.items()
+                }
+                execute(self.runtime, cut, shorter, {}, np.zeros(1, bool), np.zeros(1, bool))
         log.info("warm-up: %.2f ms at batch 1, %.2f ms at batch %d", small, big, big_n)
 
     def expected_ms(self, n: int) -> float:
@@ -452,7 +472,10 @@ class SplitWorker:
     def _execute(self, state, thresholds, answered, recorded, first: int, last: int) -> BatchOutcome:
         """A batch through blocks first..last; an input the model cannot run fails alone (isolate.py)."""
         known = known_input_check(self.runtime, self.warm_input, self.bucket, first, last)
-        return execute_isolated(self.runtime, state, self.bucket, thresholds, answered, recorded, first, last, known)
+        bucket = self.bucket
+        if self.trim_axes:
+            state, bucket = trimmed(state, self.trim_mask, self.trim_axes, self.runtime.buckets, self.bucket)
+        return execute_isolated(self.runtime, state, bucket, thresholds, answered, recorded, first, last, known)
 
     async def forward(self, rows: list[Row], state: dict[str, np.ndarray]) -> None:
         try:

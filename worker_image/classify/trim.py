@@ -1,0 +1,75 @@
+"""Each batch padded only to the shortest length bucket that holds its longest row, within the worker's own.
+
+The router pads every input to its cell's bucket. On a CPU, where a batch costs about its tokens, a worker
+of bucket 128 running a batch of 30-token inputs at 128 spends four times what it needs; the serving
+systems users compare against pad a batch only to its longest input. A worker that trims keeps one
+session per length bucket up to its own (16, 32, 64, ... as the bundle's default buckets, and its own)
+and runs each batch at the smallest that holds the batch's longest row: the attention mask says where
+each row ends (right-padded, as the router pads), every input with a `seq` dimension is cut there, and
+the masked positions it drops changed nothing but padding.
+
+Only where the shorter shapes go nowhere: the worker must end the model (the last split: its batches
+answer and forward nothing) and run its split as one batch (no rebatching, whose inner queues stack
+rows of one length). Sessions per bucket cost memory (each loads the weights), so by default only CPU
+workers trim (`--trim auto`); GPUs, whose batches are flat in their size up to a point, keep one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from exitplan.api.bundle import BundleManifest
+from exitplan.api.plan import SplitPlan
+from exitplan.worker.bundle_runtime import default_buckets
+
+SEQ_DIM = "seq"
+
+
+def trims(manifest: BundleManifest, split: SplitPlan, providers: Sequence[str], trim: bool | None) -> bool:
+    """Whether a worker of `split` trims: asked to (None: on CPU providers only), the model has an attention
+    mask, the split ends the model and runs as one batch."""
+    if trim is None:
+        trim = all(p == "CPUExecutionProvider" for p in providers)
+    ends = split.last_block == len(manifest.blocks) - 1
+    return bool(trim and mask_input(manifest) and ends and not split.rebatch)
+
+
+def trim_buckets(manifest: BundleManifest, bucket: int) -> list[int]:
+    """The runtime buckets a trimming worker of `bucket` keeps: the bundle's default buckets below it, and it."""
+    if manifest.seq_axis is None or manifest.max_length is None:
+        return [bucket]
+    return sorted({b for b in default_buckets(int(manifest.max_length)) if b < bucket} | {bucket})
+
+
+def mask_input(manifest: BundleManifest) -> str | None:
+    """The model input that marks real tokens (the attention mask), if it has one."""
+    return next((t.name for t in manifest.inputs if "mask" in t.name.lower()), None)
+
+
+def seq_axes(input_shapes: Mapping[str, Sequence[object]]) -> dict[str, int]:
+    """Per input, the axis named `seq` in its ONNX shape (inputs without one are left out)."""
+    return {name: list(shape).index(SEQ_DIM) for name, shape in input_shapes.items() if SEQ_DIM in list(shape)}
+
+
+def longest_row(mask: np.ndarray, axis: int) -> int:
+    """One past the last position any row of the batch marks as real (right-padded rows)."""
+    marked = np.flatnonzero(np.any(np.moveaxis(mask, axis, -1).reshape(-1, mask.shape[axis]) != 0, axis=0))
+    return int(marked[-1]) + 1 if marked.size else 1
+
+
+def trimmed(
+    state: Mapping[str, np.ndarray], mask: str, axes: Mapping[str, int], buckets: Sequence[int], bucket: int
+) -> tuple[dict[str, np.ndarray], int]:
+    """(the state cut to the smallest of `buckets` that holds its longest row, that bucket); the state as it
+    is and `bucket` when nothing shorter holds it."""
+    need = longest_row(state[mask], axes[mask])
+    shorter = next((b for b in sorted(buckets) if need <= b < bucket), None)
+    if shorter is None:
+        return dict(state), bucket
+    out = {
+        name: np.take(value, np.arange(shorter), axis=axes[name]) if name in axes else value
+        for name, value in state.items()
+    }
+    return out, shorter
