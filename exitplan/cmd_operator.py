@@ -1,5 +1,7 @@
 """`exitplan operator`: run the operator (kopf) against the current kubeconfig;
-`exitplan operator publish-profile FILE`: publish a measured profile as a ModelProfile resource."""
+`exitplan operator publish-profile FILE`: publish a measured profile as a ModelProfile resource;
+`exitplan operator publish-bundle-info DIR`: publish a bundle's bundle.yaml and generation measurements
+as a ConfigMap (a remote generation bundle's, for the operator to plan from)."""
 
 from __future__ import annotations
 
@@ -175,3 +177,48 @@ def publish_profile(
     result = "created" if report.created else "updated" if report.patched else "unchanged"
     table.add_row(namespace, name, spec.model, spec.pool, str(len(spec.blocks)), str(len(spec.ramps)), result)
     Console().print(table)
+
+
+@app.command("publish-bundle-info")
+def publish_bundle_info(
+    bundle: Path = typer.Argument(..., help="The bundle directory (fetched and verified by storage-init)."),
+    namespace: str = typer.Option("default", help="Namespace of the ConfigMap."),
+    name: str = typer.Option(..., help="ConfigMap name (the operator reads `<service>-bundle-info`)."),
+    service: str = typer.Option("", help="The EarlyExitService it is read for (label exitplan.io/bundle-info-of)."),
+    service_uid: str = typer.Option("", help="That service's uid: the ConfigMap's owner (deleted with it)."),
+    source: str = typer.Option("", help="Annotation exitplan.io/bundle-source: which spec.model it was read from."),
+    kubeconfig: Path = typer.Option(None, help="Kubeconfig (default: in-cluster, then $KUBECONFIG)."),
+) -> None:
+    """Publish a bundle's bundle.yaml and generation measurements (profiles/generation-<pool>.json) as a
+    ConfigMap: the operator plans a generation service with a remote bundle from it (the last step of
+    its bundle-info Job, operator/bundle_info.py)."""
+    import asyncio
+
+    from exitplan.api.bundle import BundleError
+    from exitplan.operator import bundle_info
+    from exitplan.operator.apply import ApplyReport
+    from exitplan.operator.kube import ApiError, KubeClient
+
+    try:
+        texts = bundle_info.read_dir(bundle)
+        body = bundle_info.configmap(texts, namespace, name, service, service_uid, source)
+    except (OSError, ValueError, BundleError) as err:
+        from exitplan.cli import fail
+
+        fail(f"{bundle}: {err}" if str(bundle) not in str(err) else err)
+
+    size = sum(len(k.encode()) + len(v.encode()) for k, v in body["data"].items())
+    files = ", ".join(sorted(body["data"]))
+
+    async def publish() -> ApplyReport:
+        async with KubeClient.from_config(str(kubeconfig) if kubeconfig else None) as client:
+            return await bundle_info.publish(client, body)
+
+    try:
+        report = asyncio.run(publish())
+    except ApiError as err:
+        from exitplan.cli import fail
+
+        fail(f"publishing ConfigMap {namespace}/{name} failed: {err}", 1)
+    result = "created" if report.created else "updated" if report.patched else "unchanged"
+    typer.echo(f"ConfigMap {namespace}/{name} {result}: {files} ({size} bytes)")

@@ -9,46 +9,44 @@ the operator can read them, and otherwise plans one KV-recomputation stage that 
 changed live through the router's POST /v1/thresholds.
 
 The stages and the router get a remote bundle (s3://, https://, pvc://, oci://) as a classification
-service's pods do (builders._volumes: bundle_volumes.py's storage-init container and volume), but
-planning needs the bundle's bundle.yaml here, in the operator, which reads only a path it can see:
-a remote generation bundle is reported as an Infeasible plan (reason GenerationPlan) that says so,
-and nothing is started.
+service's pods do (builders._volumes: bundle_volumes.py's storage-init container and volume). The
+plan needs the bundle's bundle.yaml and measurements, which the operator cannot read there: a Job
+fetches the bundle as the pods do and publishes them as ConfigMap `<svc>-bundle-info`, and the plan
+is made from that ConfigMap, with the same parsing as from a directory (bundle_info.py; while the
+Job runs the phase is Profiling, reason FetchingBundleInfo; a failed Job is condition ProfilingFailed).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from exitplan.api.bundle import BundleError, read_manifest
+from exitplan.api.bundle import BundleError
 from exitplan.api.bundle_source import parse_bundle_uri
 from exitplan.api.resources import EarlyExitServiceSpec
-from exitplan.operator import builders, capacity, generation_builders
+from exitplan.operator import builders, bundle_info, capacity, generation_builders
+from exitplan.operator.bundle_info import BundleTexts
 from exitplan.operator.executors import run_planner
 from exitplan.operator.metrics import METRICS
 from exitplan.operator.reconcile import Service, ServiceResources, _infeasible, current_plan, propose_or_apply
 from exitplan.operator.status import ServiceStatus, set_condition
 from exitplan.planner.errors import PlannerError
-from exitplan.planner.generation import GenerationPlanResult, measurements_file, plan_generation, read_measurements
+from exitplan.planner.generation import GenerationPlanResult, plan_generation
 
 is_generation = generation_builders.is_generation
 
 
-def plan_for(name: str, spec: EarlyExitServiceSpec, inputs: ServiceResources, reason: str) -> GenerationPlanResult:
-    """The generation plan from the bundle's manifest and, when present, its measurements (blocking I/O)."""
-    if parse_bundle_uri(spec.model.bundle).remote:  # the spec's validation accepted it
-        shown = spec.model.bundle.split("?", 1)[0]  # never a presigned URL's signature
-        raise BundleError(
-            f"spec.model.bundle {shown!r} is a {shown.split('://', 1)[0]}:// bundle: the pods would fetch and "
-            "verify it (storage-init), but the operator plans a generation service from the bundle's bundle.yaml "
-            "(its blocks, exit ramps and context) and reads it only from a path it can see; give a directory "
-            "the operator can read (a path under its allowed host paths)"
-        )
-    bundle = Path(builders.bundle_path(spec.model.bundle))
-    manifest = read_manifest(bundle)
+def plan_for(
+    name: str, spec: EarlyExitServiceSpec, inputs: ServiceResources, reason: str, texts: BundleTexts | None = None
+) -> GenerationPlanResult:
+    """The generation plan from the bundle's manifest and, when present, its measurements for the first
+    pool: from `texts` (a remote bundle's, bundle_info.wait) or else read from the bundle directory
+    (blocking I/O)."""
+    if texts is None:
+        if parse_bundle_uri(spec.model.bundle).remote:  # reconcile_generation reads its ConfigMap first
+            raise BundleError(f"spec.model.bundle {bundle_info.shown(spec.model.bundle)!r}: no bundle info read yet")
+        texts = bundle_info.read_dir(builders.bundle_path(spec.model.bundle))
+    manifest = bundle_info.manifest_of(texts)
     if manifest.decoder is None:
-        raise BundleError(f"{bundle}: spec.model.task is text-generation but the bundle has no decoder section")
-    measured = measurements_file(bundle, spec.pools[0].name)
-    profile, points = read_measurements(measured) if measured.is_file() else (None, [])
+        raise BundleError(f"{texts.where}: spec.model.task is text-generation but the bundle has no decoder section")
+    profile, points = bundle_info.measurements_of(texts, spec.pools[0].name)
     return plan_generation(
         name,
         spec,
@@ -66,9 +64,14 @@ async def reconcile_generation(
     svc: Service, spec: EarlyExitServiceSpec, inputs: ServiceResources, status: ServiceStatus, reason: str
 ) -> ServiceStatus:
     """Plan and apply on what other services leave of the pools (capacity.py), under the capacity lock."""
+    texts = None
+    if parse_bundle_uri(spec.model.bundle).remote:  # the spec's validation accepted it
+        texts = await bundle_info.wait(svc, spec, status)
+        if texts is None:  # its Job runs, or failed: the status says which
+            return status
     async with svc.capacity_lock():
         room = await capacity.room(svc, inputs)
-        return await _plan_and_apply(svc, spec, room.reduced(inputs), status, reason, room)
+        return await _plan_and_apply(svc, spec, room.reduced(inputs), status, reason, room, texts)
 
 
 async def _plan_and_apply(
@@ -78,14 +81,16 @@ async def _plan_and_apply(
     status: ServiceStatus,
     reason: str,
     room: capacity.Room,
+    texts: BundleTexts | None,
 ) -> ServiceStatus:
     gen = svc.generation
     try:
-        result = await run_planner(plan_for, svc.name, spec, inputs, reason)
+        result = await run_planner(plan_for, svc.name, spec, inputs, reason, texts)
     except (BundleError, PlannerError, OSError) as err:
         message = (
             f"cannot plan the generation service: {err}; the operator reads the bundle's bundle.yaml "
-            f"(and profiles/generation-<pool>.json if present) from spec.model.bundle"
+            "(and profiles/generation-<pool>.json if present) from spec.model.bundle"
+            + (f" (a remote one through ConfigMap {bundle_info.configmap_name(svc.name)})" if texts else "")
             + (f"; other services hold capacity: {room.describe()}" if room.shared() else "")
         )
         svc.event("Warning", "PlannerInput", message)

@@ -387,11 +387,22 @@ def measurements_file(bundle: str | Path, pool: str) -> Path:
 def read_measurements(path: str | Path) -> tuple[GenerationProfile, list[ThresholdPoint]]:
     """The profile and threshold table of a measurements file (`{"profile": ..., "thresholds": [...]}`)."""
     try:
-        data = json.loads(Path(path).read_text())
+        text = Path(path).read_text()
+    except OSError as err:
+        raise GenerationPlanError(
+            f"{path}: not a generation measurements file ({err}); measure with `exitplan up`", field="profile"
+        ) from err
+    return parse_measurements(text, str(path))
+
+
+def parse_measurements(text: str, where: str) -> tuple[GenerationProfile, list[ThresholdPoint]]:
+    """`read_measurements` on the file's text (`where` names it in errors)."""
+    try:
+        data = json.loads(text)
         return GenerationProfile.load(data["profile"]), [ThresholdPoint.load(p) for p in data["thresholds"]]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError) as err:
         if isinstance(err, GenerationPlanError):
             raise
         raise GenerationPlanError(
-            f"{path}: not a generation measurements file ({err}); measure with `exitplan up`", field="profile"
+            f"{where}: not a generation measurements file ({err}); measure with `exitplan up`", field="profile"
         ) from err

@@ -27,7 +27,7 @@ from test_operator_support import (
 from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import EarlyExitService, EarlyExitServiceSpec, GPUPoolSpec, Task
 from exitplan.devcluster.schema import Validator
-from exitplan.operator import builders, bundle_health, crdgen, generation_builders, guards
+from exitplan.operator import builders, bundle_health, bundle_info, crdgen, generation_builders, guards
 from exitplan.operator.bundle_volumes import BUNDLE_DIR, IMAGE_COPY, STORAGE_INIT
 
 SHA = "a" * 64
@@ -168,6 +168,53 @@ def test_a_generation_service_gets_the_classification_workers_bundle_parts(kind,
         assert mount["mountPath"] == BUNDLE_DIR and mount["readOnly"] is True
         for version in kube_versions:
             kv.validate(dep, version, strict=True)
+
+
+@pytest.mark.parametrize("kind", sorted(set(SOURCES) - {"host"}))
+def test_the_bundle_info_job_fetches_like_the_pods_then_publishes(kind, kube_versions):
+    """A remote generation bundle's bundle-info Job: the stages' own bundle parts (storage-init, volume),
+    then `exitplan operator publish-bundle-info BUNDLE_DIR` into ConfigMap <svc>-bundle-info, valid strictly."""
+    gen = spec(kind, Task.text_generation)
+    job = bundle_info.build_job(OWNER, gen)
+    stage = pod_of(generation_builders.build_stage("digits", "default", gen, PLAN, PLAN.cells[0], POOLS["cpu"]))
+    pod = pod_of(job)
+    assert (
+        job["metadata"]["name"] == "digits-bundle-info" and bundle_info.job_name("digits", 1) == "digits-bundle-info-2"
+    )
+    assert pod["initContainers"] == stage["initContainers"]  # fetched and verified exactly as the stages do
+    assert pod["initContainers"][-1]["name"] == STORAGE_INIT
+    assert next(v for v in pod["volumes"] if v["name"] == "bundle") == next(
+        v for v in stage["volumes"] if v["name"] == "bundle"
+    )
+    (publish,) = pod["containers"]
+    assert publish["command"] == ["exitplan", "operator", "publish-bundle-info"]
+    args = publish["args"]
+    assert args[0] == BUNDLE_DIR and args[args.index("--name") + 1] == "digits-bundle-info"
+    assert args[args.index("--namespace") + 1] == "default" and args[args.index("--service-uid") + 1] == "1234-uid"
+    assert args[args.index("--source") + 1] == bundle_info.source_key(gen.model)
+    assert publish["terminationMessagePolicy"] == "FallbackToLogsOnError" and "envFrom" not in publish
+    (mount,) = [m for m in publish["volumeMounts"] if m["name"] == "bundle"]
+    assert mount["mountPath"] == BUNDLE_DIR and mount["readOnly"] is True
+    assert pod["serviceAccountName"] == "exitplan-profiler" and pod["restartPolicy"] == "Never"
+    assert job["metadata"]["ownerReferences"][0]["uid"] == "1234-uid"
+    assert job["metadata"]["annotations"][bundle_info.A_SOURCE] == bundle_info.source_key(gen.model)
+    for version in kube_versions:
+        kv.validate(job, version, strict=True)
+    broken = copy.deepcopy(job)
+    pod_of(broken)["containers"][0]["volumeMounts"][0]["readonly"] = True
+    with pytest.raises(kv.ValidationError):
+        kv.validate(broken, kube_versions[-1], strict=True)
+
+
+def test_the_bundle_source_key_follows_what_the_pods_fetch():
+    """A new URI, sha256 or Secret is another source (a new Job reads it); the SLO is not."""
+    base = spec("s3-tarball", Task.text_generation).model
+    keys = {
+        bundle_info.source_key(base.model_copy(update=change))
+        for change in ({}, {"bundle": "s3://bundles/v2.tar.gz"}, {"bundle_sha256": "b" * 64}, {"bundle_secret": "x"})
+    }
+    assert len(keys) == 4
+    assert bundle_info.source_key(spec("s3-tarball", Task.text_generation).model) == bundle_info.source_key(base)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The operator's children of a generation service: the pure builders, then the real operator under
-kopf against the emulated API server (the harness of test_operator_integration.py)."""
+kopf against the emulated API server (the harness of test_operator_integration.py), with a local bundle
+and with a remote one (its bundle-info Job's publish step run for real, its failure a condition)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import shutil
 import pytest
 from generation_helpers import tiny_decoder_bundle
 from test_operator_support import ClusterThread, condition, mark_ready, operator, pool, status, wait_for, workers
+from typer.testing import CliRunner
 
 from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
+from exitplan.cli import app
 from exitplan.operator import builders, generation_builders
+from exitplan.operator.bundle_volumes import BUNDLE_DIR, STORAGE_INIT
 from exitplan.planner.generation import plan_generation
 
 OWNER = {
@@ -191,26 +195,138 @@ def test_without_measurements_the_plan_is_one_stage_that_never_exits(cluster, bu
         assert "no bundle.yaml here" in st["message"] and not workers(cluster, ns, "nobundle")
 
 
-@pytest.mark.parametrize(
-    "model",
-    [
-        {"bundle": "https://models.example.com/decoder.tar.gz?X-Amz-Signature=secret", "bundleSha256": "a" * 64},
-        {"bundle": "s3://bundles/decoder", "bundleSecret": "s3-creds"},
-    ],
-)
-def test_a_remote_generation_bundle_is_an_infeasible_plan_that_says_why(cluster, tmp_path, model):
-    """The pods could fetch it, but the operator plans from bundle.yaml, which it cannot read: a condition
-    that names the source (without a presigned URL's query), not a crash, and no half-built service."""
+# ------------------------------------------------------------------ remote bundles (bundle_info.py)
+
+SIGNED = "https://models.example.com/decoder.tar.gz?X-Amz-Signature=secret"
+
+
+def run_the_jobs_publish_step(cluster: ClusterThread, job: dict, bundle) -> None:
+    """What the bundle-info Job's pod does once storage-init filled BUNDLE_DIR: its publish container's
+    command and args, run for real (the CLI) against the emulated API, with the bundle at `bundle`."""
+    (publish,) = job["spec"]["template"]["spec"]["containers"]
+    assert publish["command"] == ["exitplan", "operator", "publish-bundle-info"]
+    args = [str(bundle) if a == BUNDLE_DIR else a for a in publish["args"]]
+    result = CliRunner().invoke(
+        app, ["operator", "publish-bundle-info", *args, "--kubeconfig", str(cluster.kubeconfig)]
+    )
+    assert result.exit_code == 0, result.output
+    finish_job(cluster, job, "Complete")
+
+
+def finish_job(cluster: ClusterThread, job: dict, kind: str, reason: str = "", message: str = "") -> None:
+    """Stand in for the Job controller: the Job's final condition."""
+    cond = {"type": kind, "status": "True", "lastTransitionTime": "2025-01-01T00:00:00Z"}
+    cond.update({k: v for k, v in (("reason", reason), ("message", message)) if v})
+    done = {"succeeded": 1} if kind == "Complete" else {"failed": 3}
+    cluster.patch(
+        "Job",
+        job["metadata"]["namespace"],
+        job["metadata"]["name"],
+        {"status": {"conditions": [cond], **done}},
+        "status",
+    )
+
+
+def bundle_info_jobs(cluster: ClusterThread, ns: str, name: str) -> list[dict]:
+    jobs = cluster.list("Job", ns, f"exitplan.io/service={name},app.kubernetes.io/component=bundle-info")
+    return sorted(jobs, key=lambda j: j["metadata"]["name"])
+
+
+def test_a_remote_generation_bundle_is_read_by_a_job_and_planned_from_its_configmap(cluster, bundle_copy, tmp_path):
+    """The Job fetches the bundle as the pods do; its publish step writes bundle.yaml and the measurements
+    into a ConfigMap, and the service is planned from it exactly as from the directory (2 stages at 0.8)."""
     ns = "remote"
-    with operator(cluster, env={"EXITPLAN_ALLOWED_HOST_PATHS": str(tmp_path)}):
+    env = {"EXITPLAN_ALLOWED_HOST_PATHS": str(tmp_path), "EXITPLAN_PROFILE_RETRY_SECONDS": "0.5"}
+    with operator(cluster, env=env):
         body = generation_service("far", ns, "/unused")
-        body["spec"]["model"].update(model)
-        cluster.create(body)
+        body["spec"]["model"].update({"bundle": SIGNED, "bundleSha256": "a" * 64})
+        svc = cluster.create(body)
+        job = wait_for("the bundle-info Job", lambda: bundle_info_jobs(cluster, ns, "far"))[0]
+        assert job["metadata"]["name"] == "far-bundle-info"
+        inits = job["spec"]["template"]["spec"]["initContainers"]
+        assert [c["name"] for c in inits] == [STORAGE_INIT] and inits[0]["args"][:2] == [SIGNED, BUNDLE_DIR]
+        assert job["metadata"]["ownerReferences"][0]["uid"] == svc["metadata"]["uid"]
+        st = wait_for("phase Profiling", lambda: (s := status(cluster, ns, "far")).get("phase") == "Profiling" and s)
+        assert condition(st, "Progressing")["reason"] == "FetchingBundleInfo" and "Job far-bundle-info" in st["message"]
+        assert "secret" not in st["message"] and not cluster.list("Deployment", ns)
+        run_the_jobs_publish_step(cluster, job, bundle_copy)
+        cm = cluster.get("ConfigMap", ns, "far-bundle-info")
+        assert set(cm["data"]) == {"bundle.yaml", "generation-gpu-a.json"}
+        assert cm["metadata"]["ownerReferences"][0]["uid"] == svc["metadata"]["uid"]
+        assert "exitplan.io/service" not in cm["metadata"]["labels"]  # no plan child: never pruned
         st = wait_for(
-            "a remote generation bundle becomes a condition",
-            lambda: (s := status(cluster, ns, "far")).get("phase") == "Infeasible" and s,
+            "planned from the ConfigMap",
+            lambda: (s := status(cluster, ns, "far")).get("phase") in ("Deploying", "Ready") and s,
         )
-        kind = model["bundle"].split("://")[0]
-        assert f"is a {kind}:// bundle" in st["message"] and "reads it only from a path it can see" in st["message"]
-        assert "secret" not in st["message"] and condition(st, "PlanInfeasible")["reason"] == "GenerationPlan"
-        assert not workers(cluster, ns, "far") and not cluster.list("Deployment", ns)
+        plan = Plan.model_validate_json(
+            cluster.get("ConfigMap", ns, builders.plan_configmap_name("far"))["data"]["plan.json"]
+        )
+        assert len(plan.splits) == 2 and set(plan.thresholds.values()) == {0.8}  # the measurements were used
+        stages = workers(cluster, ns, "far")
+        assert set(stages) == {builders.worker_name("far", c) for c in plan.cells}
+        for dep in stages.values():
+            pod = dep["spec"]["template"]["spec"]
+            assert pod["initContainers"][-1]["name"] == STORAGE_INIT
+            args = pod["containers"][0]["args"]
+            assert args[args.index("--bundle") + 1] == BUNDLE_DIR
+        assert cluster.get("ConfigMap", ns, "far-bundle-info"), "applying the plan keeps the bundle info"
+        assert len(bundle_info_jobs(cluster, ns, "far")) == 1
+        # another bundle: a new Job reads it, the plan follows what it says
+        (bundle_copy / "profiles" / "generation-gpu-a.json").unlink()
+        cluster.patch("EarlyExitService", ns, "far", {"spec": {"model": {"bundleSha256": "b" * 64}}})
+        second = wait_for("a Job for the new source", lambda: bundle_info_jobs(cluster, ns, "far")[1:])[0]
+        assert second["metadata"]["name"] == "far-bundle-info-2"
+        run_the_jobs_publish_step(cluster, second, bundle_copy)
+        assert set(cluster.get("ConfigMap", ns, "far-bundle-info")["data"]) == {"bundle.yaml"}  # the stale file went
+        st = wait_for(
+            "re-planned without measurements",
+            lambda: (
+                (s := status(cluster, ns, "far"))
+                and "recompute, 1 stage(s), threshold 1.0" in condition(s, "Planned").get("message", "")
+                and s
+            ),
+        )
+        assert len(workers(cluster, ns, "far")) == 1
+
+
+def test_a_failed_bundle_info_job_is_a_condition_with_its_message_then_retried(cluster, tmp_path):
+    ns = "badsha"
+    said = "container storage-init exited 1: the tarball's sha256 is 1234, not " + "a" * 64
+    env = {
+        "EXITPLAN_ALLOWED_HOST_PATHS": str(tmp_path),
+        "EXITPLAN_PROFILE_RETRY_SECONDS": "0.5",
+        "EXITPLAN_PROFILE_ATTEMPTS": "2",
+    }
+    with operator(cluster, env=env):  # the runner re-raises what the operator raised, at its exit
+        body = generation_service("far", ns, "/unused")
+        body["spec"]["model"].update({"bundle": "s3://bundles/decoder", "bundleSecret": "s3-creds"})
+        cluster.create(body)
+        first = wait_for("the bundle-info Job", lambda: bundle_info_jobs(cluster, ns, "far"))[0]
+        assert first["spec"]["template"]["spec"]["initContainers"][0]["envFrom"] == [
+            {"secretRef": {"name": "s3-creds"}}
+        ]
+        finish_job(
+            cluster, first, "Failed", "BackoffLimitExceeded", f"Job has reached the specified backoff limit; {said}"
+        )
+        second = wait_for("a second attempt after the backoff", lambda: bundle_info_jobs(cluster, ns, "far")[1:])[0]
+        st = status(cluster, ns, "far")
+        failed = condition(st, "ProfilingFailed")
+        assert failed["status"] == "True" and failed["reason"] == "BundleFetchFailed"
+        assert said in failed["message"] and f"Job {second['metadata']['name']} tries again" in failed["message"]
+        finish_job(
+            cluster, second, "Failed", "BackoffLimitExceeded", f"Job has reached the specified backoff limit; {said}"
+        )
+        st = wait_for(
+            "phase ProfilingFailed, attempts spent",
+            lambda: (
+                (s := status(cluster, ns, "far")).get("phase") == "ProfilingFailed"
+                and "no more attempts" in s["message"]
+                and s
+            ),
+        )
+        assert condition(st, "ProfilingFailed")["reason"] == "BundleFetchFailed" and said in st["message"]
+        assert "far-bundle-info-2 failed (attempt 2 of 2)" in st["message"]
+        assert condition(st, "Progressing")["status"] == "False" and not cluster.list("Deployment", ns)
+        warnings = [e for e in cluster.events(ns, "far") if e.get("reason") == "BundleFetchFailed"]
+        assert warnings and all(e["type"] == "Warning" for e in warnings)
+        assert len(bundle_info_jobs(cluster, ns, "far")) == 2  # no crash loop: nothing more is started

@@ -16,7 +16,8 @@ What the code needs comes from two places, both derived here rather than written
   ClusterKopfPeering (list, watch, patch) or namespaces (list, watch) — as kopf's source does it
   (kopf/_core/engines/peering.py, posting.py, kopf/_core/reactor/observation.py).
 
-The profiling Job's identity is scanned the same way from `exitplan operator publish-profile`.
+The profiling Job's identity is scanned the same way from `exitplan operator publish-profile` and
+`exitplan operator publish-bundle-info` (the bundle-info Job's, which runs under the same identity).
 """
 
 from __future__ import annotations
@@ -559,7 +560,9 @@ def code_needs() -> Needs:
     app_peering = scan.needs([PEERING_MODULE], functions=[("exitplan.cmd_operator", "command")])
     kopf_needs, owners = kopf_handler_needs()
     adopt = {(g, f"{p}/finalizers", "update") for g, p in owners} if scan.adopts else set()
-    profiler = scan.needs([], functions=[("exitplan.cmd_operator", "publish_profile")])
+    profiler = scan.needs(
+        [], functions=[("exitplan.cmd_operator", "publish_profile"), ("exitplan.cmd_operator", "publish_bundle_info")]
+    )
     return Needs(app, app_peering, kopf_needs, adopt, profiler, list(scan.unresolved))
 
 
@@ -616,6 +619,7 @@ def test_scan_resolves_every_api_call() -> None:
     assert ("exitplan.io", "earlyexitservices/status", "patch") in needs.app
     assert ("kopf.dev", "clusterkopfpeerings", "create") in needs.app_peering
     assert ("exitplan.io", "modelprofiles", "create") in needs.profiler
+    assert ("", "configmaps", "patch") in needs.profiler  # publish-bundle-info (operator/bundle_info.py)
 
 
 def test_cluster_wide_rules_match_the_code_exactly() -> None:

@@ -90,10 +90,17 @@ exactly: nothing missing, nothing extra.
 {{- end -}}
 
 {{/* The profiling Job's `exitplan operator publish-profile` (exitplan/cmd_operator.py publish_profile
-     -> operator/apply.py apply_one): get, create or patch one ModelProfile in its namespace. */}}
+     -> operator/apply.py apply_one): get, create or patch one ModelProfile in its namespace; the
+     bundle-info Job's `exitplan operator publish-bundle-info` (publish_bundle_info ->
+     operator/bundle_info.py publish): get, create or patch one ConfigMap. */}}
 {{- define "exitplan.rules.profiler" -}}
 # app: publish the measured ModelProfile (exitplan/cmd_operator.py publish_profile).
 - apiGroups: ["exitplan.io"]
   resources: ["modelprofiles"]
+  verbs: ["get", "create", "patch"]
+# app: publish a remote generation bundle's bundle.yaml and measurements as the ConfigMap the
+# operator plans from (exitplan/cmd_operator.py publish_bundle_info, operator/bundle_info.py).
+- apiGroups: [""]
+  resources: ["configmaps"]
   verbs: ["get", "create", "patch"]
 {{- end -}}
