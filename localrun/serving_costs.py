@@ -9,8 +9,9 @@ requests are sent one at a time over one keep-alive connection, and each process
 from /proc before and after:
 
 router_ms   the router's CPU time per request;
-hop_ms      the worker's CPU time per batch less its compute (the worker's own batch timer,
-            exitplan_worker_batch_seconds, times its intra-op threads): its work beyond the model.
+hop_ms      the worker's CPU time per batch less its compute: the same requests decoded as the router
+            decodes them and run through the same blocks in this process, timed in CPU time (wall time
+            would count the time other processes hold the cores), times the intra-op threads.
 
 CPU time, not wall time: on a machine the processes share, what one request takes from the others is
 its CPU; the planner counts it against the cores (planner/serving_path.py). Linux only (/proc).
@@ -168,7 +169,8 @@ def measure_serving_costs(
     if sent == 0 or sample.batches <= 0:
         raise ServingCostError("no request was answered; see the processes' logs")
     router = sample.router_cpu_s / sent * 1e3
-    hop = max(0.0, (sample.worker_cpu_s - sample.compute_s * threads) / sample.batches * 1e3)
+    compute_ms = _compute_cpu_ms(bundle, bucket, bodies[WARMUP:], threads)
+    hop = max(0.0, sample.worker_cpu_s / sample.batches * 1e3 - compute_ms * threads)
     return ServingCosts(
         router_ms=round(router, 4),
         hop_ms=round(hop, 4),
@@ -176,6 +178,29 @@ def measure_serving_costs(
         cores=usable_cores(),
         requests=sent,
     )
+
+
+def _compute_cpu_ms(bundle: Path, bucket: int, bodies: list[bytes], threads: int) -> float:
+    """CPU ms of the model's own compute per request: the bodies decoded as the router decodes them and
+    run one at a time through every block and the final head (no exits), as the worker runs them."""
+    from exitplan.worker.bundle_runtime import BundleRuntime
+    from exitplan.worker.classify.decode import decode_inputs, parse_request
+
+    runtime = BundleRuntime(bundle, buckets=[bucket], threads=threads, providers=("CPUExecutionProvider",))
+    tokenizer = None
+    if runtime.manifest.tokenizer:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(bundle / runtime.manifest.tokenizer))
+    states = []
+    for body in bodies[:MIN_REQUESTS]:
+        batch = decode_inputs(parse_request(body, None), runtime.manifest, tokenizer, [bucket], False)
+        states.append(batch.state_for([0], bucket))
+    runtime.run_range(states[0], bucket)  # warm
+    started = time.process_time()
+    for state in states:
+        runtime.run_range(state, bucket)
+    return (time.process_time() - started) / len(states) * 1e3
 
 
 def _drive(deployment: LocalDeployment, bodies: list[bytes], seconds: float) -> tuple[_Sample, int]:
