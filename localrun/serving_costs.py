@@ -10,8 +10,10 @@ from /proc before and after:
 
 router_ms   the router's CPU time per request;
 hop_ms      the worker's CPU time per batch less its compute: the same requests decoded as the router
-            decodes them and run through the same blocks in this process, timed in CPU time (wall time
-            would count the time other processes hold the cores), times the intra-op threads.
+            decodes them and run through the same blocks in this process, timed in the process's CPU
+            time (every intra-op thread's; wall time would count the time other processes hold the
+            cores). On a GPU pool the reference still computes on the CPU, so there the figure is
+            only a lower bound of the worker's own work (0 when the GPU takes the compute off the CPU).
 
 CPU time, not wall time: on a machine the processes share, what one request takes from the others is
 its CPU; the planner counts it against the cores (planner/serving_path.py). Linux only (/proc).
@@ -170,7 +172,7 @@ def measure_serving_costs(
         raise ServingCostError("no request was answered; see the processes' logs")
     router = sample.router_cpu_s / sent * 1e3
     compute_ms = _compute_cpu_ms(bundle, bucket, bodies[WARMUP:], threads)
-    hop = max(0.0, sample.worker_cpu_s / sample.batches * 1e3 - compute_ms * threads)
+    hop = max(0.0, sample.worker_cpu_s / sample.batches * 1e3 - compute_ms)  # both count every ORT thread
     return ServingCosts(
         router_ms=round(router, 4),
         hop_ms=round(hop, 4),
