@@ -75,6 +75,11 @@ class Plan(Model):
     prediction: Prediction = Field(default_factory=Prediction)
     reason: str = "initial"
     """Why this plan was made (initial, spec-change, length-drift, survival-drift, slo-risk, ...)."""
+    colocate: bool = False
+    """Split 0 runs inside the router processes (`exitplan router --colocate`): no split-0 worker pods,
+    as many routers as the most split-0 replicas of a bucket, each holding split 0 of every bucket, on
+    split 0's pool; the router's peers are split 1's pods. The planner sets it where the hop from the
+    router to split 0 costs more than keeping them apart gains (planner/serving_path.py)."""
     routers: list[str] = Field(default_factory=list)
     """host:port of the routers' control endpoints, the only places a worker posts shadow feedback to
     (a /v1/run frame whose reply_to is not one of them is refused). A hostname stands for every

@@ -212,6 +212,10 @@ class PlannerSettings(Model):
     """The most worker replicas (accelerators) a plan of this service may run over all its pools:
     max-goodput otherwise spends every allowed GPU, so a pool with capacity 100000 would get a
     100000-replica plan. The drift loop's re-plans keep to it too."""
+    colocate: Literal["auto", "on", "off"] = "auto"
+    """Run split 0 inside the router processes (no hop from the router to split 0): auto where the
+    profiles' serving-path costs predict more goodput that way, on always (the plan fails with the reason
+    where it cannot: split 0 over several pools, no measurement), off never."""
     rebatch: bool = True
     """Let splits rebatch (when exits are on): each block of such a split keeps its own fusion queue
     and runs on a full batch of the rows that reached it, instead of on what is left of one
@@ -288,6 +292,10 @@ class ServingCosts(Model):
     hop_ms: Annotated[float, Field(ge=0.0)]
     """Worker CPU per batch beyond the model's compute: the hop in (decode, validate) and the answer or
     forward out. The planner adds it to every split's time per batch."""
+    colocated_ms: Annotated[float, Field(ge=0.0)] | None = None
+    """Router CPU per request beyond the model's compute when the router runs split 0 in its own process
+    (`exitplan router --colocate`): everything routerMs holds but the hop out, plus split 0's batching.
+    None: not measured (the planner then keeps the router and split 0 apart)."""
     threads: Annotated[int, Field(ge=1)] = 1
     """ONNX Runtime intra-op threads per worker: the cores one busy worker keeps busy."""
     cores: Annotated[int, Field(ge=1)] = 1

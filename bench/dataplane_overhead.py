@@ -26,13 +26,16 @@ bytes, over raw length-prefixed sockets on the same event loop, with no HTTP and
 (the proxy parses the JSON body and sends one frame; the worker decodes it and runs the same ORT
 calls). What exitplan adds is then its figure minus the floor.
 
+`--colocated` adds the router that runs split 0 in its own process (`exitplan router --colocate`): the
+same request with no hop and no second process; its *added per request* is the router's own code.
+
 `--baseline-commit REV` (or `--baseline-code DIR`) also serves with other code, side by side: the
 commit is `git archive`d and laid out as the `exitplan` package on the router's and worker's
 PYTHONPATH. Code older than the Server-Timing header gets only the difference of the p50s.
 
     python bench/dataplane_overhead.py [--bundle artifacts/bundles/minilm] [--batch 8] [--bucket 32] [--runs 200]
         [--input text|ids] [--client both|httptools|http.client] [--floor] [--baseline-commit REV]
-        [--new-connection] [--idle-ms 0] [--segments] [--json out.json]
+        [--colocated] [--new-connection] [--idle-ms 0] [--segments] [--json out.json]
 
 `--idle-ms 30` lets the machine idle before each call as it does while MiniLM computes for 30 ms:
 with the digits CNN it shows what the same serving path costs when it starts cold.
@@ -109,6 +112,11 @@ def main() -> None:
         "--floor",
         action="store_true",
         help="also the machine's floor: the same three processes and bytes over raw length-prefixed sockets",
+    )
+    ap.add_argument(
+        "--colocated",
+        action="store_true",
+        help="also the router with split 0 in its own process (`exitplan router --colocate`): no hop, two processes",
     )
     ap.add_argument(
         "--new-connection",
@@ -203,6 +211,14 @@ def main() -> None:
             )
             for name in list(clients):
                 clients[f"{name}, {label}"] = _CLIENTS[name](other.url, path, body)
+        if args.colocated:
+            co = LocalDeployment(
+                args.bundle.resolve(), plan, spec, Path(tmp) / "co", port=args.port + 300, base_port=args.port + 301
+            )
+            co.colocate = True
+            stack.enter_context(co)
+            for name in _client_names(args):
+                clients[f"{name}, co-located"] = _CLIENTS[name](co.url, path, body)
         if args.floor:
             runtime_kw = {"buckets": [args.bucket]} if manifest.seq_axis is not None else {}
             floor_port = stack.enter_context(_floor(args.port + 200, args.bundle, runtime_kw, state))

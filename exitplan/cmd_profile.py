@@ -141,7 +141,7 @@ def _serving_costs(console, bundle: Path, spec, threads: int):
     """The serving path's costs (localrun/serving_costs.py), or exit 2 with the reason."""
     from exitplan.localrun.serving_costs import ServingCostError, measure_serving_costs
 
-    with console.status("measuring the serving path (one router, one worker)"):
+    with console.status("measuring the serving path (one router and one worker, then a router running the model)"):
         try:
             costs = measure_serving_costs(bundle.resolve(), spec, threads=threads)
         except ServingCostError as err:
@@ -150,7 +150,8 @@ def _serving_costs(console, bundle: Path, spec, threads: int):
             fail(f"{err} (or pass --no-serving to skip this measurement)")
     console.print(
         f"serving path: router {costs.router_ms:.2f} ms CPU per request, worker {costs.hop_ms:.2f} ms per batch "
-        f"beyond the model ({costs.requests} requests, {costs.cores} core(s))"
+        f"beyond the model; a router running the model {costs.colocated_ms:.2f} ms per request beyond it "
+        f"({costs.requests} requests, {costs.cores} core(s))"
     )
     return costs
 

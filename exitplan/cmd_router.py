@@ -74,7 +74,10 @@ def server_limits(
 def command(
     bundle: Path = typer.Option(..., help="Model bundle directory (for the tokenizer, labels and ramps)."),
     plan: Path = typer.Option(..., help="Plan file (plan.json). Re-read when it changes."),
-    peers: str = typer.Option(..., help="host:port[,...] of the split-0 workers (the split-0 headless Service)."),
+    peers: str = typer.Option(
+        "",
+        help="host:port[,...] of the split-0 workers (the split-0 headless Service); with --colocate, of split 1's (none for a one-split plan).",
+    ),
     slo_ms: float = typer.Option(100.0, min=0.001, help="p99 latency SLO in ms: the deadline of each input."),
     accuracy_budget: float = typer.Option(
         0.01, min=0.0, max=0.999999, help="Allowed disagreement with the full model."
@@ -111,13 +114,26 @@ def command(
     max_connections: int = MAX_CONNECTIONS,
     drain_delay_s: float = DRAIN_DELAY,
     drain_timeout_s: float = DRAIN_TIMEOUT,
+    colocate: bool = typer.Option(
+        False,
+        help="Run split 0 of every bucket in this process (no hop to a split-0 pod); the options below are its runtime's, as `exitplan worker`'s.",
+    ),
+    pool: str = typer.Option("", help="With --colocate: the GPUPool this router runs on (a metrics label)."),
+    threads: int = typer.Option(1, min=1, help="With --colocate: ONNX Runtime intra-op threads of split 0."),
+    providers: str = typer.Option(
+        "auto", help="With --colocate: split 0's execution providers (as `exitplan worker --providers`)."
+    ),
+    max_wait_ms: float = typer.Option(
+        -1.0, help="With --colocate: split 0's batching wait (as `exitplan worker --max-wait-ms`)."
+    ),
+    trim: str = typer.Option("auto", help="With --colocate: as `exitplan worker --trim` (auto|on|off)."),
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
     """Run the router: KServe v2 inference endpoints, Arlo dispatch, admission control, observations."""
     from exitplan.cli import fail
     from exitplan.planner.dispatch import QueueParams
     from exitplan.worker.auth import control_port_from_env
-    from exitplan.worker.classify.router import Router
+    from exitplan.worker.classify.router import Colocation, Router
 
     port = port_from_env(port)
     control_port = control_port_from_env(control_port)
@@ -126,6 +142,12 @@ def command(
         from exitplan.worker.generate.router import GenerationRouter, is_generative
 
         token = required_token(control_token_file)
+        colocation = None
+        if colocate:
+            from exitplan.cmd_worker import trim_choice
+            from exitplan.worker.bundle_runtime import choose_providers
+
+            colocation = Colocation(pool, threads, tuple(choose_providers(providers)), max_wait_ms, trim_choice(trim))
         control = {"control_token": token, "control_port": control_port or None, "control_host": host}
         # a decoder bundle: the generation router drives the stage workers instead
         generation = GenerationRouter(bundle, plan, peers=peers, **control) if is_generative(bundle) else None
@@ -143,6 +165,7 @@ def command(
             timeout_ms=timeout_ms or None,
             window_seconds=window_seconds,
             advertise=advertise,
+            colocate=colocation,
             **control,
         )
     except (ValueError, OSError) as err:

@@ -178,8 +178,9 @@ def _plan(
 def _plan_table(plan, name: str):
     from exitplan.cli import table as make_table
 
+    where = "; split 0 runs in the router(s)" if plan.colocate else ""
     table = make_table(
-        "split", "blocks", "bucket", "pool", "replicas", "batch", title=f"plan {plan.content_hash()} for {name}"
+        "split", "blocks", "bucket", "pool", "replicas", "batch", title=f"plan {plan.content_hash()} for {name}{where}"
     )
     for cell in sorted(plan.cells, key=lambda c: (c.split, c.bucket)):
         sp = plan.splits[cell.split]

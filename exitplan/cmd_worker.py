@@ -70,7 +70,7 @@ def command(
             threads=threads,
             providers=chosen,
             control_token=token,
-            trim=_trim(trim),
+            trim=trim_choice(trim),
         )
     except (ValueError, OSError) as err:
         from exitplan.cli import fail
@@ -84,7 +84,7 @@ def command(
     )
 
 
-def _trim(value: str) -> bool | None:
+def trim_choice(value: str) -> bool | None:
     """--trim: None (auto), True or False; anything else is a one-line error."""
     choices = {"auto": None, "on": True, "off": False}
     if value not in choices:

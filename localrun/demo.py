@@ -188,7 +188,7 @@ def describe_plan(plan: Plan) -> str:
     batches = sorted({c.batch_size for c in plan.cells})
     return (
         f"{len(plan.splits)} split(s), buckets {plan.buckets}, {sum(c.replicas for c in plan.cells)} workers, "
-        f"batch {'/'.join(str(b) for b in batches)}"
+        f"batch {'/'.join(str(b) for b in batches)}" + (", split 0 in the router" if plan.colocate else "")
     )
 
 

@@ -130,6 +130,10 @@ class LocalDeployment:
     """Called (on the supervisor's thread) with each exit and restart of a process."""
     control_ports: list[int] = field(default_factory=list)
     """The control port of each router (the first is `control_port`), chosen at start."""
+    colocate: bool | None = None
+    """Split 0 runs inside the routers (`exitplan router --colocate`): no split-0 worker processes, and
+    as many routers as the plan has split-0 replicas in a bucket (at least `routers`). None: as the plan
+    says (`Plan.colocate`)."""
     front: Front | None = field(default=None, init=False, repr=False)
     _supervisor: Supervisor | None = field(default=None, init=False, repr=False)
     _env: dict[str, str] = field(default_factory=dict, init=False, repr=False)
@@ -164,6 +168,8 @@ class LocalDeployment:
         port = self.base_port
         by_split: dict[int, list[Proc]] = {}
         cells = sorted(self.plan.cells, key=lambda c: -c.split)  # last split first: its addresses feed --next
+        if self.colocated:
+            cells = [c for c in cells if c.split > 0]
         for cell in cells:
             for r in range(cell.replicas):
                 name = f"worker-s{cell.split}-b{cell.bucket}-{cell.pool}-{r}"
@@ -199,7 +205,9 @@ class LocalDeployment:
                 by_split.setdefault(cell.split, []).append(Proc(name, args, port, logs / f"{name}.log"))
                 port += 1
         workers = [p for s in sorted(by_split) for p in by_split[s]]
-        first = by_split.get(0, [])
+        first = by_split.get(1 if self.colocated else 0, [])
+        if self.colocated and len(self.plan.splits) > 1 and not first:
+            raise StartError("plan has no worker for split 1, which split 0 (in the router) needs")
         if self.routers == 1:
             return [
                 *workers,
@@ -253,6 +261,10 @@ class LocalDeployment:
         ]
         if self.spec.router.truncate:
             args.append("--truncate")
+        if self.colocated:
+            pools = sorted({c.pool for c in self.plan.cells if c.split == 0})
+            args += ["--colocate", "--pool", pools[0] if len(pools) == 1 else ""]
+            args += ["--threads", str(self.threads), "--max-wait-ms", str(self.max_wait_ms)]
         return args + list(self.router_args)
 
     def write_plan(self, plan: Plan | None = None) -> None:
@@ -267,7 +279,17 @@ class LocalDeployment:
         tmp.write_text(self.plan.to_json())
         os.replace(tmp, self.plan_path)
 
+    @property
+    def colocated(self) -> bool:
+        return self.plan.colocate if self.colocate is None else self.colocate
+
     def start(self, timeout: float = 180.0) -> None:
+        if self.colocated:  # each router holds one split-0 runtime per bucket: the plan's replicas are routers
+            per_bucket: dict[int, int] = {}
+            for c in self.plan.cells:
+                if c.split == 0:
+                    per_bucket[c.bucket] = per_bucket.get(c.bucket, 0) + c.replicas
+            self.routers = max(self.routers, *per_bucket.values())
         if not self.control_port:
             workers = sum(c.replicas for c in self.plan.cells) + len(self.plan.splits)
             taken = {self.port, *range(self.base_port, self.base_port + workers + 1)}

@@ -96,7 +96,8 @@ def ensure_profiles(setup: ServiceSetup, echo=print) -> None:
                 )
         doc = yaml.safe_load(cache.read_text())
         profile = ModelProfile.model_validate(doc)
-        if profile.spec.serving is None:  # written before the profiler measured the serving path
+        serving = profile.spec.serving
+        if serving is None or serving.colocated_ms is None:  # written before the profiler measured it (all)
             _add_serving_costs(setup.bundle, profile, cache, echo)
         setup.profiles[ref.name] = profile.spec
 
@@ -106,7 +107,8 @@ def _add_serving_costs(bundle: Path, profile: ModelProfile, cache: Path, echo) -
     failure leaves the profile as it is, with a message: the planner then counts the path as free)."""
     from exitplan.localrun.serving_costs import ServingCostError, measure_serving_costs
 
-    echo(f"{cache} has no serving-path costs: measuring them (one router, one worker, a few seconds)")
+    what = "serving-path costs" if profile.spec.serving is None else "co-located router cost (serving.colocatedMs)"
+    echo(f"{cache} has no {what}: measuring the serving path (a router and a worker, a few seconds each way)")
     try:
         profile.spec.serving = measure_serving_costs(bundle, profile.spec)
     except ServingCostError as err:

@@ -9,6 +9,8 @@ requests are sent one at a time over one keep-alive connection, and each process
 from /proc before and after:
 
 router_ms   the router's CPU time per request;
+colocated_ms  the CPU time per request, less its compute, of a router that runs the model itself
+            (`exitplan router --colocate`, measured the same way right after);
 hop_ms      the worker's CPU time per batch less its compute: the same requests decoded as the router
             decodes them and run through the same blocks in this process, timed in the process's CPU
             time (every intra-op thread's; wall time would count the time other processes hold the
@@ -54,7 +56,6 @@ class ServingCostError(RuntimeError):
 class _Sample:
     router_cpu_s: float
     worker_cpu_s: float
-    compute_s: float
     batches: float
 
 
@@ -80,19 +81,17 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _worker_compute(url: str) -> tuple[float, float]:
-    """(seconds of compute, batches) from the worker's exitplan_worker_batch_seconds histogram."""
+def _worker_batches(url: str) -> float:
+    """Batches the worker has run: the count of its exitplan_worker_batch_seconds histogram."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    total = count = 0.0
+    count = 0.0
     for family in text_string_to_metric_families(text):
         if family.name == "exitplan_worker_batch_seconds":
             for sample in family.samples:
-                if sample.name.endswith("_sum"):
-                    total += sample.value
-                elif sample.name.endswith("_count"):
+                if sample.name.endswith("_count"):
                     count += sample.value
-    return total, count
+    return count
 
 
 def _bodies(bundle: Path, profile: ModelProfileSpec, n: int) -> tuple[int, list[bytes]]:
@@ -149,37 +148,57 @@ def measure_serving_costs(
         }
     )
     with tempfile.TemporaryDirectory(prefix="exitplan-serving-costs-", dir=workdir) as tmp:
-        deployment = LocalDeployment(
-            bundle=bundle,
-            plan=plan,
-            spec=spec,
-            workdir=Path(tmp),
-            port=free_port(),
-            base_port=free_port_block(2),
-            threads=threads,
-            max_wait_ms=0.0,
-            restart=None,
-        )
-        try:
-            deployment.start()
-        except Exception as err:  # StartError, OSError: the processes did not come up
-            raise ServingCostError(f"the router and worker did not start: {err}") from err
-        try:
-            sample, sent = _drive(deployment, bodies, seconds)
-        finally:
-            deployment.stop()
-    if sent == 0 or sample.batches <= 0:
-        raise ServingCostError("no request was answered; see the processes' logs")
+        sample, sent = _serve_and_drive(bundle, plan, spec, Path(tmp) / "apart", bodies, seconds, threads, False)
+        co = _serve_and_drive(bundle, plan, spec, Path(tmp) / "co", bodies, seconds, threads, True)
     router = sample.router_cpu_s / sent * 1e3
     compute_ms = _compute_cpu_ms(bundle, bucket, bodies[WARMUP:], threads)
     hop = max(0.0, sample.worker_cpu_s / sample.batches * 1e3 - compute_ms)  # both count every ORT thread
+    colocated = max(0.0, co[0].router_cpu_s / co[1] * 1e3 - compute_ms)  # one request per batch, as above
     return ServingCosts(
         router_ms=round(router, 4),
         hop_ms=round(hop, 4),
+        colocated_ms=round(colocated, 4),
         threads=threads,
         cores=usable_cores(),
         requests=sent,
     )
+
+
+def _serve_and_drive(
+    bundle: Path,
+    plan: Plan,
+    spec: EarlyExitServiceSpec,
+    workdir: Path,
+    bodies: list[bytes],
+    seconds: float,
+    threads: int,
+    colocate: bool,
+) -> tuple[_Sample, int]:
+    """Start the router and worker (or the router alone, running the model: `colocate`), drive them, stop them."""
+    deployment = LocalDeployment(
+        bundle=bundle,
+        plan=plan,
+        spec=spec,
+        workdir=workdir,
+        port=free_port(),
+        base_port=free_port_block(2),
+        threads=threads,
+        max_wait_ms=0.0,
+        restart=None,
+        colocate=colocate,
+    )
+    what = "the router running the model" if colocate else "the router and worker"
+    try:
+        deployment.start()
+    except Exception as err:  # StartError, OSError: the processes did not come up
+        raise ServingCostError(f"{what} did not start: {err}") from err
+    try:
+        sample, sent = _drive(deployment, bodies, seconds)
+    finally:
+        deployment.stop()
+    if sent == 0 or sample.batches <= 0:
+        raise ServingCostError(f"no request was answered by {what}; see the processes' logs")
+    return sample, sent
 
 
 def _compute_cpu_ms(bundle: Path, bucket: int, bodies: list[bytes], threads: int) -> float:
@@ -207,9 +226,9 @@ def _compute_cpu_ms(bundle: Path, bucket: int, bodies: list[bytes], threads: int
 
 def _drive(deployment: LocalDeployment, bodies: list[bytes], seconds: float) -> tuple[_Sample, int]:
     """Send requests one at a time (the warm-up first, then for `seconds` and at least MIN_REQUESTS); the
-    CPU and compute they took, and how many were counted."""
+    CPU and batches they took, and how many were counted."""
     router = next(p for p in deployment.procs if p.name == "router")
-    worker = next(p for p in deployment.procs if p.name.startswith("worker"))
+    worker = next((p for p in deployment.procs if p.name.startswith("worker")), router)  # co-located: the router
     assert router.popen is not None and worker.popen is not None
     worker_url = f"http://{worker.address}"
     conn = http.client.HTTPConnection("127.0.0.1", deployment.port, timeout=60)
@@ -225,14 +244,14 @@ def _drive(deployment: LocalDeployment, bodies: list[bytes], seconds: float) -> 
     try:
         for body in bodies[:WARMUP]:
             send(body)
-        compute0, batches0 = _worker_compute(worker_url)
+        batches0 = _worker_batches(worker_url)
         cpu0 = (_cpu_seconds(router.popen.pid), _cpu_seconds(worker.popen.pid))
         sent, started, rest = 0, time.perf_counter(), bodies[WARMUP:]
         while sent < MIN_REQUESTS or time.perf_counter() - started < seconds:
             send(rest[sent % len(rest)])
             sent += 1
         cpu1 = (_cpu_seconds(router.popen.pid), _cpu_seconds(worker.popen.pid))
-        compute1, batches1 = _worker_compute(worker_url)
+        batches1 = _worker_batches(worker_url)
     finally:
         conn.close()
-    return _Sample(cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], compute1 - compute0, batches1 - batches0), sent
+    return _Sample(cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], batches1 - batches0), sent

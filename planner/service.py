@@ -39,9 +39,11 @@ from exitplan.planner.e3_search import upper_bounds
 from exitplan.planner.errors import PlanInfeasible, PlanInvalid
 from exitplan.planner.inputs import Inputs, _windows, resolve_inputs
 from exitplan.planner.problem import OptionCache, PlanProblem, build_problem, cycles, diagnose, rebatching
-from exitplan.planner.serving_path import path_limits
+from exitplan.planner.serving_path import PathLimit, colocated_routers, path_limits, why_not_colocate
 
 MAX_BUCKETS = 6
+COLOCATE_MIN_GAIN = 0.02
+"""Co-locate the routers and split 0 (planner.colocate auto) only where it predicts this much more goodput."""
 HYSTERESIS = 0.05
 """A re-plan keeps the previous layout (splits, buckets, pools) when it reaches this close to the optimum."""
 
@@ -222,7 +224,8 @@ def _to_plan(
             placement.goodput,
             E3Solution(sol.splits, sol.segments, placement.goodput, placement.cost, sol.probes),
         )
-    for limit in path_limits(inp, problem, splits, bucket_set, cells, spec.router.replicas):
+    limits, colocate = _serving_path(inp, problem, splits, bucket_set, cells, spec, goodput)
+    for limit in limits:
         if limit.goodput_rps < goodput:
             inp.notes.append(
                 f"goodput {goodput:.4g} -> {limit.goodput_rps:.4g} req/s: the serving path limits it ({limit.what})"
@@ -239,8 +242,41 @@ def _to_plan(
         length_histogram=[float(x) for x in problem.shares],
         prediction=Prediction(goodput_rps=float(goodput), p99_ms=float(p99), cost_per_hour=float(sol.cost)),
         reason=reason,
+        colocate=colocate,
     )
     return plan, cycle, stage
+
+
+def _serving_path(
+    inp: Inputs,
+    problem: E3Problem,
+    splits: list[SplitPlan],
+    buckets: Sequence[int],
+    cells: list[Cell],
+    spec: EarlyExitServiceSpec,
+    goodput: float,
+) -> tuple[list[PathLimit], bool]:
+    """The serving path's limits and whether the routers run split 0 (spec.planner.colocate, serving_path.py)."""
+    routers = spec.router.replicas
+    apart = path_limits(inp, problem, splits, buckets, cells, routers)
+    mode = spec.planner.colocate
+    if mode == "off":
+        return apart, False
+    why_not = why_not_colocate(inp, cells, buckets, routers)
+    if why_not is not None:
+        if mode == "on":
+            raise PlanInfeasible(f"cannot run split 0 in the routers: {why_not}", field="spec.planner.colocate")
+        return apart, False
+    together = path_limits(inp, problem, splits, buckets, cells, routers, colocate=True)
+    kept = min([goodput, *(x.goodput_rps for x in apart)])
+    merged = min([goodput, *(x.goodput_rps for x in together)])
+    if mode == "on" or merged > kept * (1 + COLOCATE_MIN_GAIN):
+        inp.notes.append(
+            f"split 0 runs in the routers ({colocated_routers(cells, routers)}): the serving path allows "
+            f"{merged:.4g} req/s that way, {kept:.4g} with a hop to split-0 workers"
+        )
+        return together, True
+    return apart, False
 
 
 def _cells_of(i: int, placement: Placement | None, seg: Segment) -> list[tuple[int, int]]:

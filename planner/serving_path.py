@@ -17,6 +17,16 @@ what the pools say:
   joins it. The pool answers at most ``cores x 1000 / (core-ms per request)`` requests/s.
 
 A plan's predicted goodput is the least of the solver's and these; the notes say which one binds.
+
+**Co-location** (``Plan.colocate``, `exitplan router --colocate`): split 0 runs inside the router
+processes, so a request crosses no hop from the router to split 0. The profile measures that router's
+CPU per request (``serving.colocatedMs``: everything but the model's compute, split 0's batching
+included); split 0's cells lose their per-batch ``hopMs``; the routers are as many as the most split-0
+replicas of a bucket (each holds split 0 of every bucket). It is open to a plan whose split 0 lives on
+one pool, and, unless that pool's processes share cores (where one process or several changes nothing
+in the cores' sum), to a plan with one bucket whose split-0 replicas are at least the routers asked for
+(each router then takes one of the pool's accelerators, as a worker did). The planner co-locates where
+that predicts more goodput (``spec.planner.colocate``: auto), or always / never.
 """
 
 from __future__ import annotations
@@ -43,6 +53,39 @@ def router_ms(inp: Inputs) -> float | None:
     return max(measured) if measured else None
 
 
+def colocated_router_ms(inp: Inputs) -> float | None:
+    """CPU per request of a router that runs split 0 (None: a profile did not measure it)."""
+    serving = [m.profile.serving for m in inp.models]
+    measured = [c.colocated_ms for c in serving if c is not None and c.colocated_ms is not None]
+    return max(measured) if len(measured) == len(serving) else None
+
+
+def colocated_routers(cells: Sequence[Cell], routers: int) -> int:
+    """Routers of a co-located plan: as many as the most split-0 replicas of a bucket, at least `routers`."""
+    per_bucket: dict[int, int] = {}
+    for c in cells:
+        if c.split == 0:
+            per_bucket[c.bucket] = per_bucket.get(c.bucket, 0) + c.replicas
+    return max(routers, *per_bucket.values())
+
+
+def why_not_colocate(inp: Inputs, cells: Sequence[Cell], buckets: Sequence[int], routers: int) -> str | None:
+    """None when the plan's routers can run its split 0 in their processes; else why they cannot."""
+    pools = sorted({c.pool for c in cells if c.split == 0})
+    if len(pools) != 1:
+        return f"split 0 spans pools {pools}; a router runs on one"
+    model = inp.models[inp.pool_names.index(pools[0])]
+    if colocated_router_ms(inp) is None:
+        return "the profiles do not hold serving.colocatedMs (re-profile with `exitplan profile --serving`)"
+    if model.pool.shared_cores is None:
+        if len(buckets) > 1:
+            return f"the split-0 runtimes of {len(buckets)} buckets would share one accelerator in each router"
+        replicas = sum(c.replicas for c in cells if c.split == 0)
+        if routers > replicas:
+            return f"{routers} routers would each take an accelerator of pool {pools[0]}; split 0 has {replicas}"
+    return None
+
+
 def path_limits(
     inp: Inputs,
     problem: E3Problem,
@@ -50,16 +93,21 @@ def path_limits(
     buckets: Sequence[int],
     cells: Sequence[Cell],
     routers: int,
+    colocate: bool = False,
 ) -> list[PathLimit]:
     """The routers' limit and each shared-cores pool's limit on the plan's goodput (empty: none applies).
-    `buckets` in the problem's order (its bucket set)."""
+    `buckets` in the problem's order (its bucket set); `colocate`: split 0 in the routers (why_not_colocate
+    must have found nothing against it)."""
     out: list[PathLimit] = []
-    per_request_router = router_ms(inp)
+    per_request_router = colocated_router_ms(inp) if colocate else router_ms(inp)
+    if colocate:
+        routers = colocated_routers(cells, routers)
     if per_request_router is not None and per_request_router > 0:
         out.append(
             PathLimit(
                 routers * 1000.0 / per_request_router,
-                f"{routers} router(s) at {per_request_router:.2f} ms CPU per request",
+                f"{routers} router(s) at {per_request_router:.2f} ms CPU per request"
+                + (", split 0 in them" if colocate else ""),
             )
         )
     s = len(splits)
@@ -80,7 +128,10 @@ def path_limits(
         load = float(problem.shares[k] * problem.sigma_in[first[c.split]])  # inputs per request reaching the cell
         model = inp.models[inp.pool_names.index(c.pool)]
         threads = model.profile.serving.threads if model.profile.serving is not None else 1
-        busy[c.pool] += load * 1000.0 * c.replicas / total * threads
+        ms_per_input = 1000.0 * c.replicas / total  # a replica's time per input, the hop included
+        if colocate and c.split == 0 and model.profile.serving is not None:
+            ms_per_input = max(ms_per_input - model.profile.serving.hop_ms / max(c.batch_size, 1), 0.0)
+        busy[c.pool] += load * ms_per_input * threads
     shared = {m.pool_name: m.pool.shared_cores for m in inp.models if m.pool.shared_cores is not None}
     all_shared = len(shared) == len(inp.models)
     for pool, cores in shared.items():

@@ -102,3 +102,71 @@ def test_threads_multiply_the_cores_a_worker_keeps_busy():
     (core_1,) = [x.goodput_rps for x in limits_1 if "shared core" in x.what]
     (core_4,) = [x.goodput_rps for x in limits_4 if "shared core" in x.what]
     assert core_4 == pytest.approx(core_1 / 4)
+
+
+# ---------------------------------------------------------------- the router and split 0 in one process
+
+
+def _co(colocate: str = "auto", cores: int | None = 1, serving: ServingCosts | None = None, routers: int = 2):
+    from exitplan.api.resources import PlannerSettings
+
+    serving = serving or ServingCosts(router_ms=2.0, hop_ms=1.0, colocated_ms=0.8, threads=1)
+    return _plan(
+        pools=_cores_pools(cores),
+        serving=serving,
+        routers=routers,
+        planner=PlannerSettings(max_splits=2, colocate=colocate),
+    )
+
+
+def test_colocation_is_chosen_where_the_hop_costs_the_shared_cores_more_than_it_gains():
+    apart, together = _co("off"), _co("auto")
+    assert not apart.plan.colocate and together.plan.colocate
+    assert together.plan.cells == apart.plan.cells  # the same layout; split 0 moves into the routers
+    # The bound recomputed here: per cell its busy time per input, split 0's without the worker's hop,
+    # plus the co-located router's CPU; one shared core.
+    problem, plan = together.problem, together.plan
+    s = len(plan.splits)
+    busy = 0.8
+    for c in plan.cells:
+        split = plan.splits[c.split]
+        k = plan.buckets.index(c.bucket)
+        rate = problem.rate[s - 1, 0, split.first_block, split.last_block, k]
+        per_input = 1000.0 / rate - (1.0 / c.batch_size if c.split == 0 else 0.0)
+        busy += problem.shares[k] * problem.sigma_in[split.first_block] * per_input
+    solver = apart.solution.goodput
+    assert together.plan.prediction.goodput_rps == pytest.approx(min(solver, 1000.0 / busy))
+    assert together.plan.prediction.goodput_rps > apart.plan.prediction.goodput_rps
+    assert any("split 0 runs in the routers" in n for n in together.notes)
+    assert together.plan.content_hash() != apart.plan.content_hash()  # what the data plane runs changed
+
+
+def test_colocation_is_not_chosen_when_it_costs_more_or_was_not_measured():
+    dearer = _co(serving=ServingCosts(router_ms=0.5, hop_ms=0.1, colocated_ms=3.0))
+    assert not dearer.plan.colocate
+    unmeasured = _co(serving=ServingCosts(router_ms=2.0, hop_ms=1.0))
+    assert not unmeasured.plan.colocate
+
+
+def test_colocation_on_says_why_it_cannot():
+    from exitplan.planner.errors import PlanInfeasible
+
+    with pytest.raises(PlanInfeasible, match="colocatedMs"):
+        _co("on", serving=ServingCosts(router_ms=2.0, hop_ms=1.0))
+    forced = _co("on", serving=ServingCosts(router_ms=0.5, hop_ms=0.1, colocated_ms=3.0))
+    assert forced.plan.colocate  # on: even where it predicts less
+
+
+def test_colocation_on_dedicated_accelerators_needs_one_bucket_and_enough_split0_replicas():
+    from exitplan.planner.serving_path import why_not_colocate
+
+    result = _co("off", cores=None)
+    inp, plan = result.inputs, result.plan
+    if len(plan.buckets) > 1:
+        assert "share one accelerator" in why_not_colocate(inp, plan.cells, plan.buckets, 1)
+    one_bucket = [c for c in plan.cells if c.bucket == plan.buckets[0]]
+    replicas = sum(c.replicas for c in one_bucket if c.split == 0)
+    assert why_not_colocate(inp, one_bucket, plan.buckets[:1], replicas) is None
+    assert "would each take an accelerator" in why_not_colocate(inp, one_bucket, plan.buckets[:1], replicas + 1)
+    spread = [*one_bucket, one_bucket[0].model_copy(update={"pool": "other"})]
+    assert "spans pools" in why_not_colocate(inp, spread, plan.buckets[:1], 1)

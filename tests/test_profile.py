@@ -70,6 +70,7 @@ def test_digits_profile_document(digits_bundle, tmp_path):
     serving = spec.serving
     assert serving is not None and serving.requests >= 100 and serving.threads == 1 and serving.cores >= 1
     assert serving.router_ms > 0.05 and serving.hop_ms >= 0.0
+    assert serving.colocated_ms is not None and serving.colocated_ms > 0.0  # the router running the model itself
     assert "serving path: router" in _text(result)
 
 

@@ -18,9 +18,11 @@ the router's and the workers' `ramp` label alike.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 if TYPE_CHECKING:
     from exitplan.worker.generate.decoder import TokenEvent
@@ -31,6 +33,31 @@ ERROR_REASONS = ("worker", "deadline", "bad_input", "overload", "too_large")
 """The `reason` label values of exitplan_router_errors_total."""
 GENERATION_CODES = ("200", "400", "404", "499", "500", "503")
 """The HTTP codes of exitplan_generation_requests_total (499: the client went away mid-stream)."""
+
+
+class _Merged:
+    """Several registries as one exposition: a family's samples from every registry under one HELP/TYPE
+    (a router that co-locates split 0 serves its own metrics and one set per bucket's worker)."""
+
+    def __init__(self, registries: Iterable[CollectorRegistry]) -> None:
+        self.registries = list(registries)
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                kept = families.get(family.name)
+                if kept is None:
+                    kept = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                kept.samples.extend(family.samples)
+        yield from families.values()
+
+
+def merged(registries: Iterable[CollectorRegistry]) -> CollectorRegistry | _Merged:
+    """What `generate_latest` exposes for these registries (the one registry itself when alone)."""
+    registries = list(registries)
+    return registries[0] if len(registries) == 1 else _Merged(registries)
+
 
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)

@@ -24,6 +24,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import numpy as np
@@ -43,11 +44,14 @@ from exitplan.worker.classify.observe import FeedbackRing, WindowStats
 from exitplan.worker.control_client import ControlClient
 from exitplan.worker.discovery import PeerSet, parse_peer_spec
 from exitplan.worker.hop_client import HopClient, HopFailed, NoPeer, send
-from exitplan.worker.metrics import Children, RouterMetrics, reason_label
+from exitplan.worker.metrics import Children, RouterMetrics, merged, reason_label
 from exitplan.worker.planfile import read_plan, watch_plan
 from exitplan.worker.protocol import error_response as _error
 from exitplan.worker.vocabulary import vocabulary_size
 from exitplan.worker.wire import HopAnswer, HopItem
+
+if TYPE_CHECKING:
+    from exitplan.worker.classify.worker import SplitWorker
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,19 @@ class Outcome:
 
 
 NO_ANSWER = Outcome(error="no answer")
+
+
+@dataclass(frozen=True, slots=True)
+class Colocation:
+    """Split 0 of every bucket in the router's own process (`exitplan router --colocate`): the router
+    hands each request's inputs to the bucket's fusion queue directly, with no frame, no HTTP and no
+    second process on the path; the survivors go on to split 1's pods (`--peers`) as from any worker."""
+
+    pool: str = ""
+    threads: int = 1
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)
+    max_wait_ms: float | None = None
+    trim: bool | None = None
 
 
 @dataclass(slots=True)
@@ -107,17 +124,24 @@ class Router:
         control_token: str | None = None,
         control_port: int | None = None,
         control_host: str = "0.0.0.0",
+        colocate: Colocation | None = None,
     ) -> None:
         """`control_token`: the service's control token (None: every control request is refused);
         `control_port`: serve the control routes there instead of on the inference port; `advertise`:
-        host:port of the control endpoints that workers post shadow feedback to."""
+        host:port of the control endpoints that workers post shadow feedback to; `colocate`: run split 0
+        in this process (then `peers` names split 1's pods, none when the plan has one split)."""
         self.bundle_dir = Path(bundle)
         self.manifest = read_manifest(self.bundle_dir)
         self.plan_path = Path(plan_path)
         self.plan = read_plan(self.plan_path)
         self.model = self.plan.model
         self.peers = PeerSet(parse_peer_spec(peers))
-        if not self.peers.spec:
+        self.local: dict[int, SplitWorker] = {}
+        """bucket -> split 0 of that bucket in this process (co-located), else empty."""
+        if colocate is not None:
+            self.local = self._colocated(colocate, peers, control_token)
+            self.peers = PeerSet([])  # split 1's pods are the local workers' to probe and choose
+        elif not self.peers.spec:
             raise ValueError("--peers must name the split-0 workers (host:port, comma-separated)")
         self.slo_s = slo_ms / 1000.0
         self.timeout_s = (timeout_ms / 1000.0) if timeout_ms else max(5 * self.slo_s, 2.0)
@@ -162,6 +186,35 @@ class Router:
 
     # ------------------------------------------------------------------ setup helpers
 
+    def _colocated(self, co: Colocation, peers: str, token: str | None) -> dict[int, SplitWorker]:
+        """One split-0 worker per bucket of the plan, run by this process's event loop."""
+        from exitplan.worker.classify.worker import SplitWorker
+
+        if len(self.plan.splits) > 1 and not parse_peer_spec(peers):
+            raise ValueError(
+                f"--colocate runs split 0 here; the plan has {len(self.plan.splits)} splits, so --peers must name "
+                "split 1's workers (host:port, comma-separated)"
+            )
+        workers = {
+            b: SplitWorker(
+                self.bundle_dir,
+                self.plan_path,
+                split=0,
+                bucket=b,
+                pool=co.pool,
+                next_peers=peers or None,
+                max_wait_ms=co.max_wait_ms,
+                threads=co.threads,
+                providers=co.providers,
+                control_token=token,
+                trim=co.trim,
+            )
+            for b in self.plan.buckets
+        }
+        for worker in workers.values():  # a batch blocks the event loop only when no other request waits on it
+            worker.alone = lambda n: self.admission.inflight <= n
+        return workers
+
     def _load_tokenizer(self):
         if not self.manifest.tokenizer:
             return None
@@ -199,6 +252,12 @@ class Router:
             log.warning(
                 "the new plan changes buckets %s -> %s; the router takes them on restart", self.buckets, plan.buckets
             )
+        if plan.colocate != bool(self.local):
+            log.warning(
+                "the new plan %s split 0 in the routers; this router keeps %s until it is replaced",
+                "runs" if plan.colocate else "does not run",
+                "its own split 0" if self.local else "sending to split-0 pods",
+            )
         self.plan = plan
         if plan.thresholds != self.thresholds:
             self.thresholds = dict(plan.thresholds)
@@ -209,6 +268,9 @@ class Router:
 
     def _capacity(self, b: int) -> float:
         """Inputs/s bucket b's split-0 pods report for their pipelines (0 when none is ready)."""
+        if self.local:
+            worker = self.local[self.buckets[b]]
+            return worker.capacity() if worker.ready else 0.0
         return sum(p.capacity for p in self.peers.candidates(self.buckets[b], 0))
 
     async def _gauge_loop(self, tick: float = 1.0) -> None:
@@ -356,9 +418,19 @@ class Router:
         items = self._items(call, len(rows))
         tensors = call.batch.state_for(rows, bucket)
         try:
-            answer, out, _ = await send(
-                self.hop, self.peers, bucket=bucket, split=0, items=items, tensors=tensors, timeout_at=call.timeout_at
-            )
+            if self.local:
+                answer, logits = await self._run_local(self.local[bucket], items, tensors, call.timeout_at)
+            else:
+                answer, out, _ = await send(
+                    self.hop,
+                    self.peers,
+                    bucket=bucket,
+                    split=0,
+                    items=items,
+                    tensors=tensors,
+                    timeout_at=call.timeout_at,
+                )
+                logits = out.get("logits")
         except NoPeer as err:
             for i in rows:
                 call.outcomes[i] = Outcome(error=str(err), reason="worker", status=503)
@@ -372,7 +444,17 @@ class Router:
             return
         finally:
             self.admission.answered(b, len(rows), time.time() - call.started, time.time())
-        self._take_answer(call, rows, items, answer, out.get("logits"))
+        self._take_answer(call, rows, items, answer, logits)
+
+    @staticmethod
+    async def _run_local(
+        worker: SplitWorker, items: list[HopItem], tensors: dict[str, np.ndarray], timeout_at: float
+    ) -> tuple[HopAnswer, np.ndarray]:
+        """Split 0 in this process; HopFailed past the request's timeout (its rows still run, unanswered)."""
+        try:
+            return await asyncio.wait_for(worker.run_local(items, tensors), max(timeout_at - time.time(), 0.0))
+        except TimeoutError:
+            raise HopFailed(f"split 0 (bucket {worker.bucket}) gave no answer before the request's timeout") from None
 
     def _take_answer(
         self, call: InferCall, rows: list[int], items: list[HopItem], answer: HopAnswer, logits: np.ndarray | None
@@ -461,7 +543,10 @@ class Router:
         clients = [
             ControlClient(p.url, session=self.session, timeout_s=5.0) for p in self.peers.peers.values() if p.ready
         ]
-        results = await asyncio.gather(*(c.push_thresholds(new, reason) for c in clients), return_exceptions=True)
+        pushes = [c.push_thresholds(new, reason) for c in clients] + [
+            w.push_thresholds(new, reason) for w in self.local.values()
+        ]
+        results = await asyncio.gather(*pushes, return_exceptions=True)
         for r in results:
             if isinstance(r, Exception):
                 log.warning("threshold push failed: %s", r)
@@ -498,6 +583,8 @@ class Router:
     def is_ready(self) -> bool:
         """Ready when every bucket has a ready split-0 pod that reports capacity (a pod probed before the
         splits after it were ready reports none, and admission would refuse every request until the next probe)."""
+        if self.local:
+            return all(self._capacity(i) > 0 for i in range(len(self.buckets)))
         return all(self.peers.candidates(b, 0) for b in self.buckets) and all(
             self._capacity(i) > 0 for i in range(len(self.buckets))
         )
@@ -506,7 +593,8 @@ class Router:
         return protocol.ready_response(self.is_ready())
 
     async def handle_metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        registry = merged([self.metrics.registry, *(w.metrics.registry for w in self.local.values())])
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -514,9 +602,12 @@ class Router:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), headers=bearer(self.control_token)
         )  # probes of split-0 pods and threshold pushes carry the control token
-        await self.peers.refresh(self.session)
+        for worker in self.local.values():  # co-located split 0: warm up before the first probe
+            await worker.start()
+        if not self.local:
+            await self.peers.refresh(self.session)
+            self.tasks.append(asyncio.create_task(self.peers.run(self.session)))
         self.tasks += [
-            asyncio.create_task(self.peers.run(self.session)),
             asyncio.create_task(self._gauge_loop()),
             asyncio.create_task(self._window_loop()),
             asyncio.create_task(watch_plan(self.plan_path, self.apply_plan)),
@@ -526,6 +617,8 @@ class Router:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        for worker in self.local.values():
+            await worker.stop()
         await self.hop.close()
         if self.session:
             await self.session.close()

@@ -27,7 +27,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,7 +53,7 @@ from exitplan.worker.discovery import PeerSet, ReplyTargets, parse_peer_spec
 from exitplan.worker.hop_client import HopClient, HopFailed, NoPeer, send
 from exitplan.worker.metrics import Children, WorkerMetrics, reason_label
 from exitplan.worker.planfile import read_plan, watch_plan
-from exitplan.worker.wire import HopRequest, HopResult, ShadowRecord
+from exitplan.worker.wire import HopAnswer, HopItem, HopRequest, HopResult, ShadowRecord
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,10 @@ class SplitWorker:
         self.tasks: list[asyncio.Task] = []
         self.forwarding = 0
         """Frames out to the next split, not yet answered."""
+        self.alone: Callable[[int], bool] = lambda n: True
+        """Whether nothing but this batch's n inputs is in flight in this process (a router that
+        co-locates split 0 answers for its requests and its other buckets): a batch runs on the event
+        loop only then."""
 
     # ------------------------------------------------------------------ plan
 
@@ -273,6 +277,24 @@ class SplitWorker:
                     text=f"reply_to {target[:100]!r} is not a router of this service's plan "
                     f"(its routers: {self.replies.entries}); a worker posts feedback only to them",
                 )
+        pending = self._enqueue(items, tensors)
+        await pending.future
+        return web.Response(
+            body=wire.encode(pending.reply().to_meta(), {"logits": pending.logits}), content_type=wire.CONTENT_TYPE
+        )
+
+    async def run_local(self, items: list[HopItem], tensors: dict[str, np.ndarray]) -> tuple[HopAnswer, np.ndarray]:
+        """A frame from a router in this very process (the router and split 0 co-located): the same
+        queue and batches as /v1/run, without the frame's encoding, HTTP and checks of a foreign sender.
+        Returns the answer and the logits, one row per item."""
+        if not self.ready or self.draining:
+            raise NoPeer(f"the co-located split-0 runtime of bucket {self.bucket} is not ready")
+        pending = self._enqueue(items, tensors)
+        await pending.future
+        return pending.reply(), pending.logits
+
+    def _enqueue(self, items: list[HopItem], tensors: dict[str, np.ndarray]) -> Pending:
+        """A frame's rows into the fusion queue; its Pending is answered when every row is."""
         pending = Pending(items, self.n_labels, {k: tensors[k] for k in self.input_names})
         now = time.time()
         for i, item in enumerate(items):
@@ -284,10 +306,7 @@ class SplitWorker:
             self.queue.append(row)
         self.metrics.queued.set(self.stages.held())
         self.wakeup.set()
-        await pending.future
-        return web.Response(
-            body=wire.encode(pending.reply().to_meta(), {"logits": pending.logits}), content_type=wire.CONTENT_TYPE
-        )
+        return pending
 
     def _check_tensors(self, tensors: dict[str, np.ndarray], n: int) -> None:
         """Raise ValueError unless the frame holds this split's inputs, n rows each, padded to this bucket."""
@@ -347,15 +366,19 @@ class SplitWorker:
         try:
             manifest = self.runtime.manifest
             thresholds, reason = parse_thresholds(body, self.exit_ramps, manifest.final_ramp().name)
-            self.set_thresholds(thresholds, reason)
+            await self.push_thresholds(thresholds, reason)
         except (BadControl, ValueError) as err:
             return web.Response(status=400, text=f"bad thresholds: {err}")
-        if self.next and self.session:  # on down the chain
+        return web.json_response({"thresholds": self.thresholds})
+
+    async def push_thresholds(self, thresholds: dict[str, float], reason: str) -> None:
+        """Apply thresholds here and pass them on down the chain (ValueError: a ramp the bundle lacks)."""
+        self.set_thresholds(thresholds, reason)
+        if self.next and self.session:
             clients = [
                 ControlClient(p.url, session=self.session, timeout_s=2.0) for p in self.next.peers.values() if p.ready
             ]
             await asyncio.gather(*(c.push_thresholds(thresholds, reason) for c in clients), return_exceptions=True)
-        return web.json_response({"thresholds": self.thresholds})
 
     async def handle_faults(self, request: web.Request) -> web.Response:
         body = await json_body(request, 1024)
@@ -416,7 +439,10 @@ class SplitWorker:
         t0 = time.perf_counter()
         try:
             if expected <= INLINE_BATCH_MS or (
-                expected <= INLINE_IDLE_MAX_MS and self.stages.held() == 0 and self.forwarding == 0
+                expected <= INLINE_IDLE_MAX_MS
+                and self.stages.held() == 0
+                and self.forwarding == 0
+                and self.alone(len(batch))
             ):
                 outcome = self._execute(*args)
             else:
@@ -547,6 +573,10 @@ class SplitWorker:
     # ------------------------------------------------------------------ lifecycle
 
     async def _startup(self, app: web.Application) -> None:
+        await self.start()
+
+    async def start(self) -> None:
+        """Warm up and start batching (the app's startup; a router that co-locates split 0 calls it)."""
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), headers=bearer(self.control_token)
         )  # probes of the next split, threshold pushes and feedback posts carry the control token
@@ -561,6 +591,10 @@ class SplitWorker:
             self.tasks.append(asyncio.create_task(self.next.run(self.session)))
 
     async def _cleanup(self, app: web.Application) -> None:
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Fail what is queued, stop the loops, close the connections."""
         self.ready = False
         for task in self.tasks:
             task.cancel()
