@@ -31,7 +31,7 @@ import kopf
 from exitplan.api.bundle_source import SourceError, parse_bundle_uri
 from exitplan.api.plan import Cell, Plan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelRef
-from exitplan.operator import bundle_volumes
+from exitplan.operator import bundle_volumes, colocation
 from exitplan.operator.images import Images
 
 Manifest = dict[str, Any]
@@ -241,6 +241,13 @@ def _placement(pool: GPUPoolSpec | None, spread: dict[str, str]) -> Manifest:
     return out
 
 
+def _on_pool(service: str, model: ModelRef, pool: GPUPoolSpec | None, spread: dict[str, str]) -> tuple:
+    """A pod on `pool` (None: none): image, resources, volumes, mounts, pod additions (spread over `spread`)."""
+    images = IMAGES.for_pool(pool)
+    volumes, mounts, pod_extra = _volumes(service, model, images)
+    return images.container(), _resources(pool), volumes, mounts, {**_placement(pool, spread), **pod_extra}
+
+
 def _deployment(
     name: str,
     namespace: str,
@@ -324,14 +331,20 @@ def router_settings(spec: EarlyExitServiceSpec) -> list[str]:
     return args + (["--truncate"] if r.truncate else [])
 
 
-def build_router(service: str, namespace: str, spec: EarlyExitServiceSpec, plan: Plan) -> list[Manifest]:
-    """The router Deployment and its Service (the cluster entry point)."""
+def build_router(
+    service: str, namespace: str, spec: EarlyExitServiceSpec, plan: Plan, pools: dict[str, GPUPoolSpec] | None = None
+) -> list[Manifest]:
+    """The router Deployment and its Service (the entry point); a co-located plan's on split 0's pool."""
     labels = selector_labels(service, "router")
-    volumes, mounts, pod_extra = _volumes(service, spec.model, IMAGES)
+    pool_name, pool = colocation.split_zero_pool(plan, pools) if plan.colocate else ("", None)
+    image, resources, volumes, mounts, pod_extra = _on_pool(service, spec.model, pool, labels)
     _, security = _security()
+    first = 1 if plan.colocate else 0  # the split the routers send inputs to
+    peers = ["--peers", split_host(service, namespace, first)] if first < len(plan.splits) else []
+    co = ["--colocate", "--pool", pool_name] if plan.colocate else []  # the runtime flags a worker gets
     container = {
         "name": "router",
-        **IMAGES.container(),
+        **image,
         "command": ["exitplan", "router"],
         "args": [
             "--bundle",
@@ -340,17 +353,17 @@ def build_router(service: str, namespace: str, spec: EarlyExitServiceSpec, plan:
             PLAN_PATH,
             "--port",
             str(PORT),
-            "--peers",
-            split_host(service, namespace, 0),
+            *peers,
             "--control-port",
             str(CONTROL_PORT),
             "--control-token-file",
             TOKEN_PATH,
             *router_settings(spec),
+            *co,
         ],
         "ports": [{"name": "http", "containerPort": PORT}, {"name": "control", "containerPort": CONTROL_PORT}],
         "env": _env(service, namespace),
-        "resources": _resources(None),
+        "resources": resources,
         "volumeMounts": mounts,
         "securityContext": security,
         **_probes(),
@@ -361,9 +374,9 @@ def build_router(service: str, namespace: str, spec: EarlyExitServiceSpec, plan:
         namespace,
         labels,
         plan.content_hash(),
-        spec.router.replicas,
+        colocation.router_replicas(spec.router.replicas, plan),
         container,
-        {**_placement(None, labels), **pod_extra},
+        pod_extra,
         volumes,
     )
     svc = {
@@ -398,9 +411,9 @@ def build_control_service(service: str, namespace: str, plan: Plan) -> Manifest:
 
 
 def build_split_services(service: str, namespace: str, plan: Plan) -> list[Manifest]:
-    """One headless Service per split, selecting every worker of that split (all buckets, pools)."""
+    """One headless Service per split (but a co-located plan's split 0), selecting its workers."""
     out = []
-    for split in plan.splits:
+    for split in plan.splits[1 if plan.colocate else 0 :]:
         labels = selector_labels(service, "worker", split=split.index)
         out.append(
             {
@@ -426,8 +439,8 @@ def build_worker(
 ) -> Manifest:
     """The Deployment of one plan cell: split `cell.split`, bucket `cell.bucket`, on `cell.pool`."""
     labels = selector_labels(service, "worker", cell)
-    images = IMAGES.for_pool(pool)
-    volumes, mounts, pod_extra = _volumes(service, spec.model, images)
+    spread = {L_SERVICE: service, L_SPLIT: str(cell.split)}
+    image, resources, volumes, mounts, pod_extra = _on_pool(service, spec.model, pool, spread)
     _, security = _security()
     args = [
         "--bundle",
@@ -449,18 +462,17 @@ def build_worker(
         args += ["--next", split_host(service, namespace, cell.split + 1)]
     container = {
         "name": "worker",
-        **images.container(),
+        **image,
         "command": ["exitplan", "worker"],
         "args": args,
         "ports": [{"name": "http", "containerPort": PORT}],
         "env": _env(service, namespace),
-        "resources": _resources(pool),
+        "resources": resources,
         "volumeMounts": mounts,
         "securityContext": security,
         **_probes(),
         **_prestop(),
     }
-    spread = {L_SERVICE: service, L_SPLIT: str(cell.split)}
     return _deployment(
         worker_name(service, cell),
         namespace,
@@ -468,7 +480,7 @@ def build_worker(
         plan.content_hash(),
         cell.replicas,
         container,
-        {**_placement(pool, spread), **pod_extra},
+        pod_extra,
         volumes,
     )
 
@@ -489,8 +501,9 @@ def build_children(
     workers = [
         build_worker(service, namespace, spec, plan, cell, pools[cell.pool])
         for cell in sorted(plan.cells, key=lambda c: (-c.split, c.bucket, c.pool))
+        if not (plan.colocate and cell.split == 0)
     ]
-    router, router_svc = build_router(service, namespace, spec, plan)
+    router, router_svc = build_router(service, namespace, spec, plan, pools)
     children = [
         build_configmap(service, namespace, plan),
         *workers,

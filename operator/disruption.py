@@ -3,7 +3,7 @@ the last ready router of a service.
 
 | object | name | what |
 |---|---|---|
-| PodDisruptionBudget (policy/v1) | `<svc>-router` | `minAvailable: 1` over the router pods, while `spec.router.replicas` >= 2 |
+| PodDisruptionBudget (policy/v1) | `<svc>-router` | `minAvailable: 1` over the router pods, while there are 2 or more (`spec.router.replicas`, or more for a plan whose routers run split 0) |
 
 With one router replica there is no budget: `minAvailable: 1` over one pod would refuse every
 eviction and hold a node drain forever. A rolling update does not go through the budget; the router
@@ -26,9 +26,12 @@ from exitplan.operator.builders import Manifest
 MIN_AVAILABLE = 1
 
 
-def build_router_budget(service: str, namespace: str, spec: EarlyExitServiceSpec, plan_hash: str) -> Manifest | None:
-    """The PodDisruptionBudget of the service's routers, or None with fewer than 2 router replicas."""
-    if spec.router.replicas < 2:
+def build_router_budget(
+    service: str, namespace: str, spec: EarlyExitServiceSpec, plan_hash: str, replicas: int | None = None
+) -> Manifest | None:
+    """The PodDisruptionBudget of the service's routers, or None with fewer than 2 router replicas
+    (`replicas`: the router Deployment's, when it has more than spec.router.replicas)."""
+    if (spec.router.replicas if replicas is None else replicas) < 2:
         return  # (a bare return: tests/test_rbac.py follows the manifests this returns)
     labels = builders.selector_labels(service, "router")
     return {
@@ -48,7 +51,13 @@ def with_router_budget(
     owner: Manifest, spec: EarlyExitServiceSpec, plan_hash: str, children: list[Manifest]
 ) -> list[Manifest]:
     """`children` and, when the service has 2 or more routers, their budget, adopted by `owner`."""
-    budget = build_router_budget(owner["metadata"]["name"], owner["metadata"]["namespace"], spec, plan_hash)
+    routers = [
+        int(c["spec"]["replicas"])
+        for c in children
+        if c["kind"] == "Deployment" and c["metadata"]["labels"].get(builders.L_COMPONENT) == "router"
+    ]
+    replicas = max([spec.router.replicas, *routers])
+    budget = build_router_budget(owner["metadata"]["name"], owner["metadata"]["namespace"], spec, plan_hash, replicas)
     if budget is None:
         return children
     kopf.adopt([budget], owner=owner)

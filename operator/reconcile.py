@@ -24,7 +24,7 @@ from exitplan.api.observations import Observations
 from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, Mode, ModelProfileSpec
 from exitplan.operator import apply as applying
-from exitplan.operator import builders, bundle_health, capacity, control_token, disruption, drift, guards
+from exitplan.operator import builders, bundle_health, capacity, colocation, control_token, disruption, drift, guards
 from exitplan.operator.executors import run_planner
 from exitplan.operator.kube import ApiError, KubeClient, path
 from exitplan.operator.metrics import METRICS
@@ -526,6 +526,7 @@ async def refresh_readiness(svc: Service) -> ServiceStatus:
     deployments = await svc.client.list(path("Deployment", svc.namespace), f"{builders.L_SERVICE}={svc.name}")
     ready: dict[tuple[int, int, str], int] = {}
     all_ready = True
+    colocated_routers = None  # ready routers that run split 0 (a co-located plan), else None
     for dep in deployments:
         labels = dep["metadata"].get("labels", {})
         want = int(dep.get("spec", {}).get("replicas") or 0)
@@ -533,8 +534,12 @@ async def refresh_readiness(svc: Service) -> ServiceStatus:
         all_ready &= have >= want
         if labels.get(builders.L_COMPONENT) == "worker":
             ready[(int(labels[builders.L_SPLIT]), int(labels[builders.L_BUCKET]), labels[builders.L_POOL])] = have
+        elif labels.get(builders.L_COMPONENT) == "router" and colocation.runs_split_zero(dep):
+            colocated_routers = have
     for cell in status.plan.cells:
         cell.ready_replicas = ready.get((cell.split, cell.bucket, cell.pool), 0)
+        if colocated_routers is not None and cell.split == 0:  # every ready router holds split 0 of each bucket
+            cell.ready_replicas = min(cell.replicas, colocated_routers)
     METRICS.record_plan(
         svc.namespace,
         svc.name,

@@ -39,7 +39,13 @@ from exitplan.planner.e3_search import upper_bounds
 from exitplan.planner.errors import PlanInfeasible, PlanInvalid
 from exitplan.planner.inputs import Inputs, _windows, resolve_inputs
 from exitplan.planner.problem import OptionCache, PlanProblem, build_problem, cycles, diagnose, rebatching
-from exitplan.planner.serving_path import PathLimit, colocated_routers, path_limits, why_not_colocate
+from exitplan.planner.serving_path import (
+    PathLimit,
+    colocated_gain,
+    colocated_routers,
+    path_limits,
+    why_not_colocate,
+)
 
 MAX_BUCKETS = 6
 COLOCATE_MIN_GAIN = 0.02
@@ -224,7 +230,7 @@ def _to_plan(
             placement.goodput,
             E3Solution(sol.splits, sol.segments, placement.goodput, placement.cost, sol.probes),
         )
-    limits, colocate = _serving_path(inp, problem, splits, bucket_set, cells, spec, goodput)
+    limits, colocate, goodput = _serving_path(inp, problem, splits, bucket_set, cells, spec, goodput)
     for limit in limits:
         if limit.goodput_rps < goodput:
             inp.notes.append(
@@ -255,28 +261,30 @@ def _serving_path(
     cells: list[Cell],
     spec: EarlyExitServiceSpec,
     goodput: float,
-) -> tuple[list[PathLimit], bool]:
-    """The serving path's limits and whether the routers run split 0 (spec.planner.colocate, serving_path.py)."""
+) -> tuple[list[PathLimit], bool, float]:
+    """The serving path's limits, whether the routers run split 0 (spec.planner.colocate, serving_path.py)
+    and the cells' goodput that way (the solver's `goodput`, more when split 0 sheds its hop)."""
     routers = spec.router.replicas
     apart = path_limits(inp, problem, splits, buckets, cells, routers)
     mode = spec.planner.colocate
     if mode == "off":
-        return apart, False
+        return apart, False, goodput
     why_not = why_not_colocate(inp, cells, buckets, routers)
     if why_not is not None:
         if mode == "on":
             raise PlanInfeasible(f"cannot run split 0 in the routers: {why_not}", field="spec.planner.colocate")
-        return apart, False
+        return apart, False, goodput
     together = path_limits(inp, problem, splits, buckets, cells, routers, colocate=True)
+    shed = goodput * colocated_gain(inp, problem, splits, buckets, cells)
     kept = min([goodput, *(x.goodput_rps for x in apart)])
-    merged = min([goodput, *(x.goodput_rps for x in together)])
+    merged = min([shed, *(x.goodput_rps for x in together)])
     if mode == "on" or merged > kept * (1 + COLOCATE_MIN_GAIN):
         inp.notes.append(
-            f"split 0 runs in the routers ({colocated_routers(cells, routers)}): the serving path allows "
-            f"{merged:.4g} req/s that way, {kept:.4g} with a hop to split-0 workers"
+            f"split 0 runs in the routers ({colocated_routers(cells, routers)}): {merged:.4g} req/s predicted "
+            f"that way, {kept:.4g} with a hop to split-0 workers"
         )
-        return together, True
-    return apart, False
+        return together, True, shed
+    return apart, False, goodput
 
 
 def _cells_of(i: int, placement: Placement | None, seg: Segment) -> list[tuple[int, int]]:

@@ -25,8 +25,9 @@ included); split 0's cells lose their per-batch ``hopMs``; the routers are as ma
 replicas of a bucket (each holds split 0 of every bucket). It is open to a plan whose split 0 lives on
 one pool, and, unless that pool's processes share cores (where one process or several changes nothing
 in the cores' sum), to a plan with one bucket whose split-0 replicas are at least the routers asked for
-(each router then takes one of the pool's accelerators, as a worker did). The planner co-locates where
-that predicts more goodput (``spec.planner.colocate``: auto), or always / never.
+(each router then takes one of the pool's accelerators, as a worker did). The cells' own goodput rises
+by what split 0's shorter batches give (``colocated_gain``). The planner co-locates where that predicts
+more goodput (``spec.planner.colocate``: auto), or always / never.
 """
 
 from __future__ import annotations
@@ -84,6 +85,43 @@ def why_not_colocate(inp: Inputs, cells: Sequence[Cell], buckets: Sequence[int],
         if routers > replicas:
             return f"{routers} routers would each take an accelerator of pool {pools[0]}; split 0 has {replicas}"
     return None
+
+
+def colocated_gain(
+    inp: Inputs,
+    problem: E3Problem,
+    splits: Sequence[SplitPlan],
+    buckets: Sequence[int],
+    cells: Sequence[Cell],
+) -> float:
+    """How much more the cells serve when split 0 sheds the worker's hop (co-located): the least
+    capacity over inputs reaching it among the (split, bucket) pairs, with split 0's batches that much
+    shorter, over the same without (>= 1; the solver's goodput scales by it)."""
+    s = len(splits)
+    first = {sp.index: sp.first_block for sp in splits}
+    last = {sp.index: sp.last_block for sp in splits}
+    apart: dict[tuple[int, int], float] = {}
+    together: dict[tuple[int, int], float] = {}
+    for c in cells:
+        rate = _rate(problem, inp, s, c, first, last, buckets)
+        serving = inp.models[inp.pool_names.index(c.pool)].profile.serving
+        shed = rate
+        if c.split == 0 and serving is not None and rate > 0:
+            per_batch_s = c.batch_size / rate - serving.hop_ms / 1000.0
+            shed = c.batch_size / per_batch_s if per_batch_s > 0 else rate
+        key = (c.split, c.bucket)
+        apart[key] = apart.get(key, 0.0) + c.replicas * rate
+        together[key] = together.get(key, 0.0) + c.replicas * shed
+    loads = {}
+    for key in apart:
+        k = list(buckets).index(key[1])
+        loads[key] = float(problem.shares[k] * problem.sigma_in[first[key[0]]]) if k < len(problem.shares) else 0.0
+    live = [key for key in apart if loads[key] > 0 and apart[key] > 0]
+    if not live:
+        return 1.0
+    before = min(apart[key] / loads[key] for key in live)
+    after = min(together[key] / loads[key] for key in live)
+    return max(after / before, 1.0)
 
 
 def path_limits(

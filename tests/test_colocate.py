@@ -153,7 +153,8 @@ def test_one_split_plan_needs_no_peers(minilm_bundle, tmp_path):
 
 
 def test_colocating_a_two_split_plan_without_split1_peers_says_what_is_missing(minilm_bundle, ramps, tmp_path):
-    from exitplan.worker.classify.router import Colocation, Router
+    from exitplan.worker.classify.colocated import Colocation
+    from exitplan.worker.classify.router import Router
 
     path = tmp_path / "plan.json"
     path.write_text(two_split_plan(ramps, thresholds=2.0, replicas={}).to_json())

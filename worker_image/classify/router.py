@@ -38,6 +38,7 @@ from exitplan.worker import protocol
 from exitplan.worker.auth import BodyTooLarge, ControlPlane, bearer, read_limited
 from exitplan.worker.bundle_runtime import softmax
 from exitplan.worker.classify.admission import Admission, Admitted, Refusal
+from exitplan.worker.classify.colocated import Colocation, run_local, split0_workers
 from exitplan.worker.classify.control import RouterControl
 from exitplan.worker.classify.decode import BadRequest, DecodedBatch, decode_inputs, parse_request
 from exitplan.worker.classify.observe import FeedbackRing, WindowStats
@@ -73,19 +74,6 @@ class Outcome:
 
 
 NO_ANSWER = Outcome(error="no answer")
-
-
-@dataclass(frozen=True, slots=True)
-class Colocation:
-    """Split 0 of every bucket in the router's own process (`exitplan router --colocate`): the router
-    hands each request's inputs to the bucket's fusion queue directly, with no frame, no HTTP and no
-    second process on the path; the survivors go on to split 1's pods (`--peers`) as from any worker."""
-
-    pool: str = ""
-    threads: int = 1
-    providers: tuple[str, ...] = ("CPUExecutionProvider",)
-    max_wait_ms: float | None = None
-    trim: bool | None = None
 
 
 @dataclass(slots=True)
@@ -139,7 +127,7 @@ class Router:
         self.local: dict[int, SplitWorker] = {}
         """bucket -> split 0 of that bucket in this process (co-located), else empty."""
         if colocate is not None:
-            self.local = self._colocated(colocate, peers, control_token)
+            self.local = split0_workers(self, colocate, peers, control_token)
             self.peers = PeerSet([])  # split 1's pods are the local workers' to probe and choose
         elif not self.peers.spec:
             raise ValueError("--peers must name the split-0 workers (host:port, comma-separated)")
@@ -185,35 +173,6 @@ class Router:
         self._publish_thresholds()
 
     # ------------------------------------------------------------------ setup helpers
-
-    def _colocated(self, co: Colocation, peers: str, token: str | None) -> dict[int, SplitWorker]:
-        """One split-0 worker per bucket of the plan, run by this process's event loop."""
-        from exitplan.worker.classify.worker import SplitWorker
-
-        if len(self.plan.splits) > 1 and not parse_peer_spec(peers):
-            raise ValueError(
-                f"--colocate runs split 0 here; the plan has {len(self.plan.splits)} splits, so --peers must name "
-                "split 1's workers (host:port, comma-separated)"
-            )
-        workers = {
-            b: SplitWorker(
-                self.bundle_dir,
-                self.plan_path,
-                split=0,
-                bucket=b,
-                pool=co.pool,
-                next_peers=peers or None,
-                max_wait_ms=co.max_wait_ms,
-                threads=co.threads,
-                providers=co.providers,
-                control_token=token,
-                trim=co.trim,
-            )
-            for b in self.plan.buckets
-        }
-        for worker in workers.values():  # a batch blocks the event loop only when no other request waits on it
-            worker.alone = lambda n: self.admission.inflight <= n
-        return workers
 
     def _load_tokenizer(self):
         if not self.manifest.tokenizer:
@@ -419,7 +378,7 @@ class Router:
         tensors = call.batch.state_for(rows, bucket)
         try:
             if self.local:
-                answer, logits = await self._run_local(self.local[bucket], items, tensors, call.timeout_at)
+                answer, logits = await run_local(self.local[bucket], items, tensors, call.timeout_at)
             else:
                 answer, out, _ = await send(
                     self.hop,
@@ -445,16 +404,6 @@ class Router:
         finally:
             self.admission.answered(b, len(rows), time.time() - call.started, time.time())
         self._take_answer(call, rows, items, answer, logits)
-
-    @staticmethod
-    async def _run_local(
-        worker: SplitWorker, items: list[HopItem], tensors: dict[str, np.ndarray], timeout_at: float
-    ) -> tuple[HopAnswer, np.ndarray]:
-        """Split 0 in this process; HopFailed past the request's timeout (its rows still run, unanswered)."""
-        try:
-            return await asyncio.wait_for(worker.run_local(items, tensors), max(timeout_at - time.time(), 0.0))
-        except TimeoutError:
-            raise HopFailed(f"split 0 (bucket {worker.bucket}) gave no answer before the request's timeout") from None
 
     def _take_answer(
         self, call: InferCall, rows: list[int], items: list[HopItem], answer: HopAnswer, logits: np.ndarray | None

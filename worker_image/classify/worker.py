@@ -44,6 +44,7 @@ from exitplan.worker.auth import bearer, guarded, json_body
 from exitplan.worker.bundle_runtime import BundleRuntime, StateError
 from exitplan.worker.classify.control import MAX_THRESHOLDS_BODY, BadControl, parse_thresholds
 from exitplan.worker.classify.executor import BatchOutcome, execute
+from exitplan.worker.classify.feedback import send_feedback
 from exitplan.worker.classify.fusion import FusionQueues
 from exitplan.worker.classify.isolate import execute_isolated, known_input_check
 from exitplan.worker.classify.rows import Pending, Row, batch_state
@@ -75,6 +76,10 @@ timeouts, the kubelet's default included) and arriving frames wait at most this 
 
 
 class SplitWorker:
+    alone: Callable[[int], bool] = staticmethod(lambda n: True)
+    """Whether nothing but a batch's n inputs is in flight in this process (a router that co-locates
+    split 0 sets it for its requests and its other buckets): a batch runs on the event loop only then."""
+
     def __init__(
         self,
         bundle: str | Path,
@@ -153,10 +158,6 @@ class SplitWorker:
         self.tasks: list[asyncio.Task] = []
         self.forwarding = 0
         """Frames out to the next split, not yet answered."""
-        self.alone: Callable[[int], bool] = lambda n: True
-        """Whether nothing but this batch's n inputs is in flight in this process (a router that
-        co-locates split 0 answers for its requests and its other buckets): a batch runs on the event
-        loop only then."""
 
     # ------------------------------------------------------------------ plan
 
@@ -284,9 +285,8 @@ class SplitWorker:
         )
 
     async def run_local(self, items: list[HopItem], tensors: dict[str, np.ndarray]) -> tuple[HopAnswer, np.ndarray]:
-        """A frame from a router in this very process (the router and split 0 co-located): the same
-        queue and batches as /v1/run, without the frame's encoding, HTTP and checks of a foreign sender.
-        Returns the answer and the logits, one row per item."""
+        """A frame from a router in this very process (co-located): the answer and the logits (a row per
+        item), through the same queue and batches as /v1/run, without the encoding, HTTP and sender checks."""
         if not self.ready or self.draining:
             raise NoPeer(f"the co-located split-0 runtime of bucket {self.bucket} is not ready")
         pending = self._enqueue(items, tensors)
@@ -488,8 +488,8 @@ class SplitWorker:
                 row.enqueued = now
                 queue.append(row)
             self.metrics.queued.set(self.stages.held())
-        elif self.is_last:
-            self._send_feedback([batch[i] for i in outcome.records])
+        elif self.is_last and self.session is not None:
+            send_feedback(self.session, [batch[i] for i in outcome.records], self.exit_ramps)
         elif len(outcome.survivors):
             rows = [batch[i] for i in outcome.survivors]
             self.forwarding += 1
@@ -541,34 +541,6 @@ class SplitWorker:
         for row in by_id.values():
             if not row.answered:
                 row.pending.fail(row.index, f"split {self.split + 1} returned no answer for this input")
-
-    def _send_feedback(self, rows: list[Row]) -> None:
-        """Post the complete feedback samples of shadow-sampled rows to the routers that want them."""
-        by_target: dict[str, list[dict]] = {}
-        for row in rows:
-            target, rec = row.item.reply_to, row.rec
-            if not target or rec is None or rec.final is None:
-                continue
-            by_target.setdefault(target, []).append(
-                {
-                    "id": row.item.id,
-                    "final": rec.final,
-                    "conf": [rec.conf.get(r) for r in self.exit_ramps],
-                    "pred": [rec.pred.get(r) for r in self.exit_ramps],
-                }
-            )
-        for target, samples in by_target.items():
-            asyncio.create_task(self._post_feedback(target, samples))
-
-    async def _post_feedback(self, target: str, samples: list[dict]) -> None:
-        assert self.session is not None
-        try:
-            async with self.session.post(
-                f"http://{target}/v1/feedback", json={"samples": samples}, timeout=aiohttp.ClientTimeout(total=5)
-            ) as resp:
-                resp.raise_for_status()
-        except (TimeoutError, aiohttp.ClientError) as err:
-            log.warning("feedback to %s lost (%s): %d samples", target, err, len(samples))
 
     # ------------------------------------------------------------------ lifecycle
 
