@@ -47,7 +47,7 @@ def command(
     drain_timeout_s: float = cmd_router.DRAIN_TIMEOUT,
     trim: str = typer.Option(
         "auto",
-        help="auto|on|off: a last split pads each batch only to the shortest length bucket that holds its longest row (a session per bucket; auto = on for CPU providers).",
+        help="auto|on|off: a last split pads each batch only to its longest row, rounded up to 8 tokens (sessions with a free length; auto = on for CPU providers).",
     ),
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:

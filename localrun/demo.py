@@ -1,7 +1,7 @@
 """The demo: one run that prepares, profiles, plans and serves three configurations side by side.
 
 vanilla     the whole model in one split, every input in the longest bucket (a CPU worker pads each batch
-            only to its longest row's length bucket, trim.py), no exits
+            only to its longest row, trim.py), no exits
 naive-ee    the same with exits at the tuned thresholds (early exit without splitting or buckets)
 exitplan    the planner's plan: splits, length buckets (Arlo), replicas, tuned thresholds
 

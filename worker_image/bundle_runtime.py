@@ -130,8 +130,12 @@ class BundleRuntime:
         buckets: Sequence[int] | None = None,
         providers: Sequence[str] = ("CPUExecutionProvider",),
         threads: int = 1,
+        free_length: bool = False,
     ) -> None:
+        """`free_length`: the sessions keep the `seq` dimension free (no fixed length per bucket): a bucket's
+        session then runs any length up to it (a trimming worker, classify/trim.py)."""
         self.directory = Path(directory)
+        self.free_length = free_length
         self.manifest: BundleManifest = read_manifest(self.directory)
         n_blocks = len(self.manifest.blocks)
         last = n_blocks - 1 if last_block is None else last_block
@@ -222,7 +226,7 @@ class BundleRuntime:
         options.log_severity_level = 3
         if self.threads > 1:  # spinning pool threads steal cores from neighbours on shared machines
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if self.is_sequence_model:
+        if self.is_sequence_model and not self.free_length:
             options.add_free_dimension_override_by_name(SEQ_DIM, bucket)
         return options
 

@@ -1,17 +1,18 @@
-"""Each batch padded only to the shortest length bucket that holds its longest row, within the worker's own.
+"""Each batch padded only to its longest row (rounded up to TRIM_STEP tokens), within the worker's bucket.
 
 The router pads every input to its cell's bucket. On a CPU, where a batch costs about its tokens, a worker
 of bucket 128 running a batch of 30-token inputs at 128 spends four times what it needs; the serving
-systems users compare against pad a batch only to its longest input. A worker that trims keeps one
-session per length bucket up to its own (16, 32, 64, ... as the bundle's default buckets, and its own)
-and runs each batch at the smallest that holds the batch's longest row: the attention mask says where
-each row ends (right-padded, as the router pads), every input with a `seq` dimension is cut there, and
-the masked positions it drops changed nothing but padding.
+systems users compare against pad a batch only to its longest input. A worker that trims runs sessions
+whose `seq` dimension is free (`BundleRuntime(free_length=True)`: on CPU a free-shape session is as fast
+as a fixed one at the same length, BENCHMARKS "Length buckets vs one padded length vs dynamic shapes")
+and runs each batch at its longest row rounded up to TRIM_STEP: the attention mask says where each row
+ends (right-padded, as the router pads), every input with a `seq` dimension is cut there, and the masked
+positions it drops changed nothing but padding.
 
 Only where the shorter shapes go nowhere: the worker must end the model (the last split: its batches
 answer and forward nothing) and run its split as one batch (no rebatching, whose inner queues stack
-rows of one length). Sessions per bucket cost memory (each loads the weights), so by default only CPU
-workers trim (`--trim auto`); GPUs, whose batches are flat in their size up to a point, keep one.
+rows of one length). GPUs, whose kernels are tuned to fixed shapes and whose batches are flat in their
+size up to a point, keep them: by default only CPU workers trim (`--trim auto`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import numpy as np
 
 from exitplan.api.bundle import BundleManifest
 from exitplan.api.plan import SplitPlan
-from exitplan.worker.bundle_runtime import default_buckets
 
 SEQ_DIM = "seq"
+TRIM_STEP = 8
+"""A trimmed batch's length is a multiple of this (or the bucket): fewer distinct shapes, at most 7 pad tokens."""
 
 
 def trims(manifest: BundleManifest, split: SplitPlan, providers: Sequence[str], trim: bool | None) -> bool:
@@ -34,13 +36,6 @@ def trims(manifest: BundleManifest, split: SplitPlan, providers: Sequence[str], 
         trim = all(p == "CPUExecutionProvider" for p in providers)
     ends = split.last_block == len(manifest.blocks) - 1
     return bool(trim and mask_input(manifest) and ends and not split.rebatch)
-
-
-def trim_buckets(manifest: BundleManifest, bucket: int) -> list[int]:
-    """The runtime buckets a trimming worker of `bucket` keeps: the bundle's default buckets below it, and it."""
-    if manifest.seq_axis is None or manifest.max_length is None:
-        return [bucket]
-    return sorted({b for b in default_buckets(int(manifest.max_length)) if b < bucket} | {bucket})
 
 
 def mask_input(manifest: BundleManifest) -> str | None:
@@ -60,16 +55,16 @@ def longest_row(mask: np.ndarray, axis: int) -> int:
 
 
 def trimmed(
-    state: Mapping[str, np.ndarray], mask: str, axes: Mapping[str, int], buckets: Sequence[int], bucket: int
+    state: Mapping[str, np.ndarray], mask: str, axes: Mapping[str, int], bucket: int, step: int = TRIM_STEP
 ) -> tuple[dict[str, np.ndarray], int]:
-    """(the state cut to the smallest of `buckets` that holds its longest row, that bucket); the state as it
-    is and `bucket` when nothing shorter holds it."""
+    """(the state cut to its longest row rounded up to `step`, that length); the state as it is and `bucket`
+    when nothing shorter holds it."""
     need = longest_row(state[mask], axes[mask])
-    shorter = next((b for b in sorted(buckets) if need <= b < bucket), None)
-    if shorter is None:
+    length = min(-(-need // step) * step, bucket)
+    if length >= bucket:
         return dict(state), bucket
     out = {
-        name: np.take(value, np.arange(shorter), axis=axes[name]) if name in axes else value
+        name: np.take(value, np.arange(length), axis=axes[name]) if name in axes else value
         for name, value in state.items()
     }
-    return out, shorter
+    return out, length

@@ -48,7 +48,7 @@ from exitplan.worker.classify.feedback import send_feedback
 from exitplan.worker.classify.fusion import FusionQueues
 from exitplan.worker.classify.isolate import execute_isolated, known_input_check
 from exitplan.worker.classify.rows import Pending, Row, batch_state
-from exitplan.worker.classify.trim import mask_input, seq_axes, trim_buckets, trimmed, trims
+from exitplan.worker.classify.trim import TRIM_STEP, mask_input, seq_axes, trimmed, trims
 from exitplan.worker.control_client import ControlClient
 from exitplan.worker.discovery import PeerSet, ReplyTargets, parse_peer_spec
 from exitplan.worker.hop_client import HopClient, HopFailed, NoPeer, send
@@ -111,9 +111,10 @@ class SplitWorker:
             bundle,
             first_block=sp.first_block,
             last_block=sp.last_block,
-            buckets=trim_buckets(manifest, bucket) if trim else [bucket],
+            buckets=[bucket],
             providers=providers,
             threads=threads,
+            free_length=trim,
         )
         manifest = self.runtime.manifest
         self.trim_axes = seq_axes({i.name: i.shape for i in self._first_block_inputs()}) if trim else {}
@@ -231,13 +232,12 @@ class SplitWorker:
         big = self._time_batch(big_n, template)
         slope = max((big - small) / (big_n - 1), 1e-3)
         self.fit = (max(small - slope, 0.0), slope)
-        for shorter in self.runtime.buckets:  # the trimming sessions run once before any request needs them
-            if shorter < self.bucket:
-                cut = {
-                    k: np.take(v, np.arange(shorter), axis=self.trim_axes[k]) if k in self.trim_axes else v
-                    for k, v in template.items()
-                }
-                execute(self.runtime, cut, shorter, {}, np.zeros(1, bool), np.zeros(1, bool))
+        if self.trim_axes and self.bucket > TRIM_STEP:  # a trimming worker runs a short length once before requests
+            cut = {
+                k: np.take(v, np.arange(TRIM_STEP), axis=self.trim_axes[k]) if k in self.trim_axes else v
+                for k, v in template.items()
+            }
+            execute(self.runtime, cut, self.bucket, {}, np.zeros(1, bool), np.zeros(1, bool))
         log.info("warm-up: %.2f ms at batch 1, %.2f ms at batch %d", small, big, big_n)
 
     def expected_ms(self, n: int) -> float:
@@ -498,10 +498,9 @@ class SplitWorker:
     def _execute(self, state, thresholds, answered, recorded, first: int, last: int) -> BatchOutcome:
         """A batch through blocks first..last; an input the model cannot run fails alone (isolate.py)."""
         known = known_input_check(self.runtime, self.warm_input, self.bucket, first, last)
-        bucket = self.bucket
-        if self.trim_axes:
-            state, bucket = trimmed(state, self.trim_mask, self.trim_axes, self.runtime.buckets, self.bucket)
-        return execute_isolated(self.runtime, state, bucket, thresholds, answered, recorded, first, last, known)
+        if self.trim_axes:  # cut to its longest row; the bucket's session has a free length
+            state, _ = trimmed(state, self.trim_mask, self.trim_axes, self.bucket)
+        return execute_isolated(self.runtime, state, self.bucket, thresholds, answered, recorded, first, last, known)
 
     async def forward(self, rows: list[Row], state: dict[str, np.ndarray]) -> None:
         try:
