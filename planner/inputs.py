@@ -39,6 +39,8 @@ class Inputs:
     notes: list[str] = field(default_factory=list)
     max_replicas: int | None = None
     """spec.planner.maxReplicas: the most replicas over all pools (None: the caps alone)."""
+    lengths: np.ndarray | None = None
+    """The raw input lengths the plan is sized for, when given (a trace); None: only the grid's mass."""
 
     @property
     def n_blocks(self) -> int:
@@ -243,4 +245,5 @@ def resolve_inputs(
         cost_cap,
         notes,
         max_replicas=spec.planner.max_replicas,
+        lengths=np.sort(np.asarray(lengths, dtype=np.int64)) if lengths is not None and len(lengths) else None,
     )

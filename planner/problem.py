@@ -21,6 +21,7 @@ from exitplan.planner import buckets as bk
 from exitplan.planner.e3 import E3Problem
 from exitplan.planner.errors import PlanInfeasible
 from exitplan.planner.inputs import Inputs
+from exitplan.planner.trimming import length_support, trimmed_length, trims
 
 
 def cycles(splits: int) -> int:
@@ -54,8 +55,9 @@ class PlanProblem(E3Problem):
 
 _LengthOptions = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """Of one pool at one length, per (splits, first, last): rate, batch, stage time and the longest a row takes."""
-OptionCache = dict[tuple[int, int, bool, int], _LengthOptions]
-"""(pool, length, rebatch, max splits) -> that pool's options at that length: bucket sets share their lengths."""
+OptionCache = dict[tuple[int, int, int, bool, int], _LengthOptions]
+"""(pool, length, the bucket below it, rebatch, max splits) -> that pool's options for that bucket: bucket sets
+share their buckets."""
 
 REBATCH_MIN_GAIN = 0.01
 """A split rebatches only where that needs this share fewer replicas for the bucket mix than without (and is
@@ -63,10 +65,10 @@ no slower for any bucket): the rebatching rate comes from a model of queues that
 plain one from whole batches, and rebatching holds rows longer, so a tie or a sliver goes to the plain split."""
 
 
-def _length_options(inp: Inputs, p: int, length: int, S: int, rebatch: bool) -> _LengthOptions:
-    """Pool p's options at `length`: rate, batch, stage time (the bound, for the cycle) and the longest a
-    row takes through the split (rebatching: each queue's whole gather time and the run; plain: wait one
-    cycle, run one), each (S, N, N)."""
+def _length_options(inp: Inputs, p: int, length: int, S: int, rebatch: bool, lo: int = 0) -> _LengthOptions:
+    """Pool p's options at `length` (the bucket (lo, length]): rate, batch, stage time (the bound, for the
+    cycle) and the longest a row takes through the split (rebatching: each queue's whole gather time and the
+    run; plain: wait one cycle, run one), each (S, N, N)."""
     model, n = inp.models[p], inp.n_blocks
     sigma, ramps_on = inp.sigma(), inp.ramps_on()
     sizes = np.asarray(model.profile.batch_sizes, dtype=np.float64)
@@ -74,6 +76,14 @@ def _length_options(inp: Inputs, p: int, length: int, S: int, rebatch: bool) -> 
     # the mean time a batch holds its replica (survivors forwarded beside the next batch), for throughput
     # (with rebatching it depends on the cycle: an inner block's queue launches at the latest every cycle)
     plain_mean = None if rebatch else model.stage_tables(sizes, length, sigma, ramps_on, expected=True, transfer=False)
+    if plain_mean is not None and trims(model.pool.gpu_resource, model.profile.seq_lens, rebatch):
+        # a split that ends the model runs each batch at its longest row (trimming.py)
+        values, probs = length_support(inp.grid, inp.mass, inp.lengths, lo, length)
+        for bi, b in enumerate(sizes):
+            at = trimmed_length(values, probs, length, b)
+            if at < length:
+                cut = model.stage_tables([b], at, sigma, ramps_on, expected=True, transfer=False)[0]
+                plain_mean[bi, :, n - 1] = cut[:, n - 1]
     fits = model.replica_bytes_table(sizes, length, rebatch=rebatch) <= model.pool.memory_bytes
     rate, stage, longest = np.zeros((S, n, n)), np.full((S, n, n), np.inf), np.full((S, n, n), np.inf)
     batch = np.zeros((S, n, n), dtype=np.int64)
@@ -103,10 +113,11 @@ def _options(
     per: list[list[_LengthOptions]] = []
     for p in range(len(inp.pool_names)):
         row = []
-        for length in bucket_set:
-            key = (p, int(length), rebatch, S)
+        for k, length in enumerate(bucket_set):
+            lo = int(bucket_set[k - 1]) if k else 0
+            key = (p, int(length), lo, rebatch, S)
             if key not in cache:
-                cache[key] = _length_options(inp, p, int(length), S, rebatch)
+                cache[key] = _length_options(inp, p, int(length), S, rebatch, lo)
             row.append(cache[key])
         per.append(row)
     # (S, P, n, n, K) from [P][K] of (S, n, n)

@@ -338,7 +338,7 @@ def test_warm_up_builds_dummy_inputs_for_uint8_and_bool_and_runs_them(tmp_path):
         }
         assert not state["x"].any() and state["keep_mask"].all()  # masks stay ones
         worker.warm_up()  # used to die with KeyError: 'tensor(uint8)'
-        assert worker.fit[1] > 0
+        assert worker.times.fits[worker.bucket].b > 0
     finally:
         worker.pool_exec.shutdown(wait=False)
     # and a request for it decodes to exactly what the block takes

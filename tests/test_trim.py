@@ -77,3 +77,37 @@ def test_only_a_last_split_that_runs_as_one_batch_trims(minilm_bundle, tmp_path)
     assert not stacked.runtime.free_length and not stacked.trim_axes  # its inner queues stack rows of one length
     for worker in (first, last, stacked):
         worker.pool_exec.shutdown(wait=False)
+
+
+def test_service_time_interpolates_in_length_and_follows_the_lengths_batches_ran_at():
+    from exitplan.worker.classify.service_time import Fit, ServiceTime
+
+    times = ServiceTime(128, {128: Fit(2.0, 10.0), 16: Fit(1.0, 2.0)})
+    assert times.expected_ms(4) == 42.0 and times.expected_ms(4, 16) == 9.0
+    assert times.expected_ms(4, 72) == pytest.approx((9.0 + 42.0) / 2)  # halfway between 16 and 128
+    assert times.expected_ms(4, 8) == 9.0 and times.typical_ms(4) == 42.0  # below the shortest fit: its time
+    for _ in range(200):
+        times.ran_at(16)
+    assert times.mean_length == pytest.approx(16, abs=0.01) and times.typical_ms(4) == pytest.approx(9.0, abs=0.01)
+    assert Fit.of(3.0, 10.0, 8) == Fit(2.0, 1.0)
+
+
+@pytest.mark.slow
+def test_a_trimming_worker_reports_its_capacity_at_the_lengths_it_runs(minilm_bundle, tmp_path):
+    from exitplan.worker.classify.worker import SplitWorker
+
+    n_blocks = len(read_manifest(minilm_bundle).blocks)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(one_cell_plan("minilm", n_blocks, 128, batch=4).model_dump_json(by_alias=True))
+    worker = SplitWorker(minilm_bundle, plan_path, split=0, bucket=128)
+    try:
+        worker.warm_up()
+        assert set(worker.times.fits) == {2 * TRIM_STEP, 128}
+        assert worker.times.fits[16].at(4) < worker.times.fits[128].at(4)  # measured, not assumed
+        at_bucket = worker.capacity()
+        for _ in range(200):  # batches of short texts
+            worker.times.ran_at(16)
+        assert worker.capacity() > 1.5 * at_bucket
+        assert worker.expected_ms(4) == worker.times.fits[128].at(4)  # the deadline rule keeps the worst case
+    finally:
+        worker.pool_exec.shutdown(wait=False)

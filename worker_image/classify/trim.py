@@ -54,17 +54,27 @@ def longest_row(mask: np.ndarray, axis: int) -> int:
     return int(marked[-1]) + 1 if marked.size else 1
 
 
+def trim_length(
+    state: Mapping[str, np.ndarray], mask: str, axes: Mapping[str, int], bucket: int, step: int = TRIM_STEP
+) -> int:
+    """The length a batch is trimmed to: its longest row rounded up to `step`, at most `bucket`."""
+    return min(-(-longest_row(state[mask], axes[mask]) // step) * step, bucket)
+
+
 def trimmed(
     state: Mapping[str, np.ndarray], mask: str, axes: Mapping[str, int], bucket: int, step: int = TRIM_STEP
 ) -> tuple[dict[str, np.ndarray], int]:
     """(the state cut to its longest row rounded up to `step`, that length); the state as it is and `bucket`
     when nothing shorter holds it."""
-    need = longest_row(state[mask], axes[mask])
-    length = min(-(-need // step) * step, bucket)
+    length = trim_length(state, mask, axes, bucket, step)
     if length >= bucket:
         return dict(state), bucket
-    out = {
+    return cut_to(state, axes, length), length
+
+
+def cut_to(state: Mapping[str, np.ndarray], axes: Mapping[str, int], length: int) -> dict[str, np.ndarray]:
+    """Every input with a `seq` axis (`axes`) cut to its first `length` positions; the others as they are."""
+    return {
         name: np.take(value, np.arange(length), axis=axes[name]) if name in axes else value
         for name, value in state.items()
     }
-    return out, length

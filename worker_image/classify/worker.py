@@ -48,7 +48,8 @@ from exitplan.worker.classify.feedback import send_feedback
 from exitplan.worker.classify.fusion import FusionQueues
 from exitplan.worker.classify.isolate import execute_isolated, known_input_check
 from exitplan.worker.classify.rows import Pending, Row, batch_state
-from exitplan.worker.classify.trim import TRIM_STEP, mask_input, seq_axes, trimmed, trims
+from exitplan.worker.classify.service_time import Fit, ServiceTime
+from exitplan.worker.classify.trim import TRIM_STEP, cut_to, mask_input, seq_axes, trim_length, trimmed, trims
 from exitplan.worker.control_client import ControlClient
 from exitplan.worker.discovery import PeerSet, ReplyTargets, parse_peer_spec
 from exitplan.worker.hop_client import HopClient, HopFailed, NoPeer, send
@@ -143,7 +144,7 @@ class SplitWorker:
         self._child = Children(*self.metrics.labels.values())
         self.metrics.zero([r.name for r in manifest.ramps_in(sp.first_block, sp.last_block)])
         self.metrics.planned_batch.set(self.batch_size)
-        self.fit = (1.0, 0.1)  # expected batch ms = a + b * n, refitted at warm-up
+        self.times = ServiceTime(bucket)  # expected ms per batch (service_time.py), fitted at warm-up
         self.warm_input: dict[str, np.ndarray] | None = None
         """One row the model ran at warm-up: tells a batch it cannot run from a model that runs nothing."""
         self.slowdown = 1.0
@@ -230,18 +231,15 @@ class SplitWorker:
         self.warm_input = template
         big_n = max(2, self.batch_size)
         big = self._time_batch(big_n, template)
-        slope = max((big - small) / (big_n - 1), 1e-3)
-        self.fit = (max(small - slope, 0.0), slope)
-        if self.trim_axes and self.bucket > TRIM_STEP:  # a trimming worker runs a short length once before requests
-            cut = {
-                k: np.take(v, np.arange(TRIM_STEP), axis=self.trim_axes[k]) if k in self.trim_axes else v
-                for k, v in template.items()
-            }
-            execute(self.runtime, cut, self.bucket, {}, np.zeros(1, bool), np.zeros(1, bool))
-        log.info("warm-up: %.2f ms at batch 1, %.2f ms at batch %d", small, big, big_n)
+        self.times.fits[self.bucket] = Fit.of(small, big, big_n)
+        if self.trim_axes and self.bucket > 2 * TRIM_STEP:  # a trimming worker: its fit at a short length too
+            cut = cut_to(template, self.trim_axes, 2 * TRIM_STEP)
+            self.times.fits[2 * TRIM_STEP] = Fit.of(self._time_batch(1, cut), self._time_batch(big_n, cut), big_n)
+        log.info("warm-up: %.2f ms at batch 1, %.2f ms at batch %d; fits %s", small, big, big_n, self.times.describe())
 
     def expected_ms(self, n: int) -> float:
-        return self.fit[0] + self.fit[1] * n
+        """A batch of n at the bucket's length (the longest a batch can take)."""
+        return self.times.expected_ms(n)
 
     @property
     def survival(self) -> float:
@@ -252,7 +250,7 @@ class SplitWorker:
         """Inputs/s this pod and the splits after it can take: its own rate at full batches (with
         rebatching, each block only for the share of inputs that reach it), capped by the next
         split's reported capacity divided by the share of inputs that survive this split."""
-        per_batch = self.expected_ms(self.batch_size) * self.slowdown * self.stages.work_fraction()
+        per_batch = self.times.typical_ms(self.batch_size) * self.slowdown * self.stages.work_fraction()
         own = self.batch_size / max(per_batch, 1e-3) * 1000.0
         if self.next is None:
             return own
@@ -341,7 +339,8 @@ class SplitWorker:
                 "capacity": round(self.capacity(), 3),
                 "survival": round(self.survival, 4),
                 "planHash": self.plan.content_hash(),
-                "expectedMs": {"a": self.fit[0], "b": self.fit[1]},
+                "expectedMs": self.times.describe(),
+                "meanLength": round(self.times.mean_length, 2),
             }
         )
 
@@ -435,7 +434,9 @@ class SplitWorker:
         recorded = np.array([row.item.record for row in batch], dtype=bool)
         args = (state, self.thresholds, answered, recorded, first, last)
         fraction = (last - first + 1) / (self.runtime.last_block - self.runtime.first_block + 1)
-        expected = self.expected_ms(len(batch)) * fraction
+        length = trim_length(state, self.trim_mask, self.trim_axes, self.bucket) if self.trim_axes else self.bucket
+        self.times.ran_at(length)  # (the length _execute cuts the batch to)
+        expected = self.times.expected_ms(len(batch), length) * fraction
         t0 = time.perf_counter()
         try:
             if expected <= INLINE_BATCH_MS or (
