@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -57,6 +58,16 @@ class Prediction(Model):
     goodput_rps: Annotated[float, Field(ge=0.0)] = 0.0
     p99_ms: Annotated[float, Field(ge=0.0)] = 0.0
     cost_per_hour: Annotated[float, Field(ge=0.0)] = 0.0
+
+
+def colocated_routers(cells: Sequence[Cell], routers: int) -> int:
+    """Routers of a plan that runs split 0 in them (`Plan.colocate`): each holds split 0 of every bucket, so
+    as many as the most split-0 replicas of a bucket, at least `routers` (spec.router.replicas)."""
+    per_bucket: dict[int, int] = {}
+    for c in cells:
+        if c.split == 0:
+            per_bucket[c.bucket] = per_bucket.get(c.bucket, 0) + c.replicas
+    return max(routers, *per_bucket.values())
 
 
 class Plan(Model):

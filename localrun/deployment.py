@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exitplan.api.plan import Plan
+from exitplan.api.plan import Plan, colocated_routers
 from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.localrun.front import Front
 from exitplan.localrun.ports import free_port
@@ -285,11 +285,7 @@ class LocalDeployment:
 
     def start(self, timeout: float = 180.0) -> None:
         if self.colocated:  # each router holds one split-0 runtime per bucket: the plan's replicas are routers
-            per_bucket: dict[int, int] = {}
-            for c in self.plan.cells:
-                if c.split == 0:
-                    per_bucket[c.bucket] = per_bucket.get(c.bucket, 0) + c.replicas
-            self.routers = max(self.routers, *per_bucket.values())
+            self.routers = colocated_routers(self.plan.cells, self.routers)
         if not self.control_port:
             workers = sum(c.replicas for c in self.plan.cells) + len(self.plan.splits)
             taken = {self.port, *range(self.base_port, self.base_port + workers + 1)}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from exitplan.api.plan import Plan
+from exitplan.api.plan import Plan, colocated_routers
 from exitplan.api.resources import GPUPoolSpec
 
 
@@ -35,13 +35,7 @@ def split_zero_pool(plan: Plan, pools: dict[str, GPUPoolSpec] | None) -> tuple[s
 def router_replicas(routers: int, plan: Plan) -> int:
     """The router Deployment's replicas: `routers` (spec.router.replicas); for a co-located plan, at
     least the most split-0 replicas of a bucket."""
-    if not plan.colocate:
-        return routers
-    per_bucket: dict[int, int] = {}
-    for cell in plan.cells:
-        if cell.split == 0:
-            per_bucket[cell.bucket] = per_bucket.get(cell.bucket, 0) + cell.replicas
-    return max(routers, *per_bucket.values())
+    return colocated_routers(plan.cells, routers) if plan.colocate else routers
 
 
 def runs_split_zero(deployment: dict[str, Any]) -> bool:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from exitplan.api.observations import Observations
-from exitplan.api.plan import Cell, Plan, Prediction, SplitPlan
+from exitplan.api.plan import Cell, Plan, Prediction, SplitPlan, colocated_routers
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec, Objective
 from exitplan.planner import buckets as bk
 from exitplan.planner.densepipe import Placement, place
@@ -39,13 +39,7 @@ from exitplan.planner.e3_search import upper_bounds
 from exitplan.planner.errors import PlanInfeasible, PlanInvalid
 from exitplan.planner.inputs import Inputs, _windows, resolve_inputs
 from exitplan.planner.problem import OptionCache, PlanProblem, build_problem, cycles, diagnose, rebatching
-from exitplan.planner.serving_path import (
-    PathLimit,
-    colocated_gain,
-    colocated_routers,
-    path_limits,
-    why_not_colocate,
-)
+from exitplan.planner.serving_path import PathLimit, colocated_gain, path_limits, why_not_colocate
 
 MAX_BUCKETS = 6
 COLOCATE_MIN_GAIN = 0.02

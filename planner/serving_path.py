@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from exitplan.api.plan import Cell, SplitPlan
+from exitplan.api.plan import Cell, SplitPlan, colocated_routers
 from exitplan.planner.e3 import E3Problem
 from exitplan.planner.inputs import Inputs
 
@@ -59,15 +59,6 @@ def colocated_router_ms(inp: Inputs) -> float | None:
     serving = [m.profile.serving for m in inp.models]
     measured = [c.colocated_ms for c in serving if c is not None and c.colocated_ms is not None]
     return max(measured) if len(measured) == len(serving) else None
-
-
-def colocated_routers(cells: Sequence[Cell], routers: int) -> int:
-    """Routers of a co-located plan: as many as the most split-0 replicas of a bucket, at least `routers`."""
-    per_bucket: dict[int, int] = {}
-    for c in cells:
-        if c.split == 0:
-            per_bucket[c.bucket] = per_bucket.get(c.bucket, 0) + c.replicas
-    return max(routers, *per_bucket.values())
 
 
 def why_not_colocate(inp: Inputs, cells: Sequence[Cell], buckets: Sequence[int], routers: int) -> str | None:
