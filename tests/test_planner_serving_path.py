@@ -27,6 +27,21 @@ def _plan(pools=CPU_POOLS, serving: ServingCosts | None = None, routers: int = 2
     )
 
 
+def _busy(result, split0_hop_ms: float = 0.0) -> float:
+    """Core-ms per request the plan's cells keep busy: per cell, the share of inputs reaching it x its
+    replicas' time per input (split 0's less `split0_hop_ms` per batch), from the problem's rates."""
+    problem, plan = result.problem, result.plan
+    s = len(plan.splits)
+    busy = 0.0
+    for c in plan.cells:
+        split = plan.splits[c.split]
+        k = plan.buckets.index(c.bucket)
+        rate = problem.rate[s - 1, 0, split.first_block, split.last_block, k]
+        per_input = 1000.0 / rate - (split0_hop_ms / c.batch_size if c.split == 0 else 0.0)
+        busy += problem.shares[k] * problem.sigma_in[split.first_block] * per_input
+    return busy
+
+
 def test_the_workers_hop_is_added_once_to_every_splits_time_per_batch():
     plain, hop = cpu_profile(), cpu_profile()
     hop.serving = ServingCosts(router_ms=1.0, hop_ms=0.75)
@@ -72,15 +87,7 @@ def test_shared_cores_cap_what_the_workers_compute_together():
     two = _plan(pools=_cores_pools(2), serving=serving)
     assert own.plan.cells == one.plan.cells  # the same layout: the cap is on the prediction
     # busy core-ms per request: per cell, its share of the inputs reaching it x 1000 / (its replicas' rate)
-    problem, plan = one.problem, one.plan
-    s = len(plan.splits)
-    busy = 0.0
-    for c in plan.cells:
-        split = plan.splits[c.split]
-        k = plan.buckets.index(c.bucket)
-        rate = problem.rate[s - 1, 0, split.first_block, split.last_block, k]
-        busy += problem.shares[k] * problem.sigma_in[split.first_block] * 1000.0 / rate
-    busy += serving.router_ms  # every pool shares cores: the routers run beside the workers
+    busy = _busy(one) + serving.router_ms  # every pool shares cores: the routers run beside the workers
     assert one.plan.prediction.goodput_rps == pytest.approx(min(own.plan.prediction.goodput_rps, 1000.0 / busy))
     assert one.plan.prediction.goodput_rps < own.plan.prediction.goodput_rps
     assert two.plan.prediction.goodput_rps == pytest.approx(min(own.plan.prediction.goodput_rps, 2000.0 / busy))
@@ -125,15 +132,7 @@ def test_colocation_is_chosen_where_the_hop_costs_the_shared_cores_more_than_it_
     assert together.plan.cells == apart.plan.cells  # the same layout; split 0 moves into the routers
     # The bound recomputed here: per cell its busy time per input, split 0's without the worker's hop,
     # plus the co-located router's CPU; one shared core.
-    problem, plan = together.problem, together.plan
-    s = len(plan.splits)
-    busy = 0.8
-    for c in plan.cells:
-        split = plan.splits[c.split]
-        k = plan.buckets.index(c.bucket)
-        rate = problem.rate[s - 1, 0, split.first_block, split.last_block, k]
-        per_input = 1000.0 / rate - (1.0 / c.batch_size if c.split == 0 else 0.0)
-        busy += problem.shares[k] * problem.sigma_in[split.first_block] * per_input
+    busy = _busy(together, split0_hop_ms=1.0) + 0.8
     solver = apart.solution.goodput
     assert together.plan.prediction.goodput_rps == pytest.approx(min(solver, 1000.0 / busy))
     assert together.plan.prediction.goodput_rps > apart.plan.prediction.goodput_rps
