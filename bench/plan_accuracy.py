@@ -1,4 +1,4 @@
-"""Predicted against measured goodput: the planner's plan for this machine, served and searched for its capacity.
+"""Predicted against measured capacity: vanilla, naive early exit and the planner's plan, on this machine.
 
     python -P bench/plan_accuracy.py [--quick] [--service FILE ...]
 
@@ -6,44 +6,82 @@ For each service file (default: examples/minilm-local.yaml and a digits-CNN serv
 built by `exitplan prepare --model digits-cnn` into artifacts/bundles/digits-cnn if missing), in one run:
 
 1. the profile per pool (measured if missing; a cached one without serving-path costs gets them), the
-   thresholds tuned under the accuracy budget, the trace's lengths (the shared Azure trace, as the demo);
-2. two predictions of the same plan's goodput: the block cost model alone (no serving path: the profile's
-   `serving` dropped and no shared cores, as the planner predicted before) and the whole path
-   (planner/serving_path.py: the worker's own work per batch, the routers' CPU, this machine's cores);
-3. the plan served on this machine (`exitplan up`'s processes: one router, the plan's workers) and its
-   capacity within the SLO measured by `exitplan bench --find-capacity`'s search (>= 99 % within the SLO
-   over each step and its last third).
+   thresholds tuned under the accuracy budget, the trace's lengths (the shared Azure trace, as the demo),
+   and the profile's survival curve read again at those thresholds from the bundle's calibration window
+   (the profiler measures it at 0.9 for every ramp; the configurations serve the tuned thresholds);
+2. the demo's three configurations (localrun/demo.py `build_plans`): vanilla (the whole model, one
+   bucket at the longest length, no exits), naive early exit (the same with the tuned exits) and the
+   planner's plan for this machine (1 router, the CPU pool's workers sharing its cores);
+3. two predictions of each configuration's capacity, both from the planner's code:
+   - fluid: `plan_service`'s predicted goodput for the configuration (planner/compare.py `plan_config`,
+     split 0 in the routers where the served plan runs it there: the solver's rate at full batches,
+     capped by the routers' CPU and the shared cores, planner/serving_path.py);
+   - simulated: the planner's simulator (planner/simulator.py) replaying the very steps the measurement
+     replays (`exitplan.client.bench.schedule`: the trace's first seconds rescaled to each rate, with
+     their lengths), each batch cut to its longest input rounded up to 8 tokens as the CPU workers
+     cut it; the highest rate (bisected to 1 %) at which >= 99 % of the requests finish within the SLO
+     over the step and its last third, and at which the CPU the step needs -- the simulated workers'
+     busy time, the routers' CPU per request (the profile's `serving.routerMs`, or `colocatedMs`) and
+     the load generator's (measured during that configuration's search) -- fits the machine's shared
+     cores, and each router's share fits one core;
+4. the configuration served on this machine (`exitplan up`'s processes) and its capacity within the SLO
+   measured by `exitplan bench --find-capacity`'s search (>= 99 % within the SLO over each step and its
+   last third; 4 s of trace at a rate that passed before the first step and after each miss, as the
+   demo), starting at a quarter of the simulated capacity.
 
-Printed: each prediction, the measured capacity and predicted / measured. The load generator runs on the
-same cores (its CPU per request is printed too): the prediction is for the service alone.
+Printed: each step, then one row per configuration with both predictions, the measured capacity and
+predicted / measured; under each, the share of answers that ran the whole model (the calibration
+window's at the tuned thresholds, and measured at capacity), the input lengths sent against the trace's,
+and the CPU per request of the routers, the workers and the load generator over the search (read from
+/proc and the routers' request counters).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import resource
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
-from exitplan.client.bench import BenchSetup, find_capacity
+from exitplan.api.plan import Plan, colocated_routers
+from exitplan.client.bench import BenchSetup, find_capacity, schedule
+from exitplan.localrun.demo import CONFIGS, build_plans, describe_plan
 from exitplan.localrun.deployment import LocalDeployment, exitplan_command
 from exitplan.localrun.ports import free_port, free_port_block
 from exitplan.localrun.service_setup import (
+    ServiceSetup,
     ensure_profiles,
     load_setup,
     on_this_machine,
     trace_lengths,
     tuned_thresholds,
 )
-from exitplan.planner import plan_service
+from exitplan.localrun.serving_costs import _cpu_seconds
+from exitplan.planner.compare import passes, plan_config, simulate_plan
+from exitplan.planner.service import PlanResult
+from exitplan.planner.serving_path import colocated_router_ms
+from exitplan.planner.serving_path import router_ms as serving_router_ms
+from exitplan.planner.sim_result import SimResult
+from exitplan.prepare.profile import _survival
+from exitplan.worker.classify.trim import TRIM_STEP, mask_input
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = REPO / "artifacts" / "bundles" / "digits-cnn"
+TARGET = 0.99
+"""The share within the SLO a step must reach, over the step and its last third (as the measurement)."""
+SETTLE_S = 4.0
+"""Seconds of trace at a rate that passed before the first step and after each miss, not counted (as the demo)."""
 
 
 def digits_service(directory: Path) -> Path:
@@ -75,18 +113,196 @@ def digits_service(directory: Path) -> Path:
     return path
 
 
-def predictions(setup, thresholds, lengths) -> tuple[object, float, float, list[str]]:
-    """(the whole-path plan, its predicted goodput, the block-only prediction of the same service, notes)."""
+# ---------------------------------------------------------------------------- what the planner predicts
+
+
+def at_thresholds(setup: ServiceSetup, thresholds: dict[str, float]) -> ServiceSetup:
+    """The setup with every profile's survival curve read at `thresholds` from the bundle's calibration
+    window (the profiler's own rule), so that the planner sizes the exits the configurations serve."""
+    survival = _survival(setup.bundle, setup.manifest, thresholds)
+    profiles = {
+        pool: p.model_copy(update={"survival": [survival[r.name] for r in p.ramps]}) if p.ramps else p
+        for pool, p in setup.profiles.items()
+    }
+    return dataclasses.replace(setup, profiles=profiles)
+
+
+def planner_results(setup: ServiceSetup, thresholds, lengths) -> tuple[dict[str, PlanResult], dict[str, Plan]]:
+    """Per configuration: the planner's PlanResult for it (`plan_config` on this machine's spec and pools,
+    split 0 in the routers exactly where the served plan runs it there) and the plan served (the demo's
+    `build_plans`)."""
     spec, pools = on_this_machine(setup, routers=1)
-    whole = plan_service(setup.name, spec, pools, setup.profiles, thresholds=thresholds, lengths=lengths)
-    bare = {name: p.model_copy(update={"serving": None}) for name, p in setup.profiles.items()}
-    blocks = plan_service(setup.name, setup.spec, setup.pools, bare, thresholds=thresholds, lengths=lengths)
-    notes = [n for n in whole.notes if "serving path" in n]
-    return whole.plan, whole.plan.prediction.goodput_rps, blocks.plan.prediction.goodput_rps, notes
+    served = build_plans(setup, thresholds, lengths)
+    results = {}
+    for name in CONFIGS:
+        colocate = "on" if served[name].colocate else "off"
+        as_served = spec.model_copy(update={"planner": spec.planner.model_copy(update={"colocate": colocate})})
+        results[name] = plan_config(
+            name, setup.name, as_served, pools, setup.profiles, lengths=lengths, thresholds=thresholds
+        )
+    return results, served
 
 
-def measure(setup, plan, step_s: float, workdir: Path, reference: int | None) -> tuple[float, str, float]:
-    """(capacity within the SLO, how the search ended, the load generator's CPU ms per request)."""
+def same_cells(a: Plan, b: Plan) -> bool:
+    """Whether two plans run the same splits, buckets and cells (replicas and batch sizes) the same way."""
+
+    def key(p: Plan) -> tuple:
+        return (
+            p.colocate,
+            [(s.first_block, s.last_block, s.rebatch) for s in p.splits],
+            sorted((c.split, c.bucket, c.pool, c.replicas, c.batch_size) for c in p.cells),
+        )
+
+    return key(a) == key(b)
+
+
+def trim_lengths(setup: ServiceSetup) -> list[int] | None:
+    """The lengths the CPU workers may cut a batch to (worker_image/classify/trim.py: its longest row
+    rounded up to TRIM_STEP tokens, at most the bucket); None for a model without an attention mask."""
+    if setup.manifest.max_length is None or mask_input(setup.manifest) is None:
+        return None
+    top = int(setup.manifest.max_length)
+    return [*range(TRIM_STEP, top, TRIM_STEP), top]
+
+
+def profiled_router_ms(result: PlanResult, served: Plan) -> float:
+    """The router's CPU per request the profile measured for the way `served` runs (split 0 in it or not)."""
+    inp = result.inputs
+    return (colocated_router_ms(inp) if served.colocate else serving_router_ms(inp)) or 0.0
+
+
+def cpu_per_second(run: SimResult, step_s: float, router_ms: float, client_ms: float, threads: int) -> float:
+    """Cores the step keeps busy: the simulated workers' busy time (x their intra-op threads), and the
+    router's and the load generator's CPU for every request offered."""
+    return (run.busy_ms * threads + run.offered * (router_ms + client_ms)) / 1e3 / step_s
+
+
+def capacity_search(ok: Callable[[float], bool], start: float, ceiling: float, tol: float = 0.01) -> float:
+    """The highest rate in (0, ceiling] at which `ok` holds: bracketed by 10 % steps from `start`, then
+    bisected to `tol`; 0.0 when none down to start / 1000 does."""
+    lo, hi = 0.0, None
+    rate = min(start, ceiling)
+    if ok(rate):
+        lo = rate
+        while hi is None:
+            up = min(lo * 1.1, ceiling)
+            if up <= lo:
+                return lo
+            lo, hi = (up, None) if ok(up) else (lo, up)
+    else:
+        hi = rate
+        while lo == 0.0 and hi > start / 1000:
+            down = hi * 0.9
+            lo, hi = (down, hi) if ok(down) else (0.0, down)
+        if lo == 0.0:
+            return 0.0
+    while hi - lo > tol * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def simulated_capacity(
+    result: PlanResult,
+    served: Plan,
+    setup: ServiceSetup,
+    reference: int | None,
+    step_s: float,
+    client_ms: float,
+) -> tuple[float, float]:
+    """(the simulated capacity of the served plan on the measurement's own steps, the mean batch the
+    simulated workers ran at it); see the module's doc. The routers' CPU per request and their number are
+    the serving path's (planner/serving_path.py): each router's event loop takes at most a core. Where the
+    routers run split 0 (`colocate`, one split), the simulated split-0 workers are their per-bucket
+    inference threads and pay no hop per batch (the router's colocatedMs holds that work), as in
+    serving_path.py."""
+    start = max(result.plan.prediction.goodput_rps, 1.0)
+    inp = result.inputs
+    if served.colocate and len(served.splits) == 1:
+        models = [copy.copy(m) for m in inp.models]
+        for m in models:
+            m.hop_ms = 0.0
+        inp = dataclasses.replace(inp, models=models)
+    result = dataclasses.replace(result, plan=served, inputs=inp)
+    router_ms = profiled_router_ms(result, served)
+    routers = colocated_routers(served.cells, 1) if served.colocate else 1
+    serving = inp.models[0].profile.serving
+    threads = serving.threads if serving is not None else 1
+    cores = [m.pool.shared_cores for m in inp.models if m.pool.shared_cores is not None]
+    trim, top = trim_lengths(setup), max(served.buckets)
+    slo = setup.spec.slo.latency_ms
+    runs: dict[float, SimResult] = {}
+
+    def window(rps: float):
+        return schedule(None, max_length=top, reference_max=reference, rps=rps, duration=step_s).trace
+
+    def ok(rps: float) -> bool:
+        arrivals = window(rps)
+        run = simulate_plan(result, arrivals.timestamps, arrivals.lengths, slo, trim=trim)
+        runs[rps] = run
+        fits = not cores or cpu_per_second(run, step_s, router_ms, client_ms, threads) <= min(cores)
+        return passes(run, TARGET) and fits and run.offered * router_ms / 1e3 / step_s <= routers
+
+    most = len(window(1e6)) / step_s  # a step holds at most the whole trace, as the measurement's
+    capacity = capacity_search(ok, start, ceiling=min(16 * start, most))
+    return capacity, (runs[capacity].mean_batch if capacity in runs else 0.0)
+
+
+# ---------------------------------------------------------------------------- what the machine serves
+
+
+@dataclass
+class Measured:
+    capacity_rps: float
+    failed_rps: float | None
+    how: str
+    client_ms: float
+    """The load generator's CPU per request sent (this process's user + system time; with several routers
+    it also runs the local front that balances connections over them)."""
+    process_ms: dict[str, float]
+    """CPU per request sent of the service's processes over the whole search: "routers", "workers"."""
+    head_share: float | None
+    """The share of answers at capacity that ran the whole model (the final head answered)."""
+    lengths: tuple[float, float] | None
+    """(mean length of the trace window at capacity, mean length of the inputs sent)."""
+
+
+def show_step(step) -> None:
+    r = step.report
+    last = "-" if r.last_third_within_slo_share is None else f"{r.last_third_within_slo_share:.1%}"
+    p50, p99 = (r.latency_ms.get(q) for q in ("p50", "p99"))
+    print(
+        f"  {r.offered_rps:7.1f} rps offered: {r.within_slo_share:6.1%} within the SLO (last third {last}), "
+        f"p50 {p50 or 0:.0f} p99 {p99 or 0:.0f} ms, errors {r.error_total}, lost {r.lost} "
+        f"-> {'pass' if step.passed else 'miss'}",
+        flush=True,
+    )
+
+
+def process_cpu(dep: LocalDeployment) -> dict[str, float]:
+    """CPU seconds the deployment's routers and workers have used so far."""
+    routers = {p.name for p in dep.router_procs()}
+    out = {"routers": 0.0, "workers": 0.0}
+    for p in dep.procs:
+        if p.popen is not None:
+            out["routers" if p.name in routers else "workers"] += _cpu_seconds(p.popen.pid)
+    return out
+
+
+def answered(dep: LocalDeployment) -> float:
+    """Requests the routers have answered so far, whatever the status (their exitplan_router_requests_total)."""
+    total = 0.0
+    for p in dep.router_procs():
+        with urllib.request.urlopen(f"http://{p.address}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name == "exitplan_router_requests":
+                total += sum(x.value for x in family.samples if x.name.endswith("_total"))
+    return total
+
+
+def measure(setup: ServiceSetup, plan: Plan, start_rps: float, step_s: float, workdir: Path, reference) -> Measured:
+    """Serve `plan` with `exitplan up`'s processes and search its capacity within the SLO."""
     dep = LocalDeployment(
         setup.bundle, plan, setup.spec, workdir, port=free_port(), base_port=free_port_block(8), restart=None
     )
@@ -94,24 +310,121 @@ def measure(setup, plan, step_s: float, workdir: Path, reference: int | None) ->
     try:
         bench = BenchSetup.connect(dep.url, setup.spec.model.name, setup.bundle)
         before = resource.getrusage(resource.RUSAGE_SELF)
+        cpu0, sent0 = process_cpu(dep), answered(dep)
         result = find_capacity(
             dep.url,
             setup.spec.model.name,
             setup.bundle,
             setup=bench,
-            start_rps=max(1.0, plan.prediction.goodput_rps / 4),
+            start_rps=max(1.0, start_rps),
             step_duration=step_s,
-            settle_s=2.0,
+            settle_s=SETTLE_S,
             max_steps=8,
             max_rps=5000.0,
             reference_max=reference,  # the trace's p99 = the longest bucket, as the plan's lengths were scaled
+            on_step=show_step,
         )
         after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu1, sent = process_cpu(dep), max(answered(dep) - sent0, 1.0)  # the settling runs included
     finally:
         dep.stop()
-    sent = sum(s.report.requests for s in result.steps) or 1
     client_ms = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / sent * 1e3
-    return result.capacity_rps, result.reason, client_ms
+    process_ms = {k: (cpu1[k] - cpu0[k]) / sent * 1e3 for k in cpu0}
+    at = result.at_capacity
+    head = setup.manifest.final_ramp().name
+    inputs = at.run.get("inputs", {}) if at else {}
+    lengths = (inputs["target_length_mean"], inputs["sent_length_mean"]) if "sent_length_mean" in inputs else None
+    return Measured(
+        result.capacity_rps,
+        result.failed_rps,
+        result.reason,
+        client_ms,
+        process_ms,
+        at.exit_share.get(head) if at else None,
+        lengths,
+    )
+
+
+# ---------------------------------------------------------------------------- one service, the table
+
+
+@dataclass
+class Row:
+    service: str
+    config: str
+    plan: str
+    fluid: float
+    simulated: float
+    sim_batch: float
+    measured: Measured
+    notes: list[str]
+
+
+def run_service(path: Path, step_s: float, workdir: Path) -> list[Row]:
+    setup = load_setup(path)
+    ensure_profiles(setup, print)
+    thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop, setup.spec.workload.length_buckets)
+    lengths, reference = (
+        trace_lengths(None, int(setup.manifest.max_length or 1)) if setup.manifest.seq_axis else (None, None)
+    )
+    setup = at_thresholds(setup, thresholds)
+    results, served = planner_results(setup, thresholds, lengths)
+    rows = []
+    for config in CONFIGS:
+        result, plan = results[config], served[config]
+        fluid = result.plan.prediction.goodput_rps
+        notes = [n for n in result.notes if "serving path" in n]
+        if not same_cells(result.plan, plan):
+            notes.append(f"the planner sizes this configuration as {describe_plan(result.plan)}")
+        # the search starts at a quarter of the simulated capacity without the load generator (well below
+        # the capacity: a first step near it misses on the fresh processes' warm-up and the search never
+        # goes back above it)
+        guess = simulated_capacity(result, plan, setup, reference, step_s, 0.0)[0] or fluid
+        started = time.perf_counter()
+        measured = measure(setup, plan, guess / 4, step_s, workdir / f"{setup.name}-{config}", reference)
+        print(f"{setup.name} {config}: measured in {time.perf_counter() - started:.0f} s; {measured.how}", flush=True)
+        simulated, batch = simulated_capacity(result, plan, setup, reference, step_s, measured.client_ms)
+        ran_all = result.inputs.survival[-1] if result.inputs.survival else 1.0
+        got = "-" if measured.head_share is None else f"{measured.head_share:.2f}"
+        notes.append(f"share answered by the whole model: {ran_all:.2f} planned, {got} measured at capacity")
+        if measured.lengths is not None:
+            notes.append(
+                f"mean input length at capacity: trace {measured.lengths[0]:.1f}, sent {measured.lengths[1]:.1f}"
+            )
+        cpu = measured.process_ms
+        notes.append(
+            f"CPU per request over the search: routers {cpu['routers']:.2f} ms (profiled {profiled_router_ms(result, plan):.2f}), "
+            f"workers {cpu['workers']:.2f}, load generator {measured.client_ms:.2f}; simulated mean batch {batch:.2f}"
+        )
+        rows.append(Row(setup.name, config, describe_plan(plan), fluid, simulated, batch, measured, notes))
+    return rows
+
+
+def ratio(x: float, measured: float) -> str:
+    return f"{x / measured:.2f}x" if measured > 0 else "-"
+
+
+def print_table(rows: list[Row]) -> None:
+    print()
+    print(
+        f"{'service':8s} {'config':9s} {'plan':42s} {'fluid':>8s} {'simulated':>9s} {'measured':>8s} "
+        f"{'missed at':>9s} {'fluid/meas':>10s} {'sim/meas':>8s}"
+    )
+    for r in rows:
+        m = r.measured
+        failed = "-" if m.failed_rps is None else f"{m.failed_rps:.1f}"
+        print(
+            f"{r.service:8s} {r.config:9s} {r.plan[:42]:42s} {r.fluid:8.1f} {r.simulated:9.1f} {m.capacity_rps:8.1f} "
+            f"{failed:>9s} {ratio(r.fluid, m.capacity_rps):>10s} {ratio(r.simulated, m.capacity_rps):>8s}"
+        )
+        for note in r.notes:
+            print(f"{'':19s}{note}")
+    within = [abs(r.simulated / r.measured.capacity_rps - 1) <= 0.2 for r in rows if r.measured.capacity_rps > 0]
+    fluid = [abs(r.fluid / r.measured.capacity_rps - 1) <= 0.2 for r in rows if r.measured.capacity_rps > 0]
+    print(
+        f"\nwithin +-20 % of the measured capacity: fluid {sum(fluid)}/{len(fluid)}, simulated {sum(within)}/{len(within)}"
+    )
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -120,36 +433,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 s steps instead of 8 s")
     args = parser.parse_args()
     step_s = 4.0 if args.quick else 8.0
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
         services = args.service or [REPO / "examples" / "minilm-local.yaml", digits_service(Path(tmp))]
-        rows = []
         for path in services:
-            setup = load_setup(path)
-            ensure_profiles(setup, print)
-            thresholds = tuned_thresholds(
-                setup.bundle, setup.spec.accuracy.max_drop, setup.spec.workload.length_buckets
-            )
-            lengths, reference = (
-                trace_lengths(None, int(setup.manifest.max_length or 1)) if setup.manifest.seq_axis else (None, None)
-            )
-            plan, whole, blocks, notes = predictions(setup, thresholds, lengths)
-            started = time.perf_counter()
-            measured, how, client_ms = measure(setup, plan, step_s, Path(tmp) / setup.name, reference)
-            rows.append((setup.name, plan, blocks, whole, measured, how, client_ms, notes))
-            print(f"{setup.name}: measured in {time.perf_counter() - started:.0f} s; {how}", flush=True)
-    print()
-    print("service   plan                               blocks-only  whole path  measured  blocks/meas  whole/meas")
-    for name, plan, blocks, whole, measured, _how, client_ms, notes in rows:
-        cells = ", ".join(f"s{c.split} b{c.bucket} x{c.replicas} batch {c.batch_size}" for c in plan.cells)
-        ratio = (lambda x: f"{x / measured:.2f}x") if measured > 0 else (lambda x: "-")
-        print(
-            f"{name:9s} {cells[:34]:34s} {blocks:11.1f} {whole:11.1f} {measured:9.1f} "
-            f"{ratio(blocks):>12s} {ratio(whole):>11s}"
-        )
-        for note in notes:
-            print(f"          {note}")
-        print(f"          load generator: {client_ms:.2f} ms CPU per request on the same cores")
-    sys.stdout.flush()
+            rows.extend(run_service(path, step_s, Path(tmp)))
+    print_table(rows)
 
 
 if __name__ == "__main__":

@@ -103,7 +103,9 @@ def simulate_plan(
     depths: np.ndarray | None = None,
     max_wait_ms: float = 2.0,
     compact_exits: bool = True,
+    trim: Sequence[int] | None = None,
 ) -> SimResult:
+    """One simulated run of the plan (planner/simulator.py; `trim`: its option of the same name)."""
     inp = result.inputs
     models = {m.pool_name: m for m in inp.models}
     sim = Simulation(
@@ -117,6 +119,7 @@ def simulate_plan(
         pool_costs=dict(zip(inp.pool_names, inp.costs.tolist())),
         max_wait_ms=max_wait_ms,
         compact_exits=compact_exits,
+        trim=trim,
     )
     return sim.run(arrivals, lengths, depths)
 

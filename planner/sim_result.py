@@ -30,6 +30,8 @@ class SimResult:
     """Batches that ran each block."""
     answers: int = 0
     """Answer events (a request answered twice would count twice here, once in `answered`)."""
+    busy_ms: float = 0.0
+    """Time the workers spent running batches (blocks), summed over the workers."""
 
     @property
     def goodput(self) -> float:

@@ -21,6 +21,9 @@ What it models (the same rules as worker_image/router_app.py and worker_app.py):
   GPU type) of the next split, same bucket.
   The transfer does not hold the replica (the worker forwards in a task of its own and starts
   its next batch): it delays the survivors only.
+  With `trim` (lengths; the data plane's CPU workers cut a batch to its longest input rounded up to 8
+  tokens, worker_image/classify/trim.py), a worker that ends the model without rebatching runs each
+  batch at the shortest of those below its bucket that holds the batch's longest input (else its bucket).
 - Rebatching worker (a split with SplitPlan.rebatch, as the data plane's rebatching worker): one
   fusion queue (stage) per block of the split; a row that survives block k joins stage k + 1 of
   the same worker, where it is batched with rows from other entering batches, and leaves the
@@ -136,6 +139,7 @@ class _Worker:
         "stages",
         "stage_rest_ms",
         "held",
+        "trim",
     )
     # Set by Simulation once the worker's cell is known:
     lat: FloatArray
@@ -154,14 +158,8 @@ class _Worker:
     def __init__(
         self, split: int, bucket: int, length: int, batch: int, first: int, last: int, rebatch: bool = False
     ) -> None:
-        self.split, self.bucket, self.length, self.batch, self.first, self.last = (
-            split,
-            bucket,
-            length,
-            batch,
-            first,
-            last,
-        )
+        self.split, self.bucket, self.length = split, bucket, length
+        self.batch, self.first, self.last = batch, first, last
         self.queue = _Queue()
         self.stages: list[_Queue] | None = [self.queue] + [_Queue() for _ in range(last - first)] if rebatch else None
         """With rebatching: one fusion queue per block (stages[0] is `queue`), rows enter the next on leaving one."""
@@ -173,6 +171,7 @@ class _Worker:
         self.timer = math.inf
         self.batches = 0
         self.rows = 0
+        self.trim: list[tuple[int, FloatArray, FloatArray]] = []  # (length, lat, ramp_lat), shortest first
 
 
 def depths_from_survival(
@@ -219,6 +218,7 @@ class Simulation:
         name: str = "",
         compact_exits: bool = True,
         admit_fraction: float = ADMIT_FRACTION,
+        trim: Sequence[int] | None = None,  # lengths a batch may be trimmed to (module doc); None: never
     ) -> None:
         self.plan, self.models, self.slo_s = plan, models, slo_ms / 1e3
         self.admit_fraction = admit_fraction
@@ -247,21 +247,32 @@ class Simulation:
             model = models[cell.pool]
             top = max(cell.batch_size, 1)
             sizes = np.arange(top + 1, dtype=np.float64)
-            lat = np.stack([[model.block_ms(blk, x, cell.bucket) for x in sizes] for blk in range(a, b + 1)])
-            lat[0, 1:] += model.hop_ms  # the worker's own work per batch, once per split (the cost model's)
-            ramp_lat = np.zeros_like(lat)
-            for r, after in enumerate(self.ramp_after):
-                if a <= after <= b and all_on[r]:
-                    ramp_lat[after - a] = [model.ramp_ms(r, x, cell.bucket) for x in sizes]
+            lat, ramp_lat = self._tables(model, a, b, cell.bucket, sizes, all_on)
+            trims = b == self.n_blocks - 1 and cell.split not in rebatch  # ends the model, one batch
+            shorter = sorted({int(x) for x in trim or () if x < cell.bucket and trims})
+            trimmed = [(x, *self._tables(model, a, b, x, sizes, all_on)) for x in shorter]
             xfer = np.asarray([model.transfer_ms(b, x, cell.bucket) if b < self.n_blocks - 1 else 0.0 for x in sizes])
             full = float(lat[:, top].sum() + ramp_lat[:, top].sum() + xfer[top])
             for _ in range(cell.replicas):
                 w = _Worker(cell.split, k, cell.bucket, cell.batch_size, a, b, rebatch=cell.split in rebatch)
                 w.lat, w.ramp_lat, w.xfer, w.expect_ms = lat, ramp_lat, xfer, full
+                w.trim = trimmed
                 w.mean_ms = self._mean_batch_ms(lat, ramp_lat, a, top, w.stages is not None)
                 self.workers[k][cell.split].append(w)
         self._set_rest()
         self._set_admission(admit_fraction)
+
+    def _tables(
+        self, model: CostModel, a: int, b: int, length: int, sizes: FloatArray, all_on: Sequence[bool]
+    ) -> tuple[FloatArray, FloatArray]:
+        """(lat, ramp_lat) of blocks a..b at `length` for each number of rows in `sizes`."""
+        lat = np.stack([[model.block_ms(blk, x, length) for x in sizes] for blk in range(a, b + 1)])
+        lat[0, 1:] += model.hop_ms  # the worker's own work per batch, once per split (the cost model's)
+        ramp_lat = np.zeros_like(lat)
+        for r, after in enumerate(self.ramp_after):
+            if a <= after <= b and all_on[r]:
+                ramp_lat[after - a] = [model.ramp_ms(r, x, length) for x in sizes]
+        return lat, ramp_lat
 
     def _set_rest(self) -> None:
         """Expected time to finish the model from each split (for the deadline rule), per bucket; from each
@@ -390,6 +401,7 @@ class _EventLoop:
         self.dropped = 0
         self.answers = 0
         """Answer events (a request answered twice would count twice)."""
+        self.busy_ms = 0.0
         self.blk_rows = np.zeros(sim.n_blocks)
         self.blk_runs = np.zeros(sim.n_blocks)
 
@@ -500,7 +512,10 @@ class _EventLoop:
             idx = np.arange(len(ks))
             self.blk_rows[w.first : w.last + 1] += counts
             self.blk_runs[w.first : w.last + 1] += counts > 0
-            t = float(w.lat[idx, counts].sum() + w.ramp_lat[idx, counts].sum())
+            need = int(self.lengths[rows].max()) if w.trim else 0  # trimming: the shortest length holding it
+            lat, ramp_lat = next(((la, ra) for x, la, ra in w.trim if need <= x), (w.lat, w.ramp_lat))
+            t = float(lat[idx, counts].sum() + ramp_lat[idx, counts].sum())
+            self.busy_ms += t
             surv = [r for r, dd in zip(rows, d) if dd > w.last + 1]
             w.busy, w.running = True, m
             w.batches += 1
@@ -542,6 +557,7 @@ class _EventLoop:
         self.blk_rows[blk] += m
         self.blk_runs[blk] += 1
         t = float(w.lat[chosen, m] + w.ramp_lat[chosen, m])
+        self.busy_ms += t
         w.busy, w.running = True, m
         w.batches += 1
         w.rows += m
@@ -580,4 +596,5 @@ class _EventLoop:
             self.blk_rows,
             self.blk_runs,
             self.answers,
+            busy_ms=self.busy_ms,
         )

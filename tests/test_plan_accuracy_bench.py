@@ -1,0 +1,86 @@
+"""bench/plan_accuracy.py's pure parts, and the simulator's trimming and busy time it predicts with."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from exitplan.api.plan import Cell, Plan, SplitPlan
+from exitplan.api.resources import SLO, EarlyExitServiceSpec, ModelRef, PlannerSettings, PoolRef
+from exitplan.planner.compare import plan_config, simulate_plan
+from exitplan.planner.sim_result import SimResult
+from exitplan.planner.simulator import poisson_arrivals
+from exitplan.planner.synthetic import bert_base_profile, gpu_pool
+
+_spec = importlib.util.spec_from_file_location(
+    "plan_accuracy", Path(__file__).resolve().parents[1] / "bench" / "plan_accuracy.py"
+)
+assert _spec is not None and _spec.loader is not None
+plan_accuracy = importlib.util.module_from_spec(_spec)
+sys.modules["plan_accuracy"] = plan_accuracy  # its dataclasses look their module up there
+_spec.loader.exec_module(plan_accuracy)
+
+
+def test_capacity_search_finds_the_edge_from_either_side_within_the_tolerance():
+    for start in (10.0, 123.4, 900.0):
+        found = plan_accuracy.capacity_search(lambda r: r <= 123.4, start, ceiling=10_000.0)
+        assert 123.4 * 0.99 <= found <= 123.4
+    assert plan_accuracy.capacity_search(lambda r: True, 10.0, ceiling=50.0) == 50.0
+    assert plan_accuracy.capacity_search(lambda r: False, 10.0, ceiling=50.0) == 0.0
+
+
+def test_cpu_per_second_counts_workers_router_and_load_generator():
+    run = SimResult("x", offered=800, answered=800, within_slo=800, dropped=0, duration_s=8.0,
+                    latencies_ms=np.zeros(800), busy_ms=8000.0)  # fmt: skip
+    # 8 s of worker time over an 8 s step = 1 core; 800 requests x (1 + 0.5) ms over 8 s = 0.15 core
+    assert plan_accuracy.cpu_per_second(run, 8.0, router_ms=1.0, client_ms=0.5, threads=1) == pytest.approx(1.15)
+    assert plan_accuracy.cpu_per_second(run, 8.0, router_ms=0.0, client_ms=0.0, threads=2) == pytest.approx(2.0)
+
+
+def _plan(batch: int, replicas: int = 1) -> Plan:
+    return Plan(
+        service="s",
+        model="m",
+        splits=[SplitPlan(index=0, first_block=0, last_block=3)],
+        buckets=[128],
+        cells=[Cell(split=0, bucket=128, pool="cpu", replicas=replicas, batch_size=batch)],
+    )
+
+
+def test_same_cells_compares_layout_replicas_and_batches():
+    assert plan_accuracy.same_cells(_plan(4), _plan(4))
+    assert not plan_accuracy.same_cells(_plan(4), _plan(8))
+    assert not plan_accuracy.same_cells(_plan(4), _plan(4, replicas=2))
+
+
+@pytest.fixture(scope="module")
+def vanilla():
+    spec = EarlyExitServiceSpec(
+        model=ModelRef(name="bert-base-ee", bundle="x"),
+        slo=SLO(latency_ms=200),
+        pools=[PoolRef(name="v100")],
+        planner=PlannerSettings(max_splits=1),
+    )
+    profiles = {"v100": bert_base_profile("v100", seq_lens=(128, 384))}
+    return plan_config("vanilla", "bert", spec, {"v100": gpu_pool("v100", 2)}, profiles)
+
+
+def test_trimmed_batches_of_short_inputs_cost_their_length_not_the_buckets(vanilla):
+    assert vanilla.plan.buckets == [384]
+    rng = np.random.default_rng(0)
+    arrivals = poisson_arrivals(rng, 100.0, 500)
+    short = np.full(500, 100)
+    plain = simulate_plan(vanilla, arrivals, short, 200.0)
+    trimmed = simulate_plan(vanilla, arrivals, short, 200.0, trim=[128, 384])
+    assert plain.answered == trimmed.answered == 500
+    assert 0 < trimmed.busy_ms < 0.9 * plain.busy_ms  # batches at 128 tokens, not 384
+    assert trimmed.pct(50) < plain.pct(50)
+    # inputs longer than every shorter length run at the bucket's length, trimmed or not
+    long = np.full(500, 300)
+    assert simulate_plan(vanilla, arrivals, long, 200.0, trim=[128, 384]).busy_ms == pytest.approx(
+        simulate_plan(vanilla, arrivals, long, 200.0).busy_ms
+    )
