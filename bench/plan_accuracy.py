@@ -61,6 +61,7 @@ from exitplan.localrun.deployment import LocalDeployment, exitplan_command
 from exitplan.localrun.ports import free_port, free_port_block
 from exitplan.localrun.service_setup import (
     ServiceSetup,
+    at_thresholds,
     ensure_profiles,
     load_setup,
     on_this_machine,
@@ -73,7 +74,6 @@ from exitplan.planner.service import PlanResult
 from exitplan.planner.serving_path import colocated_router_ms
 from exitplan.planner.serving_path import router_ms as serving_router_ms
 from exitplan.planner.sim_result import SimResult
-from exitplan.prepare.profile import _survival
 from exitplan.worker.classify.trim import TRIM_STEP, mask_input
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,17 +114,6 @@ def digits_service(directory: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------- what the planner predicts
-
-
-def at_thresholds(setup: ServiceSetup, thresholds: dict[str, float]) -> ServiceSetup:
-    """The setup with every profile's survival curve read at `thresholds` from the bundle's calibration
-    window (the profiler's own rule), so that the planner sizes the exits the configurations serve."""
-    survival = _survival(setup.bundle, setup.manifest, thresholds)
-    profiles = {
-        pool: p.model_copy(update={"survival": [survival[r.name] for r in p.ramps]}) if p.ramps else p
-        for pool, p in setup.profiles.items()
-    }
-    return dataclasses.replace(setup, profiles=profiles)
 
 
 def planner_results(setup: ServiceSetup, thresholds, lengths) -> tuple[dict[str, PlanResult], dict[str, Plan]]:

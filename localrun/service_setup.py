@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -174,16 +174,34 @@ def on_this_machine(setup: ServiceSetup, routers: int = 1) -> tuple[EarlyExitSer
     return spec, pools
 
 
+def at_thresholds(setup: ServiceSetup, thresholds: dict[str, float]) -> ServiceSetup:
+    """The setup with every profile's survival curve read at `thresholds` from the bundle's calibration
+    window (the profiler's own rule): a profile's curve is measured at the profiler's thresholds, and a
+    plan must be sized for the exits it serves. The setup as it is when the bundle has no window."""
+    from exitplan.prepare.profile import survival_at
+
+    try:
+        survival = survival_at(setup.bundle, setup.manifest, thresholds)
+    except (OSError, ValueError, KeyError):  # BundleError (no window) is a ValueError; a ramp without a threshold
+        return setup
+    profiles = {
+        pool: p.model_copy(update={"survival": [survival[r.name] for r in p.ramps]}) if p.ramps else p
+        for pool, p in setup.profiles.items()
+    }
+    return replace(setup, profiles=profiles)
+
+
 def planned(
     setup: ServiceSetup, thresholds: dict[str, float], reason: str = "initial", lengths=None, routers: int = 1
 ) -> Plan:
-    """The planner's plan for this machine (`on_this_machine`); `lengths` (input lengths in tokens, e.g. a
-    trace's) size the length buckets."""
+    """The planner's plan for this machine (`on_this_machine`), sized for the survival at `thresholds`;
+    `lengths` (input lengths in tokens, e.g. a trace's) size the length buckets."""
     from exitplan.planner import plan_service
 
     spec, pools = on_this_machine(setup, routers)
+    sized = at_thresholds(setup, thresholds)
     result = plan_service(
-        setup.name, spec, pools, setup.profiles, thresholds=thresholds, reason=reason, lengths=lengths
+        setup.name, spec, pools, sized.profiles, thresholds=thresholds, reason=reason, lengths=lengths
     )
     return result.plan
 

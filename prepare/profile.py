@@ -153,7 +153,7 @@ def _open_runtime(directory: Path, options: ProfileOptions) -> tuple[BundleRunti
     return runtime, batch_sizes
 
 
-def _survival(directory: Path, manifest: BundleManifest, thresholds: Mapping[str, float]) -> dict[str, float]:
+def survival_at(directory: Path, manifest: BundleManifest, thresholds: Mapping[str, float]) -> dict[str, float]:
     """Ramp name -> share of the calibration window's inputs that pass it under `thresholds`."""
     window_path = directory / "data" / "window.npz"
     if not window_path.is_file():
@@ -190,7 +190,7 @@ def profile_bundle(
     repairs = cells.settle()
     block_ms, ramp_ms, out_bytes, in_bytes = cells.block_ms, cells.ramp_ms, cells.out_bytes, cells.in_bytes
 
-    survival = _survival(directory, manifest, thresholds)
+    survival = survival_at(directory, manifest, thresholds)
     ramps_in_order = manifest.ramps_in(0, n_blocks - 1)
     spec = ModelProfileSpec(
         model=options.model_name or manifest.name,

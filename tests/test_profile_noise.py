@@ -76,3 +76,27 @@ def test_an_invalid_cached_profile_is_measured_again(digits_bundle, tmp_path):
     assert said and "cannot be used" in said[0] and "latency falls" in said[0]
     validate_profile(setup.profiles["cpu"])
     assert max(max(row) for row in setup.profiles["cpu"].blocks[0].latency_ms) < 100.0
+
+
+def test_plans_on_this_machine_are_sized_for_the_survival_at_the_served_thresholds(digits_bundle):
+    """The profile's curve is the profiler's thresholds'; `planned` (exitplan up, the demo) reads the curve
+    at the thresholds it serves from the bundle's calibration window, as the profiler reads its own."""
+    from exitplan.api.bundle import read_manifest
+    from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
+    from exitplan.localrun.service_setup import at_thresholds
+    from exitplan.prepare.profile import survival_at
+
+    manifest = read_manifest(digits_bundle)
+    profile = profile_bundle(digits_bundle, ProfileOptions(pool="cpu", batch_sizes=(1, 2), repeats=1)).spec
+    spec = EarlyExitServiceSpec.model_validate(
+        {"model": {"name": "digits-cnn", "bundle": str(digits_bundle)}, "slo": {"latencyMs": 100},
+         "accuracy": {"maxDrop": 0.01}, "pools": [{"name": "cpu"}]}
+    )  # fmt: skip
+    setup = ServiceSetup("digits", spec, digits_bundle, manifest, {"cpu": GPUPoolSpec(capacity=1)}, {"cpu": profile})
+    strict = {r.name: 0.999 for r in manifest.ramps}
+    loose = {r.name: 0.5 for r in manifest.ramps}
+    high, low = at_thresholds(setup, strict).profiles["cpu"], at_thresholds(setup, loose).profiles["cpu"]
+    expected = survival_at(digits_bundle, manifest, strict)
+    assert high.survival == [expected[r.name] for r in profile.ramps]
+    assert all(h >= lo for h, lo in zip(high.survival, low.survival)) and high.survival != low.survival
+    assert setup.profiles["cpu"].survival == profile.survival  # the setup itself is left as it was
