@@ -211,9 +211,10 @@ def within_budget(report) -> bool:
     return report.agreement_drop is not None and report.agreement_drop <= allowed
 
 
-def test_local_end_to_end(stack):
-    tmp = stack["tmp"]
-    profile = tmp / "profile.yaml"
+@pytest.fixture(scope="module")
+def published(stack) -> bool:
+    """The MiniLM profile measured here and published for the services of this module; True when smoothed."""
+    profile = stack["tmp"] / "profile.yaml"
     smoothed = measure_profile(stack["bundle"], profile)
     subprocess.run(
         [
@@ -231,6 +232,12 @@ def test_local_end_to_end(stack):
         check=True,
         capture_output=True,
     )
+    return smoothed
+
+
+def test_local_end_to_end(stack, published):
+    tmp = stack["tmp"]
+    smoothed = published
     manifest = tmp / "service.yaml"
     manifest.write_text(
         yaml.safe_dump_all(
@@ -345,3 +352,70 @@ def test_local_end_to_end(stack):
     (REPO / "artifacts").mkdir(exist_ok=True)
     (REPO / "artifacts" / "e2e_local.json").write_text(json.dumps(record, indent=2))
     print(json.dumps(record, indent=2))
+
+
+def test_routers_that_run_split_0_serve_on_the_dev_cluster(stack, published):
+    """`planner.colocate: on`: the operator runs split 0 inside the router pods (no split-0 worker
+    Deployment, the routers' args say --colocate), the service becomes Ready, and every request of a
+    replayed stretch of the trace is answered."""
+    manifest = stack["tmp"] / "colocated.yaml"
+    manifest.write_text(
+        yaml.safe_dump_all(
+            [
+                {
+                    "apiVersion": "exitplan.io/v1alpha1",
+                    "kind": "GPUPool",
+                    "metadata": {"name": "local"},
+                    "spec": {"capacity": 4, "gpuResource": "", "costPerHour": 1.0, "cpu": "1", "memory": "1Gi"},
+                },
+                {
+                    "apiVersion": "exitplan.io/v1alpha1",
+                    "kind": "EarlyExitService",
+                    "metadata": {"name": "minilm-co", "namespace": "default"},
+                    "spec": {
+                        "model": {"name": "minilm", "bundle": str(stack["bundle"])},
+                        "slo": {"latencyMs": 1500},
+                        "accuracy": {"maxDrop": BUDGET},
+                        "workload": {"rps": RPS, "lengthBuckets": [128]},
+                        "pools": [{"name": "local"}],
+                        "router": {"replicas": 1},
+                        "planner": {"colocate": "on", "maxSplits": 2},
+                    },
+                },
+            ]
+        )
+    )
+    kubectl(stack, "apply", "--validate=false", "-f", str(manifest))
+
+    def status():
+        doc = json.loads(kubectl(stack, "get", "ees", "minilm-co", "-o", "json"))
+        return doc.get("status") or {}
+
+    _wait("the co-located service is Ready", lambda: status().get("phase") == "Ready")
+    configmap = json.loads(kubectl(stack, "get", "configmap", "minilm-co-plan", "-o", "json"))
+    plan = json.loads(configmap["data"]["plan.json"])
+    assert plan["colocate"] is True
+    deployments = json.loads(kubectl(stack, "get", "deployments", "-l", "exitplan.io/service=minilm-co", "-o", "json"))[
+        "items"
+    ]
+    labels = [d["metadata"]["labels"] for d in deployments]
+    splits = {x.get("exitplan.io/split") for x in labels if x.get("app.kubernetes.io/component") == "worker"}
+    assert "0" not in splits, "no split-0 worker Deployment when the routers run split 0"
+    (router,) = [d for d in deployments if d["metadata"]["labels"].get("app.kubernetes.io/component") == "router"]
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--colocate" in args
+    port = _wait(
+        "the co-located router Service's local endpoint",
+        lambda: (
+            (json.loads(kubectl(stack, "get", "svc", "minilm-co", "-o", "json")).get("status") or {})
+            .get("loadBalancer", {})
+            .get("ingress")
+        ),
+    )[0]["ports"][0]["port"]
+    from exitplan.client.bench import BenchSetup, run_bench_async
+
+    setup = BenchSetup.connect(f"http://127.0.0.1:{port}", "minilm", stack["bundle"])
+    report = asyncio.run(run_bench_async(setup, TRACE, rps=RPS, duration=15.0, timeout_s=30.0))
+    assert report.requests > 0 and report.lost == 0 and report.accounted == report.requests, report.to_dict()
+    assert report.results == report.requests, report.to_dict()  # every request answered with a result
+    kubectl(stack, "delete", "ees", "minilm-co")
