@@ -5,6 +5,10 @@ vanilla     the whole model in one split, every input in the longest bucket (a C
 naive-ee    the same with exits at the tuned thresholds (early exit without splitting or buckets)
 exitplan    the planner's plan: splits, length buckets (Arlo), replicas, tuned thresholds
 
+The baselines are sized by the same planner held to one split and one bucket (`whole_model`): their batch
+size and whether the router runs the model are chosen as the plan's are, so the ratios measure what the
+exits, splits and buckets add, not a batch size or a hop the baselines were denied.
+
 All three get the same number of worker processes (the pool's capacity) and the same trace, and each
 one's capacity within the SLO is measured by the same search (`exitplan.client.capacity`): the highest
 offered rate at which at least 99 % of the requests finish within the SLO, over a short step and over
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,7 +40,6 @@ from exitplan.localrun.service_setup import (
     ensure_profiles,
     load_setup,
     planned,
-    single_split_plan,
     trace_lengths,
     tuned_thresholds,
 )
@@ -126,18 +129,27 @@ def baseline_batch(setup: ServiceSetup) -> int:
 def build_plans(
     setup: ServiceSetup, thresholds: dict[str, float], lengths: np.ndarray | None = None
 ) -> dict[str, Plan]:
-    capacity = setup.spec.pools[0].max_gpus or setup.pools[setup.spec.pools[0].name].capacity
-    batch = baseline_batch(setup)
+    """vanilla and naive early exit as the planner sizes them when it may not split the model nor bucket
+    its inputs (one split, the longest length, batch and co-location its own), and the planner's plan."""
+    plain = whole_model(setup)
     off = {name: 2.0 for name in thresholds}
     return {
-        "vanilla": single_split_plan(
-            setup, thresholds=off, replicas=capacity, batch_size=batch, reason="baseline-vanilla"
-        ),
-        "naive-ee": single_split_plan(
-            setup, thresholds=thresholds, replicas=capacity, batch_size=batch, reason="baseline-naive"
-        ),
+        "vanilla": planned(plain, off, reason="baseline-vanilla", lengths=lengths),
+        "naive-ee": planned(plain, thresholds, reason="baseline-naive", lengths=lengths),
         "exitplan": planned(setup, thresholds, lengths=lengths),
     }
+
+
+def whole_model(setup: ServiceSetup) -> ServiceSetup:
+    """The setup with the planner held to the whole model in one split and, for a sequence model, one
+    bucket at the longest length: the baselines, served by the same data plane as the plan."""
+    spec = setup.spec
+    planner = spec.planner.model_copy(update={"max_splits": 1, "rebatch": False})
+    update: dict = {"planner": planner}
+    if setup.manifest.seq_axis is not None:
+        longest = int(setup.manifest.max_length or max(setup.profiles[spec.pools[0].name].seq_lens))
+        update["workload"] = spec.workload.model_copy(update={"length_buckets": [longest]})
+    return replace(setup, spec=spec.model_copy(update=update))
 
 
 def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
