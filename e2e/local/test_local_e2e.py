@@ -357,7 +357,17 @@ def test_local_end_to_end(stack, published):
 def test_routers_that_run_split_0_serve_on_the_dev_cluster(stack, published):
     """`planner.colocate: on`: the operator runs split 0 inside the router pods (no split-0 worker
     Deployment, the routers' args say --colocate), the service becomes Ready, and every request of a
-    replayed stretch of the trace is answered."""
+    replayed stretch of the trace is answered. A pool of its own (a pool's capacity is shared by the
+    services that use it, and the other test's service may hold all of "local"), with the same profile."""
+    doc = yaml.safe_load((stack["tmp"] / "profile.yaml").read_text())
+    doc["spec"]["pool"], doc["metadata"]["name"] = "local-co", "minilm-local-co"
+    (stack["tmp"] / "profile-co.yaml").write_text(yaml.safe_dump(doc))
+    subprocess.run(
+        [*EXITPLAN, "operator", "publish-profile", str(stack["tmp"] / "profile-co.yaml"), "--namespace", "default",
+         "--model", "minilm", "--pool", "local-co", "--kubeconfig", str(stack["kubeconfig"])],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
     manifest = stack["tmp"] / "colocated.yaml"
     manifest.write_text(
         yaml.safe_dump_all(
@@ -365,8 +375,8 @@ def test_routers_that_run_split_0_serve_on_the_dev_cluster(stack, published):
                 {
                     "apiVersion": "exitplan.io/v1alpha1",
                     "kind": "GPUPool",
-                    "metadata": {"name": "local"},
-                    "spec": {"capacity": 4, "gpuResource": "", "costPerHour": 1.0, "cpu": "1", "memory": "1Gi"},
+                    "metadata": {"name": "local-co"},
+                    "spec": {"capacity": 2, "gpuResource": "", "costPerHour": 1.0, "cpu": "1", "memory": "1Gi"},
                 },
                 {
                     "apiVersion": "exitplan.io/v1alpha1",
@@ -377,7 +387,7 @@ def test_routers_that_run_split_0_serve_on_the_dev_cluster(stack, published):
                         "slo": {"latencyMs": 1500},
                         "accuracy": {"maxDrop": BUDGET},
                         "workload": {"rps": RPS, "lengthBuckets": [128]},
-                        "pools": [{"name": "local"}],
+                        "pools": [{"name": "local-co"}],
                         "router": {"replicas": 1},
                         "planner": {"colocate": "on", "maxSplits": 2},
                     },
