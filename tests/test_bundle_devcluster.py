@@ -155,6 +155,9 @@ def create_service(api: Api, name: str, bundle: str, **model: str) -> None:
                     "slo": {"latencyMs": 1000},
                     "pools": [{"name": "local", "maxGpus": 1}],
                     "router": {"replicas": 1},
+                    # a router pod and worker pods, each of which must fetch the bundle (the planner would
+                    # otherwise run this one-split model in the router alone: planner/serving_path.py)
+                    "planner": {"colocate": "off"},
                 },
             }
         )
