@@ -178,7 +178,7 @@ def at_thresholds(setup: ServiceSetup, thresholds: dict[str, float]) -> ServiceS
     """The setup with every profile's survival curve read at `thresholds` from the bundle's calibration
     window (the profiler's own rule): a profile's curve is measured at the profiler's thresholds, and a
     plan must be sized for the exits it serves. The setup as it is when the bundle has no window."""
-    from exitplan.prepare.profile import survival_at
+    from exitplan.planner.tuning.initial import survival_at
 
     try:
         survival = survival_at(setup.bundle, setup.manifest, thresholds)

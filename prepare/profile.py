@@ -30,6 +30,7 @@ import onnxruntime as ort
 
 from exitplan.api.bundle import BundleError, BundleManifest
 from exitplan.api.resources import BlockProfile, ModelProfile, ModelProfileSpec, RampProfile
+from exitplan.planner.tuning.initial import survival_at
 from exitplan.prepare.measure import batch_state, load_heldout, time_chain
 from exitplan.worker.bundle_runtime import FIXED_SIZE_BUCKET, BundleRuntime
 
@@ -104,17 +105,6 @@ def resolve_thresholds(manifest: BundleManifest, thresholds: Mapping[str, float]
     return {name: float(thresholds.get(name, 2.0)) for name in exits}
 
 
-def survival_curve(conf: np.ndarray, thresholds: Sequence[float]) -> list[float]:
-    """Fraction of inputs still running after each exit ramp (earliest-exit semantics)."""
-    exited = np.zeros(conf.shape[0], dtype=bool)
-    out = []
-    for r, t in enumerate(thresholds):
-        if t <= 1.0:
-            exited |= conf[:, r] >= t
-        out.append(float(1.0 - exited.mean()) if conf.shape[0] else 1.0)
-    return out
-
-
 def weight_bytes(path: Path) -> int:
     import onnx
     from onnx import numpy_helper
@@ -151,22 +141,6 @@ def _open_runtime(directory: Path, options: ProfileOptions) -> tuple[BundleRunti
             raise ProfileError(f"--seq-lens {seq_lens}: {err}") from err
         raise
     return runtime, batch_sizes
-
-
-def survival_at(directory: Path, manifest: BundleManifest, thresholds: Mapping[str, float]) -> dict[str, float]:
-    """Ramp name -> share of the calibration window's inputs that pass it under `thresholds`."""
-    window_path = directory / "data" / "window.npz"
-    if not window_path.is_file():
-        raise BundleError(
-            f"{window_path}: the bundle has no calibration window; rebuild it with `exitplan prepare --force`"
-        )
-    window = np.load(window_path)
-    exits = manifest.exit_ramps()
-    surv = survival_curve(window["conf"], [thresholds[r.name] for r in exits])
-    survival = {r.name: s for r, s in zip(exits, surv)}
-    # The head is not an exit: its entry repeats the survival after the last exit ramp.
-    survival[manifest.final_ramp().name] = surv[-1] if surv else 1.0
-    return survival
 
 
 def profile_bundle(

@@ -12,13 +12,13 @@ from typer.testing import CliRunner
 
 from exitplan.api.resources import ModelProfile
 from exitplan.cli import app
+from exitplan.planner.tuning.initial import survival_curve
 from exitplan.prepare.profile import (
     THRESHOLDS_ANNOTATION,
     ProfileError,
     read_thresholds,
     repeats_for,
     resolve_thresholds,
-    survival_curve,
 )
 
 pytestmark = pytest.mark.slow

@@ -84,7 +84,7 @@ def test_plans_on_this_machine_are_sized_for_the_survival_at_the_served_threshol
     from exitplan.api.bundle import read_manifest
     from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
     from exitplan.localrun.service_setup import at_thresholds
-    from exitplan.prepare.profile import survival_at
+    from exitplan.planner.tuning.initial import survival_at
 
     manifest = read_manifest(digits_bundle)
     profile = profile_bundle(digits_bundle, ProfileOptions(pool="cpu", batch_sizes=(1, 2), repeats=1)).spec

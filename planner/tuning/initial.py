@@ -13,13 +13,13 @@ is within; any mix of lengths over the buckets then stays within the budget.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
-from exitplan.api.bundle import read_manifest
+from exitplan.api.bundle import BundleError, BundleManifest, read_manifest
 from exitplan.planner.tuning.autotune import sample_budget
 from exitplan.planner.tuning.feedback import DISABLED, FeedbackWindow, evaluate
 from exitplan.planner.tuning.thresholds import tune
@@ -115,3 +115,32 @@ def stratify(
     else:
         thresholds = np.full(window.n_ramps, DISABLED, dtype=np.float64)
     return thresholds, [(s.n_inputs, 1.0 - evaluate(s, thresholds)[0]) for s in strata]
+
+
+def survival_curve(conf: np.ndarray, thresholds: Sequence[float]) -> list[float]:
+    """Fraction of inputs still running after each exit ramp (earliest-exit semantics)."""
+    exited = np.zeros(conf.shape[0], dtype=bool)
+    out = []
+    for r, t in enumerate(thresholds):
+        if t <= 1.0:
+            exited |= conf[:, r] >= t
+        out.append(float(1.0 - exited.mean()) if conf.shape[0] else 1.0)
+    return out
+
+
+def survival_at(directory: Path, manifest: BundleManifest, thresholds: Mapping[str, float]) -> dict[str, float]:
+    """Ramp name -> share of the calibration window's inputs that pass it under `thresholds` (the profiler's
+    rule, and the one `exitplan up` and the demo plan with); BundleError without a window."""
+    window_path = directory / "data" / "window.npz"
+    if not window_path.is_file():
+        raise BundleError(
+            f"{window_path}: the bundle has no calibration window; rebuild it with `exitplan prepare --force`"
+        )
+    with np.load(window_path) as window:
+        conf = window["conf"]
+    exits = manifest.exit_ramps()
+    surv = survival_curve(conf, [thresholds[r.name] for r in exits])
+    survival = {r.name: s for r, s in zip(exits, surv)}
+    # The head is not an exit: its entry repeats the survival after the last exit ramp.
+    survival[manifest.final_ramp().name] = surv[-1] if surv else 1.0
+    return survival
