@@ -237,8 +237,7 @@ class SplitWorker:
             self.times.fits[2 * TRIM_STEP] = Fit.of(self._time_batch(1, cut), self._time_batch(big_n, cut), big_n)
         log.info("warm-up: %.2f ms at batch 1, %.2f ms at batch %d; fits %s", small, big, big_n, self.times.describe())
 
-    def expected_ms(self, n: int) -> float:
-        """A batch of n at the bucket's length (the longest a batch can take)."""
+    def expected_ms(self, n: int) -> float:  # a batch of n at the bucket's length (the longest it can take)
         return self.times.expected_ms(n)
 
     @property
@@ -434,8 +433,9 @@ class SplitWorker:
         recorded = np.array([row.item.record for row in batch], dtype=bool)
         args = (state, self.thresholds, answered, recorded, first, last)
         fraction = (last - first + 1) / (self.runtime.last_block - self.runtime.first_block + 1)
-        length = trim_length(state, self.trim_mask, self.trim_axes, self.bucket) if self.trim_axes else self.bucket
-        self.times.ran_at(length)  # (the length _execute cuts the batch to)
+        trims = bool(self.trim_axes) and self.trim_mask in state  # the length _execute cuts the batch to:
+        length = trim_length(state, self.trim_mask, self.trim_axes, self.bucket) if trims else self.bucket
+        self.times.ran_at(length)
         expected = self.times.expected_ms(len(batch), length) * fraction
         t0 = time.perf_counter()
         try:
@@ -499,7 +499,7 @@ class SplitWorker:
     def _execute(self, state, thresholds, answered, recorded, first: int, last: int) -> BatchOutcome:
         """A batch through blocks first..last; an input the model cannot run fails alone (isolate.py)."""
         known = known_input_check(self.runtime, self.warm_input, self.bucket, first, last)
-        if self.trim_axes:  # cut to its longest row; the bucket's session has a free length
+        if self.trim_axes and self.trim_mask in state:  # cut to its longest row; the session has a free length
             state, _ = trimmed(state, self.trim_mask, self.trim_axes, self.bucket)
         return execute_isolated(self.runtime, state, self.bucket, thresholds, answered, recorded, first, last, known)
 
