@@ -71,7 +71,8 @@ async def run_local(
     worker: SplitWorker, items: list[HopItem], tensors: dict[str, np.ndarray], timeout_at: float
 ) -> tuple[HopAnswer, np.ndarray]:
     """Split 0 in this process; HopFailed past the request's timeout (its rows still run, unanswered)."""
-    try:
-        return await asyncio.wait_for(worker.run_local(items, tensors), max(timeout_at - time.time(), 0.0))
+    try:  # a timeout scope, not wait_for's extra task per request
+        async with asyncio.timeout(max(timeout_at - time.time(), 0.0)):
+            return await worker.run_local(items, tensors)
     except TimeoutError:
         raise HopFailed(f"split 0 (bucket {worker.bucket}) gave no answer before the request's timeout") from None

@@ -33,7 +33,7 @@ class Fit:
 @dataclass
 class ServiceTime:
     bucket: int
-    fits: dict[int, Fit] = field(default_factory=lambda: {})
+    fits: dict[int, Fit] = field(default_factory=dict)
     """Length -> its fit (the bucket's always; a trimming worker's also one short length)."""
     mean_length: float = 0.0
     """Running mean of the lengths the batches ran at (the bucket until a batch ran)."""
