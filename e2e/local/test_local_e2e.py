@@ -172,6 +172,40 @@ def stack(tmp_path_factory):
         assert rc_op == 0 and rc_cluster == 0, "graceful shutdown failed"
 
 
+def publish(stack, profile: Path) -> None:
+    """`exitplan operator publish-profile` of a profile file (its model and pool as the file names them)."""
+    subprocess.run(
+        [*EXITPLAN, "operator", "publish-profile", str(profile), "--namespace", "default", "--model", "minilm",
+         "--kubeconfig", str(stack["kubeconfig"])],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+
+
+def apply_service(stack, name: str, pool: str, capacity: int, **spec: dict) -> None:
+    """A CPU GPUPool `pool` and an EarlyExitService `name` of the MiniLM bundle on it (1.5 s SLO, `spec`'s
+    further fields), applied with kubectl."""
+    manifest = stack["tmp"] / f"{name}.yaml"
+    pool_spec = {"capacity": capacity, "gpuResource": "", "costPerHour": 1.0, "cpu": "1", "memory": "1Gi"}
+    service = {
+        "model": {"name": "minilm", "bundle": str(stack["bundle"])},
+        "slo": {"latencyMs": 1500},
+        "pools": [{"name": pool}],
+        **spec,
+    }
+    docs = [
+        {"apiVersion": "exitplan.io/v1alpha1", "kind": "GPUPool", "metadata": {"name": pool}, "spec": pool_spec},
+        {
+            "apiVersion": "exitplan.io/v1alpha1",
+            "kind": "EarlyExitService",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": service,
+        },
+    ]
+    manifest.write_text(yaml.safe_dump_all(docs))
+    kubectl(stack, "apply", "--validate=false", "-f", str(manifest))
+
+
 def kubectl(stack, *args: str) -> str:
     proc = subprocess.run(
         ["kubectl", f"--kubeconfig={stack['kubeconfig']}", f"--cache-dir={stack['tmp'] / 'kcache'}", *args],
@@ -216,59 +250,22 @@ def published(stack) -> bool:
     """The MiniLM profile measured here and published for the services of this module; True when smoothed."""
     profile = stack["tmp"] / "profile.yaml"
     smoothed = measure_profile(stack["bundle"], profile)
-    subprocess.run(
-        [
-            *EXITPLAN,
-            "operator",
-            "publish-profile",
-            str(profile),
-            "--namespace",
-            "default",
-            "--model",
-            "minilm",
-            "--kubeconfig",
-            str(stack["kubeconfig"]),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    publish(stack, profile)
     return smoothed
 
 
 def test_local_end_to_end(stack, published):
-    tmp = stack["tmp"]
     smoothed = published
-    manifest = tmp / "service.yaml"
-    manifest.write_text(
-        yaml.safe_dump_all(
-            [
-                {
-                    "apiVersion": "exitplan.io/v1alpha1",
-                    "kind": "GPUPool",
-                    "metadata": {"name": "local"},
-                    "spec": {"capacity": 4, "gpuResource": "", "costPerHour": 1.0, "cpu": "1", "memory": "1Gi"},
-                },
-                {
-                    "apiVersion": "exitplan.io/v1alpha1",
-                    "kind": "EarlyExitService",
-                    "metadata": {"name": "minilm", "namespace": "default"},
-                    "spec": {
-                        "model": {"name": "minilm", "bundle": str(stack["bundle"])},
-                        "slo": {"latencyMs": 1500},
-                        "accuracy": {"maxDrop": BUDGET, "shadowFraction": 0.2},
-                        "workload": {"rps": RPS, "lengthBuckets": [32, 128]},
-                        "pools": [{"name": "local"}],
-                        "planner": {
-                            "periodSeconds": PERIOD,
-                            "drift": {"cooldownSeconds": 0, "maxMoveFraction": 1.0, "sloRisk": 2.0},
-                        },
-                    },
-                },
-            ]
-        )
-    )
     applied = time.monotonic()
-    kubectl(stack, "apply", "--validate=false", "-f", str(manifest))
+    apply_service(
+        stack,
+        "minilm",
+        "local",
+        4,
+        accuracy={"maxDrop": BUDGET, "shadowFraction": 0.2},
+        workload={"rps": RPS, "lengthBuckets": [32, 128]},
+        planner={"periodSeconds": PERIOD, "drift": {"cooldownSeconds": 0, "maxMoveFraction": 1.0, "sloRisk": 2.0}},
+    )
     _wait("the service is Ready", lambda: (ees(stack).get("status") or {}).get("phase") == "Ready")
     ready_s = time.monotonic() - applied
     port = _wait(
@@ -362,40 +359,17 @@ def test_routers_that_run_split_0_serve_on_the_dev_cluster(stack, published):
     doc = yaml.safe_load((stack["tmp"] / "profile.yaml").read_text())
     doc["spec"]["pool"], doc["metadata"]["name"] = "local-co", "minilm-local-co"
     (stack["tmp"] / "profile-co.yaml").write_text(yaml.safe_dump(doc))
-    subprocess.run(
-        [*EXITPLAN, "operator", "publish-profile", str(stack["tmp"] / "profile-co.yaml"), "--namespace", "default",
-         "--model", "minilm", "--pool", "local-co", "--kubeconfig", str(stack["kubeconfig"])],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    manifest = stack["tmp"] / "colocated.yaml"
-    manifest.write_text(
-        yaml.safe_dump_all(
-            [
-                {
-                    "apiVersion": "exitplan.io/v1alpha1",
-                    "kind": "GPUPool",
-                    "metadata": {"name": "local-co"},
-                    "spec": {"capacity": 2, "gpuResource": "", "costPerHour": 1.0, "cpu": "1", "memory": "1Gi"},
-                },
-                {
-                    "apiVersion": "exitplan.io/v1alpha1",
-                    "kind": "EarlyExitService",
-                    "metadata": {"name": "minilm-co", "namespace": "default"},
-                    "spec": {
-                        "model": {"name": "minilm", "bundle": str(stack["bundle"])},
-                        "slo": {"latencyMs": 1500},
-                        "accuracy": {"maxDrop": BUDGET},
-                        "workload": {"rps": RPS, "lengthBuckets": [128]},
-                        "pools": [{"name": "local-co"}],
-                        "router": {"replicas": 1},
-                        "planner": {"colocate": "on", "maxSplits": 2},
-                    },
-                },
-            ]
-        )
+    publish(stack, stack["tmp"] / "profile-co.yaml")
+    apply_service(
+        stack,
+        "minilm-co",
+        "local-co",
+        2,
+        accuracy={"maxDrop": BUDGET},
+        workload={"rps": RPS, "lengthBuckets": [128]},
+        router={"replicas": 1},
+        planner={"colocate": "on", "maxSplits": 2},
     )
-    kubectl(stack, "apply", "--validate=false", "-f", str(manifest))
 
     def status():
         doc = json.loads(kubectl(stack, "get", "ees", "minilm-co", "-o", "json"))
