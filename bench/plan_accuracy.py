@@ -16,14 +16,14 @@ built by `exitplan prepare --model digits-cnn` into artifacts/bundles/digits-cnn
    - fluid: `plan_service`'s predicted goodput for the configuration (planner/compare.py `plan_config`,
      split 0 in the routers where the served plan runs it there: the solver's rate at full batches,
      capped by the routers' CPU and the shared cores, planner/serving_path.py);
-   - simulated: the planner's simulator (planner/simulator.py) replaying the very steps the measurement
-     replays (`exitplan.client.bench.schedule`: the trace's first seconds rescaled to each rate, with
-     their lengths), each batch cut to its longest input rounded up to 8 tokens as the CPU workers
-     cut it; the highest rate (bisected to 1 %) at which >= 99 % of the requests finish within the SLO
-     over the step and its last third, and at which the CPU the step needs -- the simulated workers'
-     busy time, the routers' CPU per request (the profile's `serving.routerMs`, or `colocatedMs`) and
-     the load generator's (measured during that configuration's search) -- fits the machine's shared
-     cores, and each router's share fits one core;
+   - simulated: the planner's capacity as served (planner/predict.py `serving_capacity`): its simulator
+     replaying the very steps the measurement replays (`exitplan.client.bench.schedule`: the trace's first
+     seconds rescaled to each rate, with their lengths) through the plan with the serving path -- the
+     routers' CPU per request (the profile's `serving.routerMs`, or `colocatedMs`) on single-threaded
+     routers, the router's own admission limit, the CPU workers' trimming, and the machine's two cores
+     shared by the workers, the routers and the load generator (its CPU per request measured during that
+     configuration's search); the highest rate (bisected to 1 %) at which >= 99 % of the requests finish
+     within the SLO over the step and its last third;
 4. the configuration served on this machine (`exitplan up`'s processes) and its capacity within the SLO
    measured by `exitplan bench --find-capacity`'s search (>= 99 % within the SLO over each step and its
    last third; 4 s of trace at a rate that passed before the first step and after each miss, as the
@@ -39,7 +39,6 @@ and the CPU per request of the routers, the workers and the load generator over 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import resource
 import subprocess
@@ -47,14 +46,13 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from exitplan.api.plan import Plan, colocated_routers
+from exitplan.api.plan import Plan
 from exitplan.client.bench import BenchSetup, find_capacity, schedule
 from exitplan.localrun.demo import CONFIGS, build_plans, describe_plan
 from exitplan.localrun.deployment import LocalDeployment, exitplan_command
@@ -69,17 +67,12 @@ from exitplan.localrun.service_setup import (
     tuned_thresholds,
 )
 from exitplan.localrun.serving_costs import _cpu_seconds
-from exitplan.planner.compare import passes, plan_config, simulate_plan
+from exitplan.planner.compare import plan_config
+from exitplan.planner.predict import serving_capacity, serving_path
 from exitplan.planner.service import PlanResult
-from exitplan.planner.serving_path import colocated_router_ms
-from exitplan.planner.serving_path import router_ms as serving_router_ms
-from exitplan.planner.sim_result import SimResult
-from exitplan.worker.classify.trim import TRIM_STEP, mask_input
 
 REPO = Path(__file__).resolve().parents[1]
 DIGITS = REPO / "artifacts" / "bundles" / "digits-cnn"
-TARGET = 0.99
-"""The share within the SLO a step must reach, over the step and its last third (as the measurement)."""
 SETTLE_S = 4.0
 """Seconds of trace at a rate that passed before the first step and after each miss, not counted (as the demo)."""
 
@@ -145,96 +138,25 @@ def same_cells(a: Plan, b: Plan) -> bool:
     return key(a) == key(b)
 
 
-def trim_lengths(setup: ServiceSetup) -> list[int] | None:
-    """The lengths the CPU workers may cut a batch to (worker_image/classify/trim.py: its longest row
-    rounded up to TRIM_STEP tokens, at most the bucket); None for a model without an attention mask."""
-    if setup.manifest.max_length is None or mask_input(setup.manifest) is None:
-        return None
-    top = int(setup.manifest.max_length)
-    return [*range(TRIM_STEP, top, TRIM_STEP), top]
-
-
-def profiled_router_ms(result: PlanResult, served: Plan) -> float:
-    """The router's CPU per request the profile measured for the way `served` runs (split 0 in it or not)."""
-    inp = result.inputs
-    return (colocated_router_ms(inp) if served.colocate else serving_router_ms(inp)) or 0.0
-
-
-def cpu_per_second(run: SimResult, step_s: float, router_ms: float, client_ms: float, threads: int) -> float:
-    """Cores the step keeps busy: the simulated workers' busy time (x their intra-op threads), and the
-    router's and the load generator's CPU for every request offered."""
-    return (run.busy_ms * threads + run.offered * (router_ms + client_ms)) / 1e3 / step_s
-
-
-def capacity_search(ok: Callable[[float], bool], start: float, ceiling: float, tol: float = 0.01) -> float:
-    """The highest rate in (0, ceiling] at which `ok` holds: bracketed by 10 % steps from `start`, then
-    bisected to `tol`; 0.0 when none down to start / 1000 does."""
-    lo, hi = 0.0, None
-    rate = min(start, ceiling)
-    if ok(rate):
-        lo = rate
-        while hi is None:
-            up = min(lo * 1.1, ceiling)
-            if up <= lo:
-                return lo
-            lo, hi = (up, None) if ok(up) else (lo, up)
-    else:
-        hi = rate
-        while lo == 0.0 and hi > start / 1000:
-            down = hi * 0.9
-            lo, hi = (down, hi) if ok(down) else (0.0, down)
-        if lo == 0.0:
-            return 0.0
-    while hi - lo > tol * hi:
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
-
-
 def simulated_capacity(
-    result: PlanResult,
-    served: Plan,
-    setup: ServiceSetup,
-    reference: int | None,
-    step_s: float,
-    client_ms: float,
-) -> tuple[float, float]:
-    """(the simulated capacity of the served plan on the measurement's own steps, the mean batch the
-    simulated workers ran at it); see the module's doc. The routers' CPU per request and their number are
-    the serving path's (planner/serving_path.py): each router's event loop takes at most a core. Where the
-    routers run split 0 (`colocate`, one split), the simulated split-0 workers are their per-bucket
-    inference threads and pay no hop per batch (the router's colocatedMs holds that work), as in
-    serving_path.py."""
-    start = max(result.plan.prediction.goodput_rps, 1.0)
-    inp = result.inputs
-    if served.colocate and len(served.splits) == 1:
-        models = [copy.copy(m) for m in inp.models]
-        for m in models:
-            m.hop_ms = 0.0
-        inp = dataclasses.replace(inp, models=models)
-    result = dataclasses.replace(result, plan=served, inputs=inp)
-    router_ms = profiled_router_ms(result, served)
-    routers = colocated_routers(served.cells, 1) if served.colocate else 1
-    serving = inp.models[0].profile.serving
-    threads = serving.threads if serving is not None else 1
-    cores = [m.pool.shared_cores for m in inp.models if m.pool.shared_cores is not None]
-    trim, top = trim_lengths(setup), max(served.buckets)
-    slo = setup.spec.slo.latency_ms
-    runs: dict[float, SimResult] = {}
+    result: PlanResult, served: Plan, setup: ServiceSetup, reference: int | None, step_s: float, client_ms: float
+) -> tuple[float, float, float]:
+    """(the planner's simulated capacity of the served plan on the measurement's own steps, the mean batch
+    the simulated workers ran at it, the routers' CPU per request it counted): planner/predict.py
+    `serving_capacity` with the serving path of the plan (the profile's router CPU, split 0 in the routers
+    where it co-locates, the machine's shared cores) and the load generator's CPU per request on the
+    same cores."""
+    result = dataclasses.replace(result, plan=served)
+    path = serving_path(result, routers=1, other_ms=client_ms)
+    top = max(served.buckets)
 
     def window(rps: float):
-        return schedule(None, max_length=top, reference_max=reference, rps=rps, duration=step_s).trace
+        trace = schedule(None, max_length=top, reference_max=reference, rps=rps, duration=step_s).trace
+        return trace.timestamps, trace.lengths
 
-    def ok(rps: float) -> bool:
-        arrivals = window(rps)
-        run = simulate_plan(result, arrivals.timestamps, arrivals.lengths, slo, trim=trim)
-        runs[rps] = run
-        fits = not cores or cpu_per_second(run, step_s, router_ms, client_ms, threads) <= min(cores)
-        return passes(run, TARGET) and fits and run.offered * router_ms / 1e3 / step_s <= routers
-
-    most = len(window(1e6)) / step_s  # a step holds at most the whole trace, as the measurement's
-    capacity = capacity_search(ok, start, ceiling=min(16 * start, most))
-    return capacity, (runs[capacity].mean_batch if capacity in runs else 0.0)
+    most = len(window(1e6)[0]) / step_s  # a step holds at most the whole trace, as the measurement's
+    got = serving_capacity(result, setup.spec.slo.latency_ms, path=path, arrivals=window, ceiling=most)
+    return got.rate_rps, (got.run.mean_batch if got.run is not None else 0.0), path.router_ms
 
 
 # ---------------------------------------------------------------------------- what the machine serves
@@ -372,7 +294,7 @@ def run_service(path: Path, step_s: float, workdir: Path) -> list[Row]:
         started = time.perf_counter()
         measured = measure(setup, plan, guess / 4, step_s, workdir / f"{setup.name}-{config}", reference)
         print(f"{setup.name} {config}: measured in {time.perf_counter() - started:.0f} s; {measured.how}", flush=True)
-        simulated, batch = simulated_capacity(result, plan, setup, reference, step_s, measured.client_ms)
+        simulated, batch, router_ms = simulated_capacity(result, plan, setup, reference, step_s, measured.client_ms)
         ran_all = result.inputs.survival[-1] if result.inputs.survival else 1.0
         got = "-" if measured.head_share is None else f"{measured.head_share:.2f}"
         notes.append(f"share answered by the whole model: {ran_all:.2f} planned, {got} measured at capacity")
@@ -382,7 +304,7 @@ def run_service(path: Path, step_s: float, workdir: Path) -> list[Row]:
             )
         cpu = measured.process_ms
         notes.append(
-            f"CPU per request over the search: routers {cpu['routers']:.2f} ms (profiled {profiled_router_ms(result, plan):.2f}), "
+            f"CPU per request over the search: routers {cpu['routers']:.2f} ms (profiled {router_ms:.2f}), "
             f"workers {cpu['workers']:.2f}, load generator {measured.client_ms:.2f}; simulated mean batch {batch:.2f}"
         )
         rows.append(Row(setup.name, config, describe_plan(plan), fluid, simulated, batch, measured, notes))

@@ -111,6 +111,12 @@ def command(
     ),
     json_out: Path | None = typer.Option(None, "--json", help="Write the plan and solver details as JSON here."),
     png: Path | None = typer.Option(None, "--png", help="Draw the plan's pipeline into this PNG."),
+    served: bool = typer.Option(
+        True,
+        "--served/--fluid-only",
+        help="Also simulate the plan as served (routers' CPU, shared cores, bursts, admission) and print the "
+        "highest rate that keeps >= 99 % within the SLO (the trace's own arrivals with --trace, else Poisson).",
+    ),
 ) -> None:
     """Plan a service offline: splits x replicas x pools (E3), length buckets (Arlo), batch sizes; print the plan."""
     from rich.console import Console
@@ -125,7 +131,8 @@ def command(
     thresholds = _read_json(thresholds_file) if thresholds_file else None
     prev = Plan.from_file(previous) if previous else None
     result = _solve(console, name, spec, pools, profiles, thresholds, prev, lengths)
-    _print_plan(console, name, spec, result)
+    as_served = _as_served(result, spec, lengths) if served else None
+    _print_plan(console, name, spec, result, as_served)
     if prev is not None:
         change = plan_change(prev, result.plan)
         console.print(
@@ -134,7 +141,7 @@ def command(
     for note in result.notes:
         console.print(f"[dim]note: {escape(note)}[/dim]")
     if json_out:
-        _write_json(result, json_out)
+        _write_json(result, json_out, as_served)
         console.print(f"wrote {json_out}")
     if png:
         plan_png(result, png)
@@ -174,17 +181,44 @@ def _solve(console, name: str, spec, pools, profiles, thresholds, prev, lengths)
     return result
 
 
-def _print_plan(console, name: str, spec, result) -> None:
+def _as_served(result, spec, lengths) -> float:
+    """The plan's capacity as served (planner/predict.py): the trace's own arrivals looped and scaled when
+    one is given, else Poisson with the plan's lengths."""
+    from exitplan.planner.arrivals import looped_trace
+    from exitplan.planner.predict import serving_capacity, serving_path, simulated_seconds
+
+    seconds = simulated_seconds(result)
+    arrivals = None
+    if lengths is not None:
+
+        def arrivals(rate: float):
+            return looped_trace(lengths.timestamps, lengths.lengths, rate, seconds)
+
+    path = serving_path(result, routers=spec.router.replicas)
+    return serving_capacity(result, spec.slo.latency_ms, path=path, arrivals=arrivals, seconds=seconds).rate_rps
+
+
+def _print_plan(console, name: str, spec, result, as_served: float | None = None) -> None:
     """The plan's summary table, then one row per cell (worker Deployment)."""
     from exitplan.cli import table
 
     plan, pred = result.plan, result.plan.prediction
-    columns = ("splits", "buckets", "goodput req/s", "p99 bound ms", "cost /h", "cycle ms", "solve s")
+    columns = (
+        "splits",
+        "buckets",
+        "goodput req/s",
+        "as served req/s",
+        "p99 bound ms",
+        "cost /h",
+        "cycle ms",
+        "solve s",
+    )
     head = table(*columns, title=f"plan for {name} ({spec.model.name})")
     head.add_row(
         " | ".join(f"{s.first_block}-{s.last_block}" for s in plan.splits),
         ",".join(map(str, plan.buckets)),
         f"{pred.goodput_rps:.1f}",
+        "-" if as_served is None else f"{as_served:.1f}",
         f"{pred.p99_ms:.1f}",
         f"{pred.cost_per_hour:.2f}",
         f"{result.cycle_ms:.1f}",
@@ -210,10 +244,11 @@ def _print_plan(console, name: str, spec, result) -> None:
     console.print(cells)
 
 
-def _write_json(result, path: Path) -> None:
+def _write_json(result, path: Path, as_served: float | None = None) -> None:
     """The plan and the solver's details (timings, cycle, notes, alternatives) as JSON."""
     body = {
         "plan": result.plan.dump(),
+        "served_rps": as_served,
         "timings": result.timings,
         "cycle_ms": result.cycle_ms,
         "notes": result.notes,

@@ -2,15 +2,13 @@
 
 What it models (the same rules as worker_image/router_app.py and worker_app.py):
 - Router: each request picks its bucket runtime with Arlo's Algorithm 1 (`dispatch.choose_bucket`)
-  over loads = outstanding requests / (pipeline rate x (ADMIT_FRACTION x SLO + the time a request
-  spends in the pipeline at capacity)); a request whose bucket is at load >= 1 (or that fits no bucket)
-  is refused at once (a drop, counted): the queue stays within a fraction of the SLO, so past capacity
-  the excess is refused and the rest still meets it.
+  over loads = outstanding requests / the bucket's admission limit (`dispatch.BucketLimiter`, the
+  router's own: it starts at the bucket's capacity x the SLO and follows the answers' latency); a request
+  whose bucket is at load >= 1 (or that fits no bucket) is refused at once (a drop, counted), so past
+  capacity the excess is refused and the rest still meets the SLO. A bucket's capacity is the slowest
+  split's rate at full batches with the mean batch time given its exits (at the trimmed length where the
+  workers trim). The routers' CPU and the cores the processes share: `path` (planner/sim_path.py).
   Split 0 replica: least loaded.
-  The pipeline rate is the slowest split's, each at full batches with the mean batch time given
-  its exits (the data plane's workers time a full batch without exits, which under-admits a
-  one-split early-exit model; the simulator counts the exits so that no configuration is refused
-  work it could do).
 - Worker (one per replica of a cell): a fusion queue that launches a batch when it holds the
   planned batch size, when its oldest row has waited `max_wait_ms`, or when the earliest deadline
   needs it to run now (deadline minus the expected time to finish the model from this split).
@@ -63,26 +61,17 @@ import numpy as np
 import numpy.typing as npt
 
 from exitplan.api.plan import Plan
-from exitplan.planner.arrivals import poisson_arrivals
+from exitplan.planner.arrivals import depths_from_survival, poisson_arrivals
 from exitplan.planner.costmodel import CostModel, survival_before_blocks, survivor_pmf
 from exitplan.planner.dispatch import QueueParams, choose_bucket, choose_queue, least_loaded
 from exitplan.planner.oracle import oracle_goodput
+from exitplan.planner.sim_path import RouterState, ServingPath
 from exitplan.planner.sim_result import SimResult
+from exitplan.planner.trimming import length_support, trimmed_length
 
-__all__ = ["SimResult", "Simulation", "depths_from_survival", "oracle_goodput", "poisson_arrivals"]
+__all__ = ["ServingPath", "SimResult", "Simulation", "depths_from_survival", "oracle_goodput", "poisson_arrivals"]
 
 FloatArray = npt.NDArray[np.float64]
-
-ADMIT_FRACTION = 0.3
-"""The router admits a request to a bucket while the bucket's outstanding requests stay under its capacity x
-(this fraction of the SLO + the time a request spends in the pipeline at capacity): by Little's law the
-requests waiting then hold about this fraction of the SLO of work, so past capacity the excess is refused
-and what is admitted still meets the SLO. With half the SLO and no pipeline time, rebatching plans lost
-10-12 % of their goodput at 1.3x their capacity (rows reached the worker half an SLO old, and its inner
-queues launched partial batches on their deadlines), and a plan whose batches take a quarter of the SLO
-(V100 at length 512) was refused work below its capacity. A bound on the requests waiting for their
-first batch alone let queues build behind the first split and collapsed. (The real router's limiter aims
-at 0.8 x the SLO on the latency of answers, which a rebatching plan's answers pass by design.)"""
 
 
 class _Queue:
@@ -174,32 +163,6 @@ class _Worker:
         self.trim: list[tuple[int, FloatArray, FloatArray]] = []  # (length, lat, ramp_lat), shortest first
 
 
-def depths_from_survival(
-    rng: np.random.Generator,
-    n: int,
-    n_blocks: int,
-    ramp_after: Sequence[int],
-    survival: Sequence[float],
-    enabled: Sequence[bool],
-) -> np.ndarray:
-    """Blocks each input runs: it exits at the first enabled ramp at or after its natural exit ramp."""
-    surv = (
-        np.concatenate([[1.0], np.minimum.accumulate(np.asarray(survival, dtype=np.float64))])
-        if len(survival)
-        else np.ones(1)
-    )
-    u = rng.random(n)
-    # natural exit ramp index r: s[r] >= u > s[r+1]  (r = len(ramps) -> no exit before the end)
-    natural = np.searchsorted(-surv[1:], -u, side="left")  # first r with surv[r+1] < u
-    exit_at = np.full(len(ramp_after) + 1, n_blocks, dtype=np.int64)
-    nxt = n_blocks
-    for r in range(len(ramp_after) - 1, -1, -1):
-        if enabled[r]:
-            nxt = ramp_after[r] + 1
-        exit_at[r] = nxt
-    return exit_at[np.minimum(natural, len(ramp_after))]
-
-
 class Simulation:
     """One plan, one cost model per pool; call `run(arrivals, lengths)`."""
 
@@ -217,11 +180,11 @@ class Simulation:
         seed: int = 0,
         name: str = "",
         compact_exits: bool = True,
-        admit_fraction: float = ADMIT_FRACTION,
         trim: Sequence[int] | None = None,  # lengths a batch may be trimmed to (module doc); None: never
+        path: ServingPath = ServingPath(),  # the routers and shared cores (planner/sim_path.py)
     ) -> None:
         self.plan, self.models, self.slo_s = plan, models, slo_ms / 1e3
-        self.admit_fraction = admit_fraction
+        self.path = path
         ref = next(iter(models.values()))
         self.n_blocks = ref.n_blocks
         self.ramp_after = list(ref.ramp_after)
@@ -260,14 +223,15 @@ class Simulation:
                 w.mean_ms = self._mean_batch_ms(lat, ramp_lat, a, top, w.stages is not None)
                 self.workers[k][cell.split].append(w)
         self._set_rest()
-        self._set_admission(admit_fraction)
+        self._set_admission()
 
     def _tables(
         self, model: CostModel, a: int, b: int, length: int, sizes: FloatArray, all_on: Sequence[bool]
     ) -> tuple[FloatArray, FloatArray]:
         """(lat, ramp_lat) of blocks a..b at `length` for each number of rows in `sizes`."""
         lat = np.stack([[model.block_ms(blk, x, length) for x in sizes] for blk in range(a, b + 1)])
-        lat[0, 1:] += model.hop_ms  # the worker's own work per batch, once per split (the cost model's)
+        if a > 0 or not self.path.colocated:  # the worker's own work per batch, once per split
+            lat[0, 1:] += model.hop_ms
         ramp_lat = np.zeros_like(lat)
         for r, after in enumerate(self.ramp_after):
             if a <= after <= b and all_on[r]:
@@ -290,10 +254,9 @@ class Simulation:
                     ]
                 rest += here
 
-    def _set_admission(self, admit_fraction: float) -> None:
-        """Admission: requests/s each bucket's pipeline takes, the slowest split's rate at full batches (mean
-        batch time with the exits inside it) over the share of inputs reaching it; and how many seconds of
-        that the outstanding requests may hold (ADMIT_FRACTION)."""
+    def _set_admission(self) -> None:
+        """Per bucket, the requests/s its pods report to the router's admission: the slowest split's rate at
+        full batches (mean batch time with the exits inside it) over the share of inputs reaching it."""
         self.capacity: list[float] = []
         for k in range(len(self.buckets)):
             rates = []
@@ -302,20 +265,21 @@ class Simulation:
                     reach = max(float(self._reach[ws[0].first]), 1e-9)
                     rates.append(sum(w.batch / max(w.mean_ms, 1e-6) * 1e3 for w in ws) / reach)
             self.capacity.append(min(rates) if rates else 0.0)
-        self.admit_s = [self.slo_s * admit_fraction + self._in_flight_ms(per) / 1e3 for per in self.workers]
-        """Per bucket: the outstanding requests may hold this many seconds of its capacity (ADMIT_FRACTION of
-        the SLO of queue, plus the time a request spends in the pipeline at capacity)."""
 
-    @staticmethod
-    def _in_flight_ms(per_split: list[list[_Worker]]) -> float:
-        """The time a request spends in a bucket's pipeline at capacity, by the plan's own account: it waits
-        about one full batch's time at the first split for its batch to gather, and runs a full batch's time
-        at every split (a rebatching split's blocks run as rows come: no wait for a whole batch)."""
-        total = 0.0
-        for i, ws in enumerate(per_split):
-            here = max((w.expect_ms for w in ws), default=0.0)
-            total += 2.0 * here if i == 0 and ws and ws[0].stages is None else here
-        return total
+    def _at_trimmed_lengths(self, lengths: np.ndarray) -> None:
+        """A trimming worker reports its capacity at the lengths its batches run at (a full batch of the
+        bucket's inputs cut to its longest, planner/trimming.py), not at its bucket's: its mean batch time
+        from the table of the shortest trimmed length holding that."""
+        for k, per in enumerate(self.workers):
+            lo = self.buckets[k - 1] if k else 0
+            values, probs = length_support([], np.zeros(0), lengths, lo, self.buckets[k])
+            for ws in per:
+                for w in ws:
+                    if w.trim:
+                        need = trimmed_length(values, probs, w.length, w.batch)
+                        lat, ramp = next(((la, ra) for x, la, ra in w.trim if need <= x), (w.lat, w.ramp_lat))
+                        w.mean_ms = self._mean_batch_ms(lat, ramp, w.first, max(w.batch, 1), False)
+        self._set_admission()
 
     def _mean_batch_ms(self, lat: np.ndarray, ramp_lat: np.ndarray, a: int, top: int, rebatch: bool) -> float:
         """Mean time a replica of blocks a.. spends per `top` entering rows: each block over the
@@ -337,6 +301,8 @@ class Simulation:
             depths = depths_from_survival(
                 self.rng, len(arrivals), self.n_blocks, self.ramp_after, self.survival, self.enabled
             )
+        if any(w.trim for per in self.workers for ws in per for w in ws):
+            self._at_trimmed_lengths(np.asarray(lengths))
         events = _EventLoop(self, arrivals, lengths, depths)
         events.run()
         return events.result()
@@ -404,6 +370,8 @@ class _EventLoop:
         self.busy_ms = 0.0
         self.blk_rows = np.zeros(sim.n_blocks)
         self.blk_runs = np.zeros(sim.n_blocks)
+        self.routers = RouterState(sim.path, sim.capacity, sim.slo_s)
+        self.busy_workers = 0
 
     def run(self) -> None:
         events = self.events
@@ -430,16 +398,21 @@ class _EventLoop:
     # ------------------------------------------------------------------ events
 
     def arrive(self, i: int, now: float) -> None:
-        """The router admits the request to a bucket's runtime (Arlo's Algorithm 1), or refuses it."""
-        sim, caps, outstanding = self.sim, self.sim.capacity, self.outstanding
-        loads = [outstanding[k] / (caps[k] * sim.admit_s[k]) if caps[k] > 0 else math.inf for k in range(len(caps))]
+        """The router admits the request to a bucket's runtime (Arlo's Algorithm 1) under the bucket's limit,
+        or refuses it; an admitted one reaches split 0 once its router has done its work."""
+        sim, outstanding = self.sim, self.outstanding
+        loads = self.routers.loads(outstanding)
         k = choose_bucket(int(self.lengths[i]), sim.buckets, loads, sim.queue_params)
         if k < 0 or loads[k] >= 1.0:
             self.dropped += 1
             return
         self.bucket_of[i] = k
         outstanding[k] += 1
-        self.enqueue(self.pick(sim.workers[k][0]), [i], now)
+        at = self.routers.routed(now, self.busy_workers)
+        if at > now:
+            self.push(at, _Hop(k, 0, [i]))
+        else:
+            self.enqueue(self.pick(sim.workers[k][0]), [i], now)
 
     def batch_done(self, event: _BatchDone, now: float) -> None:
         w, rows, surv, xfer_ms = event
@@ -484,11 +457,14 @@ class _EventLoop:
         """A batch or block of `w` finished: the rows that did not survive are answered now.
         Returns how many."""
         w.busy, w.running = False, 0
+        self.busy_workers -= 1
         alive = set(surv)
         done = [r for r in rows if r not in alive]
         for r in done:
             self.done_at[r] = now
-            self.outstanding[self.bucket_of[r]] -= 1
+            k = int(self.bucket_of[r])
+            self.outstanding[k] -= 1
+            self.routers.answered(k, now - float(self.arrivals[r]), self.outstanding[k], now)
         return len(done)
 
     def kick(self, w: _Worker, now: float) -> None:
@@ -516,6 +492,8 @@ class _EventLoop:
             lat, ramp_lat = next(((la, ra) for x, la, ra in w.trim if need <= x), (w.lat, w.ramp_lat))
             t = float(lat[idx, counts].sum() + ramp_lat[idx, counts].sum())
             self.busy_ms += t
+            self.busy_workers += 1
+            t *= self.routers.stretch(self.busy_workers)
             surv = [r for r, dd in zip(rows, d) if dd > w.last + 1]
             w.busy, w.running = True, m
             w.batches += 1
@@ -558,6 +536,8 @@ class _EventLoop:
         self.blk_runs[blk] += 1
         t = float(w.lat[chosen, m] + w.ramp_lat[chosen, m])
         self.busy_ms += t
+        self.busy_workers += 1
+        t *= self.routers.stretch(self.busy_workers)
         w.busy, w.running = True, m
         w.batches += 1
         w.rows += m

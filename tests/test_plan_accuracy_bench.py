@@ -1,4 +1,4 @@
-"""bench/plan_accuracy.py's pure parts, and the simulator's trimming and busy time it predicts with."""
+"""bench/plan_accuracy.py's pure parts, the capacity search it predicts with, and the simulator's trimming."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import SLO, EarlyExitServiceSpec, ModelRef, PlannerSettings, PoolRef
 from exitplan.planner.compare import plan_config, simulate_plan
-from exitplan.planner.sim_result import SimResult
+from exitplan.planner.predict import search
 from exitplan.planner.simulator import poisson_arrivals
 from exitplan.planner.synthetic import bert_base_profile, gpu_pool
 
@@ -27,18 +27,10 @@ _spec.loader.exec_module(plan_accuracy)
 
 def test_capacity_search_finds_the_edge_from_either_side_within_the_tolerance():
     for start in (10.0, 123.4, 900.0):
-        found = plan_accuracy.capacity_search(lambda r: r <= 123.4, start, ceiling=10_000.0)
+        found = search(lambda r: r <= 123.4, start, ceiling=10_000.0)
         assert 123.4 * 0.99 <= found <= 123.4
-    assert plan_accuracy.capacity_search(lambda r: True, 10.0, ceiling=50.0) == 50.0
-    assert plan_accuracy.capacity_search(lambda r: False, 10.0, ceiling=50.0) == 0.0
-
-
-def test_cpu_per_second_counts_workers_router_and_load_generator():
-    run = SimResult("x", offered=800, answered=800, within_slo=800, dropped=0, duration_s=8.0,
-                    latencies_ms=np.zeros(800), busy_ms=8000.0)  # fmt: skip
-    # 8 s of worker time over an 8 s step = 1 core; 800 requests x (1 + 0.5) ms over 8 s = 0.15 core
-    assert plan_accuracy.cpu_per_second(run, 8.0, router_ms=1.0, client_ms=0.5, threads=1) == pytest.approx(1.15)
-    assert plan_accuracy.cpu_per_second(run, 8.0, router_ms=0.0, client_ms=0.0, threads=2) == pytest.approx(2.0)
+    assert search(lambda r: True, 10.0, ceiling=50.0) == 50.0
+    assert search(lambda r: False, 10.0, ceiling=50.0) == 0.0
 
 
 def _plan(batch: int, replicas: int = 1) -> Plan:

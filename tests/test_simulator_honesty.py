@@ -227,8 +227,10 @@ def test_length_buckets_are_credited_to_arlo_not_to_exits(shared_trace):
 def test_past_capacity_the_excess_is_refused_and_goodput_holds(scenario):
     """At 1.3x the goodput the excess is refused and what is admitted is served in time. A plan that rebatches
     keeps 90 % of its goodput, not all of it: rows reach its worker up to 0.3 x the SLO old, and its inner
-    queues launch more partial batches on their deadlines (the old admission, a queue of a whole SLO,
-    collapsed such plans to under 10 % at capacity)."""
+    queues launch more partial batches on their deadlines (an admission without a latency-driven limit, a
+    queue of a whole SLO, collapsed such plans to under 10 % at capacity). At most 5 % above it: the goodput
+    is the rate at which bursts still leave >= 99 % in time (99.75 % on its confirming run); past it the
+    admitted requests keep the pipes full and the refused ones take the bursts."""
     name, lengths, measured = scenario
     for config in ("vanilla", "e3", "exitplan"):
         m = measured[config]
@@ -238,7 +240,7 @@ def test_past_capacity_the_excess_is_refused_and_goodput_holds(scenario):
         res = simulate_plan(m.plan, times, rng.choice(lengths, size=len(times)), SLO_MS, seed=23)
         assert res.dropped >= 0.1 * res.offered, (name, config, res.dropped, res.offered)
         held, in_time = res.goodput / m.goodput.goodput, res.within_slo / max(res.answered, 1)
-        assert held >= (0.9 if rebatches else 0.97) and held <= 1.03, (name, config, held)
+        assert held >= (0.9 if rebatches else 0.97) and held <= 1.05, (name, config, held)
         assert in_time >= (0.9 if rebatches else 0.98), (name, config, in_time)
 
 

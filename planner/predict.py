@@ -1,0 +1,149 @@
+"""A plan's capacity as served: the simulator on the whole serving path, not the fluid rate.
+
+`plan_service`'s goodput is the solver's fluid rate: every replica busy with full batches, capped by the
+serving path's CPU on average (planner/serving_path.py). Served, a plan holds its SLO at a lower rate: a
+worker launches a batch after its short wait with the rows it has (at a rate its cells can hold, one to
+three rows on a CPU, not the planned batch), the arrivals come in bursts that must drain within the SLO,
+the router's admission limit follows the answers' latency, and on a machine whose cores the workers,
+the routers and any other process share, a burst slows every batch at once.
+
+`serving_capacity` replays arrivals (Poisson with the plan's lengths, or a trace's own pattern looped and
+scaled, planner/arrivals.py) through the plan in the simulator with all of that (planner/sim_path.py:
+the routers' CPU per request from the profile, split 0 in them where the plan co-locates it, the pools'
+shared cores and the workers' threads; the CPU workers' trimming, planner/trimming.py) and returns the
+highest rate at which >= 99 % of the requests finish within the SLO over the run and over its last third,
+drops counted as misses -- what `exitplan bench --find-capacity` measures on the served plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from exitplan.api.plan import colocated_routers
+from exitplan.planner.compare import Workload, passes, simulate_plan
+from exitplan.planner.service import PlanResult
+from exitplan.planner.serving_path import colocated_router_ms, router_ms
+from exitplan.planner.sim_path import ServingPath
+from exitplan.planner.sim_result import SimResult
+from exitplan.planner.trimming import TRIM_STEP, trims
+
+TARGET = 0.99
+
+
+@dataclass
+class Served:
+    rate_rps: float
+    """The highest rate that passed (0.0: none down to a thousandth of the fluid rate did)."""
+    run: SimResult | None
+    """The run at that rate."""
+    path: ServingPath
+    probes: int
+
+
+def serving_path(result: PlanResult, routers: int = 1, other_ms: float = 0.0) -> ServingPath:
+    """The plan's serving path from what its profiles measured and its pools say: `routers` routers
+    (spec.router.replicas; a co-locating plan runs as many as its most split-0 replicas of a bucket) at
+    the profile's CPU per request, and the shared cores where every pool's processes share them (one
+    machine), with `other_ms` of other CPU per request on them."""
+    inp, plan = result.inputs, result.plan
+    per_request = (colocated_router_ms(inp) if plan.colocate else router_ms(inp)) or 0.0
+    shared = [m.pool.shared_cores for m in inp.models]
+    cores = min(c for c in shared if c is not None) if all(c is not None for c in shared) else None
+    serving = [m.profile.serving for m in inp.models if m.profile.serving is not None]
+    return ServingPath(
+        router_ms=per_request,
+        routers=colocated_routers(plan.cells, routers) if plan.colocate else routers,
+        cores=None if cores is None else float(cores),
+        other_ms=other_ms,
+        threads=max((s.threads for s in serving), default=1),
+        colocated=plan.colocate,
+    )
+
+
+def trim_lengths(result: PlanResult) -> list[int] | None:
+    """The lengths the plan's CPU workers may cut a batch to (its longest row rounded up to TRIM_STEP, at
+    most the bucket), where the planner charges trimming (planner/trimming.py `trims`); None elsewhere."""
+    inp = result.inputs
+    if not any(trims(m.pool.gpu_resource, m.profile.seq_lens, False) for m in inp.models):
+        return None
+    top = max(result.plan.buckets)
+    return [*range(TRIM_STEP, top, TRIM_STEP), top]
+
+
+def lengths_pool(result: PlanResult, n: int = 4096, seed: int = 0) -> np.ndarray:
+    """Input lengths to draw from: the raw ones the plan was sized for, else the grid's histogram."""
+    inp = result.inputs
+    if inp.lengths is not None and len(inp.lengths):
+        return np.asarray(inp.lengths)
+    mass = np.asarray(inp.mass, dtype=np.float64)
+    p = mass / mass.sum() if mass.sum() > 0 else np.full(len(inp.grid), 1.0 / len(inp.grid))
+    return np.random.default_rng(seed).choice(np.asarray(inp.grid), size=n, p=p)
+
+
+def simulated_seconds(result: PlanResult, seconds: float = 8.0, max_requests: int = 40_000) -> float:
+    """Seconds of arrivals per simulated run: `seconds`, fewer for a plan whose fluid rate would put more
+    than `max_requests` into one (at least half a second)."""
+    return min(seconds, max(0.5, max_requests / max(result.plan.prediction.goodput_rps, 1.0)))
+
+
+def search(ok: Callable[[float], bool], start: float, ceiling: float, tol: float = 0.01) -> float:
+    """The highest rate in (0, ceiling] at which `ok` holds: bracketed by 10 % steps from `start`, then
+    bisected to `tol`; 0.0 when none down to start / 1000 does."""
+    lo, hi = 0.0, None
+    rate = min(start, ceiling)
+    if ok(rate):
+        lo = rate
+        while hi is None:
+            up = min(lo * 1.1, ceiling)
+            if up <= lo:
+                return lo
+            lo, hi = (up, None) if ok(up) else (lo, up)
+    else:
+        hi = rate
+        while lo == 0.0 and hi > start / 1000:
+            down = hi * 0.9
+            lo, hi = (down, hi) if ok(down) else (0.0, down)
+        if lo == 0.0:
+            return 0.0
+    while hi - lo > tol * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def serving_capacity(
+    result: PlanResult,
+    slo_ms: float,
+    *,
+    path: ServingPath | None = None,
+    arrivals: Callable[[float], tuple[np.ndarray, np.ndarray]] | None = None,
+    seconds: float | None = None,
+    ceiling: float | None = None,
+    tol: float = 0.01,
+    seed: int = 0,
+) -> Served:
+    """The plan's capacity as served (module doc). `arrivals(rate)`: (times, lengths) of one run at that
+    rate (default: Poisson over `seconds`, default `simulated_seconds`, with `lengths_pool`'s lengths);
+    `path`: default `serving_path`."""
+    path = path or serving_path(result)
+    if arrivals is None:
+        work = Workload(lengths_pool(result, seed=seed), seed=seed)
+        span = seconds or simulated_seconds(result)
+
+        def arrivals(rate: float) -> tuple[np.ndarray, np.ndarray]:
+            return work.at(rate, span)
+
+    trim = trim_lengths(result)
+    runs: dict[float, SimResult] = {}
+
+    def ok(rate: float) -> bool:
+        times, lens = arrivals(rate)
+        runs[rate] = simulate_plan(result, times, lens, slo_ms, seed=seed, trim=trim, path=path)
+        return passes(runs[rate], TARGET)
+
+    fluid = max(result.plan.prediction.goodput_rps, 1.0)
+    rate = search(ok, fluid, ceiling or 16 * fluid, tol)
+    return Served(rate, runs.get(rate), path, len(runs))

@@ -1,0 +1,96 @@
+"""The plan's capacity as served (planner/predict.py): the routers' CPU, shared cores and admission count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from exitplan.api.resources import (
+    SLO,
+    EarlyExitServiceSpec,
+    ModelRef,
+    PlannerSettings,
+    PoolRef,
+    RouterSettings,
+    ServingCosts,
+)
+from exitplan.planner.compare import plan_config
+from exitplan.planner.predict import serving_capacity, serving_path
+from exitplan.planner.sim_path import RouterState, ServingPath
+from exitplan.planner.simulator import Simulation
+from exitplan.planner.synthetic import bert_base_profile, gpu_pool
+
+SLO_MS = 100.0
+
+
+def _plan(router_ms: float, *, shared_cores: int | None = None, gpus: int = 4, colocate: str = "off", seq=(128,)):
+    spec = EarlyExitServiceSpec(
+        model=ModelRef(name="bert-base-ee", bundle="x"),
+        slo=SLO(latency_ms=SLO_MS),
+        pools=[PoolRef(name="v100")],
+        planner=PlannerSettings(max_splits=1, colocate=colocate),
+        router=RouterSettings(replicas=1),
+    )
+    pool = gpu_pool("v100", gpus).model_copy(update={"shared_cores": shared_cores})
+    profile = bert_base_profile("v100", seq_lens=seq).model_copy(
+        update={"serving": ServingCosts(router_ms=router_ms, hop_ms=0.1, threads=1)}
+    )
+    return plan_config("vanilla", "bert", spec, {"v100": pool}, {"v100": profile}, lengths=[128] * 100)
+
+
+def test_the_routers_cpu_bounds_what_is_served():
+    """One router at 2 ms per request answers at most 500 req/s, however many GPUs stand behind it; with
+    the SLO's room for its queue it serves most of that."""
+    result = _plan(2.0, gpus=8)
+    path = serving_path(result)
+    assert path.router_ms == 2.0 and path.routers == 1 and path.cores is None
+    got = serving_capacity(result, SLO_MS, seconds=6.0)
+    assert 0.7 * 500.0 <= got.rate_rps <= 500.0, got.rate_rps
+    assert got.run is not None and got.run.attainment >= 0.99
+    # without the router's cost the same GPUs serve several times more
+    free = serving_capacity(result, SLO_MS, path=ServingPath(), seconds=6.0)
+    assert free.rate_rps > 2 * got.rate_rps, (free.rate_rps, got.rate_rps)
+
+
+def test_shared_cores_bound_the_workers_routers_and_other_processes_together():
+    """Workers, router and another process on one core: the core's 1000 ms per second over the CPU every
+    request takes beside the workers' is an upper bound, and the served capacity falls below the capacity
+    with the same router on cores of its own."""
+    result = _plan(0.5, shared_cores=1)
+    alone = serving_capacity(result, SLO_MS, path=ServingPath(router_ms=0.5), seconds=6.0).rate_rps
+    path = serving_path(result, other_ms=1.0)
+    assert path.cores == 1.0 and path.other_ms == 1.0
+    shared = serving_capacity(result, SLO_MS, path=path, seconds=6.0).rate_rps
+    assert 0 < shared <= 1000.0 / (0.5 + 1.0), shared
+    assert shared < 0.9 * alone, (shared, alone)
+
+
+def test_a_batch_or_a_routed_request_stretches_while_the_cores_are_oversubscribed():
+    state = RouterState(ServingPath(router_ms=1.0, cores=2.0, threads=1, window_s=0.1), [100.0], 0.1)
+    assert state.stretch(1) == 1.0  # one batch on two cores
+    for i in range(100):  # 1,000 req/s at 1 ms each: a whole core
+        state.routed(i * 0.001, 0)
+    assert state.stretch(1) == pytest.approx(1.0)  # a core for the router, one for the batch
+    assert state.stretch(3) == pytest.approx(2.0)  # three batches and a router's core on two cores
+    at = state.routed(0.1, 3)
+    assert at == pytest.approx(0.102, rel=0.01)  # the router's 1 ms takes 2 ms then
+
+
+def test_a_trimming_worker_reports_its_capacity_at_the_lengths_it_runs():
+    """Admission starts from the capacity the pods report; a CPU worker that trims reports it at its
+    batches' lengths: short inputs in a long bucket give a higher capacity than the bucket's length."""
+    result = _plan(0.0, seq=(16, 32, 64, 128))
+    sim = Simulation(result.plan, {m.pool_name: m for m in result.inputs.models}, SLO_MS, trim=[8, 16, 128])
+    at_bucket = list(sim.capacity)
+    rng = np.random.default_rng(0)
+    sim.run(np.sort(rng.uniform(0, 1, 50)), np.full(50, 12))
+    assert sim.capacity[0] > 1.5 * at_bucket[0], (sim.capacity, at_bucket)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"router_ms": -1.0}, {"routers": 0}, {"threads": 0}, {"cores": 0.0}, {"window_s": 0.0}],
+)
+def test_an_impossible_serving_path_is_refused(kwargs):
+    with pytest.raises(ValueError, match="invalid serving path"):
+        ServingPath(**kwargs)
