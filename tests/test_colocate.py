@@ -5,6 +5,7 @@ router and split 1's pods, shadow feedback, the merged metrics, and a clear erro
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import numpy as np
@@ -162,3 +163,26 @@ def test_colocating_a_two_split_plan_without_split1_peers_says_what_is_missing(m
         Router(minilm_bundle, path, peers="", slo_ms=100, colocate=Colocation())
     with pytest.raises(ValueError, match="--peers must name the split-0 workers"):
         Router(minilm_bundle, path, peers="", slo_ms=100)
+
+
+async def test_split0_in_the_router_that_gives_no_answer_before_the_timeout_fails_the_request(minilm_bundle, tmp_path):
+    """A co-located split 0 whose batch waits (here: for 24 inputs, no maximum wait) past the request's
+    timeout answers HopFailed naming the timeout (the router's 504), not a hang; the row stays queued and
+    is failed when the runtime stops."""
+    from exitplan.worker.classify.colocated import run_local
+    from exitplan.worker.classify.worker import SplitWorker
+    from exitplan.worker.hop_client import HopFailed
+    from exitplan.worker.wire import HopItem
+
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(one_cell_plan("minilm", len(read_manifest(minilm_bundle).blocks), 32, 24).to_json())
+    worker = SplitWorker(minilm_bundle, plan_path, split=0, bucket=32, max_wait_ms=None)
+    await worker.start()
+    try:
+        far = time.time() + 60  # the deadline rule would launch the batch (and answer it) only near this
+        state = pad_batch([[101, 2023, 2003, 102]], 32)
+        with pytest.raises(HopFailed, match="gave no answer before the request's timeout"):
+            await run_local(worker, [HopItem("in-0", far, far)], state, timeout_at=time.time() + 0.3)
+        assert sum(len(q) for q in worker.stages.queues) == 1  # still queued, unanswered
+    finally:
+        await worker.stop()
