@@ -20,9 +20,9 @@ built by `exitplan prepare --model digits-cnn` into artifacts/bundles/digits-cnn
      replaying the very steps the measurement replays (`exitplan.client.bench.schedule`: the trace's first
      seconds rescaled to each rate, with their lengths) through the plan with the serving path -- the
      routers' CPU per request (the profile's `serving.routerMs`, or `colocatedMs`) on single-threaded
-     routers, the router's own admission limit, the CPU workers' trimming, and the machine's two cores
-     shared by the workers, the routers and the load generator (its CPU per request measured during that
-     configuration's search); the highest rate (bisected to 1 %) at which >= 99 % of the requests finish
+     routers, the router's own admission limit, the CPU workers' trimming, the load generator as the
+     one process that sends every request (its CPU per request measured during that configuration's
+     search), and the machine's two cores shared by all of them; the highest rate (bisected to 1 %) at which >= 99 % of the requests finish
      within the SLO over the step and its last third;
 4. the configuration served on this machine (`exitplan up`'s processes) and its capacity within the SLO
    measured by `exitplan bench --find-capacity`'s search (>= 99 % within the SLO over each step and its
@@ -144,10 +144,9 @@ def simulated_capacity(
     """(the planner's simulated capacity of the served plan on the measurement's own steps, the mean batch
     the simulated workers ran at it, the routers' CPU per request it counted): planner/predict.py
     `serving_capacity` with the serving path of the plan (the profile's router CPU, split 0 in the routers
-    where it co-locates, the machine's shared cores) and the load generator's CPU per request on the
-    same cores."""
+    where it co-locates, the machine's shared cores) and the load generator as its sender."""
     result = dataclasses.replace(result, plan=served)
-    path = serving_path(result, routers=1, other_ms=client_ms)
+    path = serving_path(result, routers=1, sender_ms=client_ms)
     top = max(served.buckets)
 
     def window(rps: float):

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 import aiohttp
 import numpy as np
 
+from exitplan.client.open_files import connection_ceiling
+
 KINDS = ("ok", "overload", "bad_request", "server_error", "invalid", "transport", "lost")
 ERROR_KINDS = ("overload", "bad_request", "server_error", "invalid", "transport")
 
@@ -137,8 +139,11 @@ async def replay(
 ) -> list[Outcome]:
     """Send `bodies[i]` at `arrivals[i]` seconds from now to the model's infer endpoint; one Outcome each.
 
-    Open loop: a request is sent at its time whatever happened to the earlier ones (no connection
-    limit, so nothing queues in the client). Each request waits at most `timeout_s` for its answer.
+    Open loop: a request is sent at its time whatever happened to the earlier ones, up to
+    `connection_ceiling()` connections at once: past that (a service answering seconds late at thousands of
+    requests per second) a request waits for a connection, its latency still counted from its scheduled
+    time, instead of the process running out of descriptors and failing every later request, this step's
+    and the next's. Each request waits at most `timeout_s` for its answer.
     `headers[i]`, when given, adds to (or replaces) request i's HTTP headers: a binary-extension body
     needs its Content-Type and Inference-Header-Content-Length.
     """
@@ -150,7 +155,7 @@ async def replay(
     if times.size and (np.any(np.diff(times) < 0) or times[0] < 0):
         raise ValueError("arrival times must be non-negative and non-decreasing")
     endpoint = f"{url.rstrip('/')}/v2/models/{model}/infer"
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+    connector = aiohttp.TCPConnector(limit=connection_ceiling(), ttl_dns_cache=300)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         loop = asyncio.get_running_loop()
         start = loop.time()

@@ -16,29 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import resource
 import threading
 
 import aiohttp
 
+from exitplan.client.open_files import raise_open_files_limit
+
 log = logging.getLogger(__name__)
 CHUNK = 1 << 16
-
-
-def raise_open_files_limit() -> int:
-    """Raise this process's soft limit on open files to its hard limit (a front pipes each client
-    connection to a router: thousands of connections in a load test past the usual soft 1024); the
-    limit in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError) as err:
-            log.warning("could not raise the open-files limit from %d: %s", soft, err)
-            return soft
-        return target
-    return soft
 
 
 class Front:

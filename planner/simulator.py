@@ -401,6 +401,7 @@ class _EventLoop:
         """The router admits the request to a bucket's runtime (Arlo's Algorithm 1) under the bucket's limit,
         or refuses it; an admitted one reaches split 0 once its router has done its work."""
         sim, outstanding = self.sim, self.outstanding
+        at = self.routers.routed(now, self.busy_workers)  # a refused request costs its sender and router too
         loads = self.routers.loads(outstanding)
         k = choose_bucket(int(self.lengths[i]), sim.buckets, loads, sim.queue_params)
         if k < 0 or loads[k] >= 1.0:
@@ -408,7 +409,6 @@ class _EventLoop:
             return
         self.bucket_of[i] = k
         outstanding[k] += 1
-        at = self.routers.routed(now, self.busy_workers)
         if at > now:
             self.push(at, _Hop(k, 0, [i]))
         else:
@@ -493,7 +493,7 @@ class _EventLoop:
             t = float(lat[idx, counts].sum() + ramp_lat[idx, counts].sum())
             self.busy_ms += t
             self.busy_workers += 1
-            t *= self.routers.stretch(self.busy_workers)
+            t *= self.routers.batch_stretch(self.busy_workers)
             surv = [r for r, dd in zip(rows, d) if dd > w.last + 1]
             w.busy, w.running = True, m
             w.batches += 1
@@ -537,7 +537,7 @@ class _EventLoop:
         t = float(w.lat[chosen, m] + w.ramp_lat[chosen, m])
         self.busy_ms += t
         self.busy_workers += 1
-        t *= self.routers.stretch(self.busy_workers)
+        t *= self.routers.batch_stretch(self.busy_workers)
         w.busy, w.running = True, m
         w.batches += 1
         w.rows += m

@@ -52,28 +52,31 @@ def test_the_routers_cpu_bounds_what_is_served():
     assert free.rate_rps > 2 * got.rate_rps, (free.rate_rps, got.rate_rps)
 
 
-def test_shared_cores_bound_the_workers_routers_and_other_processes_together():
-    """Workers, router and another process on one core: the core's 1000 ms per second over the CPU every
+def test_shared_cores_bound_the_workers_routers_and_the_sender_together():
+    """Workers, router and a load generator on one core: the core's 1000 ms per second over the CPU every
     request takes beside the workers' is an upper bound, and the served capacity falls below the capacity
     with the same router on cores of its own."""
     result = _plan(0.5, shared_cores=1)
     alone = serving_capacity(result, SLO_MS, path=ServingPath(router_ms=0.5), seconds=6.0).rate_rps
-    path = serving_path(result, other_ms=1.0)
-    assert path.cores == 1.0 and path.other_ms == 1.0
+    path = serving_path(result, sender_ms=1.0)
+    assert path.cores == 1.0 and path.sender_ms == 1.0
     shared = serving_capacity(result, SLO_MS, path=path, seconds=6.0).rate_rps
     assert 0 < shared <= 1000.0 / (0.5 + 1.0), shared
     assert shared < 0.9 * alone, (shared, alone)
 
 
-def test_a_batch_or_a_routed_request_stretches_while_the_cores_are_oversubscribed():
-    state = RouterState(ServingPath(router_ms=1.0, cores=2.0, threads=1, window_s=0.1), [100.0], 0.1)
-    assert state.stretch(1) == 1.0  # one batch on two cores
-    for i in range(100):  # 1,000 req/s at 1 ms each: a whole core
+def test_a_batch_a_router_or_the_sender_stretch_while_the_cores_are_oversubscribed():
+    """Processor sharing on two cores: the batches running, the routers busy and the sender busy."""
+    state = RouterState(ServingPath(router_ms=1.0, cores=2.0, threads=1), [100.0], 0.1)
+    assert state.stretch(1, 0.0) == 1.0  # one batch, nothing else
+    for i in range(100):  # 1,000 req/s at 1 ms each keep the router busy
         state.routed(i * 0.001, 0)
-    assert state.stretch(1) == pytest.approx(1.0)  # a core for the router, one for the batch
-    assert state.stretch(3) == pytest.approx(2.0)  # three batches and a router's core on two cores
-    at = state.routed(0.1, 3)
-    assert at == pytest.approx(0.102, rel=0.01)  # the router's 1 ms takes 2 ms then
+    assert state.stretch(1, 0.0995) == 1.0  # the router and a batch on two cores
+    assert state.stretch(3, 0.0995) == pytest.approx(2.0)
+    assert state.routed(0.1, 3) == pytest.approx(0.102)  # the idle router's 1 ms takes 2 ms beside 3 batches
+    sending = RouterState(ServingPath(router_ms=1.0, sender_ms=1.0, cores=2.0), [100.0], 0.1)
+    assert sending.routed(0.0, 2) == pytest.approx(0.003)  # the sender, then the router: each 1 ms x (2 + 1) / 2
+    assert sending.stretch(0, 0.003) == 1.0  # the router alone is busy then
 
 
 def test_a_trimming_worker_reports_its_capacity_at_the_lengths_it_runs():
@@ -88,8 +91,7 @@ def test_a_trimming_worker_reports_its_capacity_at_the_lengths_it_runs():
 
 
 @pytest.mark.parametrize(
-    "kwargs",
-    [{"router_ms": -1.0}, {"routers": 0}, {"threads": 0}, {"cores": 0.0}, {"window_s": 0.0}],
+    "kwargs", [{"router_ms": -1.0}, {"sender_ms": -1.0}, {"routers": 0}, {"threads": 0}, {"cores": 0.0}]
 )
 def test_an_impossible_serving_path_is_refused(kwargs):
     with pytest.raises(ValueError, match="invalid serving path"):
