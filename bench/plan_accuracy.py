@@ -29,8 +29,9 @@ built by `exitplan prepare --model digits-cnn` into artifacts/bundles/digits-cnn
    last third; 4 s of trace at a rate that passed before the first step and after each miss, as the
    demo), starting at a quarter of the simulated capacity.
 
-Printed: each step, then one row per configuration with both predictions, the measured capacity and
-predicted / measured; under each, the share of answers that ran the whole model (the calibration
+Printed: each step, then one row per configuration with both predictions (the simulated one also without
+the load generator on the cores: "no client", what `exitplan plan` prints as served), the measured capacity
+and predicted / measured; under each, the share of answers that ran the whole model (the calibration
 window's at the tuned thresholds, and measured at capacity), the input lengths sent against the trace's,
 and the CPU per request of the routers, the workers and the load generator over the search (read from
 /proc and the routers' request counters).
@@ -266,6 +267,8 @@ class Row:
     fluid: float
     simulated: float
     sim_batch: float
+    alone: float
+    """The simulated capacity without the load generator on the cores (what `exitplan plan` prints)."""
     measured: Measured
     notes: list[str]
 
@@ -306,7 +309,7 @@ def run_service(path: Path, step_s: float, workdir: Path) -> list[Row]:
             f"CPU per request over the search: routers {cpu['routers']:.2f} ms (profiled {router_ms:.2f}), "
             f"workers {cpu['workers']:.2f}, load generator {measured.client_ms:.2f}; simulated mean batch {batch:.2f}"
         )
-        rows.append(Row(setup.name, config, describe_plan(plan), fluid, simulated, batch, measured, notes))
+        rows.append(Row(setup.name, config, describe_plan(plan), fluid, simulated, batch, guess, measured, notes))
     return rows
 
 
@@ -317,14 +320,14 @@ def ratio(x: float, measured: float) -> str:
 def print_table(rows: list[Row]) -> None:
     print()
     print(
-        f"{'service':8s} {'config':9s} {'plan':42s} {'fluid':>8s} {'simulated':>9s} {'measured':>8s} "
+        f"{'service':8s} {'config':9s} {'plan':42s} {'fluid':>8s} {'no client':>9s} {'simulated':>9s} {'measured':>8s} "
         f"{'missed at':>9s} {'fluid/meas':>10s} {'sim/meas':>8s}"
     )
     for r in rows:
         m = r.measured
         failed = "-" if m.failed_rps is None else f"{m.failed_rps:.1f}"
         print(
-            f"{r.service:8s} {r.config:9s} {r.plan[:42]:42s} {r.fluid:8.1f} {r.simulated:9.1f} {m.capacity_rps:8.1f} "
+            f"{r.service:8s} {r.config:9s} {r.plan[:42]:42s} {r.fluid:8.1f} {r.alone:9.1f} {r.simulated:9.1f} {m.capacity_rps:8.1f} "
             f"{failed:>9s} {ratio(r.fluid, m.capacity_rps):>10s} {ratio(r.simulated, m.capacity_rps):>8s}"
         )
         for note in r.notes:

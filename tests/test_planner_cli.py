@@ -21,6 +21,11 @@ def test_plan_prints_tables_and_writes_json_and_png(tmp_path):
     body = json.loads(out.read_text())
     assert body["plan"]["model"] == "bert-base-ee" and body["plan"]["cells"]
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # the plan as served: simulated with bursts and admission, about the solver's rate or below it
+    assert "as served" in res.output
+    assert 0 < body["served_rps"] <= 1.05 * body["plan"]["prediction"]["goodputRps"], body["served_rps"]
+    fluid = CliRunner().invoke(app, ["plan", str(SERVICE), "--fluid-only", "--json", str(out)])
+    assert fluid.exit_code == 0 and json.loads(out.read_text())["served_rps"] is None
 
 
 def test_plan_reports_an_unmeetable_slo_as_an_error(tmp_path):
