@@ -40,24 +40,21 @@ and the CPU per request of the routers, the workers and the load generator over 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import resource
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from exitplan.api.plan import Plan
-from exitplan.client.bench import BenchSetup, find_capacity, schedule
+from exitplan.client.bench import BenchSetup, find_capacity
 from exitplan.localrun.demo import CONFIGS, build_plans, describe_plan
 from exitplan.localrun.deployment import LocalDeployment, exitplan_command
 from exitplan.localrun.ports import free_port, free_port_block
+from exitplan.localrun.prediction import answered, measured_search, served_capacity
 from exitplan.localrun.service_setup import (
     ServiceSetup,
     at_thresholds,
@@ -69,7 +66,6 @@ from exitplan.localrun.service_setup import (
 )
 from exitplan.localrun.serving_costs import _cpu_seconds
 from exitplan.planner.compare import plan_config
-from exitplan.planner.predict import serving_capacity, serving_path
 from exitplan.planner.service import PlanResult
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,21 +138,14 @@ def same_cells(a: Plan, b: Plan) -> bool:
 def simulated_capacity(
     result: PlanResult, served: Plan, setup: ServiceSetup, reference: int | None, step_s: float, client_ms: float
 ) -> tuple[float, float, float]:
-    """(the planner's simulated capacity of the served plan on the measurement's own steps, the mean batch
-    the simulated workers ran at it, the routers' CPU per request it counted): planner/predict.py
-    `serving_capacity` with the serving path of the plan (the profile's router CPU, split 0 in the routers
-    where it co-locates, the machine's shared cores) and the load generator as its sender."""
-    result = dataclasses.replace(result, plan=served)
-    path = serving_path(result, routers=1, sender_ms=client_ms)
-    top = max(served.buckets)
-
-    def window(rps: float):
-        trace = schedule(None, max_length=top, reference_max=reference, rps=rps, duration=step_s).trace
-        return trace.timestamps, trace.lengths
-
-    most = len(window(1e6)[0]) / step_s  # a step holds at most the whole trace, as the measurement's
-    got = serving_capacity(result, setup.spec.slo.latency_ms, path=path, arrivals=window, ceiling=most)
-    return got.rate_rps, (got.run.mean_batch if got.run is not None else 0.0), path.router_ms
+    """(the planner's capacity as served of the served plan on the measurement's own steps, the mean batch
+    the simulated workers ran at it, the routers' CPU per request it counted): localrun/prediction.py
+    `served_capacity` (one router, as `exitplan up` here; a co-locating plan as many as it needs) with the
+    load generator as its sender."""
+    got = served_capacity(
+        result, served, setup.spec.slo.latency_ms, trace=None, reference=reference, step_s=step_s, sender_ms=client_ms
+    )
+    return got.rate_rps, (got.run.mean_batch if got.run is not None else 0.0), got.path.router_ms
 
 
 # ---------------------------------------------------------------------------- what the machine serves
@@ -200,18 +189,6 @@ def process_cpu(dep: LocalDeployment) -> dict[str, float]:
     return out
 
 
-def answered(dep: LocalDeployment) -> float:
-    """Requests the routers have answered so far, whatever the status (their exitplan_router_requests_total)."""
-    total = 0.0
-    for p in dep.router_procs():
-        with urllib.request.urlopen(f"http://{p.address}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        for family in text_string_to_metric_families(text):
-            if family.name == "exitplan_router_requests":
-                total += sum(x.value for x in family.samples if x.name.endswith("_total"))
-    return total
-
-
 def measure(setup: ServiceSetup, plan: Plan, start_rps: float, step_s: float, workdir: Path, reference) -> Measured:
     """Serve `plan` with `exitplan up`'s processes and search its capacity within the SLO."""
     dep = LocalDeployment(
@@ -220,26 +197,26 @@ def measure(setup: ServiceSetup, plan: Plan, start_rps: float, step_s: float, wo
     dep.start()
     try:
         bench = BenchSetup.connect(dep.url, setup.spec.model.name, setup.bundle)
-        before = resource.getrusage(resource.RUSAGE_SELF)
         cpu0, sent0 = process_cpu(dep), answered(dep)
-        result = find_capacity(
-            dep.url,
-            setup.spec.model.name,
-            setup.bundle,
-            setup=bench,
-            start_rps=max(1.0, start_rps),
-            step_duration=step_s,
-            settle_s=SETTLE_S,
-            max_steps=8,
-            max_rps=5000.0,
-            reference_max=reference,  # the trace's p99 = the longest bucket, as the plan's lengths were scaled
-            on_step=show_step,
+        result, client_ms = measured_search(
+            dep,
+            lambda: find_capacity(
+                dep.url,
+                setup.spec.model.name,
+                setup.bundle,
+                setup=bench,
+                start_rps=max(1.0, start_rps),
+                step_duration=step_s,
+                settle_s=SETTLE_S,
+                max_steps=8,
+                max_rps=5000.0,
+                reference_max=reference,  # the trace's p99 = the longest bucket, as the plan's lengths were scaled
+                on_step=show_step,
+            ),
         )
-        after = resource.getrusage(resource.RUSAGE_SELF)
         cpu1, sent = process_cpu(dep), max(answered(dep) - sent0, 1.0)  # the settling runs included
     finally:
         dep.stop()
-    client_ms = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / sent * 1e3
     process_ms = {k: (cpu1[k] - cpu0[k]) / sent * 1e3 for k in cpu0}
     at = result.at_capacity
     head = setup.manifest.final_ramp().name

@@ -15,7 +15,9 @@ offered rate at which at least 99 % of the requests finish within the SLO, over 
 its last third (refused, failed and lost requests are misses), bracketed by doubling and then bisected;
 a few seconds at a rate that passed, not counted, come before the first step and after each miss.
 The comparison is the ratio of those measured capacities, with each configuration's latency and
-agreement with the full model at its capacity.
+agreement with the full model at its capacity. Beside each, the planner's prediction of that capacity
+(localrun/prediction.py: the plan as served, on the same steps of the same trace, with the load
+generator's CPU per request read over the search).
 
 Trace lengths are scaled onto the model's range with the trace's 99th percentile mapped to the
 longest bucket (longer inputs clipped to it), so short and long inputs both occur; the planner sizes
@@ -35,17 +37,19 @@ import numpy as np
 from exitplan.api.plan import Plan
 from exitplan.api.resources import ModelProfileSpec
 from exitplan.localrun.deployment import LocalDeployment
+from exitplan.localrun.prediction import measured_search, served_capacity
 from exitplan.localrun.service_setup import (
     ServiceSetup,
     ensure_profiles,
     load_setup,
-    planned,
+    planned_result,
     trace_lengths,
     tuned_thresholds,
 )
 
 if TYPE_CHECKING:
     from exitplan.client.capacity import CapacityResult
+    from exitplan.planner.service import PlanResult
 
 CONFIGS = ("vanilla", "naive-ee", "exitplan")
 
@@ -131,12 +135,19 @@ def build_plans(
 ) -> dict[str, Plan]:
     """vanilla and naive early exit as the planner sizes them when it may not split the model nor bucket
     its inputs (one split, the longest length, batch and co-location its own), and the planner's plan."""
+    return {name: r.plan for name, r in build_results(setup, thresholds, lengths).items()}
+
+
+def build_results(
+    setup: ServiceSetup, thresholds: dict[str, float], lengths: np.ndarray | None = None
+) -> dict[str, PlanResult]:
+    """`build_plans` with the planner's whole results (what the predictions are made from)."""
     plain = whole_model(setup)
     off = {name: 2.0 for name in thresholds}
     return {
-        "vanilla": planned(plain, off, reason="baseline-vanilla", lengths=lengths),
-        "naive-ee": planned(plain, thresholds, reason="baseline-naive", lengths=lengths),
-        "exitplan": planned(setup, thresholds, lengths=lengths),
+        "vanilla": planned_result(plain, off, reason="baseline-vanilla", lengths=lengths),
+        "naive-ee": planned_result(plain, thresholds, reason="baseline-naive", lengths=lengths),
+        "exitplan": planned_result(setup, thresholds, lengths=lengths),
     }
 
 
@@ -164,7 +175,8 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
         f"trace lengths scaled so that {reference} tokens (the trace's p99) = {setup.manifest.max_length}; "
         f"p50 {np.percentile(lengths, 50):.0f}, p90 {np.percentile(lengths, 90):.0f}"
     )
-    plans = build_plans(setup, thresholds, lengths)
+    results = build_results(setup, thresholds, lengths)
+    plans = {name: r.plan for name, r in results.items()}
     model = setup.spec.model.name
     slo = setup.spec.slo.latency_ms
     result = DemoResult(thresholds, slo, plans={k: json.loads(p.to_json()) for k, p in plans.items()})
@@ -181,9 +193,26 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
         try:
             bench_setup = bench_setup or BenchSetup.connect(dep.url, model, setup.bundle)
             start = result.capacity("vanilla") or opts.start_rps
-            cap = _search(opts, dep.url, model, setup.bundle, bench_setup, start, slo, reference, console, config)
-            result.capacities[config] = capacity_row(config, describe_plan(plan), cap)
-            console.print(f"{config}: capacity {cap.capacity_rps:.1f} rps within the SLO ({cap.reason})")
+            cap, client_ms = measured_search(
+                dep,
+                lambda: _search(
+                    opts, dep.url, model, setup.bundle, bench_setup, start, slo, reference, console, config
+                ),
+            )
+            served = served_capacity(
+                results[config],
+                plan,
+                slo,
+                trace=opts.trace,
+                reference=reference,
+                step_s=opts.step_duration,
+                sender_ms=client_ms,
+            )
+            result.capacities[config] = capacity_row(config, describe_plan(plan), cap, served.rate_rps, client_ms)
+            console.print(
+                f"{config}: capacity {cap.capacity_rps:.1f} rps within the SLO ({cap.reason}); the planner "
+                f"predicted {served.rate_rps:.1f} as served (load generator {client_ms:.2f} ms CPU per request)"
+            )
         finally:
             if keep and config == CONFIGS[-1]:
                 kept = dep
@@ -236,14 +265,19 @@ def _search(opts: DemoOptions, url, model, bundle, bench_setup, start, slo, refe
     )
 
 
-def capacity_row(config: str, plan: str, cap: CapacityResult) -> dict:
-    """One configuration's measured capacity and the figures of the step at it (`DemoResult.capacities`)."""
+def capacity_row(
+    config: str, plan: str, cap: CapacityResult, predicted_rps: float | None = None, client_ms: float | None = None
+) -> dict:
+    """One configuration's measured capacity and the figures of the step at it (`DemoResult.capacities`),
+    with the planner's predicted capacity as served and the load generator's CPU per request it used."""
     at = cap.at_capacity
     latency = at.latency_ms if at else {}
     return {
         "config": config,
         "plan": plan,
         "capacity_rps": cap.capacity_rps,
+        "predicted_rps": predicted_rps,
+        "client_ms": client_ms,
         "failed_rps": cap.failed_rps,
         "ended": cap.ended,
         "reason": cap.reason,
@@ -300,7 +334,8 @@ def summary_table(result: DemoResult):
         f">= 99 % of requests finished within it, over the step and its last third (refused, failed and lost "
         f"requests count as misses); same trace for each configuration"
     )
-    for col in ("config", "what runs", "capacity rps", "missed at rps", "p50 ms", "p99 ms", "within SLO (last third)"):
+    columns = ("config", "what runs", "capacity rps", "predicted rps", "missed at rps", "p50 ms", "p99 ms")
+    for col in (*columns, "within SLO (last third)"):
         table.add_column(col, justify="left" if col in ("config", "what runs") else "right")
     table.add_column("agreement with full model", justify="right")
     table.add_column("steps", justify="right")
@@ -313,6 +348,7 @@ def summary_table(result: DemoResult):
             config,
             row["plan"],
             f"{row['capacity_rps']:.1f}",
+            "-" if row.get("predicted_rps") is None else f"{row['predicted_rps']:.1f}",
             missed,
             _ms(row["p50_ms"]),
             _ms(row["p99_ms"]),
@@ -337,6 +373,16 @@ def summary_caption(result: DemoResult) -> str:
         span = f" (between {bounds[0]:.2f}x and {bounds[1]:.2f}x given the search steps)" if bounds else ""
         parts.append(f"{ratio:.2f}x {baseline}{span}")
     lines = ["measured capacities: exitplan = " + ", ".join(parts)]
+    predicted = [
+        f"{c} {row['predicted_rps'] / row['capacity_rps']:.2f}x"
+        for c, row in result.capacities.items()
+        if row.get("predicted_rps") is not None and row["capacity_rps"] > 0
+    ]
+    if predicted:
+        lines.append(
+            "predicted / measured (the planner's simulation of each plan as served on these cores, the load "
+            "generator included): " + ", ".join(predicted)
+        )
     for config, row in result.capacities.items():
         if row["ended"] == "ceiling":
             lines.append(f"{config} passed at the highest rate tried: its capacity is a lower bound")

@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import yaml
@@ -29,6 +30,9 @@ from exitplan.api.resources import (
     ModelRef,
 )
 from exitplan.localrun.deployment import exitplan_command
+
+if TYPE_CHECKING:
+    from exitplan.planner.service import PlanResult
 
 
 class ServiceFileError(ValueError):
@@ -196,14 +200,18 @@ def planned(
 ) -> Plan:
     """The planner's plan for this machine (`on_this_machine`), sized for the survival at `thresholds`;
     `lengths` (input lengths in tokens, e.g. a trace's) size the length buckets."""
+    return planned_result(setup, thresholds, reason, lengths, routers).plan
+
+
+def planned_result(
+    setup: ServiceSetup, thresholds: dict[str, float], reason: str = "initial", lengths=None, routers: int = 1
+) -> PlanResult:
+    """`planned`'s whole planner result (the plan, its inputs and the solver's figures)."""
     from exitplan.planner import plan_service
 
     spec, pools = on_this_machine(setup, routers)
     sized = at_thresholds(setup, thresholds)
-    result = plan_service(
-        setup.name, spec, pools, sized.profiles, thresholds=thresholds, reason=reason, lengths=lengths
-    )
-    return result.plan
+    return plan_service(setup.name, spec, pools, sized.profiles, thresholds=thresholds, reason=reason, lengths=lengths)
 
 
 def single_split_plan(

@@ -66,3 +66,14 @@ def test_no_ratio_when_a_baseline_met_the_target_at_no_rate():
     assert result.ratio("exitplan", "vanilla") is None
     text = _text(result)
     assert "no ratio to vanilla" in text and "vanilla missed the target even at the lowest rate tried" in text
+
+
+def test_the_summary_puts_the_planners_prediction_beside_each_measured_capacity():
+    result = _result({"vanilla": 20.0, "naive-ee": 25.0, "exitplan": 30.0})
+    for config, predicted in (("vanilla", 22.0), ("exitplan", 27.0)):
+        result.capacities[config]["predicted_rps"] = predicted
+    text = _text(result)
+    assert "predicted rps" in text and "22.0" in text and "27.0" in text
+    ratios = {c: result.capacities[c]["predicted_rps"] / result.capacity(c) for c in ("vanilla", "exitplan")}
+    assert f"vanilla {ratios['vanilla']:.2f}x" in text and f"exitplan {ratios['exitplan']:.2f}x" in text
+    assert "naive-ee 0" not in text and "naive-ee 1" not in text  # no prediction for it: no ratio
