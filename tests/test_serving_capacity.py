@@ -96,3 +96,17 @@ def test_a_trimming_worker_reports_its_capacity_at_the_lengths_it_runs():
 def test_an_impossible_serving_path_is_refused(kwargs):
     with pytest.raises(ValueError, match="invalid serving path"):
         ServingPath(**kwargs)
+
+
+def test_the_prediction_on_a_searchs_own_steps_counts_the_load_generator(shared_trace):
+    """localrun/prediction.py: the plan replayed on the trace windows a capacity search sends, at most the
+    rate at which one step holds the whole trace; a load generator on the shared cores lowers it."""
+    from exitplan.localrun.prediction import served_capacity
+
+    result = _plan(0.5, shared_cores=2, seq=(16, 32, 64, 128))
+    alone = served_capacity(result, result.plan, SLO_MS, trace=shared_trace, reference=None, step_s=4.0)
+    busy = served_capacity(result, result.plan, SLO_MS, trace=shared_trace, reference=None, step_s=4.0, sender_ms=1.0)
+    assert alone.path.sender_ms == 0.0 and busy.path.sender_ms == 1.0 and busy.path.cores == 2.0
+    assert 0 < busy.rate_rps < alone.rate_rps, (busy.rate_rps, alone.rate_rps)
+    assert busy.rate_rps <= 1000.0  # the sender alone: 1 ms per request on one core
+    assert busy.run is not None and busy.run.attainment >= 0.99
