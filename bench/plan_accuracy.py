@@ -54,7 +54,7 @@ from exitplan.client.bench import BenchSetup, find_capacity
 from exitplan.localrun.demo import CONFIGS, build_plans, describe_plan
 from exitplan.localrun.deployment import LocalDeployment, exitplan_command
 from exitplan.localrun.ports import free_port, free_port_block
-from exitplan.localrun.prediction import answered, measured_search, served_capacity
+from exitplan.localrun.prediction import answered, background_cores, measured_search, served_capacity
 from exitplan.localrun.service_setup import (
     ServiceSetup,
     at_thresholds,
@@ -136,14 +136,27 @@ def same_cells(a: Plan, b: Plan) -> bool:
 
 
 def simulated_capacity(
-    result: PlanResult, served: Plan, setup: ServiceSetup, reference: int | None, step_s: float, client_ms: float
+    result: PlanResult,
+    served: Plan,
+    setup: ServiceSetup,
+    reference: int | None,
+    step_s: float,
+    client_ms: float,
+    background: float = 0.0,
 ) -> tuple[float, float, float]:
     """(the planner's capacity as served of the served plan on the measurement's own steps, the mean batch
     the simulated workers ran at it, the routers' CPU per request it counted): localrun/prediction.py
     `served_capacity` (one router, as `exitplan up` here; a co-locating plan as many as it needs) with the
-    load generator as its sender."""
+    load generator as its sender, `background` cores' worth of other load beside them."""
     got = served_capacity(
-        result, served, setup.spec.slo.latency_ms, trace=None, reference=reference, step_s=step_s, sender_ms=client_ms
+        result,
+        served,
+        setup.spec.slo.latency_ms,
+        trace=None,
+        reference=reference,
+        step_s=step_s,
+        sender_ms=client_ms,
+        background=background,
     )
     return got.rate_rps, (got.run.mean_batch if got.run is not None else 0.0), got.path.router_ms
 
@@ -271,9 +284,12 @@ def run_service(path: Path, step_s: float, workdir: Path) -> list[Row]:
         # goes back above it)
         guess = simulated_capacity(result, plan, setup, reference, step_s, 0.0)[0] or fluid
         started = time.perf_counter()
+        background = background_cores()
         measured = measure(setup, plan, guess / 4, step_s, workdir / f"{setup.name}-{config}", reference)
         print(f"{setup.name} {config}: measured in {time.perf_counter() - started:.0f} s; {measured.how}", flush=True)
-        simulated, batch, router_ms = simulated_capacity(result, plan, setup, reference, step_s, measured.client_ms)
+        simulated, batch, router_ms = simulated_capacity(
+            result, plan, setup, reference, step_s, measured.client_ms, background
+        )
         ran_all = result.inputs.survival[-1] if result.inputs.survival else 1.0
         got = "-" if measured.head_share is None else f"{measured.head_share:.2f}"
         notes.append(f"share answered by the whole model: {ran_all:.2f} planned, {got} measured at capacity")
@@ -284,7 +300,8 @@ def run_service(path: Path, step_s: float, workdir: Path) -> list[Row]:
         cpu = measured.process_ms
         notes.append(
             f"CPU per request over the search: routers {cpu['routers']:.2f} ms (profiled {router_ms:.2f}), "
-            f"workers {cpu['workers']:.2f}, load generator {measured.client_ms:.2f}; simulated mean batch {batch:.2f}"
+            f"workers {cpu['workers']:.2f}, load generator {measured.client_ms:.2f}; other load before it "
+            f"{background:.2f} cores; simulated mean batch {batch:.2f}"
         )
         rows.append(Row(setup.name, config, describe_plan(plan), fluid, simulated, batch, guess, measured, notes))
     return rows

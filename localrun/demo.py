@@ -37,7 +37,7 @@ import numpy as np
 from exitplan.api.plan import Plan
 from exitplan.api.resources import ModelProfileSpec
 from exitplan.localrun.deployment import LocalDeployment
-from exitplan.localrun.prediction import measured_search, served_capacity
+from exitplan.localrun.prediction import background_cores, measured_search, served_capacity
 from exitplan.localrun.service_setup import (
     ServiceSetup,
     ensure_profiles,
@@ -188,6 +188,7 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
             setup.bundle, plan, setup.spec, opts.workdir / config, port=opts.port, base_port=opts.base_port
         )
         console.rule(f"{config}: {describe_plan(plan)}")
+        background = background_cores()  # other load on these cores, for the prediction
         with console.status(f"starting {config}..."):
             dep.start()
         try:
@@ -207,11 +208,15 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
                 reference=reference,
                 step_s=opts.step_duration,
                 sender_ms=client_ms,
+                background=background,
             )
-            result.capacities[config] = capacity_row(config, describe_plan(plan), cap, served.rate_rps, client_ms)
+            result.capacities[config] = capacity_row(
+                config, describe_plan(plan), cap, served.rate_rps, client_ms, background
+            )
             console.print(
                 f"{config}: capacity {cap.capacity_rps:.1f} rps within the SLO ({cap.reason}); the planner "
-                f"predicted {served.rate_rps:.1f} as served (load generator {client_ms:.2f} ms CPU per request)"
+                f"predicted {served.rate_rps:.1f} as served (load generator {client_ms:.2f} ms CPU per request, "
+                f"other load {background:.2f} cores)"
             )
         finally:
             if keep and config == CONFIGS[-1]:
@@ -266,10 +271,16 @@ def _search(opts: DemoOptions, url, model, bundle, bench_setup, start, slo, refe
 
 
 def capacity_row(
-    config: str, plan: str, cap: CapacityResult, predicted_rps: float | None = None, client_ms: float | None = None
+    config: str,
+    plan: str,
+    cap: CapacityResult,
+    predicted_rps: float | None = None,
+    client_ms: float | None = None,
+    background: float | None = None,
 ) -> dict:
     """One configuration's measured capacity and the figures of the step at it (`DemoResult.capacities`),
-    with the planner's predicted capacity as served and the load generator's CPU per request it used."""
+    with the planner's predicted capacity as served and what it took that is not the service's: the load
+    generator's CPU per request and the other load on the cores (cores' worth)."""
     at = cap.at_capacity
     latency = at.latency_ms if at else {}
     return {
@@ -278,6 +289,7 @@ def capacity_row(
         "capacity_rps": cap.capacity_rps,
         "predicted_rps": predicted_rps,
         "client_ms": client_ms,
+        "background_cores": background,
         "failed_rps": cap.failed_rps,
         "ended": cap.ended,
         "reason": cap.reason,
@@ -380,8 +392,8 @@ def summary_caption(result: DemoResult) -> str:
     ]
     if predicted:
         lines.append(
-            "predicted / measured (the planner's simulation of each plan as served on these cores, the load "
-            "generator included): " + ", ".join(predicted)
+            "predicted / measured (the planner's simulation of each plan as served on these cores, with the load "
+            "generator and the other load measured before each search): " + ", ".join(predicted)
         )
     for config, row in result.capacities.items():
         if row["ended"] == "ceiling":

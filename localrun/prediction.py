@@ -6,13 +6,15 @@ seconds rescaled to each rate, with their lengths), with the plan's serving path
 load generator, when given its CPU per request, as the process that sends every request on the same cores.
 
 `measured_search` runs a capacity search against a local deployment and reads what the load generator
-(this process) spent per request over it: the one figure of the prediction that is not the service's.
+(this process) spent per request over it, and `background_cores` what other processes keep busy on this
+machine while nothing of the service runs: the two figures of the prediction that are not the service's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import resource
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -38,12 +40,13 @@ def served_capacity(
     reference: int | None,
     step_s: float,
     sender_ms: float = 0.0,
+    background: float = 0.0,
     routers: int = 1,
 ) -> Served:
     """The planner's capacity for `plan` (as served; `result` planned it or its configuration) on the
     measurement's steps of `step_s` seconds, at most the rate at which a step holds the whole trace."""
     result = dataclasses.replace(result, plan=plan)
-    path = serving_path(result, routers=routers, sender_ms=sender_ms)
+    path = serving_path(result, routers=routers, sender_ms=sender_ms, background=background)
     top = max(plan.buckets)
 
     def window(rps: float):
@@ -52,6 +55,30 @@ def served_capacity(
 
     most = len(window(1e6)[0]) / step_s
     return serving_capacity(result, slo_ms, path=path, arrivals=window, ceiling=most)
+
+
+def _cpu_times() -> tuple[float, float, int] | None:
+    """(busy jiffies, all jiffies, CPUs) from /proc/stat; None where it cannot be read."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    fields = [float(x) for x in lines[0].split()[1:]]
+    cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+    return sum(fields[:8]) - idle, sum(fields[:8]), max(cpus, 1)
+
+
+def background_cores(seconds: float = 1.0) -> float:
+    """Cores' worth of CPU the machine's processes use over `seconds` (call it while the service does not
+    run and this process waits): other load the service's processes will share the cores with. 0.0 where
+    /proc/stat cannot be read."""
+    first = _cpu_times()
+    time.sleep(seconds)
+    last = _cpu_times()
+    if first is None or last is None or last[1] <= first[1]:
+        return 0.0
+    return (last[0] - first[0]) / (last[1] - first[1]) * last[2]
 
 
 def answered(dep: LocalDeployment) -> float:

@@ -43,11 +43,12 @@ class Served:
     probes: int
 
 
-def serving_path(result: PlanResult, routers: int = 1, sender_ms: float = 0.0) -> ServingPath:
+def serving_path(result: PlanResult, routers: int = 1, sender_ms: float = 0.0, background: float = 0.0) -> ServingPath:
     """The plan's serving path from what its profiles measured and its pools say: `routers` routers
     (spec.router.replicas; a co-locating plan runs as many as its most split-0 replicas of a bucket) at
     the profile's CPU per request, and the shared cores where every pool's processes share them (one
-    machine), with a sender of `sender_ms` CPU per request on them (a load generator there)."""
+    machine), with a sender of `sender_ms` CPU per request on them (a load generator there) and `background`
+    cores' worth of other processes running there."""
     inp, plan = result.inputs, result.plan
     per_request = (colocated_router_ms(inp) if plan.colocate else router_ms(inp)) or 0.0
     shared = [m.pool.shared_cores for m in inp.models]
@@ -58,6 +59,7 @@ def serving_path(result: PlanResult, routers: int = 1, sender_ms: float = 0.0) -
         routers=colocated_routers(plan.cells, routers) if plan.colocate else routers,
         cores=None if cores is None else float(cores),
         sender_ms=sender_ms,
+        background=background if cores is not None else 0.0,
         threads=max((s.threads for s in serving), default=1),
         colocated=plan.colocate,
     )

@@ -18,7 +18,8 @@ that work on average; under a trace's bursts it is what turns a queue that drain
   batch launched, or a request the sender or a router takes up, while more wants the cores than there are
   runs proportionally longer (processor sharing, read when it starts: for a request, the batches running,
   the routers busy and the sender busy then; for a batch, which outlasts many requests, the batches
-  running and the sender's and routers' CPU for the requests of the last WINDOW_S).
+  running and the sender's and routers' CPU for the requests of the last WINDOW_S), `background` cores'
+  worth of other processes always counted beside them.
 
 `RouterState` is one run's routers: per bucket the data plane's own admission limit
 (`dispatch.BucketLimiter`, started at the bucket's capacity x the SLO and following the answers' latency, as
@@ -50,13 +51,16 @@ class ServingPath:
     """CPU per request of the one process that sends every request (a load generator on those cores)."""
     threads: int = 1
     """Cores one running batch keeps busy (the workers' intra-op threads)."""
+    background: float = 0.0
+    """Cores' worth of other work always running on those cores (processes not part of the service nor
+    the sender: they take their fair share whenever anything else runs)."""
     colocated: bool = False
     """Split 0 runs in the routers (Plan.colocate): its batches pay no hop (the worker's own work per
     batch, the profile's hopMs), which `router_ms` (colocatedMs) holds."""
 
     def __post_init__(self) -> None:
-        if self.router_ms < 0 or self.sender_ms < 0 or self.routers < 1 or self.threads < 1:
-            raise ValueError(f"invalid serving path {self}: costs >= 0, routers and threads >= 1")
+        if self.router_ms < 0 or self.sender_ms < 0 or self.background < 0 or self.routers < 1 or self.threads < 1:
+            raise ValueError(f"invalid serving path {self}: costs and background >= 0, routers and threads >= 1")
         if self.cores is not None and self.cores <= 0:
             raise ValueError(f"invalid serving path {self}: cores must be > 0 (or None for dedicated accelerators)")
 
@@ -111,7 +115,7 @@ class RouterState:
         if path.cores is None:
             return 1.0
         routers = sum(1 for j, f in enumerate(self.free_at) if f > now or j == router)
-        busy = busy_workers * path.threads + routers + (sender or self.sender_free > now)
+        busy = busy_workers * path.threads + routers + (sender or self.sender_free > now) + path.background
         return max(1.0, busy / path.cores)
 
     def batch_stretch(self, busy_workers: int) -> float:
@@ -124,4 +128,4 @@ class RouterState:
         rate = len(self.recent) / WINDOW_S
         per_router = rate * path.router_ms / 1e3 / path.routers
         fluid = path.routers * min(1.0, per_router) + min(1.0, rate * path.sender_ms / 1e3)
-        return max(1.0, (busy_workers * path.threads + fluid) / path.cores)
+        return max(1.0, (busy_workers * path.threads + fluid + path.background) / path.cores)

@@ -110,3 +110,21 @@ def test_the_prediction_on_a_searchs_own_steps_counts_the_load_generator(shared_
     assert 0 < busy.rate_rps < alone.rate_rps, (busy.rate_rps, alone.rate_rps)
     assert busy.rate_rps <= 1000.0  # the sender alone: 1 ms per request on one core
     assert busy.run is not None and busy.run.attainment >= 0.99
+
+
+def test_other_load_on_the_cores_is_read_from_proc_stat_and_shares_them():
+    """A busy loop beside the service: /proc/stat shows it (about a core), and the simulation counts such
+    load as always running, so a batch on two cores beside two cores' worth of it takes 1.5x as long."""
+    import subprocess
+    import sys
+
+    from exitplan.localrun.prediction import background_cores
+
+    assert RouterState(ServingPath(cores=2.0, background=2.0), [100.0], 0.1).batch_stretch(1) == 1.5
+    assert RouterState(ServingPath(cores=None, background=2.0), [100.0], 0.1).batch_stretch(1) == 1.0
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert background_cores(1.0) >= 0.5
+    finally:
+        loop.kill()
+        loop.wait()
