@@ -108,6 +108,10 @@ def choose_queue(held: Sequence[int], batch: int, launch_at: Callable[[int], flo
     return -1, soonest
 
 
+LATE_FRACTION = 0.8
+"""The router's admission target: an answer later than this fraction of the SLO shrinks its bucket's limit."""
+
+
 @dataclass
 class BucketLimiter:
     target_s: float

@@ -32,10 +32,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from exitplan.planner.dispatch import BucketLimiter
+from exitplan.planner.dispatch import LATE_FRACTION, BucketLimiter
 
-LATE_FRACTION = 0.8
-"""An answer later than this fraction of the SLO shrinks its bucket's limit (as the router's)."""
 WINDOW_S = 0.1
 """A batch counts the requests sent over this many seconds for the sender's and the routers' CPU."""
 
@@ -70,7 +68,6 @@ class RouterState:
 
     def __init__(self, path: ServingPath, capacity: Sequence[float], slo_s: float) -> None:
         self.path = path
-        self.slo_s = slo_s
         self.limiters = [BucketLimiter(target_s=LATE_FRACTION * slo_s) for _ in capacity]
         for limiter, cap in zip(self.limiters, capacity):
             limiter.ensure(cap, slo_s)

@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from exitplan.planner.dispatch import BucketLimiter, QueueParams, choose_bucket, ideal_bucket
+from exitplan.planner.dispatch import LATE_FRACTION, BucketLimiter, QueueParams, choose_bucket, ideal_bucket
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +75,7 @@ class Admission:
         self.capacity = capacity
         self.queue = queue or QueueParams()
         self.max_inflight = max_inflight
-        self.limiters = [BucketLimiter(target_s=0.8 * slo_s) for _ in self.buckets]
+        self.limiters = [BucketLimiter(target_s=LATE_FRACTION * slo_s) for _ in self.buckets]
         self.outstanding = [0] * len(self.buckets)
         """Per bucket: admitted inputs not yet answered."""
         self.inflight = 0
