@@ -20,7 +20,8 @@ apply follow at once: t + 3P/4 + plan + apply. Router windows (one period long) 
 how much history a read can recover: a read sees the window in progress and the one before it.
 
 Each read also feeds the comparison of measured with planned goodput (plan_accuracy.py: condition
-PlanAccurate, per non-overlapping window of half a period); a mismatch that persists under load raises
+PlanAccurate, per non-overlapping window of half a period; below the solver's rate, against the plan
+as served, plan_served.py); a mismatch that persists under load raises
 the trigger plan-mismatch when nothing else did, and its re-plan first re-profiles the pools that are
 off (profiling.reprofile) and plans on their profiles corrected by the measured ratio (kept for the
 loop's later re-plans until the pools' ModelProfiles change).
@@ -51,7 +52,7 @@ from exitplan.api.observations import Observations
 from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec, Mode
 from exitplan.operator import apply as applying
-from exitplan.operator import builders, capacity, control_token, drift, guards, plan_accuracy, profiling
+from exitplan.operator import builders, capacity, control_token, drift, guards, plan_accuracy, plan_served, profiling
 from exitplan.operator import reconcile as rec
 from exitplan.operator.drift_policy import Action, Do, DriftState, decide, needs_reassess
 from exitplan.operator.kube import ApiError, path
@@ -343,8 +344,9 @@ async def _score_new(
         f" -> {report.trigger}" if report.trigger else "",
     )
     state.add_to_survival(piece, period)
-    verdict = state.accuracy.add(piece, plan, period)
-    if verdict is not None:  # a window of the comparison with the plan is full (plan_accuracy.py)
+    window = state.accuracy.fill(piece, plan, period)
+    if window is not None:  # a window of the comparison with the plan is full (plan_accuracy.py)
+        verdict = await plan_served.compare(svc, state, spec, plan, window)
         log.info("%s/%s: plan %s: %s", svc.namespace, svc.name, plan.content_hash(), verdict.text())
         plan_accuracy.update_condition(status, state.accuracy, verdict, plan.content_hash(), svc.generation)
     METRICS.length_score.labels(svc.namespace, svc.name).set(report.length_score)

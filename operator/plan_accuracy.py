@@ -28,6 +28,13 @@ The rule, one window (at least drift.JUDGED_PERIODS periods and drift.MIN_REQUES
   survival within MIX_LIMIT of the plan's; otherwise the window is not judged (verdict "mix").
 - **match**: saturated somewhere, neither below nor above: the plan's capacity held under real load.
 
+The plan's figure is the solver's fluid rate (every replica busy with full batches), which a serving
+path reaches only where batches fill and queues stay short: on CPU pools, or with few replicas, the
+plan holds its SLO at a lower rate (planner/predict.py "as served"). So a window that reads *below* the
+fluid rate is judged again against the plan's capacity as served (`plan_as_served`, simulated once per
+plan, off the event loop, only then: 1-3 s of CPU) and that lower figure is the planned goodput from then
+on for this plan; a plan whose simulation serves at least the fluid rate keeps the fluid rate.
+
 Persistence: PlanAccurate turns False after WINDOWS consecutive judged windows off in the same
 direction; a window that matches resets the count, one that cannot be judged (idle, too little
 traffic, another mix) neither counts nor resets it. A new plan (or a new prediction) starts over.
@@ -112,6 +119,8 @@ class Judgement:
     """The pools to re-profile (below: of the short buckets' cells; above: every pool of the plan)."""
     off_ratio: float = 1.0
     """The ratio that is off: the shortest bucket's (below), the service's (above)."""
+    fluid_rps: float = 0.0
+    """The solver's rate when the planned goodput is the plan's capacity as served (0: it is the solver's)."""
 
     @property
     def ratio(self) -> float:
@@ -126,9 +135,10 @@ class Judgement:
         return self.verdict in ("below", "above")
 
     def text(self) -> str:
+        basis = f"; planned as served, the solver's {self.fluid_rps:.1f}" if self.fluid_rps else ""
         head = (
             f"measured/planned goodput {self.ratio:.2f} ({self.measured_rps:.1f} / {self.planned_rps:.1f} rps "
-            "within the SLO)"
+            f"within the SLO{basis})"
         )
         why = {
             "below": f"below the plan by more than {TOLERANCE:.0%} while saturated ({self.saturated})",
@@ -195,13 +205,21 @@ def _at_plan_mix(plan: Plan, obs: Observations) -> bool:
     return True
 
 
-def judge(plan: Plan, obs: Observations) -> Judgement:
-    """Compare one window with the plan (the module docstring's rule)."""
-    planned = plan.prediction.goodput_rps
+def judge(plan: Plan, obs: Observations, served_rps: float | None = None) -> Judgement:
+    """Compare one window with the plan (the module docstring's rule); `served_rps`: the plan's capacity
+    as served, when known (the planned goodput is the lower of it and the solver's rate)."""
+    fluid = plan.prediction.goodput_rps
+    as_served = served_rps is not None and 0 < served_rps < fluid
+    planned = served_rps if as_served and served_rps is not None else fluid
     span = max(obs.until - obs.since, 1e-9)
     measured = obs.within_slo / span
     if planned <= 0 or max(drift.arrivals(obs), obs.requests) < drift.MIN_REQUESTS:
         return Judgement("quiet", planned, measured)
+    return _judged(plan, obs, planned, measured, span, fluid if as_served else 0.0)
+
+
+def _judged(plan: Plan, obs: Observations, planned: float, measured: float, span: float, fluid: float) -> Judgement:
+    """`judge` once the planned goodput is known (`fluid`: the solver's rate when that is the one as served)."""
     buckets = []
     for share, bucket in zip(_shares(plan), plan.buckets):
         stats = obs.per_bucket.get(str(bucket))
@@ -221,17 +239,17 @@ def judge(plan: Plan, obs: Observations) -> Judgement:
     short = [b for b in buckets if b.short()]
     if not buckets and saturated and measured < (1 - TOLERANCE) * planned:
         pools = tuple(sorted({c.pool for c in plan.cells}))
-        return Judgement("below", planned, measured, saturated, (), pools, measured / planned)
+        return Judgement("below", planned, measured, saturated, (), pools, measured / planned, fluid)
     if short:
         pools = tuple(sorted({c.pool for c in plan.cells if c.bucket in {b.bucket for b in short}}))
         worst = min(b.ratio for b in short)
-        return Judgement("below", planned, measured, saturated, tuple(buckets), pools, worst)
+        return Judgement("below", planned, measured, saturated, tuple(buckets), pools, worst, fluid)
     if measured > (1 + TOLERANCE) * planned:
         if not _at_plan_mix(plan, obs):
-            return Judgement("mix", planned, measured, saturated, tuple(buckets))
+            return Judgement("mix", planned, measured, saturated, tuple(buckets), fluid_rps=fluid)
         pools = tuple(sorted({c.pool for c in plan.cells}))
-        return Judgement("above", planned, measured, saturated, tuple(buckets), pools, measured / planned)
-    return Judgement("match" if saturated else "idle", planned, measured, saturated, tuple(buckets))
+        return Judgement("above", planned, measured, saturated, tuple(buckets), pools, measured / planned, fluid)
+    return Judgement("match" if saturated else "idle", planned, measured, saturated, tuple(buckets), fluid_rps=fluid)
 
 
 @dataclass(frozen=True)
@@ -272,17 +290,33 @@ class Tracker:
     """The plan_key of the plan in force made with `corrections` (None: none is): a mismatch measured
     against it compounds them; one measured against another plan replaces them."""
 
+    served: float | None = None
+    """The plan's capacity as served (planner/predict.py `plan_as_served`), once simulated for the plan in
+    force (0.0: the simulation failed; None: not simulated)."""
+
     def add(self, piece: Observations, plan: Plan, period: float) -> Judgement | None:
         """Add what one read brought; the judgement of a window once one is full, else None."""
+        whole = self.fill(piece, plan, period)
+        return None if whole is None else self.record(judge(plan, whole, self.served))
+
+    def fill(self, piece: Observations, plan: Plan, period: float) -> Observations | None:
+        """Add what one read brought to the window being filled; the window once it is full, else None."""
         key = key_of(plan.content_hash(), plan.prediction.goodput_rps)
         if key != self.plan_key:
-            self.block, self.streak, self.last, self.plan_key = [], [], None, key
+            self.block, self.streak, self.last, self.plan_key, self.served = [], [], None, key, None
         self.block.append(piece)
         whole = drift.combine(self.block)
         if whole.until - whole.since < drift.JUDGED_PERIODS * period or drift.arrivals(whole) < drift.MIN_REQUESTS:
             return None
         self.block = []
-        verdict = judge(plan, whole)
+        return whole
+
+    def needs_served(self, verdict: Judgement) -> bool:
+        """A window read below the solver's rate and the plan's capacity as served is not known yet."""
+        return verdict.verdict == "below" and self.served is None
+
+    def record(self, verdict: Judgement) -> Judgement:
+        """Count a judged window towards (or against) a persistent mismatch."""
         self.last = verdict
         if verdict.off:
             if self.streak and self.streak[-1].verdict != verdict.verdict:

@@ -14,7 +14,8 @@ lastTransitionTime, observedGeneration). The seven condition types are fixed:
   Job's and its pod's); set only once a Job failed, False again when the profiles are there.
 - PlanAccurate: the routers' measured goodput agrees with the plan's under real load (True), or has
   been off by more than 30 % in several consecutive saturated windows (False: the pools are
-  re-profiled and the service re-planned, reason plan-mismatch); the message carries measured/planned.
+  re-profiled and the service re-planned, reason plan-mismatch); the message carries measured/planned
+  (planned: the solver's rate, or the plan as served where that is lower and a window fell short, plan_served.py).
   Set by the drift loop once a window could be judged (plan_accuracy.py says the rule).
 """
 

@@ -38,6 +38,7 @@ import numpy as np
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec
 from exitplan.planner.arrivals import looped_trace, poisson_for
 from exitplan.planner.errors import PlanInfeasible
+from exitplan.planner.inputs import Sized
 from exitplan.planner.oracle import oracle_goodput
 from exitplan.planner.service import PlanResult, plan_service
 from exitplan.planner.simulator import ServingPath, SimResult, Simulation, depths_from_survival
@@ -93,7 +94,7 @@ def plan_config(
 
 
 def simulate_plan(
-    result: PlanResult,
+    result: Sized,
     arrivals: np.ndarray,
     lengths: np.ndarray,
     slo_ms: float,
@@ -105,8 +106,10 @@ def simulate_plan(
     compact_exits: bool = True,
     trim: Sequence[int] | None = None,
     path: ServingPath = ServingPath(),
+    survival: Sequence[float] | None = None,
 ) -> SimResult:
-    """One simulated run of the plan (planner/simulator.py; `trim`, `path`: its options of the same names)."""
+    """One simulated run of the plan (planner/simulator.py; `trim`, `path`: its options of the same names;
+    `survival`: where requests exit, default the profile's)."""
     inp = result.inputs
     models = {m.pool_name: m for m in inp.models}
     sim = Simulation(
@@ -114,7 +117,7 @@ def simulate_plan(
         models,
         slo_ms,
         enabled=inp.enabled,
-        survival=_true_survival(result),
+        survival=_true_survival(result) if survival is None else survival,
         seed=seed,
         name=name,
         pool_costs=dict(zip(inp.pool_names, inp.costs.tolist())),
@@ -126,7 +129,7 @@ def simulate_plan(
     return sim.run(arrivals, lengths, depths)
 
 
-def _true_survival(result: PlanResult) -> list[float]:
+def _true_survival(result: Sized) -> list[float]:
     ref = result.inputs.models[0].profile
     return list(ref.survival) if ref.survival else [1.0] * len(ref.ramps)
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from exitplan.api.observations import Observations
+from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec
 from exitplan.planner import buckets as bk
 from exitplan.planner.costmodel import CostModel, survival_before_blocks
@@ -52,6 +54,17 @@ class Inputs:
     def ramps_on(self) -> list[bool]:
         """Ramps that run: enabled exits, and any ramp after the last block (the model's head)."""
         return [on or after == self.n_blocks - 1 for on, after in zip(self.enabled, self.ramp_after)]
+
+
+class Sized(Protocol):
+    """A plan with the inputs it is sized (and simulated) on: a PlanResult, or a plan read back with its
+    inputs resolved again (planner/predict.py `PlanOn`)."""
+
+    @property
+    def plan(self) -> Plan: ...
+
+    @property
+    def inputs(self) -> Inputs: ...
 
 
 # ---------------------------------------------------------------- inputs

@@ -13,18 +13,24 @@ the routers' CPU per request from the profile, split 0 in them where the plan co
 shared cores and the workers' threads; the CPU workers' trimming, planner/trimming.py) and returns the
 highest rate at which >= 99 % of the requests finish within the SLO over the run and over its last third,
 drops counted as misses -- what `exitplan bench --find-capacity` measures on the served plan.
+
+`plan_as_served` does the same for a plan read back (the operator's PlanAccurate, which judges the
+routers' measured goodput against the lower of the solver's rate and this): its inputs resolved again
+from the spec, pools and profiles, at the plan's own length mix and survival.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from exitplan.api.plan import colocated_routers
+from exitplan.api.plan import Plan, colocated_routers
+from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec
+from exitplan.planner import buckets as bk
 from exitplan.planner.compare import Workload, passes, simulate_plan
-from exitplan.planner.service import PlanResult
+from exitplan.planner.inputs import Inputs, Sized, resolve_inputs
 from exitplan.planner.serving_path import colocated_router_ms, router_ms
 from exitplan.planner.sim_path import ServingPath
 from exitplan.planner.sim_result import SimResult
@@ -43,7 +49,7 @@ class Served:
     probes: int
 
 
-def serving_path(result: PlanResult, routers: int = 1, sender_ms: float = 0.0, background: float = 0.0) -> ServingPath:
+def serving_path(result: Sized, routers: int = 1, sender_ms: float = 0.0, background: float = 0.0) -> ServingPath:
     """The plan's serving path from what its profiles measured and its pools say: `routers` routers
     (spec.router.replicas; a co-locating plan runs as many as its most split-0 replicas of a bucket) at
     the profile's CPU per request, and the shared cores where every pool's processes share them (one
@@ -65,7 +71,7 @@ def serving_path(result: PlanResult, routers: int = 1, sender_ms: float = 0.0, b
     )
 
 
-def trim_lengths(result: PlanResult) -> list[int] | None:
+def trim_lengths(result: Sized) -> list[int] | None:
     """The lengths the plan's CPU workers may cut a batch to (its longest row rounded up to TRIM_STEP, at
     most the bucket), where the planner charges trimming (planner/trimming.py `trims`); None elsewhere."""
     inp = result.inputs
@@ -75,7 +81,7 @@ def trim_lengths(result: PlanResult) -> list[int] | None:
     return [*range(TRIM_STEP, top, TRIM_STEP), top]
 
 
-def lengths_pool(result: PlanResult, n: int = 4096, seed: int = 0) -> np.ndarray:
+def lengths_pool(result: Sized, n: int = 4096, seed: int = 0) -> np.ndarray:
     """Input lengths to draw from: the raw ones the plan was sized for, else the grid's histogram."""
     inp = result.inputs
     if inp.lengths is not None and len(inp.lengths):
@@ -85,7 +91,7 @@ def lengths_pool(result: PlanResult, n: int = 4096, seed: int = 0) -> np.ndarray
     return np.random.default_rng(seed).choice(np.asarray(inp.grid), size=n, p=p)
 
 
-def simulated_seconds(result: PlanResult, seconds: float = 8.0, max_requests: int = 40_000) -> float:
+def simulated_seconds(result: Sized, seconds: float = 8.0, max_requests: int = 40_000) -> float:
     """Seconds of arrivals per simulated run: `seconds`, fewer for a plan whose fluid rate would put more
     than `max_requests` into one (at least half a second)."""
     return min(seconds, max(0.5, max_requests / max(result.plan.prediction.goodput_rps, 1.0)))
@@ -117,7 +123,7 @@ def search(ok: Callable[[float], bool], start: float, ceiling: float, tol: float
 
 
 def serving_capacity(
-    result: PlanResult,
+    result: Sized,
     slo_ms: float,
     *,
     path: ServingPath | None = None,
@@ -126,10 +132,11 @@ def serving_capacity(
     ceiling: float | None = None,
     tol: float = 0.01,
     seed: int = 0,
+    survival: Sequence[float] | None = None,
 ) -> Served:
     """The plan's capacity as served (module doc). `arrivals(rate)`: (times, lengths) of one run at that
     rate (default: Poisson over `seconds`, default `simulated_seconds`, with `lengths_pool`'s lengths);
-    `path`: default `serving_path`."""
+    `path`: default `serving_path`; `survival`: where requests exit (default the profile's)."""
     path = path or serving_path(result)
     if arrivals is None:
         work = Workload(lengths_pool(result, seed=seed), seed=seed)
@@ -143,9 +150,54 @@ def serving_capacity(
 
     def ok(rate: float) -> bool:
         times, lens = arrivals(rate)
-        runs[rate] = simulate_plan(result, times, lens, slo_ms, seed=seed, trim=trim, path=path)
+        runs[rate] = simulate_plan(result, times, lens, slo_ms, seed=seed, trim=trim, path=path, survival=survival)
         return passes(runs[rate], TARGET)
 
     fluid = max(result.plan.prediction.goodput_rps, 1.0)
     rate = search(ok, fluid, ceiling or 16 * fluid, tol)
     return Served(rate, runs.get(rate), path, len(runs))
+
+
+@dataclass(frozen=True)
+class PlanOn:
+    """A plan read back and the inputs resolved again for it (planner/inputs.py `Sized`)."""
+
+    plan: Plan
+    inputs: Inputs
+
+
+def at_plan_mix(
+    spec: EarlyExitServiceSpec,
+    pools: Mapping[str, GPUPoolSpec],
+    profiles: Mapping[str, ModelProfileSpec],
+    plan: Plan,
+) -> PlanOn:
+    """`plan` with its inputs resolved from the spec, pools and profiles at its thresholds, its length mix
+    (each bucket's share at the bucket's length, as the planner charges an observed histogram) and its
+    survival. Raises the planner's errors when the spec, pools or profiles no longer resolve."""
+    inputs = resolve_inputs(spec, pools, profiles, thresholds=plan.thresholds)
+    if plan.length_histogram and len(plan.length_histogram) == len(plan.buckets) and sum(plan.length_histogram) > 0:
+        inputs.mass = bk.histogram_on_grid(inputs.grid, bounds=plan.buckets, counts=plan.length_histogram)
+        inputs.lengths = None
+    if plan.survival and len(plan.survival) == len(inputs.survival):
+        inputs.survival = [float(x) for x in plan.survival]
+    return PlanOn(plan, inputs)
+
+
+def plan_as_served(
+    spec: EarlyExitServiceSpec,
+    pools: Mapping[str, GPUPoolSpec],
+    profiles: Mapping[str, ModelProfileSpec],
+    plan: Plan,
+    *,
+    max_requests: int = 20_000,
+    tol: float = 0.02,
+) -> Served:
+    """The capacity as served of a plan read back (module doc): Poisson arrivals at the plan's mix, with
+    its survival, through its cells and `spec.router.replicas` routers; runs of at most `max_requests`."""
+    sized = at_plan_mix(spec, pools, profiles, plan)
+    path = serving_path(sized, routers=spec.router.replicas)
+    seconds = simulated_seconds(sized, max_requests=max_requests)
+    return serving_capacity(
+        sized, spec.slo.latency_ms, path=path, seconds=seconds, tol=tol, survival=sized.inputs.survival
+    )

@@ -295,3 +295,41 @@ def test_per_bucket_figures_add_over_routers_and_subtract_within_a_window():
     assert later.per_bucket["32"].refused == a.per_bucket["32"].refused - 1
     assert later.per_bucket["32"].load_seconds == pytest.approx(5.0 - 1.5)
     assert a.per_bucket["32"].requests == 2000  # subtract leaves its inputs alone
+
+
+# ---------------------------------------------------------------- against the plan as served
+
+
+def test_a_window_below_the_solvers_rate_is_judged_against_the_plan_as_served():
+    """The planned goodput is the lower of the solver's rate and the plan's capacity as served: a service
+    that serves what the simulated serving path says matches; one short of that too is still below; a
+    plan that serves more than the solver says keeps the solver's rate."""
+    p = plan()
+    saturated = window(bucket(200, refused=0.05), bucket(200))  # 400 rps within the SLO, 0.4x the solver
+    assert judge(p, saturated).verdict == "below"
+    served = judge(p, saturated, served_rps=450.0)
+    assert served.verdict == "match" and served.planned_rps == 450.0 and served.fluid_rps == 1000.0
+    assert served.ratio == pytest.approx(400 / 450, abs=0.01)
+    assert "(400.0 / 450.0 rps within the SLO; planned as served, the solver's 1000.0)" in served.text()
+    short = judge(p, saturated, served_rps=800.0)
+    assert short.verdict == "below" and short.off_ratio == pytest.approx(0.5) and short.fluid_rps == 1000.0
+    for above in (1200.0, 0.0, None):  # above the solver's, failed, unknown: the solver's rate
+        same = judge(p, saturated, served_rps=above)
+        assert (same.verdict, same.planned_rps, same.fluid_rps) == ("below", 1000.0, 0.0)
+        assert "planned as served" not in same.text()
+
+
+def test_the_tracker_keeps_the_plans_capacity_as_served_until_the_plan_changes():
+    p, t = plan(), Tracker()
+    short = [window(bucket(200, refused=0.05), bucket(200), since=SPAN * i) for i in range(4)]
+    whole = t.fill(short[0], p, PERIOD)
+    assert whole is not None
+    verdict = judge(p, whole, t.served)
+    assert t.needs_served(verdict)  # below the solver's rate, not simulated yet
+    t.served = 450.0
+    assert t.record(judge(p, whole, t.served)).verdict == "match"
+    assert [t.add(w, p, PERIOD).verdict for w in short[1:3]] == ["match", "match"]  # type: ignore[union-attr]
+    assert not t.needs_served(judge(p, short[3], t.served))
+    assert t.mismatch() is None
+    t.fill(short[3], plan(goodput=900.0), PERIOD)  # a new plan: simulated again when needed
+    assert t.served is None

@@ -184,3 +184,64 @@ def test_goodput_short_of_the_plan_under_load_replans_and_reprofiles(cluster):
             assert set(profiler_jobs(cluster, ns, "minilm")) == set(jobs)  # no second round of Jobs
     finally:
         server.close()
+
+
+def test_a_service_serving_what_its_plan_as_served_holds_matches_it(tmp_path):
+    """Pools whose workers and routers share two cores (`sharedCores`) with a router cost per request: the
+    solver's rate is several times what the plan serves. Saturated at 95 % of the plan as served (a third
+    of the solver's rate), the service is judged against the plan as served: PlanAccurate True, no re-plan,
+    no re-profiling."""
+    import copy
+
+    from test_operator_support import load_docs
+
+    from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec
+    from exitplan.planner.predict import plan_as_served
+
+    ns = "served"
+    bodies = {n: pool(n, cap, cost) for n, cap, cost in (("gpu-a", 4, 3.0), ("gpu-b", 6, 1.0))}
+    profiles = {}
+    with ClusterThread(tmp_path) as cluster:
+        for body in bodies.values():
+            body["spec"]["sharedCores"] = 2
+            cluster.create(body)
+        for doc in load_docs("profiles.yaml"):
+            doc = copy.deepcopy(doc)
+            doc["metadata"]["namespace"] = ns
+            doc["spec"]["serving"] = {"routerMs": 1.0, "hopMs": 0.1, "threads": 1}
+            profiles[doc["spec"]["pool"]] = ModelProfileSpec.model_validate(doc["spec"])
+            cluster.create(doc)
+        server = ObservationServer()
+        router = Router(server)
+        try:
+            with operator(cluster):
+                body = service("minilm", ns, planner=PLANNER)
+                cluster.create(body)
+                wait_for("first plan applied", lambda: deployed(cluster, ns, "minilm"))
+                plan0 = plan_of(cluster, ns, "minilm")
+                spec = EarlyExitServiceSpec.model_validate(body["spec"])
+                pools = {n: GPUPoolSpec.model_validate(b["spec"]) for n, b in bodies.items()}
+                served = plan_as_served(spec, pools, profiles, plan0).rate_rps
+                fluid = plan0.prediction.goodput_rps
+                assert 0 < served < 0.6 * fluid, (served, fluid)
+                router.set(0.95 * served / 2, 0.05, 0.95)  # per bucket, the plan's mix is 50/50
+                router.roll()
+                publish_endpoint(cluster, ns, "minilm", server)
+
+                def accurate():
+                    router.roll()
+                    s = status(cluster, ns, "minilm")
+                    return s if condition(s, "PlanAccurate").get("status") == "True" else None
+
+                st = wait_for("PlanAccurate True against the plan as served", accurate)
+                cond = condition(st, "PlanAccurate")
+                assert cond["reason"] == "MeasuredMatchesPlan"
+                assert f"planned as served, the solver's {fluid:.1f}" in cond["message"]
+                assert "measured/planned goodput 0.9" in cond["message"]
+                seen = router.reads
+                wait_for("six more reads", lambda: (router.roll(), router.reads >= seen + 6)[1])
+                st = status(cluster, ns, "minilm")
+                assert condition(st, "PlanAccurate")["status"] == "True"
+                assert st["lastReplanReason"] == "initial" and profiler_jobs(cluster, ns, "minilm") == {}
+        finally:
+            server.close()

@@ -128,3 +128,38 @@ def test_other_load_on_the_cores_is_read_from_proc_stat_and_shares_them():
     finally:
         loop.kill()
         loop.wait()
+
+
+def test_a_plan_read_back_is_simulated_at_its_own_mix_and_survival():
+    """planner/predict.py `plan_as_served` (the operator's PlanAccurate): the plan as written, its inputs
+    resolved again from the spec, pools and profiles, at the plan's length mix and survival."""
+    from exitplan.planner.predict import at_plan_mix, plan_as_served
+    from exitplan.planner.service import plan_service
+
+    spec = EarlyExitServiceSpec(
+        model=ModelRef(name="bert-base-ee", bundle="x"),
+        slo=SLO(latency_ms=SLO_MS),
+        pools=[PoolRef(name="v100")],
+        planner=PlannerSettings(max_splits=2),
+        router=RouterSettings(replicas=1),
+    )
+    pools = {"v100": gpu_pool("v100", 4)}
+    profile = bert_base_profile("v100", seq_lens=(32, 64, 128)).model_copy(
+        update={"serving": ServingCosts(router_ms=1.0, hop_ms=0.1, threads=1)}
+    )
+    lengths = [32] * 70 + [128] * 30
+    thresholds = {r.name: 0.9 for r in profile.ramps}
+    result = plan_service("svc", spec, pools, {"v100": profile}, lengths=lengths, thresholds=thresholds)
+    plan = result.plan
+    back = at_plan_mix(spec, pools, {"v100": profile}, plan)
+    assert back.plan is plan and back.inputs.survival == pytest.approx(plan.survival)
+    shares = {b: float(back.inputs.mass[back.inputs.grid.index(b)]) for b in plan.buckets}
+    assert list(shares.values()) == pytest.approx(plan.length_histogram)
+    served = plan_as_served(spec, pools, {"v100": profile}, plan)
+    fluid = plan.prediction.goodput_rps
+    # one router at 1 ms per request: the solver's rate is capped at its 1,000 req/s on average; served,
+    # with bursts and batches that do not fill, less
+    assert 0 < served.rate_rps < fluid <= 1000.0, (served.rate_rps, fluid)
+    assert served.run is not None and served.run.attainment >= 0.99
+    direct = serving_capacity(result, SLO_MS, path=serving_path(result), seconds=4.0, tol=0.02)
+    assert served.rate_rps == pytest.approx(direct.rate_rps, rel=0.15)
