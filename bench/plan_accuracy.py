@@ -1,6 +1,6 @@
 """Predicted against measured capacity: vanilla, naive early exit and the planner's plan, on this machine.
 
-    python -P bench/plan_accuracy.py [--quick] [--service FILE ...]
+    python -P bench/plan_accuracy.py [--quick] [--repeats N] [--json FILE] [--service FILE ...]
 
 For each service file (default: examples/minilm-local.yaml and a digits-CNN service on the test bundle,
 built by `exitplan prepare --model digits-cnn` into artifacts/bundles/digits-cnn if missing), in one run:
@@ -29,6 +29,10 @@ built by `exitplan prepare --model digits-cnn` into artifacts/bundles/digits-cnn
    last third; 4 s of trace at a rate that passed before the first step and after each miss, as the
    demo), starting at a quarter of the simulated capacity.
 
+With `--repeats N` every configuration is measured N times, in rounds (each time predicted again with the
+load generator's CPU and the other load of that search), and the table gives the medians, the range of the
+measured capacities and how many single measurements land within +-20 % of their own prediction.
+
 Printed: each step, then one row per configuration with both predictions (the simulated one also without
 the load generator on the cores: "no client", what `exitplan plan` prints as served), the measured capacity
 and predicted / measured; under each, the share of answers that ran the whole model (the calibration
@@ -40,6 +44,9 @@ and the CPU per request of the routers, the workers and the load generator over 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -250,20 +257,94 @@ def measure(setup: ServiceSetup, plan: Plan, start_rps: float, step_s: float, wo
 
 
 @dataclass
+class Trial:
+    """One measurement of a configuration and the prediction made with what it measured."""
+
+    simulated: float
+    sim_batch: float
+    router_ms: float
+    background: float
+    """Cores' worth of other load before the search."""
+    measured: Measured
+
+    @property
+    def ratio(self) -> float:
+        return self.simulated / self.measured.capacity_rps if self.measured.capacity_rps > 0 else 0.0
+
+
+@dataclass
 class Row:
     service: str
     config: str
     plan: str
     fluid: float
-    simulated: float
-    sim_batch: float
     alone: float
     """The simulated capacity without the load generator on the cores (what `exitplan plan` prints)."""
-    measured: Measured
+    trials: list[Trial]
     notes: list[str]
 
+    @property
+    def simulated(self) -> float:
+        return statistics.median(t.simulated for t in self.trials)
 
-def run_service(path: Path, step_s: float, workdir: Path) -> list[Row]:
+    @property
+    def measured(self) -> float:
+        return statistics.median(t.measured.capacity_rps for t in self.trials)
+
+
+def trial(
+    setup: ServiceSetup,
+    config: str,
+    result: PlanResult,
+    plan: Plan,
+    reference,
+    step_s: float,
+    start: float,
+    workdir: Path,
+) -> Trial:
+    """Measure the configuration once, then predict it with the load generator's CPU and the other load
+    that measurement saw."""
+    started = time.perf_counter()
+    background = background_cores()
+    measured = measure(setup, plan, start, step_s, workdir, reference)
+    print(
+        f"{setup.name} {config}: measured in {time.perf_counter() - started:.0f} s; {measured.how}",
+        flush=True,
+    )
+    simulated, batch, router_ms = simulated_capacity(
+        result, plan, setup, reference, step_s, measured.client_ms, background
+    )
+    print(
+        f"  predicted {simulated:.1f} req/s: {simulated / max(measured.capacity_rps, 1e-9):.2f}x the measured",
+        flush=True,
+    )
+    return Trial(simulated, batch, router_ms, background, measured)
+
+
+def trial_notes(result: PlanResult, trials: list[Trial]) -> list[str]:
+    """What the table prints under a configuration: exits, lengths and CPU per request (last trial)."""
+    last = trials[-1]
+    measured = last.measured
+    ran_all = result.inputs.survival[-1] if result.inputs.survival else 1.0
+    got = "-" if measured.head_share is None else f"{measured.head_share:.2f}"
+    notes = [f"share answered by the whole model: {ran_all:.2f} planned, {got} measured at capacity"]
+    if measured.lengths is not None:
+        notes.append(f"mean input length at capacity: trace {measured.lengths[0]:.1f}, sent {measured.lengths[1]:.1f}")
+    cpu = measured.process_ms
+    notes.append(
+        f"CPU per request over the search: routers {cpu['routers']:.2f} ms (profiled {last.router_ms:.2f}), "
+        f"workers {cpu['workers']:.2f}, load generator {measured.client_ms:.2f}; other load before it "
+        f"{last.background:.2f} cores; simulated mean batch {last.sim_batch:.2f}"
+    )
+    if len(trials) > 1:
+        runs = ", ".join(f"{t.simulated:.1f}/{t.measured.capacity_rps:.1f} = {t.ratio:.2f}x" for t in trials)
+        notes.append(f"each measurement, predicted/measured: {runs}")
+    return notes
+
+
+def run_service(path: Path, step_s: float, workdir: Path, repeats: int = 1) -> list[Row]:
+    """Every configuration measured `repeats` times, in rounds (vanilla, naive early exit, exitplan, then
+    again), so the machine's other load falls on each of them alike."""
     setup = load_setup(path)
     ensure_profiles(setup, print)
     thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop, setup.spec.workload.length_buckets)
@@ -272,38 +353,29 @@ def run_service(path: Path, step_s: float, workdir: Path) -> list[Row]:
     )
     setup = at_thresholds(setup, thresholds)
     results, served = planner_results(setup, thresholds, lengths)
+    # each search starts at a quarter of the simulated capacity without the load generator (well below the
+    # capacity: a first step near it misses on the fresh processes' warm-up and the search never goes back)
+    guesses = {
+        c: simulated_capacity(results[c], served[c], setup, reference, step_s, 0.0)[0]
+        or results[c].plan.prediction.goodput_rps
+        for c in CONFIGS
+    }
+    trials: dict[str, list[Trial]] = {c: [] for c in CONFIGS}
+    for n in range(repeats):
+        for config in CONFIGS:
+            where = workdir / f"{setup.name}-{config}-{n}"
+            trials[config].append(
+                trial(setup, config, results[config], served[config], reference, step_s, guesses[config] / 4, where)
+            )
     rows = []
     for config in CONFIGS:
         result, plan = results[config], served[config]
-        fluid = result.plan.prediction.goodput_rps
         notes = [n for n in result.notes if "serving path" in n]
         if not same_cells(result.plan, plan):
             notes.append(f"the planner sizes this configuration as {describe_plan(result.plan)}")
-        # the search starts at a quarter of the simulated capacity without the load generator (well below
-        # the capacity: a first step near it misses on the fresh processes' warm-up and the search never
-        # goes back above it)
-        guess = simulated_capacity(result, plan, setup, reference, step_s, 0.0)[0] or fluid
-        started = time.perf_counter()
-        background = background_cores()
-        measured = measure(setup, plan, guess / 4, step_s, workdir / f"{setup.name}-{config}", reference)
-        print(f"{setup.name} {config}: measured in {time.perf_counter() - started:.0f} s; {measured.how}", flush=True)
-        simulated, batch, router_ms = simulated_capacity(
-            result, plan, setup, reference, step_s, measured.client_ms, background
-        )
-        ran_all = result.inputs.survival[-1] if result.inputs.survival else 1.0
-        got = "-" if measured.head_share is None else f"{measured.head_share:.2f}"
-        notes.append(f"share answered by the whole model: {ran_all:.2f} planned, {got} measured at capacity")
-        if measured.lengths is not None:
-            notes.append(
-                f"mean input length at capacity: trace {measured.lengths[0]:.1f}, sent {measured.lengths[1]:.1f}"
-            )
-        cpu = measured.process_ms
-        notes.append(
-            f"CPU per request over the search: routers {cpu['routers']:.2f} ms (profiled {router_ms:.2f}), "
-            f"workers {cpu['workers']:.2f}, load generator {measured.client_ms:.2f}; other load before it "
-            f"{background:.2f} cores; simulated mean batch {batch:.2f}"
-        )
-        rows.append(Row(setup.name, config, describe_plan(plan), fluid, simulated, batch, guess, measured, notes))
+        notes.extend(trial_notes(result, trials[config]))
+        fluid = result.plan.prediction.goodput_rps
+        rows.append(Row(setup.name, config, describe_plan(plan), fluid, guesses[config], trials[config], notes))
     return rows
 
 
@@ -312,40 +384,56 @@ def ratio(x: float, measured: float) -> str:
 
 
 def print_table(rows: list[Row]) -> None:
+    """One row per configuration; with several measurements, the medians of each (predicted and measured)."""
     print()
     print(
         f"{'service':8s} {'config':9s} {'plan':42s} {'fluid':>8s} {'no client':>9s} {'simulated':>9s} {'measured':>8s} "
-        f"{'missed at':>9s} {'fluid/meas':>10s} {'sim/meas':>8s}"
+        f"{'range':>15s} {'fluid/meas':>10s} {'sim/meas':>8s}"
     )
     for r in rows:
-        m = r.measured
-        failed = "-" if m.failed_rps is None else f"{m.failed_rps:.1f}"
+        caps = [t.measured.capacity_rps for t in r.trials]
+        span = f"{min(caps):.1f}-{max(caps):.1f}" if len(caps) > 1 else "-"
         print(
-            f"{r.service:8s} {r.config:9s} {r.plan[:42]:42s} {r.fluid:8.1f} {r.alone:9.1f} {r.simulated:9.1f} {m.capacity_rps:8.1f} "
-            f"{failed:>9s} {ratio(r.fluid, m.capacity_rps):>10s} {ratio(r.simulated, m.capacity_rps):>8s}"
+            f"{r.service:8s} {r.config:9s} {r.plan[:42]:42s} {r.fluid:8.1f} {r.alone:9.1f} {r.simulated:9.1f} "
+            f"{r.measured:8.1f} {span:>15s} {ratio(r.fluid, r.measured):>10s} {ratio(r.simulated, r.measured):>8s}"
         )
         for note in r.notes:
             print(f"{'':19s}{note}")
-    within = [abs(r.simulated / r.measured.capacity_rps - 1) <= 0.2 for r in rows if r.measured.capacity_rps > 0]
-    fluid = [abs(r.fluid / r.measured.capacity_rps - 1) <= 0.2 for r in rows if r.measured.capacity_rps > 0]
+    within = [abs(r.simulated / r.measured - 1) <= 0.2 for r in rows if r.measured > 0]
+    fluid = [abs(r.fluid / r.measured - 1) <= 0.2 for r in rows if r.measured > 0]
+    each = [abs(t.ratio - 1) <= 0.2 for r in rows for t in r.trials if t.measured.capacity_rps > 0]
     print(
-        f"\nwithin +-20 % of the measured capacity: fluid {sum(fluid)}/{len(fluid)}, simulated {sum(within)}/{len(within)}"
+        f"\nwithin +-20 % of the measured capacity (medians): fluid {sum(fluid)}/{len(fluid)}, "
+        f"simulated {sum(within)}/{len(within)}; each measurement against its own prediction: {sum(each)}/{len(each)}"
     )
     sys.stdout.flush()
+
+
+def write_json(rows: list[Row], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1, default=float))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--service", type=Path, action="append", help="service file(s); default: minilm + digits")
     parser.add_argument("--quick", action="store_true", help="4 s steps instead of 8 s")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="measurements per configuration (in rounds); the table gives medians"
+    )
+    parser.add_argument("--json", type=Path, help="also write the rows (every measurement) to this file")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     step_s = 4.0 if args.quick else 8.0
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
         services = args.service or [REPO / "examples" / "minilm-local.yaml", digits_service(Path(tmp))]
         for path in services:
-            rows.extend(run_service(path, step_s, Path(tmp)))
+            rows.extend(run_service(path, step_s, Path(tmp), args.repeats))
     print_table(rows)
+    if args.json:
+        write_json(rows, args.json)
 
 
 if __name__ == "__main__":

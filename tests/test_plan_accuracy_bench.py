@@ -76,3 +76,25 @@ def test_trimmed_batches_of_short_inputs_cost_their_length_not_the_buckets(vanil
     assert simulate_plan(vanilla, arrivals, long, 200.0, trim=[128, 384]).busy_ms == pytest.approx(
         simulate_plan(vanilla, arrivals, long, 200.0).busy_ms
     )
+
+
+def test_the_table_gives_medians_of_repeated_measurements(capsys):
+    """--repeats: each configuration's row takes the medians of its predictions and measurements, and the
+    summary counts single measurements against their own prediction too."""
+    Measured, Trial, Row = plan_accuracy.Measured, plan_accuracy.Trial, plan_accuracy.Row
+
+    def one(simulated: float, measured: float) -> Trial:
+        m = Measured(measured, measured * 1.04, "bracketed", 0.3, {"routers": 1.0, "workers": 2.0}, 0.6, None)
+        return Trial(simulated, 1.0, 0.5, 0.0, m)
+
+    rows = [
+        Row("svc", "vanilla", "1 split", 300.0, 200.0, [one(100, 90), one(110, 140), one(105, 100)], []),
+        Row("svc", "exitplan", "1 split", 400.0, 250.0, [one(150, 100), one(150, 200)], []),
+    ]
+    assert rows[0].simulated == 105 and rows[0].measured == 100
+    assert rows[1].simulated == 150 and rows[1].measured == 150
+    plan_accuracy.print_table(rows)
+    out = capsys.readouterr().out
+    assert "90.0-140.0" in out and "1.05x" in out and "1.00x" in out
+    # medians: both within +-20 %; single: 100/90, 105/100 within, 110/140 and 150/100, 150/200 not
+    assert "simulated 2/2; each measurement against its own prediction: 2/5" in out
