@@ -1,11 +1,12 @@
 """Predicted against measured capacity: vanilla, naive early exit and the planner's plan, on this machine.
 
-    python -P bench/plan_accuracy.py [--quick] [--repeats N] [--json FILE] [--service FILE ...]
+    python -P bench/plan_accuracy.py [--quick] [--repeats N] [--json FILE] [--reuse-profile] [--service FILE ...]
 
 For each service file (default: examples/minilm-local.yaml and a digits-CNN service on the test bundle,
 built by `exitplan prepare --model digits-cnn` into artifacts/bundles/digits-cnn if missing), in one run:
 
-1. the profile per pool (measured if missing; a cached one without serving-path costs gets them), the
+1. the profile per pool (measured again first unless `--reuse-profile`: a cached one may have been
+   written under other load; a cached one without serving-path costs gets them), the
    thresholds tuned under the accuracy budget, the trace's lengths (the shared Azure trace, as the demo),
    and the profile's survival curve read again at those thresholds from the bundle's calibration window
    (the profiler measures it at 0.9 for every ramp; the configurations serve the tuned thresholds);
@@ -342,11 +343,12 @@ def trial_notes(result: PlanResult, trials: list[Trial]) -> list[str]:
     return notes
 
 
-def run_service(path: Path, step_s: float, workdir: Path, repeats: int = 1) -> list[Row]:
+def run_service(path: Path, step_s: float, workdir: Path, repeats: int = 1, reuse_profile: bool = False) -> list[Row]:
     """Every configuration measured `repeats` times, in rounds (vanilla, naive early exit, exitplan, then
-    again), so the machine's other load falls on each of them alike."""
+    again), so the machine's other load falls on each of them alike. The profile is measured first (written
+    to the bundle's cache), unless `reuse_profile` and one is cached."""
     setup = load_setup(path)
-    ensure_profiles(setup, print)
+    ensure_profiles(setup, print, remeasure=not reuse_profile)
     thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop, setup.spec.workload.length_buckets)
     lengths, reference = (
         trace_lengths(None, int(setup.manifest.max_length or 1)) if setup.manifest.seq_axis else (None, None)
@@ -422,6 +424,12 @@ def main() -> None:
         "--repeats", type=int, default=1, help="measurements per configuration (in rounds); the table gives medians"
     )
     parser.add_argument("--json", type=Path, help="also write the rows (every measurement) to this file")
+    parser.add_argument(
+        "--reuse-profile",
+        action="store_true",
+        help="plan with the bundle's cached profile (default: measure it again first: a profile written at "
+        "another time, under other load, predicts another machine)",
+    )
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
@@ -430,7 +438,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
         services = args.service or [REPO / "examples" / "minilm-local.yaml", digits_service(Path(tmp))]
         for path in services:
-            rows.extend(run_service(path, step_s, Path(tmp), args.repeats))
+            rows.extend(run_service(path, step_s, Path(tmp), args.repeats, args.reuse_profile))
     print_table(rows)
     if args.json:
         write_json(rows, args.json)

@@ -82,13 +82,14 @@ def load_setup(service_file: Path, extra: list[Path] = (), fetch_bundle: BundleF
     return ServiceSetup(name, svc.spec, bundle, manifest, pools, profiles)
 
 
-def ensure_profiles(setup: ServiceSetup, echo=print) -> None:
-    """Measure a profile for every pool that has none (cached in the bundle's profiles/ folder)."""
+def ensure_profiles(setup: ServiceSetup, echo=print, *, remeasure: bool = False) -> None:
+    """Measure a profile for every pool that has none (cached in the bundle's profiles/ folder); with
+    `remeasure`, for every pool whatever the cache holds (a profile of this machine as it is now)."""
     for ref in setup.spec.pools:
         if ref.name in setup.profiles:
             continue
         cache = setup.bundle / "profiles" / f"{ref.name}.yaml"
-        problem = _cached_profile_problem(cache)
+        problem = "re-measuring the profile (asked)" if remeasure else _cached_profile_problem(cache)
         if problem is not None:
             echo(f"{problem} for pool {ref.name!r}: measuring one on this machine -> {cache}")
             cache.parent.mkdir(parents=True, exist_ok=True)

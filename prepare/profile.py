@@ -3,7 +3,9 @@
 For each sequence length (a length bucket; [1] for fixed-size models) and batch size, real held-out
 inputs padded to the length are chained through every block (statically shaped ONNX Runtime
 sessions, as the workers run them); each block and ramp is timed on the activations it really
-receives: warm-up first, then the median of the repeats. Big batches get fewer repeats (see
+receives: warm-up first, then the fastest of the repeats (prepare/measure.py `time_chain`: other work
+on the machine only ever adds time, and a call short enough for one time slice keeps its true cost in
+its fastest run, where a median takes the preemptions). Big batches get fewer repeats (see
 `repeats_for`). Activation bytes per sample at each block boundary are read from the real
 states; weight bytes per block from the ONNX initializers; the survival curve from the bundle's
 calibration window (held-out data) at the given thresholds.
