@@ -100,3 +100,51 @@ def test_plans_on_this_machine_are_sized_for_the_survival_at_the_served_threshol
     assert high.survival == [expected[r.name] for r in profile.ramps]
     assert all(h >= lo for h, lo in zip(high.survival, low.survival)) and high.survival != low.survival
     assert setup.profiles["cpu"].survival == profile.survival  # the setup itself is left as it was
+
+
+def test_a_cell_is_timed_by_its_fastest_run_so_preemptions_do_not_count():
+    """prepare/measure.py `time_ms`: three of five runs held up (as a call is when the scheduler gives its
+    core to another process) -- the median would be a held-up run, the fastest is the call's own cost."""
+    import time
+
+    from exitplan.prepare.measure import time_ms
+
+    delays = iter([0.0, 0.05, 0.001, 0.05, 0.05, 0.001])  # the first is the warm-up run
+
+    def call() -> None:
+        time.sleep(next(delays))
+
+    got = time_ms(call, repeats=5, warmup=1)
+    assert 1.0 <= got < 25.0, got  # a 1 ms run, not a 50 ms one
+
+
+def test_a_cached_profile_is_measured_again_when_asked(digits_bundle, tmp_path):
+    """ensure_profiles(remeasure=True) (bench/plan_accuracy.py's default): a valid cached profile written at
+    another time is replaced by one measured now."""
+    from exitplan.api.bundle import read_manifest
+    from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
+
+    bundle = tmp_path / "bundle"
+    subprocess.run(["cp", "-r", str(digits_bundle), str(bundle)], check=True)
+    old = profile_bundle(bundle, ProfileOptions(pool="cpu", batch_sizes=(1, 2, 4), repeats=1))
+    doc = old.model_dump(mode="json", by_alias=True, exclude_none=True)
+    doc["spec"]["blocks"] = [
+        {**b, "latencyMs": [[x * 3 for x in row] for row in b["latencyMs"]]} for b in doc["spec"]["blocks"]
+    ]  # valid, three times slower: as if measured under heavy load
+    cache = bundle / "profiles" / "cpu.yaml"
+    cache.parent.mkdir(exist_ok=True)
+    cache.write_text(yaml.safe_dump(doc))
+    spec = EarlyExitServiceSpec.model_validate(
+        {"model": {"name": "digits-cnn", "bundle": str(bundle)}, "slo": {"latencyMs": 100},
+         "accuracy": {"maxDrop": 0.01}, "pools": [{"name": "cpu"}]}
+    )  # fmt: skip
+    kept = ServiceSetup("digits", spec, bundle, read_manifest(bundle), {"cpu": GPUPoolSpec(capacity=1)})
+    ensure_profiles(kept, print)
+    assert kept.profiles["cpu"].blocks[0].latency_ms == doc["spec"]["blocks"][0]["latencyMs"]
+    fresh = ServiceSetup("digits", spec, bundle, read_manifest(bundle), {"cpu": GPUPoolSpec(capacity=1)})
+    said: list[str] = []
+    ensure_profiles(fresh, said.append, remeasure=True)
+    assert said and "re-measuring the profile" in said[0]
+    # measured now with `exitplan profile`'s defaults (the cached one had three batch sizes)
+    assert len(fresh.profiles["cpu"].batch_sizes) > 3 and fresh.profiles["cpu"].batch_sizes[:3] == [1, 2, 4]
+    assert yaml.safe_load(cache.read_text())["spec"]["batchSizes"] == fresh.profiles["cpu"].batch_sizes
