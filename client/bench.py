@@ -22,7 +22,7 @@ from exitplan.client.capacity import TARGET, CapacityResult, CapacityStep, searc
 from exitplan.client.loadgen import Outcome, replay
 from exitplan.client.report import BenchReport, summarize
 from exitplan.client.texts import HeldoutPool, ReferenceCache, RequestInputs, build_inputs, check_labels, load_pool
-from exitplan.planner.traces import LengthMode, Trace, TraceError, default_trace_path, load_trace
+from exitplan.planner.traces import LengthMode, Trace, TraceError, default_trace_path, load_trace, looped_trace
 
 DEFAULT_TIMEOUT_S = 30.0
 """Client-side patience per request: far above any SLO the router enforces (its hard timeout is
@@ -133,21 +133,15 @@ def schedule(
     """The trace window to replay, sped up by `speed` or rescaled so that its rate is `rps`.
 
     With `rps` (and `start` = 0) the speed-up is exact: with a `duration`, the window holds
-    round(rps x duration) requests; with only a `limit`, its requests span limit / rps seconds.
+    round(rps x duration) requests; with only a `limit`, its requests span limit / rps seconds. A window
+    that needs more requests than the whole trace holds loops the trace's pattern (scaled to `rps`, back
+    to back, each arrival with its own length) until `duration` is covered, so a fast service is not held
+    to the trace's size.
     Otherwise (a `start` offset moves the window as the speed changes) it is refined a few times
     and the closest is kept. The rate achieved is reported either way.
     """
     path = Path(trace) if trace is not None else default_trace_path()
-    if rps is not None and rps <= 0:
-        raise BenchError(f"--rps must be > 0, got {rps}")
-    if speed <= 0:
-        raise BenchError(f"--speed must be > 0, got {speed}")
-    if duration is not None and duration <= 0:
-        raise BenchError(f"--duration must be > 0 seconds, got {duration}")
-    if limit is not None and limit < 1:
-        raise BenchError(f"--limit must be >= 1, got {limit}")
-    if start < 0:
-        raise BenchError(f"--start must be >= 0 seconds, got {start}")
+    _check_window(rps, speed, start, duration, limit)
 
     def window(s: float) -> Schedule:
         cut = load_trace(
@@ -172,6 +166,8 @@ def schedule(
             want = max(1, round(rps * duration))
             if limit is not None:
                 want = min(want, limit)
+            if start == 0 and want >= len(times):  # the whole trace and more: its pattern looped
+                return _looped(full, rps, duration, limit)
             if start == 0 and want < len(times) and times[want] > times[want - 1]:
                 factor = float(times[want]) / duration  # the (want+1)-th arrival lands exactly at the window's end
             elif start > 0:  # the window moves with the speed: scan speeds for the count closest to `want`
@@ -194,6 +190,30 @@ def schedule(
         return best
     except TraceError as err:
         raise BenchError(str(err)) from err
+
+
+def _check_window(rps: float | None, speed: float, start: float, duration: float | None, limit: int | None) -> None:
+    if rps is not None and rps <= 0:
+        raise BenchError(f"--rps must be > 0, got {rps}")
+    if speed <= 0:
+        raise BenchError(f"--speed must be > 0, got {speed}")
+    if duration is not None and duration <= 0:
+        raise BenchError(f"--duration must be > 0 seconds, got {duration}")
+    if limit is not None and limit < 1:
+        raise BenchError(f"--limit must be >= 1, got {limit}")
+    if start < 0:
+        raise BenchError(f"--start must be >= 0 seconds, got {start}")
+
+
+def _looped(full: Trace, rps: float, duration: float, limit: int | None) -> Schedule:
+    """`schedule`'s window past the trace's size: its pattern looped at `rps` over `duration` seconds."""
+    times, lengths = looped_trace(full.timestamps, full.lengths, rps, duration)
+    want = round(rps * duration)
+    if 0 < len(times) != want:  # the pattern's bursts put a few more or fewer in: once more at the corrected rate
+        times, lengths = looped_trace(full.timestamps, full.lengths, rps * want / len(times), duration)
+    if limit is not None:
+        times, lengths = times[:limit], lengths[:limit]
+    return Schedule(Trace(times, lengths, full.source), rps / full.mean_rate, duration)
 
 
 # ---------------------------------------------------------------------------- one run

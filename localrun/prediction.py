@@ -44,7 +44,7 @@ def served_capacity(
     routers: int = 1,
 ) -> Served:
     """The planner's capacity for `plan` (as served; `result` planned it or its configuration) on the
-    measurement's steps of `step_s` seconds, at most the rate at which a step holds the whole trace."""
+    measurement's steps of `step_s` seconds (past the trace's size, its pattern looped, as they are)."""
     result = dataclasses.replace(result, plan=plan)
     path = serving_path(result, routers=routers, sender_ms=sender_ms, background=background)
     top = max(plan.buckets)
@@ -53,8 +53,7 @@ def served_capacity(
         steps = schedule(trace, max_length=top, reference_max=reference, rps=rps, duration=step_s).trace
         return steps.timestamps, steps.lengths
 
-    most = len(window(1e6)[0]) / step_s
-    return serving_capacity(result, slo_ms, path=path, arrivals=window, ceiling=most)
+    return serving_capacity(result, slo_ms, path=path, arrivals=window)
 
 
 def _cpu_times() -> tuple[float, float, int] | None:

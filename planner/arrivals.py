@@ -14,6 +14,10 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from exitplan.planner.traces import looped_trace
+
+__all__ = ["depths_from_survival", "looped_trace", "poisson_arrivals", "poisson_for"]
+
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
@@ -33,29 +37,6 @@ def poisson_for(rng: np.random.Generator, rate: float, duration_s: float) -> Flo
         times = np.concatenate([times, times[-1] + poisson_arrivals(rng, rate, n)])
     out: FloatArray = times[times < duration_s]
     return out
-
-
-def looped_trace(
-    timestamps: FloatArray, lengths: IntArray, rate: float, duration_s: float
-) -> tuple[FloatArray, IntArray]:
-    """The trace's arrival pattern scaled to a mean of `rate` per second and repeated back to back until
-    `duration_s` seconds are covered, with each arrival's own length: (arrival times, lengths).
-
-    One pass of the trace lasts its span / speed plus one mean gap (so that its last arrival and the next
-    pass's first do not coincide), speed = rate / the trace's own mean rate."""
-    ts = np.asarray(timestamps, dtype=np.float64)
-    if len(ts) == 0 or rate <= 0 or duration_s <= 0:
-        return np.zeros(0), np.zeros(0, dtype=np.int64)
-    ts = ts - ts[0]
-    period_own = float(ts[-1]) + (float(ts[-1]) / max(len(ts) - 1, 1) if len(ts) > 1 else 1.0)
-    own_rate = len(ts) / period_own
-    scaled = ts * (own_rate / rate)
-    period = period_own * (own_rate / rate)
-    passes = int(np.ceil(duration_s / period))
-    times = (scaled[None, :] + period * np.arange(passes)[:, None]).ravel()
-    lens = np.tile(np.asarray(lengths, dtype=np.int64), passes)
-    keep = times < duration_s
-    return times[keep], lens[keep]
 
 
 def depths_from_survival(

@@ -170,20 +170,6 @@ MIN_TIMED_MS = 5.0
 MAX_REPEATS = 100
 
 
-def time_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Wall time of `fn` in ms, the fastest of `repeats` runs (more for sub-ms calls) after `warmup`: other
-    processes on the machine only ever add time, and a call short enough to run within one of the
-    scheduler's time slices keeps its true cost in its fastest run while the median takes the preemptions."""
-    for _ in range(warmup):
-        fn()
-    samples: list[float] = []
-    while len(samples) < max(1, repeats) or (sum(samples) < MIN_TIMED_MS and len(samples) < MAX_REPEATS):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1000.0)
-    return float(np.min(samples))
-
-
 @dataclass
 class ChainTiming:
     block_ms: list[float]
@@ -230,7 +216,9 @@ def time_chain(
             start = time.perf_counter()
             call()
             samples[key].append((time.perf_counter() - start) * 1000.0)
-    fastest = {key: float(np.min(values)) for key, values in samples.items()}  # as time_ms
+    # the fastest run, not the median: other processes on the machine only ever add time, and a call short
+    # enough to run within one of the scheduler's time slices keeps its true cost in its fastest run
+    fastest = {key: float(np.min(values)) for key, values in samples.items()}
     return ChainTiming(
         block_ms=[fastest[f"block:{i}"] for i in range(runtime.first_block, runtime.last_block + 1)],
         ramp_ms={name: fastest[f"ramp:{name}"] for name, _ in ramps},

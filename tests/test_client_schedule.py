@@ -68,3 +68,25 @@ def test_bad_options_name_the_option(trace, tmp_path):
         schedule(trace, max_length=128, speed=0)
     with pytest.raises(BenchError, match="no such trace"):
         schedule(tmp_path / "missing.csv", max_length=128)
+
+
+def test_a_window_past_the_traces_size_loops_its_pattern(tmp_path):
+    """A rate x duration above the requests the whole trace holds: the trace's pattern is repeated back to
+    back at that rate (each arrival with its own length) until the duration is covered, instead of the whole
+    trace squeezed into the window at the rate the trace allows (a silent ceiling on what could be offered)."""
+    rng = np.random.default_rng(1)
+    gaps = rng.exponential(1.0, 500)
+    lengths = rng.integers(1, 100, 500)
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(f'{{"timestamp": {t}, "input_length": {n}}}\n' for t, n in zip(np.cumsum(gaps), lengths)))
+    part = schedule(path, max_length=128, rps=50.0, duration=5.0)  # 250 requests: a window of the trace
+    assert len(part.trace) == 250
+    looped = schedule(path, max_length=128, rps=400.0, duration=5.0)  # 2,000: four passes
+    assert len(looped.trace) == pytest.approx(2000, rel=0.01)
+    assert looped.rate == pytest.approx(400.0, rel=0.01) and looped.window_s == 5.0
+    t = looped.trace.timestamps
+    assert np.all(np.diff(t) >= 0) and 0 <= t[0] and t[-1] < 5.0
+    # each pass carries the trace's own lengths in order (fitted to max_length as the trace is)
+    own = schedule(path, max_length=128).trace.lengths  # the whole trace as it is
+    assert len(own) == 500 and list(looped.trace.lengths[:500]) == list(own) == list(looped.trace.lengths[500:1000])
+    assert len(schedule(path, max_length=128, rps=400.0, duration=5.0, limit=700).trace) == 700

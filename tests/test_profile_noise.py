@@ -102,20 +102,32 @@ def test_plans_on_this_machine_are_sized_for_the_survival_at_the_served_threshol
     assert setup.profiles["cpu"].survival == profile.survival  # the setup itself is left as it was
 
 
-def test_a_cell_is_timed_by_its_fastest_run_so_preemptions_do_not_count():
-    """prepare/measure.py `time_ms`: three of five runs held up (as a call is when the scheduler gives its
-    core to another process) -- the median would be a held-up run, the fastest is the call's own cost."""
+def test_a_cell_is_timed_by_its_fastest_run_so_preemptions_do_not_count(digits_bundle):
+    """prepare/measure.py `time_chain` on the real bundle, block 0 held up by 50 ms in three of every five
+    runs (as a call is when the scheduler gives its core to another process): the median would be a
+    held-up run, the fastest is the block's own cost."""
     import time
 
-    from exitplan.prepare.measure import time_ms
+    from exitplan.prepare.measure import batch_state, load_heldout, time_chain
+    from exitplan.worker.bundle_runtime import BundleRuntime
 
-    delays = iter([0.0, 0.05, 0.001, 0.05, 0.05, 0.001])  # the first is the warm-up run
+    runtime = BundleRuntime(digits_bundle)
+    heldout = load_heldout(digits_bundle, runtime.manifest)
+    state = batch_state(runtime, heldout, 4, 1)
+    real = runtime.run_block
+    calls = {"n": 0}
 
-    def call() -> None:
-        time.sleep(next(delays))
+    def held_up(index, work, bucket):
+        if index == 0:
+            calls["n"] += 1
+            if calls["n"] % 5 in (1, 2, 3):
+                time.sleep(0.05)
+        return real(index, work, bucket)
 
-    got = time_ms(call, repeats=5, warmup=1)
-    assert 1.0 <= got < 25.0, got  # a 1 ms run, not a 50 ms one
+    runtime.run_block = held_up  # type: ignore[method-assign]
+    timing = time_chain(runtime, state, 1, repeats=5, warmup=1)
+    assert calls["n"] >= 6
+    assert timing.block_ms[0] < 25.0, timing.block_ms  # a run of the block itself, not a 50 ms one
 
 
 def test_a_cached_profile_is_measured_again_when_asked(digits_bundle, tmp_path):
