@@ -1,6 +1,5 @@
 """Running an aiohttp app as a process: uvloop, port from the environment, logging, the server's
-limits (server_guard.py), the startup heap frozen out of the garbage collector's scans, and a drain on
-SIGTERM.
+limits (server_guard.py) and a drain on SIGTERM.
 
 SIGTERM (what the kubelet sends after the pod's preStop hook) drains: readiness answers 503 at once,
 requests keep being served (with `Connection: close`, so kept-alive clients reconnect elsewhere) for
@@ -13,7 +12,6 @@ once, or Ctrl-C) drains the same way without the delay: nobody is left to move t
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -106,7 +104,6 @@ async def _serve(app, host: str, port: int, limits: ServerLimits, on_drain: Call
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
-        freeze_startup_heap()
         await stop.wait()
         if received[0] == signal.SIGINT:
             limits = guard.limits = replace(limits, drain_delay_s=0.0)
@@ -130,16 +127,6 @@ async def _serve(app, host: str, port: int, limits: ServerLimits, on_drain: Call
             )
     finally:
         await runner.cleanup()
-
-
-def freeze_startup_heap() -> None:
-    """Put what the process built to start (imported modules, the app, a bundle's sessions and tokenizer)
-    out of the cyclic garbage collector's reach (`gc.freeze`): a full collection, which CPython runs every
-    so many thousand allocations and which pauses the event loop for as long as it scans, then scans only
-    what serving created since, not the whole heap (a load generator's full collections over a heap of that
-    size took 60-100 ms, client/loadgen.py)."""
-    gc.collect()
-    gc.freeze()
 
 
 def new_loop() -> asyncio.AbstractEventLoop:
