@@ -203,12 +203,12 @@ def _serve_until_stopped(deployment, console) -> None:
     def _stop(*_):
         stop["now"] = True
 
+    # Both explicitly: a process started in the background by a non-interactive shell (`exitplan up &` in a
+    # script, a CI job) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it.
     signal.signal(signal.SIGTERM, _stop)
-    try:
-        while not stop["now"]:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
+    signal.signal(signal.SIGINT, _stop)
+    while not stop["now"]:
+        time.sleep(0.5)
 
 
 def _start_tuner(setup, deployment, period_s: float, console):

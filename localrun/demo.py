@@ -27,6 +27,7 @@ its buckets from those same lengths.
 from __future__ import annotations
 
 import json
+import signal
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -321,11 +322,17 @@ def capacity_row(
 def _serve_until_interrupted(kept: LocalDeployment, model: str, console) -> None:
     """Keep the last configuration serving until one of its processes ends or Ctrl-C; then stop it."""
     console.print(f"[green]exitplan keeps serving[/green] at {kept.url}/v2/models/{model}/infer — Ctrl-C stops it")
+    stop = {"now": False}
+
+    def _stop(*_) -> None:
+        stop["now"] = True
+
+    # as `exitplan up`: SIGINT handled explicitly (a background start inherits it ignored), SIGTERM too
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
     try:
-        while all(p.popen and p.popen.poll() is None for p in kept.procs):
+        while not stop["now"] and all(p.popen and p.popen.poll() is None for p in kept.procs):
             time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
     finally:
         kept.stop()
 

@@ -167,6 +167,9 @@ def _up(directory: Path, service: Path, profile: Path) -> tuple[subprocess.Popen
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
+            # started as a non-interactive shell starts a background job (`exitplan up &` in a script): with
+            # SIGINT ignored, which Python then leaves ignored; `_stop`'s SIGINT must still stop it
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
         )
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + HANG_GUARD
     while not _ready(url):
