@@ -302,6 +302,11 @@ class ServingCosts(Model):
     """Cores the measuring process could use (its CPU affinity and cgroup quota)."""
     requests: Annotated[int, Field(ge=0)] = 0
     """Requests the figures were measured over."""
+    compute_scale: list[Annotated[float, Field(gt=0.0)]] = Field(default_factory=list)
+    """Per entry of seqLens: the model's mean CPU time per input as a CPU pool's workers run it (the first
+    batch size, the sessions they run: a free length where they trim) over what the block and head tables
+    say there (the fastest of repeats, fixed shapes). A CPU pool's tables are multiplied by it in the
+    planner (empty: 1; a GPU pool's tables are never scaled: there the workers do not compute on the CPU)."""
 
 
 class ModelProfileSpec(Model):

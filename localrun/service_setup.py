@@ -102,7 +102,7 @@ def ensure_profiles(setup: ServiceSetup, echo=print, *, remeasure: bool = False)
         doc = yaml.safe_load(cache.read_text())
         profile = ModelProfile.model_validate(doc)
         serving = profile.spec.serving
-        if serving is None or serving.colocated_ms is None:  # written before the profiler measured it (all)
+        if serving is None or serving.colocated_ms is None or not serving.compute_scale:  # an older profiler's
             _add_serving_costs(setup.bundle, profile, cache, echo)
         setup.profiles[ref.name] = profile.spec
 
@@ -112,7 +112,14 @@ def _add_serving_costs(bundle: Path, profile: ModelProfile, cache: Path, echo) -
     failure leaves the profile as it is, with a message: the planner then counts the path as free)."""
     from exitplan.localrun.serving_costs import ServingCostError, measure_serving_costs
 
-    what = "serving-path costs" if profile.spec.serving is None else "co-located router cost (serving.colocatedMs)"
+    serving = profile.spec.serving
+    what = (
+        "serving-path costs"
+        if serving is None
+        else "co-located router cost (serving.colocatedMs)"
+        if serving.colocated_ms is None
+        else "workers' compute scale (serving.computeScale)"
+    )
     echo(f"{cache} has no {what}: measuring the serving path (a router and a worker, a few seconds each way)")
     try:
         profile.spec.serving = measure_serving_costs(bundle, profile.spec)

@@ -5,8 +5,9 @@ admission, the hop out, the answer) and its worker something beyond the model (t
 and checking the tensors, the answer back). Both are measured here as the plan runs them: one router
 and one worker (`exitplan router`, `exitplan worker`, the commands pods run) serving the whole model
 in one split at batch 1 and the shortest profiled length that holds real held-out inputs, no exits;
-requests are sent one at a time over one keep-alive connection, and each process's CPU time is read
-from /proc before and after:
+requests are sent over CONCURRENT keep-alive connections at once (a router at capacity always holds
+several: one at a time, each would pay a whole event-loop wake-up, a third more on the digits CNN's
+router), and each process's CPU time is read from /proc before and after:
 
 router_ms   the router's CPU time per request;
 colocated_ms  the CPU time per request, less its compute, of a router that runs the model itself
@@ -16,6 +17,13 @@ hop_ms      the worker's CPU time per batch less its compute: the same requests 
             time (every intra-op thread's; wall time would count the time other processes hold the
             cores). On a GPU pool the reference still computes on the CPU, so there the figure is
             only a lower bound of the worker's own work (0 when the GPU takes the compute off the CPU).
+compute_scale  per profiled length, the model's mean CPU time per input as a CPU worker runs it (the
+            sessions it runs: a free length where it trims) over the profile tables' figure (the fastest of
+            repeats on fixed shapes); the planner scales a CPU pool's tables by it.
+
+The model's compute subtracted above is timed on the sessions the worker ran, each batch cut as it cut
+them (classify/trim.py), so that the router's and the hop's figures hold no compute and computeScale
+holds all of what the tables miss.
 
 CPU time, not wall time: on a machine the processes share, what one request takes from the others is
 its CPU; the planner counts it against the cores (planner/serving_path.py). Linux only (/proc).
@@ -27,8 +35,10 @@ import http.client
 import math
 import os
 import tempfile
+import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +55,11 @@ from exitplan.localrun.ports import free_port, free_port_block
 WARMUP = 20
 """Requests sent before the clocks are read (sessions, allocators and connections warm up)."""
 MIN_REQUESTS = 100
+CONCURRENT = 4
+"""Requests in flight while the clocks run (one per keep-alive connection)."""
+SCALE_SECONDS = 0.5
+"""Time spent per profiled length measuring computeScale (at least SCALE_RUNS runs)."""
+SCALE_RUNS = 10
 MODEL = "serving-costs"
 
 
@@ -152,6 +167,7 @@ def measure_serving_costs(
         co = _serve_and_drive(bundle, plan, spec, Path(tmp) / "co", bodies, seconds, threads, True)
     router = sample.router_cpu_s / sent * 1e3
     compute_ms = _compute_cpu_ms(bundle, bucket, bodies[WARMUP:], threads)
+    scale = compute_scale(bundle, profile, threads)
     hop = max(0.0, sample.worker_cpu_s / sample.batches * 1e3 - compute_ms)  # both count every ORT thread
     colocated = max(0.0, co[0].router_cpu_s / co[1] * 1e3 - compute_ms)  # one request per batch, as above
     return ServingCosts(
@@ -161,6 +177,7 @@ def measure_serving_costs(
         threads=threads,
         cores=usable_cores(),
         requests=sent,
+        compute_scale=scale,
     )
 
 
@@ -201,13 +218,33 @@ def _serve_and_drive(
     return sample, sent
 
 
+def _cpu_runtime(bundle: Path, buckets: list[int], threads: int):  # -> (BundleRuntime, trim axes, mask)
+    """The whole model on the CPU as a CPU worker that ends it runs it: a free length where it trims (an
+    attention mask and a sequence axis), with the inputs and axis it cuts each batch along."""
+    from exitplan.worker.bundle_runtime import BundleRuntime
+    from exitplan.worker.classify.trim import mask_input
+
+    manifest = read_manifest(bundle)
+    mask = mask_input(manifest) if manifest.seq_axis is not None else None
+    runtime = BundleRuntime(
+        bundle,
+        buckets=[max(buckets)] if mask else buckets,
+        threads=threads,
+        providers=("CPUExecutionProvider",),
+        free_length=mask is not None,
+    )
+    axes = {t.name: manifest.seq_axis for t in manifest.inputs} if mask else {}
+    return runtime, axes, mask
+
+
 def _compute_cpu_ms(bundle: Path, bucket: int, bodies: list[bytes], threads: int) -> float:
     """CPU ms of the model's own compute per request: the bodies decoded as the router decodes them and
-    run one at a time through every block and the final head (no exits), as the worker runs them."""
-    from exitplan.worker.bundle_runtime import BundleRuntime
+    run one at a time through every block and the final head (no exits), as the worker runs them (each cut
+    to its longest row where it trims)."""
     from exitplan.worker.classify.decode import decode_inputs, parse_request
+    from exitplan.worker.classify.trim import trimmed
 
-    runtime = BundleRuntime(bundle, buckets=[bucket], threads=threads, providers=("CPUExecutionProvider",))
+    runtime, axes, mask = _cpu_runtime(bundle, [bucket], threads)
     tokenizer = None
     if runtime.manifest.tokenizer:
         from tokenizers import Tokenizer
@@ -216,7 +253,8 @@ def _compute_cpu_ms(bundle: Path, bucket: int, bodies: list[bytes], threads: int
     states = []
     for body in bodies[:MIN_REQUESTS]:
         batch = decode_inputs(parse_request(body, None), runtime.manifest, tokenizer, [bucket], False)
-        states.append(batch.state_for([0], bucket))
+        state = batch.state_for([0], bucket)
+        states.append(trimmed(state, mask, axes, bucket)[0] if mask else state)
     runtime.run_range(states[0], bucket)  # warm
     started = time.process_time()
     for state in states:
@@ -224,34 +262,82 @@ def _compute_cpu_ms(bundle: Path, bucket: int, bodies: list[bytes], threads: int
     return (time.process_time() - started) / len(states) * 1e3
 
 
+def compute_scale(bundle: Path, profile: ModelProfileSpec, threads: int) -> list[float]:
+    """Per profiled length: the model's mean time per batch of the profile's first batch size (held-out
+    inputs padded to the length, every block and the final head, no exits) on the sessions a CPU worker
+    runs, over the sum of the profile's block and final-head times there. CPU time with one intra-op
+    thread (other processes' load does not count), wall time with more (CPU time would count every thread)."""
+    from exitplan.prepare.measure import batch_state, load_heldout
+
+    runtime, _, _ = _cpu_runtime(bundle, list(profile.seq_lens), threads)
+    heldout = load_heldout(bundle, runtime.manifest)
+    head = runtime.manifest.final_ramp().name
+    ramps = {r.name: r for r in profile.ramps}
+    clock = time.process_time if threads == 1 else time.perf_counter
+    batch, top = profile.batch_sizes[0], max(runtime.buckets)
+    scales = []
+    for i, length in enumerate(profile.seq_lens if runtime.manifest.seq_axis is not None else runtime.buckets):
+        table = sum(b.latency_ms[i][0] for b in profile.blocks) + (
+            ramps[head].latency_ms[i][0] if head in ramps else 0.0
+        )
+        state = batch_state(runtime, heldout, batch, length)
+        bucket = top if runtime.free_length else length
+        started = clock()
+        runtime.run_range(state, bucket)  # warm, and how long one takes
+        runs = max(SCALE_RUNS, min(200, int(SCALE_SECONDS / max(clock() - started, 1e-6))))
+        started = clock()
+        for _ in range(runs):
+            runtime.run_range(state, bucket)
+        measured = (clock() - started) / runs * 1e3
+        scales.append(round(measured / table, 4) if table > 0 else 1.0)
+    return scales
+
+
 def _drive(deployment: LocalDeployment, bodies: list[bytes], seconds: float) -> tuple[_Sample, int]:
-    """Send requests one at a time (the warm-up first, then for `seconds` and at least MIN_REQUESTS); the
-    CPU and batches they took, and how many were counted."""
+    """Send the warm-up one at a time, then requests over CONCURRENT connections at once for `seconds` (and at
+    least MIN_REQUESTS); the CPU and batches they took, and how many were counted."""
     router = next(p for p in deployment.procs if p.name == "router")
     worker = next((p for p in deployment.procs if p.name.startswith("worker")), router)  # co-located: the router
     assert router.popen is not None and worker.popen is not None
     worker_url = f"http://{worker.address}"
-    conn = http.client.HTTPConnection("127.0.0.1", deployment.port, timeout=60)
     path = f"/v2/models/{MODEL}/infer"
+    rest = bodies[WARMUP:]
+    lock = threading.Lock()
+    count = [0]
+    started = [0.0]
 
-    def send(body: bytes) -> None:
+    def send(conn: http.client.HTTPConnection, body: bytes) -> None:
         conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
         reply = conn.getresponse()
         data = reply.read()
         if reply.status != 200:
             raise ServingCostError(f"the router answered {reply.status}: {data[:200]!r}")
 
+    def client() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", deployment.port, timeout=60)
+        try:
+            while True:
+                with lock:
+                    n = count[0]
+                    if n >= MIN_REQUESTS and time.perf_counter() - started[0] >= seconds:
+                        return
+                    count[0] += 1
+                send(conn, rest[n % len(rest)])
+        finally:
+            conn.close()
+
+    conn = http.client.HTTPConnection("127.0.0.1", deployment.port, timeout=60)
     try:
         for body in bodies[:WARMUP]:
-            send(body)
-        batches0 = _worker_batches(worker_url)
-        cpu0 = (_cpu_seconds(router.popen.pid), _cpu_seconds(worker.popen.pid))
-        sent, started, rest = 0, time.perf_counter(), bodies[WARMUP:]
-        while sent < MIN_REQUESTS or time.perf_counter() - started < seconds:
-            send(rest[sent % len(rest)])
-            sent += 1
-        cpu1 = (_cpu_seconds(router.popen.pid), _cpu_seconds(worker.popen.pid))
-        batches1 = _worker_batches(worker_url)
+            send(conn, body)
     finally:
         conn.close()
-    return _Sample(cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], batches1 - batches0), sent
+    batches0 = _worker_batches(worker_url)
+    cpu0 = (_cpu_seconds(router.popen.pid), _cpu_seconds(worker.popen.pid))
+    started[0] = time.perf_counter()
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        for done in [pool.submit(client) for _ in range(CONCURRENT)]:
+            done.result()  # a failed request raises here
+    cpu1 = (_cpu_seconds(router.popen.pid), _cpu_seconds(worker.popen.pid))
+    batches1 = _worker_batches(worker_url)
+    return _Sample(cpu1[0] - cpu0[0], cpu1[1] - cpu0[1], batches1 - batches0), count[0]

@@ -16,6 +16,10 @@
   boundary / the pool's link bandwidth.
 - The worker's own work per batch (the profile's `serving.hopMs`: the hop in, the answer or forward
   out, measured by running the real processes) is added once to every split's time per batch.
+- On a CPU pool every block and ramp time at a length is multiplied by the profile's
+  `serving.computeScale` there: the tables hold the fastest of repeats on fixed shapes, the workers
+  spend their mean CPU time on the sessions they run (a free length where they trim): 3-12 % more for
+  MiniLM on the 2-core dev machine.
 - Memory per replica: the split's weights plus input and output activations of one batch (with
   rebatching also up to one batch of rows waiting at every inner block boundary).
 """
@@ -137,6 +141,12 @@ def _validated_arrays(profile: ModelProfileSpec, where: str, notes: list[str]) -
                 f"inputBytes has {len(profile.input_bytes)} entries for {len(sl)} seqLens", field=f"{where}.inputBytes"
             )
         inp = np.asarray(profile.input_bytes, dtype=np.float64)
+    scale = profile.serving.compute_scale if profile.serving is not None else []
+    if scale and len(scale) != len(sl):
+        raise ProfileError(
+            f"computeScale has {len(scale)} entries for {len(sl)} seqLens (one per length); re-run `exitplan profile`",
+            field=f"{where}.serving.computeScale",
+        )
     weights = np.asarray([b.weight_bytes for b in profile.blocks], dtype=np.float64)
     ramp_tables = np.stack(ramps) if ramps else np.zeros((0, len(sl), len(bs)))
     return {"blocks": blocks, "ramps": ramp_tables, "out": out, "inp": inp, "weights": weights}
@@ -185,6 +195,18 @@ class CostModel:
         self.hop_ms = float(serving.hop_ms) if serving is not None else 0.0
         """The worker's own work per batch beyond the model (the hop in, the answer or forward out), added
         once to every split's time per batch."""
+        self.compute_scale = self._compute_scale()
+        """Per seqLen, what the CPU workers' compute costs over the tables (1 on an accelerator)."""
+        self.block_ms_table = self.block_ms_table * self.compute_scale[None, :, None]
+        self.ramp_ms_table = self.ramp_ms_table * self.compute_scale[None, :, None]
+
+    def _compute_scale(self) -> np.ndarray:
+        """The profile's `serving.computeScale` on a CPU pool (its workers compute on the CPU it was measured
+        on), else ones."""
+        serving = self.profile.serving
+        if serving is None or not serving.compute_scale or self.pool.gpu_resource != "":
+            return np.ones(len(self.profile.seq_lens))
+        return np.asarray(serving.compute_scale, dtype=np.float64)
 
     @property
     def n_blocks(self) -> int:

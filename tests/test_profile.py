@@ -71,6 +71,8 @@ def test_digits_profile_document(digits_bundle, tmp_path):
     assert serving is not None and serving.requests >= 100 and serving.threads == 1 and serving.cores >= 1
     assert serving.router_ms > 0.05 and serving.hop_ms >= 0.0
     assert serving.colocated_ms is not None and serving.colocated_ms > 0.0  # the router running the model itself
+    # the workers' mean compute over the tables' fastest figure, per length: never far below it
+    assert len(serving.compute_scale) == len(spec.seq_lens) and all(s > 0.5 for s in serving.compute_scale)
     assert "serving path: router" in _text(result)
 
 
