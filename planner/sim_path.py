@@ -14,16 +14,15 @@ that work on average; under a trace's bursts it is what turns a queue that drain
 - `sender_ms` per request in one single-threaded process every request passes before the routers, on the
   same cores: the load generator of a measurement on the same machine (`exitplan bench` sends and reads
   every request in one event loop), 0 for a service whose clients run elsewhere;
-- `cores` shared by all of them and the workers (each running batch keeps `threads` of them busy): a
-  batch launched, or a request the sender or a router takes up, while more wants the cores than there are
-  runs proportionally longer (processor sharing, read when it starts: for a request, the batches running,
-  the routers busy and the sender busy then; for a batch, which outlasts many requests, the batches
-  running and the sender's and routers' CPU for the requests of the last WINDOW_S), `background` cores'
-  worth of other processes always counted beside them.
+- `cores` shared by all of them and the workers (each running batch keeps `threads` of them busy), with
+  `background` cores' worth of other processes always running beside them: processor sharing, exact
+  (planner/sim_cores.py: while more threads want the cores than there are, every one runs slower, and
+  speeds up again the moment another finishes).
 
 `RouterState` is one run's routers: per bucket the data plane's own admission limit
 (`dispatch.BucketLimiter`, started at the bucket's capacity x the SLO and following the answers' latency, as
-worker_image/classify/admission.py), and the sender's and the routers' queues.
+worker_image/classify/admission.py), and the sender's and the routers' queues. A router admits a request
+once it has done its work on it (decoded it), as the data plane's does.
 """
 
 from __future__ import annotations
@@ -33,9 +32,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from exitplan.planner.dispatch import LATE_FRACTION, BucketLimiter
-
-WINDOW_S = 0.1
-"""A batch counts the requests sent over this many seconds for the sender's and the routers' CPU."""
 
 
 @dataclass(frozen=True)
@@ -64,65 +60,53 @@ class ServingPath:
 
 
 class RouterState:
-    """One simulated run's sender and routers: admission per bucket, their queues."""
+    """One simulated run's sender and routers: admission per bucket, and the requests each has yet to do
+    its work on (in order: one request at a time per process)."""
 
     def __init__(self, path: ServingPath, capacity: Sequence[float], slo_s: float) -> None:
         self.path = path
         self.limiters = [BucketLimiter(target_s=LATE_FRACTION * slo_s) for _ in capacity]
         for limiter, cap in zip(self.limiters, capacity):
             limiter.ensure(cap, slo_s)
-        self.free_at = [0.0] * path.routers
-        self.sender_free = 0.0
+        self.waiting: list[deque[int]] = [deque() for _ in range(path.routers + 1)]
+        """Per process (the sender last): the requests waiting for it, the one it works on first."""
         self.next_router = 0
-        self.recent: deque[float] = deque()
-        """Times the requests of the last WINDOW_S seconds were sent."""
+
+    @property
+    def sender(self) -> int:
+        """The sender's index among the processes."""
+        return self.path.routers
+
+    def first_stop(self) -> int | None:
+        """The process a new request goes to first: the sender, else the next router (round robin); None
+        when neither costs anything (it is admitted at once)."""
+        return self.sender if self.path.sender_ms > 0 else self.next_stop()
+
+    def next_stop(self) -> int | None:
+        """The router a request goes to after the sender (round robin); None when routers cost nothing."""
+        if self.path.router_ms <= 0:
+            return None
+        r = self.next_router
+        self.next_router = (r + 1) % self.path.routers
+        return r
+
+    def work_ms(self, process: int) -> float:
+        return self.path.sender_ms if process == self.sender else self.path.router_ms
+
+    def join(self, process: int, i: int) -> bool:
+        """Request `i` waits for `process`; True when the process was idle (its work on it starts now)."""
+        queue = self.waiting[process]
+        queue.append(i)
+        return len(queue) == 1
+
+    def done(self, process: int) -> int | None:
+        """The process finished its request: the next one it starts on, if any."""
+        queue = self.waiting[process]
+        queue.popleft()
+        return queue[0] if queue else None
 
     def loads(self, outstanding: Sequence[int]) -> list[float]:
         return [lim.load(n) for lim, n in zip(self.limiters, outstanding)]
 
-    def routed(self, now: float, busy_workers: int) -> float:
-        """A request is sent at `now`: when it reaches split 0, once the sender and its router (round robin)
-        have done their work on it, each in order and slower while the shared cores are oversubscribed."""
-        path = self.path
-        self.recent.append(now)
-        while self.recent[0] < now - WINDOW_S:
-            self.recent.popleft()
-        at = now
-        if path.sender_ms > 0:
-            start = max(self.sender_free, at)
-            at = start + path.sender_ms / 1e3 * self.stretch(busy_workers, start, sender=True)
-            self.sender_free = at
-        if path.router_ms > 0:
-            r = self.next_router
-            self.next_router = (r + 1) % path.routers
-            start = max(self.free_at[r], at)
-            at = start + path.router_ms / 1e3 * self.stretch(busy_workers, start, router=r)
-            self.free_at[r] = at
-        return at
-
     def answered(self, bucket: int, latency_s: float, outstanding: int, now: float) -> None:
         self.limiters[bucket].on_answer(latency_s, outstanding, now)
-
-    def stretch(self, busy_workers: int, now: float, *, router: int = -1, sender: bool = False) -> float:
-        """How much longer a request's work in the sender or `router` (an index), started at `now`, runs than
-        alone (1.0 without shared cores), processor sharing: what wants the cores then -- the running
-        batches (x their threads; they outlast it), the routers and the sender busy then, itself included --
-        over the cores."""
-        path = self.path
-        if path.cores is None:
-            return 1.0
-        routers = sum(1 for j, f in enumerate(self.free_at) if f > now or j == router)
-        busy = busy_workers * path.threads + routers + (sender or self.sender_free > now) + path.background
-        return max(1.0, busy / path.cores)
-
-    def batch_stretch(self, busy_workers: int) -> float:
-        """The same for a batch launched now (its worker among `busy_workers`): it outlasts many requests'
-        sender and router work, so those count by their recent rate (the last `WINDOW_S`), each process at
-        most one core."""
-        path = self.path
-        if path.cores is None:
-            return 1.0
-        rate = len(self.recent) / WINDOW_S
-        per_router = rate * path.router_ms / 1e3 / path.routers
-        fluid = path.routers * min(1.0, per_router) + min(1.0, rate * path.sender_ms / 1e3)
-        return max(1.0, (busy_workers * path.threads + fluid + path.background) / path.cores)

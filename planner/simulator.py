@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -65,102 +64,15 @@ from exitplan.planner.arrivals import depths_from_survival, poisson_arrivals
 from exitplan.planner.costmodel import CostModel, survival_before_blocks, survivor_pmf
 from exitplan.planner.dispatch import QueueParams, choose_bucket, choose_queue, least_loaded
 from exitplan.planner.oracle import oracle_goodput
+from exitplan.planner.sim_cores import SharedCores
 from exitplan.planner.sim_path import RouterState, ServingPath
 from exitplan.planner.sim_result import SimResult
+from exitplan.planner.sim_worker import FusionQueue, SimWorker
 from exitplan.planner.trimming import length_support, trimmed_length
 
 __all__ = ["ServingPath", "SimResult", "Simulation", "depths_from_survival", "oracle_goodput", "poisson_arrivals"]
 
 FloatArray = npt.NDArray[np.float64]
-
-
-class _Queue:
-    """A fusion queue: requests in the order they joined, when each joined, and the earliest deadline
-    among them in O(1) (a monotone deque of candidates for the minimum)."""
-
-    __slots__ = ("rows", "mins")
-
-    def __init__(self) -> None:
-        self.rows: deque[tuple[int, float]] = deque()
-        self.mins: deque[tuple[float, int]] = deque()
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def push(self, r: int, t: float, deadline: float) -> None:
-        self.rows.append((r, t))
-        mins = self.mins
-        while mins and mins[-1][0] >= deadline:
-            mins.pop()
-        mins.append((deadline, r))
-
-    def pop(self) -> int:
-        r = self.rows.popleft()[0]
-        if self.mins[0][1] == r:
-            self.mins.popleft()
-        return r
-
-    def launch_at(self, max_wait: float, rest_s: float) -> float:
-        """The oldest row's maximum wait, or the earliest deadline less the time to the end (20 % margin)."""
-        return min(self.rows[0][1] + max_wait, self.mins[0][0] - rest_s * 1.2)
-
-
-class _Worker:
-    __slots__ = (
-        "split",
-        "bucket",
-        "length",
-        "batch",
-        "first",
-        "last",
-        "lat",
-        "ramp_lat",
-        "xfer",
-        "queue",
-        "running",
-        "busy",
-        "timer",
-        "expect_ms",
-        "mean_ms",
-        "rest_ms",
-        "batches",
-        "rows",
-        "stages",
-        "stage_rest_ms",
-        "held",
-        "trim",
-    )
-    # Set by Simulation once the worker's cell is known:
-    lat: FloatArray
-    """[block of the split, rows]: a block's time at that many rows."""
-    ramp_lat: FloatArray
-    """The same for the enabled ramp after each block (0 where there is none)."""
-    xfer: FloatArray
-    """[rows]: the transfer of that many survivors to the next split."""
-    expect_ms: float
-    """A full batch through the split, transfer included."""
-    mean_ms: float
-    """Mean time the replica spends per full entering batch (exits counted)."""
-    rest_ms: float
-    """Expected time from this split to the end of the model (the deadline rule)."""
-
-    def __init__(
-        self, split: int, bucket: int, length: int, batch: int, first: int, last: int, rebatch: bool = False
-    ) -> None:
-        self.split, self.bucket, self.length = split, bucket, length
-        self.batch, self.first, self.last = batch, first, last
-        self.queue = _Queue()
-        self.stages: list[_Queue] | None = [self.queue] + [_Queue() for _ in range(last - first)] if rebatch else None
-        """With rebatching: one fusion queue per block (stages[0] is `queue`), rows enter the next on leaving one."""
-        self.stage_rest_ms: list[float] = []
-        self.held = 0
-        """Rows in the worker's queues (all stages)."""
-        self.running = 0
-        self.busy = False
-        self.timer = math.inf
-        self.batches = 0
-        self.rows = 0
-        self.trim: list[tuple[int, FloatArray, FloatArray]] = []  # (length, lat, ramp_lat), shortest first
 
 
 class Simulation:
@@ -202,7 +114,7 @@ class Simulation:
         layout = {s.index: (s.first_block, s.last_block) for s in plan.splits}
         rebatch = {s.index for s in plan.splits if s.rebatch}
         self.n_splits = len(plan.splits)
-        self.workers: list[list[list[_Worker]]] = [[[] for _ in range(self.n_splits)] for _ in self.buckets]
+        self.workers: list[list[list[SimWorker]]] = [[[] for _ in range(self.n_splits)] for _ in self.buckets]
         all_on = [on or after == self.n_blocks - 1 for on, after in zip(self.enabled, self.ramp_after)]
         for cell in plan.cells:
             k = self.buckets.index(cell.bucket)
@@ -217,7 +129,7 @@ class Simulation:
             xfer = np.asarray([model.transfer_ms(b, x, cell.bucket) if b < self.n_blocks - 1 else 0.0 for x in sizes])
             full = float(lat[:, top].sum() + ramp_lat[:, top].sum() + xfer[top])
             for _ in range(cell.replicas):
-                w = _Worker(cell.split, k, cell.bucket, cell.batch_size, a, b, rebatch=cell.split in rebatch)
+                w = SimWorker(cell.split, k, cell.bucket, cell.batch_size, a, b, rebatch=cell.split in rebatch)
                 w.lat, w.ramp_lat, w.xfer, w.expect_ms = lat, ramp_lat, xfer, full
                 w.trim = trimmed
                 w.mean_ms = self._mean_batch_ms(lat, ramp_lat, a, top, w.stages is not None)
@@ -318,7 +230,7 @@ class _Arrival(NamedTuple):
 class _BatchDone(NamedTuple):
     """A batch of a worker without rebatching finished; its survivors reach the next split after `xfer_ms`."""
 
-    worker: _Worker
+    worker: SimWorker
     rows: list[int]
     surv: list[int]
     xfer_ms: float
@@ -327,7 +239,7 @@ class _BatchDone(NamedTuple):
 class _BlockDone(NamedTuple):
     """Block `stage` (of its split) of a rebatching worker finished."""
 
-    worker: _Worker
+    worker: SimWorker
     stage: int
     rows: list[int]
     surv: list[int]
@@ -344,10 +256,23 @@ class _Hop(NamedTuple):
 class _Timer(NamedTuple):
     """A worker's fusion-queue timer fires."""
 
-    worker: _Worker
+    worker: SimWorker
 
 
-_Event = _Arrival | _BatchDone | _BlockDone | _Hop | _Timer
+class _Served(NamedTuple):
+    """The sender or a router (`process`, planner/sim_path.py RouterState) finished its work on request `i`."""
+
+    process: int
+    i: int
+
+
+class _CoresDue(NamedTuple):
+    """The next job on the shared cores finishes, if nothing started or ended since (`version`)."""
+
+    version: int
+
+
+_Event = _Arrival | _BatchDone | _BlockDone | _Hop | _Timer | _Served | _CoresDue
 
 
 class _EventLoop:
@@ -371,25 +296,39 @@ class _EventLoop:
         self.blk_rows = np.zeros(sim.n_blocks)
         self.blk_runs = np.zeros(sim.n_blocks)
         self.routers = RouterState(sim.path, sim.capacity, sim.slo_s)
-        self.busy_workers = 0
+        path = sim.path
+        self.cores: SharedCores[_Event] | None = (
+            SharedCores(path.cores, path.background) if path.cores is not None else None
+        )
+        self.cores_version = 0
 
     def run(self) -> None:
         events = self.events
         while events:
             now, _, event = heapq.heappop(events)
-            if isinstance(event, _Arrival):
-                self.arrive(event.i, now)
-            elif isinstance(event, _BatchDone):
-                self.batch_done(event, now)
-            elif isinstance(event, _BlockDone):
-                self.block_done(event, now)
-            elif isinstance(event, _Hop):
-                self.enqueue(self.pick(self.sim.workers[event.bucket][event.split]), event.rows, now)
-            else:  # a fusion-queue timer
-                w = event.worker
-                if w.timer <= now:
-                    w.timer = math.inf
-                self.kick(w, now)
+            self.dispatch(event, now)
+
+    def dispatch(self, event: _Event, now: float) -> None:
+        if isinstance(event, _Arrival):
+            self.arrive(event.i, now)
+        elif isinstance(event, _BatchDone):
+            self.batch_done(event, now)
+        elif isinstance(event, _BlockDone):
+            self.block_done(event, now)
+        elif isinstance(event, _Hop):
+            self.enqueue(self.pick(self.sim.workers[event.bucket][event.split]), event.rows, now)
+        elif isinstance(event, _Served):
+            self.served(event.process, event.i, now)
+        elif isinstance(event, _CoresDue):
+            if event.version == self.cores_version and self.cores is not None:
+                for done in self.cores.finished(now):
+                    self.dispatch(done, now)
+                self.reschedule()
+        else:  # a fusion-queue timer
+            w = event.worker
+            if w.timer <= now:
+                w.timer = math.inf
+            self.kick(w, now)
 
     def push(self, t: float, event: _Event) -> None:
         self.seq += 1
@@ -397,11 +336,47 @@ class _EventLoop:
 
     # ------------------------------------------------------------------ events
 
+    def run_job(self, now: float, work_ms: float, threads: float, event: _Event) -> None:
+        """Work of `work_ms` (its time alone) keeping `threads` threads busy starts now; `event` when it ends
+        (on shared cores: processor sharing, planner/sim_cores.py)."""
+        if self.cores is None:
+            self.push(now + work_ms / 1e3, event)
+            return
+        self.cores.start(now, work_ms, threads, event)
+        self.reschedule()
+
+    def reschedule(self) -> None:
+        """The shared cores' next finish moved: an event for it, the earlier one made stale."""
+        assert self.cores is not None
+        self.cores_version += 1
+        due = self.cores.due()
+        if due < math.inf:
+            self.push(due, _CoresDue(self.cores_version))
+
     def arrive(self, i: int, now: float) -> None:
+        """A request goes to the sender, then its router (each one request at a time, in order), then is
+        admitted; where neither costs anything, at once."""
+        first = self.routers.first_stop()
+        if first is None:
+            self.admit(i, now)
+        elif self.routers.join(first, i):
+            self.run_job(now, self.routers.work_ms(first), 1, _Served(first, i))
+
+    def served(self, process: int, i: int, now: float) -> None:
+        routers = self.routers
+        following = routers.done(process)
+        if following is not None:
+            self.run_job(now, routers.work_ms(process), 1, _Served(process, following))
+        router = routers.next_stop() if process == routers.sender else None
+        if router is None:
+            self.admit(i, now)
+        elif routers.join(router, i):
+            self.run_job(now, routers.work_ms(router), 1, _Served(router, i))
+
+    def admit(self, i: int, now: float) -> None:
         """The router admits the request to a bucket's runtime (Arlo's Algorithm 1) under the bucket's limit,
-        or refuses it; an admitted one reaches split 0 once its router has done its work."""
+        or refuses it (having done its work on it: a refused request costs its sender and router too)."""
         sim, outstanding = self.sim, self.outstanding
-        at = self.routers.routed(now, self.busy_workers)  # a refused request costs its sender and router too
         loads = self.routers.loads(outstanding)
         k = choose_bucket(int(self.lengths[i]), sim.buckets, loads, sim.queue_params)
         if k < 0 or loads[k] >= 1.0:
@@ -409,10 +384,7 @@ class _EventLoop:
             return
         self.bucket_of[i] = k
         outstanding[k] += 1
-        if at > now:
-            self.push(at, _Hop(k, 0, [i]))
-        else:
-            self.enqueue(self.pick(sim.workers[k][0]), [i], now)
+        self.enqueue(self.pick(sim.workers[k][0]), [i], now)
 
     def batch_done(self, event: _BatchDone, now: float) -> None:
         w, rows, surv, xfer_ms = event
@@ -438,7 +410,7 @@ class _EventLoop:
 
     # ------------------------------------------------------------------ workers
 
-    def pick(self, ws: list[_Worker]) -> _Worker:
+    def pick(self, ws: list[SimWorker]) -> SimWorker:
         # DensePipe's hop: least (queued + running) / capacity, capacity = the replica's rate
         # (a batch over its mean time), so a slow GPU beside fast ones gets its share, not more
         i = least_loaded([w.held + w.running for w in ws], [w.batch / max(w.mean_ms, 1e-6) for w in ws])
@@ -446,18 +418,17 @@ class _EventLoop:
             raise ValueError("no replica serves this split and bucket")  # a verified plan has one for every pair
         return ws[i]
 
-    def enqueue(self, w: _Worker, rows: list[int], now: float) -> None:
+    def enqueue(self, w: SimWorker, rows: list[int], now: float) -> None:
         deadline, q = self.deadline, w.queue
         for r in rows:
             q.push(r, now, deadline[r])
         w.held += len(rows)
         self.kick(w, now)
 
-    def finish(self, w: _Worker, rows: list[int], surv: list[int], now: float) -> int:
+    def finish(self, w: SimWorker, rows: list[int], surv: list[int], now: float) -> int:
         """A batch or block of `w` finished: the rows that did not survive are answered now.
         Returns how many."""
         w.busy, w.running = False, 0
-        self.busy_workers -= 1
         alive = set(surv)
         done = [r for r in rows if r not in alive]
         for r in done:
@@ -467,7 +438,7 @@ class _EventLoop:
             self.routers.answered(k, now - float(self.arrivals[r]), self.outstanding[k], now)
         return len(done)
 
-    def kick(self, w: _Worker, now: float) -> None:
+    def kick(self, w: SimWorker, now: float) -> None:
         """Launch the worker's next batch if it is idle and one is due, else set its timer."""
         if w.busy or not w.held:
             return
@@ -492,25 +463,23 @@ class _EventLoop:
             lat, ramp_lat = next(((la, ra) for x, la, ra in w.trim if need <= x), (w.lat, w.ramp_lat))
             t = float(lat[idx, counts].sum() + ramp_lat[idx, counts].sum())
             self.busy_ms += t
-            self.busy_workers += 1
-            t *= self.routers.batch_stretch(self.busy_workers)
             surv = [r for r, dd in zip(rows, d) if dd > w.last + 1]
             w.busy, w.running = True, m
             w.batches += 1
             w.rows += m
             # the survivors' transfer runs beside the next batch (the worker forwards in a
             # task of its own): it delays them, not the replica
-            self.push(now + t / 1e3, _BatchDone(w, rows, surv, float(w.xfer[len(surv)])))
+            self.run_job(now, t, self.sim.path.threads, _BatchDone(w, rows, surv, float(w.xfer[len(surv)])))
         elif at < w.timer:
             w.timer = at
             self.push(at, _Timer(w))
 
-    def launch_at(self, w: _Worker) -> float:
+    def launch_at(self, w: SimWorker) -> float:
         """When the queue of a worker without rebatching must launch: its oldest row's maximum wait,
         or the earliest deadline minus the expected time to the end of the model (20 % margin)."""
         return w.queue.launch_at(self.sim.max_wait, w.rest_ms / 1e3)
 
-    def kick_stages(self, w: _Worker, stages: list[_Queue], now: float) -> None:
+    def kick_stages(self, w: SimWorker, stages: list[FusionQueue], now: float) -> None:
         # The data plane's policy (dispatch.choose_queue): of the stages whose launch time has
         # come (the oldest row's maximum wait, or the earliest deadline minus the expected time
         # from the stage's block to the end of the model with the same 20 % margin), the one
@@ -536,12 +505,12 @@ class _EventLoop:
         self.blk_runs[blk] += 1
         t = float(w.lat[chosen, m] + w.ramp_lat[chosen, m])
         self.busy_ms += t
-        self.busy_workers += 1
-        t *= self.routers.batch_stretch(self.busy_workers)
         w.busy, w.running = True, m
         w.batches += 1
         w.rows += m
-        self.push(now + t / 1e3, _BlockDone(w, chosen, rows, [r for r in rows if self.depths[r] > blk + 1]))
+        self.run_job(
+            now, t, self.sim.path.threads, _BlockDone(w, chosen, rows, [r for r in rows if self.depths[r] > blk + 1])
+        )
 
     # ------------------------------------------------------------------ the report
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -16,6 +18,7 @@ from exitplan.api.resources import (
 )
 from exitplan.planner.compare import plan_config
 from exitplan.planner.predict import serving_capacity, serving_path
+from exitplan.planner.sim_cores import SharedCores
 from exitplan.planner.sim_path import RouterState, ServingPath
 from exitplan.planner.simulator import Simulation
 from exitplan.planner.synthetic import bert_base_profile, gpu_pool
@@ -65,18 +68,47 @@ def test_shared_cores_bound_the_workers_routers_and_the_sender_together():
     assert shared < 0.9 * alone, (shared, alone)
 
 
-def test_a_batch_a_router_or_the_sender_stretch_while_the_cores_are_oversubscribed():
-    """Processor sharing on two cores: the batches running, the routers busy and the sender busy."""
-    state = RouterState(ServingPath(router_ms=1.0, cores=2.0, threads=1), [100.0], 0.1)
-    assert state.stretch(1, 0.0) == 1.0  # one batch, nothing else
-    for i in range(100):  # 1,000 req/s at 1 ms each keep the router busy
-        state.routed(i * 0.001, 0)
-    assert state.stretch(1, 0.0995) == 1.0  # the router and a batch on two cores
-    assert state.stretch(3, 0.0995) == pytest.approx(2.0)
-    assert state.routed(0.1, 3) == pytest.approx(0.102)  # the idle router's 1 ms takes 2 ms beside 3 batches
-    sending = RouterState(ServingPath(router_ms=1.0, sender_ms=1.0, cores=2.0), [100.0], 0.1)
-    assert sending.routed(0.0, 2) == pytest.approx(0.003)  # the sender, then the router: each 1 ms x (2 + 1) / 2
-    assert sending.stretch(0, 0.003) == 1.0  # the router alone is busy then
+def test_processor_sharing_slows_every_thread_while_the_cores_are_oversubscribed_and_conserves_work():
+    """planner/sim_cores.py: on two cores, three one-thread jobs run at 2/3 speed; when one ends the others
+    speed up at once (a speed fixed at their start would leave a core idle)."""
+    cores: SharedCores[str] = SharedCores(2.0)
+    for name, ms in (("a", 1.0), ("b", 3.0), ("c", 3.0)):
+        cores.start(0.0, ms, 1, name)
+    assert cores.speed() == pytest.approx(2 / 3)
+    assert cores.due() == pytest.approx(0.0015)  # a: 1 ms of work at 2/3 speed
+    assert cores.finished(0.0015) == ["a"]
+    assert cores.speed() == 1.0 and cores.due() == pytest.approx(0.0035)  # b, c: 2 ms left each, a core each
+    assert cores.finished(0.0035) == ["b", "c"] and cores.due() == math.inf
+    # 8 core-ms of work (a batch of two threads for 3 ms, a router's 2 ms from 1 ms on) on two cores: all done at 4 ms
+    batch: SharedCores[str] = SharedCores(2.0)
+    batch.start(0.0, 3.0, 2, "batch of two threads")
+    assert batch.speed() == 1.0
+    batch.start(0.001, 2.0, 1, "router")
+    assert batch.speed() == pytest.approx(2 / 3)
+    done_at = []
+    while batch.jobs:
+        t = batch.due()
+        done_at += [(name, round(t * 1e3, 6)) for name in batch.finished(t)]
+    assert done_at == [("batch of two threads", 4.0), ("router", 4.0)]
+    # other load beside them: two cores' worth always running, one job at 2/3 speed
+    loaded: SharedCores[str] = SharedCores(2.0, background=1.0)
+    loaded.start(0.0, 1.0, 2, "x")
+    assert loaded.due() == pytest.approx(0.0015)
+    with pytest.raises(ValueError, match="cores > 0"):
+        SharedCores(0.0)
+
+
+def test_the_sender_and_a_router_each_take_one_request_at_a_time_in_order():
+    """A simulated run's sender and routers (planner/sim_path.py RouterState): FIFO per process, the sender
+    before the routers, the routers round robin; where neither costs anything a request is admitted at once."""
+    state = RouterState(ServingPath(router_ms=1.0, sender_ms=0.5, routers=2, cores=2.0), [100.0], 0.1)
+    assert state.first_stop() == state.sender == 2
+    assert state.join(2, 7) and not state.join(2, 8)  # 8 waits for 7
+    assert state.done(2) == 8 and state.done(2) is None
+    assert [state.next_stop() for _ in range(3)] == [0, 1, 0]
+    assert state.work_ms(2) == 0.5 and state.work_ms(0) == 1.0
+    free = RouterState(ServingPath(), [100.0], 0.1)
+    assert free.first_stop() is None
 
 
 def test_a_trimming_worker_reports_its_capacity_at_the_lengths_it_runs():
@@ -120,8 +152,9 @@ def test_other_load_on_the_cores_is_read_from_proc_stat_and_shares_them():
 
     from exitplan.localrun.prediction import background_cores
 
-    assert RouterState(ServingPath(cores=2.0, background=2.0), [100.0], 0.1).batch_stretch(1) == 1.5
-    assert RouterState(ServingPath(cores=None, background=2.0), [100.0], 0.1).batch_stretch(1) == 1.0
+    cores: SharedCores[str] = SharedCores(2.0, background=2.0)
+    cores.start(0.0, 1.0, 1, "batch")
+    assert cores.due() == pytest.approx(0.0015)
     loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         assert background_cores(1.0) >= 0.5
