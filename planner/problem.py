@@ -48,13 +48,19 @@ class PlanProblem(E3Problem):
     longest_ms: np.ndarray | None = None
     """(max_splits, P, N, N, K): the longest a row takes through the option's split (a rebatching split: each
     queue's whole gather time and the run, the transfer out; a plain one: wait one cycle, run one)."""
+    colocated_rate: np.ndarray | None = None
+    """(max_splits, P, N, N, K): the option's rate as split 0 in the routers (co-located: no worker's hop per
+    batch), at its own best batch; None: as `rate`."""
+    colocated_batch: np.ndarray | None = None
+    """The batch behind `colocated_rate` (without the hop to amortize, often smaller than `batch`)."""
 
     def rebatches(self, splits: int, pool: int, first: int, last: int) -> bool:
         return bool(self.rebatch is not None and self.rebatch[splits - 1, pool, first, last])
 
 
-_LengthOptions = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-"""Of one pool at one length, per (splits, first, last): rate, batch, stage time and the longest a row takes."""
+_LengthOptions = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""Of one pool at one length, per (splits, first, last): rate, batch, stage time, the longest a row takes, and
+the rate and batch as split 0 in the routers (no hop)."""
 OptionCache = dict[tuple[int, int, int, bool, int], _LengthOptions]
 """(pool, length, the bucket below it, rebatch, max splits) -> that pool's options for that bucket: bucket sets
 share their buckets."""
@@ -68,7 +74,8 @@ plain one from whole batches, and rebatching holds rows longer, so a tie or a sl
 def _length_options(inp: Inputs, p: int, length: int, S: int, rebatch: bool, lo: int = 0) -> _LengthOptions:
     """Pool p's options at `length` (the bucket (lo, length]): rate, batch, stage time (the bound, for the
     cycle) and the longest a row takes through the split (rebatching: each queue's whole gather time and the
-    run; plain: wait one cycle, run one), each (S, N, N)."""
+    run; plain: wait one cycle, run one), and the rate and batch without the worker's hop per batch (split 0
+    co-located in the routers: the best batch there may be smaller, with nothing to amortize), each (S, N, N)."""
     model, n = inp.models[p], inp.n_blocks
     sigma, ramps_on = inp.sigma(), inp.ramps_on()
     sizes = np.asarray(model.profile.batch_sizes, dtype=np.float64)
@@ -87,6 +94,7 @@ def _length_options(inp: Inputs, p: int, length: int, S: int, rebatch: bool, lo:
     fits = model.replica_bytes_table(sizes, length, rebatch=rebatch) <= model.pool.memory_bytes
     rate, stage, longest = np.zeros((S, n, n)), np.full((S, n, n), np.inf), np.full((S, n, n), np.inf)
     batch = np.zeros((S, n, n), dtype=np.int64)
+    rate_co, batch_co = np.zeros((S, n, n)), np.zeros((S, n, n), dtype=np.int64)
     for s in range(1, S + 1):
         cycle = inp.budget_ms / cycles(s)
         if plain_mean is None:
@@ -101,7 +109,15 @@ def _length_options(inp: Inputs, p: int, length: int, S: int, rebatch: bool, lo:
         batch[s - 1] = sizes[best[0]].astype(np.int64)
         stage[s - 1] = np.take_along_axis(tables, best, 0)[0]
         longest[s - 1] = np.take_along_axis(worst, best, 0)[0]
-    return rate, batch, stage, longest
+        rate_co[s - 1], batch_co[s - 1] = rate[s - 1], batch[s - 1]
+        if not rebatch and model.hop_ms > 0:
+            shed = np.maximum(mean - model.hop_ms, 1e-9)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                thr_co = np.where(ok, sizes[:, None, None] / shed * 1e3, 0.0)
+            best_co = np.argmax(thr_co, axis=0)[None]
+            rate_co[s - 1] = np.take_along_axis(thr_co, best_co, 0)[0]
+            batch_co[s - 1] = sizes[best_co[0]].astype(np.int64)
+    return rate, batch, stage, longest, rate_co, batch_co
 
 
 def _options(
@@ -121,8 +137,8 @@ def _options(
             row.append(cache[key])
         per.append(row)
     # (S, P, n, n, K) from [P][K] of (S, n, n)
-    stacked = [np.stack([np.stack([opt[i] for opt in row], axis=-1) for row in per], axis=1) for i in range(4)]
-    return stacked[0], stacked[1], stacked[2], stacked[3]
+    stacked = [np.stack([np.stack([opt[i] for opt in row], axis=-1) for row in per], axis=1) for i in range(6)]
+    return stacked[0], stacked[1], stacked[2], stacked[3], stacked[4], stacked[5]
 
 
 def build_problem(
@@ -143,11 +159,11 @@ def build_problem(
     """
     n = inp.n_blocks
     S = max_splits if layout is None else len(layout[0])
-    rate, batch, stage, longest = _options(inp, bucket_set, S, False, cache)
+    rate, batch, stage, longest, rate_co, batch_co = _options(inp, bucket_set, S, False, cache)
     shares = bk.shares(inp.grid, inp.mass, bucket_set)
     chosen = None
     if rebatch:
-        rb_rate, rb_batch, rb_stage, rb_longest = _options(inp, bucket_set, S, True, cache)
+        rb_rate, rb_batch, rb_stage, rb_longest, _, _ = _options(inp, bucket_set, S, True, cache)
         # no bucket slower, and the replicas the split needs for the bucket mix (share / rate) fewer by the gain
         with np.errstate(divide="ignore", invalid="ignore"):
             work = (shares / np.where(rate > 0, rate, np.inf)).sum(axis=4)
@@ -161,6 +177,7 @@ def build_problem(
             np.where(pick, rb_stage, stage),
             np.where(pick, rb_longest, longest),
         )
+        rate_co, batch_co = np.where(pick, rb_rate, rate_co), np.where(pick, rb_batch, batch_co)
     if layout is not None:
         keep = np.zeros_like(rate, dtype=bool)
         for (a, b), p in zip(*layout):
@@ -181,6 +198,8 @@ def build_problem(
         max_replicas=inp.max_replicas,
         rebatch=chosen,
         longest_ms=longest,
+        colocated_rate=rate_co,
+        colocated_batch=batch_co,
     )
 
 

@@ -39,7 +39,7 @@ from exitplan.planner.e3_search import upper_bounds
 from exitplan.planner.errors import PlanInfeasible, PlanInvalid
 from exitplan.planner.inputs import Inputs, _windows, resolve_inputs
 from exitplan.planner.problem import OptionCache, PlanProblem, build_problem, cycles, diagnose, rebatching
-from exitplan.planner.serving_path import PathLimit, colocated_gain, path_limits, why_not_colocate
+from exitplan.planner.serving_path import PathLimit, colocated_cells, colocated_gain, path_limits, why_not_colocate
 
 MAX_BUCKETS = 6
 COLOCATE_MIN_GAIN = 0.02
@@ -224,7 +224,7 @@ def _to_plan(
             placement.goodput,
             E3Solution(sol.splits, sol.segments, placement.goodput, placement.cost, sol.probes),
         )
-    limits, colocate, goodput = _serving_path(inp, problem, splits, bucket_set, cells, spec, goodput)
+    limits, colocate, goodput, cells = _serving_path(inp, problem, splits, bucket_set, cells, spec, goodput)
     for limit in limits:
         if limit.goodput_rps < goodput:
             inp.notes.append(
@@ -255,20 +255,22 @@ def _serving_path(
     cells: list[Cell],
     spec: EarlyExitServiceSpec,
     goodput: float,
-) -> tuple[list[PathLimit], bool, float]:
-    """The serving path's limits, whether the routers run split 0 (spec.planner.colocate, serving_path.py)
-    and the cells' goodput that way (the solver's `goodput`, more when split 0 sheds its hop)."""
+) -> tuple[list[PathLimit], bool, float, list[Cell]]:
+    """The serving path's limits, whether the routers run split 0 (spec.planner.colocate, serving_path.py),
+    the cells' goodput that way (the solver's `goodput`, more when split 0 sheds its hop) and the cells (split
+    0's at its best batch without the hop where it runs in the routers)."""
     routers = spec.router.replicas
     apart = path_limits(inp, problem, splits, buckets, cells, routers)
     mode = spec.planner.colocate
     if mode == "off":
-        return apart, False, goodput
+        return apart, False, goodput, cells
     why_not = why_not_colocate(inp, cells, buckets, routers)
     if why_not is not None:
         if mode == "on":
             raise PlanInfeasible(f"cannot run split 0 in the routers: {why_not}", field="spec.planner.colocate")
-        return apart, False, goodput
-    together = path_limits(inp, problem, splits, buckets, cells, routers, colocate=True)
+        return apart, False, goodput, cells
+    co_cells = colocated_cells(inp, problem, splits, buckets, cells)
+    together = path_limits(inp, problem, splits, buckets, co_cells, routers, colocate=True)
     shed = goodput * colocated_gain(inp, problem, splits, buckets, cells)
     kept = min([goodput, *(x.goodput_rps for x in apart)])
     merged = min([shed, *(x.goodput_rps for x in together)])
@@ -277,8 +279,8 @@ def _serving_path(
             f"split 0 runs in the routers ({colocated_routers(cells, routers)}): {merged:.4g} req/s predicted "
             f"that way, {kept:.4g} with a hop to split-0 workers"
         )
-        return together, True, shed
-    return apart, False, goodput
+        return together, True, shed, co_cells
+    return apart, False, goodput, cells
 
 
 def _cells_of(i: int, placement: Placement | None, seg: Segment) -> list[tuple[int, int]]:

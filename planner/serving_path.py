@@ -35,6 +35,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from exitplan.api.plan import Cell, SplitPlan, colocated_routers
 from exitplan.planner.e3 import E3Problem
 from exitplan.planner.inputs import Inputs
@@ -86,8 +88,9 @@ def colocated_gain(
     cells: Sequence[Cell],
 ) -> float:
     """How much more the cells serve when split 0 sheds the worker's hop (co-located): the least
-    capacity over inputs reaching it among the (split, bucket) pairs, with split 0's batches that much
-    shorter, over the same without (>= 1; the solver's goodput scales by it)."""
+    capacity over inputs reaching it among the (split, bucket) pairs, with split 0 at its rate without the
+    hop (the problem's `colocated_rate`: at its best batch then), over the same without (>= 1; the solver's
+    goodput scales by it)."""
     s = len(splits)
     first = {sp.index: sp.first_block for sp in splits}
     last = {sp.index: sp.last_block for sp in splits}
@@ -97,7 +100,10 @@ def colocated_gain(
         rate = _rate(problem, inp, s, c, first, last, buckets)
         serving = inp.models[inp.pool_names.index(c.pool)].profile.serving
         shed = rate
-        if c.split == 0 and serving is not None and rate > 0:
+        co = getattr(problem, "colocated_rate", None)
+        if c.split == 0 and co is not None:
+            shed = max(rate, _rate(problem, inp, s, c, first, last, buckets, co))
+        elif c.split == 0 and serving is not None and rate > 0:
             per_batch_s = c.batch_size / rate - serving.hop_ms / 1000.0
             shed = c.batch_size / per_batch_s if per_batch_s > 0 else rate
         key = (c.split, c.bucket)
@@ -145,8 +151,9 @@ def path_limits(
     buckets = list(buckets)
     # per (split, bucket): the whole cell's capacity over its pools (replicas x rate per replica)
     capacity: dict[tuple[int, int], float] = {}
+    co = getattr(problem, "colocated_rate", None) if colocate else None  # split 0's rate in the routers, no hop
     for c in cells:
-        rate = _rate(problem, inp, s, c, first, last, buckets)
+        rate = _rate(problem, inp, s, c, first, last, buckets, co if c.split == 0 else None)
         capacity[(c.split, c.bucket)] = capacity.get((c.split, c.bucket), 0.0) + c.replicas * rate
     busy = dict.fromkeys(inp.pool_names, 0.0)  # core-ms per request on each pool
     for c in cells:
@@ -158,7 +165,7 @@ def path_limits(
         model = inp.models[inp.pool_names.index(c.pool)]
         threads = model.profile.serving.threads if model.profile.serving is not None else 1
         ms_per_input = 1000.0 * c.replicas / total  # a replica's time per input, the hop included
-        if colocate and c.split == 0 and model.profile.serving is not None:
+        if colocate and co is None and c.split == 0 and model.profile.serving is not None:
             ms_per_input = max(ms_per_input - model.profile.serving.hop_ms / max(c.batch_size, 1), 0.0)
         busy[c.pool] += load * ms_per_input * threads
     shared = {m.pool_name: m.pool.shared_cores for m in inp.models if m.pool.shared_cores is not None}
@@ -187,8 +194,31 @@ def _rate(
     first: dict[int, int],
     last: dict[int, int],
     buckets: Sequence[int],
+    table: np.ndarray | None = None,
 ) -> float:
-    """Inputs per second one replica of the cell serves (the solver's rate for its option)."""
+    """Inputs per second one replica of the cell serves (the solver's rate for its option, or `table`'s)."""
     p = inp.pool_names.index(cell.pool)
     k = list(buckets).index(cell.bucket)
-    return float(problem.rate[s - 1, p, first[cell.split], last[cell.split], k])
+    return float((problem.rate if table is None else table)[s - 1, p, first[cell.split], last[cell.split], k])
+
+
+def colocated_cells(
+    inp: Inputs, problem: E3Problem, splits: Sequence[SplitPlan], buckets: Sequence[int], cells: Sequence[Cell]
+) -> list[Cell]:
+    """The cells with split 0's batch the best without the worker's hop (the problem's `colocated_batch`):
+    what the routers run when split 0 is co-located (the hop the bigger batch amortized is gone)."""
+    batch = getattr(problem, "colocated_batch", None)
+    if batch is None:
+        return list(cells)
+    s, first, last = (
+        len(splits),
+        {sp.index: sp.first_block for sp in splits},
+        {sp.index: sp.last_block for sp in splits},
+    )
+    out = []
+    for c in cells:
+        if c.split == 0:
+            size = int(_rate(problem, inp, s, c, first, last, buckets, batch))
+            c = c.model_copy(update={"batch_size": size}) if size >= 1 else c
+        out.append(c)
+    return out
