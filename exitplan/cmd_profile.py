@@ -151,7 +151,9 @@ def _serving_costs(console, bundle: Path, spec, threads: int):
     console.print(
         f"serving path: router {costs.router_ms:.2f} ms CPU per request, worker {costs.hop_ms:.2f} ms per batch "
         f"beyond the model; a router running the model {costs.colocated_ms:.2f} ms per request beyond it "
-        f"({costs.requests} requests, {costs.cores} core(s))"
+        f"({costs.requests} requests, {costs.cores} core(s)); the workers' compute "
+        + ("/".join(f"{x:.2f}" for x in costs.compute_scale) or "1")
+        + "x the tables (serving.computeScale, per length)"
     )
     return costs
 

@@ -73,7 +73,7 @@ def test_digits_profile_document(digits_bundle, tmp_path):
     assert serving.colocated_ms is not None and serving.colocated_ms > 0.0  # the router running the model itself
     # the workers' mean compute over the tables' fastest figure, per length: never far below it
     assert len(serving.compute_scale) == len(spec.seq_lens) and all(s > 0.5 for s in serving.compute_scale)
-    assert "serving path: router" in _text(result)
+    assert "serving path: router" in _text(result) and "serving.computeScale" in _text(result)
 
 
 def test_minilm_profile_with_buckets_and_thresholds(minilm_bundle, tmp_path):
