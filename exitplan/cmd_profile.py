@@ -140,6 +140,7 @@ def _measure(
 def _serving_costs(console, bundle: Path, spec, threads: int):
     """The serving path's costs (localrun/serving_costs.py), or exit 2 with the reason."""
     from exitplan.localrun.serving_costs import ServingCostError, measure_serving_costs
+    from exitplan.prepare.compute_scale import compute_scale
 
     with console.status("measuring the serving path (one router and one worker, then a router running the model)"):
         try:
@@ -148,6 +149,8 @@ def _serving_costs(console, bundle: Path, spec, threads: int):
             from exitplan.cli import fail
 
             fail(f"{err} (or pass --no-serving to skip this measurement)")
+    with console.status("timing the model as a CPU worker runs it (serving.computeScale)"):
+        costs.compute_scale = compute_scale(bundle.resolve(), spec, threads)
     console.print(
         f"serving path: router {costs.router_ms:.2f} ms CPU per request, worker {costs.hop_ms:.2f} ms per batch "
         f"beyond the model; a router running the model {costs.colocated_ms:.2f} ms per request beyond it "

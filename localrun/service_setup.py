@@ -99,40 +99,13 @@ def ensure_profiles(setup: ServiceSetup, echo=print, *, remeasure: bool = False)
                 raise ServiceFileError(
                     f"profiling the bundle for pool {ref.name!r} failed (exit {done.returncode}): {' '.join(cmd)}"
                 )
-        doc = yaml.safe_load(cache.read_text())
-        profile = ModelProfile.model_validate(doc)
-        serving = profile.spec.serving
-        if serving is None or serving.colocated_ms is None or not serving.compute_scale:  # an older profiler's
-            _add_serving_costs(setup.bundle, profile, cache, echo)
-        setup.profiles[ref.name] = profile.spec
-
-
-def _add_serving_costs(bundle: Path, profile: ModelProfile, cache: Path, echo) -> None:
-    """Measure the serving path's costs for a cached profile that lacks them and write them into it (a
-    failure leaves the profile as it is, with a message: the planner then counts the path as free)."""
-    from exitplan.localrun.serving_costs import ServingCostError, measure_serving_costs
-
-    serving = profile.spec.serving
-    what = (
-        "serving-path costs"
-        if serving is None
-        else "co-located router cost (serving.colocatedMs)"
-        if serving.colocated_ms is None
-        else "workers' compute scale (serving.computeScale)"
-    )
-    echo(f"{cache} has no {what}: measuring the serving path (a router and a worker, a few seconds each way)")
-    try:
-        profile.spec.serving = measure_serving_costs(bundle, profile.spec)
-    except ServingCostError as err:
-        echo(f"could not measure the serving path ({err}); planning without it")
-        return
-    document = profile.model_dump(by_alias=True, exclude_none=True, mode="json")
-    cache.write_text(yaml.safe_dump(document, sort_keys=False))
+        setup.profiles[ref.name] = ModelProfile.model_validate(yaml.safe_load(cache.read_text())).spec
 
 
 def _cached_profile_problem(cache: Path) -> str | None:
-    """Why the cached profile cannot be used (None: it can): missing, unreadable, or one the planner
-    rejects (e.g. measured by an older profiler on a busy machine)."""
+    """Why the cached profile cannot be used (None: it can): missing, unreadable, one the planner rejects (e.g.
+    measured by an older profiler on a busy machine), or one without the serving path's costs the profiler now
+    measures (a profile written with `--no-serving` included: `exitplan up` and the demo plan with them)."""
     if not cache.is_file():
         return "no ModelProfile"
     from pydantic import ValidationError
@@ -141,9 +114,20 @@ def _cached_profile_problem(cache: Path) -> str | None:
     from exitplan.planner.errors import ProfileError
 
     try:
-        validate_profile(ModelProfile.model_validate(yaml.safe_load(cache.read_text())).spec)
+        spec = ModelProfile.model_validate(yaml.safe_load(cache.read_text())).spec
+        validate_profile(spec)
     except (ValidationError, ProfileError, yaml.YAMLError, AttributeError) as err:
         return f"the cached ModelProfile {cache} cannot be used ({str(err).splitlines()[0]})"
+    serving = spec.serving
+    if serving is None or serving.colocated_ms is None or not serving.compute_scale:
+        missing = (
+            "serving"
+            if serving is None
+            else "serving.colocatedMs"
+            if serving.colocated_ms is None
+            else "serving.computeScale"
+        )
+        return f"the cached ModelProfile {cache} was written by an older profiler (no {missing})"
     return None
 
 

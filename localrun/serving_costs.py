@@ -17,13 +17,11 @@ hop_ms      the worker's CPU time per batch less its compute: the same requests 
             time (every intra-op thread's; wall time would count the time other processes hold the
             cores). On a GPU pool the reference still computes on the CPU, so there the figure is
             only a lower bound of the worker's own work (0 when the GPU takes the compute off the CPU).
-compute_scale  per profiled length, the model's mean CPU time per input as a CPU worker runs it (the
-            sessions it runs: a free length where it trims) over the profile tables' figure (the fastest of
-            repeats on fixed shapes); the planner scales a CPU pool's tables by it.
 
 The model's compute subtracted above is timed on the sessions the worker ran, each batch cut as it cut
-them (classify/trim.py), so that the router's and the hop's figures hold no compute and computeScale
-holds all of what the tables miss.
+them (classify/trim.py), so that the router's and the hop's figures hold no compute, and the profile's
+`computeScale` (prepare/compute_scale.py, measured beside these by `exitplan profile`) holds all of what
+the tables miss.
 
 CPU time, not wall time: on a machine the processes share, what one request takes from the others is
 its CPU; the planner counts it against the cores (planner/serving_path.py). Linux only (/proc).
@@ -57,9 +55,6 @@ WARMUP = 20
 MIN_REQUESTS = 100
 CONCURRENT = 4
 """Requests in flight while the clocks run (one per keep-alive connection)."""
-SCALE_SECONDS = 0.5
-"""Time spent per profiled length measuring computeScale (at least SCALE_RUNS runs)."""
-SCALE_RUNS = 10
 MODEL = "serving-costs"
 
 
@@ -167,7 +162,6 @@ def measure_serving_costs(
         co = _serve_and_drive(bundle, plan, spec, Path(tmp) / "co", bodies, seconds, threads, True)
     router = sample.router_cpu_s / sent * 1e3
     compute_ms = _compute_cpu_ms(bundle, bucket, bodies[WARMUP:], threads)
-    scale = compute_scale(bundle, profile, threads)
     hop = max(0.0, sample.worker_cpu_s / sample.batches * 1e3 - compute_ms)  # both count every ORT thread
     colocated = max(0.0, co[0].router_cpu_s / co[1] * 1e3 - compute_ms)  # one request per batch, as above
     return ServingCosts(
@@ -177,7 +171,6 @@ def measure_serving_costs(
         threads=threads,
         cores=usable_cores(),
         requests=sent,
-        compute_scale=scale,
     )
 
 
@@ -218,33 +211,17 @@ def _serve_and_drive(
     return sample, sent
 
 
-def _cpu_runtime(bundle: Path, buckets: list[int], threads: int):  # -> (BundleRuntime, trim axes, mask)
-    """The whole model on the CPU as a CPU worker that ends it runs it: a free length where it trims (an
-    attention mask and a sequence axis), with the inputs and axis it cuts each batch along."""
-    from exitplan.worker.bundle_runtime import BundleRuntime
-    from exitplan.worker.classify.trim import mask_input
-
-    manifest = read_manifest(bundle)
-    mask = mask_input(manifest) if manifest.seq_axis is not None else None
-    runtime = BundleRuntime(
-        bundle,
-        buckets=[max(buckets)] if mask else buckets,
-        threads=threads,
-        providers=("CPUExecutionProvider",),
-        free_length=mask is not None,
-    )
-    axes = {t.name: manifest.seq_axis for t in manifest.inputs} if mask else {}
-    return runtime, axes, mask
-
-
 def _compute_cpu_ms(bundle: Path, bucket: int, bodies: list[bytes], threads: int) -> float:
     """CPU ms of the model's own compute per request: the bodies decoded as the router decodes them and
     run one at a time through every block and the final head (no exits), as the worker runs them (each cut
     to its longest row where it trims)."""
+    from exitplan.worker.bundle_runtime import cpu_worker_runtime, mask_input
     from exitplan.worker.classify.decode import decode_inputs, parse_request
     from exitplan.worker.classify.trim import trimmed
 
-    runtime, axes, mask = _cpu_runtime(bundle, [bucket], threads)
+    runtime = cpu_worker_runtime(bundle, [bucket], threads)
+    mask = mask_input(runtime.manifest) if runtime.free_length else None
+    axes = {t.name: runtime.manifest.seq_axis for t in runtime.manifest.inputs} if mask else {}
     tokenizer = None
     if runtime.manifest.tokenizer:
         from tokenizers import Tokenizer
@@ -260,37 +237,6 @@ def _compute_cpu_ms(bundle: Path, bucket: int, bodies: list[bytes], threads: int
     for state in states:
         runtime.run_range(state, bucket)
     return (time.process_time() - started) / len(states) * 1e3
-
-
-def compute_scale(bundle: Path, profile: ModelProfileSpec, threads: int) -> list[float]:
-    """Per profiled length: the model's mean time per batch of the profile's first batch size (held-out
-    inputs padded to the length, every block and the final head, no exits) on the sessions a CPU worker
-    runs, over the sum of the profile's block and final-head times there. CPU time with one intra-op
-    thread (other processes' load does not count), wall time with more (CPU time would count every thread)."""
-    from exitplan.prepare.measure import batch_state, load_heldout
-
-    runtime, _, _ = _cpu_runtime(bundle, list(profile.seq_lens), threads)
-    heldout = load_heldout(bundle, runtime.manifest)
-    head = runtime.manifest.final_ramp().name
-    ramps = {r.name: r for r in profile.ramps}
-    clock = time.process_time if threads == 1 else time.perf_counter
-    batch, top = profile.batch_sizes[0], max(runtime.buckets)
-    scales = []
-    for i, length in enumerate(profile.seq_lens if runtime.manifest.seq_axis is not None else runtime.buckets):
-        table = sum(b.latency_ms[i][0] for b in profile.blocks) + (
-            ramps[head].latency_ms[i][0] if head in ramps else 0.0
-        )
-        state = batch_state(runtime, heldout, batch, length)
-        bucket = top if runtime.free_length else length
-        started = clock()
-        runtime.run_range(state, bucket)  # warm, and how long one takes
-        runs = max(SCALE_RUNS, min(200, int(SCALE_SECONDS / max(clock() - started, 1e-6))))
-        started = clock()
-        for _ in range(runs):
-            runtime.run_range(state, bucket)
-        measured = (clock() - started) / runs * 1e3
-        scales.append(round(measured / table, 4) if table > 0 else 1.0)
-    return scales
 
 
 def _drive(deployment: LocalDeployment, bodies: list[bytes], seconds: float) -> tuple[_Sample, int]:

@@ -44,7 +44,7 @@ def test_a_scale_that_does_not_match_the_lengths_is_refused_with_its_field():
 
 def test_the_scale_is_the_measured_compute_over_the_tables(digits_bundle):
     """Measured on the real digits bundle: against tables at half the profiled figures the scale doubles."""
-    from exitplan.localrun.serving_costs import compute_scale
+    from exitplan.prepare.compute_scale import compute_scale
 
     spec = profile_bundle(digits_bundle, ProfileOptions(pool="cpu", batch_sizes=(1, 2), repeats=3)).spec
     halved = spec.model_copy(deep=True)

@@ -53,7 +53,7 @@ def test_a_cpu_plan_charges_the_last_split_its_batches_trimmed_length():
     assert inp.lengths is not None and len(inp.lengths) == 2000
     model, n = inp.models[0], inp.n_blocks
     top = int(max(inp.grid))
-    rate, batch, stage, _ = _length_options(inp, 0, top, 2, False)
+    rate, batch, stage, *_ = _length_options(inp, 0, top, 2, False)
     sizes = np.asarray(model.profile.batch_sizes, dtype=np.float64)
     values, probs = length_support(inp.grid, inp.mass, inp.lengths, 0, top)
     bound = model.stage_tables(sizes, top, inp.sigma(), inp.ramps_on())

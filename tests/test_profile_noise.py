@@ -143,6 +143,7 @@ def test_a_cached_profile_is_measured_again_when_asked(digits_bundle, tmp_path):
     doc["spec"]["blocks"] = [
         {**b, "latencyMs": [[x * 3 for x in row] for row in b["latencyMs"]]} for b in doc["spec"]["blocks"]
     ]  # valid, three times slower: as if measured under heavy load
+    doc["spec"]["serving"] = {"routerMs": 0.4, "hopMs": 0.3, "colocatedMs": 0.4, "computeScale": [1.1]}  # complete
     cache = bundle / "profiles" / "cpu.yaml"
     cache.parent.mkdir(exist_ok=True)
     cache.write_text(yaml.safe_dump(doc))

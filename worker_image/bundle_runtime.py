@@ -411,6 +411,26 @@ class BundleRuntime:
         return RangeResult(exits=exits, rows=rows, state=out_state)
 
 
+def mask_input(manifest: BundleManifest) -> str | None:
+    """The model input that marks real tokens (the attention mask), if it has one."""
+    return next((t.name for t in manifest.inputs if "mask" in t.name.lower()), None)
+
+
+def cpu_worker_runtime(bundle: str | Path, buckets: Sequence[int], threads: int = 1) -> BundleRuntime:
+    """The whole model on the CPU as a CPU worker that ends it runs it: free-length sessions (up to the longest
+    of `buckets`) where it trims its batches (a sequence axis and an attention mask, classify/trim.py), else
+    one fixed-shape session per bucket. What `exitplan profile` times the workers' real compute on."""
+    manifest = read_manifest(Path(bundle))
+    free = manifest.seq_axis is not None and mask_input(manifest) is not None
+    return BundleRuntime(
+        bundle,
+        buckets=[max(buckets)] if free else list(buckets),
+        threads=threads,
+        providers=("CPUExecutionProvider",),
+        free_length=free,
+    )
+
+
 def _batch_size(state: Mapping[str, np.ndarray]) -> int:
     sizes = {name: int(np.shape(v)[0]) for name, v in state.items() if np.ndim(v) > 0}
     if not sizes:

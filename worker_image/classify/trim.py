@@ -23,8 +23,11 @@ import numpy as np
 
 from exitplan.api.bundle import BundleManifest
 from exitplan.api.plan import SplitPlan
+from exitplan.worker.bundle_runtime import mask_input
 
 SEQ_DIM = "seq"
+__all__ = ["SEQ_DIM", "TRIM_STEP", "cut_to", "longest_row", "mask_input", "seq_axes", "trim_length", "trimmed", "trims"]
+
 TRIM_STEP = 8
 """A trimmed batch's length is a multiple of this (or the bucket): fewer distinct shapes, at most 7 pad tokens."""
 
@@ -36,11 +39,6 @@ def trims(manifest: BundleManifest, split: SplitPlan, providers: Sequence[str], 
         trim = all(p == "CPUExecutionProvider" for p in providers)
     ends = split.last_block == len(manifest.blocks) - 1
     return bool(trim and mask_input(manifest) and ends and not split.rebatch)
-
-
-def mask_input(manifest: BundleManifest) -> str | None:
-    """The model input that marks real tokens (the attention mask), if it has one."""
-    return next((t.name for t in manifest.inputs if "mask" in t.name.lower()), None)
 
 
 def seq_axes(input_shapes: Mapping[str, Sequence[object]]) -> dict[str, int]:
