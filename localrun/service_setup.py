@@ -96,16 +96,22 @@ def ensure_profiles(setup: ServiceSetup, echo=print, *, remeasure: bool = False)
             cmd = [*exitplan_command(), "profile", str(setup.bundle), "--pool", ref.name, "--out", str(cache)]
             done = subprocess.run(cmd, check=False)
             if done.returncode != 0:
-                raise ServiceFileError(
-                    f"profiling the bundle for pool {ref.name!r} failed (exit {done.returncode}): {' '.join(cmd)}"
+                if remeasure or _cached_profile_problem(cache, costs=False) is not None:
+                    raise ServiceFileError(
+                        f"profiling the bundle for pool {ref.name!r} failed (exit {done.returncode}): {' '.join(cmd)}"
+                    )
+                echo(
+                    f"profiling the bundle for pool {ref.name!r} failed (exit {done.returncode}); planning with the "
+                    f"cached profile as it is (the serving path's costs it lacks count as free)"
                 )
         setup.profiles[ref.name] = ModelProfile.model_validate(yaml.safe_load(cache.read_text())).spec
 
 
-def _cached_profile_problem(cache: Path) -> str | None:
+def _cached_profile_problem(cache: Path, *, costs: bool = True) -> str | None:
     """Why the cached profile cannot be used (None: it can): missing, unreadable, one the planner rejects (e.g.
-    measured by an older profiler on a busy machine), or one without the serving path's costs the profiler now
-    measures (a profile written with `--no-serving` included: `exitplan up` and the demo plan with them)."""
+    measured by an older profiler on a busy machine), or (with `costs`) one without the serving path's costs
+    the profiler now measures (a profile written with `--no-serving` included: `exitplan up` and the demo plan
+    with them; where measuring them fails, such a profile is still used as it is)."""
     if not cache.is_file():
         return "no ModelProfile"
     from pydantic import ValidationError
@@ -119,7 +125,7 @@ def _cached_profile_problem(cache: Path) -> str | None:
     except (ValidationError, ProfileError, yaml.YAMLError, AttributeError) as err:
         return f"the cached ModelProfile {cache} cannot be used ({str(err).splitlines()[0]})"
     serving = spec.serving
-    if serving is None or serving.colocated_ms is None or not serving.compute_scale:
+    if costs and (serving is None or serving.colocated_ms is None or not serving.compute_scale):
         missing = (
             "serving"
             if serving is None

@@ -85,3 +85,45 @@ def test_a_cached_profile_from_an_older_profiler_gets_its_scale(digits_bundle, t
     written = ModelProfile.model_validate(yaml.safe_load(cache.read_text())).spec
     assert written.serving is not None and len(written.serving.compute_scale) == 1
     assert setup.profiles["cpu"].serving == written.serving and written.serving.requests >= 100
+
+
+def test_a_cached_profile_without_the_costs_is_used_as_it_is_where_measuring_them_fails(
+    digits_bundle, tmp_path, monkeypatch
+):
+    """No dead end: a valid cached profile that lacks the serving path's costs (`--no-serving`) is measured
+    again; where that fails it is planned with as it is, with a message. An invalid one still stops."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from exitplan.api.bundle import read_manifest
+    from exitplan.api.resources import EarlyExitServiceSpec
+    from exitplan.localrun import service_setup
+    from exitplan.localrun.service_setup import ServiceFileError, ServiceSetup, ensure_profiles
+
+    bundle = tmp_path / "bundle"
+    subprocess.run(["cp", "-r", str(digits_bundle), str(bundle)], check=True)
+    old = profile_bundle(bundle, ProfileOptions(pool="cpu", batch_sizes=(1, 2), repeats=1))
+    cache = bundle / "profiles" / "cpu.yaml"
+    cache.parent.mkdir(exist_ok=True)
+    cache.write_text(yaml.safe_dump(old.model_dump(mode="json", by_alias=True, exclude_none=True)))
+    # a profiler that fails (exit 3), whatever it is asked
+    monkeypatch.setattr(service_setup, "exitplan_command", lambda: [sys.executable, "-c", "raise SystemExit(3)"])
+    spec = EarlyExitServiceSpec.model_validate(
+        {"model": {"name": "digits-cnn", "bundle": str(bundle)}, "slo": {"latencyMs": 100}, "pools": [{"name": "cpu"}]}
+    )
+
+    def setup() -> ServiceSetup:
+        return ServiceSetup("digits", spec, bundle, read_manifest(bundle), {"cpu": GPUPoolSpec(capacity=1)})
+
+    said: list[str] = []
+    kept = setup()
+    ensure_profiles(kept, said.append)
+    assert "no serving)" in said[0] and "failed (exit 3)" in said[1] and "as it is" in said[1], said
+    assert kept.profiles["cpu"].serving is None and kept.profiles["cpu"].blocks == old.spec.blocks
+    with pytest.raises(ServiceFileError, match="failed \\(exit 3\\)"):
+        ensure_profiles(setup(), said.append, remeasure=True)  # asked to measure it: no fallback
+    cache.write_text("kind: ModelProfile\n")  # unreadable as a profile
+    with pytest.raises(ServiceFileError, match="failed \\(exit 3\\)"):
+        ensure_profiles(setup(), said.append)
