@@ -25,9 +25,9 @@ from exitplan.api.bundle import BundleManifest
 from exitplan.api.plan import SplitPlan
 from exitplan.worker.bundle_runtime import mask_input
 
-SEQ_DIM = "seq"
 __all__ = ["SEQ_DIM", "TRIM_STEP", "cut_to", "longest_row", "mask_input", "seq_axes", "trim_length", "trimmed", "trims"]
 
+SEQ_DIM = "seq"
 TRIM_STEP = 8
 """A trimmed batch's length is a multiple of this (or the bucket): fewer distinct shapes, at most 7 pad tokens."""
 
