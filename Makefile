@@ -31,7 +31,7 @@ test: install $(S3_VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -P tools/typecheck.py
-	$(PY) -P -m pytest -q -p no:cacheprovider
+	$(PY) -P -m pytest -q -p no:cacheprovider --durations=30
 
 clean:
 	rm -rf artifacts .pytest_cache
@@ -70,3 +70,11 @@ pin-images:
 .PHONY: peers-venvs
 peers-venvs:
 	bash tools/peers-venvs.sh
+
+# The GPU proof's kit (bench/gpu_kit.py): the CPython 3.12 wheels the GPU machine lacks, the MiniLM bundle and
+# the trace, as parts of at most 56 MiB in .gpu-kit/ (ignored by git); `bench/gpu_kit.py plan` prints which parts
+# each device call carries, and the last call runs `python3 bench/gpu_proof.py --kit .gpu-kit --out $OUT`.
+.PHONY: gpu-kit
+gpu-kit: install
+	test -f artifacts/bundles/minilm/bundle.yaml || $(EXITPLAN) prepare
+	$(PY) -P bench/gpu_kit.py build --bundle artifacts/bundles/minilm --out .gpu-kit

@@ -94,12 +94,31 @@ class DecoderSpec(Model):
     eos_token_id: int | None = None
 
 
+class PrecisionRecord(Model):
+    """How a bundle converted from its fp32 source to the precision it is served in agrees with that source
+    on its held-out data (`exitplan prepare --precision`; re-checked by `exitplan check`)."""
+
+    name: Literal["fp32", "fp16", "bf16"]
+    source_dtype: DType = "float32"
+    final_agreement: Annotated[float, Field(ge=0.0, le=1.0)]
+    """Share of held-out inputs whose final answer is the fp32 chain's."""
+    max_score_diff: Annotated[float, Field(ge=0.0)]
+    """Largest difference of a final softmax score from the fp32 chain's."""
+    ramp_agreement: dict[str, Annotated[float, Field(ge=0.0, le=1.0)]] = Field(default_factory=dict)
+    """Per exit ramp: share of held-out inputs whose ramp answer is the fp32 ramp's."""
+    heldout_rows: Annotated[int, Field(ge=1)]
+    checked_with: str = ""
+    """The ONNX Runtime providers the converted chain ran on for the check."""
+
+
 class BundleManifest(Model):
     name: str
     task: Task
     labels: Annotated[list[str], Field(min_length=2)]
     dtype: DType = "float32"
-    """Dtype of activations between blocks."""
+    """Dtype of activations between blocks (float16 in a bundle served in fp16)."""
+    precision: PrecisionRecord | None = None
+    """Set in a bundle converted from fp32 (`exitplan prepare --precision`): its agreement with the source."""
     inputs: Annotated[list[TensorSpec], Field(min_length=1)]
     blocks: Annotated[list[BlockSpec], Field(min_length=1)]
     ramps: list[RampSpec] = Field(default_factory=list)
@@ -110,6 +129,9 @@ class BundleManifest(Model):
     tokenizer: str | None = None
     """tokenizers JSON file for text tasks, relative to the bundle directory."""
     pad_token_id: int = 0
+    source_output: str | None = None
+    """The source model's output that the final ramp serves (its other outputs are not served):
+    `exitplan check --source` compares the chained answer with this one."""
     data: BundleData = Field(default_factory=BundleData)
     decoder: DecoderSpec | None = None
     """Set for generative (decoder-only) bundles, for early-exit generation: the KV cache layout and tokenizer."""

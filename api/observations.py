@@ -6,6 +6,9 @@ that ended at `until`; the router keeps the last complete window and the one in 
 
 from __future__ import annotations
 
+import bisect
+import math
+from collections.abc import Sequence
 from typing import Annotated
 
 from pydantic import Field
@@ -60,6 +63,36 @@ class BucketObservations(Model):
     each second, times the interval; / (until - since) is the mean capacity in use."""
 
 
+LATENCY_EDGES_MS: tuple[float, ...] = tuple(round(0.5 * 1.1**i, 4) for i in range(131))
+"""Upper edges of the latency histogram's buckets, 0.5 ms to about 127 s, 10 % apart (a quantile read
+from it is within 10 % of the exact one); one more bucket holds the answers above the last edge."""
+
+
+def latency_bucket_counts(latencies_ms: Sequence[float]) -> list[int]:
+    """`latencies_ms` counted per bucket of LATENCY_EDGES_MS (len(LATENCY_EDGES_MS) + 1 entries)."""
+    counts = [0] * (len(LATENCY_EDGES_MS) + 1)
+    for ms in latencies_ms:
+        counts[bisect.bisect_left(LATENCY_EDGES_MS, ms)] += 1
+    return counts
+
+
+def histogram_quantile_ms(counts: Sequence[int], q: float) -> float:
+    """The `q` quantile of a latency histogram over LATENCY_EDGES_MS (linear within the bucket that holds
+    it; the last edge for the open bucket above it); 0 when it is empty."""
+    total = sum(counts)
+    if total <= 0:
+        return 0.0
+    rank, seen = q * total, 0
+    for i, c in enumerate(counts):
+        if c and seen + c >= rank:
+            if i >= len(LATENCY_EDGES_MS):
+                return LATENCY_EDGES_MS[-1]
+            low = LATENCY_EDGES_MS[i - 1] if i else 0.0
+            return low + (LATENCY_EDGES_MS[i] - low) * max(0.0, rank - seen) / c
+        seen += c
+    return LATENCY_EDGES_MS[-1]
+
+
 class Observations(Model):
     service: str
     model: str
@@ -82,6 +115,9 @@ class Observations(Model):
     length_histogram: list[int] = Field(default_factory=list)
     """Requests per ideal bucket (the smallest bucket that holds the input)."""
     latency: LatencySummary = Field(default_factory=LatencySummary)
+    latency_histogram: list[int] = Field(default_factory=list)
+    """Answers per latency bucket (LATENCY_EDGES_MS; empty from a router that does not count them): what
+    lets the operator merge routers' and consecutive windows' p99 from their counts (operator/drift.py)."""
     load: dict[str, float] = Field(default_factory=dict)
     """Per bucket (as a string key): outstanding inputs / capacity at the end of the window."""
     per_bucket: dict[str, BucketObservations] = Field(default_factory=dict)
@@ -96,3 +132,32 @@ class Observations(Model):
     thresholds: dict[str, float] = Field(default_factory=dict)
     """The thresholds in force at the end of the window."""
     plan_hash: str = ""
+
+
+def overall_agreement(
+    exit_counts: Sequence[int], agree: Sequence[int], samples: Sequence[int]
+) -> tuple[float, float, float]:
+    """(estimate, low, high) of all answers' agreement with the full model: per exit ramp its shadow
+    agreement (Wilson interval) weighted by the answers it gave; the final head's (the last exit count)
+    agree by definition. (1, 1, 1) with no answers."""
+    total = sum(exit_counts)
+    overall = low = high = 1.0
+    if total:
+        for r in range(len(agree)):
+            share = exit_counts[r] / total
+            p, lo, hi = wilson(int(agree[r]), int(samples[r]))
+            overall -= share * (1 - p)
+            low -= share * (1 - lo)
+            high -= share * (1 - hi)
+    return float(overall), float(low), float(high)
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float, float]:
+    """(estimate, low, high) of a proportion: the Wilson score interval; (1, 0, 1) with no samples."""
+    if n <= 0:
+        return 1.0, 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return p, float(max(0.0, centre - half)), float(min(1.0, centre + half))

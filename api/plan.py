@@ -79,6 +79,10 @@ class Plan(Model):
     thresholds: dict[str, float] = Field(default_factory=dict)
     """Exit threshold per ramp name; a ramp exits an input whose confidence is >= its threshold.
     A threshold above 1 disables the ramp. Ramps not named here do not exit."""
+    thresholds_version: int = Field(default=0, ge=0)
+    """The version of `thresholds` (`worker_image/threshold_set.py`): the tuner and the operator write the
+    live thresholds into the plan with theirs; 0: a plan's own thresholds (a new plan). Not part of the
+    plan's hash (the values are)."""
     survival: list[float] = Field(default_factory=list)
     """The survival curve (per exit ramp) the plan was sized for."""
     length_histogram: list[float] = Field(default_factory=list)
@@ -114,7 +118,9 @@ class Plan(Model):
 
     def content_hash(self) -> str:
         """Stable short hash of what the data plane runs (annotation exitplan.io/plan-hash)."""
-        body = self.model_dump(by_alias=True, mode="json", exclude={"prediction", "reason", "routers"})
+        body = self.model_dump(
+            by_alias=True, mode="json", exclude={"prediction", "reason", "routers", "thresholds_version"}
+        )
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
     def to_json(self) -> str:

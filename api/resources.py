@@ -71,6 +71,12 @@ class GPUPoolSpec(Model):
     runs them (it sets this to the machine's cores for CPU pools that leave it unset). The planner caps
     the goodput it predicts at what those cores can compute. Unset: each worker replica has its own
     accelerator, and host cores are no limit."""
+    shared_devices: Annotated[int, Field(ge=1, le=100000)] | None = None
+    """Accelerators that this pool's `capacity` worker processes share, each time-sliced between the processes
+    that run on it (several runtimes on one GPU, as Arlo packs its per-bucket runtimes): `capacity` then counts
+    worker processes, not accelerators, and the planner caps the goodput it predicts at what these devices
+    can compute (their time shared by every batch of the pool). Unset: each worker replica has an accelerator
+    of its own. Needs a gpuResource; each process asks for it (a device plugin that shares GPUs, or MPS)."""
     cpu: str = "2"
     """CPU request of a worker pod on this pool."""
     memory: str = "4Gi"
@@ -83,6 +89,26 @@ class GPUPoolSpec(Model):
     image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
     """Secrets of the service's namespace for pulling this pool's images, added to the chart's
     dataPlane.imagePullSecrets."""
+
+    @property
+    def process_memory_bytes(self) -> int:
+        """The accelerator memory one worker process may hold: `memoryBytes`, or with `sharedDevices` that memory
+        split between the processes packed on one device (`capacity` processes over `sharedDevices` devices,
+        rounded up: the fullest device), so that every process of a shared device fits beside the others."""
+        if self.shared_devices is None:
+            return self.memory_bytes
+        return self.memory_bytes // -(-max(self.capacity, 1) // self.shared_devices)
+
+    @model_validator(mode="after")
+    def _devices_need_a_gpu(self) -> GPUPoolSpec:
+        if self.shared_devices is not None and not self.gpu_resource:
+            raise ValueError("sharedDevices needs a gpuResource (worker processes sharing CPU cores: sharedCores)")
+        if self.shared_devices is not None and self.shared_devices > max(self.capacity, 1):
+            raise ValueError(
+                f"sharedDevices ({self.shared_devices}) is more than the worker processes of the pool (capacity "
+                f"{self.capacity}); every shared device runs at least one process"
+            )
+        return self
 
 
 # ---------------------------------------------------------------- EarlyExitService (namespaced)
@@ -111,6 +137,11 @@ class ModelRef(Model):
     bundle_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
     """sha256 of a tarball bundle (https:// and http://, where it is required; s3://.../x.tar.gz):
     `exitplan bundle push` prints it."""
+    bundle_size: Annotated[int, Field(ge=1)] | None = None
+    """Bytes the bundle unpacks to (`exitplan bundle push` prints it): storage-init refuses a remote bundle
+    bigger than this, and the pods' bundle emptyDir (sizeLimit) and ephemeral-storage requests and limits
+    are sized from it. Unset: the operator's default limit (env EXITPLAN_BUNDLE_MAX_BYTES, 20 GiB) bounds
+    the volume and the pods request no storage for the bundle."""
     task: Task = Task.text_classification
 
     @model_validator(mode="after")
@@ -323,6 +354,11 @@ class ModelProfileSpec(Model):
     """Bytes per sample entering the first block, per entry of seqLens."""
     measured_on: str = ""
     """Free text: the machine and runtime that measured the profile."""
+    providers: list[str] = Field(default_factory=list)
+    """The ONNX Runtime execution providers the measured sessions ran on, the first the one that ran their
+    nodes (`exitplan profile` records them; empty in a profile written by hand or derived from tables). A
+    pool that asks for accelerators (a gpuResource) refuses a profile measured on the CPU provider, and a
+    pool of CPU cores one measured on a GPU's, with the reason (planner/costmodel.py `check_device`)."""
     serving: ServingCosts | None = None
     """The serving path's own costs on the profiled machine (absent: not measured; counted as free)."""
 

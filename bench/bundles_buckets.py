@@ -25,7 +25,7 @@ from rich.table import Table
 from tokenizers import Tokenizer
 
 from exitplan.api.bundle import read_manifest
-from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, pad_batch
+from exitplan.worker_image.bundle_runtime import BundleRuntime, bucket_for, pad_batch
 
 
 def dynamic_sessions(bundle: Path) -> list[ort.InferenceSession]:

@@ -74,7 +74,7 @@ from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.localrun.deployment import LocalDeployment
-from exitplan.worker.bundle_runtime import BundleRuntime, pad_batch
+from exitplan.worker_image.bundle_runtime import BundleRuntime, pad_batch
 
 
 def main() -> None:
@@ -336,7 +336,7 @@ _HOOKS = textwrap.dedent("""
         import json
         import time
         import aiohttp.web_protocol as web_protocol
-        from exitplan.worker.classify import executor, forward, requests, router_app, wire, worker_app
+        from exitplan.worker_image.classify import executor, forward, requests, router_app, wire, worker_app
         MARKS = []
 
         def mark(name):
@@ -475,8 +475,8 @@ def _floor_framed(on_frame):
 
 def _floor_worker(port: int, bundle: str, runtime_kw: dict) -> None:
     """Decode a frame, run the same ORT calls, answer a frame with the compute time."""
-    from exitplan.worker import wire
-    from exitplan.worker.serve import new_loop
+    from exitplan.worker_image import wire
+    from exitplan.worker_image.serve import new_loop
 
     runtime = BundleRuntime(bundle, threads=1, **runtime_kw)
 
@@ -497,8 +497,8 @@ def _floor_proxy(port: int, worker_port: int, state: dict) -> None:
 
     import orjson
 
-    from exitplan.worker import wire
-    from exitplan.worker.serve import new_loop
+    from exitplan.worker_image import wire
+    from exitplan.worker_image.serve import new_loop
 
     loop = new_loop()
 

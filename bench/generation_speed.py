@@ -33,8 +33,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from exitplan.worker.generate.decoder import DecoderModel, RecomputeEngine, full_greedy
-from exitplan.worker.generate.local_pipeline import PipelineEngine
+from exitplan.worker_image.generate.decoder import DecoderModel, RecomputeEngine, full_greedy
+from exitplan.worker_image.generate.local_pipeline import PipelineEngine
 
 
 def bits_per_byte(model: DecoderModel, texts: list[str], thresholds: list[float]) -> dict[float, float]:
@@ -204,7 +204,7 @@ def main() -> None:
     engines = {"recompute": recompute, "pipeline": pipeline}
     stage_procs = []
     if args.remote:
-        from exitplan.worker.generate.remote_pipeline import RemotePipelineEngine
+        from exitplan.worker_image.generate.remote_pipeline import RemotePipelineEngine
 
         stage_procs, urls = start_stages(args.bundle, pipeline.splits)
         engines["pipeline-remote"] = RemotePipelineEngine(args.bundle, urls)

@@ -48,7 +48,7 @@ from exitplan.localrun.service_setup import tuned_thresholds
 from exitplan.planner.tuning.autotune import LIVE
 from exitplan.planner.tuning.thresholds import FeedbackWindow, allowed_disagreements, outcome
 from exitplan.prepare.datasets import load_tweets, tweet_splits
-from exitplan.worker.bundle_runtime import BundleRuntime, pad_batch, softmax
+from exitplan.worker_image.bundle_runtime import BundleRuntime, pad_batch, softmax
 
 BUCKETS = [32, 128]
 

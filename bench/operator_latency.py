@@ -30,28 +30,28 @@ from test_operator_integration import ObservationServer, publish_endpoint, windo
 from test_operator_support import ClusterThread, install_profiles, pool, service, wait_for  # noqa: E402
 
 from exitplan.api.plan import Plan  # noqa: E402
-from exitplan.operator import builders  # noqa: E402
+from exitplan.operator import names  # noqa: E402
 
 
 def children_complete(cluster: ClusterThread, ns: str, name: str) -> bool:
-    cm = cluster.get("ConfigMap", ns, builders.plan_configmap_name(name))
+    cm = cluster.get("ConfigMap", ns, names.plan_configmap_name(name))
     if not cm:
         return False
     plan = Plan.model_validate_json(cm["data"]["plan.json"])
     deps = {d["metadata"]["name"] for d in cluster.list("Deployment", ns)}
     svcs = {s["metadata"]["name"] for s in cluster.list("Service", ns)}
-    want_deps = {builders.worker_name(name, c) for c in plan.cells} | {builders.router_name(name)}
-    want_svcs = {builders.dns_name(name)} | {builders.split_service_name(name, s.index) for s in plan.splits}
+    want_deps = {names.worker_name(name, c) for c in plan.cells} | {names.router_name(name)}
+    want_svcs = {names.dns_name(name)} | {names.split_service_name(name, s.index) for s in plan.splits}
     return want_deps <= deps and want_svcs <= svcs
 
 
 def replan_applied(cluster: ClusterThread, ns: str, name: str) -> bool:
-    cm = cluster.get("ConfigMap", ns, builders.plan_configmap_name(name))
+    cm = cluster.get("ConfigMap", ns, names.plan_configmap_name(name))
     plan = Plan.model_validate_json(cm["data"]["plan.json"])
     if plan.reason != "length-drift":
         return False
     deps = {d["metadata"]["name"]: d["spec"]["replicas"] for d in cluster.list("Deployment", ns)}
-    return all(deps.get(builders.worker_name(name, c)) == c.replicas for c in plan.cells)
+    return all(deps.get(names.worker_name(name, c)) == c.replicas for c in plan.cells)
 
 
 def main() -> None:

@@ -63,7 +63,7 @@ def load_onnx_full():
 def check_composed(bundle: Path, model: Path, texts: list[str], threads: int = 1) -> float:
     """The largest absolute difference between the composed model's logits and the bundle chain's
     final-head logits (`BundleRuntime`, no exits) on `texts`, each run alone; AssertionError past 1e-4."""
-    from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, pad_batch
+    from exitplan.worker_image.bundle_runtime import BundleRuntime, bucket_for, pad_batch
 
     onnx_full = load_onnx_full()
     full = onnx_full.FullModel(model, threads)

@@ -13,6 +13,11 @@ three times, with one event a third of the way into each run:
    (`transport` errors). Expected: only requests in flight at the kill fail, none sent after it.
 3. SIGKILL to one worker replica: the router retries its inputs on the other replica of the hop and
    the supervisor restarts it. Expected: no request without an answer.
+4. SIGSTOP to one worker replica for `--stop-s` seconds (5), then SIGCONT: the process holds its
+   connections and answers nothing. The router sends a frame that got no answer within the hedge
+   bound to the other replica too and takes the stalled one out of rotation until it answers its
+   health check (worker_image/hop_client.py, peer_choice.py). Expected: at most 0.5 % errors, none
+   without an answer.
 
 Between runs every process is back and every router ready. Prints, per run: requests, results,
 errors by kind, requests without an answer (transport + lost), requests in flight at the event
@@ -20,6 +25,7 @@ errors by kind, requests without an answer (transport + lost), requests in fligh
 sent after the event.
 
     python bench/restarts.py [--bundle artifacts/bundles/minilm] [--load 0.5] [--duration 30] [--rps R]
+                             [--events sigterm,sigkill-router,sigkill-worker,sigstop] [--stop-s 5]
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -46,11 +53,12 @@ from exitplan.client.texts import build_inputs
 from exitplan.localrun.deployment import LocalDeployment
 from exitplan.localrun.service_setup import ServiceSetup, single_split_plan, tuned_thresholds
 
-EVENTS = (
-    ("SIGTERM router-0", "router-0", signal.SIGTERM),
-    ("SIGKILL router-0", "router-0", signal.SIGKILL),
-    ("SIGKILL a worker", "worker-", signal.SIGKILL),
-)
+EVENTS = {
+    "sigterm": ("SIGTERM router-0", "router-0", signal.SIGTERM),
+    "sigkill-router": ("SIGKILL router-0", "router-0", signal.SIGKILL),
+    "sigkill-worker": ("SIGKILL a worker", "worker-", signal.SIGKILL),
+    "sigstop": ("SIGSTOP a worker", "worker-", signal.SIGSTOP),
+}
 SLACK_S = 0.05
 """How far the event's time in the run may be off (the run's clock starts a few ms after ours)."""
 
@@ -73,7 +81,9 @@ def wait_all_serving(dep: LocalDeployment, timeout_s: float = 300.0) -> None:
     raise RuntimeError("the deployment did not come back: " + json.dumps(dep.describe()))
 
 
-async def run_with_event(dep: LocalDeployment, model: str, bodies, arrivals, at_s: float, target: str, sig) -> dict:
+async def run_with_event(
+    dep: LocalDeployment, model: str, bodies, arrivals, at_s: float, target: str, sig, stop_s: float = 5.0
+) -> dict:
     victim = next(p for p in dep.procs if p.name.startswith(target))
     pid = victim.popen.pid
 
@@ -81,6 +91,9 @@ async def run_with_event(dep: LocalDeployment, model: str, bodies, arrivals, at_
         await asyncio.sleep(at_s)  # replay's clock starts a few ms after this one (SLACK_S)
         held = await asyncio.to_thread(router_inflight, victim.address) if target.startswith("router") else None
         os.kill(pid, sig)
+        if sig == signal.SIGSTOP:  # stalled, not gone: it holds its connections and answers nothing
+            await asyncio.sleep(stop_s)
+            os.kill(pid, signal.SIGCONT)
         return held
 
     fired = asyncio.create_task(event())
@@ -107,6 +120,7 @@ def summary(outcomes: list[Outcome], at_s: float, victim: str) -> dict:
         for k in ("ok", "overload", "bad_request", "server_error", "transport", "lost", "invalid")
     }
     failed = [o for o in outcomes if o.kind != "ok"]
+    answered = [o.done_s - o.sent_s for o in outcomes if o.kind == "ok" and o.done_s is not None]
     in_flight = [o for o in outcomes if o.sent_s <= at_s + SLACK_S and (o.done_s is None or o.done_s >= at_s - SLACK_S)]
     return {
         "victim": victim,
@@ -116,6 +130,7 @@ def summary(outcomes: list[Outcome], at_s: float, victim: str) -> dict:
         "in_flight_at_event": len(in_flight),
         "failed_in_flight_at_event": sum(o in in_flight for o in failed),
         "failed_sent_after_event": sum(o.sent_s > at_s + SLACK_S for o in failed),
+        "p99_ms": round(1000 * float(np.percentile(answered, 99)), 1) if answered else None,
         "errors": sorted({f"{o.kind} {o.status or ''} {o.error[:80]}".strip() for o in failed})[:5],
     }
 
@@ -131,6 +146,8 @@ def main() -> None:
     ap.add_argument("--rps", type=float, default=None, help="offered load in requests/s (skips the capacity search)")
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--port", type=int, default=18680)
+    ap.add_argument("--events", default=",".join(EVENTS), help=f"which events, in order (of {', '.join(EVENTS)})")
+    ap.add_argument("--stop-s", type=float, default=5.0, help="how long SIGSTOP holds the worker")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     console = Console(width=200)
@@ -168,10 +185,12 @@ def main() -> None:
             info = bench.info
             window = schedule(args.trace, max_length=max(info.buckets), rps=rps, duration=args.duration).trace
             inputs = build_inputs(bench.pool, window.lengths, max_length=max(info.buckets), references=bench.references)
-            for name, target, sig in EVENTS:
+            for key in args.events.split(","):
+                name, target, sig = EVENTS[key.strip()]
                 wait_all_serving(dep)
+                at_s = args.duration / 3
                 result = asyncio.run(
-                    run_with_event(dep, manifest.name, inputs.bodies, window.timestamps, args.duration / 3, target, sig)
+                    run_with_event(dep, manifest.name, inputs.bodies, window.timestamps, at_s, target, sig, args.stop_s)
                 )
                 rows.append((name, result))
             wait_all_serving(dep)
@@ -179,7 +198,7 @@ def main() -> None:
     table = Table(
         title=f"{manifest.name}: restarts at {rps:.1f} rps offered ({args.duration:g} s runs, event at {args.duration / 3:g} s)"
     )
-    columns = ("event", "requests", "results", "overload", "5xx", "transport", "lost")
+    columns = ("event", "requests", "results", "errors %", "p99 ms", "overload", "5xx", "transport", "lost")
     columns += ("in flight at event", "victim's inputs in flight", "failed (in flight)", "failed (sent after)")
     for col in columns:
         table.add_column(col, justify="right")
@@ -188,6 +207,8 @@ def main() -> None:
             name,
             str(r["requests"]),
             str(r["ok"]),
+            f"{100 * (r['requests'] - r['ok']) / max(r['requests'], 1):.2f}",
+            str(r["p99_ms"]),
             str(r["overload"]),
             str(r["server_error"]),
             str(r["transport"]),

@@ -26,9 +26,9 @@ import numpy as np
 from exitplan.api.bundle import read_manifest
 from exitplan.client.texts import build_inputs, load_pool
 from exitplan.localrun.service_setup import trace_lengths
-from exitplan.worker.bundle_runtime import BundleRuntime, default_buckets
-from exitplan.worker.classify.decode import decode_inputs, parse_request
-from exitplan.worker.classify.trim import TRIM_STEP, longest_row, trimmed
+from exitplan.worker_image.bundle_runtime import BundleRuntime, default_buckets
+from exitplan.worker_image.classify.decode import decode_inputs, parse_request
+from exitplan.worker_image.classify.trim import TRIM_STEP, longest_row, trimmed
 
 
 def main() -> None:

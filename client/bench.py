@@ -12,9 +12,10 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 
@@ -49,7 +50,8 @@ class ModelInfo:
 
 def _get(url: str, timeout: float = 10.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return resp.read()
+        body: bytes = resp.read()
+        return body
 
 
 def model_info(url: str, model: str) -> ModelInfo:
@@ -89,16 +91,17 @@ def _router_slo_ms(base: str) -> float | None:
     return None
 
 
-def router_observations(url: str, token: str | None = None) -> dict | None:
+def router_observations(url: str, token: str | None = None) -> dict[str, Any] | None:
     """The router's observation window in progress, from its control endpoints at `url` with the
     service's control `token` (best effort: None when it cannot be read)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     request = urllib.request.Request(f"{url.rstrip('/')}/v1/observations?window=current", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=5.0) as resp:
-            return json.loads(resp.read())
+            doc = json.loads(resp.read())
     except (urllib.error.URLError, OSError, ValueError):
         return None
+    return doc if isinstance(doc, dict) else None
 
 
 # ---------------------------------------------------------------------------- the trace
@@ -261,7 +264,7 @@ def _checked_slo(info: ModelInfo, slo_ms: float | None, timeout_s: float) -> flo
     return slo
 
 
-def _inputs_summary(window: Trace, inputs: RequestInputs, pool: HeldoutPool) -> dict:
+def _inputs_summary(window: Trace, inputs: RequestInputs, pool: HeldoutPool) -> dict[str, Any]:
     """How well the sent inputs match the trace window's lengths (the report's `run.inputs`)."""
     return {
         "target_length_mean": float(window.lengths.mean()),
@@ -273,37 +276,92 @@ def _inputs_summary(window: Trace, inputs: RequestInputs, pool: HeldoutPool) -> 
     }
 
 
+class ReplayOptions(TypedDict, total=False):
+    """How a run sends and judges its requests: the keyword arguments that `run_bench`, `run_bench_async`
+    and `find_capacity` take (each one's default and meaning: `RunOptions`)."""
+
+    slo_ms: float | None
+    seed: int
+    length_mode: LengthMode
+    reference_max: int | None
+    timeout_s: float
+    progress: bool
+    binary: bool
+
+
+class WindowOptions(ReplayOptions, total=False):
+    """`ReplayOptions` and the window of the trace a run replays: `run_bench`'s keyword arguments."""
+
+    rps: float | None
+    speed: float
+    start: float
+    duration: float | None
+    limit: int | None
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """One run's options with their defaults (`WindowOptions` given, the rest as here)."""
+
+    rps: float | None = None
+    """Rescale the trace window to this mean rate (else `speed` speeds its clock up)."""
+    speed: float = 1.0
+    start: float = 0.0
+    """Seconds into the trace (after the speed-up) where the window starts."""
+    duration: float | None = None
+    """The window's length in seconds (after the speed-up)."""
+    limit: int | None = None
+    """At most this many requests."""
+    slo_ms: float | None = None
+    """The SLO the run is judged by (default: the router's own)."""
+    seed: int = 0
+    length_mode: LengthMode = "scale"
+    """How trace lengths fit the router's largest bucket: "scale" (the trace's longest input, or
+    `reference_max` tokens, maps onto it) or "clip" (lengths are capped)."""
+    reference_max: int | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    progress: bool = False
+    binary: bool = False
+    """Send the inputs as binary tensors (the Open Inference Protocol's binary tensor extension)."""
+
+    def run_record(self, window: Trace, plan: Schedule, info: ModelInfo) -> dict[str, Any]:
+        """How the run was set up (the report's `run`), without its inputs."""
+        return {
+            "trace": window.source,
+            "trace_name": Path(window.source).name,
+            "length_mode": self.length_mode,
+            "reference_max": self.reference_max,
+            "speed": plan.speed,
+            "target_rps": self.rps,
+            "start_s": self.start,
+            "duration_s": self.duration,
+            "limit": self.limit,
+            "window_s": plan.window_s,
+            "seed": self.seed,
+            "timeout_s": self.timeout_s,
+            "binary": self.binary,
+            "buckets": info.buckets,
+        }
+
+
 async def run_bench_async(
-    setup: BenchSetup,
-    trace: str | Path | None = None,
-    *,
-    rps: float | None = None,
-    speed: float = 1.0,
-    start: float = 0.0,
-    duration: float | None = None,
-    limit: int | None = None,
-    slo_ms: float | None = None,
-    seed: int = 0,
-    length_mode: LengthMode = "scale",
-    reference_max: int | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    progress: bool = False,
-    binary: bool = False,
+    setup: BenchSetup, trace: str | Path | None = None, **options: Unpack[WindowOptions]
 ) -> BenchReport:
     """One open-loop run with `setup`'s router and held-out texts; see `run_bench`."""
+    opts = RunOptions(**options)
     info = setup.info
-    slo = _checked_slo(info, slo_ms, timeout_s)
+    slo = _checked_slo(info, opts.slo_ms, opts.timeout_s)
     plan = await asyncio.to_thread(
         schedule,
         trace,
         max_length=max(info.buckets),
-        length_mode=length_mode,
-        reference_max=reference_max,
-        rps=rps,
-        speed=speed,
-        start=start,
-        duration=duration,
-        limit=limit,
+        length_mode=opts.length_mode,
+        reference_max=opts.reference_max,
+        rps=opts.rps,
+        speed=opts.speed,
+        start=opts.start,
+        duration=opts.duration,
+        limit=opts.limit,
     )
     window = plan.trace
     inputs = await asyncio.to_thread(  # may run the full model on concatenations: off the event loop
@@ -311,31 +369,15 @@ async def run_bench_async(
         setup.pool,
         window.lengths,
         max_length=max(info.buckets),
-        seed=seed,
+        seed=opts.seed,
         references=setup.references,
-        progress=progress,
-        binary=binary,
+        progress=opts.progress,
+        binary=opts.binary,
     )
     outcomes = await _replay_with_progress(
-        info, inputs.bodies, window.timestamps, timeout_s, progress, inputs.headers or None
+        info, inputs.bodies, window.timestamps, opts.timeout_s, opts.progress, inputs.headers or None
     )
-    run = {
-        "trace": window.source,
-        "trace_name": Path(window.source).name,
-        "length_mode": length_mode,
-        "reference_max": reference_max,
-        "speed": plan.speed,
-        "target_rps": rps,
-        "start_s": start,
-        "duration_s": duration,
-        "limit": limit,
-        "window_s": plan.window_s,
-        "seed": seed,
-        "timeout_s": timeout_s,
-        "binary": binary,
-        "buckets": info.buckets,
-        "inputs": _inputs_summary(window, inputs, setup.pool),
-    }
+    run = {**opts.run_record(window, plan, info), "inputs": _inputs_summary(window, inputs, setup.pool)}
     report = summarize(
         outcomes,
         inputs.reference,
@@ -352,7 +394,12 @@ async def run_bench_async(
 
 
 async def _replay_with_progress(
-    info: ModelInfo, bodies, arrivals, timeout_s: float, progress: bool, headers=None
+    info: ModelInfo,
+    bodies: Sequence[bytes],
+    arrivals: np.ndarray,
+    timeout_s: float,
+    progress: bool,
+    headers: Sequence[Mapping[str, str]] | None = None,
 ) -> list[Outcome]:
     if not progress:
         return await replay(info.url, info.model, bodies, arrivals, timeout_s=timeout_s, headers=headers)
@@ -367,12 +414,12 @@ async def _replay_with_progress(
         TextColumn("ok {task.fields[ok]}  errors {task.fields[err]}  lost {task.fields[lost]}"),
     ]
     with Progress(*columns, transient=False) as bar:
-        task = bar.add_task(f"replaying {len(bodies)} requests", total=len(bodies), **counts)
+        task = bar.add_task(f"replaying {len(bodies)} requests", total=len(bodies), ok=0, err=0, lost=0)
 
         def done(outcome: Outcome) -> None:
             key = "ok" if outcome.kind == "ok" else "lost" if outcome.kind == "lost" else "err"
             counts[key] += 1
-            bar.update(task, advance=1, **counts)
+            bar.update(task, advance=1, ok=counts["ok"], err=counts["err"], lost=counts["lost"])
 
         return await replay(info.url, info.model, bodies, arrivals, timeout_s=timeout_s, on_done=done, headers=headers)
 
@@ -383,19 +430,8 @@ def run_bench(
     bundle: str | Path,
     trace: str | Path | None = None,
     *,
-    rps: float | None = None,
-    speed: float = 1.0,
-    start: float = 0.0,
-    duration: float | None = None,
-    limit: int | None = None,
-    slo_ms: float | None = None,
-    seed: int = 0,
-    length_mode: LengthMode = "scale",
-    reference_max: int | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    progress: bool = False,
     setup: BenchSetup | None = None,
-    binary: bool = False,
+    **options: Unpack[WindowOptions],
 ) -> BenchReport:
     """One open-loop run of `trace` (default: the shared Azure trace) against the router at `url`.
 
@@ -406,26 +442,10 @@ def run_bench(
     router's own SLO. `setup` (from `BenchSetup.connect`) reuses the tokenized held-out texts and the
     full model's answers for concatenations across runs (the router's metadata is read again each run).
     `binary` sends the inputs as binary tensors (the Open Inference Protocol's binary tensor extension).
+    The options and their defaults: `RunOptions`.
     """
     setup = setup.retarget(url, model) if setup is not None else BenchSetup.connect(url, model, bundle)
-    return asyncio.run(
-        run_bench_async(
-            setup,
-            trace,
-            rps=rps,
-            speed=speed,
-            start=start,
-            duration=duration,
-            limit=limit,
-            slo_ms=slo_ms,
-            seed=seed,
-            length_mode=length_mode,
-            reference_max=reference_max,
-            timeout_s=timeout_s,
-            progress=progress,
-            binary=binary,
-        )
-    )
+    return asyncio.run(run_bench_async(setup, trace, **options))
 
 
 # ---------------------------------------------------------------------------- capacity
@@ -445,15 +465,9 @@ def find_capacity(
     step_duration: float = 10.0,
     max_steps: int = 10,
     target: float = TARGET,
-    slo_ms: float | None = None,
-    seed: int = 0,
-    length_mode: LengthMode = "scale",
-    reference_max: int | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    progress: bool = False,
-    binary: bool = False,
     on_step: Callable[[CapacityStep], None] | None = None,
     settle_s: float = 0.0,
+    **options: Unpack[ReplayOptions],
 ) -> CapacityResult:
     """The capacity within the SLO: the highest offered rate at which at least `target` (99 %) of the
     requests finish within it, over a step and over its last third (errors and lost requests are misses).
@@ -466,28 +480,14 @@ def find_capacity(
     follow `settle_s` seconds of the trace at a rate that passed (half the first step's before any did),
     not counted: the service recovers from the miss before the next rate is judged.
     """
-    setup = setup.retarget(url, model) if setup is not None else BenchSetup.connect(url, model, bundle)
+    connected = setup.retarget(url, model) if setup is not None else BenchSetup.connect(url, model, bundle)
     if start_rps <= 0 or step_duration <= 0 or max_steps < 1 or settle_s < 0:
         raise BenchError("start_rps and step_duration must be > 0, max_steps >= 1 and settle_s >= 0")
     if not 0 < min_rps <= max_rps or resolution <= 0 or not 0 < target <= 1:
         raise BenchError("need 0 < min_rps <= max_rps, resolution > 0 and a target share within (0, 1]")
 
     def probe(rps: float, duration: float = step_duration) -> BenchReport:
-        return asyncio.run(
-            run_bench_async(
-                setup,
-                trace,
-                rps=rps,
-                duration=duration,
-                slo_ms=slo_ms,
-                seed=seed,
-                length_mode=length_mode,
-                reference_max=reference_max,
-                timeout_s=timeout_s,
-                progress=progress,
-                binary=binary,
-            )
-        )
+        return asyncio.run(run_bench_async(connected, trace, rps=rps, duration=duration, **options))
 
     return search_capacity(
         probe,

@@ -23,8 +23,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from exitplan.client.report import BenchReport
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 TARGET = 0.99
 """The share of requests that must finish within the SLO, over a step and over its last third."""
@@ -66,7 +70,7 @@ class CapacityResult:
         passed = [s for s in self.steps if s.passed]
         return max(passed, key=lambda s: s.rps).report if passed else None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "capacity_rps": self.capacity_rps,
             "failed_rps": self.failed_rps,
@@ -76,7 +80,7 @@ class CapacityResult:
             "steps": [{**s.report.to_dict(), "target_rps": s.rps, "passed": s.passed} for s in self.steps],
         }
 
-    def table(self):
+    def table(self) -> Table:
         from rich.table import Table
 
         slo = f" {self.steps[0].report.slo_ms:g} ms" if self.steps else ""
@@ -155,9 +159,9 @@ def _next_rate(
     resolution: float,
 ) -> float | None:
     """The next rate to try, or None when the search is over."""
-    if low is None and high is None:
-        return min(max(start, floor), ceiling)
     if high is None:
+        if low is None:
+            return min(max(start, floor), ceiling)
         return None if low.rps >= ceiling else min(2 * low.rps, ceiling)
     if low is None:
         return None if high.rps <= floor else max(high.rps / 2, floor)

@@ -23,6 +23,7 @@ import gc
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -53,7 +54,7 @@ class Outcome:
     def latency_s(self) -> float | None:
         return None if self.done_s is None else self.done_s - self.sent_s
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "latency_s": self.latency_s}
 
 
@@ -133,7 +134,7 @@ async def replay(
     url: str,
     model: str,
     bodies: Sequence[bytes],
-    arrivals: Sequence[float],
+    arrivals: Sequence[float] | np.ndarray,
     *,
     timeout_s: float = 30.0,
     on_done: Callable[[Outcome], object] | None = None,

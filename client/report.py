@@ -21,10 +21,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from exitplan.client.loadgen import ERROR_KINDS, Outcome
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 PERCENTILES = (50, 95, 99)
 
@@ -82,9 +86,9 @@ class BenchReport:
     last_third_within_slo_share: float | None = None
     """The same over the requests scheduled in the last third of the arrival window (None: none there)."""
     error_samples: dict[str, list[str]] = field(default_factory=dict)
-    run: dict = field(default_factory=dict)
+    run: dict[str, Any] = field(default_factory=dict)
     """How the run was set up: trace, length mode, speed or rps, seed, window, inputs."""
-    router: dict | None = None
+    router: dict[str, Any] | None = None
     """The router's own /v1/observations for the window in progress at the end (when reachable)."""
 
     @property
@@ -104,7 +108,7 @@ class BenchReport:
     def agreement_drop(self) -> float | None:
         return None if self.agreement is None else 1.0 - self.agreement
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["error_total"] = self.error_total
         out["accounted"] = self.accounted
@@ -113,7 +117,7 @@ class BenchReport:
 
     # ------------------------------------------------------------------ display
 
-    def tables(self) -> list:
+    def tables(self) -> list[Table]:
         from rich.table import Table
 
         def ms(v: float | None) -> str:
@@ -184,7 +188,7 @@ def summarize(
     model: str = "",
     ramp_order: Sequence[str] = (),
     window_s: float | None = None,
-    run: dict | None = None,
+    run: dict[str, Any] | None = None,
     samples_per_kind: int = 3,
 ) -> BenchReport:
     """The report of a run: `outcomes[i]` answers request `outcomes[i].index`, checked against `reference`/`truth`.
@@ -202,13 +206,13 @@ def summarize(
     n = len(outcomes)
     slo_s = slo_ms / 1000.0
     ok = [o for o in outcomes if o.kind == "ok"]
-    latencies = [o.latency_s for o in ok]
-    within = sum(1 for lat in latencies if lat is not None and lat <= slo_s)
+    latencies = [lat for o in ok if (lat := o.latency_s) is not None]  # every answer has its latency
+    within = sum(1 for lat in latencies if lat <= slo_s)
     run_s = max(run_seconds(outcomes), window_s or 0.0)
     span = window_s if window_s else max((o.scheduled_s for o in outcomes), default=0.0)
     offered = n / span if span > 0 else float(n)
 
-    counts = Counter(o.ramp for o in ok)
+    counts = Counter(o.ramp for o in ok if o.ramp is not None)  # every answer names its ramp
     order = [r for r in ramp_order if r in counts] + sorted(r for r in counts if r not in ramp_order)
     exits = {r: counts[r] for r in order}
     exit_share = {r: counts[r] / len(ok) for r in order} if ok else {}

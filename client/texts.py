@@ -28,11 +28,20 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from exitplan.api.bundle import BundleError, BundleManifest, read_manifest
 from exitplan.api.dtypes import by_numpy
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from exitplan.worker_image.bundle_runtime import BundleRuntime
+
+Lengths = Sequence[int] | np.ndarray
+"""Token lengths: a list, or an int array."""
 
 BINARY_HEADER = "Inference-Header-Content-Length"
 """The binary tensor extension's request header: the length in bytes of the JSON that starts the body."""
@@ -69,9 +78,7 @@ def closest_choice(target: int, sorted_lengths: np.ndarray, order: np.ndarray, r
     return int(order[lo + int(rng.integers(hi - lo))])
 
 
-def match_lengths(
-    targets: Sequence[int], lengths: Sequence[int], max_length: int, seed: int = 0
-) -> list[tuple[int, ...]]:
+def match_lengths(targets: Lengths, lengths: Lengths, max_length: int, seed: int = 0) -> list[tuple[int, ...]]:
     """For each target length, the pool indices whose texts (concatenated if more than one) match it.
 
     `lengths` are token lengths of separately tokenized texts (special tokens included). Only texts
@@ -80,16 +87,16 @@ def match_lengths(
     Pieces are chosen one at a time, each the closest fit to what remains, and a piece that would
     go over `max_length` is not added. Deterministic given `seed`.
     """
-    lengths = np.asarray(lengths, dtype=np.int64)
+    pool = np.asarray(lengths, dtype=np.int64)
     if max_length < 1:
         raise InputError(f"max_length must be >= 1, got {max_length}")
-    usable = np.flatnonzero(lengths <= max_length)
+    usable = np.flatnonzero(pool <= max_length)
     if usable.size == 0:
         raise InputError(f"every held-out text is longer than {max_length} tokens (the largest bucket)")
-    order = usable[np.argsort(lengths[usable], kind="stable")]
-    sorted_lengths = lengths[order]
+    order = usable[np.argsort(pool[usable], kind="stable")]
+    sorted_lengths = pool[order]
     longest = int(sorted_lengths[-1])
-    content = lengths - SPECIAL_TOKENS
+    content = pool - SPECIAL_TOKENS
     pieces_ok = order[content[order] > 0]  # texts with content tokens can be pieces of a concatenation
     piece_sorted = content[pieces_ok]
     rng = np.random.default_rng(seed)
@@ -121,7 +128,7 @@ def match_lengths(
     return out
 
 
-def concatenated_length(parts: Sequence[int], lengths: Sequence[int]) -> int:
+def concatenated_length(parts: Sequence[int], lengths: Lengths) -> int:
     """Token length of the texts `parts` joined (see `match_lengths`)."""
     if len(parts) == 1:
         return int(lengths[parts[0]])
@@ -142,7 +149,7 @@ class HeldoutPool:
     texts: list[str] | None = None
     lengths: np.ndarray | None = None
     """Token length of each text (special tokens included, no truncation)."""
-    tokenizer: object | None = None
+    tokenizer: Tokenizer | None = None
     arrays: dict[str, np.ndarray] | None = None
     """One array per bundle input, keyed by its name (models without a tokenizer)."""
 
@@ -220,7 +227,7 @@ class RequestInputs:
     """The full model's label for exactly that input."""
     truth: list[str | None]
     """The true label where known (single held-out inputs), else None."""
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
     headers: list[dict[str, str]] = field(default_factory=list)
     """Per request, the HTTP headers its body needs (binary bodies: Content-Type and the JSON header's
     length); empty when every body is plain JSON."""
@@ -347,12 +354,12 @@ class ReferenceCache:
         self.answers: dict[tuple[int, ...], int] = {}
         self.lengths: dict[tuple[int, ...], int] = {}
         """Token length of each concatenation, as the tokenizer counts it."""
-        self._runtime = None
+        self._runtime: BundleRuntime | None = None
 
     def _run(self, token_lists: list[list[int]], progress: bool) -> np.ndarray:
         from tqdm.auto import tqdm
 
-        from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, pad_batch
+        from exitplan.worker_image.bundle_runtime import BundleRuntime, bucket_for, pad_batch
 
         if self._runtime is None:
             self._runtime = BundleRuntime(self.pool.directory)
@@ -367,7 +374,13 @@ class ReferenceCache:
             rows = np.flatnonzero(buckets == bucket)
             for start in range(0, rows.size, 32):
                 chunk = rows[start : start + 32]
-                state = pad_batch([token_lists[r] for r in chunk], int(bucket), self.pool.manifest.pad_token_id)
+                manifest = self.pool.manifest
+                state = pad_batch(
+                    [token_lists[r] for r in chunk],
+                    int(bucket),
+                    manifest.pad_token_id,
+                    [t.name for t in manifest.inputs],
+                )
                 result = runtime.run_range(state, int(bucket), thresholds=None)
                 for ex in result.exits:
                     if ex.ramp == final:
@@ -399,7 +412,7 @@ class ReferenceCache:
 
 def build_inputs(
     pool: HeldoutPool,
-    target_lengths: Sequence[int],
+    target_lengths: Lengths,
     *,
     max_length: int,
     seed: int = 0,
@@ -417,7 +430,10 @@ def build_inputs(
     parts = match_lengths(targets, pool.lengths, max_length, seed)
     references = references or ReferenceCache(pool)
     references.resolve(parts, max_length, progress)
-    requests, lengths, reference, truth = [], [], [], []
+    requests: list[tuple[bytes, dict[str, str]]] = []
+    lengths: list[int] = []
+    reference: list[str] = []
+    truth: list[str | None] = []
     for combo in parts:
         if len(combo) == 1:
             (p,) = combo

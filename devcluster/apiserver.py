@@ -48,9 +48,10 @@ import jsonpatch
 import kmock
 from kmock._internal import rendering
 
+from exitplan.api.manifest import Manifest
+from exitplan.devcluster import paths, tables
 from exitplan.devcluster import schema as devschema
 from exitplan.devcluster.kubeobjects import (
-    Payload,
     api_error,
     field_match,
     labels_match,
@@ -72,6 +73,7 @@ BUILTINS: list[tuple[str, str, bool, list[str], list[str]]] = [
     ("apps/v1/deployments", "Deployment", True, ["deploy"], ["status"]),
     ("batch/v1/jobs", "Job", True, [], ["status"]),
     ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, ["pdb"], ["status"]),
+    ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True, ["netpol"], []),  # stored, not enforced
     (
         "apiextensions.k8s.io/v1/customresourcedefinitions",
         "CustomResourceDefinition",
@@ -84,10 +86,17 @@ BUILTINS: list[tuple[str, str, bool, list[str], list[str]]] = [
 ]
 VERBS = {"get", "list", "watch", "create", "patch", "delete"}
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+PROTOBUF = "application/vnd.kubernetes.protobuf"
+PROTOBUF_REFUSED = (
+    f"this emulated API server reads JSON only, not {PROTOBUF} (what `kubectl create` sends for built-in "
+    "kinds): write the object as YAML and `kubectl apply -f` it"
+)
 EVENT_LOG = 4096
 """Watch events kept per resource for `?resourceVersion` replays; older ones answer 410 Gone."""
 MAX_EVENTS_STORED = 2000
 """Core Events kept (oldest dropped), as a real server's TTL would."""
+ObjectKey = tuple[kmock.resource, str | None, str]
+"""An object in the store: (resource, namespace or None when cluster-scoped, name)."""
 REQUEST_HISTORY = 4
 """Served requests kept for kmock's DSL (between REQUEST_HISTORY and twice that). kmock finds the
 reaction for a request by scanning its whole request history through each reaction's filters, so
@@ -103,16 +112,17 @@ class DevKubeAPI(kmock.KubernetesEmulator):
     kopf, kubectl and the exitplan operator rely on (see the module docstring)."""
 
     _rv: int = attrs.field(default=0, init=False)
-    _log: dict[Any, collections.deque] = attrs.field(
+    _log: dict[kmock.resource, collections.deque[tuple[int, Manifest]]] = attrs.field(
         factory=lambda: collections.defaultdict(lambda: collections.deque(maxlen=EVENT_LOG)), init=False
     )
     _first_rv: dict[Any, int] = attrs.field(factory=dict, init=False)
     _validators: dict[Any, devschema.Validator] = attrs.field(factory=dict, init=False)
     _columns: dict[Any, list[dict[str, Any]]] = attrs.field(factory=dict, init=False)
-    _pending: list[tuple[Any, Payload]] = attrs.field(factory=list, init=False)
+    _pending: list[tuple[Any, Manifest]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
+        paths.install()  # `/api/v1/namespaces[/NAME]` name the namespaces resource (kubectl get ns)
         for key, kind, namespaced, short, subresources in BUILTINS:
             self.resources[key] = kmock.ResourceInfo(
                 kind=kind,
@@ -127,19 +137,19 @@ class DevKubeAPI(kmock.KubernetesEmulator):
 
     # ------------------------------------------------------------ direct access (tests, runner)
 
-    def put_object(self, resource: str | kmock.resource, body: Payload) -> Payload:
+    def put_object(self, resource: str | kmock.resource, body: Manifest) -> Manifest:
         """Store an object as if created over HTTP (synchronously; no watch event for a live
         stream is lost: the event goes to the log and, when the loop runs, to the bus)."""
         res = resource if isinstance(resource, kmock.resource) else kmock.resource(resource)
         return self._create(res, body.get("metadata", {}).get("namespace"), copy.deepcopy(body), notify=False)
 
-    def get_object(self, resource: str, namespace: str | None, name: str) -> Payload | None:
+    def get_object(self, resource: str, namespace: str | None, name: str) -> Manifest | None:
         key = (kmock.resource(resource), namespace, name)
         if key not in self._objects or self._objects[key].deleted:
             return None
         return copy.deepcopy(self._objects[key].raw)
 
-    def list_objects(self, resource: str, namespace: str | None = None, selector: str = "") -> list[Payload]:
+    def list_objects(self, resource: str, namespace: str | None = None, selector: str = "") -> list[Manifest]:
         res = kmock.resource(resource)
         terms = parse_label_selector(selector)
         return [
@@ -162,14 +172,21 @@ class DevKubeAPI(kmock.KubernetesEmulator):
             raise api_error(404, "NotFound", f"the server could not find the requested resource {res}")
         return res
 
-    def _live(self, res: kmock.resource, namespace: str | None) -> list[Payload]:
+    def _existing(self, res: kmock.resource, namespace: str | None, name: str | None) -> ObjectKey:
+        """The key of a live object, or 404 NotFound."""
+        key = (res, namespace if self._namespaced(res) else None, name or "")
+        if name is None or key not in self._objects or self._objects[key].deleted:
+            raise api_error(404, "NotFound", f'{res.plural} "{name}" not found')
+        return key
+
+    def _live(self, res: kmock.resource, namespace: str | None) -> list[Manifest]:
         return [
             obj.raw
             for (r, ns, _), obj in self._objects.items()
             if r == res and not obj.deleted and (namespace is None or ns == namespace)
         ]
 
-    def _record(self, res: kmock.resource, kind: str, obj: Payload, notify: bool = True) -> None:
+    def _record(self, res: kmock.resource, kind: str, obj: Manifest, notify: bool = True) -> None:
         event = {"type": kind, "object": copy.deepcopy(obj)}
         rv = int(obj["metadata"]["resourceVersion"])
         self._log[res].append((rv, event))
@@ -184,14 +201,14 @@ class DevKubeAPI(kmock.KubernetesEmulator):
         for res, event in events:
             await self._buses[res].put(event)
 
-    def _store(self, key: tuple, body: Payload) -> None:
+    def _store(self, key: ObjectKey, body: Manifest) -> None:
         if key in self._objects:
             self._objects[key].history.append(body)
             del self._objects[key].history[:-3]  # bounded memory: keep the last versions only
         else:
             self._objects[key] = body
 
-    def _validate(self, res: kmock.resource, body: Payload) -> None:
+    def _validate(self, res: kmock.resource, body: Manifest) -> None:
         validator = self._validators.get(res)
         if validator is not None:
             problems = validator.problems(body)
@@ -200,14 +217,14 @@ class DevKubeAPI(kmock.KubernetesEmulator):
                 name = body.get("metadata", {}).get("name", "")
                 raise api_error(422, "Invalid", f'{kind} "{name}" is invalid: ' + "; ".join(problems))
 
-    def _default(self, res: kmock.resource, body: Payload) -> None:
+    def _default(self, res: kmock.resource, body: Manifest) -> None:
         validator = self._validators.get(res)
         if validator is not None:
             devschema.apply_defaults(body, validator.schema)
 
     # ------------------------------------------------------------ mutations
 
-    def _create(self, res: kmock.resource, namespace: str | None, body: Payload, notify: bool = True) -> Payload:
+    def _create(self, res: kmock.resource, namespace: str | None, body: Manifest, notify: bool = True) -> Manifest:
         if not isinstance(body, dict):
             raise api_error(400, "BadRequest", "the body of a create must be a JSON object")
         meta = body.setdefault("metadata", {})
@@ -233,12 +250,11 @@ class DevKubeAPI(kmock.KubernetesEmulator):
             self._trim_events()
         return body
 
-    def _patch(self, request: rendering.Request) -> Payload:
+    def _patch(self, request: rendering.Request) -> Manifest:
         res = self._known(request.resource)
-        key = (res, request.namespace if self._namespaced(res) else None, request.name)
-        if key not in self._objects or self._objects[key].deleted:
-            raise api_error(404, "NotFound", f'{res.plural} "{request.name}" not found')
-        old = self._objects[key].raw
+        key = self._existing(res, request.namespace, request.name)
+        old: Manifest = self._objects[key].raw
+        new: Manifest
         ctype = request.headers.get("Content-Type", "").split(";")[0].strip()
         data = request.data
         status_only = request.subresource == "status"
@@ -281,8 +297,7 @@ class DevKubeAPI(kmock.KubernetesEmulator):
             meta.pop("deletionTimestamp", None)
         self._validate(res, new)
         self._default(res, new)
-        strip = lambda o: {k: v for k, v in o.items() if k not in ("metadata", "status")}  # noqa: E731
-        if strip(new) != strip(old):
+        if _spec_part(new) != _spec_part(old):
             meta["generation"] = int(old["metadata"].get("generation", 1)) + 1
         if new == old:
             return old  # a no-op patch does not bump resourceVersion (nor wake watchers)
@@ -297,10 +312,8 @@ class DevKubeAPI(kmock.KubernetesEmulator):
         self._record(res, "MODIFIED", new)
         return new
 
-    def _delete(self, res: kmock.resource, namespace: str | None, name: str) -> Payload:
-        key = (res, namespace if self._namespaced(res) else None, name)
-        if key not in self._objects or self._objects[key].deleted:
-            raise api_error(404, "NotFound", f'{res.plural} "{name}" not found')
+    def _delete(self, res: kmock.resource, namespace: str | None, name: str | None) -> Manifest:
+        key = self._existing(res, namespace, name)
         obj = copy.deepcopy(self._objects[key].raw)
         meta = obj["metadata"]
         if meta.get("finalizers"):
@@ -313,7 +326,7 @@ class DevKubeAPI(kmock.KubernetesEmulator):
         self._remove(res, key)
         return obj
 
-    def _remove(self, res: kmock.resource, key: tuple) -> None:
+    def _remove(self, res: kmock.resource, key: ObjectKey) -> None:
         obj = copy.deepcopy(self._objects[key].raw)
         obj["metadata"]["resourceVersion"] = self._next_rv()
         self._objects[key].delete()
@@ -341,7 +354,7 @@ class DevKubeAPI(kmock.KubernetesEmulator):
 
     # ------------------------------------------------------------ CRDs
 
-    def _register_crd(self, crd: Payload) -> None:
+    def _register_crd(self, crd: Manifest) -> None:
         spec = crd.get("spec", {})
         names = spec.get("names", {})
         for version in spec.get("versions", []):
@@ -360,7 +373,7 @@ class DevKubeAPI(kmock.KubernetesEmulator):
                 self._validators[res] = devschema.Validator(schema)
             self._columns[res] = version.get("additionalPrinterColumns", [])
 
-    def _unregister_crd(self, crd: Payload) -> None:
+    def _unregister_crd(self, crd: Manifest) -> None:
         spec = crd.get("spec", {})
         for version in spec.get("versions", []):
             res = kmock.resource(spec.get("group", ""), version["name"], spec.get("names", {}).get("plural"))
@@ -380,6 +393,9 @@ class DevKubeAPI(kmock.KubernetesEmulator):
             del self._requests[:-REQUEST_HISTORY]
             for payload in self._payloads:
                 del payload._requests[:-REQUEST_HISTORY]
+        if request.headers.get("Content-Type", "").startswith(PROTOBUF) and request.body:
+            # kubectl sends built-in kinds as protobuf; 415 makes client-go send them again as JSON
+            raise api_error(415, "UnsupportedMediaType", PROTOBUF_REFUSED)
         return await kmock.RawHandler._handle(self, request)
 
     async def _serve_create(self, request: rendering.Request) -> rendering.Response:
@@ -389,13 +405,13 @@ class DevKubeAPI(kmock.KubernetesEmulator):
             await self._flush()
         return rendering.Response(status=201, payload=copy.deepcopy(obj))
 
-    async def _serve_update(self, request: rendering.Request) -> Payload:
+    async def _serve_update(self, request: rendering.Request) -> Manifest:
         async with self._lock:
             obj = self._patch(request)
             await self._flush()
         return copy.deepcopy(obj)
 
-    async def _serve_delete(self, request: rendering.Request) -> Payload:
+    async def _serve_delete(self, request: rendering.Request) -> Manifest:
         res = self._known(request.resource)
         async with self._lock:
             obj = self._delete(res, request.namespace, request.name)
@@ -404,9 +420,7 @@ class DevKubeAPI(kmock.KubernetesEmulator):
 
     async def _serve_fetch(self, request: rendering.Request) -> Any:
         res = self._known(request.resource)
-        key = (res, request.namespace if self._namespaced(res) else None, request.name)
-        if key not in self._objects or self._objects[key].deleted:
-            raise api_error(404, "NotFound", f'{res.plural} "{request.name}" not found')
+        key = self._existing(res, request.namespace, request.name)
         obj = copy.deepcopy(self._objects[key].raw)
         return self._table(res, [obj]) if self._wants_table(request) else obj
 
@@ -431,7 +445,12 @@ class DevKubeAPI(kmock.KubernetesEmulator):
             "items": items,
         }
 
-    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+    def _serve_watch(self, request: rendering.Request) -> rendering.Response:  # type: ignore[override]
+        # JSON, as a real server labels a watch stream (kmock's default, octet-stream, stops kubectl's
+        # watches: "no stream serializers registered for application/octet-stream")
+        return rendering.Response(headers={"Content-Type": "application/json"}, payload=self._watch(request))
+
+    async def _watch(self, request: rendering.Request) -> AsyncIterator[Any]:
         yield b""
         res = self._known(request.resource)
         terms = parse_label_selector(request.params.get("labelSelector", ""))
@@ -462,7 +481,7 @@ class DevKubeAPI(kmock.KubernetesEmulator):
             else:
                 backlog = [{"type": "ADDED", "object": copy.deepcopy(o)} for o in self._live(res, request.namespace)]
 
-        def wanted(event: Payload) -> bool:
+        def wanted(event: Manifest) -> bool:
             obj = event.get("object", {})
             if event.get("type") == "ERROR":
                 return True
@@ -495,8 +514,10 @@ class DevKubeAPI(kmock.KubernetesEmulator):
         finally:
             await bus.unmark(mark)
 
-    async def _serve_version(self, request: rendering.Request) -> Payload:
+    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
         listing = await super()._serve_version(request)
+        if not isinstance(listing, dict):  # kmock's discovery document is a JSON object
+            return listing
         if listing.get("groupVersion", "").startswith("/"):  # kmock writes "/v1" for the core group
             listing["groupVersion"] = listing["groupVersion"][1:]
         for entry in listing.get("resources", []):  # subresources have no short names of their own
@@ -510,33 +531,13 @@ class DevKubeAPI(kmock.KubernetesEmulator):
     def _wants_table(request: rendering.Request) -> bool:
         return "as=Table" in request.headers.get("Accept", "")
 
-    def _table(self, res: kmock.resource, items: list[Payload]) -> Payload:
-        columns = [{"name": "Name", "type": "string", "format": "name", "priority": 0}]
-        extra = self._columns.get(res) or []
-        columns += [
-            {"name": c["name"], "type": c.get("type", "string"), "priority": c.get("priority", 0)} for c in extra
-        ]
-        rows = []
-        for obj in items:
-            cells: list[Any] = [obj["metadata"]["name"]]
-            for col in extra:
-                value = devschema.json_path(obj, col["jsonPath"])
-                if col.get("type") == "date" and isinstance(value, str):
-                    value = devschema.age(value)
-                cells.append(value)
-            partial = {
-                "apiVersion": obj.get("apiVersion"),
-                "kind": "PartialObjectMetadata",
-                "metadata": obj["metadata"],
-            }
-            rows.append({"cells": cells, "object": partial})
-        return {
-            "apiVersion": "meta.k8s.io/v1",
-            "kind": "Table",
-            "metadata": {"resourceVersion": str(self._rv)},
-            "columnDefinitions": columns,
-            "rows": rows,
-        }
+    def _table(self, res: kmock.resource, items: list[Manifest]) -> Manifest:
+        return tables.table(res.plural or "", self._columns.get(res), items, str(self._rv))
+
+
+def _spec_part(obj: Manifest) -> Manifest:
+    """What a change of bumps `metadata.generation`: everything but the metadata and the status."""
+    return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
 
 
 class ApiServer:
@@ -549,7 +550,8 @@ class ApiServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        reach = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{reach}:{self.port}"
 
     async def __aenter__(self) -> ApiServer:
         await self.api.__aenter__()

@@ -52,12 +52,20 @@ async def run_dev_cluster(
     workdir: Path,
     port: int = 0,
     crds: bool = True,
+    *,
+    host: str = "127.0.0.1",
+    pod_ports: int = 31000,
+    service_ports: int = 0,
     stop: asyncio.Event | None = None,
     on_ready: Callable[[DevCluster], Awaitable[None] | None] | None = None,
 ) -> None:
-    """Serve until `stop` is set (or the task is cancelled), then stop every local process."""
+    """Serve until `stop` is set (or the task is cancelled), then stop every local process. Everything
+    listens on `host`: the API server on `port`, the pods from `pod_ports` on, the Services' proxies
+    from `service_ports` on (0: any free port)."""
     stop = stop or asyncio.Event()
-    async with ApiServer(port=port) as server:
+    # Absolute: the pods run in folders of their own and read both (KUBECONFIG, mounted volumes).
+    kubeconfig, workdir = kubeconfig.absolute(), workdir.absolute()
+    async with ApiServer(host=host, port=port) as server:
         async with KubeClient(server.url) as client:
             if crds:
                 await install(client)
@@ -67,7 +75,7 @@ async def run_dev_cluster(
             partial = kubeconfig.with_name(kubeconfig.name + ".partial")
             partial.write_text(server.kubeconfig())
             partial.replace(kubeconfig)
-            runner = PodRunner(client, workdir, kubeconfig)
+            runner = PodRunner(client, workdir, kubeconfig, pod_ports, service_ports, host)
             task = asyncio.create_task(runner.run(stop))
             cluster = DevCluster(server, runner, kubeconfig)
             if on_ready is not None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import kmock
 
-Payload = dict[str, Any]
+from exitplan.api.manifest import Manifest
 
 
 def now() -> str:
@@ -44,27 +44,39 @@ def parse_label_selector(text: str) -> list[tuple[str, str, tuple[str, ...]]]:
 def labels_match(labels: dict[str, str], terms: list[tuple[str, str, tuple[str, ...]]]) -> bool:
     for key, op, values in terms:
         have = labels.get(key)
-        ok = {
-            "=": have == values[0] if values else False,
-            "!=": have != values[0],
-            "exists": key in labels,
-            "!": key not in labels,
-            "in": have in values,
-            "notin": have not in values,
-        }[op]
+        if op == "exists":  # (an existence term has no values: the others' values[0] would not exist)
+            ok = key in labels
+        elif op == "!":
+            ok = key not in labels
+        else:
+            ok = {
+                "=": have == values[0] if values else False,
+                "!=": have != values[0] if values else True,
+                "in": have in values,
+                "notin": have not in values,
+            }[op]
         if not ok:
             return False
     return True
 
 
-def field_match(obj: Payload, selector: str) -> bool:
-    meta = obj.get("metadata", {})
+def field_value(obj: Manifest, key: str) -> str:
+    """A field selector's value of an object: the dotted path's value as text, '' when absent (as a
+    real server compares absent fields, e.g. an Event's `involvedObject.fieldPath`)."""
+    value: Any = obj
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return "" if value is None or isinstance(value, (dict, list)) else str(value)
+
+
+def field_match(obj: Manifest, selector: str) -> bool:
+    """`metadata.name=x,involvedObject.kind!=Pod,...`: any dotted field path (Events are selected by
+    `involvedObject.*`, which `kubectl describe` asks for)."""
     for term in filter(None, (t.strip() for t in selector.split(","))):
         key, _, value = term.partition("=")
         negate = key.endswith("!")
         key = key.rstrip("!=")
-        have = {"metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace")}.get(key)
-        if (have == value.lstrip("=")) == negate:
+        if (field_value(obj, key) == value.lstrip("=")) == negate:
             return False
     return True
 

@@ -4,23 +4,25 @@ It talks to the API server over HTTP like a node agent would, and every `SYNC_SE
 
 - Deployments: keeps one local process per desired replica, running the pod's container command,
   args and env (the `exitplan` executable of this environment stands in for the image), each
-  with its own port (env EXITPLAN_PORT) on 127.0.0.1; a changed pod template replaces processes
+  with its own port (env EXITPLAN_PORT) on `host`; a changed pod template replaces processes
   make-before-break (new ones ready first, maxUnavailable 0); a process that exits is restarted
   with backoff; readiness comes from probing the container's readinessProbe path; the counts go
   to the Deployment's status (replicas, readyReplicas, updatedReplicas, observedGeneration).
 - Init containers: a Deployment pod runs its initContainers one after the other before its container;
   one that fails runs again after a back-off (the pod stays in Init, its restarts count towards a
   stalled rollout), as a kubelet does. Each Deployment pod is also a Pod object in the API, with the
-  container statuses a kubelet reports (podstatus.py), and a container's envFrom Secrets are in its env.
+  container statuses a kubelet reports (podstatus.py), and a container's envFrom Secrets are in its env (podenv.py).
 - Jobs: runs initContainers then containers one after the other; success or failure (with
   backoffLimit retries) goes to the Job's status: a Failed condition with reason BackoffLimitExceeded
   and, in its message, the failed container's exit code and the tail of its log.
-- Volumes: configMap and secret volumes are written to files under the pod's folder (and rewritten
-  when the ConfigMap or Secret changes, as a kubelet does); emptyDir is a folder; hostPath is the path
-  itself. Arguments and env values under a mountPath are rewritten to the local folder.
+- Volumes and env: podenv.py (configMap and secret volumes as files under the pod's folder, rewritten
+  when the ConfigMap or Secret changes, as a kubelet does; emptyDir a folder; hostPath the path itself;
+  arguments and env values under a mountPath rewritten to the local folder).
 - Ports: the container's first port is EXITPLAN_PORT; every other named port gets a local port of its
-  own, in env EXITPLAN_<NAME>_PORT (a router's `control` port: EXITPLAN_CONTROL_PORT). A Service's
-  targetPort (a port name) picks which one its endpoints use.
+  own, in env EXITPLAN_<NAME>_PORT (a router's `control` port: EXITPLAN_CONTROL_PORT), each the next
+  free one from `base_port` (`exitplan dev-cluster --pod-ports`). A Service's targetPort (a port name)
+  picks which one its endpoints use. Pods listen on `host` (127.0.0.1 unless `--listen` says otherwise:
+  env EXITPLAN_HOST, and a `--host 0.0.0.0` in their args becomes it).
 - Services: see svcproxy.py (a TCP proxy per Service, published as its load-balancer ingress, so that
   processes outside the pods reach headless Services too; the resolve file, named by env
   EXITPLAN_RESOLVE_FILE, maps a headless Service's name to its pods).
@@ -38,6 +40,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -46,8 +49,13 @@ from typing import Any
 
 import aiohttp
 
-from exitplan.devcluster import podstatus
+from exitplan.api import termination
+from exitplan.api.manifest import Manifest
+from exitplan.devcluster import podenv, podstatus
+from exitplan.devcluster.endpoints import EndpointsWriter, Member, endpoints_object
+from exitplan.devcluster.podenv import ConfigMaps
 from exitplan.devcluster.svcproxy import TcpProxy, service_hostnames, write_resolve_file
+from exitplan.localrun.deployment import exitplan_command
 from exitplan.operator.kube import ApiError, KubeClient, path
 
 log = logging.getLogger("exitplan.devcluster")
@@ -58,13 +66,16 @@ CRASH_LOOP = 3
 
 
 def exitplan_argv() -> list[str]:
-    from exitplan.localrun.deployment import exitplan_command
-
+    """How this environment starts the `exitplan` executable that stands in for the pods' image."""
     return exitplan_command()
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _read(log: Path) -> str:
+    return log.read_text(errors="replace") if log.exists() else ""
 
 
 def _log_tail(log: Path, limit: int = 600) -> str:
@@ -76,7 +87,7 @@ def _log_tail(log: Path, limit: int = 600) -> str:
     return text[-limit:] if text else "-"
 
 
-def template_hash(template: dict[str, Any]) -> str:
+def template_hash(template: Manifest) -> str:
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:8]
 
 
@@ -87,14 +98,14 @@ class LocalPod:
     owner: tuple[str, str]
     """(kind, name) of the Deployment or Job."""
     labels: dict[str, str]
-    spec: dict[str, Any]
+    spec: Manifest
     hash: str
     port: int
     folder: Path
-    containers: list[dict[str, Any]] = field(default_factory=list)
+    containers: list[Manifest] = field(default_factory=list)
     """Deployments: the one container that serves; Jobs: init containers then containers, in order."""
     step: int = 0
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     ready: bool = False
     restarts: int = 0
     restart_at: float = 0.0
@@ -117,20 +128,43 @@ class LocalPod:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def kill(self, sig: signal.Signals) -> None:
+        """Send `sig` to the process group of the pod's running container (nothing when none runs)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
 
 class PodRunner:
-    def __init__(self, client: KubeClient, workdir: Path, kubeconfig: Path, base_port: int = 31000) -> None:
+    def __init__(
+        self,
+        client: KubeClient,
+        workdir: Path,
+        kubeconfig: Path,
+        base_port: int = 31000,
+        service_port: int = 0,
+        host: str = "127.0.0.1",
+    ) -> None:
+        """`base_port`: the first port the pods take (each the next free one); `service_port`: the first
+        the Services' proxies take (0: any free port); `host`: where pods and proxies listen (EXITPLAN_HOST
+        for the pods; a pod's `--host 0.0.0.0` becomes it)."""
         self.client = client
+        self.host = host
+        self.reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        """The address this machine reaches the pods and proxies at."""
         self.workdir = workdir
         self.kubeconfig = kubeconfig
         self.resolve_file = workdir / "resolve.json"
         self.pods: dict[str, LocalPod] = {}
         self.proxies: dict[tuple[str, str], TcpProxy] = {}
         self.jobs_done: dict[str, dict[str, Any]] = {}
+        """Job uid -> how it ended (succeeded / failed counts, the condition's type, time, reason, message)."""
         self._next_port = base_port
-        self.secrets: dict[tuple[str, str], dict[str, Any]] = {}
+        self._next_service_port = service_port
+        self.secrets: ConfigMaps = {}
         self._resolve: dict[str, list[str]] = {}
-        self._reported: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.endpoints = EndpointsWriter(client)
+        self._reported: dict[tuple[str, str, str], Manifest] = {}
         self._http: aiohttp.ClientSession | None = None
         self._pod_objects = podstatus.PodObjects()
         workdir.mkdir(parents=True, exist_ok=True)
@@ -138,8 +172,14 @@ class PodRunner:
 
     # ------------------------------------------------------------ main loop
 
+    def _session(self) -> aiohttp.ClientSession:
+        """The readiness probes' HTTP session (opened by `run`, or on the first probe)."""
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0))
+        return self._http
+
     async def run(self, stop: asyncio.Event) -> None:
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0))
+        http = self._session()
         try:
             while not stop.is_set():
                 try:
@@ -150,7 +190,7 @@ class PodRunner:
                     await asyncio.wait_for(stop.wait(), SYNC_SECONDS)
         finally:
             await self.shutdown()
-            await self._http.close()
+            await http.close()
 
     async def sync(self) -> None:
         deployments = await self.client.list(path("Deployment"))
@@ -178,9 +218,7 @@ class PodRunner:
         while any(p.alive() for p in self.pods.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         for pod in self.pods.values():
-            if pod.alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pod.proc.pid, signal.SIGKILL)
+            pod.kill(signal.SIGKILL)
         self.pods.clear()
         for proxy in self.proxies.values():
             await proxy.stop()
@@ -188,7 +226,7 @@ class PodRunner:
 
     # ------------------------------------------------------------ Deployments
 
-    def _sync_deployments(self, deployments: list[dict[str, Any]], configmaps: dict) -> None:
+    def _sync_deployments(self, deployments: list[Manifest], configmaps: ConfigMaps) -> None:
         seen = set()
         for dep in deployments:
             ns, name = dep["metadata"]["namespace"], dep["metadata"]["name"]
@@ -223,7 +261,7 @@ class PodRunner:
             return
         if pod.proc is not None:  # exited: restart with backoff (restartPolicy Always)
             if pod.restart_at == 0.0:
-                podstatus.record_exit(pod, _log_tail(pod.log_path))
+                podstatus.record_exit(pod, termination.log_tail(_read(pod.log_path)))
                 if pod.proc.returncode == 0 and pod.step < pod.main:  # an init container is done: the next
                     pod.step += 1
                     self._launch(pod, pod.containers[pod.step])
@@ -246,7 +284,7 @@ class PodRunner:
 
     # ------------------------------------------------------------ Jobs
 
-    def _sync_jobs(self, jobs: list[dict[str, Any]], configmaps: dict) -> None:
+    def _sync_jobs(self, jobs: list[Manifest], configmaps: ConfigMaps) -> None:
         live = set()
         for job in jobs:
             uid, ns, name = job["metadata"]["uid"], job["metadata"]["namespace"], job["metadata"]["name"]
@@ -302,11 +340,11 @@ class PodRunner:
             if pod.owner[0] == "Job" and (pod.owner[0], pod.namespace, pod.owner[1]) not in live:
                 self._stop(pod)
 
-    async def _report_jobs(self, jobs: list[dict[str, Any]]) -> None:
+    async def _report_jobs(self, jobs: list[Manifest]) -> None:
         for job in jobs:
             done = self.jobs_done.get(job["metadata"]["uid"])
             running = any(p.owner == ("Job", job["metadata"]["name"]) and p.alive() for p in self.pods.values())
-            status: dict[str, Any] = {"active": int(running)}
+            status: Manifest = {"active": int(running)}
             if done:
                 cond = {"type": done["type"], "status": "True", "lastTransitionTime": done["at"]}
                 cond.update({k: done[k] for k in ("reason", "message") if k in done})
@@ -321,7 +359,13 @@ class PodRunner:
     # ------------------------------------------------------------ processes
 
     def _start_pod(
-        self, ns: str, owner: tuple[str, str], template: dict, tmpl_hash: str, configmaps: dict, job: bool = False
+        self,
+        ns: str,
+        owner: tuple[str, str],
+        template: Manifest,
+        tmpl_hash: str,
+        configmaps: ConfigMaps,
+        job: bool = False,
     ) -> LocalPod:
         used = {int(p.name.rsplit("-", 1)[1]) for p in self.pods.values() if p.owner == owner and p.namespace == ns}
         index = next(i for i in range(len(used) + 1) if i not in used)
@@ -347,111 +391,52 @@ class PodRunner:
         self._mount(pod, configmaps)
         self.pods[f"{ns}/{name}"] = pod
         self._launch(pod, containers[0])
-        log.info("started %s/%s on 127.0.0.1:%d", ns, name, pod.port)
+        log.info("started %s/%s on %s:%d", ns, name, self.reach, pod.port)
         return pod
 
     def _port(self) -> int:
-        import socket
+        self._next_port = self._free_from(self._next_port) + 1
+        return self._next_port - 1
 
+    def _service_port(self) -> int:
+        """The next Service proxy's port (0: the system picks one)."""
+        if not self._next_service_port:
+            return 0
+        self._next_service_port = self._free_from(self._next_service_port) + 1
+        return self._next_service_port - 1
+
+    def _free_from(self, port: int) -> int:
+        """The first port from `port` on that nothing listens on (at `host`)."""
         while True:
-            port, self._next_port = self._next_port, self._next_port + 1
             with socket.socket() as sock:
                 try:
-                    sock.bind(("127.0.0.1", port))
+                    sock.bind((self.host, port))
                     return port
                 except OSError:
-                    continue
+                    port += 1
 
-    def _mount(self, pod: LocalPod, configmaps: dict) -> None:
-        volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
-        for container in pod.containers:
-            for mount in container.get("volumeMounts", []):
-                vol = volumes.get(mount["name"], {})
-                if "hostPath" in vol:
-                    pod.mounts[mount["mountPath"]] = Path(vol["hostPath"]["path"])
-                    continue
-                local = pod.folder / "volumes" / mount["name"]
-                local.mkdir(parents=True, exist_ok=True)
-                pod.mounts[mount["mountPath"]] = local
-        self._write_config(pod, configmaps)
+    def _mount(self, pod: LocalPod, configmaps: ConfigMaps) -> None:
+        podenv.mount(pod)
+        podenv.write_config(pod, configmaps, self.secrets)
 
-    def _write_secret(self, pod: LocalPod, vol: dict) -> None:
-        import base64
-
-        secret = self.secrets.get((pod.namespace, vol["secret"]["secretName"])) or {}
-        for key, value in (secret.get("data") or {}).items():
-            target = pod.folder / "volumes" / vol["name"] / key
-            text = base64.b64decode(value).decode()
-            if pod.config.get(str(target)) != text:
-                tmp = target.with_suffix(".tmp")
-                with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
-                    fh.write(text)
-                os.replace(tmp, target)
-                pod.config[str(target)] = text
-
-    def _write_config(self, pod: LocalPod, configmaps: dict) -> None:
-        for vol in pod.spec.get("volumes", []):
-            if "secret" in vol:
-                self._write_secret(pod, vol)
-            if "configMap" not in vol:
-                continue
-            cm = configmaps.get((pod.namespace, vol["configMap"]["name"]))
-            local = pod.folder / "volumes" / vol["name"]
-            for key, value in ((cm or {}).get("data") or {}).items():
-                target = local / key
-                if pod.config.get(str(target)) != value:
-                    tmp = target.with_suffix(".tmp")
-                    tmp.write_text(value)
-                    os.replace(tmp, target)
-                    pod.config[str(target)] = value
-
-    def _refresh_config(self, configmaps: dict) -> None:
+    def _refresh_config(self, configmaps: ConfigMaps) -> None:
         for pod in self.pods.values():
             if not pod.stopping:
-                self._write_config(pod, configmaps)
+                podenv.write_config(pod, configmaps, self.secrets)
 
-    def _local(self, pod: LocalPod, value: str) -> str:
-        for mount_path in sorted(pod.mounts, key=len, reverse=True):
-            if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
-                return str(pod.mounts[mount_path]) + value[len(mount_path.rstrip("/")) :]
-        return value
-
-    def _env(self, pod: LocalPod, container: dict) -> dict[str, str]:
-        env = dict(os.environ)
-        fields = {
-            "metadata.name": pod.name,
-            "metadata.namespace": pod.namespace,
-            "status.podIP": "127.0.0.1",
-            "spec.nodeName": "localhost",
-        }
-        env.update(podstatus.env_from(container, pod.namespace, self.secrets))
-        for item in container.get("env", []):
-            if "value" in item:
-                env[item["name"]] = self._local(pod, str(item["value"]))
-            elif "fieldRef" in item.get("valueFrom", {}):
-                env[item["name"]] = fields.get(item["valueFrom"]["fieldRef"]["fieldPath"], "")
-        env.update(
-            EXITPLAN_PORT=str(pod.port),
-            **{f"EXITPLAN_{n.upper().replace('-', '_')}_PORT": str(p) for n, p in pod.ports.items() if p != pod.port},
-            EXITPLAN_RESOLVE_FILE=str(self.resolve_file),
-            KUBECONFIG=str(self.kubeconfig),
-            POD_IP="127.0.0.1",
-            TMPDIR=str(pod.folder / "volumes" / "tmp")
-            if (pod.folder / "volumes" / "tmp").exists()
-            else env.get("TMPDIR", "/tmp"),
-        )
-        return env
-
-    def _launch(self, pod: LocalPod, container: dict) -> None:
+    def _launch(self, pod: LocalPod, container: Manifest) -> None:
         command = list(container.get("command") or [])
         if command[:1] == ["exitplan"]:
             command = exitplan_argv() + command[1:]
-        argv = command + [self._local(pod, str(a)) for a in container.get("args", [])]
+        argv = command + [podenv.local_path(pod, str(a)) for a in container.get("args", [])]
+        argv = [self.host if i and a == "0.0.0.0" and argv[i - 1] == "--host" else a for i, a in enumerate(argv)]
+        env = podenv.container_env(pod, container, self.secrets, self.resolve_file, self.kubeconfig)
+        env["EXITPLAN_HOST"] = self.host  # where `exitplan router/worker` listen without --host
         with open(pod.log_path, "ab") as out:
             out.write(f"\n--- {time.strftime('%H:%M:%S')} {container.get('name')}: {' '.join(argv)}\n".encode())
             pod.proc = subprocess.Popen(
                 argv,
-                env=self._env(pod, container),
+                env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=pod.folder,
@@ -463,9 +448,7 @@ class PodRunner:
         if pod.stopping:
             return
         pod.stopping, pod.ready = True, False
-        if pod.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pod.proc.pid, signal.SIGTERM)
+        pod.kill(signal.SIGTERM)
         pod.restart_at = time.monotonic() + STOP_GRACE
         log.info("stopping %s/%s", pod.namespace, pod.name)
 
@@ -473,9 +456,8 @@ class PodRunner:
         for key, pod in list(self.pods.items()):
             if not pod.stopping:
                 continue
-            if pod.alive() and time.monotonic() > pod.restart_at:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pod.proc.pid, signal.SIGKILL)
+            if time.monotonic() > pod.restart_at:
+                pod.kill(signal.SIGKILL)
             if not pod.alive():
                 del self.pods[key]
 
@@ -489,14 +471,14 @@ class PodRunner:
                 pod.ready = True
                 return
             try:
-                async with self._http.get(f"http://127.0.0.1:{pod.port}{probe.get('path', '/')}") as rsp:
+                async with self._session().get(f"http://{self.reach}:{pod.port}{probe.get('path', '/')}") as rsp:
                     pod.ready = rsp.status < 400
             except (TimeoutError, aiohttp.ClientError):
                 pod.ready = False
 
         await asyncio.gather(*(one(p) for p in self.pods.values()))
 
-    async def _report_deployments(self, deployments: list[dict[str, Any]]) -> None:
+    async def _report_deployments(self, deployments: list[Manifest]) -> None:
         for dep in deployments:
             ns, name = dep["metadata"]["namespace"], dep["metadata"]["name"]
             h = template_hash(dep["spec"]["template"])
@@ -515,24 +497,21 @@ class PodRunner:
     def _progressing(self, pods: list[LocalPod]) -> dict[str, str]:
         """The Deployment controller's Progressing condition, as far as a local runner can tell: a pod
         that keeps exiting (CRASH_LOOP restarts) stalls the rollout (reason ProgressDeadlineExceeded,
-        the message ends with the pod's last log line)."""
+        the message ends with the first line of its last run's error: the same at every restart)."""
         crashing = [p for p in pods if p.restarts >= CRASH_LOOP and not p.stopping]
         if not crashing:
             return {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable", "message": ""}
         pod = crashing[0]
-        lines = (
-            [line for line in pod.log_path.read_text(errors="replace").splitlines() if line.strip()]
-            if pod.log_path.exists()
-            else []
-        )
+        ended = [e for e in pod.exits.values() if e.get("exitCode")]
+        error = termination.error_line(str(ended[-1].get("message", ""))) if ended else ""
         return {
             "type": "Progressing",
             "status": "False",
             "reason": "ProgressDeadlineExceeded",
-            "message": f"pod {pod.name} exited {pod.restarts} times; last log line: {lines[-1][:300] if lines else '-'}",
+            "message": f"pod {pod.name} keeps exiting (CrashLoopBackOff); its error: {error or '-'}",
         }
 
-    async def _report(self, kind: str, obj: dict[str, Any], status: dict[str, Any]) -> None:
+    async def _report(self, kind: str, obj: Manifest, status: Manifest) -> None:
         key = (kind, obj["metadata"]["namespace"], obj["metadata"]["name"])
         if self._reported.get(key) == status and (obj.get("status") or {}).items() >= status.items():
             return
@@ -542,7 +521,7 @@ class PodRunner:
 
     # ------------------------------------------------------------ Services
 
-    async def _sync_services(self, services: list[dict[str, Any]]) -> None:
+    async def _sync_services(self, services: list[Manifest]) -> None:
         mapping: dict[str, list[str]] = {}
         live = set()
         for svc in services:
@@ -553,23 +532,23 @@ class PodRunner:
             live.add((ns, name))
             target = ((svc["spec"].get("ports") or [{}])[0]).get("targetPort")
             headless = svc["spec"].get("clusterIP") == "None"
-            endpoints = sorted(
-                ("127.0.0.1", p.ports.get(target, p.port) if isinstance(target, str) else p.port)
+            members = [
+                Member(p.name, p.ports.get(target, p.port) if isinstance(target, str) else p.port, p.ready)
                 for p in self.pods.values()
-                if p.namespace == ns
-                and (p.ready or (headless and svc["spec"].get("publishNotReadyAddresses") and p.alive()))
-                and selector.items() <= p.labels.items()
-            )
+                if p.namespace == ns and (p.ready or p.alive()) and selector.items() <= p.labels.items()
+            ]
+            await self.endpoints.write(endpoints_object(svc, self.reach, members))
+            publish = headless and svc["spec"].get("publishNotReadyAddresses")
+            endpoints = sorted((self.reach, m.port) for m in members if m.ready or publish)
             proxy = self.proxies.get((ns, name))
             if proxy is None:
                 proxy = self.proxies[(ns, name)] = TcpProxy(f"{ns}/{name}")
-                await proxy.start()
-                log.info("Service %s/%s: local endpoint 127.0.0.1:%d", ns, name, proxy.port)
+                await proxy.start(self.host, self._service_port())
+                log.info("Service %s/%s: local endpoint %s:%d", ns, name, self.reach, proxy.port)
             proxy.endpoints = endpoints
-            addresses = [f"{h}:{port}" for h, port in endpoints] if headless else [f"127.0.0.1:{proxy.port}"]
-            ingress = {
-                "loadBalancer": {"ingress": [{"ip": "127.0.0.1", "ports": [{"port": proxy.port, "protocol": "TCP"}]}]}
-            }
+            addresses = [f"{h}:{port}" for h, port in endpoints] if headless else [f"{self.reach}:{proxy.port}"]
+            ports = [{"port": proxy.port, "protocol": "TCP"}]
+            ingress = {"loadBalancer": {"ingress": [{"ip": self.reach, "ports": ports}]}}
             if (svc.get("status") or {}) != ingress:
                 with contextlib.suppress(ApiError):
                     await self.client.merge_patch(path("Service", ns, name, "status"), {"status": ingress})
@@ -578,6 +557,7 @@ class PodRunner:
         for key in list(self.proxies):
             if key not in live:
                 await self.proxies.pop(key).stop()
+        await self.endpoints.prune(live)
         if mapping != self._resolve:
             write_resolve_file(self.resolve_file, mapping)
             self._resolve = mapping
@@ -585,4 +565,4 @@ class PodRunner:
     def endpoint(self, namespace: str, service: str) -> str | None:
         """The local URL of a Service (None until its proxy runs)."""
         proxy = self.proxies.get((namespace, service))
-        return f"http://127.0.0.1:{proxy.port}" if proxy else None
+        return f"http://{self.reach}:{proxy.port}" if proxy else None

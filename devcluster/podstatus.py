@@ -13,11 +13,11 @@ the container environment a kubelet builds from Secrets.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
+from exitplan.api.manifest import Manifest
 from exitplan.operator.kube import ApiError, KubeClient, path
 
 if TYPE_CHECKING:
@@ -40,23 +40,6 @@ def record_exit(pod: LocalPod, message: str) -> None:
     }
 
 
-def env_from(
-    container: dict[str, Any], namespace: str, secrets: dict, configmaps: dict | None = None
-) -> dict[str, str]:
-    """The variables a container's envFrom brings (a missing optional source brings none)."""
-    out: dict[str, str] = {}
-    for source in container.get("envFrom") or []:
-        prefix = source.get("prefix", "")
-        if "secretRef" in source:
-            obj = secrets.get((namespace, source["secretRef"]["name"])) or {}
-            out.update({prefix + k: base64.b64decode(v).decode() for k, v in (obj.get("data") or {}).items()})
-            out.update({prefix + k: str(v) for k, v in (obj.get("stringData") or {}).items()})
-        elif "configMapRef" in source:
-            obj = (configmaps or {}).get((namespace, source["configMapRef"]["name"])) or {}
-            out.update({prefix + k: str(v) for k, v in (obj.get("data") or {}).items()})
-    return out
-
-
 def _state(pod: LocalPod, index: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(state, lastState) of the pod's container `index`."""
     name = str(pod.containers[index].get("name"))
@@ -75,7 +58,7 @@ def _state(pod: LocalPod, index: int) -> tuple[dict[str, Any], dict[str, Any]]:
     return {"waiting": {"reason": "ContainerCreating"}}, {}
 
 
-def pod_status(pod: LocalPod) -> dict[str, Any]:
+def pod_status(pod: LocalPod) -> Manifest:
     def one(index: int) -> dict[str, Any]:
         state, last = _state(pod, index)
         container = pod.containers[index]
@@ -99,7 +82,7 @@ class PodObjects:
     """Keeps one Pod object per Deployment pod of the runner, its status up to date."""
 
     def __init__(self) -> None:
-        self.reported: dict[tuple[str, str], dict[str, Any]] = {}
+        self.reported: dict[tuple[str, str], Manifest] = {}
 
     async def publish(self, client: KubeClient, pods: list[LocalPod]) -> None:
         live = {(p.namespace, p.name): p for p in pods if p.owner[0] == "Deployment"}

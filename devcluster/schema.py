@@ -1,4 +1,4 @@
-"""What the emulated API server (devapi.py) checks and prints for custom resources, the way a real
+"""What the emulated API server (apiserver.py) checks and prints for custom resources, the way a real
 one does: the CRD's OpenAPI v3 schema (JSON schema draft 4 semantics), its CEL rules
 (`x-kubernetes-validations`, evaluated with cel-python, numbers typed by the schema as Kubernetes
 does), and the simple JSONPaths of printer columns.
@@ -12,6 +12,9 @@ from typing import Any
 import celpy
 import jsonschema
 from celpy import celtypes
+from celpy.evaluation import CELFunction
+
+from exitplan.api.manifest import Manifest
 
 
 def _is_sorted(items: Any) -> celtypes.BoolType:
@@ -20,7 +23,7 @@ def _is_sorted(items: Any) -> celtypes.BoolType:
     return celtypes.BoolType(all(a <= b for a, b in zip(values, values[1:])))
 
 
-K8S_CEL_FUNCTIONS = {"isSorted": _is_sorted}
+K8S_CEL_FUNCTIONS: dict[str, CELFunction] = {"isSorted": _is_sorted}
 
 
 def _to_cel(value: Any, schema: dict[str, Any]) -> Any:
@@ -57,7 +60,7 @@ class Validator:
             self._programs[rule] = self._env.program(self._env.compile(rule), functions=K8S_CEL_FUNCTIONS)
         return self._programs[rule]
 
-    def problems(self, body: dict[str, Any]) -> list[str]:
+    def problems(self, body: Manifest) -> list[str]:
         """Messages for every violation, each naming the field path; empty when valid."""
         out = []
         for err in sorted(self._json.iter_errors(body), key=lambda e: list(e.absolute_path)):

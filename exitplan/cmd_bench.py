@@ -5,8 +5,14 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
+
+from exitplan.cli_common import fail
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 class LengthModeOption(str, Enum):
@@ -14,16 +20,38 @@ class LengthModeOption(str, Enum):
     clip = "clip"
 
 
+BUNDLE = typer.Option(
+    ...,
+    "--bundle",
+    exists=True,
+    file_okay=False,
+    help="The bundle the router serves (its held-out texts and full-model answers).",
+)
+
+LENGTH_MODE = typer.Option(
+    LengthModeOption.scale,
+    "--length-mode",
+    help="Fit trace lengths to the largest bucket: scale (proportionally) or clip.",
+)
+
+REFERENCE_MAX = typer.Option(
+    None,
+    "--reference-max",
+    min=1,
+    help="With --length-mode scale: the trace length (tokens) that maps onto the largest bucket (default: the trace's longest; the shared trace's p99 is 4142).",
+)
+
+FIND_CAPACITY = typer.Option(
+    False,
+    "--find-capacity",
+    help="Measure the capacity within the SLO: the highest rate at which >= 99 % of requests (errors and lost ones are misses) finish within it, over a step and its last third; doubles from --rps (default 5), then bisects.",
+)
+
+
 def command(
     url: str = typer.Option("http://127.0.0.1:8080", "--url", help="The router's base URL."),
     model: str = typer.Option(..., "--model", help="Model name served at /v2/models/{name}."),
-    bundle: Path = typer.Option(
-        ...,
-        "--bundle",
-        exists=True,
-        file_okay=False,
-        help="The bundle the router serves (its held-out texts and full-model answers).",
-    ),
+    bundle: Path = BUNDLE,
     trace: Path | None = typer.Option(
         None, "--trace", dir_okay=False, help="Trace file (Azure CSV or JSON lines); default: the shared Azure trace."
     ),
@@ -37,26 +65,13 @@ def command(
     duration: float | None = typer.Option(60.0, "--duration", help="Seconds of trace to replay (0: no time bound)."),
     limit: int | None = typer.Option(None, "--limit", min=1, help="Send at most this many requests."),
     slo_ms: float | None = typer.Option(None, "--slo-ms", help="Latency SLO for goodput (default: the router's own)."),
-    length_mode: LengthModeOption = typer.Option(
-        LengthModeOption.scale,
-        "--length-mode",
-        help="Fit trace lengths to the largest bucket: scale (proportionally) or clip.",
-    ),
-    reference_max: int | None = typer.Option(
-        None,
-        "--reference-max",
-        min=1,
-        help="With --length-mode scale: the trace length (tokens) that maps onto the largest bucket (default: the trace's longest; the shared trace's p99 is 4142).",
-    ),
+    length_mode: LengthModeOption = LENGTH_MODE,
+    reference_max: int | None = REFERENCE_MAX,
     seed: int = typer.Option(0, "--seed", help="Seed for the choice of texts."),
     timeout_s: float = typer.Option(
         30.0, "--timeout-s", min=0.1, help="A request with no answer by then counts as lost."
     ),
-    capacity: bool = typer.Option(
-        False,
-        "--find-capacity",
-        help="Measure the capacity within the SLO: the highest rate at which >= 99 % of requests (errors and lost ones are misses) finish within it, over a step and its last third; doubles from --rps (default 5), then bisects.",
-    ),
+    capacity: bool = FIND_CAPACITY,
     step_duration: float = typer.Option(
         10.0, "--step-duration", min=1.0, help="Seconds per load step with --find-capacity."
     ),
@@ -78,11 +93,10 @@ def command(
     console = Console()
     bounded_duration = duration if duration else None
     if bounded_duration is None and limit is None and not capacity:
-        from exitplan.cli import fail
-
         fail("give --duration (seconds) and/or --limit (requests): the whole trace runs for about an hour")
-    shared = {"slo_ms": slo_ms, "seed": seed, "length_mode": length_mode.value, "reference_max": reference_max}
-    shared.update(timeout_s=timeout_s, progress=progress, binary=binary)
+    shared: dict[str, object] = {"slo_ms": slo_ms, "seed": seed, "length_mode": length_mode.value}
+    shared.update(reference_max=reference_max, timeout_s=timeout_s, progress=progress, binary=binary)
+    load: dict[str, object]
     if capacity:
         load = {"start_rps": rps or 5.0, "step_duration": step_duration}
     else:
@@ -96,8 +110,15 @@ def command(
 
 
 def _replay(
-    console, url: str, model: str, bundle: Path, trace: Path | None, capacity: bool, options: dict, control=(None, None)
-) -> dict:
+    console: Console,
+    url: str,
+    model: str,
+    bundle: Path,
+    trace: Path | None,
+    capacity: bool,
+    options: dict[str, Any],
+    control: tuple[str | None, str | None] = (None, None),
+) -> dict[str, Any]:
     """Connect to the router, then step the load up to its capacity or run one bench with `options`; print the
     tables and return every figure as a dict (exit 2 on a bench, bundle or input error)."""
     from exitplan.api.bundle import BundleError
@@ -123,6 +144,4 @@ def _replay(
             )
         return report.to_dict()
     except (BenchError, BundleError, InputError) as err:
-        from exitplan.cli import fail
-
         fail(err)

@@ -45,6 +45,24 @@ def storage_init(
     verify_only: bool = typer.Option(
         False, "--verify-only", help="Fetch nothing: verify the bundle already at DEST (pvc://, oci://)."
     ),
+    max_bytes: int | None = typer.Option(
+        None,
+        "--max-bytes",
+        min=1,
+        help="Most bytes the bundle may unpack to (default: env EXITPLAN_BUNDLE_MAX_BYTES, else 20 GiB).",
+    ),
+    max_files: int | None = typer.Option(
+        None,
+        "--max-files",
+        min=1,
+        help="Most members a tarball may hold (default: env EXITPLAN_BUNDLE_MAX_FILES, else 10000).",
+    ),
+    max_ratio: float | None = typer.Option(
+        None,
+        "--max-ratio",
+        min=1.0,
+        help="Most decompressed bytes per compressed byte (default: env EXITPLAN_BUNDLE_MAX_RATIO, else 100).",
+    ),
     termination_log: Path | None = typer.Option(
         None,
         "--termination-log",
@@ -55,13 +73,24 @@ def storage_init(
 
     Exit 0 when the bundle is there and verified (or has no digests: "unverified"); exit 1 with a
     one-line reason (stderr and the termination log) when the source cannot be reached, a digest does
-    not match (the file is named) or a tarball holds a member outside DEST.
+    not match (the file is named), a tarball holds a member outside DEST or passes a limit (its size,
+    members or compression ratio: the limit and the bytes read before refusing are named).
     """
+    import dataclasses
+
     from exitplan.storage.errors import StorageError
     from exitplan.storage.initializer import storage_init as run
+    from exitplan.storage.limits import ArchiveLimits
 
     try:
-        run(uri, dest, sha256=sha256, allow_http=allow_http, verify_only=verify_only, say=typer.echo)
+        env = ArchiveLimits.from_env()
+        limits = dataclasses.replace(
+            env,
+            max_bytes=max_bytes or env.max_bytes,
+            max_files=max_files or env.max_files,
+            max_ratio=max_ratio or env.max_ratio,
+        )
+        run(uri, dest, sha256=sha256, allow_http=allow_http, verify_only=verify_only, say=typer.echo, limits=limits)
     except StorageError as err:
         log = _termination_log(termination_log)
         if log is not None:
@@ -94,6 +123,9 @@ def push(
         typer.echo(f"spec.model.bundle: {pushed.uri}  (spec.model.bundleSecret: the Secret with the store's keys)")
     if pushed.sha256:
         typer.echo(f"spec.model.bundleSha256: {pushed.sha256}")
+    typer.echo(
+        f"spec.model.bundleSize: {pushed.size}  (bytes it unpacks to: sizes the pods' volume and storage-init's limit)"
+    )
 
 
 @app.command("digest")

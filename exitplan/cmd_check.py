@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 
+from exitplan.cli_common import positive_ints
 
-def _buckets(text: str | None) -> list[int] | None:
-    if text is None or not text.strip():
-        return None
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as err:
-        raise typer.BadParameter(f"--buckets takes comma-separated integers, got {text!r}") from err
-    if not values or min(values) < 1:
-        raise typer.BadParameter(f"--buckets takes positive integers, got {text!r}")
-    return values
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from exitplan.prepare.check import CheckReport
 
 
 def command(
@@ -28,6 +24,12 @@ def command(
         help="The unsplit model as one ONNX file (inputs named like the bundle's): its output on the held-out inputs "
         "must match the chained final ramp's logits within --tolerance. Without it, the chained answer is compared "
         "with full_pred in the held-out data.",
+    ),
+    output: str | None = typer.Option(
+        None,
+        "--output",
+        help="With --source: the source model's output to compare (default: the one the bundle serves, as "
+        "prepare --output chose it).",
     ),
     tolerance: float = typer.Option(
         1e-4, "--tolerance", min=0.0, help="Largest max |logit difference| allowed against --source."
@@ -57,15 +59,16 @@ def command(
 
     from exitplan.api.bundle import BundleError
     from exitplan.prepare.check import check_bundle, one_line
-    from exitplan.worker.bundle_runtime import choose_providers
+    from exitplan.worker_image.bundle_runtime import choose_providers
 
     console = Console()
-    chosen = _buckets(buckets)
+    chosen = positive_ints(buckets, "--buckets")
     try:
         with console.status("checking the bundle") as status:
             report = check_bundle(
                 bundle,
                 source=source,
+                output=output,
                 tolerance=tolerance,
                 buckets=chosen,
                 batch=batch,
@@ -85,13 +88,13 @@ def command(
         raise typer.Exit(report.exit_code)
 
 
-def _write_json(path: Path | None, document: dict) -> None:
+def _write_json(path: Path | None, document: dict[str, Any]) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(document, indent=2))
 
 
-def _print_report(console, report) -> None:
+def _print_report(console: Console, report: CheckReport) -> None:
     """Files loaded, warm-up per bucket, the held-out chain, the exit ramps, then the verdict."""
     from rich.table import Table
 
@@ -110,6 +113,11 @@ def _print_report(console, report) -> None:
         line = f"held-out: {report.heldout_inputs} inputs chained; final accuracy {report.final_accuracy:.3f}"
         if report.full_pred_agreement is not None:
             line += f"; agreement with full_pred {report.full_pred_agreement:.3f}"
+        if report.precision is not None:  # a converted bundle: full_pred is its fp32 source's answer
+            line += (
+                f" ({report.precision['name']}: bundle.yaml records {report.precision['final_agreement']:.3f} "
+                f"with the fp32 source)"
+            )
         console.print(line)
     if report.source is not None:
         s = report.source
@@ -127,7 +135,7 @@ def _print_report(console, report) -> None:
     console.print("[green]check passed[/green]" if report.ok else f"[red]check failed[/red] ({len(report.failures)})")
 
 
-def _print_ramps(console, report) -> None:
+def _print_ramps(console: Console, report: CheckReport) -> None:
     from rich.table import Table
 
     table = Table(title="exit ramps on the held-out data", caption=f"saving, cost: {report.savings_from or 'n/a'}")

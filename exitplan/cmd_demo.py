@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from exitplan.cli_common import fail
+
 
 def command(
     service: Path = typer.Option(
@@ -35,7 +37,8 @@ def command(
     from exitplan.localrun.demo import DemoOptions, run_demo
     from exitplan.localrun.deployment import StartError
     from exitplan.localrun.service_setup import ServiceFileError
-    from exitplan.prepare.build import BuildOptions, prepare_bundle, tqdm_bar
+    from exitplan.prepare.build import BuildOptions, tqdm_bar
+    from exitplan.prepare.presets import prepare_bundle
 
     console = Console(width=None if sys.stdout.isatty() else 160)  # the comparison table needs the width in logs too
     try:
@@ -58,8 +61,6 @@ def command(
             keep=keep,
         )
     except (SpecError, ServiceFileError, StartError, BenchError, OSError, IndexError, ValueError) as err:
-        from exitplan.cli import fail
-
         fail(err, 1)
     if json_path:
         json_path.write_text(json.dumps(result.to_dict(), indent=2))

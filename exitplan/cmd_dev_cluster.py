@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+from exitplan.cli_common import fail
+
+if TYPE_CHECKING:
+    from exitplan.devcluster.cluster import DevCluster
+
+
+HELP_LISTEN = "Address the API server, the pods and the Services' proxies listen on (0.0.0.0: every interface)."
+HELP_POD_PORTS = "First port of the pods: each takes the next free one from here."
+HELP_SERVICE_PORTS = "First port of the Services' local proxies, each the next free one (0: any free port)."
 
 
 def command(
     kubeconfig: Path = typer.Option(
         Path("exitplan-dev.kubeconfig"), help="Where to write the kubeconfig for kubectl and `exitplan operator`."
     ),
-    port: int = typer.Option(0, min=0, max=65535, help="API server port on 127.0.0.1 (0: any free port)."),
+    port: int = typer.Option(0, min=0, max=65535, help="API server port (0: any free port)."),
+    listen: str = typer.Option("127.0.0.1", help=HELP_LISTEN),
+    pod_ports: int = typer.Option(31000, min=1, max=65535, help=HELP_POD_PORTS),
+    service_ports: int = typer.Option(0, min=0, max=65535, help=HELP_SERVICE_PORTS),
     workdir: Path = typer.Option(
         Path(".exitplan-dev"), help="Folder for the local pods (logs, mounted ConfigMaps) and the resolve file."
     ),
@@ -36,7 +50,7 @@ def command(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
-    def ready(cluster) -> None:  # noqa: ANN001
+    def ready(cluster: DevCluster) -> None:
         table = Table(title="exitplan dev-cluster")
         table.add_column("what")
         table.add_column("where")
@@ -51,12 +65,20 @@ def command(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run_dev_cluster(kubeconfig, workdir, port=port, crds=crds, stop=stop, on_ready=ready)
+        await run_dev_cluster(
+            kubeconfig,
+            workdir,
+            port=port,
+            crds=crds,
+            stop=stop,
+            on_ready=ready,
+            host=listen,
+            pod_ports=pod_ports,
+            service_ports=service_ports,
+        )
 
     try:
         asyncio.run(main())
     except OSError as err:
-        from exitplan.cli import fail
-
         fail(f"cannot serve on port {port}: {err}; pick another --port")
     console.print("dev-cluster stopped; every local pod was stopped")

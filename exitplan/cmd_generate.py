@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+from exitplan.cli_common import fail
+
+if TYPE_CHECKING:
+    from exitplan.worker_image.generate.decoder import RecomputeEngine
+    from exitplan.worker_image.generate.local_pipeline import PipelineEngine
+    from exitplan.worker_image.generate.remote_pipeline import RemotePipelineEngine
 
 DEFAULT_BUNDLE = Path("artifacts") / "bundles" / "tweet-decoder"
 
 
-def _engine(bundle: Path, mode: str, splits: int, max_pending: int, threads: int, stage_urls: list[str] | None = None):
-    from exitplan.worker.generate.decoder import DecoderModel, GenerationError, RecomputeEngine
-    from exitplan.worker.generate.local_pipeline import PipelineEngine
+def _engine(
+    bundle: Path, mode: str, splits: int, max_pending: int, threads: int, stage_urls: list[str] | None = None
+) -> RecomputeEngine | PipelineEngine | RemotePipelineEngine:
+    from exitplan.worker_image.generate.decoder import DecoderModel, GenerationError, RecomputeEngine
+    from exitplan.worker_image.generate.local_pipeline import PipelineEngine
 
     if stage_urls:
-        from exitplan.worker.generate.remote_pipeline import RemotePipelineEngine
+        from exitplan.worker_image.generate.remote_pipeline import RemotePipelineEngine
 
         return RemotePipelineEngine(bundle, stage_urls)
     if mode == "recompute":
@@ -60,8 +70,6 @@ def prepare_command(
     try:
         result = build_decoder_bundle(options, out, force=force, threads=threads)
     except (DecoderBuildError, DatasetError, BundleError) as err:
-        from exitplan.cli import fail
-
         fail(err)
     report = result.report
     state = "reused (same options; --force rebuilds)" if result.reused else f"built in {report['total_seconds']:.0f} s"
@@ -99,15 +107,13 @@ def command(
     from rich.table import Table
 
     from exitplan.api.bundle import BundleError
-    from exitplan.worker.generate.decoder import GenerationError
+    from exitplan.worker_image.generate.decoder import GenerationError
 
     console = Console()
     try:
         engine = _engine(bundle, mode, splits, max_pending, 1)
         events = list(engine.generate(prompt, max_tokens, threshold))
     except (GenerationError, BundleError) as err:
-        from exitplan.cli import fail
-
         fail(err)
     finally:
         if "engine" in locals() and hasattr(engine, "close"):
@@ -153,28 +159,24 @@ def server_command(
 ) -> None:
     """Serve early-exit generation: POST /v2/models/{name}/generate and /generate_stream (server-sent events),
     GET /metrics, /v2/health/ready."""
-    from aiohttp import web
     from rich.console import Console
 
     from exitplan.api.bundle import BundleError
-    from exitplan.worker.generate.decoder import GenerationError
-    from exitplan.worker.generate.routes import generation_app
+    from exitplan.worker_image.generate.decoder import GenerationError
+    from exitplan.worker_image.generate.routes import generation_app
+    from exitplan.worker_image.serve import serve
 
     console = Console()
     if not 0.0 <= threshold <= 1.0:
-        from exitplan.cli import fail
-
         fail(f"--threshold must be in 0..1, got {threshold}")
     try:
         engine = _engine(bundle, mode, splits, max_pending, threads, stage_urls)
     except (GenerationError, BundleError) as err:
-        from exitplan.cli import fail
-
         fail(err)
     name = model_name or engine.model.manifest.name
     app = generation_app(engine, name, threshold=threshold)
     console.print(f"serving {name!r} ({engine.mode}) on http://{host}:{port}/v2/models/{name}/generate")
-    web.run_app(app, host=host, port=port, print=None)
+    serve(app, host, port)  # behind the same guard as every exitplan server (worker_image/server_guard.py)
 
 
 def stage_command(
@@ -199,18 +201,18 @@ def stage_command(
     """Serve one stage of early-exit generation: blocks FIRST..LAST with their heads and KV cache, in the
     pipeline-based mode, or the whole model with KV recomputation (--mode recompute); a coordinator
     (the router of a generation service, or generate-server --stage-url ...) sends tokens to the first stage."""
-    from aiohttp import web
     from rich.console import Console
 
     from exitplan.api.bundle import BundleError
-    from exitplan.worker.generate.decoder import DecoderModel, GenerationError
-    from exitplan.worker.generate.remote_pipeline import RecomputeStageServer, StageServer
-    from exitplan.worker.serve import port_from_env
+    from exitplan.worker_image.generate.decoder import DecoderModel, GenerationError
+    from exitplan.worker_image.generate.remote_pipeline import RecomputeStageServer, StageServer
+    from exitplan.worker_image.serve import port_from_env, serve
 
     console = Console()
     port = port_from_env(port)
     try:
         model = DecoderModel(bundle, first_block=first, last_block=last, threads=threads)
+        server: RecomputeStageServer | StageServer
         if mode == "recompute":
             if next_url is not None:
                 raise GenerationError("a recompute stage runs every block: give no --next")
@@ -220,18 +222,14 @@ def stage_command(
         else:
             raise GenerationError(f"--mode must be pipeline or recompute, got {mode!r}")
     except (BundleError, GenerationError) as err:
-        from exitplan.cli import fail
-
         fail(err)
     if mode == "pipeline" and (next_url is None) != (last == model.n_blocks - 1):
-        from exitplan.cli import fail
-
         fail(f"only the stage ending at block {model.n_blocks - 1} has no --next; this one runs {first}..{last}")
     console.print(
         f"stage blocks {first}..{last} ({mode}) on http://{host}:{port}"
         + (f" -> {next_url}" if next_url else " (last)")
     )
-    web.run_app(server.app(), host=host, port=port, print=None)
+    serve(server.app(), host, port)  # the guard (server_guard.py), as a classifier's worker port
 
 
 def plan_command(
@@ -255,8 +253,8 @@ def plan_command(
 
     from exitplan.api.bundle import BundleError
     from exitplan.planner.generation import GenerationPlanError, GenerationProfile, plan_splits
-    from exitplan.worker.generate.decoder import DecoderModel, GenerationError
-    from exitplan.worker.generate.measure import measure_profile
+    from exitplan.worker_image.generate.decoder import DecoderModel, GenerationError
+    from exitplan.worker_image.generate.measure import measure_profile
 
     console = Console()
     try:
@@ -266,8 +264,6 @@ def plan_command(
         profile = GenerationProfile.load(measure_profile(model, sample, threshold, hop_ms=hop_ms))
         plan = plan_splits(profile, stages)
     except (GenerationError, GenerationPlanError, BundleError) as err:
-        from exitplan.cli import fail
-
         fail(err)
     table = Table(title=f"{stages} stages, threshold {threshold}, hop {hop_ms} ms (best first)")
     for col in ("splits", "decision ms", "bottleneck ms", "ms/token"):

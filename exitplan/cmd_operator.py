@@ -10,6 +10,8 @@ from pathlib import Path
 
 import typer
 
+from exitplan.cli_common import fail
+
 app = typer.Typer(
     help="Run the exitplan operator, or publish a profile to the cluster.",
     add_completion=False,
@@ -21,8 +23,18 @@ HELP_ALLOW = (
     "Node directory under which spec.model.bundle may be a host path (repeatable; default: env "
     "EXITPLAN_ALLOWED_HOST_PATHS, comma-separated, else none: absolute bundle paths are refused)."
 )
+HELP_METRICS_PORT = "Port of the Prometheus /metrics endpoint (0: off)."
+HELP_HEALTH = "Port of the liveness endpoint /healthz (0: off); it fails when the operator's event loop is stuck."
+HELP_LISTEN = (
+    "Address the /metrics and /healthz ports listen on: 127.0.0.1 (this machine only), or 0.0.0.0 in a pod "
+    "(the chart sets it, for Prometheus and the kubelet's probe)."
+)
 HELP_ATTEMPTS = "Profiling Jobs per pool and spec generation before the service is left ProfilingFailed."
 HELP_RETRY = "Backoff after the first failed profiling Job (doubled after each further failure)."
+HELP_NETPOL = (
+    "Give each EarlyExitService its own NetworkPolicies (operator/network_policies.py); the chart turns it on "
+    "with networkPolicy.perService, beside its namespace-wide DNS, metrics and bundle-store policies."
+)
 
 
 @app.callback(invoke_without_command=True)
@@ -38,18 +50,19 @@ def command(
     priority: int = typer.Option(
         0, help="Peering priority: the replica with the highest priority serves, others wait."
     ),
-    metrics_port: int = typer.Option(9464, min=0, max=65535, help="Port of the Prometheus /metrics endpoint (0: off)."),
-    health_port: int = typer.Option(
-        8081,
-        min=0,
-        max=65535,
-        help="Port of kopf's liveness endpoint /healthz (0: off); it fails when the operator's event loop is stuck.",
+    metrics_port: int = typer.Option(
+        9464, min=0, max=65535, envvar="EXITPLAN_OPERATOR_METRICS_PORT", help=HELP_METRICS_PORT
     ),
+    health_port: int = typer.Option(8081, min=0, max=65535, envvar="EXITPLAN_OPERATOR_HEALTH_PORT", help=HELP_HEALTH),
+    listen: str = typer.Option("127.0.0.1", envvar="EXITPLAN_OPERATOR_LISTEN", help=HELP_LISTEN),
     tick: float = typer.Option(5.0, min=0.1, help="Seconds between timer ticks (readiness; drift once per period)."),
     allow_host_path: list[str] = typer.Option([], help=HELP_ALLOW),
     profile_attempts: int = typer.Option(3, min=1, envvar="EXITPLAN_PROFILE_ATTEMPTS", help=HELP_ATTEMPTS),
     profile_retry_seconds: float = typer.Option(
         30.0, min=0.1, envvar="EXITPLAN_PROFILE_RETRY_SECONDS", help=HELP_RETRY
+    ),
+    network_policies: bool = typer.Option(
+        False, "--network-policies/--no-network-policies", envvar="EXITPLAN_NETWORK_POLICIES", help=HELP_NETPOL
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at debug level."),
 ) -> None:
@@ -61,8 +74,6 @@ def command(
 
     if kubeconfig is not None:
         if not kubeconfig.exists():
-            from exitplan.cli import fail
-
             fail(
                 f"--kubeconfig {kubeconfig} does not exist; run `exitplan dev-cluster` or pass "
                 "a kubeconfig that kubectl can use"
@@ -70,10 +81,11 @@ def command(
         os.environ["KUBECONFIG"] = str(kubeconfig)
     os.environ["EXITPLAN_TICK_SECONDS"] = str(tick)
     _export_settings(allow_host_path, namespace, profile_attempts, profile_retry_seconds)
+    os.environ["EXITPLAN_NETWORK_POLICIES"] = "true" if network_policies else "false"  # operator/guards.py
     import kopf
-    from prometheus_client import start_http_server
 
     import exitplan.operator.handlers  # noqa: F401  (registers the handlers)
+    from exitplan.operator import http_ports
     from exitplan.operator.peering import ensure_peering
 
     logging.basicConfig(
@@ -84,15 +96,17 @@ def command(
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if peering:
         asyncio.run(ensure_peering(peering, os.environ.get("KUBECONFIG")))
-    if metrics_port:
-        start_http_server(metrics_port)
+    # /metrics and /healthz: served by the operator's startup handler, behind the data plane's guard
+    os.environ.update(
+        {http_ports.ENV_METRICS_PORT: str(metrics_port), http_ports.ENV_HEALTH_PORT: str(health_port)}
+        | {http_ports.ENV_LISTEN: listen}
+    )
     kopf.run(
         clusterwide=not namespace,
         namespaces=list(namespace),
         standalone=not peering,
         peering_name=peering or None,
         priority=priority,
-        liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz" if health_port else None,
     )
 
 
@@ -102,8 +116,6 @@ def _export_settings(allow_host_path: list[str], namespace: list[str], attempts:
 
     bad = [p for p in allow_host_path if not p.startswith("/")]
     if bad:
-        from exitplan.cli import fail
-
         fail(f"--allow-host-path takes absolute paths, got {bad}")
     if allow_host_path:
         os.environ[guards.ENV_ALLOWED] = ",".join(allow_host_path)
@@ -148,8 +160,6 @@ def publish_profile(
                 raw[key] = value
         spec = ModelProfileSpec.model_validate(raw)
     except (OSError, ValueError, yaml.YAMLError, ValidationError) as err:
-        from exitplan.cli import fail
-
         fail(f"{file}: {err}")
     name = name or builders.profile_name(spec.model, spec.pool)
     body = {
@@ -168,8 +178,6 @@ def publish_profile(
     try:
         report = asyncio.run(publish())
     except ApiError as err:
-        from exitplan.cli import fail
-
         fail(f"publishing ModelProfile {namespace}/{name} failed: {err}", 1)
     table = Table(title="ModelProfile published")
     for col in ("namespace", "name", "model", "pool", "blocks", "ramps", "result"):
@@ -203,8 +211,6 @@ def publish_bundle_info(
         texts = bundle_info.read_dir(bundle)
         body = bundle_info.configmap(texts, namespace, name, service, service_uid, source)
     except (OSError, ValueError, BundleError) as err:
-        from exitplan.cli import fail
-
         fail(f"{bundle}: {err}" if str(bundle) not in str(err) else err)
 
     size = sum(len(k.encode()) + len(v.encode()) for k, v in body["data"].items())
@@ -217,8 +223,6 @@ def publish_bundle_info(
     try:
         report = asyncio.run(publish())
     except ApiError as err:
-        from exitplan.cli import fail
-
         fail(f"publishing ConfigMap {namespace}/{name} failed: {err}", 1)
     result = "created" if report.created else "updated" if report.patched else "unchanged"
     typer.echo(f"ConfigMap {namespace}/{name} {result}: {files} ({size} bytes)")

@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
+from exitplan.cli_common import fail, table
+from exitplan.cli_common import length_mode as length_mode_choice
 
-def load_inputs(service_file: Path, extra: list[Path]):
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from exitplan.api.plan import Plan
+    from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec
+    from exitplan.planner.service import PlanResult
+    from exitplan.planner.traces import LengthMode, Trace
+
+
+def load_inputs(
+    service_file: Path, extra: list[Path]
+) -> tuple[str, EarlyExitServiceSpec, dict[str, GPUPoolSpec], dict[str, ModelProfileSpec]]:
     """(name, spec, pools, profiles) from the service file and extra YAML files (GPUPools, ModelProfiles).
 
     Profiles not given are looked up in the bundle's profiles/<pool>.yaml (where `exitplan up` caches them).
@@ -35,7 +49,13 @@ def load_inputs(service_file: Path, extra: list[Path]):
     return svc.metadata.get("name") or "exitplan", svc.spec, pools, profiles
 
 
-def trace_lengths(trace: Path | None, spec, profiles, length_mode: str, limit: int | None = None):
+def trace_lengths(
+    trace: Path | None,
+    spec: EarlyExitServiceSpec,
+    profiles: dict[str, ModelProfileSpec],
+    length_mode: LengthMode,
+    limit: int | None = None,
+) -> Trace | None:
     """Input lengths of a trace fitted to the model's longest length (None without a trace)."""
     if trace is None:
         return None
@@ -49,7 +69,7 @@ def trace_lengths(trace: Path | None, spec, profiles, length_mode: str, limit: i
     return load_trace(trace, max_length=int(top), length_mode=length_mode, limit=limit)
 
 
-def plan_png(result, path: Path) -> None:
+def plan_png(result: PlanResult, path: Path) -> None:
     """The plan's pipeline: one row per bucket, one box per split (blocks, pool, replicas x batch)."""
     import matplotlib
 
@@ -59,7 +79,8 @@ def plan_png(result, path: Path) -> None:
     plan = result.plan
     n_blocks = result.inputs.n_blocks
     fig, ax = plt.subplots(figsize=(max(6, n_blocks * 0.7), 1.2 + 0.9 * len(plan.buckets)))
-    colors = {p: c for p, c in zip(result.inputs.pool_names, plt.cm.tab10.colors)}
+    palette = matplotlib.colormaps["tab10"]
+    colors = {p: palette(i % 10) for i, p in enumerate(result.inputs.pool_names)}
     for row, bucket in enumerate(plan.buckets):
         for split in plan.splits:
             cells = [c for c in plan.cells if c.split == split.index and c.bucket == bucket]
@@ -127,7 +148,7 @@ def command(
 
     console = Console()
     name, spec, pools, profiles = load_inputs(service_file, with_files)
-    lengths = trace_lengths(trace, spec, profiles, length_mode)
+    lengths = trace_lengths(trace, spec, profiles, length_mode_choice(length_mode))
     thresholds = _read_json(thresholds_file) if thresholds_file else None
     prev = Plan.from_file(previous) if previous else None
     result = _solve(console, name, spec, pools, profiles, thresholds, prev, lengths)
@@ -148,16 +169,28 @@ def command(
         console.print(f"wrote {png}")
 
 
-def _read_json(path: Path):
+def _read_json(path: Path) -> dict[str, float]:
     from exitplan.api import SpecError
 
     try:
-        return json.loads(path.read_text())
+        doc = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise SpecError(f"{path}: not valid JSON: {err}") from err
+    if not isinstance(doc, dict) or not all(isinstance(v, (int, float)) for v in doc.values()):
+        raise SpecError(f"{path}: expected a JSON object of ramp name -> threshold (numbers)")
+    return {str(k): float(v) for k, v in doc.items()}
 
 
-def _solve(console, name: str, spec, pools, profiles, thresholds, prev, lengths):
+def _solve(
+    console: Console,
+    name: str,
+    spec: EarlyExitServiceSpec,
+    pools: dict[str, GPUPoolSpec],
+    profiles: dict[str, ModelProfileSpec],
+    thresholds: dict[str, float] | None,
+    prev: Plan | None,
+    lengths: Trace | None,
+) -> PlanResult:
     """The verified planner result, or exit 2 with the planner's error printed."""
 
     from exitplan.planner import PlannerError, plan_service
@@ -170,37 +203,40 @@ def _solve(console, name: str, spec, pools, profiles, thresholds, prev, lengths)
             profiles,
             thresholds=thresholds,
             previous=prev,
-            lengths=None if lengths is None else lengths.lengths,
+            lengths=None if lengths is None else lengths.lengths.tolist(),
             reason="cli",
         )
         result.verify()
     except PlannerError as err:
-        from exitplan.cli import fail
-
         fail(f"cannot plan {name} ({type(err).__name__}, field {err.field or '-'}): {err}")
     return result
 
 
-def _as_served(result, spec, lengths) -> float:
+def _as_served(result: PlanResult, spec: EarlyExitServiceSpec, lengths: Trace | None) -> float:
     """The plan's capacity as served (planner/predict.py): the trace's own arrivals looped and scaled when
     one is given, else Poisson with the plan's lengths."""
+    import numpy as np
+    import numpy.typing as npt
+
     from exitplan.planner.arrivals import looped_trace
     from exitplan.planner.predict import serving_capacity, serving_path, simulated_seconds
 
     seconds = simulated_seconds(result)
     arrivals = None
     if lengths is not None:
+        trace = lengths
 
-        def arrivals(rate: float):
-            return looped_trace(lengths.timestamps, lengths.lengths, rate, seconds)
+        def arrivals(rate: float) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+            return looped_trace(trace.timestamps, trace.lengths, rate, seconds)
 
     path = serving_path(result, routers=spec.router.replicas)
     return serving_capacity(result, spec.slo.latency_ms, path=path, arrivals=arrivals, seconds=seconds).rate_rps
 
 
-def _print_plan(console, name: str, spec, result, as_served: float | None = None) -> None:
+def _print_plan(
+    console: Console, name: str, spec: EarlyExitServiceSpec, result: PlanResult, as_served: float | None = None
+) -> None:
     """The plan's summary table, then one row per cell (worker Deployment)."""
-    from exitplan.cli import table
 
     plan, pred = result.plan, result.plan.prediction
     columns = (
@@ -225,8 +261,8 @@ def _print_plan(console, name: str, spec, result, as_served: float | None = None
         f"{result.timings['total']:.3f}",
     )
     console.print(head)
-    columns = ("split", "blocks", "rebatch", "bucket", "share", "pool", "replicas", "batch", "batch ms")
-    cells = table(*columns, title="cells (one worker Deployment each)")
+    cell_columns = ("split", "blocks", "rebatch", "bucket", "share", "pool", "replicas", "batch", "batch ms")
+    cells = table(*cell_columns, title="cells (one worker Deployment each)")
     shares = dict(zip(plan.buckets, plan.length_histogram))
     for c in plan.cells:
         s = plan.splits[c.split]
@@ -244,7 +280,7 @@ def _print_plan(console, name: str, spec, result, as_served: float | None = None
     console.print(cells)
 
 
-def _write_json(result, path: Path, as_served: float | None = None) -> None:
+def _write_json(result: PlanResult, path: Path, as_served: float | None = None) -> None:
     """The plan and the solver's details (timings, cycle, notes, alternatives) as JSON."""
     body = {
         "plan": result.plan.dump(),

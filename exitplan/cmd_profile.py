@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 
+from exitplan import cli_pods
+from exitplan.cli_common import fail, positive_ints
+from exitplan.cli_common import table as make_table
+from exitplan.worker_image.device import DeviceUnavailable, providers_for, require
 
-def _ints(text: str | None, option: str) -> list[int] | None:
-    if text is None or not text.strip():
-        return None
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as err:
-        raise typer.BadParameter(f"{option} takes comma-separated integers, got {text!r}") from err
-    if not values or min(values) < 1:
-        raise typer.BadParameter(f"{option} takes positive integers, got {text!r}")
-    return values
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from exitplan.api.bundle import BundleManifest
+    from exitplan.api.resources import ModelProfile, ModelProfileSpec, ServingCosts
 
 
 def command(
@@ -54,6 +54,7 @@ def command(
         help="The profile's spec.model (default: the bundle's name); match the EarlyExitService's model.name.",
     ),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the profile document as JSON."),
+    device: str = cli_pods.DEVICE,
     serving: bool = typer.Option(
         True,
         "--serving/--no-serving",
@@ -67,8 +68,9 @@ def command(
     from exitplan.prepare.profile import profile_document
 
     console = Console()
-    sizes = _ints(batch_sizes, "--batch-sizes") or []
-    lengths = _ints(seq_lens, "--seq-lens")
+    providers = _on_device(device, providers)
+    sizes = positive_ints(batch_sizes, "--batch-sizes") or []
+    lengths = positive_ints(seq_lens, "--seq-lens")
     manifest, profile, elapsed = _measure(
         console,
         bundle,
@@ -81,15 +83,20 @@ def command(
         model_name=model_name,
         providers=providers,
     )
+    try:
+        require(device, [("the profiled sessions", profile.spec.providers)])
+    except DeviceUnavailable as err:
+        cli_pods.device_refused(err)
     if serving:
-        profile.spec.serving = _serving_costs(console, bundle, profile.spec, threads)
+        on_cpu = _providers(providers) == ("CPUExecutionProvider",)
+        profile.spec.serving = _serving_costs(console, bundle, profile.spec, threads, compute_scale=on_cpu)
     _write(profile_document(profile), out, json_path)
     _print_table(console, profile.spec, manifest)
     console.print(f"profile written to {out} in {elapsed:.1f} s ({profile.spec.measured_on})")
 
 
 def _measure(
-    console,
+    console: Console,
     bundle: Path,
     *,
     pool: str,
@@ -100,7 +107,7 @@ def _measure(
     thresholds: Path | None,
     model_name: str | None,
     providers: str,
-):
+) -> tuple[BundleManifest, ModelProfile, float]:
     """(manifest, profile, seconds taken): profile the bundle with a progress bar, or exit 2 on its error."""
     import time
 
@@ -131,26 +138,27 @@ def _measure(
             )
         elapsed = time.perf_counter() - started
     except (BundleError, ProfileError) as err:
-        from exitplan.cli import fail
-
         fail(err)
     return manifest, profile, elapsed
 
 
-def _serving_costs(console, bundle: Path, spec, threads: int):
-    """The serving path's costs (localrun/serving_costs.py), or exit 2 with the reason."""
+def _serving_costs(
+    console: Console, bundle: Path, spec: ModelProfileSpec, threads: int, *, compute_scale: bool = True
+) -> ServingCosts:
+    """The serving path's costs (localrun/serving_costs.py), or exit 2 with the reason; with `compute_scale`
+    (a CPU pool's profile) also the workers' real compute over the tables (an accelerator's tables are its
+    own fixed-shape runs: the planner never scales them)."""
     from exitplan.localrun.serving_costs import ServingCostError, measure_serving_costs
-    from exitplan.prepare.compute_scale import compute_scale
+    from exitplan.prepare.compute_scale import compute_scale as measure_scale
 
     with console.status("measuring the serving path (one router and one worker, then a router running the model)"):
         try:
             costs = measure_serving_costs(bundle.resolve(), spec, threads=threads)
         except ServingCostError as err:
-            from exitplan.cli import fail
-
             fail(f"{err} (or pass --no-serving to skip this measurement)")
-    with console.status("timing the model as a CPU worker runs it (serving.computeScale)"):
-        costs.compute_scale = compute_scale(bundle.resolve(), spec, threads)
+    if compute_scale:
+        with console.status("timing the model as a CPU worker runs it (serving.computeScale)"):
+            costs.compute_scale = measure_scale(bundle.resolve(), spec, threads)
     console.print(
         f"serving path: router {costs.router_ms:.2f} ms CPU per request, worker {costs.hop_ms:.2f} ms per batch "
         f"beyond the model; a router running the model {costs.colocated_ms:.2f} ms per request beyond it "
@@ -161,16 +169,26 @@ def _serving_costs(console, bundle: Path, spec, threads: int):
     return costs
 
 
+def _on_device(device: str, providers: str) -> str:
+    """--providers as --device allows them (gpu: exit 3 with the reason where the GPU cannot run)."""
+    try:
+        return ",".join(providers_for(device, providers)) if device != "auto" else providers
+    except DeviceUnavailable as err:
+        cli_pods.device_refused(err)
+    except ValueError as err:
+        fail(err)
+
+
 def _providers(text: str) -> tuple[str, ...]:
     """The providers to measure with: `auto` as a worker chooses them (bundle_runtime.choose_providers)."""
     if text.strip() == "auto":
-        from exitplan.worker.bundle_runtime import choose_providers
+        from exitplan.worker_image.bundle_runtime import choose_providers
 
         return choose_providers("auto")
     return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
-def _write(document: dict, out: Path, json_path: Path | None) -> None:
+def _write(document: dict[str, Any], out: Path, json_path: Path | None) -> None:
     """The ModelProfile document as YAML at `out` (and as JSON at `json_path` when given)."""
     import yaml
 
@@ -181,9 +199,8 @@ def _write(document: dict, out: Path, json_path: Path | None) -> None:
         json_path.write_text(json.dumps(document, indent=2))
 
 
-def _print_table(console, spec, manifest) -> None:
+def _print_table(console: Console, spec: ModelProfileSpec, manifest: BundleManifest) -> None:
     """Latency per block and ramp (first / last batch size) per sequence length, with each ramp's survival."""
-    from exitplan.cli import table as make_table
 
     first, last = spec.batch_sizes[0], spec.batch_sizes[-1]
     lengths = [f"seq {n}" if manifest.seq_axis is not None else "fixed size" for n in spec.seq_lens]
@@ -200,7 +217,9 @@ def _print_table(console, spec, manifest) -> None:
     console.print(table)
 
 
-def _default_lengths(manifest) -> int:
-    from exitplan.worker.bundle_runtime import default_buckets
+def _default_lengths(manifest: BundleManifest) -> int:
+    from exitplan.worker_image.bundle_runtime import default_buckets
 
-    return len(default_buckets(manifest.max_length)) if manifest.seq_axis is not None else 1
+    if manifest.seq_axis is None or manifest.max_length is None:  # the manifest requires max_length with seq_axis
+        return 1
+    return len(default_buckets(manifest.max_length))

@@ -4,53 +4,26 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
-from exitplan.worker.serve import ServerLimits, port_from_env, serve
-
-
-def required_token(file: Path | None) -> str:
-    """The control token from `file` / the environment; ValueError naming the options when there is none."""
-    from exitplan.worker.auth import TOKEN_ENV, token_from
-
-    token = token_from(file)
-    if token is None:
-        raise ValueError(
-            f"no control token: give --control-token-file (or env EXITPLAN_CONTROL_TOKEN_FILE, or {TOKEN_ENV}); "
-            "`exitplan up` and the operator give their processes one"
-        )
-    return token
-
-
-# The HTTP server's limits and drain (worker_image/server_guard.py, serve.py), shared with `exitplan worker`.
-_D = ServerLimits()
-
-HEADER_TIMEOUT = typer.Option(
-    _D.header_timeout_s,
-    min=0.001,
-    help="Seconds a client has, from opening a connection (or the first byte of a later request), to send a request's whole head; then the connection is closed.",
+from exitplan.cli_common import fail
+from exitplan.cli_pods import (
+    BODY_TIMEOUT,
+    CONTROL_TOKEN_FILE,
+    DRAIN_DELAY,
+    DRAIN_TIMEOUT,
+    HEADER_TIMEOUT,
+    KEEPALIVE_TIMEOUT,
+    MAX_CONNECTIONS,
+    device_refused,
+    required_token,
+    server_limits,
+    trim_choice,
 )
-KEEPALIVE_TIMEOUT = typer.Option(
-    _D.keepalive_timeout_s, min=0.001, help="Seconds a kept-alive connection may stay idle between requests."
-)
-BODY_TIMEOUT = typer.Option(
-    _D.body_timeout_s, min=0.001, help="Seconds a client has, after a request's head, to send its body (408 past it)."
-)
-MAX_CONNECTIONS = typer.Option(
-    _D.max_connections, min=1, help="Open connections past which a new one is answered 503 and closed."
-)
-DRAIN_DELAY = typer.Option(
-    _D.drain_delay_s,
-    min=0.0,
-    help="After SIGTERM: keep serving, readiness off and answers with Connection: close, at least this many seconds.",
-)
-DRAIN_TIMEOUT = typer.Option(
-    _D.drain_timeout_s,
-    min=0.0,
-    help="After SIGTERM: the longest wait, in seconds, for requests in flight before exiting (the delay included).",
-)
-
+from exitplan.worker_image.device import DeviceUnavailable, providers_for, require
+from exitplan.worker_image.serve import port_from_env, serve
 
 PEERS = typer.Option(
     "",
@@ -64,12 +37,6 @@ CONTROL_PORT = typer.Option(
     0,
     help="Port of the control endpoints (/v1/...; EXITPLAN_CONTROL_PORT overrides); 0 = on --port, behind the token all the same.",
 )
-CONTROL_TOKEN_FILE = typer.Option(
-    None,
-    envvar="EXITPLAN_CONTROL_TOKEN_FILE",
-    help="File holding the service's control token (else env EXITPLAN_CONTROL_TOKEN). Required.",
-)
-
 # With --colocate the router runs split 0 itself (worker_image/classify/colocated.py): its runtime's options.
 COLOCATE = typer.Option(
     False,
@@ -82,25 +49,16 @@ CO_PROVIDERS = typer.Option(
 )
 CO_MAX_WAIT = typer.Option(-1.0, help="With --colocate: split 0's batching wait (as `exitplan worker --max-wait-ms`).")
 CO_TRIM = typer.Option("auto", help="With --colocate: as `exitplan worker --trim` (auto|on|off).")
+CO_DEVICE = typer.Option(
+    "auto", help="With --colocate: split 0's device (as `exitplan worker --device`: auto|gpu|cpu)."
+)
+
+if TYPE_CHECKING:
+    from exitplan.worker_image.classify.colocated import Colocation
+    from exitplan.worker_image.generate.router import GenerationRouter
 
 
-def server_limits(
-    header_timeout_s: float,
-    keepalive_timeout_s: float,
-    body_timeout_s: float,
-    max_connections: int,
-    drain_delay_s: float,
-    drain_timeout_s: float,
-) -> ServerLimits:
-    """The limits from the options; a bad combination exits 2 with the reason."""
-    try:
-        return ServerLimits(
-            header_timeout_s, keepalive_timeout_s, body_timeout_s, max_connections, drain_delay_s, drain_timeout_s
-        )
-    except ValueError as err:
-        from exitplan.cli import fail
-
-        fail(err)
+ACCURACY_BUDGET = typer.Option(0.01, min=0.0, max=0.999999, help="Allowed disagreement with the full model.")
 
 
 def command(
@@ -108,9 +66,7 @@ def command(
     plan: Path = typer.Option(..., help="Plan file (plan.json). Re-read when it changes."),
     peers: str = PEERS,
     slo_ms: float = typer.Option(100.0, min=0.001, help="p99 latency SLO in ms: the deadline of each input."),
-    accuracy_budget: float = typer.Option(
-        0.01, min=0.0, max=0.999999, help="Allowed disagreement with the full model."
-    ),
+    accuracy_budget: float = ACCURACY_BUDGET,
     shadow_fraction: float = typer.Option(0.05, min=0.0, max=1.0, help="Share of inputs shadow-sampled for feedback."),
     queue_lambda: float = typer.Option(0.85, min=0.01, max=1.0, help="Arlo congestion threshold."),
     queue_alpha: float = typer.Option(0.9, min=0.01, max=1.0, help="Arlo threshold decay per demotion level."),
@@ -121,7 +77,7 @@ def command(
     timeout_ms: float = typer.Option(0.0, min=0.0, help="Hard per-request timeout (0 = max(5 x SLO, 2 s))."),
     window_seconds: float = typer.Option(30.0, min=0.5, help="Length of an observation window."),
     advertise: str = ADVERTISE,
-    host: str = typer.Option("0.0.0.0", help="Address to listen on."),
+    host: str = typer.Option("0.0.0.0", envvar="EXITPLAN_HOST", help="Address to listen on."),
     port: int = typer.Option(8080, help="Port to listen on (EXITPLAN_PORT overrides)."),
     control_port: int = CONTROL_PORT,
     control_token_file: Path = CONTROL_TOKEN_FILE,
@@ -137,27 +93,24 @@ def command(
     providers: str = CO_PROVIDERS,
     max_wait_ms: float = CO_MAX_WAIT,
     trim: str = CO_TRIM,
+    device: str = CO_DEVICE,
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
     """Run the router: KServe v2 inference endpoints, Arlo dispatch, admission control, observations."""
-    from exitplan.cli import fail
     from exitplan.planner.dispatch import QueueParams
-    from exitplan.worker.auth import control_port_from_env
-    from exitplan.worker.classify.router import Router
+    from exitplan.worker_image.auth import control_port_from_env
+    from exitplan.worker_image.classify.router import Router
 
     port = port_from_env(port)
     control_port = control_port_from_env(control_port)
     advertise = advertise or f"{os.environ.get('POD_IP', '127.0.0.1')}:{control_port or port}"
     try:
-        from exitplan.worker.generate.router import GenerationRouter, is_generative
-
         token = required_token(control_token_file)
-        colocation = _colocation(pool, threads, providers, max_wait_ms, trim) if colocate else None
-        control = {"control_token": token, "control_port": control_port or None, "control_host": host}
-        # a decoder bundle: the generation router drives the stage workers instead
-        generation = GenerationRouter(bundle, plan, peers=peers, **control) if is_generative(bundle) else None
-        if generation is not None and colocate:
-            raise ValueError("--colocate serves classifiers; a generation bundle's router drives its stages apart")
+        colocation = (
+            _colocation(pool, threads, providers_for(device, providers), max_wait_ms, trim) if colocate else None
+        )
+        port_or_none = control_port or None
+        generation = _generation_router(bundle, plan, peers, token, port_or_none, host, colocate)
         router = generation or Router(
             bundle,
             plan,
@@ -173,8 +126,15 @@ def command(
             window_seconds=window_seconds,
             advertise=advertise,
             colocate=colocation,
-            **control,
+            control_token=token,
+            control_port=port_or_none,
+            control_host=host,
         )
+        if isinstance(router, Router):
+            for worker in router.local.values():  # split 0 in this process (--colocate)
+                require(device, worker.runtime.session_providers())
+    except DeviceUnavailable as err:
+        device_refused(err)
     except (ValueError, OSError) as err:
         fail(err)
     limits = server_limits(
@@ -183,10 +143,23 @@ def command(
     serve(router.app(), host, port, log_level, limits)
 
 
-def _colocation(pool: str, threads: int, providers: str, max_wait_ms: float, trim: str):
-    """The split-0 runtime of `--colocate` (ValueError: an unknown provider or --trim value)."""
-    from exitplan.cmd_worker import trim_choice
-    from exitplan.worker.bundle_runtime import choose_providers
-    from exitplan.worker.classify.colocated import Colocation
+def _generation_router(
+    bundle: Path, plan: Path, peers: str, token: str, control_port: int | None, host: str, colocate: bool
+) -> GenerationRouter | None:
+    """For a decoder bundle, the generation router (it drives the stage workers); None for a classifier."""
+    from exitplan.worker_image.generate.router import GenerationRouter, is_generative
 
-    return Colocation(pool, threads, tuple(choose_providers(providers)), max_wait_ms, trim_choice(trim))
+    if not is_generative(bundle):
+        return None
+    if colocate:
+        raise ValueError("--colocate serves classifiers; a generation bundle's router drives its stages apart")
+    return GenerationRouter(
+        bundle, plan, peers=peers, control_token=token, control_port=control_port, control_host=host
+    )
+
+
+def _colocation(pool: str, threads: int, providers: tuple[str, ...], max_wait_ms: float, trim: str) -> Colocation:
+    """The split-0 runtime of `--colocate` (ValueError: an unknown --trim value)."""
+    from exitplan.worker_image.classify.colocated import Colocation
+
+    return Colocation(pool, threads, providers, max_wait_ms, trim_choice(trim))

@@ -5,11 +5,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 
+from exitplan.cli_common import fail
+from exitplan.cli_common import length_mode as length_mode_choice
+from exitplan.cli_common import table as make_table
 
-def cdf_png(results, slo_ms: float, path: Path) -> None:
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec
+    from exitplan.planner.service import PlanResult
+    from exitplan.planner.sim_result import SimResult
+    from exitplan.planner.traces import LengthMode, Trace
+
+
+def cdf_png(results: list[SimResult], slo_ms: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,7 +77,8 @@ def command(
     console = Console()
     name, spec, pools, profiles = load_inputs(service_file, with_files)
     wanted = _wanted(configs)
-    path, full, tr = _load_traces(console, trace, spec, profiles, length_mode, rate, duration, arrivals, seed)
+    mode = length_mode_choice(length_mode)
+    path, full, tr = _load_traces(console, trace, spec, profiles, mode, rate, duration, arrivals, seed)
     results, rows = _compare(wanted, name, spec, pools, profiles, full, tr, seed)
     _print_table(console, name, spec, tr, rows)
     if json_out:
@@ -89,16 +103,16 @@ def _wanted(configs: str) -> list[str]:
 
 
 def _load_traces(
-    console,
+    console: Console,
     trace: Path | None,
-    spec,
-    profiles,
-    length_mode: str,
+    spec: EarlyExitServiceSpec,
+    profiles: dict[str, ModelProfileSpec],
+    length_mode: LengthMode,
     rate: float | None,
     duration: float,
     arrivals: str,
     seed: int,
-):
+) -> tuple[Path, Trace, Trace]:
     """(path, full trace, what to replay): lengths fitted to the model's longest; `duration` seconds at `rate`
     (default: the trace's own mean rate), the trace's pattern looped and scaled or Poisson arrivals with
     lengths drawn from the trace."""
@@ -118,10 +132,8 @@ def _load_traces(
             if spec.workload.length_buckets
             else max(max(p.seq_lens) for p in profiles.values())
         )
-        full = load_trace(path, max_length=int(top), length_mode=length_mode)  # type: ignore[arg-type]
+        full = load_trace(path, max_length=int(top), length_mode=length_mode)
     except TraceError as err:
-        from exitplan.cli import fail
-
         fail(f"trace: {err}")
     mean = rate or full.mean_rate
     if arrivals == "poisson":
@@ -138,17 +150,28 @@ def _load_traces(
     return path, full, tr
 
 
-def _compare(wanted: list[str], name: str, spec, pools, profiles, full, tr, seed: int):
+def _compare(
+    wanted: list[str],
+    name: str,
+    spec: EarlyExitServiceSpec,
+    pools: dict[str, GPUPoolSpec],
+    profiles: dict[str, ModelProfileSpec],
+    full: Trace,
+    tr: Trace,
+    seed: int,
+) -> tuple[list[SimResult], list[dict[str, Any]]]:
     """(simulation results, one row per configuration): plan each, replay `tr` through it; the oracle's bound last."""
     from rich.progress import track
 
     from exitplan.planner.compare import oracle_for, plan_config, simulate_plan
     from exitplan.planner.errors import PlannerError
 
-    results, rows, plans = [], [], {}
+    results: list[SimResult] = []
+    rows: list[dict[str, Any]] = []
+    plans: dict[str, PlanResult] = {}
     for cfg in track([c for c in wanted if c != "oracle"], description="planning and simulating"):
         try:
-            res_plan = plan_config(cfg, name, spec, pools, profiles, lengths=full.lengths)
+            res_plan = plan_config(cfg, name, spec, pools, profiles, lengths=full.lengths.tolist())
         except PlannerError as err:
             rows.append({"config": cfg, "error": str(err)})
             continue
@@ -176,11 +199,11 @@ def _compare(wanted: list[str], name: str, spec, pools, profiles, full, tr, seed
     return results, rows
 
 
-def _print_table(console, name: str, spec, tr, rows: list[dict]) -> None:
+def _print_table(
+    console: Console, name: str, spec: EarlyExitServiceSpec, tr: Trace, rows: list[dict[str, Any]]
+) -> None:
     """One row per configuration (planning errors printed below their row's mark)."""
     from rich.markup import escape
-
-    from exitplan.cli import table as make_table
 
     table = make_table(  # two-line headers: ten columns fit 80 characters
         "config",
@@ -217,7 +240,7 @@ def _print_table(console, name: str, spec, tr, rows: list[dict]) -> None:
     console.print(table)
 
 
-def _write_json(out: Path, name: str, path: Path, tr, rows: list[dict]) -> None:
+def _write_json(out: Path, name: str, path: Path, tr: Trace, rows: list[dict[str, Any]]) -> None:
     import numpy as np
 
     out.write_text(

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import typer
 
+from exitplan.cli_common import fail
+from exitplan.cli_common import table as make_table
+
 
 class MethodOption(str, Enum):
     profile = "profile"
@@ -58,8 +61,6 @@ def command(
 
     from rich.console import Console
 
-    from exitplan.cli import fail
-    from exitplan.cli import table as make_table
     from exitplan.planner.tuning.thresholds import FeedbackWindow, WindowError, outcome, tune
 
     console = Console()

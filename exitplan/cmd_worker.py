@@ -6,8 +6,9 @@ from pathlib import Path
 
 import typer
 
-from exitplan import cmd_router
-from exitplan.worker.serve import port_from_env, serve
+from exitplan import cli_pods
+from exitplan.cli_common import fail
+from exitplan.worker_image.serve import port_from_env, serve
 
 
 def command(
@@ -23,7 +24,7 @@ def command(
     next: str = typer.Option(
         "", "--next", help="host:port[,host:port...] of the next split (a headless Service); omit for the last split."
     ),
-    host: str = typer.Option("0.0.0.0", help="Address to listen on."),
+    host: str = typer.Option("0.0.0.0", envvar="EXITPLAN_HOST", help="Address to listen on."),
     port: int = typer.Option(8080, help="Port to listen on (EXITPLAN_PORT overrides)."),
     max_wait_ms: float = typer.Option(
         -1.0,
@@ -39,26 +40,26 @@ def command(
         envvar="EXITPLAN_CONTROL_TOKEN_FILE",
         help="File holding the service's control token (else env EXITPLAN_CONTROL_TOKEN). Required.",
     ),
-    header_timeout_s: float = cmd_router.HEADER_TIMEOUT,
-    keepalive_timeout_s: float = cmd_router.KEEPALIVE_TIMEOUT,
-    body_timeout_s: float = cmd_router.BODY_TIMEOUT,
-    max_connections: int = cmd_router.MAX_CONNECTIONS,
-    drain_delay_s: float = cmd_router.DRAIN_DELAY,
-    drain_timeout_s: float = cmd_router.DRAIN_TIMEOUT,
+    header_timeout_s: float = cli_pods.HEADER_TIMEOUT,
+    keepalive_timeout_s: float = cli_pods.KEEPALIVE_TIMEOUT,
+    body_timeout_s: float = cli_pods.BODY_TIMEOUT,
+    max_connections: int = cli_pods.MAX_CONNECTIONS,
+    drain_delay_s: float = cli_pods.DRAIN_DELAY,
+    drain_timeout_s: float = cli_pods.DRAIN_TIMEOUT,
     trim: str = typer.Option(
         "auto",
         help="auto|on|off: a last split pads each batch only to its longest row, rounded up to 8 tokens (sessions with a free length; auto = on for CPU providers).",
     ),
+    device: str = cli_pods.DEVICE,
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
     """Run one split worker: a contiguous range of blocks for one length bucket, with exits and a fusion queue."""
-    from exitplan.cmd_router import required_token
-    from exitplan.worker.bundle_runtime import choose_providers
-    from exitplan.worker.classify.worker import SplitWorker
+    from exitplan.worker_image.classify.worker import SplitWorker
+    from exitplan.worker_image.device import DeviceUnavailable, providers_for, require
 
     try:
-        token = required_token(control_token_file)
-        chosen = choose_providers(providers)
+        token = cli_pods.required_token(control_token_file)
+        chosen = providers_for(device, providers)
         worker = SplitWorker(
             bundle,
             plan,
@@ -70,23 +71,16 @@ def command(
             threads=threads,
             providers=chosen,
             control_token=token,
-            trim=trim_choice(trim),
+            trim=cli_pods.trim_choice(trim),
         )
+        require(device, worker.runtime.session_providers())
+    except DeviceUnavailable as err:
+        cli_pods.device_refused(err)
     except (ValueError, OSError) as err:
-        from exitplan.cli import fail
-
         fail(err)
-    limits = cmd_router.server_limits(
+    limits = cli_pods.server_limits(
         header_timeout_s, keepalive_timeout_s, body_timeout_s, max_connections, drain_delay_s, drain_timeout_s
     )
     serve(
         worker.app(), host, port_from_env(port), log_level, limits, on_drain=lambda: setattr(worker, "draining", True)
     )
-
-
-def trim_choice(value: str) -> bool | None:
-    """--trim: None (auto), True or False; anything else is a one-line error."""
-    choices = {"auto": None, "on": True, "off": False}
-    if value not in choices:
-        raise typer.BadParameter(f"--trim takes auto, on or off, not {value!r}")
-    return choices[value]

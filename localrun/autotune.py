@@ -1,11 +1,13 @@
 """`exitplan up`'s threshold tuning loop: I/O around the pure policy of exitplan.planner.tuning.autotune.
 
 Every `config.period_s` seconds, in a daemon thread with its own asyncio event loop, the loop reads
-the router's newest shadow-sampled feedback and the thresholds in force (through
-:class:`~exitplan.worker.control_client.ControlClient`), hands them to
+every router's newest shadow-sampled feedback, merged into one window, and the newest versioned
+thresholds among them (exitplan.worker_image.router_fleet), hands them to
 :func:`~exitplan.planner.tuning.autotune.advance` with the state it carries (:class:`TunerState`:
 fresh samples since the last breach or drift, the unconfirmed drift alarm, the drift test's
-reference thresholds), and pushes the thresholds the decision names. The state advances only once
+reference thresholds), and pushes the thresholds the decision names to every router as the next
+version (each router forwards them to its pods; a router that missed the push takes them from the
+others within its sync period). The state advances only once
 a step completes: a rejected window or a failed push leaves it as it was, and the next step counts
 the samples that arrived since the last completed one.
 """
@@ -19,24 +21,27 @@ from collections.abc import Callable
 
 from exitplan.planner.tuning.autotune import LIVE, Decision, TuneConfig, TunerState, advance
 from exitplan.planner.tuning.feedback import FeedbackWindow, WindowError
-from exitplan.worker.control_client import ControlClient, ControlError
+from exitplan.worker_image.control_client import ControlClient, ControlError
+from exitplan.worker_image.router_fleet import fleet_feedback, fleet_thresholds, push_fleet
 
 log = logging.getLogger(__name__)
 
 
 class AutoTuner:
-    """Runs :func:`advance` every ``config.period_s`` seconds against one router, in a daemon thread.
+    """Runs :func:`advance` every ``config.period_s`` seconds against the routers, in a daemon thread.
 
     ``step()`` takes one step now (from any thread without a running event loop; while the loop
-    thread runs, the step runs on its event loop, one step at a time). ``history`` holds the
+    thread runs, the step runs on its event loop, one step at a time). ``router_url``: one router's
+    control URL or a list of every router's. ``history`` holds the
     decisions taken on a window, ``state`` the :class:`TunerState` carried between steps (its
     ``alarm_log`` tells the drift alarms' story). ``on_change(decision)`` is called, in the loop's
-    thread, after new thresholds were pushed. ``client`` is the router's control client (replace it
-    before the first step to talk to something else); ``token`` the service's control token."""
+    thread, after new thresholds were pushed. ``clients`` are the routers' control clients (replace
+    them before the first step to talk to something else); ``token`` the service's control token.
+    ``version`` is the version of the thresholds last pushed (0 before the first)."""
 
     def __init__(
         self,
-        router_url: str,
+        router_url: str | list[str],
         ramps: list[str],
         budget: float,
         *,
@@ -44,9 +49,11 @@ class AutoTuner:
         on_change: Callable[[Decision], object] | None = None,
         token: str | None = None,
     ) -> None:
-        self.router_url, self.ramps, self.budget, self.config = router_url, ramps, budget, config
+        urls = [router_url] if isinstance(router_url, str) else list(router_url)
+        self.router_url, self.ramps, self.budget, self.config = urls[0], ramps, budget, config
         self.on_change = on_change
-        self.client = ControlClient(router_url, timeout_s=10.0, token=token)
+        self.clients = [ControlClient(url, timeout_s=10.0, token=token) for url in urls]
+        self.version = 0
         self.history: list[Decision] = []
         self.state = TunerState()
         self._loop = asyncio.new_event_loop()
@@ -60,17 +67,20 @@ class AutoTuner:
         """One step on the running event loop (the tuner's own)."""
         async with self._busy:
             try:
-                arrays = await self.client.feedback(self.config.window)
+                arrays, missed = await fleet_feedback(self.clients, self.config.window)
+                for note in missed:
+                    log.warning("a router's feedback is left out of this step: %s", note)
                 if arrays is None:
                     return Decision(None, "short-of-samples", 0)
-                window = FeedbackWindow(**arrays)
-                current = await self.client.thresholds()
-                decision, state = advance(self.state, window, current, self.ramps, self.budget, self.config)
+                window = FeedbackWindow(arrays.conf, arrays.pred, arrays.final, arrays.saving_ms, arrays.cost_ms)
+                current = await fleet_thresholds(self.clients)
+                decision, state = advance(self.state, window, current.values, self.ramps, self.budget, self.config)
             except WindowError as err:
                 log.warning("feedback window rejected, keeping the last good thresholds: %s", err)
                 return Decision(None, f"rejected: {err}", 0)
             if decision.thresholds is not None:
-                await self.client.push_thresholds(decision.thresholds, f"tune-{decision.reason}")
+                pushed = await push_fleet(self.clients, current, decision.thresholds, f"tune-{decision.reason}")
+                self.version = pushed.version
                 log.info(
                     "thresholds re-tuned (%s%s): agreement %.4f -> %.4f, saving %.2f -> %.2f ms on %d samples",
                     decision.reason,
@@ -129,5 +139,6 @@ class AutoTuner:
                 self._thread.join(timeout=timeout)
             if self._thread.is_alive() or self._loop.is_closed():
                 return  # a step still in flight: the daemon thread is left to end with the process
-            self._loop.run_until_complete(self.client.close())
+            for client in self.clients:
+                self._loop.run_until_complete(client.close())
             self._loop.close()

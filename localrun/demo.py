@@ -31,7 +31,7 @@ import signal
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,10 +49,16 @@ from exitplan.localrun.service_setup import (
 )
 
 if TYPE_CHECKING:
-    from exitplan.client.capacity import CapacityResult
+    from rich.console import Console
+    from rich.table import Table
+
+    from exitplan.client.bench import BenchSetup
+    from exitplan.client.capacity import CapacityResult, CapacityStep
     from exitplan.planner.service import PlanResult
 
 CONFIGS = ("vanilla", "naive-ee", "exitplan")
+ALL_CONFIGS = ("vanilla", "naive-ee", "naive-ee-buckets", "exitplan")
+"""`CONFIGS` and naive early exit with the planner's length buckets (one split): what buckets alone add."""
 
 
 @dataclass
@@ -65,7 +71,7 @@ class DemoOptions:
     """Seconds of trace replayed, not counted, before the first step and after each miss (at a rate that
     passed): a fresh deployment warms up, and one that missed recovers before the next rate is judged."""
     start_rps: float = 8.0
-    """Vanilla's first step; the others start at vanilla's capacity."""
+    """The first configuration's first step (vanilla's); the others start at its capacity."""
     max_rps: float = 400.0
     resolution: float = 0.05
     """Bisect until the rate that passed and the rate that missed are within this fraction."""
@@ -74,18 +80,24 @@ class DemoOptions:
     base_port: int = 9100
     workdir: Path = Path("artifacts/demo")
     seed: int = 0
+    configs: tuple[str, ...] = CONFIGS
+    """Which configurations to measure, in order (of `ALL_CONFIGS`); the first one's capacity is where
+    the others' searches start."""
+    routers: int = 1
+    """Router processes of every configuration (more than one: behind the local front, as `exitplan up
+    --routers N`)."""
 
 
 @dataclass
 class DemoResult:
     thresholds: dict[str, float]
     slo_ms: float = 0.0
-    plans: dict[str, dict] = field(default_factory=dict)
-    capacities: dict[str, dict] = field(default_factory=dict)
+    plans: dict[str, dict[str, Any]] = field(default_factory=dict)
+    capacities: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per configuration: its measured capacity and the figures at it (`capacity_row`)."""
 
     def capacity(self, config: str) -> float:
-        return self.capacities[config]["capacity_rps"] if config in self.capacities else 0.0
+        return float(self.capacities[config]["capacity_rps"]) if config in self.capacities else 0.0
 
     def ratio(self, config: str, baseline: str) -> float | None:
         """capacity(config) / capacity(baseline); None when the baseline passed at no rate."""
@@ -100,17 +112,14 @@ class DemoResult:
             return None
         return a["capacity_rps"] / b["failed_rps"], a["failed_rps"] / b["capacity_rps"]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "thresholds": self.thresholds,
             "slo_ms": self.slo_ms,
             "plans": self.plans,
             "capacities": self.capacities,
             "capacity_rps": {c: self.capacity(c) for c in self.capacities},
-            "ratios": {
-                "exitplan/vanilla": self.ratio("exitplan", "vanilla"),
-                "exitplan/naive-ee": self.ratio("exitplan", "naive-ee"),
-            },
+            "ratios": {f"exitplan/{c}": self.ratio("exitplan", c) for c in ALL_CONFIGS[:-1] if c in self.capacities},
         }
 
 
@@ -140,35 +149,58 @@ def build_plans(
 
 
 def build_results(
-    setup: ServiceSetup, thresholds: dict[str, float], lengths: np.ndarray | None = None
+    setup: ServiceSetup,
+    thresholds: dict[str, float],
+    lengths: np.ndarray | None = None,
+    configs: tuple[str, ...] = CONFIGS,
+    routers: int = 1,
 ) -> dict[str, PlanResult]:
-    """`build_plans` with the planner's whole results (what the predictions are made from)."""
-    plain = whole_model(setup)
+    """`build_plans` with the planner's whole results (what the predictions are made from), for `configs`
+    (of `ALL_CONFIGS`) on `routers` routers."""
+    unknown = [c for c in configs if c not in ALL_CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configurations {unknown}; known: {list(ALL_CONFIGS)}")
     off = {name: 2.0 for name in thresholds}
+    setups = {
+        "vanilla": (whole_model(setup), off, "baseline-vanilla"),
+        "naive-ee": (whole_model(setup), thresholds, "baseline-naive"),
+        "naive-ee-buckets": (whole_model(setup, buckets=True), thresholds, "baseline-naive-buckets"),
+        "exitplan": (setup, thresholds, "initial"),
+    }
     return {
-        "vanilla": planned_result(plain, off, reason="baseline-vanilla", lengths=lengths),
-        "naive-ee": planned_result(plain, thresholds, reason="baseline-naive", lengths=lengths),
-        "exitplan": planned_result(setup, thresholds, lengths=lengths),
+        c: planned_result(setups[c][0], setups[c][1], reason=setups[c][2], lengths=lengths, routers=routers)
+        for c in configs
     }
 
 
-def whole_model(setup: ServiceSetup) -> ServiceSetup:
+def whole_model(setup: ServiceSetup, *, buckets: bool = False) -> ServiceSetup:
     """The setup with the planner held to the whole model in one split and, for a sequence model, one
-    bucket at the longest length: the baselines, served by the same data plane as the plan."""
+    bucket at the longest length (unless `buckets`: then the planner sizes length buckets as for the plan):
+    the baselines, served by the same data plane as the plan."""
     spec = setup.spec
     planner = spec.planner.model_copy(update={"max_splits": 1, "rebatch": False})
-    update: dict = {"planner": planner}
-    if setup.manifest.seq_axis is not None:
+    update: dict[str, Any] = {"planner": planner}
+    if setup.manifest.seq_axis is not None and not buckets:
         longest = int(setup.manifest.max_length or max(setup.profiles[spec.pools[0].name].seq_lens))
         update["workload"] = spec.workload.model_copy(update={"length_buckets": [longest]})
     return replace(setup, spec=spec.model_copy(update=update))
 
 
-def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
-    from exitplan.client.bench import BenchSetup
-
+def run_demo(opts: DemoOptions, console: Console, keep: bool = False) -> DemoResult:
     setup = load_setup(opts.service_file)
     ensure_profiles(setup, console.print)
+    thresholds, lengths, reference = demo_inputs(setup, opts, console)
+    results = build_results(setup, thresholds, lengths, opts.configs, opts.routers)
+    result, kept = measure_configs(setup, results, thresholds, reference, opts, console, keep=keep)
+    console.print(summary_table(result))
+    if kept is not None:
+        _serve_until_interrupted(kept, setup.spec.model.name, console)
+    return result
+
+
+def demo_inputs(setup: ServiceSetup, opts: DemoOptions, console: Console) -> tuple[dict[str, float], np.ndarray, int]:
+    """(the thresholds tuned on the bundle's window, the trace's lengths scaled to the model, the raw length
+    scaled to its longest input): what every configuration is planned and measured with."""
     thresholds = tuned_thresholds(setup.bundle, setup.spec.accuracy.max_drop, setup.spec.workload.length_buckets)
     console.print(f"thresholds tuned on the held-out window (budget {setup.spec.accuracy.max_drop:.1%}): {thresholds}")
     lengths, reference = trace_lengths(opts.trace, int(setup.manifest.max_length or 1))
@@ -176,30 +208,52 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
         f"trace lengths scaled so that {reference} tokens (the trace's p99) = {setup.manifest.max_length}; "
         f"p50 {np.percentile(lengths, 50):.0f}, p90 {np.percentile(lengths, 90):.0f}"
     )
-    results = build_results(setup, thresholds, lengths)
+    return thresholds, lengths, reference
+
+
+def measure_configs(
+    setup: ServiceSetup,
+    results: dict[str, PlanResult],
+    thresholds: dict[str, float],
+    reference: int,
+    opts: DemoOptions,
+    console: Console,
+    *,
+    keep: bool = False,
+) -> tuple[DemoResult, LocalDeployment | None]:
+    """Start each configuration's plan in turn, search its capacity within the SLO, predict it; with `keep`
+    the last one is left running (returned)."""
+    from exitplan.client.bench import BenchSetup
+
     plans = {name: r.plan for name, r in results.items()}
     model = setup.spec.model.name
     slo = setup.spec.slo.latency_ms
     result = DemoResult(thresholds, slo, plans={k: json.loads(p.to_json()) for k, p in plans.items()})
     bench_setup: BenchSetup | None = None
     kept: LocalDeployment | None = None
-    for config in CONFIGS:
+    configs = list(results)
+    for config in configs:
         plan = plans[config]
         dep = LocalDeployment(
-            setup.bundle, plan, setup.spec, opts.workdir / config, port=opts.port, base_port=opts.base_port
+            setup.bundle,
+            plan,
+            setup.spec,
+            opts.workdir / config,
+            port=opts.port,
+            base_port=opts.base_port,
+            routers=opts.routers,
+            pools=setup.pools,
         )
         console.rule(f"{config}: {describe_plan(plan)}")
         background = background_cores()  # other load on these cores, for the prediction
         with console.status(f"starting {config}..."):
             dep.start()
         try:
-            bench_setup = bench_setup or BenchSetup.connect(dep.url, model, setup.bundle)
-            start = result.capacity("vanilla") or opts.start_rps
+            connected = bench_setup = bench_setup or BenchSetup.connect(dep.url, model, setup.bundle)
+            start = result.capacity(configs[0]) or opts.start_rps
             cap, client_ms = measured_search(
                 dep,
-                lambda: _search(
-                    opts, dep.url, model, setup.bundle, bench_setup, start, slo, reference, console, config
-                ),
+                lambda: _search(opts, dep.url, model, setup.bundle, connected, start, slo, reference, console, config),
             )
             served = served_capacity(
                 results[config],
@@ -210,6 +264,7 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
                 step_s=opts.step_duration,
                 sender_ms=client_ms,
                 background=background,
+                routers=len(dep.router_procs()),
             )
             result.capacities[config] = capacity_row(
                 config, describe_plan(plan), cap, served.rate_rps, client_ms, background
@@ -220,15 +275,12 @@ def run_demo(opts: DemoOptions, console, keep: bool = False) -> DemoResult:
                 f"other load {background:.2f} cores)"
             )
         finally:
-            if keep and config == CONFIGS[-1]:
+            if keep and config == configs[-1]:
                 kept = dep
             else:
                 with console.status(f"stopping {config}..."):
                     dep.stop()
-    console.print(summary_table(result))
-    if kept is not None:
-        _serve_until_interrupted(kept, model, console)
-    return result
+    return result, kept
 
 
 def describe_plan(plan: Plan) -> str:
@@ -239,11 +291,22 @@ def describe_plan(plan: Plan) -> str:
     )
 
 
-def _search(opts: DemoOptions, url, model, bundle, bench_setup, start, slo, reference, console, config):
+def _search(
+    opts: DemoOptions,
+    url: str,
+    model: str,
+    bundle: Path,
+    bench_setup: BenchSetup,
+    start: float,
+    slo: float,
+    reference: int,
+    console: Console,
+    config: str,
+) -> CapacityResult:
     """One configuration's capacity search, a line per step."""
     from exitplan.client.bench import find_capacity
 
-    def show(step) -> None:
+    def show(step: CapacityStep) -> None:
         r = step.report
         last = "-" if r.last_third_within_slo_share is None else f"{r.last_third_within_slo_share:.1%}"
         console.print(
@@ -278,7 +341,7 @@ def capacity_row(
     predicted_rps: float | None = None,
     client_ms: float | None = None,
     background: float | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """One configuration's measured capacity and the figures of the step at it (`DemoResult.capacities`),
     with the planner's predicted capacity as served and what it took that is not the service's: the load
     generator's CPU per request and the other load on the cores (cores' worth)."""
@@ -319,12 +382,12 @@ def capacity_row(
     }
 
 
-def _serve_until_interrupted(kept: LocalDeployment, model: str, console) -> None:
+def _serve_until_interrupted(kept: LocalDeployment, model: str, console: Console) -> None:
     """Keep the last configuration serving until one of its processes ends or Ctrl-C; then stop it."""
     console.print(f"[green]exitplan keeps serving[/green] at {kept.url}/v2/models/{model}/infer — Ctrl-C stops it")
     stop = {"now": False}
 
-    def _stop(*_) -> None:
+    def _stop(*_: object) -> None:
         stop["now"] = True
 
     # as `exitplan up`: SIGINT handled explicitly (a background start inherits it ignored), SIGTERM too
@@ -345,7 +408,7 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.1%}"
 
 
-def summary_table(result: DemoResult):
+def summary_table(result: DemoResult) -> Table:
     from rich.table import Table
 
     table = Table(
@@ -358,7 +421,7 @@ def summary_table(result: DemoResult):
         table.add_column(col, justify="left" if col in ("config", "what runs") else "right")
     table.add_column("agreement with full model", justify="right")
     table.add_column("steps", justify="right")
-    for config in CONFIGS:
+    for config in ALL_CONFIGS:
         row = result.capacities.get(config)
         if row is None:
             continue
@@ -383,7 +446,7 @@ def summary_caption(result: DemoResult) -> str:
     """The ratios of the measured capacities, their range from the searches' brackets, and a plain
     note for every capacity that is not a bracketed measurement."""
     parts = []
-    for baseline in ("vanilla", "naive-ee"):
+    for baseline in [c for c in ALL_CONFIGS[:-1] if c in result.capacities]:
         ratio = result.ratio("exitplan", baseline)
         if ratio is None:
             parts.append(f"no ratio to {baseline} (it met the target at no rate tried)")

@@ -22,28 +22,27 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from exitplan.api.commands import CPU_MAX_WAIT_MS, device_args, worker_args
 from exitplan.api.plan import Plan, colocated_routers
-from exitplan.api.resources import EarlyExitServiceSpec
+from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
 from exitplan.localrun.front import Front
 from exitplan.localrun.ports import free_port
+from exitplan.localrun.processes import Proc, StartError, exitplan_command
 from exitplan.localrun.supervisor import RestartPolicy, Supervisor
-from exitplan.worker.auth import TOKEN_FILE_ENV, new_token
+from exitplan.worker_image.auth import TOKEN_FILE_ENV, new_token
 
-
-class StartError(RuntimeError):
-    """A process of the deployment did not come up; the message names it and shows its log tail."""
+__all__ = ["LocalDeployment", "Proc", "StartError", "exitplan_command", "port_free"]
 
 
 def _die_with_parent() -> None:
@@ -66,42 +65,6 @@ def port_free(port: int) -> bool:
     return True
 
 
-def exitplan_command() -> list[str]:
-    """How to run the CLI from here: the installed script beside this interpreter, else `python -m`."""
-    script = Path(sys.executable).with_name("exitplan")
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("exitplan")
-    return [found] if found else [sys.executable, "-m", "exitplan"]
-
-
-@dataclass
-class Proc:
-    name: str
-    args: list[str]
-    port: int
-    log_path: Path
-    popen: subprocess.Popen | None = None
-    restarts: int = 0
-    """Times the supervisor started it again."""
-    last_exit: int | None = None
-    """Its last exit code (negative: the signal that ended it)."""
-    started_at: float = 0.0
-    backoff_s: float = 0.0
-    restart_at: float | None = None
-    """When the supervisor starts it again (monotonic clock), while it is down."""
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-
 @dataclass
 class LocalDeployment:
     bundle: Path
@@ -111,7 +74,7 @@ class LocalDeployment:
     port: int = 8080
     base_port: int = 9100
     threads: int = 1
-    max_wait_ms: float = 2.0
+    max_wait_ms: float = CPU_MAX_WAIT_MS
     """Local processes share CPU cores, where batch latency grows with the batch: launch partial batches early."""
     window_seconds: float = 30.0
     env: dict[str, str] = field(default_factory=dict)
@@ -134,6 +97,9 @@ class LocalDeployment:
     """Split 0 runs inside the routers (`exitplan router --colocate`): no split-0 worker processes, and
     as many routers as the plan has split-0 replicas in a bucket (at least `routers`). None: as the plan
     says (`Plan.colocate`)."""
+    pools: dict[str, GPUPoolSpec] = field(default_factory=dict)
+    """The plan's pools: a process on a pool that asks for accelerators (a gpuResource) runs with `--device
+    gpu` and refuses the CPU in their stead (as the operator's pods do); unknown pools: ONNX Runtime's choice."""
     front: Front | None = field(default=None, init=False, repr=False)
     _supervisor: Supervisor | None = field(default=None, init=False, repr=False)
     _env: dict[str, str] = field(default_factory=dict, init=False, repr=False)
@@ -176,20 +142,8 @@ class LocalDeployment:
                 args = [
                     *cli,
                     "worker",
-                    "--bundle",
-                    str(self.bundle),
-                    "--plan",
-                    str(self.plan_path),
-                    "--split",
-                    str(cell.split),
-                    "--bucket",
-                    str(cell.bucket),
-                    "--pool",
-                    cell.pool,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
+                    *worker_args(str(self.bundle), str(self.plan_path), cell, port, host="127.0.0.1"),
+                    *device_args(self.pools.get(cell.pool)),
                     "--max-wait-ms",
                     str(self.max_wait_ms),
                     "--threads",
@@ -264,6 +218,7 @@ class LocalDeployment:
         if self.colocated:
             pools = sorted({c.pool for c in self.plan.cells if c.split == 0})
             args += ["--colocate", "--pool", pools[0] if len(pools) == 1 else ""]
+            args += device_args(self.pools.get(pools[0])) if len(pools) == 1 else []
             args += ["--threads", str(self.threads), "--max-wait-ms", str(self.max_wait_ms)]
         return args + list(self.router_args)
 
@@ -338,17 +293,23 @@ class LocalDeployment:
         proc.started_at = time.monotonic()
 
     def _choose_control_ports(self) -> None:
-        """The control port of each router: `control_port` for the first, free ports for the others
-        (none among the workers' and routers' ports)."""
+        """The control port of each router (none among the workers' and routers' ports): a given
+        `control_port` and the ports after it (`--routers 2 --control-port 9100`: 9100, 9101), else
+        free ports."""
         listening = sum(c.replicas for c in self.plan.cells) + len(self.plan.splits) + self.routers + 1
         taken = {self.port, *range(self.base_port, self.base_port + listening)}
-        while not self.control_port or self.control_port in taken:
-            self.control_port = free_port()
-        ports = [self.control_port]
+        given = self.control_port
+        ports: list[int] = []
+
+        def pick(start: int) -> int:
+            candidate = start if given else free_port()
+            while not candidate or candidate in taken or candidate in ports:
+                candidate = candidate + 1 if given else free_port()
+            return candidate
+
         while len(ports) < self.routers:
-            candidate = free_port()
-            if candidate not in taken and candidate not in ports:
-                ports.append(candidate)
+            ports.append(pick(ports[-1] + 1 if ports else given))
+        self.control_port = ports[0]
         self.control_ports = ports
 
     def _write_token(self) -> None:
@@ -398,10 +359,10 @@ class LocalDeployment:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def describe(self) -> list[dict]:
+    def describe(self) -> list[dict[str, Any]]:
         return [
             {
                 "name": p.name,

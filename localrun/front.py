@@ -40,7 +40,7 @@ class Front:
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
         self._error: BaseException | None = None
-        self._pipes: set[asyncio.Task] = set()
+        self._pipes: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------ lifecycle (caller's thread)
 
@@ -62,7 +62,7 @@ class Front:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # ------------------------------------------------------------ the front's thread

@@ -16,19 +16,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from exitplan.api.plan import Plan
+from exitplan.localrun.processes import Proc, exitplan_command
 
 if TYPE_CHECKING:
-    from exitplan.localrun.deployment import LocalDeployment, Proc
-    from exitplan.localrun.service_setup import ServiceSetup
+    from exitplan.localrun.deployment import LocalDeployment
+    from exitplan.localrun.service_setup import Echo, ServiceSetup
 
 HELD_OUT_TEXTS = 100
 
 
-def measure(bundle: Path, pool: str, echo=print) -> Path:
+def measure(bundle: Path, pool: str, echo: Echo = print) -> Path:
     """Measure the bundle here unless its measurements file exists; returns the file."""
     from exitplan.planner.generation import measurements_file
-    from exitplan.worker.generate.decoder import DecoderModel
-    from exitplan.worker.generate.measure import measure_hop, measure_recompute_ratio, measure_thresholds, measure_times
+    from exitplan.worker_image.generate.decoder import DecoderModel
+    from exitplan.worker_image.generate.measure import (
+        measure_hop,
+        measure_recompute_ratio,
+        measure_thresholds,
+        measure_times,
+    )
 
     path = measurements_file(bundle, pool)
     if path.is_file():
@@ -59,24 +65,16 @@ def measure(bundle: Path, pool: str, echo=print) -> Path:
     return path
 
 
-def plan_generation_service(setup: ServiceSetup, echo=print, *, stages: int | None = None) -> Plan:
+def plan_generation_service(setup: ServiceSetup, echo: Echo = print, *, stages: int | None = None) -> Plan:
     """The Plan of a generation service from measurements on this machine (see the module docstring)."""
-    from exitplan.planner.generation import plan_generation, read_measurements
+    from exitplan.planner.generation import plan_bundle_generation, read_measurements
 
     manifest = setup.manifest
     if manifest.decoder is None:
         raise ValueError(f"{setup.bundle}: not a generative bundle (no decoder section)")
     profile, points = read_measurements(measure(setup.bundle, setup.spec.pools[0].name, echo))
-    result = plan_generation(
-        setup.name,
-        setup.spec,
-        setup.pools,
-        n_blocks=len(manifest.blocks),
-        exit_ramps=[r.name for r in manifest.exit_ramps()],
-        max_context=manifest.decoder.max_context,
-        profile=profile,
-        thresholds=points,
-        stages=stages,
+    result = plan_bundle_generation(
+        setup.name, setup.spec, setup.pools, manifest, profile=profile, thresholds=points, stages=stages
     )
     predicted = f", predicted {result.predicted_ms_per_token:.3f} ms/token" if result.predicted_ms_per_token else ""
     echo(
@@ -94,8 +92,6 @@ def is_generation_bundle(bundle: Path) -> bool:
 
 def stage_commands(deployment: LocalDeployment) -> list[Proc]:
     """The stage processes (last split first) and the router of a generation plan."""
-    from exitplan.localrun.deployment import Proc, exitplan_command
-
     cli = exitplan_command()
     logs = deployment.workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)

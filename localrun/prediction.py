@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from exitplan.api.plan import Plan
@@ -49,7 +50,7 @@ def served_capacity(
     path = serving_path(result, routers=routers, sender_ms=sender_ms, background=background)
     top = max(plan.buckets)
 
-    def window(rps: float):
+    def window(rps: float) -> tuple[np.ndarray, np.ndarray]:
         steps = schedule(trace, max_length=top, reference_max=reference, rps=rps, duration=step_s).trace
         return steps.timestamps, steps.lengths
 

@@ -29,7 +29,7 @@ from exitplan.api.resources import (
     ModelProfileSpec,
     ModelRef,
 )
-from exitplan.localrun.deployment import exitplan_command
+from exitplan.localrun.processes import exitplan_command
 
 if TYPE_CHECKING:
     from exitplan.planner.service import PlanResult
@@ -49,12 +49,17 @@ class ServiceSetup:
     profiles: dict[str, ModelProfileSpec] = field(default_factory=dict)
 
 
+Echo = Callable[[str], object]
+"""Where a long step says what it does, a line at a time (`print`, a console's `print`)."""
+
 BundleFetcher = Callable[[ModelRef], Path]
 """Gives the local directory of spec.model's bundle, fetching a remote one (the CLI passes
 exitplan.storage.cache.cached_bundle: this room imports no storage code)."""
 
 
-def load_setup(service_file: Path, extra: list[Path] = (), fetch_bundle: BundleFetcher | None = None) -> ServiceSetup:
+def load_setup(
+    service_file: Path, extra: Sequence[Path] = (), fetch_bundle: BundleFetcher | None = None
+) -> ServiceSetup:
     """The service, its pools and profiles from `service_file` and `extra` YAML files; the bundle from
     `fetch_bundle` (s3://, https:// into a local cache), else only a path or file:// URI."""
     docs = []
@@ -82,7 +87,7 @@ def load_setup(service_file: Path, extra: list[Path] = (), fetch_bundle: BundleF
     return ServiceSetup(name, svc.spec, bundle, manifest, pools, profiles)
 
 
-def ensure_profiles(setup: ServiceSetup, echo=print, *, remeasure: bool = False) -> None:
+def ensure_profiles(setup: ServiceSetup, echo: Echo = print, *, remeasure: bool = False) -> None:
     """Measure a profile for every pool that has none (cached in the bundle's profiles/ folder); with
     `remeasure`, for every pool whatever the cache holds (a profile of this machine as it is now)."""
     for ref in setup.spec.pools:
@@ -125,7 +130,8 @@ def _cached_profile_problem(cache: Path, *, costs: bool = True) -> str | None:
     except (ValidationError, ProfileError, yaml.YAMLError, AttributeError) as err:
         return f"the cached ModelProfile {cache} cannot be used ({str(err).splitlines()[0]})"
     serving = spec.serving
-    if costs and (serving is None or serving.colocated_ms is None or not serving.compute_scale):
+    on_cpu = not spec.providers or spec.providers[0] == "CPUExecutionProvider"  # an accelerator's: never scaled
+    if costs and (serving is None or serving.colocated_ms is None or (on_cpu and not serving.compute_scale)):
         missing = (
             "serving"
             if serving is None
@@ -194,7 +200,11 @@ def at_thresholds(setup: ServiceSetup, thresholds: dict[str, float]) -> ServiceS
 
 
 def planned(
-    setup: ServiceSetup, thresholds: dict[str, float], reason: str = "initial", lengths=None, routers: int = 1
+    setup: ServiceSetup,
+    thresholds: dict[str, float],
+    reason: str = "initial",
+    lengths: Sequence[int] | np.ndarray | None = None,
+    routers: int = 1,
 ) -> Plan:
     """The planner's plan for this machine (`on_this_machine`), sized for the survival at `thresholds`;
     `lengths` (input lengths in tokens, e.g. a trace's) size the length buckets."""
@@ -202,14 +212,19 @@ def planned(
 
 
 def planned_result(
-    setup: ServiceSetup, thresholds: dict[str, float], reason: str = "initial", lengths=None, routers: int = 1
+    setup: ServiceSetup,
+    thresholds: dict[str, float],
+    reason: str = "initial",
+    lengths: Sequence[int] | np.ndarray | None = None,
+    routers: int = 1,
 ) -> PlanResult:
     """`planned`'s whole planner result (the plan, its inputs and the solver's figures)."""
     from exitplan.planner import plan_service
 
     spec, pools = on_this_machine(setup, routers)
     sized = at_thresholds(setup, thresholds)
-    return plan_service(setup.name, spec, pools, sized.profiles, thresholds=thresholds, reason=reason, lengths=lengths)
+    raw = None if lengths is None else [int(n) for n in lengths]  # the planner takes a list of ints
+    return plan_service(setup.name, spec, pools, sized.profiles, thresholds=thresholds, reason=reason, lengths=raw)
 
 
 def single_split_plan(

@@ -119,15 +119,15 @@ def _bodies(bundle: Path, profile: ModelProfileSpec, n: int) -> tuple[int, list[
         return bucket, [inputs.bodies[fits[i % len(fits)]] for i in range(n)]
     lengths = np.sort(pool.lengths)
     enough = max(1, len(lengths) // 10)
-    bucket = next((b for b in profile.seq_lens if np.searchsorted(lengths, b, side="right") >= enough), None)
-    if bucket is None:
+    shortest = next((b for b in profile.seq_lens if np.searchsorted(lengths, b, side="right") >= enough), None)
+    if shortest is None:
         raise ServingCostError(
             f"no profiled length ({profile.seq_lens}) holds a tenth of the bundle's held-out texts; "
             "profile longer lengths (--seq-lens)"
         )
-    fitting = lengths[lengths <= bucket]
+    fitting = lengths[lengths <= shortest]
     targets = np.resize(fitting, n)
-    return bucket, build_inputs(pool, targets, max_length=bucket).bodies
+    return shortest, build_inputs(pool, targets, max_length=shortest).bodies
 
 
 def measure_serving_costs(
@@ -215,13 +215,14 @@ def _compute_cpu_ms(bundle: Path, bucket: int, bodies: list[bytes], threads: int
     """CPU ms of the model's own compute per request: the bodies decoded as the router decodes them and
     run one at a time through every block and the final head (no exits), as the worker runs them (each cut
     to its longest row where it trims)."""
-    from exitplan.worker.bundle_runtime import cpu_worker_runtime, mask_input
-    from exitplan.worker.classify.decode import decode_inputs, parse_request
-    from exitplan.worker.classify.trim import trimmed
+    from exitplan.worker_image.bundle_runtime import cpu_worker_runtime, mask_input
+    from exitplan.worker_image.classify.decode import decode_inputs, parse_request
+    from exitplan.worker_image.classify.trim import trimmed
 
     runtime = cpu_worker_runtime(bundle, [bucket], threads)
     mask = mask_input(runtime.manifest) if runtime.free_length else None
-    axes = {t.name: runtime.manifest.seq_axis for t in runtime.manifest.inputs} if mask else {}
+    seq_axis = runtime.manifest.seq_axis  # a free-length (trimming) runtime has one
+    axes = {t.name: seq_axis for t in runtime.manifest.inputs} if mask and seq_axis is not None else {}
     tokenizer = None
     if runtime.manifest.tokenizer:
         from tokenizers import Tokenizer

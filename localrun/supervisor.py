@@ -16,10 +16,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from exitplan.localrun.deployment import Proc
+from exitplan.localrun.processes import Proc
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@
 
 1. grow: create new worker Deployments, raise replicas of existing ones to max(current, desired),
    create/patch the split Services; the old plan still serves (plan.json unchanged);
-2. switch: patch the plan ConfigMap (routers and workers re-read plan.json), the router and its
-   PodDisruptionBudget;
+2. switch: patch the plan ConfigMap (routers and workers re-read plan.json), the router, its
+   PodDisruptionBudget and the service's NetworkPolicies (network_policies.py);
 3. shrink: set every worker Deployment to its exact desired replicas and delete the children the
    new plan no longer has.
 
@@ -23,10 +23,13 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from exitplan.operator import builders
-from exitplan.operator.kube import ApiError, KubeClient, Manifest, object_path, path
+from exitplan.api.manifest import Manifest
+from exitplan.operator import names
+from exitplan.operator.kube import ApiError, KubeClient, object_path, path
 
 CONFLICT_RETRIES = 5
+PLAN_KINDS = ("PodDisruptionBudget", "NetworkPolicy")
+"""Children switched with the plan ConfigMap and pruned when a plan has none (disruption.py, network_policies.py)."""
 
 
 @dataclass
@@ -114,9 +117,9 @@ async def delete_one(client: KubeClient, obj: Manifest, report: ApplyReport) -> 
 
 async def list_children(client: KubeClient, service: str, namespace: str) -> dict[str, list[Manifest]]:
     """The service's existing children by kind (by the exitplan.io/service label)."""
-    selector = f"{builders.L_SERVICE}={service}"
+    selector = f"{names.L_SERVICE}={service}"
     out: dict[str, list[Manifest]] = {}
-    for kind in ("Deployment", "Service", "ConfigMap", "Job", "PodDisruptionBudget"):
+    for kind in ("Deployment", "Service", "ConfigMap", "Job", "PodDisruptionBudget", "NetworkPolicy"):
         items = await client.list(path(kind, namespace), selector)
         for item in items:
             item.setdefault("kind", kind)
@@ -131,17 +134,17 @@ async def apply_children(client: KubeClient, desired: list[Manifest], service: s
     current_replicas = {
         d["metadata"]["name"]: int(d.get("spec", {}).get("replicas") or 0) for d in existing["Deployment"]
     }
-    component = builders.L_COMPONENT
+    component = names.L_COMPONENT
 
     def is_worker(obj: Manifest) -> bool:
-        return obj["kind"] == "Deployment" and obj["metadata"]["labels"].get(component) == "worker"
+        return bool(obj["kind"] == "Deployment" and obj["metadata"]["labels"].get(component) == "worker")
 
     workers = [d for d in desired if is_worker(d)]
     services = [d for d in desired if d["kind"] == "Service"]
     switch = [
         d
         for d in desired
-        if d["kind"] in ("ConfigMap", "PodDisruptionBudget") or (d["kind"] == "Deployment" and not is_worker(d))
+        if d["kind"] in ("ConfigMap", *PLAN_KINDS) or (d["kind"] == "Deployment" and not is_worker(d))
     ]
 
     # 1. grow
@@ -159,7 +162,7 @@ async def apply_children(client: KubeClient, desired: list[Manifest], service: s
         if current_replicas.get(dep["metadata"]["name"], 0) > dep["spec"]["replicas"]:
             await apply_one(client, dep, report)
     wanted = {(d["kind"], d["metadata"]["name"]) for d in desired}
-    for kind in ("Deployment", "Service", "ConfigMap", "PodDisruptionBudget"):
+    for kind in ("Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy"):
         for obj in existing[kind]:
             if (kind, obj["metadata"]["name"]) not in wanted:
                 await delete_one(client, obj, report)
@@ -179,7 +182,7 @@ def diff_children(existing: dict[str, list[Manifest]], desired: list[Manifest]) 
         elif obj["kind"] == "Deployment" and cur.get("spec", {}).get("replicas") != obj["spec"]["replicas"]:
             out.append(f"scale {key[1]}: {cur.get('spec', {}).get('replicas')} -> {obj['spec']['replicas']}")
         elif obj["kind"] == "ConfigMap" and cur.get("data") != obj.get("data"):
-            out.append(f"update ConfigMap {key[1]} (plan {obj['metadata']['annotations'][builders.A_PLAN_HASH]})")
+            out.append(f"update ConfigMap {key[1]} (plan {obj['metadata']['annotations'][names.A_PLAN_HASH]})")
     wanted = {(o["kind"], o["metadata"]["name"]) for o in desired}
     for key in sorted(have):
         if key[0] != "Job" and key not in wanted:

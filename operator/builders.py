@@ -1,6 +1,10 @@
-"""Pure manifest builders: (service, spec, plan, pools) -> plain dicts. No I/O, no API calls.
+"""The children of a classification service, built from its plan: (service, spec, plan, pools) -> manifests.
 
-Children of one EarlyExitService `<svc>` (DESIGN.md "The objects"):
+Pure: no I/O, no API calls. Owns which children a plan has and what each one runs (the router's and the
+workers' command lines, the Services that connect them, the plan ConfigMap, the profiling Job); their
+names and labels are names.py's, the pod around each command pod_template.py's, and a generation
+service's stages generation_builders.py's. The children of one EarlyExitService `<svc>`
+(DESIGN.md "The objects"):
 
 | object | name | what |
 |---|---|---|
@@ -12,281 +16,46 @@ Children of one EarlyExitService `<svc>` (DESIGN.md "The objects"):
 | Deployment | `<svc>-s<S>-b<B>-<pool>` | one per plan cell (split, bucket, pool), absolute replica count |
 | Job | `<svc>-profile-<pool>` | measures a missing ModelProfile, then publishes it |
 | PodDisruptionBudget | `<svc>-router` | minAvailable 1 over 2+ router replicas (disruption.py) |
+| NetworkPolicy | `<svc>-net-router`, `<svc>-net-router-to-split-<S>`, `<svc>-net-split-<S>` | who reaches the service's routers and workers (network_policies.py, when the operator's settings ask) |
 
 Every child carries the labels exitplan.io/service, exitplan.io/split, exitplan.io/bucket,
 exitplan.io/pool (where they apply), the annotation exitplan.io/plan-hash, and an ownerReference
-to the EarlyExitService (kopf.adopt), so deleting the service lets the garbage collector take them.
+to the EarlyExitService (ownership.adopt), so deleting the service lets the garbage collector take them.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import posixpath
-import re
-from typing import Any
-
-import kopf
-
-from exitplan.api.bundle_source import SourceError, parse_bundle_uri
+from exitplan.api.commands import batching_args, device_args, worker_args
+from exitplan.api.manifest import Manifest
 from exitplan.api.plan import Cell, Plan
-from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelRef
-from exitplan.operator import bundle_volumes, colocation
-from exitplan.operator.images import Images
-
-Manifest = dict[str, Any]
-
-PORT = 8080
-PLAN_DIR = "/etc/exitplan"
-PLAN_PATH = f"{PLAN_DIR}/plan.json"
-PROFILE_DIR = "/var/run/exitplan-profile"
-CONTROL_PORT = 8081
-"""The routers' control endpoints (/v1/...): open only to the operator and the service's own pods."""
-CONTROL_DIR = "/var/run/exitplan-control"
-TOKEN_KEY = "token"
-TOKEN_PATH = f"{CONTROL_DIR}/{TOKEN_KEY}"
-PRESTOP_SLEEP_S = 5
-"""Seconds a router or worker pod waits between leaving its endpoints and its SIGTERM."""
-DEFAULT_IMAGE = "ghcr.io/exitplan/exitplan:0.1.0"
-IMAGE = os.environ.get("EXITPLAN_IMAGE", DEFAULT_IMAGE)
-"""Container image of routers, workers and profiling Jobs (env EXITPLAN_IMAGE of the operator)."""
-IMAGES = Images.from_env(IMAGE)
-"""IMAGE with its pull policy and pull Secrets (images.py); a GPUPool may override them for its pods."""
-
-L_SERVICE, L_SPLIT, L_BUCKET, L_POOL = (
-    "exitplan.io/service",
-    "exitplan.io/split",
-    "exitplan.io/bucket",
-    "exitplan.io/pool",
+from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
+from exitplan.operator import bundle_volumes, colocation, images, pod_template
+from exitplan.operator.names import (
+    CONTROL_PORT,
+    L_COMPONENT,
+    L_POOL,
+    L_SENDS_TO,
+    L_SERVICE,
+    L_SPLIT,
+    PLAN_PATH,
+    PORT,
+    PROFILE_DIR,
+    TOKEN_PATH,
+    bundle_path,
+    control_host,
+    control_service_name,
+    dns_name,
+    managed,
+    metadata,
+    plan_configmap_name,
+    router_name,
+    selector_labels,
+    split_host,
+    split_service_name,
+    worker_name,
 )
-L_COMPONENT = "app.kubernetes.io/component"
-A_PLAN_HASH = "exitplan.io/plan-hash"
-MANAGED = {"app.kubernetes.io/name": "exitplan", "app.kubernetes.io/managed-by": "exitplan-operator"}
-
-
-def dns_name(*parts: object) -> str:
-    """A DNS-1123 label from parts: lowercase, dashes, at most 63 chars (long names end in a hash)."""
-    raw = "-".join(str(p) for p in parts if str(p) != "")
-    name = re.sub(r"[^a-z0-9-]+", "-", raw.lower()).strip("-")
-    if len(name) > 63:
-        digest = hashlib.sha256(raw.encode()).hexdigest()[:6]
-        name = f"{name[:56].rstrip('-')}-{digest}"
-    return name
-
-
-def plan_configmap_name(service: str) -> str:
-    return dns_name(service, "plan")
-
-
-def router_name(service: str) -> str:
-    return dns_name(service, "router")
-
-
-def control_service_name(service: str) -> str:
-    return dns_name(service, "control")
-
-
-def control_secret_name(service: str) -> str:
-    return dns_name(service, "control-token")
-
-
-def control_host(service: str, namespace: str) -> str:
-    """host:port of the routers' control endpoints (a headless Service: every router pod)."""
-    return f"{control_service_name(service)}.{namespace}.svc:{CONTROL_PORT}"
-
-
-def split_service_name(service: str, split: int) -> str:
-    return dns_name(service, "split", split)
-
-
-def worker_name(service: str, cell: Cell) -> str:
-    return dns_name(service, f"s{cell.split}", f"b{cell.bucket}", cell.pool)
-
-
-def profile_job_name(service: str, pool: str, attempt: int = 0) -> str:
-    """`<svc>-profile-<pool>`, then `-2`, `-3`, ... for re-measurements (Jobs do not re-run)."""
-    return dns_name(service, "profile", pool, attempt + 1 if attempt else "")
-
-
-def split_host(service: str, namespace: str, split: int) -> str:
-    """host:port of the headless Service of a split (what --peers / --next name)."""
-    return f"{split_service_name(service, split)}.{namespace}.svc:{PORT}"
-
-
-def bundle_path(uri: str) -> str:
-    """The bundle directory a pod reads: file:// URIs become paths; an absolute path is normalised
-    (`/opt/b/../../etc` is `/etc`: what a hostPath would mount, and what the operator's allowed
-    host-path prefixes are checked against, operator/guards.py); a remote bundle (pvc://, s3://,
-    https://, oci://) is read at bundle_volumes.BUNDLE_DIR."""
-    try:
-        if parse_bundle_uri(uri).remote:
-            return bundle_volumes.BUNDLE_DIR
-    except SourceError:
-        pass  # refused by the spec's validation; nothing is built for it
-    path = uri[len("file://") :] if uri.startswith("file://") else uri
-    return normalize_host_path(path) if path.startswith("/") else path
-
-
-def normalize_host_path(path: str) -> str:
-    """An absolute path with `.`, `..` and repeated slashes resolved lexically (the operator cannot
-    see the node's symlinks; Kubernetes refuses hostPaths with `..` anyway)."""
-    return "/" + posixpath.normpath(path).lstrip("/")
-
-
-def selector_labels(service: str, component: str, cell: Cell | None = None, split: int | None = None) -> dict[str, str]:
-    labels = {L_SERVICE: service, L_COMPONENT: component}
-    if cell is not None:
-        labels.update({L_SPLIT: str(cell.split), L_BUCKET: str(cell.bucket), L_POOL: cell.pool})
-    elif split is not None:
-        labels[L_SPLIT] = str(split)
-    return labels
-
-
-def _meta(name: str, labels: dict[str, str], plan_hash: str) -> Manifest:
-    return {"name": name, "labels": {**MANAGED, **labels}, "annotations": {A_PLAN_HASH: plan_hash}}
-
-
-def _security() -> tuple[Manifest, Manifest]:
-    pod = {
-        "runAsNonRoot": True,
-        "runAsUser": 10001,
-        "runAsGroup": 10001,
-        "fsGroup": 10001,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-    container = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
-    return pod, container
-
-
-def _probes() -> dict[str, Manifest]:
-    def probe(path: str, period: int, failures: int) -> Manifest:
-        return {
-            "httpGet": {"path": path, "port": "http"},
-            "periodSeconds": period,
-            "failureThreshold": failures,
-            "timeoutSeconds": 2,
-        }
-
-    return {
-        "livenessProbe": {**probe("/v2/health/live", 10, 3), "initialDelaySeconds": 5},
-        "readinessProbe": probe("/v2/health/ready", 2, 2),
-    }
-
-
-def _prestop() -> dict[str, Manifest]:
-    """Routers and workers sleep PRESTOP_SLEEP_S before their SIGTERM: the pod is already out of its
-    Service's endpoints (and a split's DNS, which senders re-resolve every 2 s), so by the time the
-    process drains (worker_image/serve.py: readiness off, in-flight requests answered, at most 20 s)
-    no new connection is on its way to it. terminationGracePeriodSeconds (30) covers both."""
-    return {"lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}}}
-
-
-def _volumes(service: str, model: ModelRef, images: Images) -> tuple[list[Manifest], list[Manifest], Manifest]:
-    """A router's or worker's volumes, its container's mounts, and what its pod spec adds: the
-    bundle's init containers (bundle_volumes.py) and the image pull Secrets."""
-    volumes = [
-        {"name": "plan", "configMap": {"name": plan_configmap_name(service)}},
-        {"name": "tmp", "emptyDir": {}},
-        {"name": "control-token", "secret": {"secretName": control_secret_name(service), "defaultMode": 0o440}},
-    ]
-    mounts = [
-        {"name": "plan", "mountPath": PLAN_DIR, "readOnly": True},
-        {"name": "tmp", "mountPath": "/tmp"},
-        {"name": "control-token", "mountPath": CONTROL_DIR, "readOnly": True},
-    ]
-    parts = bundle_volumes.bundle_parts(model, images, _security()[1], bundle_path(model.bundle))
-    pod: Manifest = {"initContainers": parts.init_containers} if parts.init_containers else {}
-    return volumes + parts.volumes, mounts + parts.mounts, {**pod, **images.pod()}
-
-
-def _env(service: str, namespace: str) -> list[Manifest]:
-    return [
-        {"name": "EXITPLAN_SERVICE", "value": service},
-        {"name": "EXITPLAN_NAMESPACE", "value": namespace},
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-    ]
-
-
-def _resources(pool: GPUPoolSpec | None) -> Manifest:
-    cpu, memory = (pool.cpu, pool.memory) if pool else ("1", "1Gi")
-    out: Manifest = {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory}}
-    if pool is not None and pool.gpu_resource:
-        out["requests"][pool.gpu_resource] = 1
-        out["limits"][pool.gpu_resource] = 1
-    return out
-
-
-def _placement(pool: GPUPoolSpec | None, spread: dict[str, str]) -> Manifest:
-    out: Manifest = {
-        "affinity": {
-            "podAntiAffinity": {
-                "preferredDuringSchedulingIgnoredDuringExecution": [
-                    {
-                        "weight": 100,
-                        "podAffinityTerm": {
-                            "topologyKey": "kubernetes.io/hostname",
-                            "labelSelector": {"matchLabels": spread},
-                        },
-                    }
-                ]
-            }
-        }
-    }
-    if pool is not None:
-        if pool.node_selector:
-            out["nodeSelector"] = dict(pool.node_selector)
-        if pool.tolerations:
-            out["tolerations"] = [t.dump() for t in pool.tolerations]
-    return out
-
-
-def _on_pool(service: str, model: ModelRef, pool: GPUPoolSpec | None, spread: dict[str, str]) -> tuple:
-    """A pod on `pool` (None: none): image, resources, volumes, mounts, pod additions (spread over `spread`)."""
-    images = IMAGES.for_pool(pool)
-    volumes, mounts, pod_extra = _volumes(service, model, images)
-    return images.container(), _resources(pool), volumes, mounts, {**_placement(pool, spread), **pod_extra}
-
-
-def _deployment(
-    name: str,
-    namespace: str,
-    labels: dict[str, str],
-    plan_hash: str,
-    replicas: int,
-    container: Manifest,
-    pod_extra: Manifest,
-    volumes: list[Manifest],
-) -> Manifest:
-    pod_security, _ = _security()
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {**_meta(name, labels, plan_hash), "namespace": namespace},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": dict(labels)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "template": {
-                "metadata": {
-                    "labels": {**MANAGED, **labels},
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(PORT),
-                        "prometheus.io/path": "/metrics",
-                    },
-                },
-                "spec": {
-                    "containers": [container],
-                    "volumes": volumes,
-                    "securityContext": pod_security,
-                    "terminationGracePeriodSeconds": 30,
-                    "automountServiceAccountToken": False,
-                    **pod_extra,
-                },
-            },
-        },
-    }
+from exitplan.operator.ownership import adopt
+from exitplan.operator.pod_template import PodParts
 
 
 def build_configmap(service: str, namespace: str, plan: Plan) -> Manifest:
@@ -295,10 +64,7 @@ def build_configmap(service: str, namespace: str, plan: Plan) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {
-            **_meta(plan_configmap_name(service), {L_SERVICE: service}, plan.content_hash()),
-            "namespace": namespace,
-        },
+        "metadata": metadata(plan_configmap_name(service), namespace, {L_SERVICE: service}, plan.content_hash()),
         "data": {"plan.json": plan.to_json()},
     }
 
@@ -337,52 +103,39 @@ def build_router(
     """The router Deployment and its Service (the entry point); a co-located plan's on split 0's pool."""
     labels = selector_labels(service, "router")
     pool_name, pool = colocation.split_zero_pool(plan, pools) if plan.colocate else ("", None)
-    image, resources, volumes, mounts, pod_extra = _on_pool(service, spec.model, pool, labels)
-    _, security = _security()
+    parts = pod_template.on_pool(service, spec.model, pool, labels)
     first = 1 if plan.colocate else 0  # the split the routers send inputs to
     peers = ["--peers", split_host(service, namespace, first)] if first < len(plan.splits) else []
-    co = ["--colocate", "--pool", pool_name] if plan.colocate else []  # the runtime flags a worker gets
-    container = {
-        "name": "router",
-        **image,
-        "command": ["exitplan", "router"],
-        "args": [
-            "--bundle",
-            bundle_path(spec.model.bundle),
-            "--plan",
-            PLAN_PATH,
-            "--port",
-            str(PORT),
-            *peers,
-            "--control-port",
-            str(CONTROL_PORT),
-            "--control-token-file",
-            TOKEN_PATH,
-            *router_settings(spec),
-            *co,
-        ],
-        "ports": [{"name": "http", "containerPort": PORT}, {"name": "control", "containerPort": CONTROL_PORT}],
-        "env": _env(service, namespace),
-        "resources": resources,
-        "volumeMounts": mounts,
-        "securityContext": security,
-        **_probes(),
-        **_prestop(),
-    }
-    deployment = _deployment(
-        router_name(service),
-        namespace,
-        labels,
-        plan.content_hash(),
-        colocation.router_replicas(spec.router.replicas, plan),
-        container,
-        pod_extra,
-        volumes,
+    co = ["--colocate", "--pool", pool_name, *device_args(pool), *batching_args(pool)] if plan.colocate else []
+    args = [
+        "--bundle",
+        bundle_path(spec.model.bundle),
+        "--plan",
+        PLAN_PATH,
+        "--port",
+        str(PORT),
+        *peers,
+        "--control-port",
+        str(CONTROL_PORT),
+        "--control-token-file",
+        TOKEN_PATH,
+        *router_settings(spec),
+        *co,
+    ]
+    ports = [{"name": "http", "containerPort": PORT}, {"name": "control", "containerPort": CONTROL_PORT}]
+    container = pod_template.container(
+        "router", parts, service, namespace, command=["exitplan", "router"], args=args, ports=ports
     )
+    replicas = colocation.router_replicas(spec.router.replicas, plan)
+    main = {**container, **pod_template.prestop()}
+    deployment = pod_template.deployment(
+        router_name(service), namespace, labels, plan.content_hash(), replicas, main, parts
+    )
+    deployment["spec"]["template"]["metadata"]["labels"][L_SENDS_TO] = str(first)  # what its NetworkPolicy admits
     svc = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {**_meta(dns_name(service), labels, plan.content_hash()), "namespace": namespace},
+        "metadata": metadata(dns_name(service), namespace, labels, plan.content_hash()),
         "spec": {
             "type": "ClusterIP",
             "selector": labels,
@@ -400,7 +153,7 @@ def build_control_service(service: str, namespace: str, plan: Plan) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {**_meta(control_service_name(service), labels, plan.content_hash()), "namespace": namespace},
+        "metadata": metadata(control_service_name(service), namespace, labels, plan.content_hash()),
         "spec": {
             "clusterIP": "None",
             "selector": labels,
@@ -419,10 +172,7 @@ def build_split_services(service: str, namespace: str, plan: Plan) -> list[Manif
             {
                 "apiVersion": "v1",
                 "kind": "Service",
-                "metadata": {
-                    **_meta(split_service_name(service, split.index), labels, plan.content_hash()),
-                    "namespace": namespace,
-                },
+                "metadata": metadata(split_service_name(service, split.index), namespace, labels, plan.content_hash()),
                 "spec": {
                     "clusterIP": "None",
                     "selector": labels,
@@ -440,48 +190,18 @@ def build_worker(
     """The Deployment of one plan cell: split `cell.split`, bucket `cell.bucket`, on `cell.pool`."""
     labels = selector_labels(service, "worker", cell)
     spread = {L_SERVICE: service, L_SPLIT: str(cell.split)}
-    image, resources, volumes, mounts, pod_extra = _on_pool(service, spec.model, pool, spread)
-    _, security = _security()
-    args = [
-        "--bundle",
-        bundle_path(spec.model.bundle),
-        "--plan",
-        PLAN_PATH,
-        "--split",
-        str(cell.split),
-        "--bucket",
-        str(cell.bucket),
-        "--pool",
-        cell.pool,
-        "--port",
-        str(PORT),
-        "--control-token-file",
-        TOKEN_PATH,
-    ]
+    parts: PodParts = pod_template.on_pool(service, spec.model, pool, spread)
+    args = [*worker_args(bundle_path(spec.model.bundle), PLAN_PATH, cell, PORT), "--control-token-file", TOKEN_PATH]
+    args += device_args(pool) + batching_args(pool)
     if cell.split < len(plan.splits) - 1:
         args += ["--next", split_host(service, namespace, cell.split + 1)]
-    container = {
-        "name": "worker",
-        **image,
-        "command": ["exitplan", "worker"],
-        "args": args,
-        "ports": [{"name": "http", "containerPort": PORT}],
-        "env": _env(service, namespace),
-        "resources": resources,
-        "volumeMounts": mounts,
-        "securityContext": security,
-        **_probes(),
-        **_prestop(),
-    }
-    return _deployment(
-        worker_name(service, cell),
-        namespace,
-        labels,
-        plan.content_hash(),
-        cell.replicas,
-        container,
-        pod_extra,
-        volumes,
+    ports: list[Manifest] = [{"name": "http", "containerPort": PORT}]
+    container = pod_template.container(
+        "worker", parts, service, namespace, command=["exitplan", "worker"], args=args, ports=ports
+    )
+    main = {**container, **pod_template.prestop()}
+    return pod_template.deployment(
+        worker_name(service, cell), namespace, labels, plan.content_hash(), cell.replicas, main, parts
     )
 
 
@@ -512,7 +232,7 @@ def build_children(
         router_svc,
         router,
     ]
-    kopf.adopt(children, owner=owner)
+    adopt(children, owner=owner)
     return children
 
 
@@ -526,17 +246,17 @@ def build_profile_job(
     bundle = bundle_path(spec.model.bundle)
     out_file = f"{PROFILE_DIR}/profile.yaml"
     labels = {L_SERVICE: service, L_POOL: pool_name, L_COMPONENT: "profiler"}
-    pod_security, security = _security()
-    images = IMAGES.for_pool(pool)
-    parts = bundle_volumes.bundle_parts(spec.model, images, security, bundle)
-    volumes = [{"name": "out", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}, *parts.volumes]
+    security = pod_template.container_security()
+    pool_images = images.IMAGES.for_pool(pool)
+    parts = bundle_volumes.bundle_parts(spec.model, pool_images, security, bundle)
+    volumes = [pod_template.tmp_volume("out"), pod_template.tmp_volume(), *parts.volumes]
     mounts = [{"name": "out", "mountPath": PROFILE_DIR}, {"name": "tmp", "mountPath": "/tmp"}, *parts.mounts]
     measure = {
         "name": "profile",
-        **images.container(),
+        **pool_images.container(),
         "command": ["exitplan", "profile"],
-        "args": [bundle, "--pool", pool_name, "--out", out_file],
-        "resources": _resources(pool),
+        "args": [bundle, "--pool", pool_name, "--out", out_file, *device_args(pool)],
+        "resources": pod_template.with_bundle_storage(pod_template.resources(pool), parts.storage),
         "volumeMounts": mounts,
         "securityContext": security,
         # a failed step's last log lines become its termination message: the operator's
@@ -545,7 +265,7 @@ def build_profile_job(
     }
     publish = {
         "name": "publish",
-        **images.container(),
+        **pool_images.container(),
         "command": ["exitplan", "operator", "publish-profile"],
         "args": [
             out_file,
@@ -558,41 +278,44 @@ def build_profile_job(
             "--pool",
             pool_name,
         ],
-        "resources": _resources(None),
+        "resources": pod_template.with_bundle_storage(pod_template.resources(None), parts.storage),
         "volumeMounts": mounts,
         "securityContext": security,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    placement = _placement(pool, labels)
-    placement.pop("affinity")
     job = {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {
             "name": profile_job_name(service, pool_name, attempt),
             "namespace": namespace,
-            "labels": {**MANAGED, **labels},
+            "labels": managed(labels),
         },
         "spec": {
             "backoffLimit": 2,
             "ttlSecondsAfterFinished": 3600,
             "template": {
-                "metadata": {"labels": {**MANAGED, **labels}},
+                "metadata": {"labels": managed(labels)},
                 "spec": {
                     "restartPolicy": "Never",
                     "initContainers": [*parts.init_containers, measure],
                     "containers": [publish],
                     "volumes": volumes,
-                    "securityContext": pod_security,
+                    "securityContext": pod_template.pod_security(),
                     "serviceAccountName": "exitplan-profiler",
-                    **placement,
-                    **images.pod(),
+                    **pod_template.node_placement(pool),
+                    **pool_images.pod(),
                 },
             },
         },
     }
-    kopf.adopt([job], owner=owner)
+    adopt([job], owner=owner)
     return job
+
+
+def profile_job_name(service: str, pool: str, attempt: int = 0) -> str:
+    """`<svc>-profile-<pool>`, then `-2`, `-3`, ... for re-measurements (Jobs do not re-run)."""
+    return dns_name(service, "profile", pool, attempt + 1 if attempt else "")
 
 
 def profile_name(model: str, pool: str) -> str:

@@ -12,16 +12,17 @@ operator reports.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from exitplan.api import termination
 from exitplan.api.bundle_source import SourceError, parse_bundle_uri
-from exitplan.operator import builders
+from exitplan.api.manifest import Manifest
+from exitplan.operator import names
 from exitplan.operator.bundle_volumes import IMAGE_COPY, STORAGE_INIT
+from exitplan.operator.health_condition import degraded_by
 from exitplan.operator.kube import path
-from exitplan.operator.status import Phase, ServiceStatus, set_condition
-
-if TYPE_CHECKING:
-    from exitplan.operator.reconcile import Service
+from exitplan.operator.service_state import Service
+from exitplan.operator.status import ServiceStatus
 
 REASON = "BundleFetchFailed"
 PULL_FAILURES = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName")
@@ -38,12 +39,12 @@ def container_failure(status: dict[str, Any]) -> str | None:
         return f"cannot pull image {status.get('image', '')}: {waiting.get('message') or waiting['reason']}"
     term = term or last.get("terminated")
     if term and int(term.get("exitCode") or 0) != 0:
-        said = " ".join(str(term.get("message") or term.get("reason") or "").split())
-        return f"exited {term.get('exitCode')}: {said[-600:]}"
+        said = termination.error_line(str(term.get("message") or "")) or str(term.get("reason") or "")
+        return f"exited {term.get('exitCode')}: {said}"
     return None
 
 
-def pod_failures(pods: list[dict[str, Any]]) -> list[str]:
+def pod_failures(pods: list[Manifest]) -> list[str]:
     """'pod P: container C exited 1: <reason>' for each pod whose bundle init container fails."""
     out = []
     for pod in pods:
@@ -62,11 +63,10 @@ def _remote(svc: Service) -> bool:
 
 async def surface(svc: Service, status: ServiceStatus, degraded: bool) -> bool:
     """Set or clear Degraded/BundleFetchFailed from the service's pods; the new `degraded`."""
-    gen = svc.generation
-    reported = any(c.type == "Degraded" and c.status == "True" and c.reason == REASON for c in status.conditions)
     failures: list[str] = []
     if _remote(svc):
-        failures = pod_failures(await svc.client.list(path("Pod", svc.namespace), f"{builders.L_SERVICE}={svc.name}"))
+        failures = pod_failures(await svc.client.list(path("Pod", svc.namespace), f"{names.L_SERVICE}={svc.name}"))
+    message = None
     if failures:
         bundle = (svc.body.get("spec") or {}).get("model", {}).get("bundle", "")
         message = (
@@ -74,15 +74,4 @@ async def surface(svc: Service, status: ServiceStatus, degraded: bool) -> bool:
             + (f" (and {len(failures) - 1} more pod(s))" if len(failures) > 1 else "")
             + "; the pods retry with back-off; fix the source (or spec.model) and they start"
         )
-        if not reported or status.message != message:
-            svc.event("Warning", REASON, message)
-        status.conditions = set_condition(status.conditions, "Degraded", True, REASON, message, gen)
-        status.phase, status.message = Phase.degraded, message
-        return True
-    if reported:
-        status.conditions = set_condition(
-            status.conditions, "Degraded", False, "BundleFetched", "the pods fetched the bundle", gen
-        )
-        status.phase = Phase.deploying
-        return False
-    return degraded
+    return degraded_by(svc, status, REASON, message, ("BundleFetched", "the pods fetched the bundle"), degraded)

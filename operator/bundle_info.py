@@ -30,25 +30,21 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-import kopf
 import yaml
 from pydantic import ValidationError
 
 from exitplan.api import validation_problems, yaml_problem
 from exitplan.api.bundle import MANIFEST, BundleError, BundleManifest, read_manifest
+from exitplan.api.manifest import Manifest
 from exitplan.api.resources import API_VERSION, EarlyExitServiceSpec, ModelRef
 from exitplan.operator import apply as applying
-from exitplan.operator import builders, bundle_volumes, profiling
+from exitplan.operator import bundle_volumes, images, names, pod_template, profiling
 from exitplan.operator.kube import ApiError, KubeClient, path
+from exitplan.operator.ownership import adopt
+from exitplan.operator.service_state import Service
 from exitplan.operator.status import Phase, ServiceStatus, set_condition
 from exitplan.planner.generation import GenerationProfile, ThresholdPoint, parse_measurements
-
-if TYPE_CHECKING:
-    from exitplan.operator.reconcile import Service
-
-Manifest = dict[str, Any]
 
 COMPONENT = "bundle-info"
 L_OF = "exitplan.io/bundle-info-of"
@@ -62,12 +58,12 @@ FETCHING, FETCH_FAILED, PUBLISH_FAILED = "FetchingBundleInfo", "BundleFetchFaile
 
 
 def configmap_name(service: str) -> str:
-    return builders.dns_name(service, COMPONENT)
+    return names.dns_name(service, COMPONENT)
 
 
 def job_name(service: str, attempt: int = 0) -> str:
     """`<svc>-bundle-info`, then `-2`, `-3`, ... for retries (Jobs do not re-run)."""
-    return builders.dns_name(service, COMPONENT, attempt + 1 if attempt else "")
+    return names.dns_name(service, COMPONENT, attempt + 1 if attempt else "")
 
 
 def source_key(model: ModelRef) -> str:
@@ -142,7 +138,7 @@ def configmap(
     meta: Manifest = {
         "name": name,
         "namespace": namespace,
-        "labels": {**builders.MANAGED, builders.L_COMPONENT: COMPONENT, **({L_OF: service} if service else {})},
+        "labels": {**names.MANAGED, names.L_COMPONENT: COMPONENT, **({L_OF: service} if service else {})},
         "annotations": {A_SOURCE: source} if source else {},
     }
     if service and uid:  # owned by the service (no blockOwnerDeletion: the Job's identity cannot set it)
@@ -186,13 +182,12 @@ def build_job(owner: Manifest, spec: EarlyExitServiceSpec, attempt: int = 0) -> 
     """The Job that fetches and verifies the bundle as the service's pods do (bundle_volumes.py) and
     publishes its bundle.yaml and generation measurements as ConfigMap `<svc>-bundle-info`."""
     service, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
-    labels = {**builders.MANAGED, builders.L_SERVICE: service, builders.L_COMPONENT: COMPONENT}
-    pod_security, security = builders._security()
-    images = builders.IMAGES
-    parts = bundle_volumes.bundle_parts(spec.model, images, security, builders.bundle_path(spec.model.bundle))
+    labels = {**names.MANAGED, names.L_SERVICE: service, names.L_COMPONENT: COMPONENT}
+    security = pod_template.container_security()
+    parts = bundle_volumes.bundle_parts(spec.model, images.IMAGES, security, names.bundle_path(spec.model.bundle))
     publish = {
         "name": "publish",
-        **images.container(),
+        **images.IMAGES.container(),
         "command": ["exitplan", "operator", "publish-bundle-info"],
         "args": [
             parts.path,
@@ -207,7 +202,7 @@ def build_job(owner: Manifest, spec: EarlyExitServiceSpec, attempt: int = 0) -> 
             "--source",
             source_key(spec.model),
         ],
-        "resources": bundle_volumes.INIT_RESOURCES,
+        "resources": pod_template.with_bundle_storage(bundle_volumes.INIT_RESOURCES, parts.storage),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *parts.mounts],
         "securityContext": security,
         # its last log lines become its termination message, quoted in the service's condition
@@ -231,15 +226,15 @@ def build_job(owner: Manifest, spec: EarlyExitServiceSpec, attempt: int = 0) -> 
                     "restartPolicy": "Never",
                     "initContainers": parts.init_containers,
                     "containers": [publish],
-                    "volumes": [{"name": "tmp", "emptyDir": {}}, *parts.volumes],
-                    "securityContext": pod_security,
+                    "volumes": [pod_template.tmp_volume(), *parts.volumes],
+                    "securityContext": pod_template.pod_security(),
                     "serviceAccountName": "exitplan-profiler",
-                    **images.pod(),
+                    **images.IMAGES.pod(),
                 },
             },
         },
     }
-    kopf.adopt([job], owner=owner)
+    adopt([job], owner=owner)
     return job
 
 
@@ -255,8 +250,8 @@ def _attempt(job: Manifest) -> int:
 
 
 async def _start(svc: Service, spec: EarlyExitServiceSpec, jobs: list[Manifest], attempt: int) -> Manifest:
-    names = {j["metadata"]["name"] for j in jobs}
-    index = next(i for i in range(len(names) + 1) if job_name(svc.name, i) not in names)
+    taken = {j["metadata"]["name"] for j in jobs}
+    index = next(i for i in range(len(taken) + 1) if job_name(svc.name, i) not in taken)
     job = build_job(svc.body, spec, index)
     job["metadata"]["annotations"].update(
         {profiling.A_GENERATION: str(svc.generation), profiling.A_ATTEMPT: str(attempt)}
@@ -301,7 +296,7 @@ async def wait(svc: Service, spec: EarlyExitServiceSpec, status: ServiceStatus) 
                 status.conditions, profiling.CONDITION, False, "BundleInfoPublished", f"read from {texts.where}", gen
             )
         return texts
-    selector = f"{builders.L_SERVICE}={svc.name},{builders.L_COMPONENT}={COMPONENT}"
+    selector = f"{names.L_SERVICE}={svc.name},{names.L_COMPONENT}={COMPONENT}"
     jobs = await svc.client.list(path("Job", svc.namespace), selector)
     mine = sorted(
         (j for j in jobs if _annotation(j, A_SOURCE) == key and _annotation(j, profiling.A_GENERATION) == str(gen)),

@@ -5,7 +5,13 @@ operator reads what the other services hold -- the cells of the plan each one ru
 ConfigMap (`<svc>-plan`, plan.json), in every namespace the operator serves -- and hands the planner
 the pools with only what is left (the planner itself knows nothing of other services or of
 Kubernetes). Reading, planning and applying happen under one operator-wide lock
-(reconcile.Service.capacity_lock), so two services never plan into the same free capacity.
+(service_state.Service.capacity_lock), so two services never plan into the same free capacity.
+
+Only a plan the operator wrote counts: a ConfigMap named `<svc>-plan` whose controlling
+ownerReference is the EarlyExitService `<svc>` that exists now (same uid) in the same namespace. Any other
+ConfigMap that looks like a plan (the managed labels, a `-plan` name: forged by a tenant, or left over by a
+deleted service) holds nothing; the operator ignores it and posts one Warning event (`IgnoredPlan`) on it per
+version, so a 100,000-replica plan written by hand cannot starve the services that share its pools.
 
 A service that does not fit in what is left is PlanInfeasible with reason PoolCapacity and the
 numbers: per pool its capacity, what each other service holds, what is left, and what this service
@@ -17,28 +23,41 @@ is deleted or scales down.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import kopf
 from pydantic import ValidationError
 
+from exitplan.api.manifest import Manifest
 from exitplan.api.plan import Plan
-from exitplan.api.resources import EarlyExitServiceSpec, Objective
-from exitplan.operator import builders
+from exitplan.api.resources import GROUP, EarlyExitServiceSpec, Objective
 from exitplan.operator.executors import run_planner
 from exitplan.operator.kube import path
+from exitplan.operator.names import MANAGED, plan_configmap_name
+from exitplan.operator.ownership import kopf_body
+from exitplan.operator.service_state import (
+    Service,
+    ServiceResources,
+    mark_infeasible,
+    read_inputs,
+    report_infeasible,
+)
+from exitplan.operator.status import ServiceStatus
+from exitplan.planner import PlanInfeasible, PlannerError, plan_service
 
-if TYPE_CHECKING:
-    from exitplan.operator.reconcile import Service, ServiceResources
-    from exitplan.operator.status import ServiceStatus
+log = logging.getLogger("exitplan.operator")
 
 REASON = "PoolCapacity"
 """The reason of the PlanInfeasible condition of a service that does not fit in what is left."""
 RECHECK_SECONDS = 10.0
 """How often the timer of a service refused for capacity looks at what is left."""
 MEMO_KEY = "capacity_left"
+IGNORED = "IgnoredPlan"
+"""The reason of the Warning event on a plan-like ConfigMap that no existing EarlyExitService owns."""
 
 
 @dataclass
@@ -88,16 +107,67 @@ class Room:
         return "; ".join(parts)
 
 
+def owner_of(cm: Manifest, services: dict[str, str]) -> str | None:
+    """The name of the existing service (`services`: name -> uid, the ConfigMap's namespace) whose plan
+    `cm` is, or None: the controlling ownerReference must name that service and its uid, and the
+    ConfigMap must carry the service's plan name."""
+    meta = cm["metadata"]
+    for ref in meta.get("ownerReferences") or []:
+        name = ref.get("name", "")
+        if (
+            ref.get("kind") == "EarlyExitService"
+            and str(ref.get("apiVersion", "")).split("/")[0] == GROUP
+            and ref.get("controller")
+            and services.get(name) == ref.get("uid")
+            and meta["name"] == plan_configmap_name(name)
+        ):
+            return str(name)
+    return None
+
+
+async def _services(svc: Service, namespace: str | None) -> dict[tuple[str, str], str]:
+    """(namespace, name) -> uid of the EarlyExitServices that exist now (not being deleted)."""
+    out: dict[tuple[str, str], str] = {}
+    for item in await svc.client.list(path("EarlyExitService", namespace)):
+        meta = item["metadata"]
+        if not meta.get("deletionTimestamp"):
+            out[(str(meta.get("namespace")), str(meta["name"]))] = str(meta.get("uid", ""))
+    return out
+
+
+def _report_ignored(svc: Service, cm: Manifest) -> None:
+    """One Warning event on a plan-like ConfigMap no existing service owns, per version of it."""
+    meta = cm["metadata"]
+    seen: set[tuple[str, str, str]] | None = getattr(svc.memo, "ignored_plans", None)
+    key = (str(meta.get("namespace")), str(meta["name"]), str(meta.get("resourceVersion", "")))
+    if seen is not None:
+        if key in seen:
+            return
+        seen.add(key)
+    message = (
+        f"ConfigMap {key[0]}/{key[1]} looks like a plan (managed labels, a -plan name) but no existing "
+        f"EarlyExitService owns it (controller ownerReference with its uid): it holds no pool capacity; "
+        f"delete it (the operator writes every plan it counts)"
+    )
+    log.warning("%s", message)
+    kopf.event(kopf_body(cm), type="Warning", reason=IGNORED, message=message)
+
+
 async def held_by_others(svc: Service) -> dict[str, dict[str, int]]:
     """pool -> {`namespace/name` -> replicas} of every other service's running plan (its plan
-    ConfigMap), over the namespaces the operator serves."""
+    ConfigMap, owned by that service), over the namespaces the operator serves."""
     held: dict[str, dict[str, int]] = defaultdict(dict)
-    selector = ",".join(f"{k}={v}" for k, v in builders.MANAGED.items())
+    selector = ",".join(f"{k}={v}" for k, v in MANAGED.items())
     for namespace in svc.settings.namespaces or (None,):
+        services = await _services(svc, namespace)
         for cm in await svc.client.list(path("ConfigMap", namespace), selector):
             meta = cm["metadata"]
-            owner = (meta.get("labels") or {}).get(builders.L_SERVICE, "")
-            if meta["name"] != builders.plan_configmap_name(owner) or meta.get("deletionTimestamp"):
+            if not str(meta["name"]).endswith("-plan") or meta.get("deletionTimestamp"):
+                continue
+            in_ns = {name: uid for (ns, name), uid in services.items() if ns == meta.get("namespace")}
+            owner = owner_of(cm, in_ns)
+            if owner is None:
+                _report_ignored(svc, cm)
                 continue
             if (meta.get("namespace"), owner) == (svc.namespace, svc.name):
                 continue
@@ -127,9 +197,6 @@ async def explain(
 ) -> str | None:
     """Why a service that the planner found infeasible on what is left does not fit, with the numbers;
     None when capacity is not the cause (no other service holds any, or it would not fit on whole pools)."""
-    from exitplan.planner import plan_service
-    from exitplan.planner.errors import PlannerError
-
     if not room.shared():
         return None
     target = spec.planner.target_rps or spec.workload.rps
@@ -171,8 +238,6 @@ async def recheck(svc: Service, memo: Any) -> bool:
         spec = EarlyExitServiceSpec.model_validate(svc.body.get("spec") or {})
     except ValidationError:
         return False
-    from exitplan.operator.reconcile import read_inputs
-
     inputs = await read_inputs(svc.client, spec, svc.namespace)
     left = (await room(svc, inputs)).left()
     memo[MEMO_KEY] = (now, left)
@@ -191,9 +256,6 @@ async def not_planned(
     """The status and event of a planner error (reconcile.plan_and_apply): PoolCapacity when the
     service would fit on its pools if other services did not hold them (with the numbers), else what
     the planner said."""
-    from exitplan.operator.reconcile import _infeasible, report_infeasible
-    from exitplan.planner.errors import PlanInfeasible
-
     gen = svc.generation
     if isinstance(err, PlanInfeasible):
         why = await explain(spec, inputs, room, previous.thresholds if previous else None)
@@ -201,10 +263,10 @@ async def not_planned(
             return await report_infeasible(svc, status, REASON, why)
         message = f"no plan meets the spec: {err}" + (f" ({room.describe()})" if room.shared() else "")
         svc.event("Warning", "PlanInfeasible", message)
-        status = _infeasible(status, gen, "PlanInfeasible", message)
+        status = mark_infeasible(status, gen, "PlanInfeasible", message)
     else:
         message = f"cannot plan: {err}"
         svc.event("Warning", "PlannerInput", message)
-        status = _infeasible(status, gen, type(err).__name__, message)
+        status = mark_infeasible(status, gen, type(err).__name__, message)
     await svc.write_status(status)
     return status

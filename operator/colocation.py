@@ -11,8 +11,7 @@ to or from co-location needs nothing more: apply.py prunes the children the new 
 
 from __future__ import annotations
 
-from typing import Any
-
+from exitplan.api.manifest import Manifest
 from exitplan.api.plan import Plan, colocated_routers
 from exitplan.api.resources import GPUPoolSpec
 
@@ -38,7 +37,7 @@ def router_replicas(routers: int, plan: Plan) -> int:
     return colocated_routers(plan.cells, routers) if plan.colocate else routers
 
 
-def runs_split_zero(deployment: dict[str, Any]) -> bool:
+def runs_split_zero(deployment: Manifest) -> bool:
     """Whether a router Deployment (as built, or as read back) runs split 0 in its pods (`--colocate`)."""
     containers = deployment.get("spec", {}).get("template", {}).get("spec", {}).get("containers") or []
     return any("--colocate" in (c.get("args") or []) for c in containers)

@@ -18,6 +18,8 @@ import ast
 import inspect
 import sys
 import textwrap
+import typing
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -103,55 +105,67 @@ MAX_ITEMS: dict[tuple[type[BaseModel], str], tuple[int, ...]] = {
     (res.RampProfile, "latency_ms"): (64, 64),
 }
 
-# (kind, plural, singular, short names, scope, printer columns, status model)
-KINDS: dict[str, dict[str, Any]] = {
-    "GPUPool": {
-        "plural": "gpupools",
-        "singular": "gpupool",
-        "short": ["gpool"],
-        "scope": "Cluster",
-        "spec": res.GPUPoolSpec,
-        "status": None,
-        "columns": [
-            ("Capacity", "integer", ".spec.capacity"),
-            ("GPU", "string", ".spec.gpuResource"),
-            ("Cost/h", "number", ".spec.costPerHour"),
-        ],
-    },
-    "EarlyExitService": {
-        "plural": "earlyexitservices",
-        "singular": "earlyexitservice",
-        "short": ["ees"],
-        "scope": "Namespaced",
-        "spec": res.EarlyExitServiceSpec,
-        "status": ServiceStatus,
-        # kubectl get ees: what the plan promises next to what was measured, READY as worker replicas
-        # ready / planned, REASON the phase's condition reason (status.py with_columns); priority 1:
-        # only with `-o wide`.
-        "columns": [
-            ("Phase", "string", ".status.phase"),
-            ("Ready", "string", ".status.ready"),
-            ("Goodput", "number", ".status.plan.goodputRps"),
-            ("Measured", "number", ".status.drift.goodputRps"),
-            ("P99-ms", "number", ".status.plan.p99Ms"),
-            ("Splits", "integer", ".status.plan.splits", 1),
-            ("Cost/h", "number", ".status.plan.costPerHour", 1),
-            ("Reason", "string", ".status.reason"),
-        ],
-    },
-    "ModelProfile": {
-        "plural": "modelprofiles",
-        "singular": "modelprofile",
-        "short": ["mprof"],
-        "scope": "Namespaced",
-        "spec": res.ModelProfileSpec,
-        "status": None,
-        "columns": [
-            ("Model", "string", ".spec.model"),
-            ("Pool", "string", ".spec.pool"),
-            ("Measured-on", "string", ".spec.measuredOn"),
-        ],
-    },
+
+@dataclass(frozen=True)
+class Column:
+    """A printer column of `kubectl get` (priority 1: only with `-o wide`)."""
+
+    name: str
+    type: str
+    json_path: str
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class CrdKind:
+    """What a kind's CRD says beyond its schema: names, scope, the spec and status models, columns."""
+
+    plural: str
+    singular: str
+    short: list[str]
+    scope: str
+    spec: type[BaseModel]
+    status: type[BaseModel] | None
+    columns: tuple[Column, ...]
+
+
+POOL_COLUMNS = (
+    Column("Capacity", "integer", ".spec.capacity"),
+    Column("GPU", "string", ".spec.gpuResource"),
+    Column("Cost/h", "number", ".spec.costPerHour"),
+)
+SERVICE_COLUMNS = (
+    # kubectl get ees: what the plan promises next to what was measured, READY as worker replicas
+    # ready / planned, REASON the phase's condition reason (status.py with_columns)
+    Column("Phase", "string", ".status.phase"),
+    Column("Ready", "string", ".status.ready"),
+    Column("Goodput", "number", ".status.plan.goodputRps"),
+    Column("Measured", "number", ".status.drift.goodputRps"),
+    Column("P99-ms", "number", ".status.plan.p99Ms"),
+    Column("Exits", "string", ".status.plan.exits"),
+    Column("Splits", "integer", ".status.plan.splits", priority=1),
+    Column("Cost/h", "number", ".status.plan.costPerHour", priority=1),
+    Column("Reason", "string", ".status.reason"),
+)
+PROFILE_COLUMNS = (
+    Column("Model", "string", ".spec.model"),
+    Column("Pool", "string", ".spec.pool"),
+    Column("Measured-on", "string", ".spec.measuredOn"),
+)
+KINDS: dict[str, CrdKind] = {
+    "GPUPool": CrdKind("gpupools", "gpupool", ["gpool"], "Cluster", res.GPUPoolSpec, None, POOL_COLUMNS),
+    "EarlyExitService": CrdKind(
+        "earlyexitservices",
+        "earlyexitservice",
+        ["ees"],
+        "Namespaced",
+        res.EarlyExitServiceSpec,
+        ServiceStatus,
+        SERVICE_COLUMNS,
+    ),
+    "ModelProfile": CrdKind(
+        "modelprofiles", "modelprofile", ["mprof"], "Namespaced", res.ModelProfileSpec, None, PROFILE_COLUMNS
+    ),
 }
 
 
@@ -216,18 +230,18 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
 def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
     """The structural OpenAPI v3 schema of one pydantic model."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
-    schema = _structural(raw, raw.get("$defs", {}))
+    schema: dict[str, Any] = _structural(raw, raw.get("$defs", {}))
     _model_attach(schema, model)
     return schema
 
 
-def _columns(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """additionalPrinterColumns from (name, type, jsonPath[, priority]) tuples, then Age."""
+def _columns(columns: tuple[Column, ...]) -> list[dict[str, Any]]:
+    """additionalPrinterColumns of the kind's columns, then Age."""
     cols = []
-    for name, kind, json_path, *priority in spec["columns"]:
-        col: dict[str, Any] = {"name": name, "type": kind, "jsonPath": json_path}
-        if priority:
-            col["priority"] = priority[0]
+    for column in columns:
+        col: dict[str, Any] = {"name": column.name, "type": column.type, "jsonPath": column.json_path}
+        if column.priority:
+            col["priority"] = column.priority
         cols.append(col)
     return cols + [{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
 
@@ -235,11 +249,11 @@ def _columns(spec: dict[str, Any]) -> list[dict[str, Any]]:
 def build_crd(kind: str) -> dict[str, Any]:
     """The CustomResourceDefinition of one kind, as a plain dict."""
     info = KINDS[kind]
-    props: dict[str, Any] = {"spec": openapi_schema(info["spec"])}
+    props: dict[str, Any] = {"spec": openapi_schema(info.spec)}
     required = ["spec"]
     version: dict[str, Any] = {"name": res.VERSION, "served": True, "storage": True}
-    if info["status"] is not None:
-        props["status"] = openapi_schema(info["status"])
+    if info.status is not None:
+        props["status"] = openapi_schema(info.status)
         version["subresources"] = {"status": {}}
     version["schema"] = {
         "openAPIV3Schema": {
@@ -253,19 +267,19 @@ def build_crd(kind: str) -> dict[str, Any]:
             },
         }
     }
-    version["additionalPrinterColumns"] = _columns(info)
+    version["additionalPrinterColumns"] = _columns(info.columns)
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{info['plural']}.{res.GROUP}"},
+        "metadata": {"name": f"{info.plural}.{res.GROUP}"},
         "spec": {
             "group": res.GROUP,
-            "scope": info["scope"],
+            "scope": info.scope,
             "names": {
                 "kind": kind,
-                "plural": info["plural"],
-                "singular": info["singular"],
-                "shortNames": info["short"],
+                "plural": info.plural,
+                "singular": info.singular,
+                "shortNames": info.short,
                 "categories": ["exitplan"],
             },
             "versions": [version],
@@ -299,8 +313,6 @@ def _model_attach(schema: dict[str, Any], model: type[BaseModel]) -> None:
 
 
 def _nested_models(annotation: Any) -> list[type[BaseModel]]:
-    import typing
-
     out: list[type[BaseModel]] = []
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
@@ -314,8 +326,8 @@ def render_all() -> dict[str, str]:
     out = {}
     for kind, info in KINDS.items():
         crd = build_crd(kind)
-        header = f"# Generated by `python -m exitplan.operator.crdgen` from {info['spec'].__module__}; do not edit.\n"
-        out[f"{info['plural']}.yaml"] = header + yaml.safe_dump(crd, sort_keys=False, width=110)
+        header = f"# Generated by `python -m exitplan.operator.crdgen` from {info.spec.__module__}; do not edit.\n"
+        out[f"{info.plural}.yaml"] = header + yaml.safe_dump(crd, sort_keys=False, width=110)
     return out
 
 

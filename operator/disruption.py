@@ -8,20 +8,19 @@ the last ready router of a service.
 With one router replica there is no budget: `minAvailable: 1` over one pod would refuse every
 eviction and hold a node drain forever. A rolling update does not go through the budget; the router
 Deployment's `maxUnavailable: 0` keeps its replicas serving during one. A router that leaves drains
-(its preStop hook, then SIGTERM, builders.py and worker_image/serve.py).
+(its preStop hook, then SIGTERM, pod_template.py and worker_image/serve.py).
 
-`with_router_budget` adds the budget to the children of a plan (reconcile.py `propose_or_apply`,
+`with_router_budget` adds the budget to the children of a plan (rollout.py `propose_or_apply`,
 for classification and generation services alike); apply.py creates, patches and deletes it with
 the other children.
 """
 
 from __future__ import annotations
 
-import kopf
-
+from exitplan.api.manifest import Manifest
 from exitplan.api.resources import EarlyExitServiceSpec
-from exitplan.operator import builders
-from exitplan.operator.builders import Manifest
+from exitplan.operator import names
+from exitplan.operator.ownership import adopt
 
 MIN_AVAILABLE = 1
 
@@ -32,16 +31,16 @@ def build_router_budget(
     """The PodDisruptionBudget of the service's routers, or None with fewer than 2 router replicas
     (`replicas`: the router Deployment's, when it has more than spec.router.replicas)."""
     if (spec.router.replicas if replicas is None else replicas) < 2:
-        return  # (a bare return: tests/test_rbac.py follows the manifests this returns)
-    labels = builders.selector_labels(service, "router")
+        return None
+    labels = names.selector_labels(service, "router")
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": {
-            "name": builders.router_name(service),
+            "name": names.router_name(service),
             "namespace": namespace,
-            "labels": {**builders.MANAGED, **labels},
-            "annotations": {builders.A_PLAN_HASH: plan_hash},
+            "labels": {**names.MANAGED, **labels},
+            "annotations": {names.A_PLAN_HASH: plan_hash},
         },
         "spec": {"minAvailable": MIN_AVAILABLE, "selector": {"matchLabels": labels}},
     }
@@ -54,11 +53,11 @@ def with_router_budget(
     routers = [
         int(c["spec"]["replicas"])
         for c in children
-        if c["kind"] == "Deployment" and c["metadata"]["labels"].get(builders.L_COMPONENT) == "router"
+        if c["kind"] == "Deployment" and c["metadata"]["labels"].get(names.L_COMPONENT) == "router"
     ]
     replicas = max([spec.router.replicas, *routers])
     budget = build_router_budget(owner["metadata"]["name"], owner["metadata"]["namespace"], spec, plan_hash, replicas)
     if budget is None:
         return children
-    kopf.adopt([budget], owner=owner)
+    adopt([budget], owner=owner)
     return [*children, budget]

@@ -7,9 +7,9 @@ Statistics and thresholds (spec.planner.drift):
   share of requests per bucket and the plan's `length_histogram`; re-plan (`length-drift`) when
   TV > lengthScore (default 0.15).
 - survival drift: the survival curve is forecast one window ahead by the planner's forecaster
-  (exitplan.planner.forecast: ARIMA per ramp, falling back as it decides on short series; an
-  EWMA with alpha = 0.5 here if that module is absent); re-plan (`survival-drift`) when the max abs
-  difference from the plan's `survival` exceeds survivalError (default 0.1).
+  (exitplan.planner.forecast: AR(1) in closed form, every ramp at once, falling back to an EWMA on
+  short or flat series); re-plan (`survival-drift`) when the max abs difference from the plan's
+  `survival` exceeds survivalError (default 0.1).
 - SLO risk: re-plan (`slo-risk`) when the window's p99 exceeds sloRisk x slo.latencyMs.
 
 A window with fewer than MIN_REQUESTS arrivals (length test) or answered requests (survival and
@@ -32,13 +32,23 @@ import datetime as dt
 import math
 from collections.abc import Sequence
 
-from exitplan.api.observations import BucketObservations, Observations
+import numpy as np
+
+from exitplan.api.observations import (
+    LATENCY_EDGES_MS,
+    BucketObservations,
+    Observations,
+    RampAgreement,
+    histogram_quantile_ms,
+    overall_agreement,
+    wilson,
+)
 from exitplan.api.plan import Cell, Plan
 from exitplan.api.resources import DriftLimits
-from exitplan.operator.status import DriftReport, now_iso
+from exitplan.operator.status import DriftReport, iso_ms, now_iso
+from exitplan.planner.forecast import forecast_survival as planner_forecast
 
 MIN_REQUESTS = 50
-EWMA_ALPHA = 0.5
 CHECKS_PER_PERIOD = 4
 """Router reads per spec.planner.periodSeconds (bounded below by the timer tick)."""
 JUDGED_PERIODS = 0.5
@@ -66,23 +76,14 @@ def tv_distance(p: Sequence[float], q: Sequence[float]) -> float:
     return 0.5 * sum(abs(a - b) for a, b in zip(p, q))
 
 
-def forecast_survival(history: Sequence[Sequence[float]], alpha: float = EWMA_ALPHA) -> list[float]:
-    """One-window-ahead survival forecast from the windows so far (oldest first): the planner's
-    forecaster (exitplan.planner.forecast, ARIMA per ramp) when importable, else an EWMA."""
+def forecast_survival(history: Sequence[Sequence[float]]) -> list[float]:
+    """One-window-ahead survival forecast from the windows so far (oldest first): the planner's default
+    forecaster (exitplan.planner.forecast: AR(1) in closed form, every ramp at once)."""
     usable = [list(h) for h in history if h]
     if not usable:
         return []
     usable = [h for h in usable if len(h) == len(usable[-1])]  # a new ramp set restarts the series
-    try:
-        from exitplan.planner.forecast import forecast_survival as planner_forecast
-    except ImportError:
-        planner_forecast = None
-    if planner_forecast is not None:
-        return [float(x) for x in planner_forecast(usable)]
-    level = usable[0]
-    for window in usable[1:]:
-        level = [alpha * w + (1 - alpha) * s for w, s in zip(window, level)]
-    return level
+    return [float(x) for x in planner_forecast(np.asarray(usable, dtype=np.float64))]
 
 
 def _counts(obs: Observations) -> tuple[list[float], list[float], list[float], dict[str, int]]:
@@ -115,7 +116,9 @@ def since_last(windows: Sequence[Observations], seen: Observations | None) -> Ob
 def subtract(new: Observations, old: Observations) -> Observations:
     """The part of router window `new` after `old`, an earlier read of the same window (same since):
     counts (per bucket too, and the capacity-in-use seconds) are differences; survival is recomputed
-    from the survivor counts; latency, load, thresholds and agreement are `new`'s (they cannot be split)."""
+    from the survivor counts; p50/p95/p99 from the difference of the latency histograms and agreement
+    from the difference of the shadow samples' counts (`new`'s own where either lacks them); load and
+    thresholds are `new`'s."""
     hist_n, exits_n, surv_n, err_n = _counts(new)
     hist_o, exits_o, surv_o, err_o = _counts(old)
     requests = max(0, new.requests - old.requests)
@@ -130,6 +133,12 @@ def subtract(new: Observations, old: Observations) -> Observations:
     if len(surv_n) == len(surv_o):
         out.survival = [min(1.0, max(0.0, (a - b) / requests)) if requests else 0.0 for a, b in zip(surv_n, surv_o)]
     out.errors = out.errors.model_validate({k: max(0, err_n[k] - err_o.get(k, 0)) for k in err_n})
+    if len(new.latency_histogram) == len(old.latency_histogram) == len(LATENCY_EDGES_MS) + 1:
+        _latency_from(out, [max(0, a - b) for a, b in zip(new.latency_histogram, old.latency_histogram)])
+    if [a.ramp for a in new.agreement] == [a.ramp for a in old.agreement]:
+        agree = [max(0, a.agree - b.agree) for a, b in zip(new.agreement, old.agreement)]
+        samples = [max(0, a.samples - b.samples) for a, b in zip(new.agreement, old.agreement)]
+        _agreement_from(out, agree, samples)
     for key, now in out.per_bucket.items():
         if (was := old.per_bucket.get(key)) is not None:
             now.requests = max(0, now.requests - was.requests)
@@ -141,8 +150,9 @@ def subtract(new: Observations, old: Observations) -> Observations:
 
 def combine(windows: Sequence[Observations]) -> Observations:
     """Several windows (slices in time, or routers) as one: counts add, survival is weighted by
-    answered requests, p99 is the max (per bucket too); thresholds, load and plan hash are the newest
-    window's."""
+    answered requests, p50/p95/p99 are read from the summed latency histograms (the max where a window
+    has none, and per bucket), agreement is recomputed from the summed shadow samples' counts;
+    thresholds, load and plan hash are the newest window's."""
     if len(windows) == 1:
         return windows[0]
     newest = max(windows, key=lambda w: w.until)
@@ -167,8 +177,45 @@ def combine(windows: Sequence[Observations]) -> Observations:
     errs = [w.errors.model_dump() for w in windows]
     out.errors = out.errors.model_validate({k: sum(e.get(k, 0) for e in errs) for k in errs[0]})
     out.latency.p99_ms = max(w.latency.p99_ms for w in windows)
+    out.latency.max_ms = max(w.latency.max_ms for w in windows)
+    counted = [w for w in windows if w.requests or w.latency_histogram]
+    if counted and all(len(w.latency_histogram) == len(LATENCY_EDGES_MS) + 1 for w in counted):
+        _latency_from(out, [sum(col) for col in zip(*(w.latency_histogram for w in counted))])
+    else:
+        out.latency_histogram = []  # a router without counts: p99 is the max (an upper bound)
+    if all([a.ramp for a in w.agreement] == [a.ramp for a in newest.agreement] for w in windows):
+        agree = [sum(w.agreement[r].agree for w in windows) for r in range(len(newest.agreement))]
+        samples = [sum(w.agreement[r].samples for w in windows) for r in range(len(newest.agreement))]
+        _agreement_from(out, agree, samples)
     out.per_bucket = combine_buckets(windows)
     return out
+
+
+def _latency_from(out: Observations, histogram: list[int]) -> None:
+    """`out`'s latency histogram and its quantiles (p50, p95, p99) read from it."""
+    out.latency_histogram = histogram
+    if sum(histogram):
+        out.latency.p50_ms = histogram_quantile_ms(histogram, 0.50)
+        out.latency.p95_ms = histogram_quantile_ms(histogram, 0.95)
+        out.latency.p99_ms = histogram_quantile_ms(histogram, 0.99)
+    else:
+        out.latency.p50_ms = out.latency.p95_ms = out.latency.p99_ms = 0.0
+
+
+def _agreement_from(out: Observations, agree: list[int], samples: list[int]) -> None:
+    """`out`'s agreement (per ramp and overall, with their intervals) from the shadow samples' counts and
+    its exit counts, as a router computes it over its own (worker_image/classify/observe.py)."""
+    ramps = []
+    for a, n, was in zip(agree, samples, out.agreement):
+        _, low, high = wilson(a, n)
+        ramps.append(
+            RampAgreement(ramp=was.ramp, samples=n, agree=a, ci_low=low, ci_high=high, utility_ms=was.utility_ms)
+        )
+    out.agreement = ramps
+    if len(out.exit_counts) == len(ramps) + 1:
+        out.agreement_overall, out.agreement_ci_low, out.agreement_ci_high = overall_agreement(
+            out.exit_counts, agree, samples
+        )
 
 
 def combine_buckets(windows: Sequence[Observations]) -> dict[str, BucketObservations]:
@@ -240,6 +287,8 @@ def assess(
         observed_at=now_iso(),
         p99_ms=obs.latency.p99_ms,
         requests=obs.requests,
+        window_start=iso_ms(obs.since) if obs.since > 0 else "",
+        window_end=iso_ms(obs.until) if obs.until > 0 else "",
         goodput_rps=goodput,
         goodput_ratio=goodput / planned if planned > 0 else 0.0,
     )

@@ -29,6 +29,7 @@ from enum import Enum
 from exitplan.api.observations import Observations
 from exitplan.api.resources import DriftLimits
 from exitplan.operator import drift, plan_accuracy
+from exitplan.operator.router_endpoints import Routers
 from exitplan.operator.status import DriftReport, Phase, Proposal
 
 HISTORY = 12
@@ -132,10 +133,14 @@ class DriftState:
     """When the routers were last read (on a grid of period / drift.CHECKS_PER_PERIOD)."""
     seen: dict[str, Observations] = field(default_factory=dict)
     """Router URL -> that router's window in progress as the last read saw it (drift.since_last)."""
-    router_urls: list[str] | None = None
+    routers: Routers | None = None
     """The routers' addresses as last looked up (None: look them up at the next read)."""
     urls_looked_up: float = 0.0
-    """When router_urls was looked up."""
+    """When the routers were looked up."""
+    router_token: str | None = None
+    """The control token, read with the routers (and again whenever they are)."""
+    shortfall: str = ""
+    """Why the last read did not hold every router's observations ('' when it did)."""
     slices: list[Observations] = field(default_factory=list)
     """What arrived between consecutive reads, oldest first, over at most drift.KEEP_PERIODS periods;
     cleared when a re-plan changes the plan (a new plan is judged on what arrives after it)."""
@@ -170,7 +175,7 @@ class DriftState:
 
     def urls_due(self, now: float, period: float) -> bool:
         """The routers' addresses are looked up once a period (or when unknown)."""
-        return not self.router_urls or now - self.urls_looked_up >= period
+        return self.routers is None or not self.routers.urls or now - self.urls_looked_up >= period
 
     def add_slice(self, piece: Observations, period: float) -> None:
         """Keep what one read brought (at most MAX_SLICES over drift.KEEP_PERIODS periods)."""

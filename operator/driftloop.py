@@ -29,13 +29,12 @@ loop's later re-plans until the pools' ModelProfiles change).
 Thresholds the routers run with but the plan does not carry (the loop's own re-tuning pushed them,
 or someone else did) are written into the plan ConfigMap, so a router that restarts reads them.
 
-Where the routers' control endpoints (`/v1/observations`, `/v1/window.npz`, `/v1/thresholds`; the
-routers' control port, with the service's control token from its Secret, control_token.py) are
-reached, first that answers:
-1. router Pods with a podIP, at the control port (in a cluster: every replica, windows merged);
-2. the control Service's `status.loadBalancer.ingress` ip:port (a LoadBalancer, or the local
-   endpoint the dev-cluster's Service stand-in publishes there);
-3. the control Service's cluster DNS name `<svc>-control.<ns>.svc:8081`.
+The routers' control endpoints (`/v1/observations`, `/v1/window.npz`, `/v1/thresholds`; the
+routers' control port, with the service's control token from its Secret, control_token.py) are read at
+every router replica (router_endpoints.py: the control Service's Endpoints, else the pods' IPs), each
+router's window followed on its own and the routers summed; a read that misses a router (or can only
+reach them through one Service address) is reported in status.drift.routers and an event, and is not
+used to judge the plan (PlanAccurate).
 """
 
 from __future__ import annotations
@@ -46,21 +45,37 @@ import logging
 import time
 from typing import Any
 
+import aiohttp
 from pydantic import ValidationError
 
 from exitplan.api.observations import Observations
 from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec, Mode
 from exitplan.operator import apply as applying
-from exitplan.operator import builders, capacity, control_token, drift, guards, plan_accuracy, plan_served, profiling
+from exitplan.operator import (
+    builders,
+    capacity,
+    control_token,
+    drift,
+    guards,
+    plan_accuracy,
+    plan_memory,
+    plan_served,
+    profiling,
+)
 from exitplan.operator import reconcile as rec
 from exitplan.operator.drift_policy import Action, Do, DriftState, decide, needs_reassess
 from exitplan.operator.kube import ApiError, path
 from exitplan.operator.metrics import METRICS
+from exitplan.operator.readiness import refresh_readiness
+from exitplan.operator.rollout import all_children
+from exitplan.operator.router_endpoints import find_routers, router_urls
+from exitplan.operator.service_state import Service, ServiceResources, current_plan, read_inputs
 from exitplan.operator.status import DriftReport, Phase, ServiceStatus, parse_status, set_condition, summarize
 from exitplan.planner.tuning import autotune
 from exitplan.planner.tuning.feedback import FeedbackWindow, WindowError
-from exitplan.worker.control_client import ControlClient, ControlError
+from exitplan.worker_image.control_client import ControlClient, ControlError, FeedbackArrays
+from exitplan.worker_image.router_fleet import fleet_feedback, fleet_thresholds, push_fleet
 
 log = logging.getLogger("exitplan.operator.drift")
 STATE_KEY = "drift"
@@ -73,36 +88,13 @@ TUNE_TIMEOUT = 10.0
 
 def drift_state(memo: Any) -> DriftState:
     """The service's drift-loop state, kept in kopf's per-object memo (created at the first tick)."""
-    state = memo.get(STATE_KEY)
+    state: DriftState | None = memo.get(STATE_KEY)
     if state is None:
         state = memo[STATE_KEY] = DriftState()
     return state
 
 
-async def router_urls(svc: rec.Service) -> list[str]:
-    """The routers' control endpoints (see the module docstring for the order)."""
-    pods = await svc.client.list(
-        path("Pod", svc.namespace), f"{builders.L_SERVICE}={svc.name},{builders.L_COMPONENT}=router"
-    )
-    port = builders.CONTROL_PORT
-    urls = [f"http://{p['status']['podIP']}:{port}" for p in pods if (p.get("status") or {}).get("podIP")]
-    if urls:
-        return urls
-    try:
-        service = await svc.client.get(path("Service", svc.namespace, builders.control_service_name(svc.name)))
-    except ApiError as err:
-        if err.status == 404:
-            return []
-        raise
-    for ingress in ((service.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []:
-        host = ingress.get("ip") or ingress.get("hostname")
-        ports = ingress.get("ports") or [{"port": port}]
-        if host:
-            return [f"http://{host}:{ports[0]['port']}"]
-    return [f"http://{builders.control_host(svc.name, svc.namespace)}"]
-
-
-async def router_token(svc: rec.Service) -> str | None:
+async def router_token(svc: Service) -> str | None:
     """The service's control token (None when it cannot be read: the routers then answer 401, which
     the caller reports like any unreachable router)."""
     try:
@@ -118,17 +110,24 @@ def merge_windows(windows: list[Observations]) -> Observations:
 
 
 async def read_routers(
-    svc: rec.Service, seen: dict[str, Observations], urls: list[str] | None = None, timeout: float = 5.0
-) -> tuple[Observations | None, Observations | None, str]:
+    svc: Service,
+    seen: dict[str, Observations],
+    urls: list[str] | None = None,
+    timeout: float = 5.0,
+    token: str | None = None,
+    session: aiohttp.ClientSession | None = None,
+) -> tuple[Observations | None, Observations | None, str, int]:
     """(what arrived since the previous read, over every router that answers; the newest full
-    window, merged over routers; a note on what failed). `seen` (router URL -> that router's
-    window in progress as last read) is updated in place; `urls`: the routers (default: looked up)."""
+    window, merged over routers; a note on what failed; how many routers answered). `seen` (router URL -> that router's
+    window in progress as last read) is updated in place; `urls`: the routers (default: looked up);
+    `token`: the control token (default: read); `session`: connections to keep (default: one per read)."""
     urls = await router_urls(svc) if urls is None else urls
-    token = await router_token(svc) if urls else None
+    if token is None:
+        token = await router_token(svc) if urls else None
     slices, latest, notes = [], [], []
     for url in urls:
         try:
-            async with ControlClient(url, timeout_s=timeout, token=token) as router:
+            async with ControlClient(url, timeout_s=timeout, token=token, session=session) as router:
                 current = await router.observations(current=True)
                 closed = await router.observations()
         except ControlError as err:
@@ -144,10 +143,11 @@ async def read_routers(
     for url in list(seen):
         if url not in urls:
             del seen[url]
-    return (drift.combine(slices) if slices else None), (drift.combine(latest) if latest else None), "; ".join(notes)
+    piece = drift.combine(slices) if slices else None
+    return piece, (drift.combine(latest) if latest else None), "; ".join(notes), len(latest)
 
 
-async def fetch_observations(svc: rec.Service, timeout: float = 5.0) -> tuple[Observations | None, str]:
+async def fetch_observations(svc: Service, timeout: float = 5.0) -> tuple[Observations | None, str]:
     """The merged last closed window of every router that answers, and a note on what failed."""
     windows, notes = [], []
     token = await router_token(svc)
@@ -160,40 +160,48 @@ async def fetch_observations(svc: rec.Service, timeout: float = 5.0) -> tuple[Ob
     return (merge_windows(windows) if windows else None), "; ".join(notes)
 
 
-def _tune(arrays: dict[str, Any], ramps: list[str], current: dict[str, float], budget: float) -> autotune.Decision:
+def _tune(arrays: FeedbackArrays, ramps: list[str], current: dict[str, float], budget: float) -> autotune.Decision:
     """The tuning policy on one feedback window (numpy work: run it off the event loop)."""
-    return autotune.decide(FeedbackWindow(**arrays), ramps, current, budget, autotune.TuneConfig())
+    window = FeedbackWindow(arrays.conf, arrays.pred, arrays.final, arrays.saving_ms, arrays.cost_ms)
+    return autotune.decide(window, ramps, current, budget, autotune.TuneConfig())
 
 
 async def _retune_step(
     urls: list[str], ramps: list[str], budget: float, apply: bool, token: str | None = None
-) -> autotune.Decision | None:
-    """Read the first router's feedback and thresholds, decide (in a worker thread), and push new
-    thresholds to every router when `apply`. None when there is no feedback yet or a step failed."""
+) -> tuple[autotune.Decision, int] | None:
+    """Read every router's feedback (one merged window) and the newest thresholds among them, decide
+    (in a worker thread), and push new thresholds to every router as the next version when `apply`
+    (`router_fleet`). (decision, the version pushed or in force); None when there is no feedback yet or
+    a step failed."""
+    clients = [ControlClient(url, timeout_s=TUNE_TIMEOUT, token=token) for url in urls]
     try:
-        async with ControlClient(urls[0], timeout_s=TUNE_TIMEOUT, token=token) as router:
-            arrays = await router.feedback(TUNE_WINDOW)
-            if arrays is None:  # no feedback yet
-                return None
-            current = await router.thresholds()
-        decision = await asyncio.to_thread(_tune, arrays, ramps, current, budget)
+        arrays, missed = await fleet_feedback(clients, TUNE_WINDOW)
+        for note in missed:
+            log.info("a router's feedback is left out of this re-tune: %s", note)
+        if arrays is None:  # no feedback yet
+            return None
+        current = await fleet_thresholds(clients)
+        decision = await asyncio.to_thread(_tune, arrays, ramps, current.values, budget)
+        version = current.version
         if decision.thresholds is not None and apply:
-            for url in urls:
-                async with ControlClient(url, timeout_s=TUNE_TIMEOUT, token=token) as router:
-                    await router.push_thresholds(decision.thresholds, f"tune-{decision.reason}")
-        return decision
-    except (ControlError, WindowError, KeyError) as err:  # unreachable router, short/odd window
+            version = (await push_fleet(clients, current, decision.thresholds, f"tune-{decision.reason}")).version
+        return decision, version
+    except (ControlError, WindowError, KeyError) as err:  # unreachable routers, short/odd window
         log.info("threshold re-tune skipped: %s", err)
         return None
+    finally:
+        for client in clients:
+            await client.close()
 
 
-async def retune(
-    svc: rec.Service, spec: EarlyExitServiceSpec, ramps: list[str], lock: asyncio.Lock | None = None
-) -> None:
+async def retune(svc: Service, spec: EarlyExitServiceSpec, ramps: list[str], lock: asyncio.Lock | None = None) -> None:
     """Apparate's continual tuning on the routers' shadow-sampled feedback (exitplan.planner.tuning.autotune):
     new thresholds when the ones in force break the accuracy budget or leave savings unclaimed.
     Advisory mode computes but does not push. Pushed thresholds are written into the plan
-    ConfigMap at once (under the service's lock), so a router that restarts keeps them."""
+    ConfigMap at once (under the service's lock), so a router that restarts keeps them. A bundle with no
+    exit ramp is the plain model: nothing to tune."""
+    if not ramps:
+        return
     try:
         urls = await router_urls(svc)
     except ApiError as err:
@@ -202,8 +210,11 @@ async def retune(
     if not urls:
         return
     active = spec.planner.mode == Mode.active
-    decision = await _retune_step(urls, ramps, spec.accuracy.max_drop, active, await router_token(svc))
-    if decision is not None and decision.thresholds is not None:
+    stepped = await _retune_step(urls, ramps, spec.accuracy.max_drop, active, await router_token(svc))
+    if stepped is None:
+        return
+    decision, version = stepped
+    if decision.thresholds is not None:
         verb = "re-tuned" if active else "would re-tune"
         svc.event(
             "Normal",
@@ -218,9 +229,10 @@ async def retune(
                 )
                 if fresh:
                     await persist_thresholds(
-                        rec.Service(body=fresh[0], client=svc.client, memo=svc.memo),
+                        Service(body=fresh[0], client=svc.client, memo=svc.memo),
                         decision.thresholds,
                         f"tune-{decision.reason}",
+                        version,
                     )
 
 
@@ -228,11 +240,12 @@ def _same_thresholds(a: dict[str, float], b: dict[str, float]) -> bool:
     return set(a) == set(b) and all(abs(a[k] - b[k]) <= 1e-9 for k in a)
 
 
-async def persist_thresholds(svc: rec.Service, thresholds: dict[str, float], source: str) -> bool:
+async def persist_thresholds(svc: Service, thresholds: dict[str, float], source: str, version: int = 0) -> bool:
     """Write `thresholds` into the plan in force (plan ConfigMap, children's plan hash, status.plan)
-    when they differ from the plan's: the same cells, not a re-plan (no lastReplanTime). True when
+    when they differ from the plan's, with their `version` (the routers' set: a router that restarts
+    reads it and keeps the version): the same cells, not a re-plan (no lastReplanTime). True when
     written. Call under the service's lock (a concurrent re-plan must not be overwritten)."""
-    plan = await rec.current_plan(svc.client, svc.name, svc.namespace)
+    plan = await current_plan(svc.client, svc.name, svc.namespace)
     if plan is None or not thresholds or _same_thresholds(plan.thresholds, thresholds):
         return False
     try:
@@ -241,15 +254,17 @@ async def persist_thresholds(svc: rec.Service, thresholds: dict[str, float], sou
         return False
     if guards.bundle_refusal(spec, svc.settings) is not None:
         return False  # the spec names a bundle path this operator does not mount (the reconcile says so)
-    inputs = await rec.read_inputs(svc.client, spec, svc.namespace)
+    inputs = await read_inputs(svc.client, spec, svc.namespace)
     if inputs.unknown_pools or {c.pool for c in plan.cells} - set(inputs.pools):
         return False  # the next reconcile reports it; the routers keep the pushed values meanwhile
-    updated = plan.model_copy(update={"thresholds": {k: float(v) for k, v in thresholds.items()}})
-    children = builders.build_children(svc.body, spec, updated, inputs.pools)
-    await applying.apply_children(svc.client, children, svc.name, svc.namespace)
+    values = {k: float(v) for k, v in thresholds.items()}
+    updated = plan.model_copy(update={"thresholds": values, "thresholds_version": version})
+    children = all_children(svc, spec, updated, builders.build_children(svc.body, spec, updated, inputs.pools))
+    await applying.apply_children(svc.client, children, svc.name, svc.namespace)  # the budget and policies kept
+    plan_memory.children_written(svc.memo)
     status = parse_status(svc.body.get("status"))
     ready = {(c.split, c.bucket, c.pool): c.ready_replicas for c in (status.plan.cells if status.plan else [])}
-    status.plan = summarize(updated, ready)
+    status.plan = summarize(updated, ready, max((len(p.ramps) for p in inputs.profiles.values()), default=None))
     await svc.write_status(status)
     log.info(
         "%s/%s: thresholds %s written into plan %s (%s)",
@@ -267,7 +282,7 @@ PROFILE_RECHECK_SECONDS = 30.0
 """A service waiting for a profile re-checks this often (in case a ModelProfile event was missed)."""
 
 
-async def on_tick(svc: rec.Service, memo: Any) -> None:
+async def on_tick(svc: Service, memo: Any) -> None:
     """One timer tick: re-check a profiling wait (and start a failed profiling Job's successor once its
     backoff passed), re-plan a service refused for pool capacity when what is left changed, refresh
     readiness, read the routers for drift."""
@@ -282,39 +297,49 @@ async def on_tick(svc: rec.Service, memo: Any) -> None:
     if phase == Phase.infeasible.value and await capacity.recheck(svc, memo):
         await rec.reconcile(svc, reason="capacity-freed")
         return
-    await rec.refresh_readiness(svc)
+    await refresh_readiness(svc)
     await check_drift(svc, memo)
 
 
-def _service_lock(svc: rec.Service, memo: Any) -> asyncio.Lock | None:
+def _service_lock(svc: Service, memo: Any) -> asyncio.Lock | None:
     """The per-service lock the handlers hold (handlers.py keeps them in kopf's operator memo)."""
     locks = memo.get("locks")
     return locks[(svc.namespace, svc.name)] if locks is not None else None
 
 
 async def _read(
-    svc: rec.Service, state: DriftState, now: float, period: float
-) -> tuple[Observations | None, Observations | None]:
-    """(what arrived since the previous read, the newest full window) over the routers that answer."""
-    if state.urls_due(now, period):  # the routers' addresses, looked up once a period
-        state.router_urls, state.urls_looked_up = await router_urls(svc), now
-    piece, latest, note = await read_routers(svc, state.seen, state.router_urls)
+    svc: Service, state: DriftState, now: float, period: float
+) -> tuple[Observations | None, Observations | None, str]:
+    """(what arrived since the previous read, the newest full window) over the routers that answer, and
+    why the read does not hold every router's observations ('' when it does)."""
+    if state.routers is None or state.urls_due(now, period):  # the addresses, once a period (routers scale)
+        failed = state.routers is None or state.router_token is None  # first read, or the last one missed a router
+        state.routers, state.urls_looked_up = await find_routers(svc), now
+        if failed:  # the token only then: a router that refuses it answers 401, and the read is retried with a new one
+            state.router_token = await router_token(svc) if state.routers.urls else None
+    session = getattr(svc.memo, "router_session", None)  # the operator's (handlers.configure), if it has one
+    piece, latest, note, answered = await read_routers(
+        svc, state.seen, state.routers.urls, token=state.router_token, session=session
+    )
+    shortfall = state.routers.shortfall(answered)
     if note:
-        state.router_urls = None  # a router did not answer: look them up again next read
+        state.routers = None  # a router did not answer: look them up again next read
     if latest is None:
         log.info("%s/%s: no observations (%s)", svc.namespace, svc.name, note or "no router endpoint")
-    return piece, latest
+    if shortfall:
+        shortfall += f" ({note})" if note else ""
+        log.info("%s/%s: partial read: %s", svc.namespace, svc.name, shortfall)
+    return piece, latest, shortfall
 
 
-async def _assess(spec: EarlyExitServiceSpec, plan: Plan, judged: Observations, state: DriftState) -> DriftReport:
-    # the survival forecast fits ARIMA per ramp (tens of ms): off the event loop every service shares
-    return await asyncio.get_running_loop().run_in_executor(
-        None, drift.assess, plan, judged, spec.planner.drift, spec.slo.latency_ms, list(state.survival)
-    )
+def _assess(spec: EarlyExitServiceSpec, plan: Plan, judged: Observations, state: DriftState) -> DriftReport:
+    # on the event loop: the survival forecast is an AR(1) in closed form over every ramp at once (tens of
+    # microseconds; a thread hop per read cost more than the forecast)
+    return drift.assess(plan, judged, spec.planner.drift, spec.slo.latency_ms, list(state.survival))
 
 
 async def _score_new(
-    svc: rec.Service,
+    svc: Service,
     state: DriftState,
     spec: EarlyExitServiceSpec,
     plan: Plan,
@@ -327,7 +352,7 @@ async def _score_new(
     judged = drift.recent(state.slices, period)
     if judged is None:
         return None
-    report = await _assess(spec, plan, judged, state)
+    report = _assess(spec, plan, judged, state)
     log.info(
         "%s/%s: %.1f s until %.1f (%d new, %d judged arrivals; %d answered): length score %.3f, "
         "survival error %.3f, p99 %.0f ms%s",
@@ -344,7 +369,12 @@ async def _score_new(
         f" -> {report.trigger}" if report.trigger else "",
     )
     state.add_to_survival(piece, period)
-    window = state.accuracy.fill(piece, plan, period)
+    report.routers = state.shortfall
+    window = None
+    if state.shortfall:  # part of the routers' traffic is missing: no reading to judge the plan on
+        state.accuracy.block = []
+    else:
+        window = state.accuracy.fill(piece, plan, period)
     if window is not None:  # a window of the comparison with the plan is full (plan_accuracy.py)
         verdict = await plan_served.compare(svc, state, spec, plan, window)
         log.info("%s/%s: plan %s: %s", svc.namespace, svc.name, plan.content_hash(), verdict.text())
@@ -357,7 +387,7 @@ async def _score_new(
 
 
 async def _judge(
-    svc: rec.Service,
+    svc: Service,
     state: DriftState,
     spec: EarlyExitServiceSpec,
     plan: Plan,
@@ -373,7 +403,7 @@ async def _judge(
         if drift.arrivals(piece) or piece.requests:
             report = await _score_new(svc, state, spec, plan, piece, status, period)
     if needs_reassess(state, report, status.proposal) and state.judged is not None:
-        report = await _assess(spec, plan, state.judged, state)
+        report = _assess(spec, plan, state.judged, state)
     if report is not None and not report.trigger and state.accuracy.mismatch() is not None:
         report.trigger = plan_accuracy.REASON  # the other triggers explain a gap first
     return report
@@ -384,7 +414,7 @@ def _tuning(state: DriftState) -> bool:
     return isinstance(state.tune_task, asyncio.Future) and not state.tune_task.done()
 
 
-async def check_drift(svc: rec.Service, memo: Any) -> None:
+async def check_drift(svc: Service, memo: Any) -> None:
     """One drift-loop read (the timer calls it every tick; it reads CHECKS_PER_PERIOD times a period):
     read the routers, score the judged window, ask drift_policy.decide, carry its Action out."""
     status = parse_status(svc.body.get("status"))
@@ -399,10 +429,13 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
     now = time.monotonic()
     if not state.take_read(now, period / drift.CHECKS_PER_PERIOD):
         return
-    piece, latest = await _read(svc, state, now, period)
+    piece, latest, shortfall = await _read(svc, state, now, period)
+    if shortfall and latest is not None and shortfall != state.shortfall:  # none read yet: starting, logged
+        svc.event("Warning", "RoutersUnread", f"{shortfall}: measured goodput is not judged against the plan")
+    state.shortfall = shortfall
     if latest is None:
         return
-    plan = await rec.current_plan(svc.client, svc.name, svc.namespace)
+    plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace)
     if plan is None:  # advisory from the start: nothing applied to compare against
         return
     active = spec.planner.mode == Mode.active
@@ -414,7 +447,7 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
     ):
         # the routers run this plan with other thresholds (pushed live): the plan carries them from now on
         if await persist_thresholds(svc, latest.thresholds, "observed on the routers"):
-            plan = await rec.current_plan(svc.client, svc.name, svc.namespace) or plan
+            plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace) or plan
             status = parse_status(svc.body.get("status"))
     report = await _judge(svc, state, spec, plan, piece, status, period)
     action = decide(
@@ -436,7 +469,7 @@ async def check_drift(svc: rec.Service, memo: Any) -> None:
 
 
 async def _carry_out(
-    svc: rec.Service,
+    svc: Service,
     memo: Any,
     state: DriftState,
     spec: EarlyExitServiceSpec,
@@ -462,7 +495,7 @@ async def _carry_out(
 
 
 async def _replan(
-    svc: rec.Service,
+    svc: Service,
     state: DriftState,
     spec: EarlyExitServiceSpec,
     status: ServiceStatus,
@@ -472,7 +505,7 @@ async def _replan(
     now: float,
 ) -> None:
     """Plan again for the judged window and apply it (capped by maxMoveFraction) or propose it."""
-    inputs = await rec.read_inputs(svc.client, spec, svc.namespace)
+    inputs = await read_inputs(svc.client, spec, svc.namespace)
     if inputs.unknown_pools or inputs.missing_profiles:
         return  # the next spec reconcile reports these
     status.pools_digest = inputs.digest()
@@ -503,11 +536,11 @@ async def _replan(
 
 
 async def _mismatched(
-    svc: rec.Service,
+    svc: Service,
     state: DriftState,
     spec: EarlyExitServiceSpec,
     status: ServiceStatus,
-    inputs: rec.ServiceResources,
+    inputs: ServiceResources,
     mismatch: plan_accuracy.Mismatch,
     *,
     propose: bool,

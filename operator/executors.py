@@ -1,11 +1,11 @@
 """The planner's own threads: plans are solved here, never in the event loop's default executor.
 
 The default executor also resolves host names for aiohttp (the drift loop reads every service's
-routers each period) and fits the drift loop's survival forecasts. With hundreds of services those
-jobs queue up -- a lookup of a router name that does not resolve can take seconds -- and a service
-being planned holds the operator-wide capacity lock (capacity.py) while its solve waits behind them,
-so every other service waits too: at 200 services on the emulated API, plans fell from three a
-second to one every ten seconds once the drift loop started reading (bench/operator_scale.py).
+routers each period). With hundreds of services those jobs queue up -- a lookup of a router name
+that does not resolve can take seconds -- and a service being planned holds the operator-wide
+capacity lock (capacity.py) while its solve waits behind them, so every other service waits too: at
+200 services on the emulated API, plans fell from three a second to one every ten seconds once the
+drift loop started reading (bench/operator_scale.py).
 """
 
 from __future__ import annotations

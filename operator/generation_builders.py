@@ -12,17 +12,17 @@ The children differ from a classification service's (builders.py) only in the wo
 A stage keeps the KV cache of every sequence it runs, so each runs exactly one replica, and its
 Deployment is replaced with the Recreate strategy (a rolling update would run two pods of a stage
 at once, and a sequence's hops could land on either). Labels, annotations, ownership, security and
-placement are builders.py's.
+placement are pod_template.py's, the names names.py's.
 """
 
 from __future__ import annotations
 
-import kopf
-
+from exitplan.api.manifest import Manifest
 from exitplan.api.plan import Cell, Plan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, Task
-from exitplan.operator import builders
-from exitplan.operator.builders import Manifest
+from exitplan.operator import builders, pod_template
+from exitplan.operator.names import L_SERVICE, L_SPLIT, PORT, bundle_path, selector_labels, split_host, worker_name
+from exitplan.operator.ownership import adopt
 
 
 def is_generation(spec: EarlyExitServiceSpec) -> bool:
@@ -35,7 +35,7 @@ def stage_args(service: str, namespace: str, spec: EarlyExitServiceSpec, plan: P
     last = cell.split == len(plan.splits) - 1
     args = [
         "--bundle",
-        builders.bundle_path(spec.model.bundle),
+        bundle_path(spec.model.bundle),
         "--first",
         str(split.first_block),
         "--last",
@@ -43,12 +43,12 @@ def stage_args(service: str, namespace: str, spec: EarlyExitServiceSpec, plan: P
         "--host",
         "0.0.0.0",
         "--port",
-        str(builders.PORT),
+        str(PORT),
         "--mode",
         "recompute" if len(plan.splits) == 1 else "pipeline",
     ]
     if not last:
-        args += ["--next", builders.split_host(service, namespace, cell.split + 1)]
+        args += ["--next", split_host(service, namespace, cell.split + 1)]
     return args
 
 
@@ -61,32 +61,16 @@ def build_stage(
             f"a generation stage runs exactly one replica (it holds the sequences' KV cache); "
             f"cell of split {cell.split} asks for {cell.replicas}"
         )
-    labels = builders.selector_labels(service, "worker", cell)
-    images = builders.IMAGES.for_pool(pool)
-    volumes, mounts, pod_extra = builders._volumes(service, spec.model, images)
-    _, security = builders._security()
-    container = {
-        "name": "stage",
-        **images.container(),
-        "command": ["exitplan", "generate-stage"],
-        "args": stage_args(service, namespace, spec, plan, cell),
-        "ports": [{"name": "http", "containerPort": builders.PORT}],
-        "env": builders._env(service, namespace),
-        "resources": builders._resources(pool),
-        "volumeMounts": mounts,
-        "securityContext": security,
-        **builders._probes(),
-    }
-    spread = {builders.L_SERVICE: service, builders.L_SPLIT: str(cell.split)}
-    deployment = builders._deployment(
-        builders.worker_name(service, cell),
-        namespace,
-        labels,
-        plan.content_hash(),
-        1,
-        container,
-        {**builders._placement(pool, spread), **pod_extra},
-        volumes,
+    labels = selector_labels(service, "worker", cell)
+    spread = {L_SERVICE: service, L_SPLIT: str(cell.split)}
+    parts = pod_template.on_pool(service, spec.model, pool, spread)
+    args = stage_args(service, namespace, spec, plan, cell)
+    ports: list[Manifest] = [{"name": "http", "containerPort": PORT}]
+    stage = pod_template.container(
+        "stage", parts, service, namespace, command=["exitplan", "generate-stage"], args=args, ports=ports
+    )
+    deployment = pod_template.deployment(
+        worker_name(service, cell), namespace, labels, plan.content_hash(), 1, stage, parts
     )
     deployment["spec"]["strategy"] = {"type": "Recreate"}
     return deployment
@@ -117,5 +101,5 @@ def build_children(
         router_svc,
         router,
     ]
-    kopf.adopt(children, owner=owner)
+    adopt(children, owner=owner)
     return children

@@ -9,7 +9,7 @@ the operator can read them, and otherwise plans one KV-recomputation stage that 
 changed live through the router's POST /v1/thresholds.
 
 The stages and the router get a remote bundle (s3://, https://, pvc://, oci://) as a classification
-service's pods do (builders._volumes: bundle_volumes.py's storage-init container and volume). The
+service's pods do (pod_template.on_pool: bundle_volumes.py's storage-init container and volume). The
 plan needs the bundle's bundle.yaml and measurements, which the operator cannot read there: a Job
 fetches the bundle as the pods do and publishes them as ConfigMap `<svc>-bundle-info`, and the plan
 is made from that ConfigMap, with the same parsing as from a directory (bundle_info.py; while the
@@ -21,16 +21,16 @@ from __future__ import annotations
 from exitplan.api.bundle import BundleError
 from exitplan.api.bundle_source import parse_bundle_uri
 from exitplan.api.resources import EarlyExitServiceSpec
-from exitplan.operator import builders, bundle_info, capacity, generation_builders
+from exitplan.operator import bundle_info, capacity, generation_builders
 from exitplan.operator.bundle_info import BundleTexts
 from exitplan.operator.executors import run_planner
 from exitplan.operator.metrics import METRICS
-from exitplan.operator.reconcile import Service, ServiceResources, _infeasible, current_plan, propose_or_apply
+from exitplan.operator.names import bundle_path
+from exitplan.operator.rollout import propose_or_apply
+from exitplan.operator.service_state import Service, ServiceResources, current_plan, mark_infeasible
 from exitplan.operator.status import ServiceStatus, set_condition
-from exitplan.planner.errors import PlannerError
-from exitplan.planner.generation import GenerationPlanResult, plan_generation
-
-is_generation = generation_builders.is_generation
+from exitplan.planner import PlannerError
+from exitplan.planner.generation import GenerationPlanResult, plan_bundle_generation
 
 
 def plan_for(
@@ -42,22 +42,12 @@ def plan_for(
     if texts is None:
         if parse_bundle_uri(spec.model.bundle).remote:  # reconcile_generation reads its ConfigMap first
             raise BundleError(f"spec.model.bundle {bundle_info.shown(spec.model.bundle)!r}: no bundle info read yet")
-        texts = bundle_info.read_dir(builders.bundle_path(spec.model.bundle))
+        texts = bundle_info.read_dir(bundle_path(spec.model.bundle))
     manifest = bundle_info.manifest_of(texts)
     if manifest.decoder is None:
         raise BundleError(f"{texts.where}: spec.model.task is text-generation but the bundle has no decoder section")
     profile, points = bundle_info.measurements_of(texts, spec.pools[0].name)
-    return plan_generation(
-        name,
-        spec,
-        inputs.pools,
-        n_blocks=len(manifest.blocks),
-        exit_ramps=[r.name for r in manifest.exit_ramps()],
-        max_context=manifest.decoder.max_context,
-        profile=profile,
-        thresholds=points,
-        reason=reason,
-    )
+    return plan_bundle_generation(name, spec, inputs.pools, manifest, profile=profile, thresholds=points, reason=reason)
 
 
 async def reconcile_generation(
@@ -94,7 +84,7 @@ async def _plan_and_apply(
             + (f"; other services hold capacity: {room.describe()}" if room.shared() else "")
         )
         svc.event("Warning", "PlannerInput", message)
-        status = _infeasible(status, gen, "GenerationPlan", message)
+        status = mark_infeasible(status, gen, "GenerationPlan", message)
         await svc.write_status(status)
         return status
     METRICS.replans.labels(svc.namespace, svc.name, reason).inc()
@@ -102,7 +92,7 @@ async def _plan_and_apply(
     previous = await current_plan(svc.client, svc.name, svc.namespace)
     if previous is not None and previous.content_hash() == plan.content_hash():
         plan = previous
-    reason = plan.reason  # one reason per plan (reconcile._apply_plan)
+    reason = plan.reason  # one reason per plan (as reconcile.py's)
     children = generation_builders.build_children(svc.body, spec, plan, inputs.pools)
     what = (
         f"generation plan {plan.content_hash()} ({reason}): {result.mode}, {len(plan.splits)} stage(s), "

@@ -1,4 +1,4 @@
-"""kopf handlers: decorators only; the work lives in reconcile.py, driftloop.py, builders.py.
+"""kopf handlers: decorators only; the work lives in reconcile.py (a change) and driftloop.py (the timer).
 
 Run with `exitplan operator` (or `kopf run -m exitplan.operator.handlers`). The operator adds no
 finalizer of its own: every child carries an ownerReference, so the garbage collector removes it
@@ -13,30 +13,33 @@ import asyncio
 import collections
 import logging
 import os
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import aiohttp
 import kopf
 
 from exitplan.api.resources import GROUP, VERSION
-from exitplan.operator import driftloop, guards, reconcile
+from exitplan.operator import driftloop, guards, http_ports, reconcile, tick_reads
 from exitplan.operator.kube import KubeClient, bearer, load_config, path
 from exitplan.operator.metrics import METRICS
+from exitplan.operator.service_state import Service, pools_changed
 
-EES = {"group": GROUP, "version": VERSION, "plural": "earlyexitservices"}
-PROFILES = {"group": GROUP, "version": VERSION, "plural": "modelprofiles"}
-POOLS = {"group": GROUP, "version": VERSION, "plural": "gpupools"}
+EES, PROFILES, POOLS = "earlyexitservices", "modelprofiles", "gpupools"
+"""The plurals of the kinds the handlers watch (group GROUP, version VERSION)."""
 TICK = float(os.environ.get("EXITPLAN_TICK_SECONDS", "5"))
 """Timer tick: readiness every tick; the routers are read drift.CHECKS_PER_PERIOD times per spec.planner.periodSeconds
 (at most once a tick; driftloop.py)."""
 
 # Per operator (kopf's operator-wide memo, shared by reference into every object's memo):
 # memo.client, the API client; memo.locks, one asyncio.Lock per (namespace, name); memo.settings,
-# the operator's guards.Settings; memo.capacity_lock, held while a service plans on shared pools. Several
+# the operator's guards.Settings; memo.capacity_lock, held while a service plans on shared pools;
+# memo.ignored_plans, the unowned plan ConfigMaps already reported (one Warning each). Several
 # operators in one process (tests, peering) each keep their own. Per object, the drift loop keeps
 # its drift_policy.DriftState in the object's memo (driftloop.drift_state creates it at the first tick).
 
 
-async def _service(memo: Any, body: Any) -> reconcile.Service | None:
+async def _service(memo: Any, body: Mapping[str, Any]) -> Service | None:
     """The service as the API has it now (None when gone). Handlers run under the per-object lock
     and re-read the object, so a status written from an older snapshot never overwrites a newer one."""
     client: KubeClient = memo.client
@@ -44,11 +47,13 @@ async def _service(memo: Any, body: Any) -> reconcile.Service | None:
     items = await client.list(path("EarlyExitService", meta.get("namespace")), fields=f"metadata.name={meta['name']}")
     if not items:
         return None
-    return reconcile.Service(body=items[0], client=client, memo=memo)
+    return Service(body=items[0], client=client, memo=memo)
 
 
-def _lock(memo: Any, body: Any) -> asyncio.Lock:
-    return memo.locks[(body["metadata"].get("namespace"), body["metadata"]["name"])]
+def _lock(memo: Any, body: Mapping[str, Any]) -> asyncio.Lock:
+    """The per-object lock (kopf's operator-wide memo holds one per namespace and name)."""
+    lock: asyncio.Lock = memo.locks[(body["metadata"].get("namespace"), body["metadata"]["name"])]
+    return lock
 
 
 @kopf.on.login()
@@ -79,54 +84,73 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     memo.locks = collections.defaultdict(asyncio.Lock)
     memo.settings = guards.Settings.from_env()  # allowed bundle host paths, served namespaces, profiling retries
     memo.capacity_lock = asyncio.Lock()  # one service at a time plans into the pools' free capacity (capacity.py)
+    # the drift loop's router reads keep their connections (a new session per read connected anew each time)
+    memo.router_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    memo.ignored_plans = set()  # plan-like ConfigMaps no service owns, already reported (capacity.py)
+    memo.tick_reads = tick_reads.TickReads(memo.client, max_age=0.8 * TICK)  # one list per namespace and tick
+    env = os.environ.get
+    memo.http_ports = await http_ports.start(  # /metrics and /healthz, guarded (exitplan operator sets the env)
+        env(http_ports.ENV_LISTEN) or "127.0.0.1",
+        int(env(http_ports.ENV_METRICS_PORT) or 0),
+        int(env(http_ports.ENV_HEALTH_PORT) or 0),
+    )
 
 
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
+    if (reads := tick_reads.shared_reads(memo)) is not None:
+        reads.forget()
     if getattr(memo, "client", None) is not None:
         await memo.client.close()
+    if getattr(memo, "router_session", None) is not None:
+        await memo.router_session.close()
+    if getattr(memo, "http_ports", None) is not None:
+        await memo.http_ports.cleanup()
 
 
-@kopf.on.create(**EES)
+@kopf.on.create(group=GROUP, version=VERSION, plural=EES)
 async def created(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     async with _lock(memo, body):
         if (svc := await _service(memo, body)) is not None:
             await reconcile.reconcile(svc, reason="initial")
 
 
-@kopf.on.update(**EES, field="spec")
+@kopf.on.update(group=GROUP, version=VERSION, plural=EES, field="spec")
 async def spec_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     async with _lock(memo, body):
         if (svc := await _service(memo, body)) is not None:
             await reconcile.reconcile(svc, reason="spec-change")
 
 
-@kopf.on.resume(**EES)
+@kopf.on.resume(group=GROUP, version=VERSION, plural=EES)
 async def resumed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     async with _lock(memo, body):
         if (svc := await _service(memo, body)) is not None:
             await reconcile.reconcile(svc, reason="resume")
 
 
-@kopf.on.delete(**EES, optional=True)
-async def deleted(name: str, namespace: str, **_: Any) -> None:
-    METRICS.forget(namespace, name)  # the per-cell and per-service gauges; counters keep their history
+@kopf.on.delete(group=GROUP, version=VERSION, plural=EES, optional=True)
+async def deleted(name: str, namespace: str | None, **_: Any) -> None:
+    METRICS.forget(namespace or "", name)  # the per-cell and per-service gauges; counters keep their history
 
 
-@kopf.timer(**EES, interval=TICK, initial_delay=TICK)
+@kopf.timer(group=GROUP, version=VERSION, plural=EES, interval=TICK, initial_delay=TICK)
 async def tick(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     lock = _lock(memo, body)
     if lock.locked():
         return  # a reconcile runs; the next tick looks again
     async with lock:
-        svc = await _service(memo, body)
+        known, fresh = await tick_reads.service_body(memo, body)  # the namespace's list, shared by every tick
+        svc = (
+            Service(body=dict(fresh), client=memo.client, memo=memo) if known and fresh else await _service(memo, body)
+        )
         if svc is None:
             return
         await driftloop.on_tick(svc, memo)
 
 
-@kopf.on.event(**PROFILES)
-async def profile_event(body: kopf.Body, type: str | None, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+@kopf.on.event(group=GROUP, version=VERSION, plural=PROFILES)
+async def profile_event(body: kopf.Body, type: str | None, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     """A ModelProfile appeared, changed or went: the services of its model and pool plan again
     (a service waiting for it plans now; one whose profile was rejected or deleted re-profiles)."""
     if type not in ("ADDED", "MODIFIED", "DELETED"):
@@ -142,27 +166,34 @@ async def profile_event(body: kopf.Body, type: str | None, namespace: str, memo:
                     await reconcile.reconcile(svc, reason="profile-change")
 
 
-@kopf.index(**EES)
-def services_by_pool(namespace: str, name: str, spec: kopf.Spec, **_: Any) -> dict[str, tuple[str, str]]:
+@kopf.index(group=GROUP, version=VERSION, plural=EES)
+def services_by_pool(namespace: str | None, name: str, spec: kopf.Spec, **_: Any) -> dict[str, tuple[str | None, str]]:
     """kopf's in-memory index of the services that name each GPUPool (no API call to find them)."""
     return {
         ref["name"]: (namespace, name) for ref in spec.get("pools", []) if isinstance(ref, dict) and ref.get("name")
     }
 
 
-@kopf.on.event(**POOLS)
-async def pool_event(name: str, type: str | None, services_by_pool: kopf.Index, memo: kopf.Memo, **_: Any) -> None:
+ServicesByPool = kopf.Index[str, tuple[str | None, str]]
+"""kopf's index `services_by_pool`: pool name -> the (namespace, name) of each service naming it."""
+
+
+@kopf.on.event(group=GROUP, version=VERSION, plural=POOLS)
+async def pool_event(
+    name: str, type: str | None, memo: kopf.Memo, services_by_pool: ServicesByPool | None = None, **_: Any
+) -> None:
     """A GPUPool was created, changed or deleted: every service that names it plans again (reason
     `pool-changed`) when what its plan depends on in its pools (capacity, cost, ...; status.poolsDigest)
     differs from what it was planned with. A created pool a service named unknown plans it; a deleted
     one makes it PlanInfeasible while its children keep serving."""
     if type not in ("ADDED", "MODIFIED", "DELETED"):
         return  # the initial listing: the resume handlers plan every service anyway
-    for namespace, service in sorted(set(services_by_pool.get(name, []))):
+    named: Iterable[tuple[str | None, str]] = services_by_pool.get(name, []) if services_by_pool is not None else []
+    for namespace, service in sorted(set(named), key=lambda ref: (ref[0] or "", ref[1])):
         ref = {"metadata": {"namespace": namespace, "name": service}}
         async with _lock(memo, ref):
             svc = await _service(memo, ref)
             if svc is None:
                 continue
-            if await reconcile.pools_changed(svc):
+            if await pools_changed(svc):
                 await reconcile.reconcile(svc, reason="pool-changed")

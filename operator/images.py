@@ -4,7 +4,7 @@ The operator's defaults come from its environment (the chart sets them from its 
 
 | env | chart value | default |
 |---|---|---|
-| EXITPLAN_IMAGE | dataPlane.image (repository:tag) | builders.DEFAULT_IMAGE |
+| EXITPLAN_IMAGE | dataPlane.image (repository:tag) | DEFAULT_IMAGE |
 | EXITPLAN_IMAGE_PULL_POLICY | dataPlane.image.pullPolicy | IfNotPresent |
 | EXITPLAN_IMAGE_PULL_SECRETS | dataPlane.imagePullSecrets (names, comma-separated) | none |
 
@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Any
 
+from exitplan.api.manifest import Manifest
 from exitplan.api.resources import GPUPoolSpec
 
 ENV_IMAGE = "EXITPLAN_IMAGE"
 ENV_PULL_POLICY = "EXITPLAN_IMAGE_PULL_POLICY"
 ENV_PULL_SECRETS = "EXITPLAN_IMAGE_PULL_SECRETS"
 POLICIES = ("Always", "IfNotPresent", "Never")
+DEFAULT_IMAGE = "ghcr.io/exitplan/exitplan:0.1.0"
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,16 @@ class Images:
             pull_secrets=tuple(dict.fromkeys([*self.pull_secrets, *(s.name for s in pool.image_pull_secrets)])),
         )
 
-    def container(self) -> dict[str, Any]:
+    def container(self) -> Manifest:
         """A container's `image` and `imagePullPolicy`."""
         return {"image": self.image, "imagePullPolicy": self.pull_policy}
 
-    def pod(self) -> dict[str, Any]:
+    def pod(self) -> Manifest:
         """A pod spec's `imagePullSecrets` (nothing when there are none)."""
         return {"imagePullSecrets": [{"name": s} for s in self.pull_secrets]} if self.pull_secrets else {}
+
+
+IMAGE = os.environ.get(ENV_IMAGE, DEFAULT_IMAGE)
+"""Container image of routers, workers and the operator's Jobs (env EXITPLAN_IMAGE of the operator)."""
+IMAGES = Images.from_env(IMAGE)
+"""IMAGE with its pull policy and pull Secrets; a GPUPool may override them for its pods (`for_pool`)."""

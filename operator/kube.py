@@ -12,24 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import ssl
 from typing import Any
 
 import aiohttp
 
-Manifest = dict[str, Any]
+from exitplan.api.manifest import Manifest
 
 # kind -> (api path prefix, plural, namespaced)
 KINDS: dict[str, tuple[str, str, bool]] = {
     "ConfigMap": ("/api/v1", "configmaps", True),
     "Secret": ("/api/v1", "secrets", True),
     "Service": ("/api/v1", "services", True),
+    "Endpoints": ("/api/v1", "endpoints", True),
     "Pod": ("/api/v1", "pods", True),
     "Event": ("/api/v1", "events", True),
     "Namespace": ("/api/v1", "namespaces", False),
     "Deployment": ("/apis/apps/v1", "deployments", True),
     "Job": ("/apis/batch/v1", "jobs", True),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets", True),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies", True),
     "GPUPool": ("/apis/exitplan.io/v1alpha1", "gpupools", False),
     "EarlyExitService": ("/apis/exitplan.io/v1alpha1", "earlyexitservices", True),
     "ModelProfile": ("/apis/exitplan.io/v1alpha1", "modelprofiles", True),
@@ -67,8 +70,8 @@ def object_path(obj: Manifest, subresource: str | None = None) -> str:
 def load_config(kubeconfig: str | None = None, context: str | None = None) -> Any:
     """A `kubernetes.client.Configuration`: in-cluster when no kubeconfig is named and the pod has a
     service account, else the kubeconfig (`kubeconfig`, then $KUBECONFIG, then ~/.kube/config)."""
-    import os
-
+    # deferred: the kubernetes package (the `operator` extra, about a second to import) is read only
+    # here, for its config loaders; the dev cluster uses this client without it
     from kubernetes import client as kclient
     from kubernetes import config as kconfig
 
@@ -104,7 +107,8 @@ class KubeClient:
     ) -> None:
         self.server = server.rstrip("/")
         self.headers = headers or {}
-        self.ssl = ssl_context
+        self.ssl: ssl.SSLContext | bool = True if ssl_context is None else ssl_context
+        """aiohttp's `ssl`: True verifies with the system's CAs, False does not verify, a context is used as given."""
         self.backoffs = backoffs
         self._session: aiohttp.ClientSession | None = None
 
@@ -115,9 +119,12 @@ class KubeClient:
         headers = {"Authorization": bearer(cfg)} if bearer(cfg) else {}
         ctx: ssl.SSLContext | bool | None = None
         if cfg.host.startswith("https"):
-            ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert) if cfg.verify_ssl else False
-            if ctx and cfg.cert_file:
-                ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+            if cfg.verify_ssl:
+                ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
+                if cfg.cert_file:
+                    ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
+            else:
+                ctx = False
         return cls(cfg.host, headers, ctx)
 
     async def __aenter__(self) -> KubeClient:

@@ -31,68 +31,84 @@ CONDITIONS = ("Planned", "Ready", "Progressing", "Degraded", "PlanInfeasible", "
 exitplan_service_condition."""
 
 
+SOLVE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+"""Seconds: the buckets of exitplan_planner_solve_seconds."""
+
+
 class OperatorMetrics:
+    """Every series the operator exports, in one registry (the process's default one unless given)."""
+
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        service = ("namespace", "service")  # every series: one operator serves every namespace
+        self._cells: dict[tuple[str, str], set[tuple[str, ...]]] = {}
+        """The cells each service's last record_plan set (its stale ones go without scanning every series)."""
+        cell = (*service, "split", "bucket", "pool")  # a plan cell's series
         self.solve_seconds = Histogram(
             "exitplan_planner_solve_seconds",
             "Wall time of one plan_service call (executor thread).",
-            ["namespace", "service"],
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+            service,
+            buckets=SOLVE_BUCKETS,
             registry=registry,
         )
         self.last_solve = Gauge(
             "exitplan_planner_last_solve_seconds",
             "Wall time of the service's latest plan_service call.",
-            ["namespace", "service"],
+            service,
             registry=registry,
         )
         self.replans = Counter(
             "exitplan_replan_total",
-            "Plans made, by reason (initial, spec-change, resume, profile-change, pool-changed, capacity-freed, "
-            "length-drift, survival-drift, slo-risk, plan-mismatch); advisory plans count too.",
-            ["namespace", "service", "reason"],
+            f"Plans made, by reason ({', '.join(REPLAN_REASONS)}); advisory plans count too.",
+            (*service, "reason"),
             registry=registry,
         )
         self.applies_failed = Counter(
             "exitplan_apply_errors_total",
             "Applies that failed (the previous plan kept serving).",
-            ["namespace", "service"],
+            service,
             registry=registry,
         )
         self.desired = Gauge(
-            "exitplan_cell_desired_replicas",
-            "Replicas the current plan wants per cell.",
-            ["namespace", "service", "split", "bucket", "pool"],
-            registry=registry,
+            "exitplan_cell_desired_replicas", "Replicas the current plan wants per cell.", cell, registry=registry
         )
         self.ready = Gauge(
-            "exitplan_cell_ready_replicas",
-            "Replicas the cell's Deployment reports ready.",
-            ["namespace", "service", "split", "bucket", "pool"],
-            registry=registry,
+            "exitplan_cell_ready_replicas", "Replicas the cell's Deployment reports ready.", cell, registry=registry
         )
         self.length_score = Gauge(
             "exitplan_drift_length_score_ratio",
             "Total-variation distance of the observed vs planned length histogram.",
-            ["namespace", "service"],
+            service,
             registry=registry,
         )
         self.cost = Gauge(
             "exitplan_plan_cost_per_hour",
             "Cost per hour of the plan in force (replicas x their pools' costPerHour).",
-            ["namespace", "service"],
+            service,
             registry=registry,
         )
         self.condition = Gauge(
             "exitplan_service_condition",
             "The service's status conditions: 1 True, 0 False (absent while Unknown or not set).",
-            ["namespace", "service", "condition"],
+            (*service, "condition"),
+            registry=registry,
+        )
+        self.planned_goodput = Gauge(
+            "exitplan_plan_goodput_per_second",
+            "Inputs per second within the SLO that the plan in force promises (kubectl's GOODPUT).",
+            service,
+            registry=registry,
+        )
+        self.measured_goodput = Gauge(
+            "exitplan_measured_goodput_per_second",
+            "Inputs per second answered within the SLO in the routers' last observation window, as the operator "
+            "read it (kubectl's MEASURED; absent before a window was read).",
+            service,
             registry=registry,
         )
         self.survival_error = Gauge(
             "exitplan_drift_survival_error_ratio",
             "Max abs difference of the forecast vs planned survival curve.",
-            ["namespace", "service"],
+            service,
             registry=registry,
         )
 
@@ -118,29 +134,53 @@ class OperatorMetrics:
             else:
                 self.condition.labels(namespace, service, kind).set(value)
 
+    def record_goodput(self, namespace: str, service: str, planned: float | None, measured: float | None) -> None:
+        """The plan's goodput and the last measured one, each absent while there is none."""
+        for gauge, value in ((self.planned_goodput, planned), (self.measured_goodput, measured)):
+            if value is None:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(namespace, service)
+            else:
+                gauge.labels(namespace, service).set(value)
+
     def record_plan(
         self, namespace: str, service: str, cost_per_hour: float, cells: list[tuple[int, int, str, int, int]]
     ) -> None:
         """The plan in force: its cost, and per cell (split, bucket, pool, desired, ready) replicas."""
         self.cost.labels(namespace, service).set(cost_per_hour)
-        current = set()
+        current: set[tuple[str, ...]] = set()
         for split, bucket, pool, desired, ready in cells:
-            labels = (namespace, service, str(split), str(bucket), pool)
-            current.add(labels)
-            self.desired.labels(*labels).set(desired)
-            self.ready.labels(*labels).set(ready)
-        for gauge in (self.desired, self.ready):  # cells an earlier plan had and this one does not
-            for labels in list(gauge._metrics):
-                if labels[:2] == (namespace, service) and labels not in current:
+            cell = (namespace, service, str(split), str(bucket), pool)
+            current.add(cell)
+            self.desired.labels(*cell).set(desired)
+            self.ready.labels(*cell).set(ready)
+        before = self._cells.get((namespace, service))
+        if before is None:  # not recorded by this process yet: whatever series an earlier plan left
+            before = {labels for gauge in (self.desired, self.ready) for labels in series(gauge)}
+            before = {labels for labels in before if labels[:2] == (namespace, service)}
+        for labels in before - current:  # cells an earlier plan had and this one does not
+            for gauge in (self.desired, self.ready):
+                with contextlib.suppress(KeyError):
                     gauge.remove(*labels)
+        self._cells[(namespace, service)] = current
 
     def forget(self, namespace: str, service: str) -> None:
         """Drop a deleted service's series (its cells and its per-service gauges)."""
-        gauges = (self.desired, self.ready, self.cost, self.length_score, self.survival_error, self.condition)
+        gauges = (self.desired, self.ready, self.cost, self.length_score, self.survival_error, self.condition) + (
+            self.planned_goodput,
+            self.measured_goodput,
+        )
+        self._cells.pop((namespace, service), None)
         for metric in (*gauges, self.last_solve):
-            for labels in list(metric._metrics):
+            for labels in series(metric):
                 if labels[:2] == (namespace, service):
                     metric.remove(*labels)
+
+
+def series(metric: Gauge) -> list[tuple[str, ...]]:
+    """The label values of every series `metric` has now. prometheus_client has no public listing of a
+    metric's children (collect() gives samples, not label tuples), so this reads its child table."""
+    return [tuple(labels) for labels in metric._metrics]
 
 
 METRICS = OperatorMetrics()

@@ -59,9 +59,9 @@ from exitplan.api.observations import BucketObservations, Observations
 from exitplan.api.plan import Plan
 from exitplan.api.resources import ModelProfileSpec
 from exitplan.operator import drift
-from exitplan.operator.status import ServiceStatus, set_condition
+from exitplan.operator.status import ConditionType, ServiceStatus, set_condition
 
-CONDITION = "PlanAccurate"
+CONDITION: ConditionType = "PlanAccurate"
 REASON = "plan-mismatch"
 """The re-plan reason a persistent mismatch raises."""
 TOLERANCE = 0.30

@@ -16,20 +16,19 @@ from exitplan.api.observations import Observations
 from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.operator import plan_accuracy
-from exitplan.operator import reconcile as rec
 from exitplan.operator.drift_policy import DriftState
 from exitplan.operator.executors import run_planner
+from exitplan.operator.service_state import Service, read_inputs
+from exitplan.planner.predict import plan_as_served
 
 log = logging.getLogger(__name__)
 
 
-async def served_rps(svc: rec.Service, state: DriftState, spec: EarlyExitServiceSpec, plan: Plan) -> float:
+async def served_rps(svc: Service, state: DriftState, spec: EarlyExitServiceSpec, plan: Plan) -> float:
     """The plan's capacity as served (0.0 when it cannot be simulated: the reason is logged)."""
-    from exitplan.planner.predict import plan_as_served
-
     tracker = state.accuracy
     try:
-        inputs = await rec.read_inputs(svc.client, spec, svc.namespace)
+        inputs = await read_inputs(svc.client, spec, svc.namespace)
         if inputs.unknown_pools or inputs.missing_profiles:
             log.info("%s/%s: no capacity as served: pools or profiles missing", svc.namespace, svc.name)
             return 0.0
@@ -51,7 +50,7 @@ async def served_rps(svc: rec.Service, state: DriftState, spec: EarlyExitService
 
 
 async def compare(
-    svc: rec.Service, state: DriftState, spec: EarlyExitServiceSpec, plan: Plan, window: Observations
+    svc: Service, state: DriftState, spec: EarlyExitServiceSpec, plan: Plan, window: Observations
 ) -> plan_accuracy.Judgement:
     """Judge a full window against the plan (plan_accuracy.judge), against the plan as served when it reads
     below the solver's rate, and count it (Tracker.record)."""

@@ -23,27 +23,27 @@ from __future__ import annotations
 import datetime as dt
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from exitplan.api.manifest import Manifest
 from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.operator import apply as applying
-from exitplan.operator import builders
+from exitplan.operator import builders, names, provider_health
 from exitplan.operator.kube import path
-from exitplan.operator.status import Phase, ServiceStatus, set_condition
-
-if TYPE_CHECKING:
-    from exitplan.operator.reconcile import Service, ServiceResources
+from exitplan.operator.service_state import Service, ServiceResources
+from exitplan.operator.status import ConditionType, Phase, ServiceStatus, set_condition
 
 A_GENERATION = "exitplan.io/spec-generation"
 A_ATTEMPT = "exitplan.io/profile-attempt"
 A_REASON = "exitplan.io/profile-reason"
 """On a re-profiling Job (:func:`reprofile`): why the pool is measured again (e.g. plan-mismatch)."""
-CONDITION = "ProfilingFailed"
+CONDITION: ConditionType = "ProfilingFailed"
 REPROFILE_BACKOFF_SECONDS = 3600.0
 """A pool is re-profiled (:func:`reprofile`) at most once in this many seconds: the newest profiling
 Job's creation time tells, so a restarted operator does not start another."""
 
-Job = dict[str, Any]
+Job = Manifest
+"""A batch/v1 Job as read from the API."""
 
 
 def _condition(job: Job, kind: str) -> dict[str, Any] | None:
@@ -94,6 +94,8 @@ async def failure(svc: Service, job: Job) -> tuple[str, str]:
                 said = str(term.get("message") or term.get("reason") or "").strip()
                 details.append(f"container {cs.get('name')} exited {term.get('exitCode')}: {said[-600:]}")
     detail = details[-1] if details else ""
+    if provider_health.MARK in detail or provider_health.MARK in message:  # it refused the CPU for the GPU
+        reason = provider_health.REASON
     return reason, f"{message}; {detail}" if detail and detail not in message else message
 
 
@@ -142,8 +144,8 @@ async def _start(
     svc: Service, spec: EarlyExitServiceSpec, inputs: ServiceResources, st: PoolProfiling, jobs: list[Job]
 ) -> None:
     """Create the pool's next profiling Job (named `-2`, `-3`, ... after the Jobs that exist)."""
-    names = {j["metadata"]["name"] for j in jobs}
-    index = next(i for i in range(len(names) + 1) if builders.profile_job_name(svc.name, st.pool, i) not in names)
+    taken = {j["metadata"]["name"] for j in jobs}
+    index = next(i for i in range(len(taken) + 1) if builders.profile_job_name(svc.name, st.pool, i) not in taken)
     prof = builders.profile_name(spec.model.name, st.pool)
     job = builders.build_profile_job(svc.body, spec, st.pool, inputs.pools[st.pool], prof, attempt=index)
     st.attempts += 1
@@ -167,7 +169,7 @@ async def _pool(
 ) -> PoolProfiling:
     """Where the pool's profiling stands; starts its next Job when none runs, the backoff after the
     last failure has passed and attempts are left."""
-    selector = f"{builders.L_SERVICE}={svc.name},{builders.L_POOL}={pool},{builders.L_COMPONENT}=profiler"
+    selector = f"{names.L_SERVICE}={svc.name},{names.L_POOL}={pool},{names.L_COMPONENT}=profiler"
     jobs = await svc.client.list(path("Job", svc.namespace), selector)
     mine = _jobs_of(jobs, svc.generation)
     st = PoolProfiling(pool, attempts=max(len(mine), floor))
@@ -203,13 +205,14 @@ async def wait_for_profiles(
     waiting = [s.pool for s in states]
     invalid = f" (ignored invalid: {inputs.bad_profiles})" if inputs.bad_profiles else ""
     before = next((c.message for c in status.conditions if c.type == CONDITION and c.status == "True"), "")
-    texts, reason = [], CONDITION
+    texts: list[str] = []
+    reason: str = CONDITION
     for s in states:
         if s.failure is not None:
             texts.append(s.describe(settings.profile_attempts, settings.retry_delay(s.attempts)))
             reason = s.failure[0]
             if s.headline not in before:  # each failed Job is reported once
-                svc.event("Warning", CONDITION, texts[-1])
+                svc.event("Warning", reason if reason == provider_health.REASON else CONDITION, texts[-1])
         elif s.exhausted:  # Jobs ran (and expired, or succeeded) but no valid profile came of them
             texts.append(
                 f"{s.attempts} profiling Job(s) for pool {s.pool} ran for this spec generation, but there is no "
@@ -218,8 +221,9 @@ async def wait_for_profiles(
             )
     if texts:
         status.conditions = set_condition(status.conditions, CONDITION, True, reason, "; ".join(texts), gen)
+    why: str = CONDITION
     if any(not s.running and (s.failure is not None or s.exhausted) for s in states):
-        message, phase, progressing, why = "; ".join(texts), Phase.profiling_failed, False, CONDITION
+        message, phase, progressing = "; ".join(texts), Phase.profiling_failed, False
     else:
         message = (
             f"waiting for ModelProfile(s) of model {spec.model.name} on pool(s) {waiting}; "
@@ -228,6 +232,8 @@ async def wait_for_profiles(
         phase, progressing, why = Phase.profiling, True, "ProfileMissing"
     status.conditions = set_condition(status.conditions, "Progressing", progressing, why, message, gen)
     status.conditions = set_condition(status.conditions, "Planned", False, why, message, gen)
+    if any(c.type == "PlanInfeasible" and c.status == "True" for c in status.conditions):  # an earlier refusal
+        status.conditions = set_condition(status.conditions, "PlanInfeasible", False, why, message, gen)
     status.phase, status.message, status.waiting_for_profiles = phase, message, waiting
     status.observed_generation = gen
     await svc.write_status(status)
@@ -254,7 +260,7 @@ async def reprofile(
     for pool in pools:
         if pool not in inputs.pools:
             continue
-        selector = f"{builders.L_SERVICE}={svc.name},{builders.L_POOL}={pool},{builders.L_COMPONENT}=profiler"
+        selector = f"{names.L_SERVICE}={svc.name},{names.L_POOL}={pool},{names.L_COMPONENT}=profiler"
         jobs = await svc.client.list(path("Job", svc.namespace), selector)
         running = [j for j in jobs if not finished(j)]
         if running:
@@ -264,8 +270,8 @@ async def reprofile(
         if created and time.time() - max(created)[0] < REPROFILE_BACKOFF_SECONDS:
             out[pool] = f"Job {max(created)[1]} measured it less than {REPROFILE_BACKOFF_SECONDS:g} s ago"
             continue
-        names = {j["metadata"]["name"] for j in jobs}
-        index = next(i for i in range(len(names) + 1) if builders.profile_job_name(svc.name, pool, i) not in names)
+        taken = {j["metadata"]["name"] for j in jobs}
+        index = next(i for i in range(len(taken) + 1) if builders.profile_job_name(svc.name, pool, i) not in taken)
         prof = builders.profile_name(spec.model.name, pool)
         job = builders.build_profile_job(svc.body, spec, pool, inputs.pools[pool], prof, attempt=index)
         job["metadata"]["annotations"] = {A_REASON: reason}

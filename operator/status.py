@@ -23,22 +23,19 @@ from __future__ import annotations
 
 import datetime as dt
 from enum import Enum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, Field
 
 from exitplan.api.plan import Plan
 from exitplan.api.resources import Model
 
-CONDITION_TYPES = (
-    "Planned",
-    "Ready",
-    "Progressing",
-    "Degraded",
-    "PlanInfeasible",
-    "ProfilingFailed",
-    "PlanAccurate",
-)
+ConditionType = Literal[
+    "Planned", "Ready", "Progressing", "Degraded", "PlanInfeasible", "ProfilingFailed", "PlanAccurate"
+]
+"""The seven condition types (the module docstring says what each means)."""
+ConditionStatus = Literal["True", "False", "Unknown"]
+CONDITION_TYPES: tuple[ConditionType, ...] = get_args(ConditionType)
 
 
 def _rounded(digits: int) -> AfterValidator:
@@ -79,8 +76,8 @@ class Phase(str, Enum):
 
 
 class Condition(Model):
-    type: Literal["Planned", "Ready", "Progressing", "Degraded", "PlanInfeasible", "ProfilingFailed", "PlanAccurate"]
-    status: Literal["True", "False", "Unknown"]
+    type: ConditionType
+    status: ConditionStatus
     reason: Annotated[str, Field(min_length=1)] = "Unknown"
     """A CamelCase word for machines (e.g. ProfileMissing, UnknownPool)."""
     message: str = ""
@@ -111,6 +108,9 @@ class PlanSummary(Model):
     goodput_rps: Rps = 0.0
     p99_ms: Ms = 0.0
     cost_per_hour: Cost = 0.0
+    exits: str = ""
+    """The bundle's exit ramps the plan serves ("2 ramps"), or "no exits" for a bundle without any: the plain
+    model, with no feedback and no tuning (kubectl's EXITS column)."""
     cells: list[CellSummary] = Field(default_factory=list)
 
 
@@ -125,6 +125,10 @@ class DriftReport(Model):
     p99_ms: Ms = 0.0
     """Observed p99 latency of the window."""
     requests: Annotated[int, Field(ge=0)] = 0
+    window_start: str = ""
+    window_end: str = ""
+    """The window's bounds (RFC 3339, milliseconds): MEASURED and p99 are of what the routers answered between
+    them, to line up with a load generator's or a dashboard's own figures."""
     goodput_rps: Rps = 0.0
     """Requests answered within the SLO per second in the window, as measured (kubectl's MEASURED column)."""
     goodput_ratio: Ratio = 0.0
@@ -132,6 +136,9 @@ class DriftReport(Model):
     judges it under load."""
     trigger: str = ""
     """The re-plan reason the window raised (slo-risk, length-drift, survival-drift, plan-mismatch) or empty."""
+    routers: str = ""
+    """Why the last read did not hold every router replica's observations (then MEASURED under-reads and
+    the window is not judged against the plan), or empty when it did."""
 
 
 class Proposal(Model):
@@ -176,11 +183,17 @@ def now_iso() -> str:
     return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+def iso_ms(epoch_seconds: float) -> str:
+    """An epoch time as RFC 3339 in UTC, to the millisecond."""
+    at = dt.datetime.fromtimestamp(epoch_seconds, dt.UTC)
+    return at.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def set_condition(
-    conditions: list[Condition], type_: str, status: bool | None, reason: str, message: str, generation: int
+    conditions: list[Condition], type_: ConditionType, status: bool | None, reason: str, message: str, generation: int
 ) -> list[Condition]:
     """Conditions with `type_` set; lastTransitionTime moves only when the status flips."""
-    value = "Unknown" if status is None else ("True" if status else "False")
+    value: ConditionStatus = "Unknown" if status is None else ("True" if status else "False")
     out: list[Condition] = []
     found = False
     for cond in conditions:
@@ -214,8 +227,18 @@ def set_condition(
     return sorted(out, key=lambda c: order[c.type])
 
 
-def summarize(plan: Plan, ready: dict[tuple[int, int, str], int] | None = None) -> PlanSummary:
-    """The status summary of a plan; `ready` maps (split, bucket, pool) to ready replicas."""
+def exits_column(ramps: int | None) -> str:
+    """kubectl's EXITS: the bundle's ramps ("2 ramps"), "no exits" for a bundle without any, "" unknown."""
+    if ramps is None:
+        return ""
+    return f"{ramps} ramp{'s' * (ramps != 1)}" if ramps else "no exits"
+
+
+def summarize(
+    plan: Plan, ready: dict[tuple[int, int, str], int] | None = None, ramps: int | None = None
+) -> PlanSummary:
+    """The status summary of a plan; `ready` maps (split, bucket, pool) to ready replicas, `ramps` is how many
+    exit ramps the bundle has (its profiles' ramps; None: unknown)."""
     ready = ready or {}
     cells = [
         CellSummary(
@@ -236,11 +259,12 @@ def summarize(plan: Plan, ready: dict[tuple[int, int, str], int] | None = None) 
         goodput_rps=plan.prediction.goodput_rps,
         p99_ms=plan.prediction.p99_ms,
         cost_per_hour=plan.prediction.cost_per_hour,
+        exits=exits_column(ramps),
         cells=cells,
     )
 
 
-PHASE_CONDITION = {
+PHASE_CONDITION: dict[Phase, ConditionType] = {
     Phase.ready: "Ready",
     Phase.deploying: "Progressing",
     Phase.degraded: "Degraded",
@@ -255,7 +279,7 @@ PHASE_CONDITION = {
 def with_columns(status: ServiceStatus) -> ServiceStatus:
     """`status` with `ready` and `reason` derived from its plan and conditions (every status write
     fills them, so kubectl's READY and REASON columns never disagree with the rest)."""
-    reasons = {c.type: c.reason for c in status.conditions}
+    reasons: dict[str, str] = {c.type: c.reason for c in status.conditions}
     wanted = PHASE_CONDITION.get(status.phase)
     status.reason = reasons.get(wanted, reasons.get("Planned", "")) if wanted else ""
     if status.plan is None or status.phase == Phase.advisory:
@@ -266,7 +290,7 @@ def with_columns(status: ServiceStatus) -> ServiceStatus:
     return status
 
 
-def parse_status(raw: dict | None) -> ServiceStatus:
+def parse_status(raw: dict[str, Any] | None) -> ServiceStatus:
     """The stored status, or a fresh one when it is absent or from an older schema."""
     known = {f.alias or name for name, f in ServiceStatus.model_fields.items()}
     try:

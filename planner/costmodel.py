@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ from scipy.stats import binom
 
 from exitplan.api.resources import GPUPoolSpec, ModelProfileSpec
 from exitplan.planner.errors import ProfileError
+from exitplan.planner.rebatch_fill import fill_tables
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -75,6 +77,31 @@ def _check_table(
             notes.append(name_)
         arr = running
     return arr
+
+
+GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "ROCMExecutionProvider")
+
+
+def check_device(profile: ModelProfileSpec, pool_name: str, pool: GPUPoolSpec) -> None:
+    """A profile measured on one kind of device is refused for a pool of the other kind: the planner would
+    size the pool from another machine's figures. Profiles that do not say (hand-written, derived) pass."""
+    if not profile.providers:
+        return
+    on_gpu = profile.providers[0] in GPU_PROVIDERS
+    where = f"profiles[{pool_name}].providers"
+    if pool.gpu_resource and not on_gpu:
+        raise ProfileError(
+            f"the ModelProfile for pool {pool_name} was measured on {profile.providers[0]} but the pool's workers "
+            f"run on {pool.gpu_resource}: measure it on the pool's GPU (`exitplan profile --device gpu`, what the "
+            'profiling Job runs there), or, for a pool of CPU cores, write gpuResource: ""',
+            field=where,
+        )
+    if not pool.gpu_resource and on_gpu:
+        raise ProfileError(
+            f"the ModelProfile for pool {pool_name} was measured on {profile.providers[0]} but the pool's workers run "
+            "on CPU cores (gpuResource is empty): measure it there (`exitplan profile --device cpu`)",
+            field=where,
+        )
 
 
 def validate_profile(profile: ModelProfileSpec, where: str = "profile") -> list[str]:
@@ -165,8 +192,17 @@ def survival_before_blocks(
 
 def survivor_pmf(batch: int, ratio: np.ndarray) -> np.ndarray:
     """P(x of `batch` rows are still running) for x = 0..batch, each row independently with
-    probability `ratio` (any shape): shape ratio.shape + (batch + 1,)."""
-    pmf: FloatArray = binom.pmf(np.arange(batch + 1), batch, np.clip(ratio, 0.0, 1.0)[..., None])
+    probability `ratio` (any shape): shape ratio.shape + (batch + 1,). Read-only: the same batch and
+    ratios (every pool and length of one survival curve) share one table."""
+    clipped = np.ascontiguousarray(np.clip(ratio, 0.0, 1.0), dtype=np.float64)
+    return _survivor_pmf(int(batch), clipped.tobytes(), clipped.shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _survivor_pmf(batch: int, ratio: bytes, shape: tuple[int, ...]) -> np.ndarray:
+    p = np.frombuffer(ratio, dtype=np.float64).reshape(shape)
+    pmf: FloatArray = binom.pmf(np.arange(batch + 1), batch, p[..., None])
+    pmf.setflags(write=False)
     return pmf
 
 
@@ -180,6 +216,7 @@ class CostModel:
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        check_device(self.profile, self.pool_name, self.pool)
         arrays = _validated_arrays(self.profile, f"profiles[{self.pool_name}]", self.notes)
         self.block_ms_table: np.ndarray = arrays["blocks"]  # (n_blocks, n_seq, n_batch)
         self.ramp_ms_table: np.ndarray = arrays["ramps"]  # (n_ramps, n_seq, n_batch)
@@ -322,7 +359,7 @@ class CostModel:
         comb = self.block_ramp_ms(seq, ramps_on)
         tri = np.arange(n)[None, :] >= np.arange(n)[:, None]
         if rebatch and expected and fill_ms is not None:  # queues that may not fill: per split, not a running sum
-            cum, _ = self._rebatch_fill(comb, ratio, batch_arr, float(fill_ms))
+            cum = fill_tables(comb, self._bs0, ratio, batch_arr, [float(fill_ms)])[0][0]
         else:
             cost = np.where(tri[None], self._block_costs(comb, ratio, batch_arr, expected, rebatch), 0.0)
             cum = np.cumsum(cost, axis=2)  # cum[bi, a, b] = exec of [a, b]
@@ -388,71 +425,6 @@ class CostModel:
         xfer[..., n - 1] = 0.0  # the last split answers the router; that hop is in the slack
         return xfer
 
-    def _rebatch_fill(
-        self, comb: np.ndarray, ratio: np.ndarray, batches: np.ndarray, fill_ms: float
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(T[bi, a, b], W[bi, a, b]) at batch batches[bi] (`comb` from block_ramp_ms): T the mean ms per
-        batch of entering rows of rebatching split [a, b] when each block's queue launches at the
-        latest every `fill_ms` (see stage_tables); inf where T would exceed fill_ms (slower than any
-        split without rebatching that fits the cycle) or a row would take longer than two cycles
-        through the split on average. W the longest a row that runs every block of the split takes
-        through it: at each block the whole time its queue takes to gather its rows, then the run
-        (inf where T is)."""
-        n, nb = self.n_blocks, len(batches)
-        xs = self._bs0
-        ys = np.concatenate([np.zeros((n, 1)), comb], axis=1)  # (k, len(xs))
-        slope = np.diff(ys, axis=1) / np.diff(xs)[None, :]  # (k, segments)
-        k_idx = np.arange(n)[None, :]
-
-        def at(x: np.ndarray) -> np.ndarray:  # block k (+ ramp) at x[row, k] rows, linear, 0 at 0, extrapolated
-            i = np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2)
-            y: FloatArray = ys[k_idx, i] + slope[k_idx, i] * (x - xs[i])
-            return y
-
-        a_pair, b_pair = np.triu_indices(n)  # the splits [a, b], a <= b; rows: (batch, split)
-        a_all, b_all = np.tile(a_pair, nb), np.tile(b_pair, nb)
-        bsz = np.repeat(np.asarray(batches, dtype=np.float64), len(a_pair))[:, None]
-        k_ = np.arange(n)[None, :]
-        share = ratio[a_all][:, :n]  # (row, k)
-        mask = (k_ >= a_all[:, None]) & (k_ <= b_all[:, None]) & (bsz * share > 1e-9)
-        share = np.where(mask, share, 0.0)
-        total = np.where(mask, share * at(np.broadcast_to(bsz, share.shape)), 0.0).sum(axis=-1)  # full batches
-        out = np.full(len(a_all), np.inf)
-        active = np.flatnonzero(total <= fill_ms)
-        t = total[active]
-        for _ in range(200):
-            sh, mk = share[active], mask[active]
-            frac = np.where(mk, np.clip(sh * fill_ms / t[:, None], 1e-12, 1.0), 1.0)
-            nxt = np.where(mk, sh / frac * at(bsz[active] * frac), 0.0).sum(axis=-1)
-            done = np.abs(nxt - t) <= 1e-9 * t
-            out[active[done]] = nxt[done]
-            keep = ~done & (nxt <= fill_ms)
-            active, t = active[keep], nxt[keep]
-            if not len(active):
-                break
-        # A row's time through the split: at each block it waits on average half the time its queue
-        # takes to gather a batch (B s(k)/s(a) rows per T at the replica's rate, at most fill_ms),
-        # then runs; at most two cycles, the share a split has without rebatching (wait one, run one).
-        ok = np.flatnonzero(np.isfinite(out))
-        sh, mk, t = share[ok], mask[ok], out[ok]
-        frac = np.where(mk, np.clip(sh * fill_ms / t[:, None], 1e-12, 1.0), 1.0)
-        gather = np.where(mk, np.minimum(frac * t[:, None] / np.maximum(sh, 1e-12), fill_ms), 0.0)
-        # a block whose rows all come from the block before in whole batches fills at once
-        prev = np.concatenate([np.zeros((len(ok), 1)), sh[:, :-1]], axis=-1)
-        gather = np.where((k_ > a_all[ok][:, None]) & (np.abs(prev - sh) <= 1e-12), 0.0, gather)
-        run = at(bsz[ok] * frac)
-        latency = np.where(mk, gather / 2 + run, 0.0).sum(axis=-1)
-        worst = np.full(len(a_all), np.inf)
-        worst[ok] = np.where(mk, gather + run, 0.0).sum(axis=-1)
-        too_long = latency > 2.0 * fill_ms * (1 + 1e-9)
-        out[ok[too_long]] = np.inf
-        worst[ok[too_long]] = np.inf
-        table, longest = np.full((nb, n, n), np.inf), np.full((nb, n, n), np.inf)
-        rows = np.repeat(np.arange(nb), len(a_pair))
-        table[rows, a_all, b_all] = out
-        longest[rows, a_all, b_all] = worst
-        return table, longest
-
     def rebatch_tables(
         self,
         batches: Sequence[float] | FloatArray,
@@ -460,18 +432,36 @@ class CostModel:
         survival_before: np.ndarray,
         ramps_on: Sequence[bool],
         fill_ms: float,
+        needed: npt.NDArray[np.bool_] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """(mean[bi, a, b], longest[bi, a, b]) of rebatching split [a, b] at batch batches[bi] when
         every queue launches at the latest every `fill_ms`: the mean time per batch of entering rows
         that holds the replica (`stage_tables(..., expected=True, transfer=False, rebatch=True,
         fill_ms=...)`), and the longest a row takes through the split (a queue's whole gather time
         at each block, the run, and the transfer of the survivors of one batch out); inf where the
-        split cannot rebatch at that wait."""
+        split cannot rebatch at that wait, and where `needed[bi, a, b]` (if given) is False."""
+        mean, longest = self.rebatch_tables_at(
+            batches, seq, survival_before, ramps_on, [fill_ms], None if needed is None else needed[None]
+        )
+        return mean[0], longest[0]
+
+    def rebatch_tables_at(
+        self,
+        batches: Sequence[float] | FloatArray,
+        seq: float,
+        survival_before: np.ndarray,
+        ramps_on: Sequence[bool],
+        fills: Sequence[float],
+        needed: npt.NDArray[np.bool_] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`rebatch_tables` at every wait of `fills` in one solve: (mean, longest), each [f, bi, a, b];
+        `needed[f, bi, a, b]` as there."""
         n = self.n_blocks
         s = np.maximum(survival_before, 1e-12)
         ratio = np.minimum(s[None, :n] / s[:n, None], 1.0)
         batch_arr = np.asarray(batches, dtype=np.float64)
-        mean, worst = self._rebatch_fill(self.block_ramp_ms(seq, ramps_on), ratio, batch_arr, float(fill_ms))
+        comb = self.block_ramp_ms(seq, ramps_on)
+        mean, worst = fill_tables(comb, self._bs0, ratio, batch_arr, fills, needed)
         longest: np.ndarray = worst + self._transfer_out(s, batch_arr, seq, False) + self.hop_ms
         return mean + self.hop_ms, longest
 

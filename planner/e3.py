@@ -24,120 +24,34 @@ breakpoints. The search over them is in planner/e3_search.py: a race probes the 
 a level just below the largest fractional upper bound until one is feasible; a bisection over
 that one's sorted breakpoints finds its optimum, and every other split count is settled from
 what the race saw (out without a probe when seen infeasible below the best so far) or probed at
-and just above the best so far. The probes use a DP restricted to the options whose demand fits
-their pool. `exhaustive` enumerates every plan for tests.
+and just above the best so far. A probe is settled by a certificate where one applies
+(planner/e3_bounds.py: a Lagrangian bound over shortest paths, or a shortest path that is itself a
+plan within every limit), else by a DP restricted to the options whose demand fits their pool; a
+plan found lifts the lower bound to its own best goodput. `exhaustive` enumerates every plan for tests.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
+from exitplan.planner.e3_bounds import layout_goodput, multipliers, settle
+from exitplan.planner.e3_model import EPS, E3Problem, E3Solution, Segment
 from exitplan.planner.e3_search import GoodputSearch
 from exitplan.planner.errors import PlanInfeasible, PlanInvalid
+
+__all__ = ["E3Problem", "E3Solution", "Segment", "exhaustive", "max_goodput", "min_cost", "reaches", "solution"]
 
 FloatArray = npt.NDArray[np.float64]
 F32Array = npt.NDArray[np.float32]
 _Layer = tuple[F32Array, npt.NDArray[np.int32], npt.NDArray[np.int32]]  # a DP layer's values and argmins (start, pool)
 
-EPS = 1e-9
 MAX_GRID_STATES = 20_000
 """Replica-count states over all pools but the largest; a DP layer holds blocks^2 x states floats."""
-
-
-@dataclass
-class E3Problem:
-    n_blocks: int
-    pool_names: list[str]
-    caps: np.ndarray
-    """Replicas allowed per pool (int, shape P)."""
-    costs: np.ndarray
-    """Cost per hour of one replica per pool (shape P)."""
-    shares: np.ndarray
-    """Share of requests per bucket (shape K, sums to 1; a 0 share still gets one replica per split)."""
-    sigma_in: np.ndarray
-    """Fraction of requests that reach block a (shape N)."""
-    rate: np.ndarray
-    """Per-replica throughput, shape (max_splits, P, N, N, K); 0 where infeasible."""
-    batch: np.ndarray
-    """Batch size behind `rate` (same shape)."""
-    stage_ms: np.ndarray
-    """Stage time behind `rate` (same shape)."""
-    cost_cap: float | None = None
-    cuts: np.ndarray | None = None
-    """cuts[b] (b < N-1): may a split end after block b; None = anywhere."""
-    max_replicas: int | None = None
-    """The most replicas over all pools (spec.planner.maxReplicas); None: the caps alone."""
-
-    @property
-    def max_splits(self) -> int:
-        return int(self.rate.shape[0])
-
-    def demand(self, goodput: float, s: int) -> FloatArray:
-        """Replicas per option (P, N, N) at `goodput` with `s` splits in all; inf where infeasible."""
-        rate = self.rate[s - 1]  # (P, N, N, K)
-        need = goodput * self.shares[None, None, None, :] * self.sigma_in[None, :, None, None]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            reps = np.where(rate > 0, np.maximum(1.0, np.ceil(need / np.where(rate > 0, rate, 1.0) - EPS)), np.inf)
-        total: FloatArray = reps.sum(axis=-1)
-        return total
-
-    def split_goodput(self, s: int, p: int, a: int, b: int, replicas: np.ndarray) -> float:
-        """Goodput one split sustains with `replicas` per bucket (inf when it carries no traffic)."""
-        best = math.inf
-        for k, share in enumerate(self.shares):
-            load = share * self.sigma_in[a]
-            if load > 0:
-                best = min(best, replicas[k] * self.rate[s - 1, p, a, b, k] / load)
-        return best
-
-
-@dataclass
-class Segment:
-    first: int
-    last: int
-    pool: int
-    replicas: np.ndarray
-    """Per bucket."""
-
-
-@dataclass
-class E3Solution:
-    splits: int
-    segments: list[Segment]
-    goodput: float
-    cost: float
-    probes: int = 0
-    notes: list[str] = field(default_factory=list)
-
-    def replicas_per_pool(self, n_pools: int) -> np.ndarray:
-        use = np.zeros(n_pools, dtype=np.int64)
-        for seg in self.segments:
-            use[seg.pool] += int(seg.replicas.sum())
-        return use
-
-    def verify(self, problem: E3Problem) -> None:
-        """Raise AssertionError-free typed checks: coverage, caps, cost, goodput as claimed."""
-        if not self.segments or self.segments[0].first != 0 or self.segments[-1].last != problem.n_blocks - 1:
-            raise PlanInvalid("the splits do not cover every block")
-        for x, y in zip(self.segments, self.segments[1:]):
-            if y.first != x.last + 1:
-                raise PlanInvalid("the splits are not contiguous")
-        use = self.replicas_per_pool(len(problem.caps))
-        if np.any(use > problem.caps):
-            raise PlanInvalid(f"replicas per pool {use.tolist()} exceed the caps {problem.caps.tolist()}")
-        cost = float(use @ problem.costs)
-        if problem.cost_cap is not None and cost > problem.cost_cap + 1e-6:
-            raise PlanInvalid(f"cost {cost} exceeds the cap {problem.cost_cap}")
-        if problem.max_replicas is not None and int(use.sum()) > problem.max_replicas:
-            raise PlanInvalid(f"{int(use.sum())} replicas exceed maxReplicas {problem.max_replicas}")
-        got = min(problem.split_goodput(self.splits, s.pool, s.first, s.last, s.replicas) for s in self.segments)
-        if got + 1e-6 * max(1.0, got) < self.goodput:
-            raise PlanInvalid(f"claimed goodput {self.goodput} but the replicas sustain {got}")
 
 
 class _Grid:
@@ -157,22 +71,12 @@ class _Grid:
         self.strides = {}
         self.coords = {}
         self.dims = dict(zip(self.grid_pools, dims))
-        flat = np.arange(self.size)
+        self.flat = flat = np.arange(self.size)
         stride = 1
         for p, dim in reversed(list(zip(self.grid_pools, dims))):
             self.strides[p] = stride
             self.coords[p] = (flat // stride) % dim
             stride *= dim
-        # shift[p][d, f]: the state with d replicas fewer on pool p than f (`size`, an inf sentinel
-        # column, where that would go below 0)
-        self.shift = {}
-        for p in self.grid_pools:
-            dim, st, coord = self.dims[p], self.strides[p], self.coords[p]
-            tab = np.full((dim, self.size), self.size, dtype=np.intp)
-            for d in range(dim):
-                ok = coord >= d
-                tab[d, ok] = flat[ok] - d * st
-            self.shift[p] = tab
 
 
 def _run_dp(
@@ -241,9 +145,13 @@ def _final_values(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> F3
     return final
 
 
-def _value_layers(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> list[F32Array]:
+def _value_layers(
+    problem: E3Problem, grid: _Grid, goodput: float, s: int, keep: npt.NDArray[np.bool_] | None = None
+) -> list[F32Array]:
     """`_final_values`' layers F[0..s] (each (N + 1, states)): the values alone, from which `_backtrack`
-    recovers a plan without the argmins `_run_dp` keeps."""
+    recovers a plan without the argmins `_run_dp` keeps. `keep[k-1, p, a, b]` (e3_bounds.Verdict.keep):
+    the options split k may take (None: all); leaving out options that are in no plan within the limits
+    changes no feasible final state."""
     n = problem.n_blocks
     demand = problem.demand(goodput, s)  # (P, N, N)
     ends_ok = np.ones(n, dtype=bool) if problem.cuts is None else np.append(problem.cuts.astype(bool), True)
@@ -271,15 +179,18 @@ def _value_layers(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> li
         flat = np.concatenate([F[live_idx], np.full((len(live_idx), 1), np.inf, dtype=np.float32)], axis=1).ravel()
         for p, (a, b, d) in enumerate(opts):
             use = live[a] & end_ok[b]
+            if keep is not None:
+                use &= keep[k - 1, p, a, b]
             if not use.any():
                 continue
             a_, b_, d_ = a[use], b[use], d[use]
             if p == grid.value_pool:
                 cand = F[a_] + d_.astype(np.float32)[:, None]
             else:
-                # row i: prev[a_i] moved up by d_i replicas on pool p (the sentinel column where
+                # row i: prev[a_i] moved up by d_i replicas on pool p (the sentinel column G where
                 # that would go below 0), gathered from the flattened rows
-                idx = grid.shift[p][d_.astype(np.intp)]
+                di = d_.astype(np.intp)[:, None]
+                idx = np.where(grid.coords[p][None, :] >= di, grid.flat[None, :] - di * grid.strides[p], G)
                 idx += (pos_of[a_] * (G + 1))[:, None]
                 cand = flat.take(idx)
             # the best candidate per end: groups of rows (sorted by end) padded to one length
@@ -304,7 +215,7 @@ def _backtrack(problem: E3Problem, grid: _Grid, goodput: float, s: int, layers: 
     n = problem.n_blocks
     demand = problem.demand(goodput, s)
     pos = n
-    segs: list[Segment] = []
+    segs: list[tuple[int, int, int]] = []
     for k in range(s, 0, -1):
         target, prev, b = layers[k][pos, f], layers[k - 1], pos - 1
         found = None
@@ -325,11 +236,20 @@ def _backtrack(problem: E3Problem, grid: _Grid, goodput: float, s: int, layers: 
         if found is None:  # cannot happen: every finite value has a predecessor
             raise PlanInvalid("the planner's DP lost its own path; please report this")
         a, p, f = found
+        segs.append((p, a, b))
+        pos = a
+    return solution(problem, goodput, segs[::-1])
+
+
+def solution(problem: E3Problem, goodput: float, layout: Sequence[tuple[int, int, int]]) -> E3Solution:
+    """The plan of `layout` ((pool, first, last) per split) at `goodput`: the fewest replicas per split and
+    bucket that carry it, the goodput they sustain and their cost."""
+    s = len(layout)
+    segs = []
+    for p, a, b in layout:
         need = goodput * problem.shares * problem.sigma_in[a]
         reps = np.maximum(1, np.ceil(need / problem.rate[s - 1, p, a, b] - EPS)).astype(np.int64)
         segs.append(Segment(a, b, p, reps))
-        pos = a
-    segs.reverse()
     actual = min(problem.split_goodput(s, g.pool, g.first, g.last, g.replicas) for g in segs)
     sol = E3Solution(s, segs, actual, 0.0)
     sol.cost = float(sol.replicas_per_pool(len(problem.caps)) @ problem.costs)
@@ -353,13 +273,18 @@ def _feasible_states(problem: E3Problem, grid: _Grid, final: F32Array) -> FloatA
 
 
 def _probe(
-    problem: E3Problem, grid: _Grid, goodput: float, cheapest: bool = True, order: list[int] | None = None
+    problem: E3Problem,
+    grid: _Grid,
+    goodput: float,
+    cheapest: bool = True,
+    order: list[int] | None = None,
+    keep: npt.NDArray[np.bool_] | None = None,
 ) -> E3Solution | None:
     """The cheapest plan reaching `goodput` over every split count (or, with cheapest=False, the
-    first one found); None if there is none."""
+    first one found); None if there is none. `keep`: the options the DP may use (one split count)."""
     best: tuple[float, int, E3Solution] | None = None
     for s in order or range(1, problem.max_splits + 1):
-        layers = _value_layers(problem, grid, goodput, s)
+        layers = _value_layers(problem, grid, goodput, s, keep)
         cost = _feasible_states(problem, grid, layers[-1][problem.n_blocks])
         f = int(np.argmin(cost))
         if not np.isfinite(cost[f]):
@@ -378,13 +303,63 @@ def _min_cost_at(problem: E3Problem, grid: _Grid, goodput: float, s: int) -> flo
     return float(_feasible_states(problem, grid, _final_values(problem, grid, goodput, s)).min())
 
 
+class _Prober:
+    """The search's probe (e3_search.Reach): the certificates first (planner/e3_bounds.py: a Lagrangian
+    bound rules G out, or a shortest path is a witness plan), the exact DP only when neither settles it.
+    A feasible probe returns the best goodput of the plan it found (its layout's, above G); `dps` counts
+    the probes the DP settled."""
+
+    def __init__(self, problem: E3Problem) -> None:
+        self.problem = problem
+        self.grid = _grid_for(problem)  # a typed error up front where the DP's states would be too many
+        self.weights, self.bounds = multipliers(problem)
+        self.dps = 0
+
+    def __call__(self, goodput: float, s: int) -> float | None:
+        problem = self.problem
+        verdict = settle(problem, problem.demand(goodput, s), s, self.weights, self.bounds)
+        if verdict.infeasible:
+            return None
+        layouts = verdict.witnesses
+        if not layouts:
+            self.dps += 1
+            layers = _value_layers(problem, self.grid, goodput, s, verdict.keep)
+            cost = _feasible_states(problem, self.grid, layers[-1][problem.n_blocks])
+            f = int(np.argmin(cost))
+            if not np.isfinite(cost[f]):
+                return None
+            sol = _backtrack(problem, self.grid, goodput, s, layers, f)
+            layouts = [tuple((g.pool, g.first, g.last) for g in sol.segments)]
+        return max(layout_goodput(problem, layout, goodput) for layout in layouts)
+
+    def cheapest(self, goodput: float, splits: Sequence[int]) -> E3Solution | None:
+        """The cheapest plan reaching `goodput` over split counts `splits` (ties: the earlier split count in
+        `splits`, then the DP's own ties): per split count the DP with argmins over the options the bound
+        leaves (the same feasible states, least cost and plan as over all options)."""
+        problem = self.problem
+        best: E3Solution | None = None
+        for s in splits:
+            verdict = settle(problem, problem.demand(goodput, s), s, self.weights, self.bounds, need_keep=True)
+            if verdict.infeasible:
+                continue
+            sol = _probe(problem, self.grid, goodput, order=[s], keep=verdict.keep)
+            if sol is not None and (best is None or (sol.cost, s) < (best.cost, best.splits)):
+                best = sol
+        return best
+
+
+def _grid_for(problem: E3Problem) -> _Grid:
+    """The DP's state grid over the replicas each pool can hold in any plan (its cap, maxReplicas, the cost cap)."""
+    return _Grid(problem.pool_limits().astype(np.int64))
+
+
 def reaches(problem: E3Problem, goodput: float) -> bool:
-    """Whether some plan (any split count) sustains `goodput`: one feasibility probe per split count."""
-    grid = _Grid(problem.caps)
-    return any(np.isfinite(_min_cost_at(problem, grid, goodput, s)) for s in range(1, problem.max_splits + 1))
+    """Whether some plan (any split count) sustains `goodput`: one probe per split count (certificates, else the DP)."""
+    prober = _Prober(problem)
+    return any(prober(goodput, s) is not None for s in range(1, problem.max_splits + 1))
 
 
-def max_goodput(problem: E3Problem) -> E3Solution:
+def max_goodput(problem: E3Problem, hints: Sequence[Sequence[Segment]] = ()) -> E3Solution:
     """The plan with the largest goodput (ties: the cheapest). Raises PlanInfeasible if none exists.
 
     Feasibility changes only at breakpoints (goodputs where some ceil() steps), so per split count
@@ -393,34 +368,45 @@ def max_goodput(problem: E3Problem) -> E3Solution:
     (then lower levels) until one is feasible: that one leads, and a bisection over its breakpoints
     above the level finds its optimum. Every other split count is then settled from what is known:
     one seen infeasible at or below the best so far is out without a probe; otherwise it is probed
-    at the best so far (for ties) and, if feasible, searched above it the same way. Every feasible
-    probe records its least cost, so ties between split counts go to the cheapest.
+    at the best so far (for ties) and, if feasible, searched above it the same way. Each probe is
+    settled by a certificate where one applies, else by the DP; a feasible one lifts the split
+    count's lower bound to the best goodput of the plan it found. At the optimum the exact DP gives
+    the cheapest plan of every split count that reaches it.
+
+    `hints`: layouts known to be good (the previous plan's): each seeds its split count's lower bound
+    with the best goodput it reaches in this problem, a warm start; the result is the same plan.
     """
-    grid = _Grid(problem.caps)
-    search = GoodputSearch(problem, lambda g, splits: _min_cost_at(problem, grid, g, splits))
+    prober = _Prober(problem)
+    search = GoodputSearch(problem, prober)
+    for hint in hints:
+        layout = tuple((g.pool, g.first, g.last) for g in hint)
+        search.seed(len(layout), layout_goodput(problem, layout))
     lead = search.race() or (
         search.order[0] if search.order else None
     )  # none feasible at any level: the most promising, from 0
     if lead is not None:
         search.search(lead, [], gallop_up=False)
     lo = search.settle(lead)
-    ties = [(c, s) for s, (g, c) in search.cost_at.items() if lo > 0 and g == lo]
+    ties = search.ties(lo)
     if not ties:
         raise PlanInfeasible(
             "no plan fits: not even one replica per split and bucket fits the caps, cost cap, maxReplicas and SLO",
             field="spec",
         )
-    _, s = min(ties)
-    best = _probe(problem, grid, lo, order=[s])  # the cheapest plan at the optimum, with its argmins
-    if best is None:  # cannot happen: lo was probed feasible for s
+    best = prober.cheapest(lo, ties)
+    if best is None:  # cannot happen: lo was probed feasible for every tie
         raise PlanInfeasible("the planner lost its own feasible plan; please report this", field="spec")
-    best.probes = search.probes + 1
+    best.probes = search.probes + len(ties)
+    best.notes.append(
+        f"{search.probes} probes ({prober.dps} settled by the DP); the cheapest plan at the optimum by the DP "
+        f"over {len(ties)} split count(s)"
+    )
     return best
 
 
 def min_cost(problem: E3Problem, target: float) -> E3Solution:
     """The cheapest plan reaching `target` goodput. Raises PlanInfeasible naming the best reachable."""
-    grid = _Grid(problem.caps)
+    grid = _grid_for(problem)
     sol = _probe(problem, grid, target)
     if sol is None:
         reach = max_goodput(problem).goodput

@@ -6,22 +6,24 @@ the optimum is its largest feasible breakpoint. `upper_bounds` gives each split 
 the fractional relaxation; `GoodputSearch` races the split counts at levels just below the largest
 bound until one is feasible, bisects over that one's breakpoints, and settles every other split
 count from what the race saw (out without a probe when seen infeasible below the best so far) or
-by probes at and just above the best so far. A probe is the caller's: the least cost of a plan
-with s splits at G (e3's DP restricted to the options whose demand fits their pool).
+by probes at and just above the best so far. A probe is the caller's (`Reach`): whether some plan
+with s splits reaches G, and if so the largest goodput it knows s to reach (at least G: a witness
+plan's own best, planner/e3_bounds.py), which lifts the lower bound past the breakpoints below it.
+Lower bounds may also be seeded (`seed`: a previous plan's layout), so a warm search starts there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
-if TYPE_CHECKING:  # the problem's type only: e3 imports this module
-    from exitplan.planner.e3 import E3Problem
+from exitplan.planner.e3_model import E3Problem
 
 FloatArray = npt.NDArray[np.float64]
+Reach = Callable[[float, int], "float | None"]
+"""(goodput G, splits s) -> None when no plan with s splits reaches G, else a goodput >= G that s reaches."""
 
 
 def breakpoints(problem: E3Problem, s: int, lo: float, hi: float) -> FloatArray:
@@ -35,9 +37,7 @@ def breakpoints(problem: E3Problem, s: int, lo: float, hi: float) -> FloatArray:
     load = np.broadcast_to(problem.shares[None, None, None, :] * problem.sigma_in[None, :, None, None], rate.shape)
     ok = (rate > 0) & (load > 0)
     x = rate[ok] / load[ok]
-    limit = problem.caps.astype(np.float64)
-    if problem.cost_cap is not None:
-        limit = np.minimum(limit, np.floor(problem.cost_cap / problem.costs + 1e-9))
+    limit = problem.pool_limits()
     lim = np.broadcast_to(limit[:, None, None, None], rate.shape)[ok]
     r0 = np.floor(lo / x * (1 + 1e-12)) + 1
     r1 = np.minimum(lim, np.floor(hi / x * (1 + 1e-12)))
@@ -63,8 +63,8 @@ def upper_bounds(problem: E3Problem) -> FloatArray:
 
     Any plan with goodput G puts G * w replicas' worth of work on its splits, w = sum over buckets of
     share * sigma_in / rate, so G * sum_i w_i <= the replicas, each pool's counted at its best
-    relative efficiency (and G * sum_i cost_i w_i <= the cost cap); the cheapest sum over layouts
-    is a shortest path, taking each split's best pool.
+    relative efficiency (at most maxReplicas of them, the most efficient first), and G * sum_i cost_i
+    w_i <= the cost cap; the cheapest sum over layouts is a shortest path, taking each split's best pool.
     """
     load = problem.shares[None, None, None, None, :] * problem.sigma_in[None, None, :, None, None]
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -82,7 +82,7 @@ def upper_bounds(problem: E3Problem) -> FloatArray:
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(np.isfinite(ws) & np.isfinite(best_w)[None], best_w[None] / ws, 0.0)
         rho = np.nan_to_num(ratio.reshape(len(problem.caps), -1).max(axis=1), nan=0.0)
-        total = float((rho * problem.caps).sum())
+        total = _replica_capacity(rho, problem.caps, problem.max_replicas)
         bounds = []
         for weight in (ws.min(axis=0), (ws * problem.costs[:, None, None]).min(axis=0)):
             dist = np.full(n + 1, np.inf)
@@ -101,6 +101,18 @@ def upper_bounds(problem: E3Problem) -> FloatArray:
     return out
 
 
+def _replica_capacity(rho: FloatArray, caps: np.ndarray, max_replicas: int | None) -> float:
+    """The most best-pool replicas' worth of work the pools hold: caps[p] replicas of relative efficiency
+    rho[p] each, at most `max_replicas` in all (the most efficient pools first)."""
+    left = np.inf if max_replicas is None else float(max_replicas)
+    total = 0.0
+    for p in np.argsort(-rho, kind="stable"):
+        take = min(float(caps[p]), left)
+        total += float(rho[p]) * take
+        left -= take
+    return total
+
+
 RACE = (0.92, 0.85, 0.7, 0.4)
 """The race's probe levels, as fractions of the largest upper bound: the fractional bound is
 usually 5-10 % above the optimum, so the first or second level brackets it."""
@@ -111,25 +123,28 @@ infeasible: split counts' optima usually lie within a few per cent of each other
 
 class GoodputSearch:
     """`max_goodput`'s state per split count (`order`: those with a positive bound, most promising first): the largest
-    goodput probed feasible (`lower`, 0: none), a bound above which every breakpoint is infeasible (`upper`), and the
-    (goodput, least cost) of its last feasible probe (`cost_at`); `probes` counts the probes. `least_cost(g, s)` is
-    the probe itself: the least cost of a plan with s splits reaching goodput g (inf: none)."""
+    goodput known feasible (`lower`, 0: none), a bound above which every breakpoint is infeasible (`upper`); `probes`
+    counts the probes. `reach(g, s)` is the probe itself (`Reach`)."""
 
-    def __init__(self, problem: E3Problem, least_cost: Callable[[float, int], float]) -> None:
-        self.problem, self.least_cost = problem, least_cost
+    def __init__(self, problem: E3Problem, reach: Reach) -> None:
+        self.problem, self.reach = problem, reach
         self.ubs = ubs = upper_bounds(problem)
         self.probes = 0
-        self.cost_at: dict[int, tuple[float, float]] = {}
         self.order = [s for s in sorted(range(1, problem.max_splits + 1), key=lambda x: -ubs[x - 1]) if ubs[s - 1] > 0]
         self.lower = dict.fromkeys(self.order, 0.0)
         self.upper = {s: ubs[s - 1] * (1 + 1e-9) for s in self.order}
 
+    def seed(self, s: int, goodput: float) -> None:
+        """A goodput that split count s is known to reach (a warm start: the previous plan's layout)."""
+        if s in self.lower and goodput > self.lower[s]:
+            self.lower[s] = goodput
+            self.upper[s] = max(self.upper[s], goodput)
+
     def probe(self, g: float, s: int) -> bool:
         self.probes += 1
-        c = self.least_cost(g, s)
-        if np.isfinite(c):
-            self.cost_at[s] = (g, c)
-            self.lower[s] = max(self.lower[s], g)
+        got = self.reach(g, s)
+        if got is not None:
+            self.seed(s, max(g, got))
             return True
         self.upper[s] = min(self.upper[s], g * (1 - 1e-12))
         return False
@@ -138,12 +153,16 @@ class GoodputSearch:
         """The largest feasible breakpoint of s in (lower[s], upper[s]], lower[s] known feasible or 0."""
         bps = breakpoints(self.problem, s, self.lower[s], self.upper[s])
         known, out = -1, len(bps)  # index known feasible (-1: lower[s]), smallest known infeasible
+
+        def lifted(i: int) -> int:  # a probe may prove more than bps[i]: every breakpoint up to lower[s]
+            return min(max(i, int(np.searchsorted(bps, self.lower[s], side="right")) - 1), out - 1)
+
         for g in guesses:
             i = int(np.searchsorted(bps, g))
             if not known < i < out:
                 continue
             if self.probe(float(bps[i]), s):
-                known = i
+                known = lifted(i)
                 if not gallop_up:
                     break
             else:
@@ -153,16 +172,19 @@ class GoodputSearch:
         while out - known > 1:
             mid = (known + out) // 2
             if self.probe(float(bps[mid]), s):
-                known = mid
+                known = lifted(mid)
             else:
                 out = mid
 
     def race(self) -> int | None:
-        """The first split count probed feasible at a level of the race (None: none at any level)."""
+        """The first split count probed feasible at a level of the race (None: none at any level); a
+        split count already known to reach the level (seeded) wins without a probe."""
         top = max(self.ubs) if len(self.order) else 0.0
         for level in RACE:
             g = level * top
             for s in self.order:
+                if self.lower[s] >= g:
+                    return s
                 if self.upper[s] < g:
                     continue
                 bps = breakpoints(self.problem, s, g * (1 - 1e-12), self.upper[s])
@@ -179,7 +201,11 @@ class GoodputSearch:
             if lo > 0:
                 if self.lower[s] < lo and not self.probe(lo, s):
                     continue  # infeasible at the best so far: infeasible above it too
-                self.lower[s] = lo
-            self.search(s, [lo * (1 + f) for f in GALLOP_UP] if lo > 0 else [], gallop_up=lo > 0)
+                self.lower[s] = max(self.lower[s], lo)
+            self.search(s, [self.lower[s] * (1 + f) for f in GALLOP_UP] if lo > 0 else [], gallop_up=lo > 0)
             lo = max(lo, self.lower[s])
         return lo
+
+    def ties(self, lo: float) -> list[int]:
+        """The split counts known to reach the optimum `lo` (each was probed at it or lifted to it)."""
+        return [s for s in self.order if lo > 0 and self.lower[s] >= lo]

@@ -19,7 +19,7 @@ when compute-bound), so the predicted time per token is the decision time plus t
 blocks an exited token skipped.
 
 The inputs are data: a `GenerationProfile` (block and head times, the share of tokens each head
-decides, the hop time), measured on a machine (exitplan.worker.generate.measure) or written by hand
+decides, the hop time), measured on a machine (exitplan.worker_image.generate.measure) or written by hand
 from a GPU profile, and `ThresholdPoint`s (per candidate threshold, how often the deciding head
 disagrees with the final head, teacher-forced on held-out text).
 """
@@ -34,6 +34,7 @@ from math import comb
 from pathlib import Path
 from typing import Any
 
+from exitplan.api.bundle import BundleManifest
 from exitplan.api.plan import Cell, Plan, Prediction, SplitPlan, even_ranges
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
 from exitplan.planner.errors import PlanInfeasible, PlanInvalid, PlannerError
@@ -357,6 +358,35 @@ def plan_generation(
     )
     result.verify(n_blocks)
     return result
+
+
+def plan_bundle_generation(
+    service: str,
+    spec: EarlyExitServiceSpec,
+    pools: dict[str, GPUPoolSpec],
+    manifest: BundleManifest,
+    *,
+    profile: GenerationProfile | None = None,
+    thresholds: Sequence[ThresholdPoint] = (),
+    stages: int | None = None,
+    reason: str = "initial",
+) -> GenerationPlanResult:
+    """`plan_generation` for a decoder bundle: its block count, exit ramps and context length read from
+    its manifest (what `exitplan up` and the operator both plan from)."""
+    if manifest.decoder is None:
+        raise GenerationPlanError("the bundle has no decoder section: not a generation bundle", field="bundle")
+    return plan_generation(
+        service,
+        spec,
+        pools,
+        n_blocks=len(manifest.blocks),
+        exit_ramps=[r.name for r in manifest.exit_ramps()],
+        max_context=manifest.decoder.max_context,
+        profile=profile,
+        thresholds=thresholds,
+        stages=stages,
+        reason=reason,
+    )
 
 
 def _placement(spec: EarlyExitServiceSpec, pools: dict[str, GPUPoolSpec], stages: int) -> list[str]:

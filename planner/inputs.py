@@ -5,6 +5,7 @@ length histogram. Every problem found here is a typed error naming the field.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfi
 from exitplan.planner import buckets as bk
 from exitplan.planner.costmodel import CostModel, survival_before_blocks
 from exitplan.planner.errors import PlanInfeasible, ProfileError, SpecError
-from exitplan.planner.forecast import forecast_survival
+from exitplan.planner.forecast import DEFAULT_PREDICTOR, forecast_survival
 
 
 @dataclass
@@ -43,6 +44,35 @@ class Inputs:
     """spec.planner.maxReplicas: the most replicas over all pools (None: the caps alone)."""
     lengths: np.ndarray | None = None
     """The raw input lengths the plan is sized for, when given (a trace); None: only the grid's mass."""
+    _digests: dict[int, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def option_digest(self, p: int) -> str:
+        """What pool p's options are computed from, as a digest: its profile and pool spec, the survival
+        and ramps in force, the SLO budget (the length mix is `length_digest`'s): equal digests, equal
+        options, so a re-plan reuses them (planner/problem.py `OptionCache`). A pool's capacity and price are
+        the solver's caps and costs, not part of its options."""
+        if p not in self._digests:
+            model = self.models[p]
+            pool = model.pool.model_dump_json(exclude={"capacity", "cost_per_hour"})
+            h = hashlib.blake2b(digest_size=16)
+            for part in (model.profile.model_dump_json(), pool, repr(self.budget_ms)):
+                h.update(part.encode())
+            h.update(np.ascontiguousarray(self.sigma(), dtype=np.float64).tobytes())
+            h.update(bytes(self.ramps_on()))
+            self._digests[p] = h.hexdigest()
+        return self._digests[p]
+
+    def length_digest(self) -> str:
+        """The length mix as a digest (grid, mass and the raw lengths): what trimming workers' options also
+        depend on."""
+        if -1 not in self._digests:
+            h = hashlib.blake2b(digest_size=16)
+            h.update(np.asarray(self.grid, dtype=np.int64).tobytes())
+            h.update(np.ascontiguousarray(self.mass, dtype=np.float64).tobytes())
+            if self.lengths is not None:
+                h.update(np.ascontiguousarray(self.lengths, dtype=np.int64).tobytes())
+            self._digests[-1] = h.hexdigest()
+        return self._digests[-1]
 
     @property
     def n_blocks(self) -> int:
@@ -143,7 +173,8 @@ def _cost_models(
     return models
 
 
-def _windows(observations: Observations | Sequence[Observations] | None) -> list[Observations]:
+def observation_windows(observations: Observations | Sequence[Observations] | None) -> list[Observations]:
+    """The observation windows given, oldest first, as a list (none, one, or several)."""
     if observations is None:
         return []
     if isinstance(observations, Observations):
@@ -225,14 +256,14 @@ def resolve_inputs(
     thresholds: Mapping[str, float] | None = None,
     observations: Observations | Sequence[Observations] | None = None,
     lengths: Sequence[int] | None = None,
-    forecaster: str = "arima",
+    forecaster: str = DEFAULT_PREDICTOR,
 ) -> Inputs:
     _check_spec(spec)
     notes: list[str] = []
     names, caps, costs = _resolve_pools(spec, pools)
     models = _cost_models(spec, names, pools, profiles)
     ref = models[0].profile
-    windows = _windows(observations)
+    windows = observation_windows(observations)
     survival, enabled = _survival(ref, thresholds, windows, forecaster, notes)
     grid, mass, fixed = _lengths(spec, ref, windows, lengths, notes)
     cost_cap = spec.planner.cost_cap_per_hour

@@ -60,6 +60,7 @@ def serving_path(result: Sized, routers: int = 1, sender_ms: float = 0.0, backgr
     shared = [m.pool.shared_cores for m in inp.models]
     cores = min(c for c in shared if c is not None) if all(c is not None for c in shared) else None
     serving = [m.profile.serving for m in inp.models if m.profile.serving is not None]
+    devices = tuple((m.pool_name, float(m.pool.shared_devices)) for m in inp.models if m.pool.shared_devices)
     return ServingPath(
         router_ms=per_request,
         routers=colocated_routers(plan.cells, routers) if plan.colocate else routers,
@@ -68,6 +69,7 @@ def serving_path(result: Sized, routers: int = 1, sender_ms: float = 0.0, backgr
         background=background if cores is not None else 0.0,
         threads=max((s.threads for s in serving), default=1),
         colocated=plan.colocate,
+        devices=devices,
     )
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from exitplan.api.resources import EarlyExitServiceSpec
 from exitplan.planner import buckets as bk
-from exitplan.planner.e3 import E3Problem
+from exitplan.planner.e3_model import E3Problem
 from exitplan.planner.errors import PlanInfeasible
 from exitplan.planner.inputs import Inputs
 from exitplan.planner.trimming import length_support, trimmed_length, trims
@@ -61,9 +61,56 @@ class PlanProblem(E3Problem):
 _LengthOptions = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """Of one pool at one length, per (splits, first, last): rate, batch, stage time, the longest a row takes, and
 the rate and batch as split 0 in the routers (no hop)."""
-OptionCache = dict[tuple[int, int, int, bool, int], _LengthOptions]
-"""(pool, length, the bucket below it, rebatch, max splits) -> that pool's options for that bucket: bucket sets
-share their buckets."""
+_OptionKey = tuple[str, int, int, bool, int, str]
+
+
+def _first_splits(options: _LengthOptions, S: int) -> _LengthOptions:
+    """The options of split counts 1..S of a table computed for more."""
+    a, b, c, d, e, f = (x[:S] for x in options)
+    return a, b, c, d, e, f
+
+
+class OptionCache:
+    """Every pool's options per bucket, by what they are computed from (Inputs.option_digest, the length,
+    the bucket below it where workers trim, rebatching, the split counts, the length mix where workers trim):
+    bucket sets of one plan share their buckets, and a re-plan of the same service (a caller that keeps the
+    cache: the operator keeps one per service) reuses every pool and length whose inputs did not change.
+    `retain_used` keeps what the last plan used and drops the rest, so a cache holds one plan's tables."""
+
+    def __init__(self) -> None:
+        self._tables: dict[_OptionKey, tuple[_LengthOptions, list[str]]] = {}
+        """Each entry's options and the notes the cost model made computing them (clamps), told again on a hit."""
+        self._used: set[_OptionKey] = set()
+        self.hits = self.misses = 0
+
+    def get(self, inp: Inputs, p: int, length: int, lo: int, rebatch: bool, S: int) -> _LengthOptions:
+        """Pool p's options for the bucket (lo, length], computed once per content."""
+        model = inp.models[p]
+        trimmed = trims(model.pool.gpu_resource, model.profile.seq_lens, rebatch)
+        # the bucket below and the length mix matter only where workers trim to their batch's longest row
+        key = (inp.option_digest(p), length, lo if trimmed else 0, rebatch, S, inp.length_digest() if trimmed else "")
+        # a table for more split counts holds these: split count s's options do not depend on the most
+        key = next((k for k in self._tables if k[:4] == key[:4] and k[5] == key[5] and k[4] >= S), key)
+        self._used.add(key)
+        if key in self._tables:
+            self.hits += 1
+            options, notes = self._tables[key]
+            model.notes.extend(n for n in notes if n not in model.notes)
+            return options if key[4] == S else _first_splits(options, S)
+        self.misses += 1
+        before = len(model.notes)
+        options = _length_options(inp, p, length, S, rebatch, lo if trimmed else 0)
+        self._tables[key] = (options, model.notes[before:])
+        return options
+
+    def retain_used(self) -> None:
+        """Keep only the tables used since the last call (the plan just made)."""
+        self._tables = {k: v for k, v in self._tables.items() if k in self._used}
+        self._used = set()
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
 
 REBATCH_MIN_GAIN = 0.01
 """A split rebatches only where that needs this share fewer replicas for the bucket mix than without (and is
@@ -91,14 +138,18 @@ def _length_options(inp: Inputs, p: int, length: int, S: int, rebatch: bool, lo:
             if at < length:
                 cut = model.stage_tables([b], at, sigma, ramps_on, expected=True, transfer=False)[0]
                 plain_mean[bi, :, n - 1] = cut[:, n - 1]
-    fits = model.replica_bytes_table(sizes, length, rebatch=rebatch) <= model.pool.memory_bytes
+    fits = model.replica_bytes_table(sizes, length, rebatch=rebatch) <= model.pool.process_memory_bytes
+    cycle_of = [inp.budget_ms / cycles(s) for s in range(1, S + 1)]
+    if plain_mean is None:  # every split count's cycle in one solve, only where the split fits the pool and cycle
+        needed = np.stack([fits & (tables <= c) & np.isfinite(tables) for c in cycle_of])
+        rb_mean, rb_worst = model.rebatch_tables_at(sizes, length, sigma, ramps_on, cycle_of, needed)
     rate, stage, longest = np.zeros((S, n, n)), np.full((S, n, n), np.inf), np.full((S, n, n), np.inf)
     batch = np.zeros((S, n, n), dtype=np.int64)
     rate_co, batch_co = np.zeros((S, n, n)), np.zeros((S, n, n), dtype=np.int64)
     for s in range(1, S + 1):
-        cycle = inp.budget_ms / cycles(s)
+        cycle = cycle_of[s - 1]
         if plain_mean is None:
-            mean, worst = model.rebatch_tables(sizes, length, sigma, ramps_on, cycle)
+            mean, worst = rb_mean[s - 1], rb_worst[s - 1]
         else:
             mean, worst = plain_mean, 2.0 * tables
         ok = fits & (tables <= cycle) & np.isfinite(tables) & np.isfinite(mean)
@@ -125,16 +176,13 @@ def _options(
 ) -> _LengthOptions:
     """rate, batch, stage time and longest time of every (splits, pool, first, last, bucket) option, splits
     rebatching or not."""
-    cache = {} if cache is None else cache
+    cache = OptionCache() if cache is None else cache
     per: list[list[_LengthOptions]] = []
     for p in range(len(inp.pool_names)):
         row = []
         for k, length in enumerate(bucket_set):
             lo = int(bucket_set[k - 1]) if k else 0
-            key = (p, int(length), lo, rebatch, S)
-            if key not in cache:
-                cache[key] = _length_options(inp, p, int(length), S, rebatch, lo)
-            row.append(cache[key])
+            row.append(cache.get(inp, p, int(length), lo, rebatch, S))
         per.append(row)
     # (S, P, n, n, K) from [P][K] of (S, n, n)
     stacked = [np.stack([np.stack([opt[i] for opt in row], axis=-1) for row in per], axis=1) for i in range(6)]
@@ -155,7 +203,8 @@ def build_problem(
     `rebatch`: a split may regroup rows at each block (the cost model's rebatching tables and
     memory); on a pool it does where that is no slower for any bucket and needs REBATCH_MIN_GAIN fewer
     replicas for the bucket mix, so no option is slower than E3's own and the DP's optimum is at least E3's.
-    `cache`: options already computed for other bucket sets of the same inputs (filled here).
+    `cache`: options already computed (for other bucket sets, or by an earlier plan of the same service) and
+    filled here.
     """
     n = inp.n_blocks
     S = max_splits if layout is None else len(layout[0])
@@ -231,10 +280,13 @@ def diagnose(inp: Inputs, bucket_set: Sequence[int], max_splits: int) -> PlanInf
             "use a faster pool, or cap workload.lengthBuckets lower",
             field="spec.slo.latencyMs",
         )
-    mem_ok = any(m.replica_bytes(a, a, 1, top) <= m.pool.memory_bytes for m in inp.models for a in range(m.n_blocks))
+    mem_ok = any(
+        m.replica_bytes(a, a, 1, top) <= m.pool.process_memory_bytes for m in inp.models for a in range(m.n_blocks)
+    )
     if not mem_ok:
         return PlanInfeasible(
-            "no single block fits the memory of any pool (GPUPool memoryBytes); use pools with more memory",
+            "no single block fits the memory of any pool (GPUPool memoryBytes, split between the worker processes "
+            "of a device with sharedDevices); use pools with more memory or fewer processes per device",
             field="pools.memoryBytes",
         )
     return PlanInfeasible(

@@ -34,10 +34,12 @@ from exitplan.api.plan import Cell, Plan, Prediction, SplitPlan, colocated_route
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec, Objective
 from exitplan.planner import buckets as bk
 from exitplan.planner.densepipe import Placement, place
-from exitplan.planner.e3 import E3Problem, E3Solution, Segment, max_goodput, min_cost, reaches
+from exitplan.planner.e3 import max_goodput, min_cost, reaches
+from exitplan.planner.e3_model import E3Problem, E3Solution, Segment
 from exitplan.planner.e3_search import upper_bounds
 from exitplan.planner.errors import PlanInfeasible, PlanInvalid
-from exitplan.planner.inputs import Inputs, _windows, resolve_inputs
+from exitplan.planner.forecast import DEFAULT_PREDICTOR
+from exitplan.planner.inputs import Inputs, observation_windows, resolve_inputs
 from exitplan.planner.problem import OptionCache, PlanProblem, build_problem, cycles, diagnose, rebatching
 from exitplan.planner.serving_path import PathLimit, colocated_cells, colocated_gain, path_limits, why_not_colocate
 
@@ -340,6 +342,14 @@ def _previous_layout(previous: Plan, inp: Inputs) -> tuple[list[int], tuple[list
     return list(previous.buckets), ([(s.first_block, s.last_block) for s in previous.splits], pools)
 
 
+def _hints(previous: Plan | None, inp: Inputs) -> list[list[Segment]]:
+    """The previous plan's layout (a split on one pool each) as the search's warm start; none if it no longer applies."""
+    layout = _previous_layout(previous, inp) if previous is not None else None
+    if layout is None:
+        return []
+    return [[Segment(a, b, p, np.zeros(0, dtype=np.int64)) for (a, b), p in zip(*layout[1])]]
+
+
 def _densepipe(problem: E3Problem, sol: E3Solution) -> Placement | None:
     """DensePipe's placement of the chosen layout over every pool (a split may span pools); returned
     only when it beats E3's one-pool-per-split replicas."""
@@ -371,11 +381,12 @@ def _densepipe(problem: E3Problem, sol: E3Solution) -> Placement | None:
     return placement if placement.goodput > sol.goodput * (1 + 1e-6) else None
 
 
-def _solve(problem: E3Problem, spec: EarlyExitServiceSpec) -> E3Solution:
+def _solve(problem: E3Problem, spec: EarlyExitServiceSpec, hints: Sequence[Sequence[Segment]] = ()) -> E3Solution:
+    """The solver the objective names; `hints`: layouts that warm-start max-goodput's search (the same plan)."""
     if spec.planner.objective == Objective.min_cost:
         target = spec.planner.target_rps or spec.workload.rps
         return min_cost(problem, float(target))
-    sol = max_goodput(problem)
+    sol = max_goodput(problem, hints=[h for h in hints if len(h) <= problem.max_splits])
     _fill_spare(problem, sol)
     return sol
 
@@ -389,7 +400,7 @@ def _default_thresholds(
 ) -> dict[str, float]:
     """The thresholds a plan names when the caller gives none: the latest observation window's, else the
     previous plan's, else none (then no ramp exits, and the plan is sized so)."""
-    windows = _windows(observations)
+    windows = observation_windows(observations)
     latest = windows[-1].thresholds if windows and windows[-1].thresholds else None
     return dict(latest or (previous.thresholds if previous else None) or {})
 
@@ -419,6 +430,7 @@ def _best_bucket_set(
     max_splits: int,
     rebatch: bool,
     cache: OptionCache | None = None,
+    hints: Sequence[Sequence[Segment]] = (),
 ) -> tuple[_Choice, list[dict[str, object]]]:
     """The best plan over the bucket sets (most goodput, or least cost for min-cost) and what each set gave.
 
@@ -426,7 +438,11 @@ def _best_bucket_set(
     and a set whose bound is below the best plan found, or that no plan of it reaches, is not solved (it
     could not beat it). Ties go to the set with fewer buckets.
 
+    `hints`: layouts that warm-start each set's search (the previous plan's; each set's solution is one for the
+    sets after it).
+
     Raises the min-cost target's PlanInfeasible, or one naming the binding constraint, when no set has a plan."""
+    hints = list(hints)
     tried: list[dict[str, object]] = []
     chosen: _Choice | None = None
     last_error: PlanInfeasible | None = None
@@ -445,11 +461,12 @@ def _best_bucket_set(
                 tried.append({"buckets": bucket_set, "bound": bounds[i], "skipped": "it cannot beat the best plan"})
                 continue
         try:
-            sol = _solve(problem, spec)
+            sol = _solve(problem, spec, hints)
         except PlanInfeasible as err:
             last_error = err
             tried.append({"buckets": bucket_set, "goodput": 0.0, "cost": 0.0, "error": str(err)})
             continue
+        hints.append(sol.segments)
         tried.append({"buckets": bucket_set, "goodput": sol.goodput, "cost": sol.cost, "splits": sol.splits})
         if chosen is None:
             better = True
@@ -482,8 +499,8 @@ def _previous_if_close(
     """The previous plan's buckets and layout, re-solved, when they still apply and reach within HYSTERESIS of
     `best` (or at all, with `keep_layout`); else None."""
     layout = _previous_layout(previous, inp)
-    if layout is None:
-        return None
+    if layout is None or len(layout[1][0]) > max_splits:
+        return None  # gone, or more splits than spec.planner.maxSplits now allows
     prev_buckets, prev_layout = layout
     try:
         problem = build_problem(inp, prev_buckets, max_splits, layout=prev_layout, rebatch=rebatch, cache=cache)
@@ -509,8 +526,9 @@ def plan_service(
     previous: Plan | None = None,
     reason: str = "initial",
     lengths: Sequence[int] | None = None,
-    forecaster: str = "arima",
+    forecaster: str = DEFAULT_PREDICTOR,
     keep_layout: bool = False,
+    cache: OptionCache | None = None,
 ) -> PlanResult:
     """Plan a service: splits, length buckets, cells (split, bucket, pool) with replicas and batch sizes.
 
@@ -520,8 +538,10 @@ def plan_service(
     window(s); their survival (forecast over windows) and length histogram replace the profile's. `lengths`: raw input lengths (e.g. from a trace) to size the
     buckets when no observations exist. `previous`: keep its layout when it is within 5 % of the
     optimum (fewest replaced instances), or whatever the optimum with `keep_layout` (the operator's
-    move cap: replicas move within a layout, a new layout replaces every instance). Raises
-    SpecError, ProfileError or PlanInfeasible.
+    move cap: replicas move within a layout, a new layout replaces every instance); its layout also
+    warm-starts the search. `cache`: the service's OptionCache, kept by the caller between its plans (the
+    options whose inputs did not change are reused; it keeps this plan's). Raises SpecError, ProfileError
+    or PlanInfeasible.
     """
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -542,8 +562,8 @@ def plan_service(
     timings["buckets"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()
-    cache: OptionCache = {}
-    chosen, tried = _best_bucket_set(inp, spec, sets, max_splits, rebatch, cache)
+    cache = OptionCache() if cache is None else cache
+    chosen, tried = _best_bucket_set(inp, spec, sets, max_splits, rebatch, cache, _hints(previous, inp))
     timings["solve"] = time.perf_counter() - t2
 
     kept = False
@@ -570,6 +590,7 @@ def plan_service(
     timings["plan"] = time.perf_counter() - t3
     timings["total"] = time.perf_counter() - t0
     notes = list(dict.fromkeys(inp.notes + [n for m in inp.models for n in m.notes]))
+    cache.retain_used()
     result = PlanResult(plan, inp, problem, sol, list(bucket_set), cycle, stage, timings, notes, tried, kept, rebatch)
     result.verify()  # a broken invariant is a planner bug: a typed PlanInvalid, never a bad plan
     return result

@@ -15,6 +15,9 @@ what the pools say:
   threads; a cell spread over pools (DensePipe) puts on each pool the share of its capacity that pool
   holds. When every pool of the service shares cores (everything on one machine), the routers' CPU
   joins it. The pool answers at most ``cores x 1000 / (core-ms per request)`` requests/s.
+- **shared devices** (``GPUPool.spec.sharedDevices``: a pool's worker processes sharing its accelerators,
+  several runtimes per GPU): the same sum over the pool's cells, a batch holding a device whatever its
+  threads, the routers apart (they run on the host): at most ``devices x 1000 / (device-ms per request)``.
 
 A plan's predicted goodput is the least of the solver's and these; the notes say which one binds.
 
@@ -38,7 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from exitplan.api.plan import Cell, SplitPlan, colocated_routers
-from exitplan.planner.e3 import E3Problem
+from exitplan.planner.costmodel import CostModel
+from exitplan.planner.e3_model import E3Problem
 from exitplan.planner.inputs import Inputs
 
 
@@ -71,7 +75,7 @@ def why_not_colocate(inp: Inputs, cells: Sequence[Cell], buckets: Sequence[int],
     model = inp.models[inp.pool_names.index(pools[0])]
     if colocated_router_ms(inp) is None:
         return "the profiles do not hold serving.colocatedMs (re-profile with `exitplan profile --serving`)"
-    if model.pool.shared_cores is None:
+    if model.pool.shared_cores is None and model.pool.shared_devices is None:
         if len(buckets) > 1:
             return f"the split-0 runtimes of {len(buckets)} buckets would share one accelerator in each router"
         replicas = sum(c.replicas for c in cells if c.split == 0)
@@ -168,6 +172,7 @@ def path_limits(
         if colocate and co is None and c.split == 0 and model.profile.serving is not None:
             ms_per_input = max(ms_per_input - model.profile.serving.hop_ms / max(c.batch_size, 1), 0.0)
         busy[c.pool] += load * ms_per_input * threads
+    out.extend(_device_limits(inp, busy, threads_of={m.pool_name: _threads(m) for m in inp.models}))
     shared = {m.pool_name: m.pool.shared_cores for m in inp.models if m.pool.shared_cores is not None}
     all_shared = len(shared) == len(inp.models)
     for pool, cores in shared.items():
@@ -183,6 +188,30 @@ def path_limits(
                 f"pool {pool}: {cores} shared core(s) at {demand:.2f} core-ms per request (workers{with_routers})",
             )
         )
+    return out
+
+
+def _threads(model: CostModel) -> int:
+    return model.profile.serving.threads if model.profile.serving is not None else 1
+
+
+def _device_limits(inp: Inputs, busy: dict[str, float], threads_of: dict[str, int]) -> list[PathLimit]:
+    """Each pool whose worker processes share its accelerators (`sharedDevices`): its batches take turns on
+    them, so the pool answers at most devices x 1000 / (device-ms per request). `busy` holds core-ms (a
+    replica's time per input x its threads): a device runs one batch at a time, whatever the threads."""
+    out = []
+    for m in inp.models:
+        if m.pool.shared_devices is None:
+            continue
+        demand = busy.get(m.pool_name, 0.0) / max(threads_of[m.pool_name], 1)
+        if demand > 0:
+            out.append(
+                PathLimit(
+                    m.pool.shared_devices * 1000.0 / demand,
+                    f"pool {m.pool_name}: {m.pool.shared_devices} shared device(s) at {demand:.2f} device-ms per "
+                    f"request ({m.pool.capacity} worker processes take turns on them)",
+                )
+            )
     return out
 
 

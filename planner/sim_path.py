@@ -17,7 +17,9 @@ that work on average; under a trace's bursts it is what turns a queue that drain
 - `cores` shared by all of them and the workers (each running batch keeps `threads` of them busy), with
   `background` cores' worth of other processes always running beside them: processor sharing, exact
   (planner/sim_cores.py: while more threads want the cores than there are, every one runs slower, and
-  speeds up again the moment another finishes).
+  speeds up again the moment another finishes);
+- `devices`: per pool whose worker processes share accelerators (`GPUPool.spec.sharedDevices`), how many:
+  the batches of that pool's workers take turns on them the same way, one batch per device at full speed.
 
 `RouterState` is one run's routers: per bucket the data plane's own admission limit
 (`dispatch.BucketLimiter`, started at the bucket's capacity x the SLO and following the answers' latency, as
@@ -51,12 +53,18 @@ class ServingPath:
     colocated: bool = False
     """Split 0 runs in the routers (Plan.colocate): its batches pay no hop (the worker's own work per
     batch, the profile's hopMs), which `router_ms` (colocatedMs) holds."""
+    devices: tuple[tuple[str, float], ...] = ()
+    """(pool, accelerators) for every pool whose worker processes share its accelerators
+    (`GPUPool.spec.sharedDevices`): those workers' batches take turns on them (processor sharing, one
+    batch's kernels at a time per device), apart from the host's cores."""
 
     def __post_init__(self) -> None:
         if self.router_ms < 0 or self.sender_ms < 0 or self.background < 0 or self.routers < 1 or self.threads < 1:
             raise ValueError(f"invalid serving path {self}: costs and background >= 0, routers and threads >= 1")
         if self.cores is not None and self.cores <= 0:
             raise ValueError(f"invalid serving path {self}: cores must be > 0 (or None for dedicated accelerators)")
+        if any(n <= 0 for _, n in self.devices):
+            raise ValueError(f"invalid serving path {self}: shared devices must be > 0")
 
 
 class RouterState:

@@ -66,6 +66,7 @@ class SimWorker:
         "stage_rest_ms",
         "held",
         "trim",
+        "pool",
     )
     # Set by Simulation once the worker's cell is known:
     lat: FloatArray
@@ -82,9 +83,17 @@ class SimWorker:
     """Expected time from this split to the end of the model (the deadline rule)."""
 
     def __init__(
-        self, split: int, bucket: int, length: int, batch: int, first: int, last: int, rebatch: bool = False
+        self,
+        split: int,
+        bucket: int,
+        length: int,
+        batch: int,
+        first: int,
+        last: int,
+        rebatch: bool = False,
+        pool: str = "",
     ) -> None:
-        self.split, self.bucket, self.length = split, bucket, length
+        self.split, self.bucket, self.length, self.pool = split, bucket, length, pool
         self.batch, self.first, self.last = batch, first, last
         self.queue = FusionQueue()
         self.stages: list[FusionQueue] | None = (

@@ -129,7 +129,9 @@ class Simulation:
             xfer = np.asarray([model.transfer_ms(b, x, cell.bucket) if b < self.n_blocks - 1 else 0.0 for x in sizes])
             full = float(lat[:, top].sum() + ramp_lat[:, top].sum() + xfer[top])
             for _ in range(cell.replicas):
-                w = SimWorker(cell.split, k, cell.bucket, cell.batch_size, a, b, rebatch=cell.split in rebatch)
+                w = SimWorker(
+                    cell.split, k, cell.bucket, cell.batch_size, a, b, rebatch=cell.split in rebatch, pool=cell.pool
+                )
                 w.lat, w.ramp_lat, w.xfer, w.expect_ms = lat, ramp_lat, xfer, full
                 w.trim = trimmed
                 w.mean_ms = self._mean_batch_ms(lat, ramp_lat, a, top, w.stages is not None)
@@ -267,9 +269,11 @@ class _Served(NamedTuple):
 
 
 class _CoresDue(NamedTuple):
-    """The next job on the shared cores finishes, if nothing started or ended since (`version`)."""
+    """The next job on the shared cores (`pool` None) or on a pool's shared devices finishes, if nothing
+    started or ended there since (`version`)."""
 
     version: int
+    pool: str | None = None
 
 
 _Event = _Arrival | _BatchDone | _BlockDone | _Hop | _Timer | _Served | _CoresDue
@@ -297,10 +301,11 @@ class _EventLoop:
         self.blk_runs = np.zeros(sim.n_blocks)
         self.routers = RouterState(sim.path, sim.capacity, sim.slo_s)
         path = sim.path
-        self.cores: SharedCores[_Event] | None = (
-            SharedCores(path.cores, path.background) if path.cores is not None else None
-        )
-        self.cores_version = 0
+        self.shared: dict[str | None, SharedCores[_Event]] = {pool: SharedCores(n) for pool, n in path.devices}
+        """The shared cores (key None) and each pool's shared devices."""
+        if path.cores is not None:
+            self.shared[None] = SharedCores(path.cores, path.background)
+        self.versions: dict[str | None, int] = dict.fromkeys(self.shared, 0)
 
     def run(self) -> None:
         events = self.events
@@ -320,10 +325,10 @@ class _EventLoop:
         elif isinstance(event, _Served):
             self.served(event.process, event.i, now)
         elif isinstance(event, _CoresDue):
-            if event.version == self.cores_version and self.cores is not None:
-                for done in self.cores.finished(now):
+            if event.version == self.versions.get(event.pool):
+                for done in self.shared[event.pool].finished(now):
                     self.dispatch(done, now)
-                self.reschedule()
+                self.reschedule(event.pool)
         else:  # a fusion-queue timer
             w = event.worker
             if w.timer <= now:
@@ -336,22 +341,24 @@ class _EventLoop:
 
     # ------------------------------------------------------------------ events
 
-    def run_job(self, now: float, work_ms: float, threads: float, event: _Event) -> None:
+    def run_job(self, now: float, work_ms: float, threads: float, event: _Event, pool: str | None = None) -> None:
         """Work of `work_ms` (its time alone) keeping `threads` threads busy starts now; `event` when it ends
-        (on shared cores: processor sharing, planner/sim_cores.py)."""
-        if self.cores is None:
+        (on shared cores, or on `pool`'s shared devices, one thread per batch: processor sharing,
+        planner/sim_cores.py)."""
+        key = pool if pool in self.shared else None
+        if key is None and None not in self.shared:
             self.push(now + work_ms / 1e3, event)
             return
-        self.cores.start(now, work_ms, threads, event)
-        self.reschedule()
+        self.shared[key].start(now, work_ms, 1 if key is not None else threads, event)
+        self.reschedule(key)
 
-    def reschedule(self) -> None:
-        """The shared cores' next finish moved: an event for it, the earlier one made stale."""
-        assert self.cores is not None
-        self.cores_version += 1
-        due = self.cores.due()
+    def reschedule(self, key: str | None = None) -> None:
+        """The next finish on the shared cores (`key` None) or a pool's devices moved: an event for it, the
+        earlier one made stale."""
+        self.versions[key] += 1
+        due = self.shared[key].due()
         if due < math.inf:
-            self.push(due, _CoresDue(self.cores_version))
+            self.push(due, _CoresDue(self.versions[key], key))
 
     def arrive(self, i: int, now: float) -> None:
         """A request goes to the sender, then its router (each one request at a time, in order), then is
@@ -469,7 +476,7 @@ class _EventLoop:
             w.rows += m
             # the survivors' transfer runs beside the next batch (the worker forwards in a
             # task of its own): it delays them, not the replica
-            self.run_job(now, t, self.sim.path.threads, _BatchDone(w, rows, surv, float(w.xfer[len(surv)])))
+            self.run_job(now, t, self.sim.path.threads, _BatchDone(w, rows, surv, float(w.xfer[len(surv)])), w.pool)
         elif at < w.timer:
             w.timer = at
             self.push(at, _Timer(w))
@@ -509,7 +516,11 @@ class _EventLoop:
         w.batches += 1
         w.rows += m
         self.run_job(
-            now, t, self.sim.path.threads, _BlockDone(w, chosen, rows, [r for r in rows if self.depths[r] > blk + 1])
+            now,
+            t,
+            self.sim.path.threads,
+            _BlockDone(w, chosen, rows, [r for r in rows if self.depths[r] > blk + 1]),
+            w.pool,
         )
 
     # ------------------------------------------------------------------ the report

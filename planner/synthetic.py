@@ -38,6 +38,13 @@ save nearly their whole share. Lengths other than 128 and 384 follow, per batch 
 through those two rows. Prices: Google Cloud's per-GPU list prices (us-central1): A100 40GB 2.93,
 T4 0.35 units/h.
 
+`tensorrt_bert_large_profile(gpu)` scales those tables to BERT-large (24 layers, hidden 1024), the size E3
+plans at fleet scale: a layer costs a BERT-base layer x (1024 / 768)^2 (its matrix products grow with the
+square of the hidden size; attention's length term, linear in it, is the smaller part at these lengths), and
+V100, which the TensorRT tables do not list, runs A100's table x 2.5 (the ratio of their FP16 tensor-core
+peaks, 312 / 125 TFLOPS): stated assumptions, a near-linear curve of the right size, not measurements.
+Weights 12.6 M parameters (25 MB FP16) per layer, activations 1024 x L x 2 bytes per sample.
+
 `flops_bert_base_profile` keeps the earlier FLOP-derived model (peak x 60 % with a flat region
 below 512 tokens in flight) for comparison. `synthetic_profile` builds a profile from any latency
 function; `easy_hard_survival` maps an easy:hard mix onto exit depths (stated in its docstring).
@@ -230,6 +237,39 @@ def easy_hard_survival(
     return out
 
 
+def layered_profile(
+    model: str,
+    gpu_name: str,
+    n: int,
+    seq_lens: Sequence[int],
+    batch_sizes: Sequence[int],
+    layer: Callable[[float, float], float],
+    survival: list[float],
+    *,
+    hidden: int,
+    value_bytes: int,
+    weight_params: float,
+    measured_on: str,
+) -> ModelProfileSpec:
+    """`n` identical layers of `layer(batch, length)` ms, a ramp of 2 % of a layer after each but the last,
+    activations of `hidden` values per token and `weight_params` weights per layer of `value_bytes` each:
+    the shape every BERT-like profile of this module shares."""
+    return synthetic_profile(
+        model,
+        gpu_name,
+        n,
+        seq_lens,
+        batch_sizes,
+        lambda k, b, L: layer(b, L),
+        ramp_after=list(range(n - 1)),
+        ramp_ms=lambda b, L: 0.02 * layer(b, L),
+        survival=survival,
+        output_bytes=lambda L: int(hidden * L * value_bytes),
+        weight_bytes=int(weight_params * value_bytes),
+        measured_on=measured_on,
+    )
+
+
 def bert_base_profile(
     gpu_name: str,
     survival: Sequence[float] | None = None,
@@ -241,18 +281,17 @@ def bert_base_profile(
     """The BERT-base 12-block early-exit profile on `gpu_name` (v100, p100, k80) from published
     figures; see the module docstring."""
     n = 12
-    return synthetic_profile(
+    return layered_profile(
         model,
         gpu_name,
         n,
         seq_lens,
         batch_sizes,
-        lambda k, b, L: published_layer_ms(gpu_name, b, L),
-        ramp_after=list(range(n - 1)),
-        ramp_ms=lambda b, L: 0.02 * published_layer_ms(gpu_name, b, L),
-        survival=list(survival) if survival is not None else easy_hard_survival(n, 0.8),
-        output_bytes=lambda L: int(HIDDEN * L * 2),  # FP16 activations
-        weight_bytes=int(7.1e6 * 2),  # FP16 weights
+        lambda b, L: published_layer_ms(gpu_name, b, L),
+        list(survival) if survival is not None else easy_hard_survival(n, 0.8),
+        hidden=HIDDEN,
+        value_bytes=2,  # FP16 activations and weights
+        weight_params=7.1e6,
         measured_on=f"derived: published BERT-base FP16 V100 figures (NVIDIA DeepLearningExamples), {gpu_name} scaled as stated in planner/synthetic.py",
     )
 
@@ -274,19 +313,60 @@ def tensorrt_bert_base_profile(
     def layer(b: float, L: float) -> float:
         return tensorrt_model_ms(gpu_name, index[int(b)], L) / n
 
-    return synthetic_profile(
+    return layered_profile(
         model,
         gpu_name,
         n,
         seq_lens,
         batch_sizes,
-        lambda k, b, L: layer(b, L),
-        ramp_after=list(range(n - 1)),
-        ramp_ms=lambda b, L: 0.02 * layer(b, L),
-        survival=list(survival) if survival is not None else easy_hard_survival(n, 0.8),
-        output_bytes=lambda L: int(HIDDEN * L * 2),
-        weight_bytes=int(7.1e6 * 2),
+        layer,
+        list(survival) if survival is not None else easy_hard_survival(n, 0.8),
+        hidden=HIDDEN,
+        value_bytes=2,
+        weight_params=7.1e6,
         measured_on=f"derived: published TensorRT BERT-base FP16 latency on {gpu_name} (NVIDIA/TensorRT demo/BERT), planner/synthetic.py",
+    )
+
+
+LARGE_HIDDEN = 1024
+LARGE_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 64)
+"""TENSORRT_BATCHES up to 64: the batch sizes of `tensorrt_bert_large_profile`."""
+V100_FROM_A100 = 312.0 / 125.0
+"""V100's TensorRT time over A100's (FP16 tensor-core peaks: 312 and 125 TFLOPS), for the V100 pool of
+`tensorrt_bert_large_profile`, which the published tables do not cover."""
+
+
+def tensorrt_bert_large_profile(
+    gpu_name: str,
+    survival: Sequence[float] | None = None,
+    *,
+    seq_lens: Sequence[int] = (128, 384),
+    batch_sizes: Sequence[int] = LARGE_BATCHES,
+    model: str = "bert-large-ee",
+) -> ModelProfileSpec:
+    """BERT-large (24 blocks, a ramp after every layer but the last) on `gpu_name` (a100, v100, t4) from
+    the TensorRT BERT-base tables, scaled as the module docstring states; survival: 80:20 easy:hard, easy
+    inputs exit after 4-10 blocks, hard ones after 20-24."""
+    n = 24
+    source, factor = ("a100", V100_FROM_A100) if gpu_name == "v100" else (gpu_name, 1.0)
+    index = {b: i for i, b in enumerate(TENSORRT_BATCHES)}
+    scale = factor * (LARGE_HIDDEN / HIDDEN) ** 2 / 12  # one BERT-large layer from the 12-layer whole model
+
+    def layer(b: float, L: float) -> float:
+        return tensorrt_model_ms(source, index[int(b)], L) * scale
+
+    return layered_profile(
+        model,
+        gpu_name,
+        n,
+        seq_lens,
+        batch_sizes,
+        layer,
+        list(survival) if survival is not None else easy_hard_survival(n, 0.8, (4, 10), (20, 24)),
+        hidden=LARGE_HIDDEN,
+        value_bytes=2,
+        weight_params=12.6e6,
+        measured_on=f"derived: published TensorRT BERT-base FP16 latency scaled to BERT-large on {gpu_name} (planner/synthetic.py)",
     )
 
 
@@ -302,18 +382,17 @@ def flops_bert_base_profile(
     SATURATION_TOKENS tokens in flight, a per-layer launch overhead)."""
     gpu = GPUS[gpu_name]
     n = 12
-    return synthetic_profile(
+    return layered_profile(
         model,
         gpu_name,
         n,
         seq_lens,
         batch_sizes,
-        lambda k, b, L: layer_ms(gpu, b, L),
-        ramp_after=list(range(n - 1)),
-        ramp_ms=lambda b, L: 0.02 * layer_ms(gpu, b, L),
-        survival=list(survival) if survival is not None else easy_hard_survival(n, 0.8),
-        output_bytes=lambda L: int(HIDDEN * L * 4),
-        weight_bytes=int(7.1e6 * 4),
+        lambda b, L: layer_ms(gpu, b, L),
+        list(survival) if survival is not None else easy_hard_survival(n, 0.8),
+        hidden=HIDDEN,
+        value_bytes=4,
+        weight_params=7.1e6,
         measured_on=f"derived: BERT-base FLOPs on {gpu_name} at {gpu.efficiency:.0%} of {gpu.peak_tflops} TFLOPS (planner/synthetic.py)",
     )
 

@@ -1,7 +1,8 @@
 """`exitplan prepare`'s engine: build a bundle once, verify it through ONNX Runtime, reuse it after.
 
-A finished bundle holds `.complete.json` with a hash of the build options; a rerun with the same
-options reuses it, `force=True` rebuilds. The build happens in a sibling temporary directory that
+A finished bundle holds `.complete.json` with a hash of the build options and the model it holds; a
+rerun with the same options reuses it, `force=True` rebuilds, and another model's bundle is never
+replaced without `force`. The build happens in a sibling temporary directory that
 replaces the target only when complete, under a file lock, so concurrent builders (parallel test
 sessions) never see half a bundle.
 """
@@ -83,13 +84,24 @@ def is_complete(directory: Path, options: Any) -> bool:
     """True when `directory` holds a finished build of options with the same `digest()`."""
     marker = Path(directory) / MARKER
     try:
-        return json.loads(marker.read_text()).get("options_hash") == options.digest()
+        return bool(json.loads(marker.read_text()).get("options_hash") == options.digest())
     except (OSError, ValueError):
         return False
 
 
+def held_model(directory: Path) -> str | None:
+    """The model a finished bundle at `directory` was built from, as its marker records it (None: no
+    bundle, or one built before markers named the model)."""
+    try:
+        found = json.loads((Path(directory) / MARKER).read_text()).get("model")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
+
+
 def read_report(directory: Path) -> dict[str, Any]:
-    return json.loads((Path(directory) / REPORT).read_text())
+    report: dict[str, Any] = json.loads((Path(directory) / REPORT).read_text())
+    return report
 
 
 @contextmanager
@@ -114,16 +126,6 @@ def auto_threads() -> int:
     return cores if busy < 0.5 * cores else 1
 
 
-def prepare_bundle(
-    options: BuildOptions, out: Path, *, force: bool = False, bar: Bar | None = None, threads: int | None = None
-) -> BuildResult:
-    """Build (or reuse) the built-in bundle for `options` at `out` (a preset of the bring-your-own-model
-    paths: exitplan.prepare.presets); `threads` for PyTorch (None: `auto_threads()`)."""
-    from exitplan.prepare.presets import build_preset
-
-    return build_preset(options, Path(out), force=force, threads=threads, bar=bar or tqdm_bar())
-
-
 def build_once(
     out: Path, options: Any, build: Callable[[Path], dict[str, Any]], *, force: bool = False, threads: int | None = None
 ) -> tuple[Path, bool, dict[str, Any]]:
@@ -139,6 +141,13 @@ def build_once(
             return out, True, read_report(out)
         if out.exists() and not (out / MARKER).exists() and any(out.iterdir()) and not (out / "bundle.yaml").exists():
             raise PrepareError(f"{out} exists and is not a bundle; choose another --out or remove it")
+        held = held_model(out)
+        identity = options.identity() if hasattr(options, "identity") else None
+        if not force and held is not None and identity is not None and held != identity:
+            raise PrepareError(
+                f"{out} holds the bundle of another model, {held}, not {identity}; pass --force to replace it, "
+                "or choose another --out"
+            )
         work = out.parent / f".{out.name}.building"
         shutil.rmtree(work, ignore_errors=True)
         (work / "data").mkdir(parents=True)
@@ -155,7 +164,10 @@ def build_once(
             torch.set_num_threads(previous)
         report["torch_threads"] = chosen
         (work / REPORT).write_text(json.dumps(report, indent=2))
-        (work / MARKER).write_text(json.dumps({"options_hash": options.digest(), "options": asdict(options)}, indent=2))
+        marker = {"options_hash": options.digest(), "options": asdict(options)}
+        if hasattr(options, "identity"):
+            marker["model"] = options.identity()
+        (work / MARKER).write_text(json.dumps(marker, indent=2))
         record_digests(work)  # last: the sha256 of every file, in bundle.yaml (exitplan storage-init checks them)
         if out.exists():
             shutil.rmtree(out)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +36,14 @@ from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 from exitplan.api.bundle import BundleError, BundleManifest, read_manifest
 from exitplan.prepare.measure import Heldout, heldout_batches, load_heldout
 from exitplan.prepare.window import WINDOW_BATCH_SIZES, measure_savings, ramp_window, window_bucket
-from exitplan.worker.bundle_runtime import BATCH_DIM, SEQ_DIM, BundleRuntime, StateError
+from exitplan.worker_image.bundle_runtime import BATCH_DIM, SEQ_DIM, BundleRuntime, StateError, derived_inputs
 
 DEFAULT_TOLERANCE = 1e-4
 """Largest max |difference| allowed between the chained final logits and the source model's output."""
 DEFAULT_BATCH = 32
+PRECISION_SLACK = 0.01
+"""How far below its recorded agreement with the fp32 source a converted bundle's chain may read (the recorded
+figure was measured on another run, possibly another device)."""
 WINDOW = "data/window.npz"
 _RUN_ERRORS: tuple[type[Exception], ...] = (
     StateError,
@@ -114,7 +118,10 @@ class CheckReport:
     final_accuracy: float | None = None
     """The chained final answer against the held-out labels."""
     full_pred_agreement: float | None = None
-    """Fraction of held-out inputs whose chained final answer equals `full_pred` (must be 1.0)."""
+    """Fraction of held-out inputs whose chained final answer equals `full_pred` (must be 1.0; a bundle converted
+    to a reduced precision: at least what bundle.yaml's `precision` records, less `PRECISION_SLACK`)."""
+    precision: dict[str, Any] | None = None
+    """bundle.yaml's `precision` record of a converted bundle (`exitplan prepare --precision`), re-checked here."""
     source: SourceCheck | None = None
     ramps: list[RampCheck] = field(default_factory=list)
     savings_from: str | None = None
@@ -143,6 +150,7 @@ def check_bundle(
     directory: str | Path,
     *,
     source: str | Path | None = None,
+    output: str | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
     buckets: Sequence[int] | None = None,
     batch: int = DEFAULT_BATCH,
@@ -154,7 +162,7 @@ def check_bundle(
     """Check the bundle at `directory` (see the module docstring); raises `BundleError` when it cannot be
     loaded or run. `buckets`: length buckets to warm up (default: the bundle's own list, else 16, 32, ...
     up to max_length); `batch`: inputs per batch; `measure`: time the savings again instead of reading
-    data/window.npz."""
+    data/window.npz; `output`: the source model's output to compare (default: the one bundle.yaml serves)."""
     say = log or (lambda _msg: None)
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
@@ -178,7 +186,7 @@ def check_bundle(
         )
         return report
     data = load_heldout(root, m)
-    runner = SourceModel(Path(source), m, providers, threads) if source is not None else None
+    runner = SourceModel(Path(source), m, providers, threads, output) if source is not None else None
     say(f"chaining {len(data)} held-out inputs through every block" + (" and the source model" if runner else ""))
     logits, source_out = chain_heldout(runtime, data, batch, runner)
     _check_final(report, m, data, logits)
@@ -223,8 +231,9 @@ def file_checks(m: BundleManifest) -> list[FileCheck]:
 
 
 def dummy_state(m: BundleManifest, batch: int, bucket: int) -> dict[str, np.ndarray]:
-    """A batch of the bundle's inputs at `bucket`: random floats, integer inputs all 1 (a valid token id,
-    attention mask and token type), a decoder's positions 0..bucket-1 and its KV caches empty."""
+    """A batch of the bundle's inputs at `bucket`: random floats, integer inputs all 1 (a valid token id and
+    attention mask) but token types (0) and positions (0..bucket-1, as the router fills them in), a decoder's
+    positions 0..bucket-1 and its KV caches empty."""
     rng = np.random.default_rng(0)
     state: dict[str, np.ndarray] = {}
     for spec in m.inputs:
@@ -243,6 +252,8 @@ def dummy_state(m: BundleManifest, batch: int, bucket: int) -> dict[str, np.ndar
             state[spec.name] = rng.standard_normal(shape).astype(dtype)
         else:
             state[spec.name] = np.ones(shape, dtype=dtype)
+            if m.decoder is None and len(shape) == 2:
+                state.update(derived_inputs(state[spec.name], [spec.name]))
     if m.decoder is not None and m.decoder.position_input in state:
         positions = state[m.decoder.position_input]
         positions[...] = np.arange(positions.shape[-1], dtype=positions.dtype)
@@ -264,12 +275,10 @@ def warm_up(runtime: BundleRuntime, bucket: int, batch: int) -> BucketWarmup:
     start = time.perf_counter()
     for index, block in enumerate(m.blocks):
         what = f"block {block.name!r} fails at bucket {bucket}"
-        _guarded(runtime.directory / block.file, what, lambda i=index: runtime.run_block(i, work, bucket))
+        _guarded(runtime.directory / block.file, what, partial(runtime.run_block, index, work, bucket))
         for ramp in m.ramps_in(index, index):
             what = f"ramp {ramp.name!r} fails at bucket {bucket}"
-            logits = _guarded(
-                runtime.directory / ramp.file, what, lambda r=ramp.name: runtime.run_ramp(r, work, bucket)
-            )
+            logits = _guarded(runtime.directory / ramp.file, what, partial(runtime.run_ramp, ramp.name, work, bucket))
             if logits.ndim < 2 or logits.shape[0] != batch or logits.shape[-1] != len(m.labels):
                 raise BundleError(
                     f"{runtime.directory / ramp.file}: ramp {ramp.name!r} output tensor {ramp.output!r} has shape "
@@ -294,7 +303,9 @@ def heldout_format(heldout: Heldout) -> str:
 class SourceModel:
     """The unsplit model as one ONNX file, run through ONNX Runtime on the bundle's inputs."""
 
-    def __init__(self, path: Path, m: BundleManifest, providers: Sequence[str], threads: int) -> None:
+    def __init__(
+        self, path: Path, m: BundleManifest, providers: Sequence[str], threads: int, output: str | None = None
+    ) -> None:
         if not path.is_file():
             raise BundleError(f"{path}: source model not found")
         options = ort.SessionOptions()
@@ -314,13 +325,21 @@ class SourceModel:
                     f"(bundle.yaml's inputs are {bundle_inputs})"
                 )
         outputs = [o.name for o in self.session.get_outputs()]
-        wanted = m.final_ramp().output
-        if wanted in outputs or len(outputs) == 1:
+        served = output or m.source_output
+        if served is not None:
+            if served not in outputs:
+                raise BundleError(
+                    f"{path}: the source model has no output {served!r}"
+                    + (" (the one bundle.yaml serves)" if output is None else "")
+                    + f"; its outputs are {outputs}"
+                )
+            self.output = served
+        elif m.final_ramp().output in outputs or len(outputs) == 1:
+            wanted = m.final_ramp().output
             self.output = wanted if wanted in outputs else outputs[0]
         else:
             raise BundleError(
-                f"{path}: the source model has outputs {outputs}, none named {wanted!r} like the final ramp's "
-                f"output; export it with a single output or name the logits {wanted!r}"
+                f"{path}: the source model has outputs {outputs}; choose the one the bundle serves with --output NAME"
             )
 
     def run(self, state: dict[str, np.ndarray]) -> np.ndarray:
@@ -337,7 +356,7 @@ def chain_heldout(
     source_parts: list[tuple[np.ndarray, np.ndarray]] = []
     for rows, state, bucket in heldout_batches(runtime, data, batch):
         what = f"held-out batch at bucket {bucket}"
-        out, _ = _guarded(runtime.directory, what, lambda s=state, b=bucket: runtime.run_all_ramps(s, b))
+        out, _ = _guarded(runtime.directory, what, partial(runtime.run_all_ramps, state, bucket))
         for name, value in out.items():
             if name not in logits:
                 logits[name] = np.zeros((len(data), *value.shape[1:]), dtype=np.float32)
@@ -367,6 +386,16 @@ def _check_final(report: CheckReport, m: BundleManifest, data: Heldout, logits: 
         return
     same = final == np.asarray(data.full_pred)
     report.full_pred_agreement = float(same.mean())
+    record = m.precision
+    if record is not None and record.name != "fp32":  # full_pred is the fp32 source's: the record says how close
+        report.precision = record.model_dump(mode="json")
+        if report.full_pred_agreement + PRECISION_SLACK < record.final_agreement:
+            report.failures.append(
+                f"the {record.name} chain agrees with its fp32 source on {report.full_pred_agreement:.2%} of the "
+                f"held-out inputs, bundle.yaml records {record.final_agreement:.2%}: a file changed since it was "
+                f"converted; run exitplan prepare --precision {record.name} again"
+            )
+        return
     if not same.all():
         rows = np.flatnonzero(~same)
         report.failures.append(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from exitplan.api.resources import ModelProfileSpec
 from exitplan.prepare.measure import batch_state, load_heldout
-from exitplan.worker.bundle_runtime import cpu_worker_runtime
+from exitplan.worker_image.bundle_runtime import cpu_worker_runtime
 
 SECONDS = 0.5
 """Time spent per profiled length (at least RUNS runs, at most 200)."""

@@ -22,10 +22,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import yaml
+
+if TYPE_CHECKING:
+    import torch
+
+    from exitplan.api.bundle import BundleManifest
+    from exitplan.prepare.decoder_model import EarlyExitDecoder
 
 FORMAT_VERSION = 1
 BOS, EOS, PAD = 256, 257, 258
@@ -83,118 +89,13 @@ class DecoderOptions:
 # ---------------------------------------------------------------------------------- the model
 
 
-def _torch():
-    import torch
+def make_model(options: DecoderOptions) -> EarlyExitDecoder:
+    """The PyTorch early-exit decoder (exitplan.prepare.decoder_model, imported here: torch is a prepare-only import)."""
+    from exitplan.prepare.decoder_model import EarlyExitDecoder
 
-    return torch
-
-
-def _block_classes(d: int, n_heads: int):
-    """(Layer, Head): a pre-norm transformer layer with an explicit KV cache, and an exit head."""
-    torch = _torch()
-    from torch import nn
-    from torch.nn import functional as F
-
-    head_dim = d // n_heads
-
-    class Layer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1 = nn.LayerNorm(d)
-            self.qkv = nn.Linear(d, 3 * d)
-            self.proj = nn.Linear(d, d)
-            self.ln2 = nn.LayerNorm(d)
-            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-        def forward(self, x, past_key, past_value):
-            b, q, _ = x.shape
-            qkv = self.qkv(self.ln1(x)).view(b, q, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4)
-            key = torch.cat([past_key, qkv[1]], dim=2)
-            value = torch.cat([past_value, qkv[2]], dim=2)
-            past = past_key.shape[2]
-            scores = qkv[0] @ key.transpose(-1, -2) * (1.0 / math.sqrt(head_dim))
-            query_pos = torch.arange(q, device=x.device).unsqueeze(1) + past
-            key_pos = torch.arange(key.shape[2], device=x.device).unsqueeze(0)
-            scores = scores.masked_fill(key_pos > query_pos, -1e9)
-            attended = (scores.softmax(-1) @ value).transpose(1, 2).reshape(b, q, d)
-            x = x + self.proj(attended)
-            return x + self.mlp(self.ln2(x)), key, value
-
-        def train_forward(self, x):
-            b, q, _ = x.shape
-            qkv = self.qkv(self.ln1(x)).view(b, q, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4)
-            attended = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
-            x = x + self.proj(attended.transpose(1, 2).reshape(b, q, d))
-            return x + self.mlp(self.ln2(x))
-
-    class Head(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = nn.LayerNorm(d)
-            self.out = nn.Linear(d, VOCAB)
-
-        def forward(self, hidden):
-            return self.out(self.norm(hidden))
-
-    return Layer, Head
-
-
-def _export_wrappers():
-    """(FirstBlock, LayerBlock): the modules exported as the bundle's first block and later blocks."""
-    from torch import nn
-
-    class FirstBlock(nn.Module):
-        def __init__(self, model) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids, position_ids, past_key, past_value):
-            return self.model.layers[0](self.model.embed(input_ids, position_ids), past_key, past_value)
-
-    class LayerBlock(nn.Module):
-        def __init__(self, layer) -> None:
-            super().__init__()
-            self.layer = layer
-
-        def forward(self, hidden, past_key, past_value):
-            return self.layer(hidden, past_key, past_value)
-
-    return FirstBlock, LayerBlock
-
-
-def make_model(options: DecoderOptions):
-    """The PyTorch early-exit decoder (module classes are built lazily: torch is a prepare-only import)."""
-    torch = _torch()
-    from torch import nn
-
-    d, n_heads = options.hidden, options.heads
-    Layer, Head = _block_classes(d, n_heads)
-
-    class EarlyExitDecoder(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tokens = nn.Embedding(VOCAB, d)
-            self.positions = nn.Embedding(options.context, d)
-            self.layers = nn.ModuleList(Layer() for _ in range(options.layers))
-            self.heads = nn.ModuleList(Head() for _ in range(options.layers))
-
-        def embed(self, input_ids, position_ids):
-            return self.tokens(input_ids) + self.positions(position_ids)
-
-        def train_logits(self, input_ids):
-            """Logits of every head [heads][b, s, vocab] (training: full causal attention, no cache)."""
-            positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand_as(input_ids)
-            x = self.embed(input_ids, positions)
-            out = []
-            for layer, head in zip(self.layers, self.heads):
-                x = layer.train_forward(x)
-                out.append(head(x))
-            return out
-
-    model = EarlyExitDecoder()
-    model._n_heads = n_heads
-    model.FirstBlock, model.LayerBlock = _export_wrappers()
-    return model
+    return EarlyExitDecoder(
+        vocab=VOCAB, d=options.hidden, n_heads=options.heads, context=options.context, layers=options.layers
+    )
 
 
 # ---------------------------------------------------------------------------------- data
@@ -220,7 +121,7 @@ def tweet_corpus(heldout: int, seed: int, train_tweets: int | None = None) -> tu
 
 
 def _batches(
-    encoded: np.ndarray, lengths: np.ndarray, batch: int, steps: int, rng
+    encoded: np.ndarray, lengths: np.ndarray, batch: int, steps: int, rng: np.random.Generator
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     for _ in range(steps):
         rows = rng.integers(0, len(encoded), batch)
@@ -231,8 +132,8 @@ def _batches(
 # ---------------------------------------------------------------------------------- training + export
 
 
-def train(options: DecoderOptions, texts: list[str], bar: Callable | None = None) -> tuple[Any, dict]:
-    torch = _torch()
+def train(options: DecoderOptions, texts: list[str], bar: Bar | None = None) -> tuple[EarlyExitDecoder, dict[str, Any]]:
+    import torch
     from torch.nn import functional as F
 
     torch.manual_seed(options.seed)
@@ -253,14 +154,16 @@ def train(options: DecoderOptions, texts: list[str], bar: Callable | None = None
     progress = bar(options.steps, "training the early-exit decoder") if bar else None
     model.train()
     losses: list[list[float]] = []
-    for ids, _ in _batches(encoded, lengths, options.batch, options.steps, rng):
-        batch = torch.from_numpy(ids)
+    for batch_ids, _ in _batches(encoded, lengths, options.batch, options.steps, rng):
+        batch = torch.from_numpy(batch_ids)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         per_head = [
             F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=PAD)
             for logits in model.train_logits(inputs)
         ]
         loss = sum(w * head_loss for w, head_loss in zip(weights, per_head))
+        if not isinstance(loss, torch.Tensor):  # the sum of no heads is 0; check() keeps layers >= 1
+            raise DecoderBuildError(f"no heads to train (layers {options.layers})")
         optimiser.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -276,7 +179,7 @@ def train(options: DecoderOptions, texts: list[str], bar: Callable | None = None
     return model, {"final_train_loss_per_head": tail.tolist(), "loss_weights": weights}
 
 
-def manifest(options: DecoderOptions, name: str = "tweet-decoder"):
+def manifest(options: DecoderOptions, name: str = "tweet-decoder") -> BundleManifest:
     """bundle.yaml of a decoder with `options.layers` blocks, exits after all but the last."""
     from exitplan.api.bundle import BlockSpec, BundleManifest, DecoderSpec, KVCacheSpec, RampSpec, TensorSpec
     from exitplan.api.resources import Task
@@ -286,7 +189,9 @@ def manifest(options: DecoderOptions, name: str = "tweet-decoder"):
         TensorSpec(name="input_ids", dtype="int64", shape=["batch", "seq"]),
         TensorSpec(name="position_ids", dtype="int64", shape=["batch", "seq"]),
     ]
-    cache, blocks, ramps = [], [], []
+    cache: list[KVCacheSpec] = []
+    blocks: list[BlockSpec] = []
+    ramps: list[RampSpec] = []
     for i in range(n):
         kv = KVCacheSpec(
             block=i,
@@ -346,10 +251,17 @@ def manifest(options: DecoderOptions, name: str = "tweet-decoder"):
     )
 
 
-def export(model, options: DecoderOptions, bundle, directory: Path) -> None:
+def export(model: EarlyExitDecoder, options: DecoderOptions, bundle: BundleManifest, directory: Path) -> None:
     """Every block and head to ONNX (free axes: batch, seq = new positions, past, total = past + seq)."""
-    torch = _torch()
+    import torch
+    from torch import nn
+
+    from exitplan.prepare.decoder_model import FirstBlock, LayerBlock
     from exitplan.prepare.export import export_module
+
+    if bundle.decoder is None:
+        raise DecoderBuildError(f"bundle {bundle.name!r} has no decoder section (its KV cache tensors)")
+    decoder = bundle.decoder
 
     b, q, past, hd = 1, 3, 5, options.hidden // options.heads
     cache_in = {0: "batch", 2: "past"}
@@ -357,12 +269,14 @@ def export(model, options: DecoderOptions, bundle, directory: Path) -> None:
     rows = {0: "batch", 1: "seq"}
     example_cache = (torch.randn(b, options.heads, past, hd), torch.randn(b, options.heads, past, hd))
     for i, spec in enumerate(bundle.blocks):
-        kv = bundle.decoder.cache[i]
+        kv = decoder.cache[i]
+        module: nn.Module
+        example: tuple[torch.Tensor, ...]
         if i == 0:
-            module = model.FirstBlock(model)
+            module = FirstBlock(model)
             example = (torch.randint(0, 256, (b, q)), torch.arange(past, past + q).unsqueeze(0), *example_cache)
         else:
-            module = model.LayerBlock(model.layers[i])
+            module = LayerBlock(model.blocks()[i][0])
             example = (torch.randn(b, q, options.hidden), *example_cache)
         axes = {name: rows for name in spec.inputs[:-2]}
         axes.update(
@@ -382,34 +296,36 @@ def export(model, options: DecoderOptions, bundle, directory: Path) -> None:
             output_names=spec.outputs,
             free_axes=axes,
         )
-    for i, spec in enumerate(bundle.ramps):
+    for i, ramp in enumerate(bundle.ramps):
         export_module(
             model.heads[i].eval(),
             (torch.randn(b, q, options.hidden),),
-            directory / spec.file,
-            input_names=spec.inputs,
-            output_names=[spec.output],
-            free_axes={spec.inputs[0]: rows, spec.output: rows},
+            directory / ramp.file,
+            input_names=ramp.inputs,
+            output_names=[ramp.output],
+            free_axes={ramp.inputs[0]: rows, ramp.output: rows},
         )
 
 
-def torch_reference_logits(model, ids: list[int]) -> list[np.ndarray]:
+def torch_reference_logits(model: EarlyExitDecoder, ids: list[int]) -> list[np.ndarray]:
     """Every head's logits [s, vocab] for one sequence, PyTorch, cache path with an empty past."""
-    torch = _torch()
+    import torch
+
     with torch.no_grad():
         t = torch.tensor([ids])
         positions = torch.arange(len(ids)).unsqueeze(0)
         x = model.embed(t, positions)
         out = []
-        for layer, head in zip(model.layers, model.heads):
+        for layer, head in model.blocks():
             x, _, _ = layer(x, *_empty_cache(model, x))
             out.append(head(x)[0].numpy())
     return out
 
 
-def _empty_cache(model, x):
-    torch = _torch()
-    n_heads = model._n_heads
+def _empty_cache(model: EarlyExitDecoder, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    n_heads = model.n_heads
     hd = x.shape[-1] // n_heads
     return torch.zeros(1, n_heads, 0, hd), torch.zeros(1, n_heads, 0, hd)
 
@@ -462,7 +378,7 @@ def _build(options: DecoderOptions, directory: Path, bar: Bar | None) -> dict[st
     )
     (directory / "data" / "heldout.json").write_text(json.dumps(heldout))
     # Check the export: ONNX Runtime (no cache, whole sequence) against PyTorch on held-out tweets.
-    from exitplan.worker.generate.decoder import DecoderModel
+    from exitplan.worker_image.generate.decoder import DecoderModel
 
     runtime = DecoderModel(directory)
     diffs = []

@@ -47,14 +47,26 @@ def pool(kind: str, activation: np.ndarray, mask: np.ndarray | None = None) -> n
     x = activation.astype(np.float32, copy=False)
     if kind == "vector":
         return x.reshape(x.shape[0], -1)
+    pooled: np.ndarray
     if kind == "spatial":
-        return x.mean(axis=tuple(range(2, x.ndim)))
+        pooled = x.mean(axis=tuple(range(2, x.ndim)))
+        return pooled
     if kind != "sequence":
         raise ValueError(f"unknown ramp kind {kind!r}; expected one of {KINDS}")
     if mask is None:
-        return x.mean(axis=1)
+        pooled = x.mean(axis=1)
+        return pooled
     m = (mask != 0).astype(np.float32)[:, :, None]
-    return (x * m).sum(axis=1) / np.maximum(m.sum(axis=1), 1e-9)
+    pooled = (x * m).sum(axis=1) / np.maximum(m.sum(axis=1), 1e-9)
+    return pooled
+
+
+def ramp_flops(kind: str, shape: tuple[int, ...], weights: RampWeights) -> float:
+    """Estimated FLOPs of one sample through the ramp: pooling the activation of `shape` (one sample's,
+    without the batch axis) and its layers (2 per multiply-accumulate), as graph_cuts counts a model's."""
+    elements = float(np.prod(shape)) if shape else 1.0
+    pooling = 0.0 if kind == "vector" else 2.0 * elements if kind == "sequence" else elements
+    return pooling + sum(2.0 * weight.size + bias.size for weight, bias in weights.layers)
 
 
 def _pooling_nodes(kind: str, source: str, mask: str | None, rank: int) -> tuple[list[onnx.NodeProto], str]:
@@ -167,7 +179,8 @@ def _train_mlp(
     x = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
     y = torch.from_numpy(targets.astype(np.int64))
     mean, std = x.mean(0), x.std(0).clamp(min=1e-6)
-    net = nn.Sequential(nn.Linear(x.shape[1], hidden), nn.ReLU(), nn.Linear(hidden, n_classes))
+    first, last = nn.Linear(x.shape[1], hidden), nn.Linear(hidden, n_classes)
+    net = nn.Sequential(first, nn.ReLU(), last)
     optimiser = torch.optim.Adam(net.parameters(), lr=3e-3, weight_decay=1e-4)
     z = (x - mean) / std
     for _ in range(300):
@@ -177,7 +190,6 @@ def _train_mlp(
         optimiser.step()
     with torch.no_grad():
         accuracy = float((net(z).argmax(1) == y).float().mean())
-        first, last = net[0], net[2]
         w0 = first.weight / std  # fold the standardization into the first layer
         b0 = first.bias - w0 @ mean
     layers = (

@@ -9,9 +9,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    import onnx
 
 OPSET = 17
 
@@ -54,7 +58,7 @@ def export_module(
     return path
 
 
-def _name_free_axes(model, free_axes: Mapping[str, Mapping[int, str]], path: Path) -> None:
+def _name_free_axes(model: onnx.ModelProto, free_axes: Mapping[str, Mapping[int, str]], path: Path) -> None:
     """Make sure every declared free axis carries its name (and nothing else is left symbolic)."""
     for value in list(model.graph.input) + list(model.graph.output):
         axes = free_axes.get(value.name, {})

@@ -196,13 +196,11 @@ def load_tokenizer(directory: Path) -> Any:
 
 
 def pad_token_id(config: Any, tokenizer: Any) -> int:
+    from exitplan.prepare.onnx_source import tokenizer_pad_id
+
     if getattr(config, "pad_token_id", None) is not None:
         return int(config.pad_token_id)
-    padding = tokenizer.padding
-    if padding and padding.get("pad_id") is not None:
-        return int(padding["pad_id"])
-    found = (tokenizer.token_to_id(t) for t in ("[PAD]", "<pad>", "<|pad|>"))
-    return next((int(i) for i in found if i is not None), 0)
+    return tokenizer_pad_id(tokenizer)
 
 
 def load_model(directory: Path, classifier: bool) -> Any:
@@ -247,12 +245,16 @@ class TextClassifier(nn.Module):
         return self.model(**kwargs)
 
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.call(input_ids, attention_mask).last_hidden_state
+        hidden: torch.Tensor = self.call(input_ids, attention_mask).last_hidden_state
+        return hidden
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor
         if self.head is None:
-            return self.call(input_ids, attention_mask).logits
-        return self.head(mean_pool(self.hidden(input_ids, attention_mask), attention_mask))
+            logits = self.call(input_ids, attention_mask).logits
+        else:
+            logits = self.head(mean_pool(self.hidden(input_ids, attention_mask), attention_mask))
+        return logits
 
 
 def text_classifier(model: nn.Module, ids: np.ndarray, mask: np.ndarray, classifier: bool) -> TextClassifier:
@@ -328,12 +330,13 @@ def _max_length(model: Any, config: Any, requested: int) -> int:
 
 
 def _train_head(
-    wrapper: TextClassifier, ids: np.ndarray, mask: np.ndarray, data: LabelledTexts, options: dict
+    wrapper: TextClassifier, ids: np.ndarray, mask: np.ndarray, data: LabelledTexts, options: dict[str, Any]
 ) -> float:
     """Train the linear head on the rows the pipeline trains its ramps on; its training accuracy."""
     from exitplan.prepare.build import auto_threads, tqdm_bar
-    from exitplan.prepare.from_onnx import OnnxOptions, split_rows
+    from exitplan.prepare.from_onnx import split_rows
     from exitplan.prepare.heads import train_linear
+    from exitplan.prepare.onnx_options import OnnxOptions
 
     fraction = float(options.get("heldout_fraction", OnnxOptions.heldout_fraction))
     seed = int(options.get("seed", OnnxOptions.seed))
@@ -385,7 +388,8 @@ def from_hf(
         arrays = {"input_ids": ids, "attention_mask": mask}
         traced = export_onnx(wrapper, arrays, work / "model.onnx", what)
         verify_export(wrapper, arrays, work / "model.onnx", what, float(options.get("tolerance", 1e-4)), traced)
-        np.savez(work / "data.npz", **arrays, label=texts.labels)
+        # allow_pickle: numpy's default, named so that the stubs match the arrays' names to **kwds alone
+        np.savez(work / "data.npz", allow_pickle=True, **arrays, label=texts.labels)
         (work / "labels.txt").write_text("".join(f"{name}\n" for name in texts.names))
         (work / "texts.json").write_text(json.dumps(texts.texts))
         tokenizer.no_padding()

@@ -2,114 +2,43 @@
 
 The pipeline (Apparate's, on a model nobody wrote ramps for):
 
-1. read the model and the data (one array per model input, keyed by name; `label` optional) and
-   run the model on every sample: its answers are the reference the ramps learn and are judged by;
+1. read the model and the data (one array per model input, keyed by name; `label` optional), choose
+   the output to serve, and run the model on every sample: its answers are the reference the ramps
+   learn and are judged by (:mod:`exitplan.prepare.onnx_source`);
 2. find the cut vertices of the graph (:mod:`exitplan.prepare.graph_cuts`), keep up to
    `candidates` of them spread by cumulative compute (or the user's `--cuts`), split the graph there;
 3. train one ramp per candidate on the model's own answers (pooling from the activation's shape,
    then a linear layer or a small MLP), on the training rows, from activations computed once;
-4. measure every block and ramp on this machine and tune thresholds on the held-out rows; keep the
-   ramps whose utility pays (latency saved minus overhead, greedily, at most `max_ramps`);
+4. keep the ramps that pay, decided on the held-out rows in compute (FLOPs from the graph: the
+   compute saved by exits minus the ramps' own; :mod:`exitplan.prepare.exit_report`), greedily, at
+   most `max_ramps`, so the choice does not depend on how busy the machine is;
 5. split again at the kept cuts only and write the bundle: blocks, ramps, the model's own head,
-   held-out data keyed by input name, the calibration window; chained blocks must reproduce the
-   source model (max absolute difference <= `tolerance`) or nothing is written. With `tokenizer` (and
-   `texts`, the text of each data row), the bundle takes texts: the tokenizer is copied in and the
-   held-out rows keep their `text` and token `length` (--hf, :mod:`exitplan.prepare.from_hf`).
+   held-out data keyed by input name, the calibration window (measured latencies, for the tuner);
+   chained blocks must reproduce the source model (max absolute difference <= `tolerance`) or nothing
+   is written. With `tokenizer` (and `texts`, the text of each data row), the bundle takes texts: the
+   tokenizer is copied in and the held-out rows keep their `text` and token `length`.
 
 The build runs in a sibling directory that replaces the target only when complete (build.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from exitplan.prepare.build import Bar, BuildResult, PrepareError, build_once, tqdm_bar
-from exitplan.prepare.user_data import DataError, InputInfo, UserData, load_data, model_inputs
+from exitplan.prepare.onnx_options import OnnxOptions, bundle_name
+from exitplan.prepare.onnx_source import Source, heldout_texts, load_source, tokenizer_pad_id
+from exitplan.prepare.user_data import InputInfo
 
-FORMAT_VERSION = 2
+__all__ = ["TOKENIZER", "from_onnx", "split_rows"]
+
 TOKENIZER = "tokenizer.json"
-TEXT_INPUTS = {"input_ids", "attention_mask"}
-"""What the router feeds a bundle that takes texts."""
-
-
-@dataclass(frozen=True)
-class OnnxOptions:
-    model: str
-    """Path of the ONNX classifier."""
-    data: str
-    """Path of DATA.npz."""
-    labels: str | None = None
-    """File with one class name a line (default: 0..C-1)."""
-    name: str | None = None
-    """Model name (default: the model file's stem, lower-cased)."""
-    max_ramps: int = 3
-    candidates: int = 8
-    """Cut vertices tried as ramp locations (spread by cumulative compute)."""
-    cuts: tuple[str, ...] = ()
-    """Tensor names to place ramps at, instead of the automatic choice."""
-    seq_axis: int | None = -1
-    """Sequence axis of the inputs; -1: detect (integer [N, L] inputs are token sequences); None: none."""
-    budget: float = 0.01
-    """Accuracy budget the placement tunes thresholds to (agreement with the model's own answers)."""
-    ramp_hidden: int = 0
-    """0: linear ramps; > 0: an MLP with one hidden layer of this width."""
-    overhead_frac: float = 0.05
-    """The kept ramps together cost at most this fraction of a whole-model pass."""
-    heldout_fraction: float = 0.25
-    heldout_last: int = 0
-    """> 0: the data's last `heldout_last` rows are the held-out rows (split beforehand, e.g. stratified),
-    instead of a random `heldout_fraction` of them."""
-    tolerance: float = 1e-4
-    seed: int = 0
-    tokenizer: str | None = None
-    """A `tokenizers` JSON file, copied into the bundle (no padding, no truncation) so the router takes texts."""
-    pad_token_id: int = 0
-    """The token id that pads token sequences (with `tokenizer`)."""
-    texts: str | None = None
-    """A JSON file with a list of texts, the text of each data row (with `tokenizer`): held-out rows keep theirs."""
-    source: str | None = None
-    """What reports call the model (default: the model file)."""
-    extras: tuple[str, ...] = ()
-    """Files copied into the bundle's data/ folder as they are (e.g. a head trained by --hf, for references)."""
-    fingerprint: str = field(default="", compare=False)
-    """sha256 of the model and data files (set by `resolved`), so a changed file rebuilds."""
-
-    def files(self) -> tuple[str | None, ...]:
-        return (self.model, self.data, self.labels, self.tokenizer, self.texts)
-
-    def resolved(self) -> OnnxOptions:
-        for what, path in zip(("onnx", "data", "labels", "tokenizer", "texts"), self.files(), strict=True):
-            if path is not None and not Path(path).is_file():
-                raise PrepareError(f"--{what} {path}: no such file")
-        missing = [path for path in self.extras if not Path(path).is_file()]
-        if missing:
-            raise PrepareError(f"extra bundle files {missing}: no such file")
-        if self.max_ramps < 0 or self.candidates < 1:
-            raise PrepareError(f"--max-ramps ({self.max_ramps}) must be >= 0 and candidates ({self.candidates}) >= 1")
-        if not 0.0 < self.heldout_fraction < 1.0 or not 0.0 <= self.budget < 1.0:
-            raise PrepareError("the held-out fraction must be in (0, 1) and the accuracy budget in [0, 1)")
-        digest = hashlib.sha256()
-        for path in (*self.files(), *self.extras):
-            digest.update(b"-" if path is None else Path(path).read_bytes())
-        resolved = {**asdict(self), "cuts": tuple(self.cuts), "extras": tuple(self.extras)}
-        return OnnxOptions(**{**resolved, "fingerprint": digest.hexdigest()[:16]})
-
-    def digest(self) -> str:
-        """The files by content (`fingerprint`), not by path: a model exported again to another temporary
-        directory (--torch, --hf) reuses the bundle; the name, which may come from the path, counts."""
-        paths = {"model", "data", "labels", "tokenizer", "texts"}
-        options = {k: v for k, v in asdict(self).items() if k not in paths}
-        options["extras"] = [Path(path).name for path in self.extras]
-        payload = json.dumps({"format": FORMAT_VERSION, **options, "name": _name(self)}, sort_keys=True, default=str)
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 def from_onnx(
@@ -133,153 +62,22 @@ def from_onnx(
     return BuildResult(path, reused, report)
 
 
-# ------------------------------------------------------------------------------ the model's answers
-
-
-@dataclass
-class Source:
-    """The model, its inputs, the data and the model's answers on it."""
-
-    model: Any
-    inputs: list[InputInfo]
-    data: UserData
-    logits: np.ndarray
-    labels: list[str]
-    seq_axis: int | None
-    mask: str | None
-    """The input that masks sequence positions (pooled over), if any."""
-
-    @property
-    def answers(self) -> np.ndarray:
-        return self.logits.argmax(axis=1)
-
-
-def _detect_seq_axis(option: int | None, inputs: list[InputInfo]) -> int | None:
-    if option is None or option >= 0:
-        return option
-    tokens = all(i.dtype.kind in "iu" and len(i.shape) == 2 for i in inputs)
-    return 1 if tokens else None
-
-
-def _widths(data: UserData, inputs: list[InputInfo], seq_axis: int | None, mask: str | None) -> np.ndarray | None:
-    """Per sample, the sequence width that holds its tokens (the mask's last 1), when the model's sequence
-    axis is free on every sequence input (padding beyond it changes no answer): batches are then run
-    trimmed, several times faster on short texts padded to a long width. None: run as given."""
-    if seq_axis != 1 or mask is None:
-        return None
-    if any(len(i.shape) > 1 and isinstance(i.shape[1], int) for i in inputs if data.inputs[i.name].ndim > 1):
-        return None
-    held = data.inputs[mask] != 0
-    last = held.shape[1] - np.argmax(held[:, ::-1], axis=1)
-    return np.where(held.any(axis=1), last, 1)
-
-
-def _run_source(model: Any, data: UserData, widths: np.ndarray | None = None, batch: int = 64) -> np.ndarray:
-    """The model's first output for every sample; with `widths`, samples sorted by width and each batch
-    trimmed to its widest."""
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    name = session.get_outputs()[0].name
-    order = np.arange(len(data)) if widths is None else np.argsort(widths, kind="stable")
-    outputs: list[np.ndarray] = []
-    for start in range(0, len(data), batch):
-        rows = order[start : start + batch]
-        feeds = {k: v[rows] for k, v in data.inputs.items()}
-        if widths is not None:
-            width = int(widths[rows].max())
-            feeds = {k: v[:, :width] if v.ndim > 1 else v for k, v in feeds.items()}
-        outputs.append(session.run([name], feeds)[0])
-    logits = np.concatenate(outputs).astype(np.float32)
-    answer = np.empty_like(logits)
-    answer[order] = logits
-    return answer
-
-
-def _labels(path: str | None, classes: int) -> list[str]:
-    if path is None:
-        return [str(i) for i in range(classes)]
-    names = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
-    if len(names) != classes:
-        raise PrepareError(f"--labels {path}: {len(names)} class names, but the model scores {classes} classes")
-    return names
-
-
-def load_source(opts: OnnxOptions) -> Source:
-    """The model, its data and its answers, checked: a class score vector per sample, at least as
-    many samples as classes."""
-    from exitplan.prepare.graph_cuts import load_model
-
-    model = load_model(Path(opts.model))
-    inputs = model_inputs(model)
-    data = load_data(Path(opts.data), inputs)
-    seq_axis = _detect_seq_axis(opts.seq_axis, inputs)
-    mask = next((i.name for i in inputs if "mask" in i.name.lower()), None) if seq_axis is not None else None
-    logits = _run_source(model, data, _widths(data, inputs, seq_axis, mask))
-    if logits.ndim != 2 or logits.shape[1] < 2:
-        raise PrepareError(
-            f"{opts.model}: the first output has shape {list(logits.shape)}; a classifier must output class "
-            "scores [batch, classes] with at least 2 classes"
-        )
-    n, classes = logits.shape
-    if n < classes:
-        raise DataError(f"{opts.data}: {n} samples for {classes} classes; give at least one sample per class")
-    if opts.tokenizer and (seq_axis != 1 or not {"input_ids"} <= {i.name for i in inputs} <= TEXT_INPUTS):
-        raise PrepareError(
-            f"{opts.model}: a bundle with a tokenizer takes token sequences as the router feeds them, inputs "
-            f"`input_ids` and optionally `attention_mask` [batch, seq]; this model takes "
-            f"{', '.join(i.describe() for i in inputs)}"
-        )
-    return Source(model, inputs, data, logits, _labels(opts.labels, classes), seq_axis, mask)
-
-
-def heldout_texts(opts: OnnxOptions, src: Source, rows: np.ndarray) -> dict[str, np.ndarray]:
-    """`text` and `length` (tokens, no truncation) of the held-out `rows` when the data comes with its
-    texts (`opts.texts`); each text must tokenize, truncated at the sequence width, to its row's ids."""
-    if not opts.texts or not opts.tokenizer:
-        return {}
-    from tokenizers import Tokenizer
-
-    texts = json.loads(Path(opts.texts).read_text())
-    if not isinstance(texts, list) or len(texts) != len(src.data):
-        raise PrepareError(f"{opts.texts}: expected a JSON list of {len(src.data)} texts, one per data row")
-    held = [str(texts[r]) for r in rows]
-    tokenizer = Tokenizer.from_file(opts.tokenizer)
-    tokenizer.no_padding()
-    tokenizer.no_truncation()
-    lengths = np.array([len(e.ids) for e in tokenizer.encode_batch(held)], dtype=np.int64)
-    ids = src.data.inputs["input_ids"]
-    tokenizer.enable_truncation(max_length=int(ids.shape[1]))
-    mask = src.data.inputs.get("attention_mask")
-    for row, encoded in zip(rows, tokenizer.encode_batch(held), strict=True):
-        used = int((mask[row] != 0).sum()) if mask is not None else len(encoded.ids)
-        if list(ids[row, :used]) != encoded.ids:
-            raise PrepareError(
-                f"{opts.texts}: text {int(row)} ({str(texts[row])[:40]!r}) tokenizes to {encoded.ids[:12]}... but its "
-                f"input_ids are {ids[row, :used][:12].tolist()}...; the texts and the ids must agree"
-            )
-    return {"text": np.asarray(held), "length": lengths}
-
-
 # ------------------------------------------------------------------------------ bundle files
 
 
 def _tensor_spec(info: InputInfo, seq_axis: int | None) -> Any:
     from exitplan.api.bundle import TensorSpec
+    from exitplan.api.dtypes import UnknownDType, by_numpy
 
     shape: list[int | str] = [
         "batch" if axis == 0 else "seq" if axis == seq_axis else (d if isinstance(d, int) and d > 0 else 1)
         for axis, d in enumerate(info.shape)
     ]
-    return TensorSpec(name=info.name, dtype=info.dtype.name, shape=shape)
-
-
-def _name(opts: OnnxOptions) -> str:
-    import re
-
-    raw = opts.name or Path(opts.model).stem
-    name = re.sub(r"[^a-z0-9-]+", "-", raw.lower()).strip("-")[:63] or "model"
-    return name
+    try:
+        dtype = by_numpy(info.dtype.name).numpy
+    except UnknownDType as err:
+        raise PrepareError(f"model input {info.describe()}: {err}") from err
+    return TensorSpec(name=info.name, dtype=dtype, shape=shape)
 
 
 def _manifest(opts: OnnxOptions, src: Source, blocks: list[Any], ramps: list[Any]) -> Any:
@@ -291,7 +89,7 @@ def _manifest(opts: OnnxOptions, src: Source, blocks: list[Any], ramps: list[Any
     if src.seq_axis is not None:
         max_length = int(next(iter(src.data.inputs.values())).shape[src.seq_axis])
     return BundleManifest(
-        name=_name(opts),
+        name=bundle_name(opts),
         task=Task.text_classification if src.seq_axis is not None else Task.image_classification,
         labels=src.labels,
         inputs=[_tensor_spec(i, src.seq_axis) for i in src.inputs],
@@ -303,8 +101,17 @@ def _manifest(opts: OnnxOptions, src: Source, blocks: list[Any], ramps: list[Any
         seq_axis=src.seq_axis,
         max_length=max_length,
         tokenizer=TOKENIZER if opts.tokenizer else None,
-        pad_token_id=opts.pad_token_id,
+        pad_token_id=_pad_token_id(opts),
+        source_output=src.output,
     )
+
+
+def _pad_token_id(opts: OnnxOptions) -> int:
+    if opts.pad_token_id is not None or not opts.tokenizer:
+        return opts.pad_token_id or 0
+    from tokenizers import Tokenizer
+
+    return tokenizer_pad_id(Tokenizer.from_file(opts.tokenizer))
 
 
 def _write_manifest(directory: Path, manifest: Any, opts: OnnxOptions | None = None) -> None:
@@ -374,7 +181,7 @@ def _features(directory: Path, src: Source, manifest: Any, candidates: list[Cand
     """Pooled activations at every candidate cut for every sample: [N, features] per candidate."""
     from exitplan.prepare.exit_ramps import pool
     from exitplan.prepare.measure import heldout_batches
-    from exitplan.worker.bundle_runtime import BundleRuntime
+    from exitplan.worker_image.bundle_runtime import BundleRuntime
 
     runtime = BundleRuntime(directory)
     everyone = _heldout(src, np.arange(len(src.data)), manifest)
@@ -385,9 +192,10 @@ def _features(directory: Path, src: Source, manifest: Any, candidates: list[Cand
             c = next(i for i, cand in enumerate(candidates) if cand.after == index)
             kind = candidates[c].cut.kind
             features = pool(kind, state[manifest.blocks[index].outputs[0]], state.get(src.mask) if src.mask else None)
-            if out[c] is None:
-                out[c] = np.zeros((len(src.data), features.shape[1]), dtype=np.float32)
-            out[c][rows] = features
+            pooled = out[c]
+            if pooled is None:
+                pooled = out[c] = np.zeros((len(src.data), features.shape[1]), dtype=np.float32)
+            pooled[rows] = features
     return [f for f in out if f is not None]
 
 
@@ -433,12 +241,15 @@ def _train(
 
 def _candidates(src: Source, opts: OnnxOptions) -> list[Any]:
     """The cuts to try: the user's `--cuts`, or up to `candidates` cut vertices spread by compute."""
-    from exitplan.prepare.graph_cuts import GraphError, find_cuts, no_cut_message, spread
+    from exitplan.prepare.graph_cuts import find_cuts, no_cut_message, spread
+    from exitplan.prepare.onnx_graph import GraphError
 
     example = {k: v[:2] for k, v in src.data.inputs.items()}
     # Cuts placed by hand may sit anywhere between input and output; the automatic choice skips the ends.
-    ends = {"margin": 0.0} if opts.cuts else {}
-    cuts = find_cuts(src.model, example, seq_axis=src.seq_axis, **ends)
+    if opts.cuts:
+        cuts = find_cuts(src.model, example, seq_axis=src.seq_axis, margin=0.0)
+    else:
+        cuts = find_cuts(src.model, example, seq_axis=src.seq_axis)
     if opts.cuts:
         by_name = {c.tensor: c for c in cuts}
         unknown = [name for name in opts.cuts if name not in by_name]
@@ -451,34 +262,38 @@ def _candidates(src: Source, opts: OnnxOptions) -> list[Any]:
     return spread(cuts, opts.candidates)
 
 
+def _compute_window(manifest: Any, logits: dict[str, np.ndarray], cands: list[Candidate]) -> Any:
+    """The compute window of the bundle's exit ramps (at `cands`) on the held-out rows' `logits`."""
+    from exitplan.prepare.exit_ramps import ramp_flops
+    from exitplan.prepare.exit_report import compute_window
+    from exitplan.prepare.window import ramp_window
+
+    conf, pred, final = ramp_window(manifest, logits)
+    places = [c.cut.compute_before for c in cands]
+    costs = [ramp_flops(c.cut.kind, tuple(c.cut.shape[1:]), c.weights) / max(c.cut.model_flops, 1.0) for c in cands]
+    return compute_window(conf, pred, final, places, costs)
+
+
 def _place(
-    directory: Path, src: Source, manifest: Any, held_rows: np.ndarray, opts: OnnxOptions
+    directory: Path, src: Source, manifest: Any, held_rows: np.ndarray, opts: OnnxOptions, cands: list[Candidate]
 ) -> tuple[list[int], dict[str, Any]]:
-    """Indices of the candidate ramps to keep, and the placement's figures."""
-    from exitplan.planner.tuning.feedback import FeedbackWindow
+    """Indices of the candidate ramps to keep, and the placement's figures (fractions of the compute)."""
     from exitplan.planner.tuning.placement import place_ramps
-    from exitplan.prepare.measure import all_ramp_logits, batch_state, time_chain
-    from exitplan.prepare.window import build_window
-    from exitplan.worker.bundle_runtime import BundleRuntime
+    from exitplan.prepare.exit_report import oracle_saving
+    from exitplan.prepare.measure import all_ramp_logits
+    from exitplan.worker_image.bundle_runtime import BundleRuntime
 
     runtime = BundleRuntime(directory)
-    held = _heldout(src, held_rows, manifest)
-    window = build_window(runtime, held, all_ramp_logits(runtime, held))
-    feedback = FeedbackWindow(
-        conf=window.conf, pred=window.pred, final=window.final, saving_ms=window.saving_ms, cost_ms=window.cost_ms
-    )
-    timing = time_chain(runtime, batch_state(runtime, held, 4, window.bucket), window.bucket, repeats=3)
-    whole_ms = float(sum(timing.block_ms) + timing.ramp_ms[manifest.final_ramp().name])
+    window = _compute_window(manifest, all_ramp_logits(runtime, _heldout(src, held_rows, manifest)), cands)
     figures: dict[str, Any] = {
-        "candidate_saving_ms": window.saving_ms.tolist(),
-        "candidate_cost_ms": window.cost_ms.tolist(),
-        "candidate_agreement": window.agreement(),
-        "whole_model_ms": whole_ms,
+        "candidate_agreement": [float(v) for v in (window.pred == window.final[:, None]).mean(axis=0)],
+        "candidate_cost": window.cost_ms.tolist(),
+        "candidates_oracle_compute_saved": oracle_saving(window),
     }
     if opts.cuts:
-        return list(range(len(window.ramps))), figures
-    placed = place_ramps(feedback, opts.budget, opts.max_ramps, overhead_ms=opts.overhead_frac * whole_ms)
-    figures.update(placement_saving_ms=placed.saving_ms, placement_agreement=placed.agreement)
+        return list(range(window.n_ramps)), figures
+    placed = place_ramps(window, opts.budget, opts.max_ramps, overhead_ms=opts.overhead_frac)
+    figures.update(placement_compute_saved=placed.saving_ms, placement_agreement=placed.agreement)
     return list(placed.ramps), figures
 
 
@@ -501,22 +316,24 @@ def _candidate_bundle(
     return scratch, manifest, candidates
 
 
-def _final_bundle(work: Path, src: Source, opts: OnnxOptions, kept: list[Candidate]) -> Any:
+def _final_bundle(work: Path, src: Source, opts: OnnxOptions, kept: list[Candidate]) -> tuple[Any, list[Candidate]]:
     manifest = _write_split(work, opts, src, [c.cut for c in kept], [])
     placed = [Candidate(c.cut, after=i, weights=c.weights, train_accuracy=c.train_accuracy) for i, c in enumerate(kept)]
     ramps = [_ramp_spec(work, src, manifest, c, f"ramp{i}") for i, c in enumerate(placed)]
     manifest = manifest.model_copy(update={"ramps": [*ramps, manifest.final_ramp()]})
     _write_manifest(work, manifest)
-    return manifest
+    return manifest, placed
 
 
 def _verify_and_measure(
-    work: Path, src: Source, manifest: Any, held_rows: np.ndarray, opts: OnnxOptions, texts: dict[str, np.ndarray]
+    work: Path, src: Source, manifest: Any, placed: list[Candidate], held_rows: np.ndarray, opts: OnnxOptions
 ) -> dict[str, Any]:
-    """Chained blocks against the source model on the held-out rows; held-out data and window written."""
+    """Chained blocks against the source model on the held-out rows; held-out data and window written;
+    what the exits buy (exit_report.exit_summary)."""
+    from exitplan.prepare.exit_report import exit_summary
     from exitplan.prepare.measure import all_ramp_logits
     from exitplan.prepare.window import build_window
-    from exitplan.worker.bundle_runtime import BundleRuntime
+    from exitplan.worker_image.bundle_runtime import BundleRuntime
 
     runtime = BundleRuntime(work)
     held = _heldout(src, held_rows, manifest)
@@ -527,17 +344,28 @@ def _verify_and_measure(
             f"the split model differs from {opts.model} by {diff:.3g} (max absolute difference of the outputs on the "
             f"held-out data, tolerance {opts.tolerance:g}); report the model, or place ramps by hand with --cuts"
         )
+    texts = heldout_texts(opts, src, held_rows)
+    # allow_pickle: numpy's default, named so that the stubs match the arrays' names to **kwds alone
     np.savez_compressed(
-        work / manifest.data.heldout, **held.inputs, label=held.label, full_pred=held.full_pred, **texts
+        work / manifest.data.heldout,
+        allow_pickle=True,
+        **held.inputs,
+        label=held.label,
+        full_pred=held.full_pred,
+        **texts,
     )
     window = build_window(runtime, held, logits)
     window.save(work / "data" / "window.npz")
+    names = [r.name for r in manifest.exit_ramps()]
+    flops = _compute_window(manifest, logits, placed) if placed else None
+    exits = exit_summary(names, flops, [c.cut.compute_before for c in placed], opts.budget)
     return {
         "chain_max_abs_diff": diff,
         "ramp_agreement": dict(zip(window.ramps, window.agreement(), strict=True)),
         "saving_ms": dict(zip(window.ramps, window.saving_ms.tolist(), strict=True)),
         "cost_ms": dict(zip(window.ramps, window.cost_ms.tolist(), strict=True)),
         "window_bucket": window.bucket,
+        "exits": exits,
     }
 
 
@@ -556,23 +384,25 @@ def split_rows(n: int, heldout_fraction: float, seed: int, last: int = 0) -> tup
 def _build(opts: OnnxOptions, work: Path, bar: Bar) -> dict[str, Any]:
     started = time.perf_counter()
     steps = bar(5, "prepare --onnx")
-    src = load_source(opts)
-    steps.update(1)
-    held_rows, train = split_rows(len(src.data), opts.heldout_fraction, opts.seed, opts.heldout_last)
-    texts = heldout_texts(opts, src, held_rows)
-    scratch, manifest, candidates = _candidate_bundle(work, src, opts, train)
-    steps.update(1)
-    kept_idx, figures = _place(scratch, src, manifest, held_rows, opts)
-    steps.update(1)
-    kept = [candidates[i] for i in kept_idx]
-    shutil.rmtree(scratch)
-    final = _final_bundle(work, src, opts, kept)
-    steps.update(1)
-    measured = _verify_and_measure(work, src, final, held_rows, opts, texts)
-    for path in opts.extras:
-        shutil.copyfile(path, work / "data" / Path(path).name)
-    steps.update(1)
-    steps.close()
+    try:
+        src = load_source(opts)
+        steps.update(1)
+        held_rows, train = split_rows(len(src.data), opts.heldout_fraction, opts.seed, opts.heldout_last)
+        heldout_texts(opts, src, held_rows)  # the texts must agree with the ids before any work
+        scratch, manifest, candidates = _candidate_bundle(work, src, opts, train)
+        steps.update(1)
+        kept_idx, figures = _place(scratch, src, manifest, held_rows, opts, candidates)
+        steps.update(1)
+        kept = [candidates[i] for i in kept_idx]
+        shutil.rmtree(scratch)
+        final, placed = _final_bundle(work, src, opts, kept)
+        steps.update(1)
+        measured = _verify_and_measure(work, src, final, placed, held_rows, opts)
+        for path in opts.extras:
+            shutil.copyfile(path, work / "data" / Path(path).name)
+        steps.update(1)
+    finally:
+        steps.close()  # before any error is printed: the message gets a line of its own
     accuracy = None if src.data.label is None else float((src.answers == src.data.label).mean())
     return {
         "source": opts.source or opts.model,
@@ -580,6 +410,9 @@ def _build(opts: OnnxOptions, work: Path, bar: Bar) -> dict[str, Any]:
         "heldout_size": int(held_rows.size),
         "model_accuracy": accuracy,
         "seq_axis": src.seq_axis,
+        "output": src.output,
+        "outputs_not_served": src.not_served,
+        "shape_reads_rewritten": src.shape_reads,
         "candidates": [
             {
                 "tensor": c.cut.tensor,

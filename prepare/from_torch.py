@@ -20,12 +20,15 @@ import tempfile
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from exitplan.prepare.build import BuildResult, PrepareError
-from exitplan.prepare.user_data import DataError, read_npz
+from exitplan.prepare.user_data import DataError, check_finite, read_npz
+
+if TYPE_CHECKING:
+    import torch
 
 OPSET = 17
 CHECK_ROWS = 64
@@ -101,6 +104,7 @@ def read_inputs(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
             raise DataError(
                 f"{path}: array {name!r} is {array.dtype.name} {list(array.shape)}; inputs are numeric [N, ...]"
             )
+        check_finite(path, name, array)
     return arrays, label
 
 
@@ -113,7 +117,7 @@ def free_axes(arrays: Mapping[str, np.ndarray], output: str = "logits") -> dict[
     return axes
 
 
-def _scope(module: Any, example: tuple, onnx_path: Path | None, op: str) -> str | None:
+def _scope(module: Any, example: tuple[torch.Tensor, ...], onnx_path: Path | None, op: str) -> str | None:
     """Where `op` is called: the submodule's path, from a TorchScript trace (a torch operator `ns::name`)
     or from the exported graph's node names (`/path/to/module/Op`, an ONNX operator `domain:Op`)."""
     import torch
@@ -134,7 +138,7 @@ def _scope(module: Any, example: tuple, onnx_path: Path | None, op: str) -> str 
     return None if node is None else node.name.rsplit("/", 1)[0].split("/")[-1]
 
 
-def _module_calling(module: Any, example: tuple, onnx_path: Path | None, op: str) -> str | None:
+def _module_calling(module: Any, example: tuple[torch.Tensor, ...], onnx_path: Path | None, op: str) -> str | None:
     """The submodule (path and class) whose forward calls `op`, if it can be found."""
     try:
         path = _scope(module, example, onnx_path, op)
@@ -146,7 +150,9 @@ def _module_calling(module: Any, example: tuple, onnx_path: Path | None, op: str
     return f"{path or '(the model itself)'} ({type(owner).__name__})"
 
 
-def _failure(err: BaseException, module: Any, example: tuple, what: str, onnx_path: Path | None = None) -> PrepareError:
+def _failure(
+    err: BaseException, module: Any, example: tuple[torch.Tensor, ...], what: str, onnx_path: Path | None = None
+) -> PrepareError:
     text = str(err).strip()
     op = next((m.group(1) for p in _OP_PATTERNS if (m := p.search(text))), None)
     first = text.splitlines()[0] if text else type(err).__name__
@@ -196,7 +202,9 @@ def export_onnx(module: Any, arrays: Mapping[str, np.ndarray], path: Path, what:
         except Exception as err:
             raise _failure(err, module, example, what) from err
     module.eval()  # the exporter restores the mode it found; keep eval whatever the factory returned
-    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
+    # torch.jit.TracerWarning is torch's public name for the class, but torch.jit's __all__ leaves it out
+    tracer_warning = torch.jit.TracerWarning  # type: ignore[attr-defined]
+    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, tracer_warning)]
 
 
 def _first_tensor(out: Any) -> Any:
@@ -270,7 +278,7 @@ def run_onnx_pipeline(
 ) -> BuildResult:
     """`from_onnx` on an exported model; errors name `what`, not the temporary file."""
     from exitplan.prepare.from_onnx import from_onnx
-    from exitplan.prepare.graph_cuts import GraphError
+    from exitplan.prepare.onnx_graph import GraphError
 
     try:
         return from_onnx(model, data, out, **options)

@@ -24,7 +24,8 @@ class LinearFit:
     """Fraction of training inputs whose argmax equals their target."""
 
     def logits(self, features: np.ndarray) -> np.ndarray:
-        return features @ self.weight.T + self.bias
+        scores: np.ndarray = features @ self.weight.T + self.bias
+        return scores
 
     def to_linear(self) -> nn.Linear:
         layer = nn.Linear(self.weight.shape[1], self.weight.shape[0])
@@ -62,7 +63,7 @@ def train_linear(
 
     def closure() -> torch.Tensor:
         optimiser.zero_grad()
-        loss = loss_fn(layer(z), y) + weight_decay * layer.weight.pow(2).sum()
+        loss: torch.Tensor = loss_fn(layer(z), y) + weight_decay * layer.weight.pow(2).sum()
         loss.backward()
         return loss
 

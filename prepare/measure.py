@@ -9,12 +9,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from exitplan.api.bundle import BundleError, BundleManifest
-from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, pad_batch
+from exitplan.worker_image.bundle_runtime import BundleRuntime, bucket_for, input_role, pad_batch
 
 
 @dataclass
@@ -42,14 +44,17 @@ def sequence_lengths(manifest: BundleManifest, inputs: dict[str, np.ndarray]) ->
     masks = [t.name for t in manifest.inputs if "mask" in t.name.lower() and t.name in inputs]
     if masks:
         mask = inputs[masks[0]]
-        return (mask != 0).reshape(mask.shape[0], mask.shape[axis], -1).any(axis=2).sum(axis=1).astype(np.int64)
+        present = (mask != 0).reshape(mask.shape[0], mask.shape[axis], -1)
+        lengths: npt.NDArray[np.int64] = present.any(axis=2).sum(axis=1).astype(np.int64)
+        return lengths
     first = inputs[manifest.inputs[0].name]
     return np.full(first.shape[0], first.shape[axis], dtype=np.int64)
 
 
 def fit_to_bucket(manifest: BundleManifest, arrays: dict[str, np.ndarray], bucket: int) -> dict[str, np.ndarray]:
     """Named inputs cut or padded along the sequence axis to `bucket` (token ids with the pad token,
-    everything else with zeros); unchanged without a sequence axis."""
+    positions counting on, masks, token types and everything else with zeros); unchanged without a
+    sequence axis."""
     if manifest.seq_axis is None:
         return {name: np.ascontiguousarray(a) for name, a in arrays.items()}
     axis, out = manifest.seq_axis, {}
@@ -61,7 +66,11 @@ def fit_to_bucket(manifest: BundleManifest, arrays: dict[str, np.ndarray], bucke
             continue
         widths = [(0, 0)] * array.ndim
         widths[axis] = (0, bucket - size)
-        fill = manifest.pad_token_id if "mask" not in spec.name.lower() and array.dtype.kind in "iu" else 0
+        role = input_role(spec.name)
+        if role == "positions" and array.dtype.kind in "iu":
+            out[spec.name] = np.pad(array, widths, mode="linear_ramp", end_values=array.max() + bucket - size)
+            continue
+        fill = manifest.pad_token_id if role == "tokens" and array.dtype.kind in "iu" else 0
         out[spec.name] = np.pad(array, widths, constant_values=fill)
     return out
 
@@ -97,7 +106,7 @@ def load_heldout(directory: Path, manifest: BundleManifest) -> Heldout:
 
 def heldout_batches(
     runtime: BundleRuntime, heldout: Heldout, batch: int = 64
-) -> Iterator[tuple[np.ndarray, dict, int]]:
+) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray], int]]:
     """(rows, state, bucket) over the held-out inputs, each text in the smallest bucket that holds it."""
     if heldout.inputs is not None:
         yield from _named_batches(runtime, heldout, batch)
@@ -111,12 +120,16 @@ def heldout_batches(
             rows = members[start : start + batch]
             yield (
                 rows,
-                pad_batch([heldout.ids[r][:bucket] for r in rows], bucket, runtime.manifest.pad_token_id),
+                pad_batch(
+                    [heldout.ids[r][:bucket] for r in rows], bucket, runtime.manifest.pad_token_id, _names(runtime)
+                ),
                 int(bucket),
             )
 
 
-def _named_batches(runtime: BundleRuntime, heldout: Heldout, batch: int) -> Iterator[tuple[np.ndarray, dict, int]]:
+def _named_batches(
+    runtime: BundleRuntime, heldout: Heldout, batch: int
+) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray], int]]:
     assert heldout.inputs is not None
     manifest = runtime.manifest
     if heldout.lengths is None:
@@ -133,7 +146,7 @@ def _named_batches(runtime: BundleRuntime, heldout: Heldout, batch: int) -> Iter
 
 
 def all_ramp_logits(
-    runtime: BundleRuntime, heldout: Heldout, progress: Callable | None = None
+    runtime: BundleRuntime, heldout: Heldout, progress: Callable[[int], object] | None = None
 ) -> dict[str, np.ndarray]:
     """Logits of every ramp (final head included) for every held-out input, no exits."""
     out: dict[str, np.ndarray] = {}
@@ -159,10 +172,15 @@ def batch_state(runtime: BundleRuntime, heldout: Heldout, batch: int, bucket: in
         arrays = {name: a[rows] for name, a in heldout.inputs.items()}
         return fit_to_bucket(runtime.manifest, arrays, bucket)
     assert heldout.ids is not None
-    fitting = [s for s in heldout.ids if len(s) <= bucket] or [s[:bucket] for s in heldout.ids]
+    fits = [s for s in heldout.ids if len(s) <= bucket] or [s[:bucket] for s in heldout.ids]
     # prefer the longest inputs that fit, so the batch looks like this bucket's real traffic
-    fitting = sorted(fitting, key=len, reverse=True)
-    return pad_batch([fitting[i % len(fitting)] for i in range(batch)], bucket, runtime.manifest.pad_token_id)
+    fits = sorted(fits, key=len, reverse=True)
+    names = _names(runtime)
+    return pad_batch([fits[i % len(fits)] for i in range(batch)], bucket, runtime.manifest.pad_token_id, names)
+
+
+def _names(runtime: BundleRuntime) -> list[str]:
+    return [t.name for t in runtime.manifest.inputs]
 
 
 MIN_TIMED_MS = 5.0
@@ -177,6 +195,11 @@ class ChainTiming:
     ramp_ms: dict[str, float]
     states: list[dict[str, np.ndarray]]
     """The state after each block (what a split boundary there would forward, and more)."""
+
+
+def _block_call(runtime: BundleRuntime, index: int, state: dict[str, np.ndarray], bucket: int) -> Callable[[], object]:
+    """Run block `index` on a fresh copy of `state` (the block writes its outputs into the state it gets)."""
+    return lambda: runtime.run_block(index, dict(state), bucket)
 
 
 def time_chain(
@@ -201,9 +224,9 @@ def time_chain(
     # in serving order: each block, then the ramps that follow it
     calls: list[tuple[str, Callable[[], object]]] = []
     for index, before, after in zip(range(runtime.first_block, runtime.last_block + 1), inputs, states):
-        calls.append((f"block:{index}", lambda i=index, s=before: runtime.run_block(i, dict(s), bucket)))
+        calls.append((f"block:{index}", _block_call(runtime, index, before, bucket)))
         for ramp in runtime.manifest.ramps_in(index, index):
-            calls.append((f"ramp:{ramp.name}", lambda r=ramp.name, s=after: runtime.run_ramp(r, s, bucket)))
+            calls.append((f"ramp:{ramp.name}", partial(runtime.run_ramp, ramp.name, after, bucket)))
     for _ in range(warmup):
         for _, call in calls:
             call()

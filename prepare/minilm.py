@@ -35,7 +35,7 @@ def load_encoder() -> nn.Module:
     path = model_path()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    model = AutoModel.from_pretrained(str(path), attn_implementation="eager", add_pooling_layer=False)
+    model: nn.Module = AutoModel.from_pretrained(str(path), attn_implementation="eager", add_pooling_layer=False)
     return model.eval()
 
 

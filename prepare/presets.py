@@ -24,7 +24,16 @@ from typing import Any
 import numpy as np
 
 from exitplan.api.bundle import record_digests
-from exitplan.prepare.build import MARKER, REPORT, BuildOptions, BuildResult, read_report
+from exitplan.prepare.build import (
+    MARKER,
+    REPORT,
+    Bar,
+    BuildOptions,
+    BuildResult,
+    PrepareError,
+    read_report,
+    tqdm_bar,
+)
 
 PRESET_MARKER = ".preset.json"
 MINILM_LAYERS = 6
@@ -43,14 +52,22 @@ def _reusable(out: Path, options: BuildOptions) -> bool:
         complete = json.loads((out / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return preset == _marker(options, complete.get("options_hash"))
+    return bool(preset == _marker(options, complete.get("options_hash")))
 
 
 def _marker(options: BuildOptions, bundle_hash: str | None) -> dict[str, Any]:
     """What `.preset.json` holds: the preset's options, the pipeline's version and the finished build's hash."""
-    from exitplan.prepare.from_onnx import FORMAT_VERSION
+    from exitplan.prepare.onnx_options import FORMAT_VERSION
 
     return {"preset": options.digest(), "pipeline": FORMAT_VERSION, "bundle": bundle_hash}
+
+
+def prepare_bundle(
+    options: BuildOptions, out: Path, *, force: bool = False, bar: Bar | None = None, threads: int | None = None
+) -> BuildResult:
+    """Build (or reuse) the built-in bundle for `options` at `out`; `threads` for PyTorch (None:
+    `exitplan.prepare.build.auto_threads()`)."""
+    return build_preset(options, Path(out), force=force, threads=threads, bar=bar or tqdm_bar())
 
 
 def build_preset(options: BuildOptions, out: Path, *, force: bool, threads: int | None, bar: Any) -> BuildResult:
@@ -74,6 +91,13 @@ def build_preset(options: BuildOptions, out: Path, *, force: bool, threads: int 
     return result
 
 
+def _sizes(options: BuildOptions) -> tuple[int, int]:
+    """(training inputs, held-out inputs) of resolved options (`BuildOptions.resolved()` fills in the defaults)."""
+    if options.train_size is None or options.heldout_size is None:
+        raise PrepareError(f"{options.model}: the build options are not resolved (no train or held-out size)")
+    return options.train_size, options.heldout_size
+
+
 def heldout_accuracy(bundle: Path) -> dict[str, Any]:
     """The head's and every ramp's accuracy against the labels on the bundle's held-out data."""
     with np.load(bundle / "data" / "heldout.npz") as held, np.load(bundle / "data" / "window.npz") as window:
@@ -90,7 +114,7 @@ def _minilm(options: BuildOptions, tmp: Path, out: Path, common: dict[str, Any])
     from exitplan.prepare.from_hf import from_hf
     from exitplan.prepare.minilm import model_path
 
-    splits = tweet_splits(options.train_size, options.heldout_size, options.seed)
+    splits = tweet_splits(*_sizes(options), options.seed)
     data = tmp / "tweets.csv"
     with data.open("w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
@@ -154,7 +178,7 @@ def _digits(options: BuildOptions, tmp: Path, out: Path, common: dict[str, Any])
     from exitplan.prepare.datasets import digits_splits
     from exitplan.prepare.from_torch import from_torch
 
-    splits = digits_splits(options.train_size, options.heldout_size, options.seed)
+    splits = digits_splits(*_sizes(options), options.seed)
     model = _train_digits(splits.train_x, splits.train_label, options.seed, common["bar"])
     data = tmp / "digits.npz"
     x = np.concatenate([splits.train_x, splits.heldout_x])

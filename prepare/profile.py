@@ -31,10 +31,10 @@ import numpy as np
 import onnxruntime as ort
 
 from exitplan.api.bundle import BundleError, BundleManifest
-from exitplan.api.resources import BlockProfile, ModelProfile, ModelProfileSpec, RampProfile
+from exitplan.api.resources import API_VERSION, BlockProfile, ModelProfile, ModelProfileSpec, RampProfile
 from exitplan.planner.tuning.initial import survival_at
 from exitplan.prepare.measure import batch_state, load_heldout, time_chain
-from exitplan.worker.bundle_runtime import FIXED_SIZE_BUCKET, BundleRuntime
+from exitplan.worker_image.bundle_runtime import FIXED_SIZE_BUCKET, BundleRuntime
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_THRESHOLD = 0.9
@@ -188,6 +188,7 @@ def profile_bundle(
         survival=[survival[r.name] for r in ramps_in_order],
         input_bytes=[int(v) for v in in_bytes],
         measured_on=_machine(options.threads, runtime.active_providers),
+        providers=list(runtime.active_providers),
     )
     annotations = {
         THRESHOLDS_ANNOTATION: json.dumps(thresholds, sort_keys=True),
@@ -195,7 +196,7 @@ def profile_bundle(
         **options.extra_annotations,
     }
     name = f"{spec.model}-{options.pool}".lower().replace("_", "-")
-    return ModelProfile(metadata={"name": name, "annotations": annotations}, spec=spec)
+    return ModelProfile(apiVersion=API_VERSION, metadata={"name": name, "annotations": annotations}, spec=spec)
 
 
 class _Cells:
@@ -281,6 +282,6 @@ def _machine(threads: int, providers: Sequence[str]) -> str:
     return f"{cpu}; onnxruntime {ort.__version__} {'+'.join(providers)}, {threads} intra-op thread(s)"
 
 
-def profile_document(profile: ModelProfile) -> dict:
+def profile_document(profile: ModelProfile) -> dict[str, Any]:
     """The whole resource document (apiVersion, kind, metadata, spec) in its wire form (camelCase)."""
     return profile.model_dump(by_alias=True, exclude_none=True, mode="json")

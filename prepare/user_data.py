@@ -95,6 +95,22 @@ def _check_input(path: Path, info: InputInfo, array: np.ndarray) -> None:
             )
 
 
+def check_finite(path: Path, name: str, array: np.ndarray) -> None:
+    """A DataError naming the first row of a float array that holds NaN or an infinite value."""
+    if array.dtype.kind != "f" or array.size == 0:
+        return
+    bad = ~np.isfinite(array.reshape(array.shape[0], -1))
+    rows = np.flatnonzero(bad.any(axis=1))
+    if rows.size:
+        first = int(rows[0])
+        where = int(np.argmax(bad[first]))
+        value = array.reshape(array.shape[0], -1)[first, where]
+        raise DataError(
+            f"{path}: array {name!r} holds {value} in {rows.size} row(s), the first row {first} (position {where} of "
+            f"that row); remove those rows or replace the values before preparing"
+        )
+
+
 def load_data(path: Path, inputs: list[InputInfo]) -> UserData:
     """The arrays of `path` checked against the model's inputs (names, dtypes, ranks, fixed sizes,
     one sample count) and the optional `label`."""
@@ -112,6 +128,7 @@ def load_data(path: Path, inputs: list[InputInfo]) -> UserData:
         raise DataError(f"{path}: arrays {extra} are not inputs of the model (its inputs: {names}; plus `label`)")
     for info in inputs:
         _check_input(path, info, arrays[info.name])
+        check_finite(path, info.name, arrays[info.name])
     counts = {name: int(arrays[name].shape[0]) for name in names}
     if len(set(counts.values())) != 1:
         raise DataError(f"{path}: the arrays hold different numbers of samples {counts}; each needs one row per sample")

@@ -21,7 +21,7 @@ import numpy as np
 
 from exitplan.api.bundle import BundleManifest
 from exitplan.prepare.measure import Heldout, batch_state, time_chain
-from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, softmax
+from exitplan.worker_image.bundle_runtime import BundleRuntime, bucket_for, softmax
 
 WINDOW_BATCH_SIZES = (1, 2, 4, 8)
 

@@ -1,16 +1,26 @@
 """Bundle tarballs: written deterministically (sorted, no times or owners: the same bundle gives the
-same sha256), read safely (only files and directories, every one inside the target directory)."""
+same sha256), read safely (only files and directories, every one inside the target directory, within
+the limits of storage/limits.py)."""
 
 from __future__ import annotations
 
+import bz2
 import gzip
+import lzma
 import os
 import posixpath
+import shutil
 import tarfile
+import zlib
 from pathlib import Path
+from typing import IO, cast
 
 from exitplan.api.bundle import MANIFEST, bundle_files, file_sha256
 from exitplan.storage.errors import StorageError
+from exitplan.storage.limits import ArchiveLimits, CountingReader, GuardedStream, Readable, too_big, too_many
+
+STAGING = ".exitplan-unpack"
+"""Where a tarball is unpacked, beside the bundle, until all of it passed."""
 
 
 def write_tarball(bundle: Path, target: Path) -> str:
@@ -61,24 +71,67 @@ def _top_folder(names: list[str]) -> str:
     return ""
 
 
-def extract_tarball(tarball: Path, dest: Path, source: str) -> None:
-    """Unpack a bundle tarball into `dest`: members with `..`, absolute names, links or devices are
-    refused (the member is named); a tarball of one folder holding bundle.yaml is unpacked from inside it."""
+def _decompressed(raw: CountingReader, head: bytes) -> Readable:
+    """The decompressed side of `raw` by its first bytes: gzip, bzip2, xz, else a plain tar."""
+    if head.startswith(b"\x1f\x8b"):
+        return gzip.GzipFile(None, "rb", fileobj=raw)
+    if head.startswith(b"BZh"):
+        return bz2.BZ2File(raw, "rb")
+    if head.startswith(b"\xfd7zXZ\x00"):
+        return lzma.LZMAFile(cast("IO[bytes]", raw), "rb")  # LZMAFile reads only read()
+    return raw
+
+
+def _unpack(stream: GuardedStream, staging: Path, limits: ArchiveLimits, source: str) -> list[str]:
+    """Every member of the tar `stream` into `staging`, checked one by one before it is written; their names."""
+    names: list[str] = []
+    declared = 0
+    with tarfile.open(fileobj=stream, mode="r|") as tar:  # type: ignore[call-overload]
+        for member in tar:
+            _check(member, source)
+            names.append(_name(member))
+            if len(names) > limits.max_files:
+                raise too_many(source, limits, stream.count)
+            declared += member.size
+            if declared > limits.max_bytes:
+                raise too_big(source, limits, stream.count, f"its members declare {declared} bytes")
+            if _name(member) not in ("", "."):
+                tar.extract(member.replace(name=_name(member), deep=False), staging, filter="data")
+    return names
+
+
+def _move_up(staging: Path, dest: Path, top: str) -> None:
+    """What `staging` holds (or, with `top`, its one folder holds) into `dest`."""
+    root = staging / top if top else staging
+    for entry in sorted(root.iterdir()):
+        target = dest / entry.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+        os.replace(entry, target)
+
+
+def extract_tarball(tarball: Path, dest: Path, source: str, limits: ArchiveLimits | None = None) -> None:
+    """Unpack a bundle tarball into `dest`, read as one stream within `limits` (storage/limits.py: total
+    size, members, compression ratio; ArchiveLimitError past one): members with `..`, absolute names,
+    links or devices are refused (the member is named); a tarball of one folder holding bundle.yaml is
+    unpacked from inside it. Nothing lands in `dest` unless the whole tarball passes."""
+    limits = (limits or ArchiveLimits()).check()
+    staging = dest / STAGING
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
     try:
-        with tarfile.open(tarball, "r:*") as tar:
-            members = tar.getmembers()
-            for member in members:
-                _check(member, source)
-            top = _top_folder([_name(m) for m in members])
-            kept = []
-            for member in members:
-                name = _name(member)
-                if top:
-                    name = name[len(top) + 1 :] if name.startswith(top + "/") else ""
-                if name and name != ".":
-                    kept.append(member.replace(name=name, deep=False))
-            tar.extractall(dest, members=kept, filter="data")
+        with open(tarball, "rb") as handle:
+            raw = CountingReader(handle)
+            head = handle.read(6)
+            handle.seek(0)
+            stream = GuardedStream(_decompressed(raw, head), raw, limits, source)
+            names = _unpack(stream, staging, limits, source)
+        _move_up(staging, dest, _top_folder(names))
     except tarfile.FilterError as err:
         raise StorageError(f"{source}: refusing the tarball: {err}") from err
-    except (tarfile.TarError, EOFError, OSError) as err:
+    except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError) as err:
         raise StorageError(f"{source}: not a readable tarball: {err}") from err
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -16,10 +16,11 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from exitplan.api.bundle import MANIFEST, bundle_files
+from exitplan.api.bundle import MANIFEST, bundle_files, file_sha256
 from exitplan.api.bundle_source import HTTP, LOCAL, OCI, PVC, S3, BundleSource, SourceError, parse_bundle_uri
 from exitplan.storage import archive, https, s3
 from exitplan.storage.errors import StorageError
+from exitplan.storage.limits import ArchiveLimits, too_big, too_many
 from exitplan.storage.verify import FETCH_MARKER, Verification, verify_bundle
 
 DOWNLOAD = ".exitplan-download"
@@ -48,41 +49,52 @@ def _copy_local(src: Path, dest: Path, uri: str) -> None:
         shutil.copyfile(src / rel, dest / rel)
 
 
-def _fetch_s3(source: BundleSource, dest: Path, sha256: str | None, env: dict[str, str] | None) -> None:
+def _fetch_s3(
+    source: BundleSource, dest: Path, sha256: str | None, env: dict[str, str] | None, limits: ArchiveLimits
+) -> None:
     store = s3.connect(env)
     if source.tarball:
         tarball = dest / DOWNLOAD
         s3.download(store, source.location, source.path, tarball, source.uri)
-        _unpack(tarball, dest, source.uri, sha256)
+        _unpack(tarball, dest, source.uri, sha256, limits)
         return
-    count = 0
-    for key, rel in s3.objects(store, source.location, source.path, source.uri):
+    count = total = 0
+    for key, rel, size in s3.objects(store, source.location, source.path, source.uri):
         if not rel or rel.startswith("/") or ".." in rel.split("/"):
             raise StorageError(f"{source.uri}: object key {key!r} would land outside the bundle directory")
+        count, total = count + 1, total + size
+        if count > limits.max_files:
+            raise too_many(source.uri, limits, total - size)
+        if total > limits.max_bytes:
+            raise too_big(source.uri, limits, total - size, f"its objects hold {total} bytes")
         s3.download(store, source.location, key, dest / rel, source.uri)
-        count += 1
     if count == 0:
         raise StorageError(f"{source.uri}: no objects under that prefix at {store.endpoint}")
 
 
-def _unpack(tarball: Path, dest: Path, uri: str, sha256: str | None) -> None:
+def _unpack(tarball: Path, dest: Path, uri: str, sha256: str | None, limits: ArchiveLimits) -> None:
     if sha256 is not None:
-        from exitplan.api.bundle import file_sha256
-
         got = file_sha256(tarball)
         if got != sha256:
             raise StorageError(f"{uri}: the tarball's sha256 is {got}, not {sha256} (spec.model.bundleSha256)")
     try:
-        archive.extract_tarball(tarball, dest, uri)
+        archive.extract_tarball(tarball, dest, uri, limits)
     finally:
         tarball.unlink(missing_ok=True)
 
 
 def fetch(
-    source: BundleSource, dest: Path, *, sha256: str | None, allow_http: bool, env: dict[str, str] | None = None
+    source: BundleSource,
+    dest: Path,
+    *,
+    sha256: str | None,
+    allow_http: bool,
+    env: dict[str, str] | None = None,
+    limits: ArchiveLimits | None = None,
 ) -> None:
     """Fill `dest` (emptied first) with the bundle `source` names; `env`: the S3 variables (storage/s3.py;
-    None: this process's environment)."""
+    None: this process's environment); `limits`: what a remote bundle may hold (storage/limits.py)."""
+    limits = (limits or ArchiveLimits()).check()
     if source.kind in (PVC, OCI):
         raise StorageError(
             f"{source.uri}: a {source.kind}:// bundle is mounted (pvc) or copied out of its image (oci) by the "
@@ -92,13 +104,13 @@ def fetch(
     if source.kind == LOCAL:
         _copy_local(Path(source.location).expanduser(), dest, source.uri)
     elif source.kind == S3:
-        _fetch_s3(source, dest, sha256, env)
+        _fetch_s3(source, dest, sha256, env, limits)
     elif source.kind == HTTP:
         if sha256 is None:
             raise StorageError(f"{https.shown(source.uri)}: an http(s) bundle needs its sha256 (--sha256)")
         tarball = dest / DOWNLOAD
         https.download(source.location, tarball, sha256, allow_http)
-        _unpack(tarball, dest, https.shown(source.uri), None)
+        _unpack(tarball, dest, https.shown(source.uri), None, limits)
 
 
 def storage_init(
@@ -110,9 +122,10 @@ def storage_init(
     verify_only: bool = False,
     env: dict[str, str] | None = None,
     say: Callable[[str], None] = print,
+    limits: ArchiveLimits | None = None,
 ) -> Verification:
     """Fetch (unless `verify_only`) and verify; StorageError with a one-line reason otherwise. `env`: the
-    S3 variables (None: this process's environment)."""
+    S3 variables (None: this process's environment); `limits`: what the bundle may unpack to."""
     try:
         source = parse_bundle_uri(uri)
     except SourceError as err:
@@ -121,7 +134,7 @@ def storage_init(
     try:
         if not verify_only:
             say(f"fetching {shown} into {dest}")
-            fetch(source, dest, sha256=sha256, allow_http=allow_http, env=env)
+            fetch(source, dest, sha256=sha256, allow_http=allow_http, env=env, limits=limits)
         result = verify_bundle(dest, shown)
     except OSError as err:  # the local side: a full disk, a read-only or missing directory
         raise StorageError(f"{shown}: {err.filename or dest}: {err.strerror or err}") from err

@@ -29,6 +29,8 @@ class Pushed:
     files: int
     sha256: str | None = None
     """The tarball's sha256 (spec.model.bundleSha256), for a tarball."""
+    size: int = 0
+    """Bytes the bundle unpacks to (spec.model.bundleSize): its files' sizes together."""
 
 
 def push(bundle: Path, uri: str) -> Pushed:
@@ -44,8 +46,11 @@ def push(bundle: Path, uri: str) -> Pushed:
         )
     verified = verify_bundle(bundle)
     files = [*bundle_files(bundle), MANIFEST]
+    size = sum((bundle / rel).stat().st_size for rel in files)
     if source.kind == S3:
-        return _push_s3(bundle, source.location, source.path, uri, files, verified.verified)
+        pushed = _push_s3(bundle, source.location, source.path, uri, files, verified.verified)
+        pushed.size = size
+        return pushed
     if source.kind != LOCAL:
         raise StorageError(
             f"{uri}: push writes to s3://BUCKET/PREFIX or a local path (a tarball to host over https), "
@@ -56,7 +61,7 @@ def push(bundle: Path, uri: str) -> Pushed:
     digest = archive.write_tarball(bundle, tarball)
     if tarball != given:  # a directory to serve: the tarball and its checksum file (sha256sum's format)
         tarball.with_name(f"{tarball.name}.sha256").write_text(f"{digest}  {tarball.name}\n")
-    return Pushed(str(tarball), len(files), digest)
+    return Pushed(str(tarball), len(files), digest, size)
 
 
 def _push_s3(bundle: Path, bucket: str, key: str, uri: str, files: list[str], count: int) -> Pushed:

@@ -9,6 +9,10 @@ share (the keys of the Secret that spec.model.bundleSecret names):
 | AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL | `http(s)://host[:port]` of the store (default https://s3.amazonaws.com) |
 | AWS_REGION or AWS_DEFAULT_REGION | the bucket's region (default: asked of the store) |
 | AWS_CA_BUNDLE | a PEM file of the CA certificates that sign an https endpoint's certificate |
+
+The MinIO SDK (and urllib3 under it) is the `worker` extra, needed only where an s3:// bundle is fetched
+or pushed: this module imports it inside the functions that use it, so that the rest of `storage/`
+(https, pvc, oci sources, verification) runs without it.
 """
 
 from __future__ import annotations
@@ -88,13 +92,13 @@ def _errors() -> tuple[type[Exception], ...]:
     return (MinioException, Urllib3Error, ValueError)
 
 
-def objects(store: Store, bucket: str, prefix: str, what: str) -> Iterator[tuple[str, str]]:
-    """(key, path relative to the prefix) of every object under `prefix/`."""
+def objects(store: Store, bucket: str, prefix: str, what: str) -> Iterator[tuple[str, str, int]]:
+    """(key, path relative to the prefix, size in bytes) of every object under `prefix/`."""
     head = f"{prefix}/" if prefix else ""
     try:
         for obj in store.client.list_objects(bucket, prefix=head, recursive=True):
             if not obj.is_dir and not obj.object_name.endswith("/"):  # folder markers hold nothing
-                yield obj.object_name, obj.object_name[len(head) :]
+                yield obj.object_name, obj.object_name[len(head) :], int(obj.size or 0)
     except _errors() as err:
         raise explain(err, what, store) from err
 

@@ -21,7 +21,8 @@ DIGITS_TEST_OPTIONS = {"model": "digits-cnn"}
 
 
 def _bundle(options: dict) -> Path:
-    from exitplan.prepare.build import BuildOptions, prepare_bundle, tqdm_bar
+    from exitplan.prepare.build import BuildOptions, tqdm_bar
+    from exitplan.prepare.presets import prepare_bundle
 
     return prepare_bundle(BuildOptions(**options), TEST_BUNDLES / options["model"], bar=tqdm_bar(enabled=False)).path
 

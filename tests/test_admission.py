@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from exitplan.worker.classify.admission import Admission, Admitted, BucketLimiter, Refusal
+from exitplan.worker_image.classify.admission import Admission, Admitted, BucketLimiter, Refusal
 
 
 def test_limit_starts_from_reported_capacity_and_unknown_is_infinite_load():

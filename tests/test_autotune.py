@@ -360,33 +360,32 @@ def test_tune_config_defaults_are_decides_and_live_is_the_live_loops():
 
 
 class FakeRouter:
-    """The control endpoints the tuner uses (exitplan.worker.control_client.ControlClient's), in memory."""
+    """The control endpoints the tuner uses (exitplan.worker_image.control_client.ControlClient's), in memory."""
+
+    base_url = "http://fake"
 
     def __init__(self, window_, thresholds, fail_first=0):
         self.window, self.current, self.fail_first = window_, dict(thresholds), fail_first
-        self.pushed, self.calls, self.closed = [], 0, False
+        self.pushed, self.calls, self.closed, self.version = [], 0, False, 0
 
     async def feedback(self, last):
-        from exitplan.worker.control_client import ControlError
+        from exitplan.worker_image.control_client import ControlError, FeedbackArrays
 
         self.calls += 1
         if self.calls <= self.fail_first:
             raise ControlError("http://fake/v1/window.npz", "connection refused")
         w = self.window
-        return {
-            "conf": w.conf[-last:],
-            "pred": w.pred[-last:],
-            "final": w.final[-last:],
-            "saving_ms": w.saving_ms,
-            "cost_ms": w.cost_ms,
-        }
+        return FeedbackArrays(w.conf[-last:], w.pred[-last:], w.final[-last:], w.saving_ms, w.cost_ms)
 
-    async def thresholds(self):
-        return dict(self.current)
+    async def threshold_set(self):
+        from exitplan.worker_image.threshold_set import ThresholdSet
 
-    async def push_thresholds(self, thresholds, reason):
-        self.pushed.append((dict(thresholds), reason))
-        self.current = dict(thresholds)
+        return ThresholdSet(dict(self.current), self.version)
+
+    async def push_set(self, new, reason):
+        self.pushed.append((dict(new.values), reason))
+        self.current, self.version = dict(new.values), new.version
+        return new
 
     async def close(self):
         self.closed = True
@@ -397,9 +396,11 @@ def test_autotuner_step_reads_decides_pushes_and_carries_the_state():
 
     changes = []
     tuner = AutoTuner("http://fake", ["a", "b"], 0.01, config=replace(LIVE, tails=()), on_change=changes.append)
-    router = tuner.client = FakeRouter(window(1000, seed=7), {"a": 0.4, "b": 0.4})
+    router = FakeRouter(window(1000, seed=7), {"a": 0.4, "b": 0.4})
+    tuner.clients = [router]
     d = tuner.step()
     assert d.trigger == "breach" and router.pushed == [(d.thresholds, "tune-accuracy")] and changes == [d]
+    assert router.version == tuner.version == 1  # the next version of the set in force
     assert tuner.history == [d] and tuner.state.fresh == 0 and tuner.state.previous.n_inputs == 1000
     again = tuner.step()  # no new sample: nothing fresh to act on
     assert again.thresholds is None and tuner.state.fresh == 0 and len(tuner.history) == 2
@@ -413,7 +414,8 @@ def test_autotuner_loop_survives_a_failed_read_and_stops():
     from exitplan.localrun.autotune import AutoTuner
 
     tuner = AutoTuner("http://fake", ["a", "b"], 0.05, config=replace(LIVE, period_s=0.02, tails=()))
-    router = tuner.client = FakeRouter(window(1000, seed=1), {"a": 2.0, "b": 2.0}, fail_first=1)
+    router = FakeRouter(window(1000, seed=1), {"a": 2.0, "b": 2.0}, fail_first=1)
+    tuner.clients = [router]
     tuner.start()
     deadline = time.monotonic() + 10
     while not tuner.history and time.monotonic() < deadline:

@@ -32,8 +32,8 @@ from exitplan.client.texts import (
     text_body,
 )
 from exitplan.localrun.service_setup import ServiceSetup, single_split_plan
-from exitplan.worker import protocol
-from exitplan.worker.classify.decode import BadRequest, decode_inputs, parse_request
+from exitplan.worker_image import protocol
+from exitplan.worker_image.classify.decode import BadRequest, decode_inputs, parse_request
 
 # ---------------------------------------------------------------- helpers
 

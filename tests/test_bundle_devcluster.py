@@ -20,7 +20,6 @@ import functools
 import http.server
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -31,13 +30,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from devcluster_stack import stop_and_print
 from s3_server import bundle_with_digests, free_port, s3_server
+from test_bundle_limits import zeros_tarball
 from test_generation_devcluster import Api
 from test_operator_support import wait_for
 
+from exitplan.api.bundle import file_sha256
 from exitplan.operator.bundle_volumes import STORAGE_INIT
 from exitplan.storage.push import push
-from exitplan.worker.bundle_runtime import BundleRuntime
+from exitplan.worker_image.bundle_runtime import BundleRuntime
 
 EXITPLAN = [sys.executable, "-P", "-c", "from exitplan.cli import app; app()"]
 GUARD = 240.0  # only stops a broken run from hanging the suite; not a performance assertion
@@ -126,18 +128,7 @@ def stack(tmp_path_factory, digits_bundle):
             yield {"api": api, "bundle": bundle, "s3": s3, "tmp": tmp, "operator": procs[-1]}
             api.close()
         finally:
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-            for name, log in logs.items():
-                log.close()
-                text = (tmp / f"{name}.log").read_text(errors="replace").splitlines()[-40:]
-                print(f"---- {name} ----\n" + "\n".join(text))
+            stop_and_print(procs, logs, tmp)
 
 
 def create_service(api: Api, name: str, bundle: str, **model: str) -> None:
@@ -330,3 +321,26 @@ def test_a_wrong_sha256_or_an_unreachable_server_is_a_condition_and_the_pods_ret
     assert degraded_by_the_bundle(api, "badsha")  # a wrong sha256 stays wrong
     for name in ("badsha", "noserver"):
         api(api.client.delete(f"/apis/exitplan.io/v1alpha1/namespaces/{NS}/earlyexitservices/{name}"))
+
+
+def test_an_archive_bomb_is_a_condition_naming_the_limit(stack):
+    """Issue 28 item 6 end to end: a 194 KB tar.gz of 200 MB, pinned by its right sha256. Every pod's
+    storage-init refuses it after about 1 MiB read; the service is Degraded, BundleFetchFailed, with the
+    limit and how to raise it; the bundle's emptyDir carries its sizeLimit."""
+    api: Api = stack["api"]
+    wait("the first service's profile", lambda: api.get("ModelProfile", "digits-cnn-local"))
+    root = stack["tmp"] / "www3"
+    root.mkdir()
+    bomb = zeros_tarball(root / "bomb.tar.gz", [("weights.onnx", 200 * 1000 * 1000)])
+    with web_server(root) as (base, _):
+        create_service(api, "bomb", f"{base}/bomb.tar.gz", bundleSha256=file_sha256(bomb))
+        st = wait("bomb: Degraded, BundleFetchFailed", lambda: degraded_by_the_bundle(api, "bomb"))
+    message = next(c["message"] for c in st["conditions"] if c["type"] == "Degraded")
+    print(f"bomb ({bomb.stat().st_size} B): {message}")
+    assert "above the limit of 100:1" in message and "--max-ratio" in message, message
+    assert any("before refusing" in m for m in init_messages(api, "bomb"))
+    router = api.get("Deployment", "bomb-router")
+    (volume,) = [v for v in router["spec"]["template"]["spec"]["volumes"] if v["name"] == "bundle"]
+    assert volume["emptyDir"]["sizeLimit"] == f"{2 * 20 * 1024 + 64}Mi"  # the default bound, twice for a tarball
+    assert stack["operator"].poll() is None and phase(api, "digits")["phase"] == "Ready"
+    api(api.client.delete(f"/apis/exitplan.io/v1alpha1/namespaces/{NS}/earlyexitservices/bomb"))

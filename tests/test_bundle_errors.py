@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from exitplan.api.bundle import BundleError
-from exitplan.worker.bundle_runtime import BundleRuntime
+from exitplan.worker_image.bundle_runtime import BundleRuntime
 
 pytestmark = pytest.mark.slow
 

@@ -31,6 +31,7 @@ from exitplan.operator import builders, bundle_health, bundle_info, crdgen, gene
 from exitplan.operator.bundle_volumes import BUNDLE_DIR, IMAGE_COPY, STORAGE_INIT
 
 SHA = "a" * 64
+MiB = 1024 * 1024
 SOURCES = {
     "host": {"bundle": "/models/digits"},
     "pvc": {"bundle": "pvc://models/digits/v1"},
@@ -39,6 +40,7 @@ SOURCES = {
     "https": {"bundle": "https://models.example.com/digits.tar.gz?sig=x", "bundleSha256": SHA},
     "http": {"bundle": "http://models.internal/digits.tar.gz", "bundleSha256": SHA},
     "oci": {"bundle": "oci://ghcr.io/acme/digits-bundle:1.0"},
+    "https-sized": {"bundle": "https://models.example.com/big.tar.gz", "bundleSha256": SHA, "bundleSize": 300 * MiB},
 }
 OWNER = {
     "apiVersion": "exitplan.io/v1alpha1",
@@ -119,7 +121,7 @@ def test_every_pod_gets_the_bundle_its_source_needs(kind):
             assert all(m["subPath"] == "digits/v1" for c in readers for m in c["volumeMounts"] if m["name"] == "bundle")
             assert "--verify-only" in init["args"] and init["volumeMounts"][0]["readOnly"] is True
         else:
-            assert volume == {"name": "bundle", "emptyDir": {}}
+            assert set(volume) == {"name", "emptyDir"} and set(volume["emptyDir"]) == {"sizeLimit"}
         if kind.startswith("s3"):
             assert init["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
         else:
@@ -215,6 +217,44 @@ def test_the_bundle_source_key_follows_what_the_pods_fetch():
     }
     assert len(keys) == 4
     assert bundle_info.source_key(spec("s3-tarball", Task.text_generation).model) == bundle_info.source_key(base)
+
+
+GiB = 1024 * MiB
+STORAGE = "ephemeral-storage"
+
+
+@pytest.mark.parametrize("kind", sorted(SOURCES))
+def test_every_emptydir_has_a_size_limit_and_every_container_ephemeral_storage(kind):
+    """Issue 28 item 6: no unbounded emptyDir; the bundle's volume is sized from spec.model.bundleSize
+    (twice it, plus 64 Mi, for a tarball that unpacks beside its download), else from the operator's
+    default limit (20 GiB); storage-init refuses anything bigger, with the same figure."""
+    stated = SOURCES[kind].get("bundleSize")
+    for obj in objects(kind):
+        pod = pod_of(obj)
+        for volume in pod["volumes"]:
+            if "emptyDir" in volume:
+                assert volume["emptyDir"]["sizeLimit"].endswith("Mi"), (obj["metadata"]["name"], volume)
+        containers = pod.get("initContainers", []) + pod["containers"]
+        for container in containers:
+            assert STORAGE in container["resources"]["limits"], (obj["metadata"]["name"], container["name"])
+        if kind in ("host", "pvc"):
+            continue
+        volume = next(v for v in pod["volumes"] if v["name"] == "bundle")
+        init = next(c for c in containers if c["name"] == STORAGE_INIT)
+        bound = stated or 20 * GiB
+        tarball = kind in ("https", "http", "s3-tarball", "https-sized")
+        assert volume["emptyDir"]["sizeLimit"] == f"{(bound * (2 if tarball else 1) + 64 * MiB) // MiB}Mi"
+        if kind != "oci":
+            assert init["args"][init["args"].index("--max-bytes") + 1] == str(bound)
+            assert {"--max-files", "--max-ratio"} <= set(init["args"])
+        for reader in main_containers(pod):
+            requests = reader["resources"]["requests"]
+            if stated:  # the stated size is requested: the scheduler places the pod where it fits
+                assert requests[STORAGE] == f"{(stated + 64 * MiB + 256 * MiB) // MiB}Mi"
+            else:
+                assert requests[STORAGE] == "256Mi"
+    if kind == "https-sized":
+        print(f"{kind}: bundle 300 MiB -> emptyDir sizeLimit {volume['emptyDir']['sizeLimit']}, reader {requests}")
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,10 @@ from typer.testing import CliRunner
 
 from exitplan.api.bundle import read_manifest
 from exitplan.cli import app
-from exitplan.prepare.build import MARKER, BuildOptions, PrepareError, prepare_bundle, tqdm_bar
+from exitplan.prepare.build import MARKER, BuildOptions, PrepareError, tqdm_bar
 from exitplan.prepare.datasets import DatasetError, load_tweets
-from exitplan.worker.bundle_runtime import BundleRuntime, pad_batch, softmax
+from exitplan.prepare.presets import prepare_bundle
+from exitplan.worker_image.bundle_runtime import BundleRuntime, pad_batch, softmax
 
 pytestmark = pytest.mark.slow
 

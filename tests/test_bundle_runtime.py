@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from exitplan.api.bundle import read_manifest
-from exitplan.worker.bundle_runtime import BundleRuntime, StateError, bucket_for, default_buckets, pad_batch, softmax
+from exitplan.worker_image.bundle_runtime import (
+    BundleRuntime,
+    StateError,
+    bucket_for,
+    default_buckets,
+    pad_batch,
+    softmax,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -6,22 +6,19 @@ file, an unreachable endpoint names the endpoint, a tarball member outside the b
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import http.server
 import io
 import json
 import shutil
 import subprocess
 import sys
 import tarfile
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from s3_server import bundle_with_digests, free_port, s3_server
+from s3_server import bundle_with_digests, free_port, s3_server, web_server
 
 from exitplan.api.bundle import read_manifest, record_digests
 from exitplan.api.bundle_source import parse_bundle_uri
@@ -29,7 +26,7 @@ from exitplan.storage import https
 from exitplan.storage.errors import DigestMismatch, StorageError
 from exitplan.storage.initializer import storage_init
 from exitplan.storage.push import push
-from exitplan.worker.bundle_runtime import BundleRuntime
+from exitplan.worker_image.bundle_runtime import BundleRuntime
 
 EXITPLAN = [sys.executable, "-P", "-c", "from exitplan.cli import app; app()"]
 BUCKET = "bundles"
@@ -54,21 +51,12 @@ def s3_env(s3, monkeypatch):
     return s3
 
 
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def web(tmp_path_factory):
     """A real HTTP server over a directory (what hosting a pushed tarball looks like)."""
     root = tmp_path_factory.mktemp("www")
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(root)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield root, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with web_server(root) as base:
+        yield root, base
 
 
 def answers(directory: Path, n: int = 48) -> tuple[np.ndarray, np.ndarray]:
@@ -350,6 +338,8 @@ def test_the_cli_prints_what_the_spec_needs(bundle, tmp_path):
     )
     digest = hashlib.sha256((tmp_path / "b.tar.gz").read_bytes()).hexdigest()
     assert out.returncode == 0 and f"spec.model.bundleSha256: {digest}" in out.stdout, out.stderr
+    size = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
+    assert f"spec.model.bundleSize: {size} " in out.stdout  # what storage-init's --max-bytes and the volume get
     bad = subprocess.run(
         [*EXITPLAN, "bundle", "push", str(bundle), "oci://ghcr.io/a/b:1"], capture_output=True, text=True
     )

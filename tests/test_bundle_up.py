@@ -68,7 +68,7 @@ def no_aws_env(monkeypatch):
 def service_file(path: Path, bundle: str, **model: str) -> Path:
     docs = [
         {"apiVersion": "exitplan.io/v1alpha1", "kind": "GPUPool", "metadata": {"name": "cpu"},
-         "spec": {"capacity": 2, "costPerHour": 1.0}},
+         "spec": {"capacity": 2, "costPerHour": 1.0, "gpuResource": ""}},
         {"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService", "metadata": {"name": "digits"},
          "spec": {"model": {"name": "digits-cnn", "bundle": bundle, **model}, "slo": {"latencyMs": 1000},
                   "pools": [{"name": "cpu"}], "planner": {"maxSplits": 2}}},

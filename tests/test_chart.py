@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from netpol_eval import Pod, allowed, selects
 from packaging.version import Version
 from test_chart_support import (
     ALL_ON,
@@ -35,6 +36,7 @@ from test_chart_support import (
     of_kind,
     one,
     operator_pod,
+    operator_settings,
     render,
     render_dir,
     render_raw,
@@ -44,6 +46,8 @@ helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk is in t
 kv = pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate is in the dev extra")
 
 MIN_KUBE = Version("1.29")
+PER_NAMESPACE = {**ALL_ON, "networkPolicy": {**ALL_ON["networkPolicy"], "perService": False}}
+"""ALL_ON with the chart's per-namespace policies instead of the operator's per-service ones."""
 ALL_ON_METRICS_PORT = 9464
 """The operator's metrics port in ALL_ON: the chart's default, which is the CLI's (test below)."""
 
@@ -59,6 +63,7 @@ def test_defaults_render_the_operator_rbac_profiler_and_dashboards() -> None:
         "ClusterRoleBinding",
         "ConfigMap",
         "CustomResourceDefinition",
+        "NetworkPolicy",
         "Role",
         "RoleBinding",
         "Service",
@@ -74,8 +79,8 @@ def test_defaults_render_the_operator_rbac_profiler_and_dashboards() -> None:
         "modelprofiles.exitplan.io",
     ]
     assert not of_kind(objs, "PodDisruptionBudget")  # one replica: a budget would block node drains
-    # gated off by default
-    for kind in ("ServiceMonitor", "PodMonitor", "NetworkPolicy"):
+    # gated off by default (the NetworkPolicies are on: test_default_network_policies_...)
+    for kind in ("ServiceMonitor", "PodMonitor"):
         assert not of_kind(objs, kind)
     # the profiler identity lands in the default service namespace
     assert one(objs, "ServiceAccount", "exitplan-profiler", "default")
@@ -96,16 +101,16 @@ def test_every_toggle_on_renders_monitors_policies_and_peering() -> None:
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "http"
     rule = one(objs, "PrometheusRule")  # the alerts (tests/test_prometheus_rules.py)
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack" and rule["spec"]["groups"]
-    # per namespace: deny + router + one per split + metrics; plus the operator's
+    # per namespace: deny, clients, DNS, metrics (each service's own: the operator's); plus the operator's
     names = sorted(
         o["metadata"]["name"] for o in of_kind(objs, "NetworkPolicy") if o["metadata"]["namespace"] == "default"
     )
     assert names == sorted(
         [
             "exitplan-data-plane-deny",
-            "exitplan-router",
+            "exitplan-router-clients",
+            "exitplan-data-plane-dns",
             "exitplan-data-plane-metrics",
-            *(f"exitplan-worker-split-{s}" for s in range(4)),
         ]
     )
     assert one(objs, "NetworkPolicy", "exitplan-operator", NAMESPACE)
@@ -125,6 +130,7 @@ def test_toggles_off_render_only_the_operator() -> None:
             "dashboards": {"enabled": False},
             "leaderElection": {"enabled": False},
             "crds": {"enabled": False},
+            "networkPolicy": {"enabled": False},
         }
     )
     assert sorted(o["kind"] for o in objs) == ["Service", "StatefulSet"]
@@ -403,7 +409,7 @@ def test_operator_pod_has_secure_defaults() -> None:
             assert container["livenessProbe"]["httpGet"] == {
                 "path": "/healthz",
                 "port": "health",
-            }  # kopf's liveness endpoint
+            }  # the operator's liveness endpoint (operator/http_ports.py)
         assert not any("hostPath" in v for v in pod["volumes"])
 
 
@@ -459,7 +465,7 @@ def test_operator_args_are_accepted_by_the_cli() -> None:
 def test_operator_gets_the_data_plane_image_through_the_env_the_builders_read() -> None:
     pod = operator_pod(render({"dataPlane": {"image": {"repository": "registry.local/exitplan-worker", "tag": "e2e"}}}))
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
-    code = "from exitplan.operator import builders; print(builders.IMAGE)"
+    code = "from exitplan.operator import images; print(images.IMAGE)"
     got = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, "EXITPLAN_IMAGE": env["EXITPLAN_IMAGE"]},
@@ -555,7 +561,7 @@ def test_profiler_service_account_is_the_one_the_operator_names() -> None:
 
 
 def test_podmonitor_selects_the_routers_and_workers_the_operator_builds() -> None:
-    from exitplan.operator import builders
+    from exitplan.operator import names
 
     children, job = build_children()
     monitor = one(render(ALL_ON), "PodMonitor")["spec"]
@@ -564,94 +570,29 @@ def test_podmonitor_selects_the_routers_and_workers_the_operator_builds() -> Non
     assert not selects(monitor["selector"], job["spec"]["template"]["metadata"]["labels"])
     for p in pods:
         ports = {port["name"]: port["containerPort"] for port in p["spec"]["containers"][0]["ports"]}
-        assert ports[monitor["podMetricsEndpoints"][0]["port"]] == builders.PORT
+        assert ports[monitor["podMetricsEndpoints"][0]["port"]] == names.PORT
 
 
 # ------------------------------------------------------------------ NetworkPolicies, evaluated
 
 
-def selects(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
-    """Kubernetes label-selector semantics (an empty selector selects everything)."""
-    selector = selector or {}
-    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
-        return False
-    for expr in selector.get("matchExpressions") or []:
-        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
-        ok = {
-            "In": labels.get(key) in values,
-            "NotIn": labels.get(key) not in values,
-            "Exists": key in labels,
-            "DoesNotExist": key not in labels,
-        }[op]
-        if not ok:
-            return False
-    return True
-
-
-class Pod:
-    def __init__(self, name: str, namespace: str, labels: dict[str, str]) -> None:
-        self.name, self.namespace, self.labels = name, namespace, labels
-
-    def __repr__(self) -> str:
-        return f"{self.namespace}/{self.name}"
-
-
-def _peer_matches(peer: dict[str, Any], pod: Pod, policy_ns: str) -> bool:
-    ns_labels = {"kubernetes.io/metadata.name": pod.namespace}
-    if "namespaceSelector" in peer:
-        if not selects(peer["namespaceSelector"], ns_labels):
-            return False
-    elif pod.namespace != policy_ns:
-        return False
-    return "podSelector" not in peer or selects(peer["podSelector"], pod.labels)
-
-
-def _rule_allows(rule: dict[str, Any], peers_key: str, other: Pod, port: int, proto: str, policy_ns: str) -> bool:
-    ports = rule.get("ports")
-    if ports and not any(p.get("port") in (None, port) and p.get("protocol", "TCP") == proto for p in ports):
-        return False
-    peers = rule.get(peers_key)
-    return not peers or any(_peer_matches(peer, other, policy_ns) for peer in peers)
-
-
-def allowed(policies: list[dict[str, Any]], src: Pod, dst: Pod, port: int, proto: str = "TCP") -> bool:
-    """Whether NetworkPolicies let `src` open a connection to `dst`:`port` (egress of src and ingress of dst)."""
-
-    def side(pod: Pod, kind: str, rules_key: str, peers_key: str, other: Pod) -> bool:
-        mine = [
-            p
-            for p in policies
-            if p["metadata"]["namespace"] == pod.namespace
-            and selects(p["spec"]["podSelector"], pod.labels)
-            and kind in p["spec"]["policyTypes"]
-        ]
-        if not mine:
-            return True  # not isolated
-        return any(
-            _rule_allows(rule, peers_key, other, port, proto, pod.namespace)
-            for p in mine
-            for rule in p["spec"].get(rules_key) or []
-        )
-
-    return side(src, "Egress", "egress", "to", dst) and side(dst, "Ingress", "ingress", "from", src)
-
-
-def test_network_policies_allow_exactly_the_data_plane_paths() -> None:
-    from exitplan.operator import builders
+def test_per_namespace_policies_allow_exactly_the_data_plane_paths() -> None:
+    """networkPolicy.perService false: the chart's own policies per namespace (any service's pods match)."""
+    from exitplan.operator import names
 
     children, job = build_children(splits=5)  # ALL_ON covers splits 0..3: split 4 must stay denied
-    objs = render(ALL_ON)
+    objs = render(PER_NAMESPACE)
     policies = of_kind(objs, "NetworkPolicy")
-    port = builders.PORT
+    port = names.PORT
     workers = {}
     router = None
     for dep in (d for d in children if d["kind"] == "Deployment"):
         labels = dep["spec"]["template"]["metadata"]["labels"]
         pod = Pod(dep["metadata"]["name"], "default", labels)
-        if labels[builders.L_COMPONENT] == "router":
+        if labels[names.L_COMPONENT] == "router":
             router = pod
         else:
-            workers[int(labels[builders.L_SPLIT])] = pod
+            workers[int(labels[names.L_SPLIT])] = pod
     assert router is not None and sorted(workers) == [0, 1, 2, 3, 4]
     op_labels = operator_pod(objs)["metadata"]["labels"]
     operator = Pod("exitplan-operator-0", NAMESPACE, op_labels)
@@ -662,14 +603,15 @@ def test_network_policies_allow_exactly_the_data_plane_paths() -> None:
     dns = Pod("coredns", "kube-system", {"k8s-app": "kube-dns"})
 
     assert allowed(policies, router, workers[0], port)  # router -> split 0
-    for s in range(1, 5):
+    assert allowed(policies, router, workers[1], port)  # ... and split 1 (a router that runs split 0 itself)
+    for s in range(2, 5):
         assert not allowed(policies, router, workers[s], port)  # ... and no further
     for s in range(0, 3):
         assert allowed(policies, workers[s], workers[s + 1], port)  # split S -> S+1
         assert not allowed(policies, workers[s + 1], workers[s], port)  # never backwards
     assert not allowed(policies, workers[0], workers[2], port)  # no skipping a split
     assert not allowed(policies, workers[3], workers[4], port)  # past maxSplits: denied
-    control = builders.CONTROL_PORT
+    control = names.CONTROL_PORT
     for s in range(0, 4):
         assert allowed(policies, workers[s], router, control)  # shadow feedback, on the control port
         assert not allowed(policies, workers[s], router, port)
@@ -686,27 +628,121 @@ def test_network_policies_allow_exactly_the_data_plane_paths() -> None:
     assert not allowed(policies, workers[4], router, control)  # past maxSplits: denied
     assert allowed(policies, prometheus, operator, ALL_ON_METRICS_PORT)
     assert not allowed(policies, stranger, operator, ALL_ON_METRICS_PORT)
-    assert not allowed(policies, router, stranger, port)  # router egress: split 0 only
+    assert not allowed(policies, router, stranger, port)  # router egress: the splits it sends to only
     # the profiling Job is not a router or worker: its API calls are not blocked
     assert allowed(policies, profiler, Pod("apiserver", "default", {"component": "kube-apiserver"}), 443)
 
 
-def test_router_is_open_to_everyone_when_no_ingress_peers_are_named() -> None:
-    children, _ = build_children(splits=2)
-    policies = of_kind(render({"networkPolicy": {"enabled": True}}), "NetworkPolicy")
-    router = next(
-        Pod("r", "default", d["spec"]["template"]["metadata"]["labels"])
-        for d in children
-        if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("router")
+def _pods_of(children: list[dict[str, Any]], namespace: str = "default") -> tuple[Pod, dict[int, Pod]]:
+    """The router pod and the worker pod of each split, with the labels the operator gives them."""
+    from exitplan.operator import names
+
+    router, workers = None, {}
+    for dep in (d for d in children if d["kind"] == "Deployment"):
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        pod = Pod(dep["metadata"]["name"], namespace, labels)
+        if labels[names.L_COMPONENT] == "router":
+            router = pod
+        else:
+            workers[int(labels[names.L_SPLIT])] = pod
+    assert router is not None
+    return router, workers
+
+
+def test_per_service_policies_admit_one_services_paths_and_no_other_service() -> None:
+    """Issue 28 item 3, the default (networkPolicy.perService): the chart's policies with the ones the
+    operator, run with the env the chart gives it, builds for two services of one namespace."""
+    from exitplan.operator import names
+
+    objs = render(ALL_ON)
+    assert operator_settings(objs).network_policies
+    children, job = build_children(splits=5, chart_objs=objs)  # no maxSplits: every split is covered
+    others, _ = build_children(splits=2, chart_objs=objs, name="other")
+    policies = of_kind(objs, "NetworkPolicy") + of_kind(children, "NetworkPolicy") + of_kind(others, "NetworkPolicy")
+    router, workers = _pods_of(children)
+    other_router, other_workers = _pods_of(others)
+    port, control = names.PORT, names.CONTROL_PORT
+    operator = Pod("exitplan-operator-0", NAMESPACE, operator_pod(objs)["metadata"]["labels"])
+    prometheus = Pod("prometheus-0", "monitoring", PROMETHEUS_PEER["podSelector"]["matchLabels"])
+    client, stranger = Pod("curl", "clients", {"app": "curl"}), Pod("intruder", "default", {"app": "other"})
+    dns = Pod("coredns", "kube-system", {"k8s-app": "kube-dns"})
+
+    assert allowed(policies, router, workers[0], port)  # router -> split 0
+    for s in range(1, 5):
+        assert not allowed(policies, router, workers[s], port)  # ... only: it runs no split 0 itself
+    for s in range(0, 4):
+        assert allowed(policies, workers[s], workers[s + 1], port)  # split S -> S+1
+        assert not allowed(policies, workers[s + 1], workers[s], port)  # never backwards
+    assert not allowed(policies, workers[0], workers[2], port)  # no skipping a split
+    for s in range(0, 5):
+        assert allowed(policies, workers[s], router, control)  # shadow feedback, on the control port
+        assert not allowed(policies, workers[s], router, port)
+        assert allowed(policies, workers[s], dns, 53, "UDP")
+        assert allowed(policies, prometheus, workers[s], port)  # metricsFrom
+        for intruder in (stranger, client, other_router, *other_workers.values()):
+            assert not allowed(policies, intruder, workers[s], port)  # not another service's pods
+    assert allowed(policies, client, router, port) and not allowed(policies, stranger, router, port)
+    assert allowed(policies, operator, router, control)  # observations, thresholds
+    for intruder in (client, stranger, prometheus, other_router, *other_workers.values()):
+        assert not allowed(policies, intruder, router, control)
+    assert not allowed(policies, router, other_workers[0], port)  # nor to another service's pods
+    assert not allowed(policies, workers[0], other_workers[1], port)
+    assert allowed(policies, other_router, other_workers[0], port)  # the other service keeps its own paths
+    assert not allowed(policies, router, stranger, port)
+    assert allowed(policies, job_pod(job), Pod("apiserver", "default", {"component": "kube-apiserver"}), 443)
+
+
+def job_pod(job: dict[str, Any]) -> Pod:
+    """The profiling Job's pod: not a router or worker, so no data-plane policy isolates it."""
+    return Pod("minilm-profile", "default", job["spec"]["template"]["metadata"]["labels"])
+
+
+def test_default_network_policies_are_on_and_a_colocated_router_reaches_split_1() -> None:
+    """Issue 28 item 3: `networkPolicy.enabled` and `perService` are true by default, and a router reaches
+    every split it sends to: split 0, or split 1 when it runs split 0 itself."""
+    from exitplan.operator import names
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["networkPolicy"]
+    assert values["enabled"] is True and values["perService"] is True
+    objs = render()
+    children, _ = build_children(splits=3, colocate=True, chart_objs=objs)
+    policies = of_kind(objs, "NetworkPolicy") + of_kind(children, "NetworkPolicy")
+    router, workers = _pods_of(children)
+    assert sorted(workers) == [1, 2]  # split 0 runs in the router
+    port, control = names.PORT, names.CONTROL_PORT
+    assert allowed(policies, router, workers[1], port)  # the colocated router -> split 1
+    assert not allowed(policies, router, workers[2], port)
+    assert allowed(policies, workers[1], workers[2], port)
+    assert not allowed(policies, workers[2], workers[1], port)
+    for s in (1, 2):
+        assert allowed(policies, workers[s], router, control)  # shadow feedback
+        assert not allowed(policies, Pod("intruder", "default", {"app": "other"}), workers[s], port)
+    assert allowed(policies, Pod("curl", "clients", {}), router, port)  # routerIngressFrom empty: everyone
+    assert not allowed(policies, Pod("curl", "clients", {}), router, control)
+    operator = Pod("exitplan-operator-0", NAMESPACE, operator_pod(objs)["metadata"]["labels"])
+    assert allowed(policies, operator, router, control)
+
+
+def test_per_service_off_leaves_the_operator_without_policies_and_the_chart_with_the_paths() -> None:
+    """perService false, or the policies off: the operator builds none (EXITPLAN_NETWORK_POLICIES false)."""
+    for values in (PER_NAMESPACE, {"networkPolicy": {"enabled": False}}):
+        objs = render(values)
+        assert not operator_settings(objs).network_policies
+        children, _ = build_children(splits=2, chart_objs=objs)
+        assert not of_kind(children, "NetworkPolicy")
+    assert any(
+        p["metadata"]["name"] == "exitplan-worker-split-0" for p in of_kind(render(PER_NAMESPACE), "NetworkPolicy")
     )
+
+
+def test_router_is_open_to_everyone_when_no_ingress_peers_are_named() -> None:
+    objs = render({"networkPolicy": {"enabled": True}})
+    children, _ = build_children(splits=2, chart_objs=objs)
+    policies = of_kind(objs, "NetworkPolicy") + of_kind(children, "NetworkPolicy")
+    router, workers = _pods_of(children)
     assert allowed(policies, Pod("curl", "anywhere", {}), router, 8080)
     assert not allowed(policies, Pod("curl", "anywhere", {}), router, 8081)  # the control port is not
-    worker = next(
-        Pod("w", "default", d["spec"]["template"]["metadata"]["labels"])
-        for d in children
-        if d["kind"] == "Deployment" and not d["metadata"]["name"].endswith("router")
-    )
-    assert allowed(policies, worker, router, 8081)  # the service's own pods are (shadow feedback)
+    assert allowed(policies, workers[0], router, 8081)  # the service's own workers are (shadow feedback)
 
 
 # ------------------------------------------------------------------ dashboards shipped as ConfigMaps

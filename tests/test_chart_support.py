@@ -142,11 +142,23 @@ def operator_pod(objs: list[dict[str, Any]]) -> dict[str, Any]:
     return one(objs, "StatefulSet")["spec"]["template"]
 
 
-def build_children(splits: int = 5) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Children of a real plan built by the operator's own builders (and a profiling Job)."""
+def operator_settings(objs: list[dict[str, Any]]) -> Any:
+    """The operator's settings (guards.Settings) from the env the chart gives its container."""
+    from exitplan.operator import guards
+
+    env = operator_pod(objs)["spec"]["containers"][0]["env"]
+    return guards.Settings.from_env({e["name"]: e["value"] for e in env if "value" in e})
+
+
+def build_children(
+    splits: int = 5, colocate: bool = False, chart_objs: list[dict[str, Any]] | None = None, name: str = "minilm"
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Children of a real plan built by the operator's own builders (and a profiling Job); `colocate`: the
+    routers run split 0 themselves; `chart_objs`: a rendered chart whose operator settings decide the
+    service's own NetworkPolicies (operator/network_policies.py), added to the children."""
     from exitplan.api.plan import Cell, Plan, SplitPlan
     from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
-    from exitplan.operator import builders
+    from exitplan.operator import builders, network_policies
 
     spec = EarlyExitServiceSpec.model_validate(
         {
@@ -156,18 +168,21 @@ def build_children(splits: int = 5) -> tuple[list[dict[str, Any]], dict[str, Any
         }
     )
     plan = Plan(
-        service="minilm",
+        service=name,
         model="minilm",
         splits=[SplitPlan(index=i, first_block=i, last_block=i) for i in range(splits)],
         buckets=[128],
         cells=[Cell(split=i, bucket=128, pool="gpu-a", replicas=1, batch_size=8) for i in range(splits)],
+        colocate=colocate,
     )
     owner = {
         "apiVersion": "exitplan.io/v1alpha1",
         "kind": "EarlyExitService",
-        "metadata": {"name": "minilm", "namespace": "default", "uid": "0000-1111"},
+        "metadata": {"name": name, "namespace": "default", "uid": f"0000-{name}"},
     }
     pools = {"gpu-a": GPUPoolSpec(capacity=8)}
     children = builders.build_children(owner, spec, plan, pools)
     job = builders.build_profile_job(owner, spec, "gpu-a", pools["gpu-a"], builders.profile_name("minilm", "gpu-a"))
+    if chart_objs is not None:
+        children = network_policies.with_network_policies(owner, plan, operator_settings(chart_objs), children)
     return children, job

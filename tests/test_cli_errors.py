@@ -87,7 +87,7 @@ def test_plan_with_thresholds_that_are_not_json(tmp_path: Path) -> None:
 
 def test_an_error_that_is_not_the_users_still_shows_its_traceback() -> None:
     """Only user errors become one line: a bug keeps its traceback (the wrapper re-raises it)."""
-    from exitplan.cli import is_user_error, user_errors
+    from exitplan.cli_common import is_user_error, user_errors
 
     assert is_user_error(FileNotFoundError(2, "No such file", "x.yaml"))
     assert not is_user_error(KeyError("bug"))
@@ -141,6 +141,25 @@ def test_help_of_every_command_fits_80_columns_and_names_every_option() -> None:
         assert max(len(line) for line in text.splitlines()) <= 80, (path, text)
         for option in _options(path):
             assert option in text, (path, option, text)
+
+
+def test_the_command_list_shows_each_commands_whole_summary_at_80_columns() -> None:
+    result = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert result.exit_code == 0, result.output
+    text = result.output
+    commands = text[text.index("Commands:") :]
+    assert not [line for line in commands.splitlines() if line.endswith("...") or "…" in line], commands  # none cut
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    flat = "".join(text.split())  # wrapped lines joined (a line may break after a hyphen)
+    group: click.Group = typer.main.get_command(app)  # type: ignore[assignment]
+    ctx = click.Context(group, info_name="exitplan")
+    names = group.list_commands(ctx)
+    assert len(names) > 20
+    for name in names:
+        cmd = group.get_command(ctx, name)
+        assert cmd is not None
+        sentence = cmd.get_short_help_str(limit=10_000)  # the first sentence, whole
+        assert sentence.endswith(".") and "".join(sentence.split()) in flat, (name, sentence)
 
 
 def test_help_in_a_real_80_column_terminal() -> None:

@@ -22,7 +22,7 @@ from dataplane_helpers import (
 from tokenizers import Tokenizer
 
 from exitplan.api.bundle import read_manifest
-from exitplan.worker.bundle_runtime import BundleRuntime, pad_batch, softmax
+from exitplan.worker_image.bundle_runtime import BundleRuntime, pad_batch, softmax
 
 pytestmark = pytest.mark.slow
 
@@ -154,8 +154,8 @@ def test_one_split_plan_needs_no_peers(minilm_bundle, tmp_path):
 
 
 def test_colocating_a_two_split_plan_without_split1_peers_says_what_is_missing(minilm_bundle, ramps, tmp_path):
-    from exitplan.worker.classify.colocated import Colocation
-    from exitplan.worker.classify.router import Router
+    from exitplan.worker_image.classify.colocated import Colocation
+    from exitplan.worker_image.classify.router import Router
 
     path = tmp_path / "plan.json"
     path.write_text(two_split_plan(ramps, thresholds=2.0, replicas={}).to_json())
@@ -169,10 +169,10 @@ async def test_split0_in_the_router_that_gives_no_answer_before_the_timeout_fail
     """A co-located split 0 whose batch waits (here: for 24 inputs, no maximum wait) past the request's
     timeout answers HopFailed naming the timeout (the router's 504), not a hang; the row stays queued and
     is failed when the runtime stops."""
-    from exitplan.worker.classify.colocated import run_local
-    from exitplan.worker.classify.worker import SplitWorker
-    from exitplan.worker.hop_client import HopFailed
-    from exitplan.worker.wire import HopItem
+    from exitplan.worker_image.classify.colocated import run_local
+    from exitplan.worker_image.classify.worker import SplitWorker
+    from exitplan.worker_image.hop_client import HopFailed
+    from exitplan.worker_image.wire import HopItem
 
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(one_cell_plan("minilm", len(read_manifest(minilm_bundle).blocks), 32, 24).to_json())

@@ -13,9 +13,10 @@ from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
 from exitplan.devcluster.apiserver import ApiServer
 from exitplan.operator import apply as applying
-from exitplan.operator import builders, colocation, disruption
-from exitplan.operator import reconcile as rec
+from exitplan.operator import builders, colocation, disruption, names
 from exitplan.operator.kube import KubeClient, path
+from exitplan.operator.readiness import refresh_readiness
+from exitplan.operator.service_state import Service
 from exitplan.operator.status import parse_status, summarize
 
 kv = pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate is in the dev extra")
@@ -133,7 +134,7 @@ def test_the_routers_take_split_zeros_pool_as_its_worker_did():
         assert router[key] == worker[key], key
     # spread over the routers themselves (the split-0 worker's term would select no pod any more)
     (term,) = router["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
-    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == builders.selector_labels("minilm", "router")
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == names.selector_labels("minilm", "router")
     # the router keeps its ports, labels and Services: the entry point and the control Service unchanged
     assert [p["name"] for p in r["ports"]] == ["http", "control"]
     apart, together = named(children(APART)), named(children(TOGETHER))
@@ -193,7 +194,7 @@ async def test_switching_to_colocation_prunes_split_zero_and_the_routers_count_f
                 "Service/minilm-split-0",
             } <= set(report.deleted)
             assert "Deployment/minilm-router" in report.patched
-            deps = await client.list(path("Deployment", "default"), f"{builders.L_SERVICE}=minilm")
+            deps = await client.list(path("Deployment", "default"), f"{names.L_SERVICE}=minilm")
             assert sorted(d["metadata"]["name"] for d in deps) == [
                 "minilm-router",
                 "minilm-s1-b128-gpu",
@@ -207,7 +208,7 @@ async def test_switching_to_colocation_prunes_split_zero_and_the_routers_count_f
                 )
             body = {**OWNER, "spec": spec().model_dump(by_alias=True, mode="json")}
             body["status"] = {"phase": "Deploying", "plan": summarize(TOGETHER).model_dump(by_alias=True, mode="json")}
-            status = await rec.refresh_readiness(rec.Service(body, client))
+            status = await refresh_readiness(Service(body, client))
             ready = {(c.split, c.bucket): c.ready_replicas for c in status.plan.cells}
             assert ready == {(0, 32): 3, (0, 128): 1, (1, 32): 2, (1, 128): 1}
             assert any(c.type == "Ready" and c.status == "True" for c in status.conditions)

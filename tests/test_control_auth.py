@@ -25,11 +25,11 @@ from typer.testing import CliRunner
 from exitplan.api.bundle import read_manifest
 from exitplan.cli import app
 from exitplan.planner.tuning.feedback import DISABLED
-from exitplan.worker import wire
-from exitplan.worker.bundle_runtime import pad_batch
-from exitplan.worker.classify.control import DISABLED as DATA_PLANE_DISABLED
-from exitplan.worker.classify.control import MAX_FEEDBACK_SAMPLES
-from exitplan.worker.wire import HopItem, HopRequest
+from exitplan.worker_image import wire
+from exitplan.worker_image.bundle_runtime import pad_batch
+from exitplan.worker_image.control_bodies import DISABLED as DATA_PLANE_DISABLED
+from exitplan.worker_image.control_bodies import MAX_FEEDBACK_SAMPLES
+from exitplan.worker_image.wire import HopItem, HopRequest
 
 pytestmark = pytest.mark.slow
 
@@ -144,14 +144,15 @@ async def test_threshold_values_are_checked(served, ramps, minilm_bundle):
         async with s.get(url) as resp:
             assert (await resp.json())["thresholds"] == before  # nothing changed
         worker_info = f"http://{worker(served, 1).address}/v1/info"
-        async with s.post(url, json={"thresholds": {ramps[0]: 0, ramps[1]: 1, ramps[2]: "disabled"}}) as resp:
+        given = {ramps[0]: 0, ramps[1]: 1, ramps[2]: "disabled"}
+        async with s.post(url, json={"thresholds": given, "replace": True}) as resp:
             assert resp.status == 200
             assert (await resp.json())["thresholds"] == {ramps[0]: 0.0, ramps[1]: 1.0, ramps[2]: DISABLED}
         async with s.get(worker_info) as resp:  # pushed down the chain with the token
             assert (await resp.json())["thresholds"] == {ramps[0]: 0.0, ramps[1]: 1.0, ramps[2]: DISABLED}
         async with s.post(worker_info.replace("info", "thresholds"), json={"thresholds": {final: 0.1}}) as resp:
             assert resp.status == 400 and "final head" in await resp.text()  # workers check as well
-        async with s.post(url, json={"thresholds": before}) as resp:
+        async with s.post(url, json={"thresholds": before, "replace": True}) as resp:
             assert resp.status == 200
     assert DATA_PLANE_DISABLED == DISABLED  # the data plane's "disabled" is the tuner's
 
@@ -280,7 +281,7 @@ async def test_without_a_control_port_the_routes_stay_on_the_inference_port_behi
     behind the token; a router given no token refuses every control request."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from exitplan.worker.classify.router import Router
+    from exitplan.worker_image.classify.router import Router
 
     plan = tmp_path / "plan.json"
     plan.write_text(two_split_plan(ramps, 2.0, {}, buckets=(32,)).to_json())

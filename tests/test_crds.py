@@ -36,7 +36,7 @@ def _walk(schema, path="$"):
 
 @pytest.mark.parametrize("kind", sorted(crdgen.KINDS))
 def test_crds_are_structural(kind):
-    crd = yaml.safe_load((crdgen.CRD_DIR / f"{crdgen.KINDS[kind]['plural']}.yaml").read_text())
+    crd = yaml.safe_load((crdgen.CRD_DIR / f"{crdgen.KINDS[kind].plural}.yaml").read_text())
     (version,) = crd["spec"]["versions"]
     for path, node in _walk(version["schema"]["openAPIV3Schema"]):
         assert "$ref" not in node and "anyOf" not in node and "title" not in node, path
@@ -45,7 +45,7 @@ def test_crds_are_structural(kind):
         assert not ("properties" in node and "additionalProperties" in node), path
         if "exclusiveMinimum" in node:
             assert node["exclusiveMinimum"] is True and "minimum" in node, path
-    assert crd["spec"]["names"]["shortNames"] == crdgen.KINDS[kind]["short"]
+    assert crd["spec"]["names"]["shortNames"] == crdgen.KINDS[kind].short
 
 
 def test_ees_crd_has_status_subresource_printer_columns_and_descriptions():
@@ -53,7 +53,18 @@ def test_ees_crd_has_status_subresource_printer_columns_and_descriptions():
     (version,) = crd["spec"]["versions"]
     assert version["subresources"] == {"status": {}}
     columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Phase", "Ready", "Goodput", "Measured", "P99-ms", "Splits", "Cost/h", "Reason", "Age"]
+    assert list(columns) == [
+        "Phase",
+        "Ready",
+        "Goodput",
+        "Measured",
+        "P99-ms",
+        "Exits",
+        "Splits",
+        "Cost/h",
+        "Reason",
+        "Age",
+    ]
     assert columns["Ready"]["jsonPath"] == ".status.ready"  # worker replicas ready / planned
     assert columns["Measured"]["jsonPath"] == ".status.drift.goodputRps"  # next to the planned goodput
     assert columns["Reason"]["jsonPath"] == ".status.reason"

@@ -3,9 +3,11 @@ code declares, with labels those metrics carry, every declared metric has a pane
 one kind of quantity with a unit that fits it, and the JSON is a well-formed Grafana dashboard.
 
 Declared metrics are read from the prometheus_client declarations (Counter/Gauge/Histogram/Summary
-calls) in worker_image/metrics.py (router, worker, thresholds) and operator/metrics.py (planner,
-re-plans, cells, drift) by parsing the source; a counter is queried as `<name>_total`, a gauge as
-`<name>`, a histogram only as `<name>_bucket`, `_sum` or `_count`.
+calls, and the data plane's `metrics.Declare` helper: `d = Declare(registry, [fixed labels])`, then
+`d.counter(name, doc, *labels)`, `d.gauge(...)`, `d.histogram(name, doc, buckets, *labels)`) in
+worker_image/metrics.py (router, worker, thresholds) and operator/metrics.py (planner, re-plans, cells,
+drift) by parsing the source; a counter is queried as `<name>_total`, a gauge as `<name>`, a histogram
+only as `<name>_bucket`, `_sum` or `_count`.
 """
 
 from __future__ import annotations
@@ -94,6 +96,42 @@ def _label_names(expr: ast.expr, fn: ast.AST, where: str) -> list[str]:
     raise AssertionError(f"{where}: cannot read the label names `{ast.unparse(expr)}`")
 
 
+DECLARE_METHODS = {"counter": 2, "gauge": 2, "histogram": 3}
+"""`Declare`'s methods, and where each one's own labels start among its arguments."""
+
+
+def _declare_labels(receiver: ast.expr, fn: ast.AST, where: str) -> list[str] | None:
+    """The fixed labels of a `Declare(registry, labels)` the call's receiver is (directly, or a local name
+    assigned one); None when the receiver is not a Declare."""
+    if isinstance(receiver, ast.Name):
+        if isinstance(fn, ast.Module):  # a local name: read in its own function, where it means one thing
+            return None
+        local = receiver.id
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and any(ast.unparse(t) == local for t in node.targets):
+                receiver = node.value
+    if isinstance(receiver, ast.Call) and getattr(receiver.func, "id", "") == "Declare" and len(receiver.args) > 1:
+        return _label_names(receiver.args[1], fn, where)
+    return None
+
+
+def _declaration(call: ast.Call, fn: ast.AST, where: str) -> tuple[str, list[str]] | None:
+    """(kind, label names) of a metric declaration: a prometheus_client constructor or a `Declare` method."""
+    ctor = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+    if ctor in ("Counter", "Gauge", "Histogram", "Summary"):
+        labels_arg = (
+            call.args[2]
+            if len(call.args) > 2
+            else next((k.value for k in call.keywords if k.arg == "labelnames"), ast.List(elts=[]))
+        )
+        return ctor.lower(), _label_names(labels_arg, fn, where)
+    if isinstance(call.func, ast.Attribute) and ctor in DECLARE_METHODS:
+        fixed = _declare_labels(call.func.value, fn, where)
+        if fixed is not None:
+            return ctor, fixed + _label_names(ast.List(elts=call.args[DECLARE_METHODS[ctor] :]), fn, where)
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def declared() -> dict[str, Declared]:
     out: dict[str, Declared] = {}
@@ -101,18 +139,14 @@ def declared() -> dict[str, Declared]:
         tree = ast.parse(path.read_text(), str(path))
         for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Module))]:
             for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
-                ctor = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
-                if ctor not in ("Counter", "Gauge", "Histogram", "Summary"):
-                    continue
                 where = f"{path.relative_to(ROOT)}:{call.lineno}"
+                found = _declaration(call, fn, where)
+                if found is None:
+                    continue
+                kind, labels = found
                 assert call.args and isinstance(call.args[0], ast.Constant), f"{where}: metric name is not a literal"
-                labels_arg = (
-                    call.args[2]
-                    if len(call.args) > 2
-                    else next((k.value for k in call.keywords if k.arg == "labelnames"), ast.List(elts=[]))
-                )
                 name = call.args[0].value
-                decl = Declared(name, ctor.lower(), frozenset(_label_names(labels_arg, fn, where)), where)
+                decl = Declared(name, kind, frozenset(labels), where)
                 previous = out.get(name)
                 assert previous is None or previous == Declared(name, decl.kind, decl.labels, previous.where), (
                     f"{name} declared twice with different types or labels: {previous.where}, {where}"
@@ -345,9 +379,21 @@ def test_the_issue_panels_are_there() -> None:
             "exitplan_generation_tokens_total",
         },
         "conditions": {"exitplan_service_condition"},
+        "planned vs measured goodput": {"exitplan_plan_goodput_per_second", "exitplan_measured_goodput_per_second"},
+        "stragglers a router marks": {"exitplan_router_stragglers_marked_total"},
     }
     missing = {topic: sorted(names - used) for topic, names in needed.items() if names - used}
     assert missing == {}
+
+
+def test_the_exit_share_panel_shows_each_ramps_share_of_the_answers() -> None:
+    (panel,) = [
+        p for p in panels(load(CHART / "dashboards" / "exitplan-overview.json")) if p["title"] == "Exit share per ramp"
+    ]
+    (target,) = panel["targets"]
+    top, bottom = _split_top(target["expr"], "/")
+    assert "sum by (ramp)" in top and "exitplan_router_exits_total" in bottom and "by (ramp)" not in bottom
+    assert quantity(target["expr"]) == "ratio" and panel["fieldConfig"]["defaults"]["unit"] == "percentunit"
 
 
 def test_every_declared_metric_has_a_panel() -> None:
@@ -363,7 +409,7 @@ def test_every_declared_metric_has_a_panel() -> None:
 def unit_word(series: str) -> str:
     """The unit a series' name carries: seconds, ratio, bytes, per_hour, state (a condition), else count."""
     base = re.sub(r"_(bucket|sum|count)$", "", series).removesuffix("_total")
-    for word in ("seconds", "ratio", "bytes", "per_hour"):
+    for word in ("seconds", "ratio", "bytes", "per_hour", "per_second"):
         if base.endswith("_" + word):
             return word
     return "state" if base.endswith("_condition") else "count"
@@ -416,6 +462,7 @@ def unit_fits(q: str, unit: str) -> bool:
         "count": unit == "short" or (custom is not None and not custom.endswith("/s")),
         "count in range": unit == "short" or (custom is not None and not custom.endswith("/s")),
         "per_hour": custom is not None and custom.endswith("/h"),
+        "per_second": unit == "reqps" or (custom is not None and custom.endswith("/s")),
         "state": unit == "bool",
     }
     return fits.get(q, False)

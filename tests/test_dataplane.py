@@ -20,8 +20,8 @@ from dataplane_helpers import control_headers, deployment, heldout_texts, ramp_n
 from tokenizers import Tokenizer
 
 from exitplan.api.bundle import read_manifest
-from exitplan.worker.bundle_runtime import BundleRuntime, pad_batch, softmax
-from exitplan.worker.discovery import StragglerPolicy
+from exitplan.worker_image.bundle_runtime import BundleRuntime, pad_batch, softmax
+from exitplan.worker_image.peer_choice import StragglerPolicy
 
 pytestmark = pytest.mark.slow
 
@@ -236,7 +236,7 @@ async def test_autotune_step_reads_the_window_and_pushes_to_every_worker(served,
 
     from exitplan.localrun.autotune import AutoTuner
     from exitplan.planner.tuning.autotune import LIVE
-    from exitplan.worker.control_client import ControlClient
+    from exitplan.worker_image.control_client import ControlClient
 
     async with aiohttp.ClientSession(headers=control_headers(served)) as s:  # feedback to tune on (shadow fraction 0.5)
         await post_each(s, f"{served.url}/v2/models/minilm/infer", texts)
@@ -330,5 +330,5 @@ async def test_a_worker_killed_under_load_loses_no_request(served, texts):
         statuses = await asyncio.gather(*tasks)
     assert "lost" not in statuses
     assert set(statuses) <= {200, 502, 503, 504, 429}
-    assert statuses.count(200) >= 100  # the other replica takes over
+    assert statuses.count(200) >= 100, {s: statuses.count(s) for s in set(statuses)}  # the other replica takes over
     assert statuses[-20:].count(200) == 20

@@ -220,7 +220,10 @@ async def test_a_crash_looping_pod_stalls_the_rollout(dev):
     """A pod that keeps exiting (e.g. its bundle is unreachable) is restarted with backoff, and the
     Deployment reports Progressing=False with the pod's last log line, as a stalled rollout."""
     _, client = dev
-    crash = "import sys; print('error: bundle /nowhere/minilm: no bundle.yaml'); sys.exit(2)"
+    crash = (
+        "import sys; print('loading bundle /nowhere/minilm', flush=True); "
+        "print('error: bundle /nowhere/minilm: no bundle.yaml'); print('bye'); sys.exit(2)"
+    )
     dep = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -243,5 +246,23 @@ async def test_a_crash_looping_pod_stalls_the_rollout(dev):
         )
 
     cond = await wait_for("the rollout stalls", stalled)
-    assert cond["reason"] == "ProgressDeadlineExceeded" and "no bundle.yaml" in cond["message"]
+    assert cond["reason"] == "ProgressDeadlineExceeded"
+    # the first line of the error (not the log's last line, nor the runner's header of the next run),
+    # and the same message at every restart (what the operator's events aggregate by)
+    assert cond["message"].endswith("its error: error: bundle /nowhere/minilm: no bundle.yaml"), cond
+    pods = await client.list(path("Pod", "default"), "app=crash")
+
+    async def restarted_again():
+        now = await client.list(path("Pod", "default"), "app=crash")
+        counts = [s.get("restartCount", 0) for p in now for s in p["status"].get("containerStatuses", [])]
+        return now if counts and counts[0] > pods[0]["status"]["containerStatuses"][0]["restartCount"] else None
+
+    (pod,) = await wait_for("another restart", restarted_again)
+    assert (await stalled())["message"] == cond["message"]
+    terminated = pod["status"]["containerStatuses"][0]["lastState"]["terminated"]
+    assert terminated["message"].splitlines() == [  # the last run's tail, lines kept, no header
+        "loading bundle /nowhere/minilm",
+        "error: bundle /nowhere/minilm: no bundle.yaml",
+        "bye",
+    ]
     assert ((await client.get(path("Deployment", "default", "crash"))).get("status") or {}).get("readyReplicas") == 0

@@ -15,8 +15,8 @@ import yaml
 from exitplan.api import dtypes
 from exitplan.api.bundle import BundleManifest, DType
 from exitplan.api.dtypes import DTYPES, UnknownDType, by_numpy, by_onnx, by_v2
-from exitplan.worker import wire
-from exitplan.worker.classify.decode import BadRequest, decode_inputs
+from exitplan.worker_image import wire
+from exitplan.worker_image.classify.decode import BadRequest, decode_inputs
 
 ALL = [e.numpy for e in DTYPES]
 EXPECTED = {
@@ -317,7 +317,8 @@ def _tiny_bundle(root: Path) -> Path:
 
 def test_warm_up_builds_dummy_inputs_for_uint8_and_bool_and_runs_them(tmp_path):
     from exitplan.api.plan import Cell, Plan, SplitPlan
-    from exitplan.worker.classify.worker import SplitWorker
+    from exitplan.worker_image.classify.warmup import dummy_state
+    from exitplan.worker_image.classify.worker import SplitWorker
 
     bundle = _tiny_bundle(tmp_path / "bundle")
     plan = Plan(
@@ -331,7 +332,7 @@ def test_warm_up_builds_dummy_inputs_for_uint8_and_bool_and_runs_them(tmp_path):
     plan_path.write_text(plan.model_dump_json(by_alias=True))
     worker = SplitWorker(bundle, plan_path, split=0, bucket=1)
     try:
-        state = worker._dummy_state(3)
+        state = dummy_state(worker.runtime, 3, worker.bucket)
         assert {k: (v.dtype, v.shape) for k, v in state.items()} == {
             "x": (np.dtype(np.uint8), (3, 4)),
             "keep_mask": (np.dtype(bool), (3, 4)),

@@ -138,7 +138,7 @@ def _tweets(directory: Path, minilm_bundle: Path, n: int = 480, length: int = 32
 def _service(path: Path, bundle: Path, name: str) -> None:
     docs = [
         {"apiVersion": "exitplan.io/v1alpha1", "kind": "GPUPool", "metadata": {"name": "cpu"},
-         "spec": {"capacity": 2, "costPerHour": 1.0, "memoryBytes": 4 << 30, "linkBandwidthGbps": 20}},
+         "spec": {"capacity": 2, "costPerHour": 1.0, "memoryBytes": 4 << 30, "linkBandwidthGbps": 20, "gpuResource": ""}},
         {"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService", "metadata": {"name": name},
          "spec": {"model": {"name": name, "bundle": str(bundle)}, "slo": {"latencyMs": 1000},
                   "accuracy": {"maxDrop": BUDGET}, "pools": [{"name": "cpu"}], "planner": {"maxSplits": 2}}},

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from exitplan.worker import wire
-from exitplan.worker.discovery import Peer, PeerSet
-from exitplan.worker.hop_client import HopClient, HopConnectionError, HopFailed, send
-from exitplan.worker.wire import HopItem
+from exitplan.worker_image import wire
+from exitplan.worker_image.hop_client import HopClient, HopConnectionError, HopFailed, send
+from exitplan.worker_image.peer_choice import Peer, PeerSet
+from exitplan.worker_image.wire import HopItem
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:

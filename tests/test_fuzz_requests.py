@@ -6,7 +6,13 @@ corpus holds every malformed request the tracker issue names — out-of-vocabula
 their dtype, non-finite and out-of-range floats, wrong shapes and datatypes, missing and unknown
 inputs, bodies that are not JSON or not an object, huge nesting, more inputs than the router ever
 admits, BYTES that are not UTF-8 — and a few hundred random mutations of valid requests (fixed seed).
-Every answer must be below 500, and every 4xx a JSON body whose "error" says why.
+Issue 28 added the other ways a body arrives (fuzz_encodings.py): gzip, deflate and raw deflate (valid,
+corrupt, truncated, with data after the end, bombs that inflate past the body limit, codings not taken),
+chunked bodies (valid, and malformed chunks), inputs whose scores are not finite (422), the request `id`
+echoed; each mutation goes out plain, gzip, deflate or chunked, and 120 valid bodies go out with their
+compressed stream or their chunks damaged at random. Every answer must be below 500, come before the
+connection closes, and every 4xx a JSON body whose "error" says why. Figures (one run): 66 corpus +
+22 encoded corpus + 300 mutations + 120 damaged = 508 cases (225 of the mutations gzip, deflate or chunked), 0 x 5xx, 0 unanswered.
 """
 
 from __future__ import annotations
@@ -17,16 +23,18 @@ import random
 import struct
 
 import aiohttp
+import fuzz_encodings as enc
 import pytest
 from dataplane_helpers import deployment, one_cell_plan, service_spec
 from fragile_bundle import fragile_bundle, fragile_request
 
 from exitplan.api.bundle import read_manifest
-from exitplan.worker.protocol import BINARY_HEADER
+from exitplan.worker_image.protocol import BINARY_HEADER
 
 pytestmark = pytest.mark.slow
 
 MUTATIONS = 300
+DAMAGED = 120
 MAX_INFLIGHT = 4096
 """The router's default limit on inputs in flight (the service's router.maxQueue)."""
 
@@ -161,6 +169,92 @@ CORPUS = [
     ("valid fixed", "fixed", VALID_FIXED, {}, 200, None),
 ]
 
+FIXED_JSON = json.dumps(VALID_FIXED).encode()
+BAD_GZIP = enc.encode(FIXED_JSON, "gzip")[:10] + b"garbage, not deflate data at all"
+CHUNKS = enc.chunked(FIXED_JSON, random.Random(3))
+# (name, target, body, headers, chunked framing (None: Content-Length), expected status, phrase in the error)
+ENCODED = [
+    ("gzip", "fixed", enc.encode(FIXED_JSON, "gzip"), {"Content-Encoding": "gzip"}, None, 200, None),
+    ("x-gzip", "fixed", enc.encode(FIXED_JSON, "gzip"), {"Content-Encoding": "x-gzip"}, None, 200, None),
+    ("deflate (zlib)", "fixed", enc.encode(FIXED_JSON, "deflate"), {"Content-Encoding": "deflate"}, None, 200, None),
+    ("deflate (raw)", "fixed", enc.deflate(FIXED_JSON, raw=True), {"Content-Encoding": "deflate"}, None, 200, None),
+    (
+        "two gzip members",
+        "fixed",
+        enc.encode(FIXED_JSON[:9], "gzip") + enc.encode(FIXED_JSON[9:], "gzip"),
+        {"Content-Encoding": "gzip"},
+        None,
+        200,
+        None,
+    ),
+    ("identity", "fixed", FIXED_JSON, {"Content-Encoding": "identity"}, None, 200, None),
+    ("chunked", "fixed", b"", {}, CHUNKS, 200, None),
+    (
+        "chunked gzip",
+        "fixed",
+        b"",
+        {"Content-Encoding": "gzip"},
+        enc.chunked(enc.encode(FIXED_JSON, "gzip"), random.Random(4)),
+        200,
+        None,
+    ),
+    ("corrupt gzip", "fixed", BAD_GZIP, {"Content-Encoding": "gzip"}, None, 400, "not a valid gzip stream"),
+    (
+        "truncated gzip",
+        "fixed",
+        enc.encode(FIXED_JSON, "gzip")[:-12],
+        {"Content-Encoding": "gzip"},
+        None,
+        400,
+        "ends before",
+    ),
+    (
+        "deflate then garbage",
+        "fixed",
+        enc.encode(FIXED_JSON, "deflate") + b"tail",
+        {"Content-Encoding": "deflate"},
+        None,
+        400,
+        "after the end",
+    ),
+    ("gzip of no JSON", "fixed", enc.encode(b"not json", "gzip"), {"Content-Encoding": "gzip"}, None, 400, "JSON"),
+    ("empty gzip body", "fixed", b"", {"Content-Encoding": "gzip"}, None, 400, "ends before"),
+    (
+        "gzip bomb 64 MiB",
+        "text",
+        lambda: enc.bomb(64 << 20, "gzip"),
+        {"Content-Encoding": "gzip"},
+        None,
+        413,
+        "once inflated",
+    ),
+    (
+        "deflate bomb 100 MB",
+        "text",
+        lambda: enc.bomb(100 << 20),
+        {"Content-Encoding": "deflate"},
+        None,
+        413,
+        "once inflated",
+    ),
+    ("brotli", "fixed", FIXED_JSON, {"Content-Encoding": "br"}, None, 415, "gzip, x-gzip, deflate"),
+    (
+        "gzip twice",
+        "fixed",
+        enc.encode(enc.encode(FIXED_JSON, "gzip"), "gzip"),
+        {"Content-Encoding": "gzip, gzip"},
+        None,
+        415,
+        "not taken",
+    ),
+    ("chunk size not hex", "fixed", b"", {}, b'5\r\n{"inp\r\nZZ\r\nuts\r\n0\r\n\r\n', 400, "chunk"),
+    ("chunk longer than its size", "fixed", b"", {}, b'3\r\n{"inputs\r\n0\r\n\r\n', 400, "malformed"),
+    ("chunk size overflow", "fixed", b"", {}, b"ffffffffffffffffffffff\r\n{}\r\n0\r\n\r\n", 400, "malformed"),
+    ("FP32 3.4e38", "fixed", json.dumps(_x([3.4e38] * 4)).encode(), {}, None, 422, "not finite"),
+    ("id not a string", "fixed", json.dumps({**VALID_FIXED, "id": 7}).encode(), {}, None, 400, '"id"'),
+]
+
+
 ODD_NUMBERS = [True, False, 0, -1, 1.5, -0.0, 255, 256, 300, 999999, 30522, 2**31, 2**40, 2**63, 2**64, -(2**63) - 1]
 ODD_STRINGS = ["NaN", "Infinity", "-inf", "", "x", "\u0000", "\ud7ff", "é" * 50, "BYTES", "FP32", "INT64", "text"]
 ODD_OTHERS = [None, 10**30, 1e39, -1e39, 1e-45, [], {}, [[]], [1, [2]], [[1, 2], [3]], {"a": 1}, ["a"], [None], [1e39]]
@@ -217,7 +311,9 @@ async def _send(session, url: str, body, headers: dict) -> tuple[int, bytes, str
 
 
 def _problem(status: int, raw: bytes) -> str | None:
-    """Why an answer breaks the rules (a 5xx; a 4xx without a JSON error), or None."""
+    """Why an answer breaks the rules (none; a 5xx; a 4xx without a JSON error), or None."""
+    if status == 0:
+        return raw.decode(errors="replace")
     if status >= 500:
         return f"HTTP {status}: {raw[:300]!r}"
     if status >= 400:
@@ -246,23 +342,92 @@ async def test_the_corpus_gets_4xx_with_a_reason_and_never_a_5xx(text_served, fi
     assert not wrong, "\n".join(wrong)
 
 
+WAYS = ("identity", "gzip", "deflate", "chunked")
+"""How the mutations go out, in turn."""
+
+
+async def _send_way(session, served: dict, target: str, body: object, way: str, rng: random.Random):
+    """`body` as JSON, plain (aiohttp), compressed or chunked (a raw connection)."""
+    url, (port, path) = served[target]
+    if way == "identity":
+        status, raw, _ = await _send(session, url, body, {})
+        return status, raw
+    data = json.dumps(body).encode()
+    if way == "chunked":
+        return await enc.exchange(port, enc.request(path, b"", {}, chunks=enc.chunked(data, rng)))
+    return await enc.exchange(port, enc.request(path, enc.encode(data, way), enc.header_of(way)))
+
+
+def _served(text_served, fixed_served) -> dict:
+    """target -> (url, (port, path)) of each deployment's infer route."""
+    paths = {"text": ("/v2/models/minilm/infer", text_served), "fixed": ("/v2/models/fragile/infer", fixed_served)}
+    return {t: (f"{dep.url}{path}", (dep.port, path)) for t, (path, dep) in paths.items()}
+
+
 async def test_a_few_hundred_mutated_requests_get_no_5xx_and_the_service_still_answers(text_served, fixed_served):
-    urls = {"text": f"{text_served.url}/v2/models/minilm/infer", "fixed": f"{fixed_served.url}/v2/models/fragile/infer"}
+    served = _served(text_served, fixed_served)
+    urls = {target: url for target, (url, _) in served.items()}
     cases = generated_cases(MUTATIONS)
     wrong, statuses = [], {}
+    rng = random.Random(28)
     async with aiohttp.ClientSession() as s:
-        for name, target, body in cases:
-            status, raw, _ = await _send(s, urls[target], body, {})
+        for i, (name, target, body) in enumerate(cases):
+            status, raw = await _send_way(s, served, target, body, WAYS[i % len(WAYS)], rng)
             statuses[status] = statuses.get(status, 0) + 1
             problem = _problem(status, raw)
             if problem:
-                wrong.append(f"{name} ({json.dumps(body)[:200]}): {problem}")
+                wrong.append(f"{name}, {WAYS[i % len(WAYS)]} ({json.dumps(body)[:200]}): {problem}")
         assert not wrong, "\n".join(wrong)
         assert statuses.get(400, 0) >= MUTATIONS // 3, statuses  # most mutations break the request ...
         assert statuses.get(200, 0) >= 1, statuses  # ... some leave it valid
         for target, body in (("text", VALID_TEXT), ("fixed", VALID_FIXED)):  # nothing was hurt
             status, raw, _ = await _send(s, urls[target], body, {})
             assert status == 200, raw[:300]
+
+
+async def test_compressed_and_chunked_bodies_get_their_4xx_and_never_a_5xx(text_served, fixed_served):
+    served = _served(text_served, fixed_served)
+    wrong = []
+    for name, target, body, headers, chunks, expected, phrase in ENCODED:
+        _, (port, path) = served[target]
+        body = body() if callable(body) else body  # (a bomb: made when sent)
+        status, raw = await enc.exchange(port, enc.request(path, body, headers, chunks=chunks))
+        problem = _problem(status, raw)
+        if problem is None and status != expected:
+            problem = f"HTTP {status}, expected {expected}: {raw[:300]!r}"
+        if problem is None and phrase and phrase not in json.loads(raw)["error"]:
+            problem = f"the error does not say {phrase!r}: {raw[:300]!r}"
+        if problem:
+            wrong.append(f"{name}: {problem}")
+    assert not wrong, "\n".join(wrong)
+
+
+async def test_valid_bodies_with_their_compression_or_chunks_damaged_get_no_5xx(text_served, fixed_served):
+    served = _served(text_served, fixed_served)
+    rng, wrong, statuses = random.Random(2028), [], {}
+    for i in range(DAMAGED):
+        target, body = rng.choice([("text", VALID_TEXT), ("fixed", VALID_FIXED)])
+        _, (port, path) = served[target]
+        data, way = json.dumps(body).encode(), rng.choice(("gzip", "deflate", "raw-deflate", "chunked"))
+        if way == "chunked":  # the payload damaged inside valid framing (a stalled chunk would wait for its body)
+            raw_request = enc.request(path, b"", {}, chunks=enc.chunked(enc.damage(data, rng), rng))
+        else:
+            raw_request = enc.request(path, enc.damage(enc.encode(data, way), rng), enc.header_of(way))
+        status, raw = await enc.exchange(port, raw_request)
+        statuses[status] = statuses.get(status, 0) + 1
+        if problem := _problem(status, raw):
+            wrong.append(f"damaged {i} ({way}): {problem}")
+    assert not wrong, "\n".join(wrong)
+    assert statuses.get(400, 0) >= DAMAGED // 3, statuses
+
+
+async def test_the_answer_echoes_the_request_id(fixed_served):
+    async with aiohttp.ClientSession() as s:
+        url = f"{fixed_served.url}/v2/models/fragile/infer"
+        status, raw, _ = await _send(s, url, {**VALID_FIXED, "id": "req-28"}, {})
+        assert status == 200 and json.loads(raw)["id"] == "req-28", raw[:300]
+        status, raw, _ = await _send(s, url, VALID_FIXED, {"X-Request-Id": "from-header"})
+        assert status == 200 and json.loads(raw)["id"] == "from-header", raw[:300]
 
 
 def test_the_mutations_are_fixed_by_their_seed_and_varied():

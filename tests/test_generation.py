@@ -17,13 +17,13 @@ import yaml
 from generation_helpers import PROMPTS, tiny_decoder_bundle
 
 from exitplan.api.bundle import BundleError
-from exitplan.worker.generate.decoder import (
+from exitplan.worker_image.generate.decoder import (
     DecoderModel,
     GenerationError,
     RecomputeEngine,
     full_greedy,
 )
-from exitplan.worker.generate.local_pipeline import PipelineEngine, even_stages
+from exitplan.worker_image.generate.local_pipeline import PipelineEngine, even_stages
 
 TOL = 1e-5
 

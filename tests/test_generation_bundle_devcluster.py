@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
+from devcluster_stack import stop_and_print
 from generation_helpers import PROMPTS, post, tiny_decoder_bundle
 from test_bundle_devcluster import web_server
 from test_generation_devcluster import NS, Api
@@ -25,7 +25,7 @@ from test_operator_support import wait_for
 from exitplan.api.bundle import record_digests
 from exitplan.operator.bundle_volumes import STORAGE_INIT
 from exitplan.storage.push import push
-from exitplan.worker.generate.decoder import DecoderModel, full_greedy
+from exitplan.worker_image.generate.decoder import DecoderModel, full_greedy
 
 EXITPLAN = [sys.executable, "-P", "-c", "from exitplan.cli import app; app()"]
 GUARD = 180.0  # only stops a broken run from hanging the suite; not a performance assertion
@@ -85,18 +85,7 @@ def stack(tmp_path_factory):
             yield {"api": api, "bundle": bundle, "pushed": pushed, "base": base, "asked": asked, "operator": procs[-1]}
         api.close()
     finally:
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for name, log in logs.items():
-            log.close()
-            text = (tmp / f"{name}.log").read_text(errors="replace").splitlines()[-40:]
-            print(f"---- {name} ----\n" + "\n".join(text))
+        stop_and_print(procs, logs, tmp)
 
 
 def create_service(api: Api, name: str, url: str, sha256: str) -> None:

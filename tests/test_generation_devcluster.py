@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -17,11 +16,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from devcluster_stack import stop_and_print
 from generation_helpers import PROMPTS, post, tiny_decoder_bundle
 from test_operator_support import wait_for
 
 from exitplan.operator.kube import ApiError, KubeClient, path
-from exitplan.worker.generate.decoder import DecoderModel, full_greedy
+from exitplan.worker_image.generate.decoder import DecoderModel, full_greedy
 
 EXITPLAN = [sys.executable, "-c", "from exitplan.cli import app; app()"]
 GUARD = 180.0  # only stops a broken run from hanging the suite; not a performance assertion
@@ -97,19 +97,7 @@ def stack(tmp_path_factory):
         yield {"tmp": tmp, "bundle": bundle, "api": api}
         api.close()
     finally:
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for name, log in logs.items():
-            log.close()
-            print(
-                f"---- {name} ----\n" + "\n".join((tmp / f"{name}.log").read_text(errors="replace").splitlines()[-40:])
-            )
+        stop_and_print(procs, logs, tmp)
 
 
 def test_operator_runs_a_generation_service_that_answers_over_http(stack):

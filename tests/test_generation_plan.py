@@ -9,8 +9,8 @@ import pytest
 from generation_helpers import PROMPTS, tiny_decoder_bundle
 
 from exitplan.planner.generation import GenerationPlanError, GenerationProfile, evaluate, plan_splits
-from exitplan.worker.generate.decoder import DecoderModel
-from exitplan.worker.generate.measure import measure_profile
+from exitplan.worker_image.generate.decoder import DecoderModel
+from exitplan.worker_image.generate.measure import measure_profile
 
 
 def profile(hop: float = 0.0, shares=None) -> GenerationProfile:
@@ -67,7 +67,7 @@ def test_measured_profile_on_the_tiny_bundle():
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec  # noqa: E402
 from exitplan.planner.errors import PlanInfeasible  # noqa: E402
 from exitplan.planner.generation import ThresholdPoint, choose_threshold, generation_threshold, plan_generation  # noqa: E402
-from exitplan.worker.generate.measure import measure_thresholds  # noqa: E402
+from exitplan.worker_image.generate.measure import measure_thresholds  # noqa: E402
 
 
 def points(*pairs) -> list[ThresholdPoint]:

@@ -16,10 +16,10 @@ from aiohttp.test_utils import TestServer
 from generation_helpers import PROMPTS, tiny_decoder_bundle
 
 from exitplan.localrun.ports import free_port
-from exitplan.worker.generate.decoder import DecoderModel, full_greedy
-from exitplan.worker.generate.local_pipeline import PipelineEngine
-from exitplan.worker.generate.remote_pipeline import RemotePipelineEngine
-from exitplan.worker.generate.routes import generation_app
+from exitplan.worker_image.generate.decoder import DecoderModel, full_greedy
+from exitplan.worker_image.generate.local_pipeline import PipelineEngine
+from exitplan.worker_image.generate.remote_pipeline import RemotePipelineEngine
+from exitplan.worker_image.generate.routes import generation_app
 
 TOL = 1e-5
 EXITPLAN = [sys.executable, "-c", "from exitplan.cli import app; app()"]

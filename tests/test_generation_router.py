@@ -22,8 +22,8 @@ from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
 from exitplan.localrun.deployment import LocalDeployment
 from exitplan.localrun.ports import free_port, free_port_block
 from exitplan.planner.generation import plan_generation
-from exitplan.worker.generate.decoder import DecoderModel, RecomputeEngine, full_greedy
-from exitplan.worker.generate.local_pipeline import PipelineEngine
+from exitplan.worker_image.generate.decoder import DecoderModel, RecomputeEngine, full_greedy
+from exitplan.worker_image.generate.local_pipeline import PipelineEngine
 
 NAME = "tweets"
 HANG_GUARD = 120.0  # only stops a broken run from hanging the suite; not a performance assertion
@@ -311,7 +311,7 @@ async def test_no_reachable_stage_is_503_with_the_reason_not_a_hang(bundle, tmp_
     import aiohttp
     from aiohttp.test_utils import TestServer
 
-    from exitplan.worker.generate.router import GenerationRouter
+    from exitplan.worker_image.generate.router import GenerationRouter
 
     manifest = DecoderModel(bundle, last_block=0).manifest
     plan = plan_generation(

@@ -10,9 +10,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 from generation_helpers import PROMPTS, tiny_decoder_bundle
 
-from exitplan.worker.generate.decoder import DecoderModel, RecomputeEngine, full_greedy
-from exitplan.worker.generate.local_pipeline import PipelineEngine
-from exitplan.worker.generate.routes import generation_app
+from exitplan.worker_image.generate.decoder import DecoderModel, RecomputeEngine, full_greedy
+from exitplan.worker_image.generate.local_pipeline import PipelineEngine
+from exitplan.worker_image.generate.routes import generation_app
 
 NAME = "tiny"
 

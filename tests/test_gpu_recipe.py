@@ -52,6 +52,8 @@ def test_values_gpu_render_lint_and_validate_strictly(monkeypatch: pytest.Monkey
             checked += 1
     assert checked >= 2 * 15
     assert one(objs, "ServiceMonitor")["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    rule = one(objs, "PrometheusRule")  # the alerts, on what the monitors scrape
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack" and rule["spec"]["groups"]
     assert one(objs, "PodDisruptionBudget")  # two replicas: a node drain keeps one
     pod = operator_pod(objs)["spec"]
     (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]

@@ -16,7 +16,6 @@ from byom_models import MiniLMClassifier, export, nn, torch
 from onnx import TensorProto, helper
 
 from exitplan.prepare.graph_cuts import (
-    BlockFile,
     Cut,
     GraphError,
     find_cuts,
@@ -24,7 +23,7 @@ from exitplan.prepare.graph_cuts import (
     no_cut_message,
     spread,
 )
-from exitplan.prepare.graph_split import split, verify_chain
+from exitplan.prepare.graph_split import BlockFile, split, verify_chain
 
 OPSET = 17
 
@@ -248,7 +247,7 @@ def test_if_on_the_main_path_is_named(tmp_path):
 
 def test_control_flow_on_input_shapes_is_recomputed_by_the_next_block(tmp_path):
     """An If on the batch size (input-derived, reading an outer initializer) is not on the main path:
-    the block after the cut recomputes it from the graph input."""
+    the block after the cut recomputes it, the batch size read from the state it receives."""
     scalar = helper.make_tensor_value_info("s", TensorProto.FLOAT, [])
     then = helper.make_graph([helper.make_node("Identity", ["one"], ["s"])], "then", [], [scalar])
     other = helper.make_graph([helper.make_node("Add", ["one", "one"], ["s"])], "else", [], [scalar])
@@ -271,7 +270,7 @@ def test_control_flow_on_input_shapes_is_recomputed_by_the_next_block(tmp_path):
     cuts = find_cuts(model, {"x": np.ones((2, 8), np.float32)})
     assert [c.tensor for c in cuts] == ["r1", "r2"]
     blocks = split(model, ["r1"], tmp_path / "out")
-    assert blocks[1].inputs == ["hidden0", "x"]  # x for its batch size, which the If reads
+    assert blocks[1].inputs == ["hidden0"]  # x's batch size, which the If reads, is hidden0's: x stays behind
     for n in (1, 3, 4):  # both branches of the If
         x = np.random.default_rng(n).standard_normal((n, 8)).astype(np.float32)
         assert verify_chain(model, blocks, {"x": x}) <= 1e-5

@@ -35,7 +35,8 @@ from test_operator_support import (
 )
 
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec
-from exitplan.operator import builders, capacity, crdgen, guards, profiling
+from exitplan.operator import builders, capacity, crdgen, guards, names, profiling
+from exitplan.worker_image import device
 
 
 @pytest.fixture
@@ -80,18 +81,39 @@ def warnings(cluster: ClusterThread, ns: str, name: str, reason: str) -> list[di
         ("//opt//b//m", ("/opt/b",), "allowed"),
         ("/opt/bx/m", ("/opt/b",), "refused"),
         ("/var/lib/kubelet", ("/",), "allowed"),
-        ("models/minilm", (), "not a host path"),
+        ("models/minilm", ("/",), "relative"),
+        ("file://models/minilm", ("/",), "relative"),
         ("s3://bucket/minilm", (), "not a host path"),
     ],
 )
 def test_host_path_policy_normalises_and_matches_whole_components(bundle, allowed, verdict):
-    settings = guards.Settings(allowed_host_paths=tuple(builders.normalize_host_path(p) for p in allowed))
+    settings = guards.Settings(allowed_host_paths=tuple(names.normalize_host_path(p) for p in allowed))
     spec = spec_of(bundle)
     refusal = guards.bundle_refusal(spec, settings)
-    assert (refusal is not None) == (verdict == "refused"), refusal
-    assert (guards.host_path(spec) is None) == (verdict == "not a host path")
-    if refusal:
-        assert builders.bundle_path(bundle) in refusal and "operator.allowedHostPathPrefixes" in refusal
+    assert (refusal is not None) == (verdict in ("refused", "relative")), refusal
+    assert (guards.host_path(spec) is None) == (verdict in ("not a host path", "relative"))
+    if verdict == "refused":
+        assert names.bundle_path(bundle) in refusal and "operator.allowedHostPathPrefixes" in refusal
+    if verdict == "relative":  # even where every host path is allowed: no pod can resolve it
+        assert f"spec.model.bundle {bundle} is a relative path" in refusal
+        assert "absolute path" in refusal and "exitplan apply" in refusal
+
+
+def test_a_relative_bundle_path_is_refused_naming_the_field_and_the_fix(cluster):
+    ns = "relative"
+    install_profiles(cluster, ns)
+    with operator(cluster):  # allows /models
+        cluster.create(service("rel", ns, model={"name": "minilm", "bundle": "artifacts/bundles/minilm"}))
+        st = wait_for("the relative path refused", lambda: infeasible(cluster, ns, "rel", guards.REFUSED))
+        message = condition(st, "PlanInfeasible")["message"]
+        assert message.startswith("spec.model.bundle artifacts/bundles/minilm is a relative path")
+        assert "absolute path under an allowed prefix (['/models'])" in message and "exitplan apply" in message
+        (event,) = warnings(cluster, ns, "rel", guards.REFUSED)
+        assert event["message"] == message
+        for kind in ("Deployment", "ConfigMap", "Job", "Service"):
+            assert cluster.list(kind, ns, "exitplan.io/service=rel") == []
+        cluster.patch("EarlyExitService", ns, "rel", {"spec": {"model": {"bundle": "/models/minilm"}}})
+        wait_for("planned once the path is absolute and allowed", lambda: deployed(cluster, ns, "rel"))
 
 
 def test_settings_come_from_the_env_the_operator_command_sets():
@@ -233,6 +255,26 @@ def test_services_on_one_pool_never_exceed_its_capacity(cluster):
         assert len(warnings(cluster, ns, second, capacity.REASON)) == 1  # the re-checks posted nothing new
 
 
+def test_a_pool_without_capacity_is_reported_at_once_without_a_profiling_job(cluster):
+    ns = "empty"
+    cluster.create(pool("empty", 0, 1.0))
+    with operator(cluster):
+        cluster.create(service("nothing", ns, pools=[{"name": "empty"}]))
+        cluster.create(service("capped", ns, pools=[{"name": "gpu-a", "maxGpus": 0}]))
+        for name, why in (("nothing", "(empty: capacity 0)"), ("capped", "(gpu-a: capacity 4, spec.pools maxGpus 0)")):
+            st = wait_for(f"{name} refused for capacity", lambda n=name: infeasible(cluster, ns, n, capacity.REASON))
+            message = condition(st, "PlanInfeasible")["message"]
+            assert why in message and "no profiling Job runs" in message and "spec.capacity" in message, message
+            assert st["phase"] == "Infeasible" and not st.get("waitingForProfiles")
+            (event,) = warnings(cluster, ns, name, capacity.REASON)
+            assert event["message"] == message
+        assert cluster.list("Job", ns) == []  # no ModelProfile exists, and still no Job measures the pools
+        # Capacity added: the service goes on to profile its pool.
+        cluster.patch("GPUPool", None, "empty", {"spec": {"capacity": 2}})
+        wait_for("a profiling Job once the pool has capacity", lambda: cluster.list("Job", ns))
+        assert condition(status(cluster, ns, "nothing"), "PlanInfeasible")["status"] == "False"
+
+
 def test_max_replicas_caps_what_a_huge_pool_would_give(cluster):
     ns = "huge"
     cluster.create(pool("huge", 100000, 1.0))
@@ -304,9 +346,10 @@ def test_a_failing_profiling_job_ends_in_profiling_failed_after_bounded_attempts
     bundle.mkdir(parents=True)
     settings = {guards.ENV_ALLOWED: str(tmp_path / "bundles"), guards.ENV_PROFILE_ATTEMPTS: "2"}
     settings[guards.ENV_PROFILE_RETRY] = "1"
+    cluster.create(pool("cpu-b", 6, 1.0, gpu=""))  # a GPU pool's Job would refuse this machine's CPU first
     with operator(cluster, env=settings):
         cluster.create(
-            service("broken", ns, model={"name": "minilm", "bundle": str(bundle)}, pools=[{"name": "gpu-b"}])
+            service("broken", ns, model={"name": "minilm", "bundle": str(bundle)}, pools=[{"name": "cpu-b"}])
         )
         st = wait_for(
             "ProfilingFailed after the second Job",
@@ -320,7 +363,7 @@ def test_a_failing_profiling_job_ends_in_profiling_failed_after_bounded_attempts
         assert cond["status"] == "True" and cond["reason"] == "BackoffLimitExceeded"
         # the Job's failure and what the failed step said (its log's tail)
         assert "container profile exited 2" in cond["message"] and "no bundle.yaml here" in cond["message"]
-        assert condition(st, "Progressing")["status"] == "False" and st["profileAttempts"] == {"gpu-b": 2}
+        assert condition(st, "Progressing")["status"] == "False" and st["profileAttempts"] == {"cpu-b": 2}
         jobs = jobs_of(cluster, ns, "broken")
         assert len(jobs) == 2 and all(profiling.failed(j) for j in jobs)
         assert all(j["spec"]["backoffLimit"] == 2 and j["status"]["failed"] == 3 for j in jobs)  # 3 pods each
@@ -342,5 +385,30 @@ def test_a_failing_profiling_job_ends_in_profiling_failed_after_bounded_attempts
                 j for j in jobs_of(cluster, ns, "broken") if j["metadata"]["annotations"][profiling.A_GENERATION] == "2"
             ],
         )
-        assert [j["metadata"]["name"] for j in third] == [builders.profile_job_name("broken", "gpu-b", 2)]
+        assert [j["metadata"]["name"] for j in third] == [builders.profile_job_name("broken", "cpu-b", 2)]
         assert not Path(bundle / "bundle.yaml").exists()
+
+
+@pytest.mark.skipif(device.DRIVER_NODE.exists(), reason="this machine has an NVIDIA driver: the refusal needs none")
+def test_a_profiling_job_on_a_gpu_pool_without_a_gpu_says_provider_unavailable(cluster, pod_runner, digits_bundle):
+    """The profiling Job of a pool with a gpuResource runs `exitplan profile --device gpu`: on a node that
+    cannot run the CUDA provider it refuses to measure the CPU in its place, and ProfilingFailed's reason
+    says ProviderUnavailable with the cause."""
+    ns = "profgpu"
+    settings = {guards.ENV_ALLOWED: str(digits_bundle.parent), guards.ENV_PROFILE_ATTEMPTS: "1"}
+    with operator(cluster, env=settings):
+        cluster.create(
+            service(
+                "gpuless", ns, model={"name": "digits-cnn", "bundle": str(digits_bundle)}, pools=[{"name": "gpu-b"}]
+            )
+        )
+        st = wait_for(
+            "ProfilingFailed from the refusing Job",
+            lambda: (s := status(cluster, ns, "gpuless")).get("phase") == "ProfilingFailed" and s,
+        )
+        cond = condition(st, profiling.CONDITION)
+        assert cond["reason"] == "ProviderUnavailable" and "/dev/nvidiactl" in cond["message"]
+        (job,) = jobs_of(cluster, ns, "gpuless")
+        pod = job["spec"]["template"]["spec"]
+        (measure,) = [c for c in pod.get("initContainers", []) + pod["containers"] if c["name"] == "profile"]
+        assert measure["args"][-2:] == ["--device", "gpu"]

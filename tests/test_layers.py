@@ -18,7 +18,7 @@ FOLDERS = {
     "api": "exitplan.api",
     "planner": "exitplan.planner",
     "operator": "exitplan.operator",
-    "worker_image": "exitplan.worker",
+    "worker_image": "exitplan.worker_image",
     "prepare": "exitplan.prepare",
     "client": "exitplan.client",
     "localrun": "exitplan.localrun",
@@ -35,15 +35,25 @@ CONTRACTS = {
     # pure planning: no Kubernetes, no HTTP, no inference runtime
     "exitplan.planner": (("exitplan.api", "exitplan.planner"), ("onnxruntime",) + HTTP + HEAVY),
     # the data plane takes only the dispatch policy from the planner
-    "exitplan.worker": (("exitplan.api", "exitplan.worker", "exitplan.planner.dispatch"), HEAVY),
+    "exitplan.worker_image": (("exitplan.api", "exitplan.worker_image", "exitplan.planner.dispatch"), HEAVY),
     "exitplan.client": (
-        ("exitplan.api", "exitplan.client", "exitplan.planner.traces", "exitplan.worker.bundle_runtime"),
+        ("exitplan.api", "exitplan.client", "exitplan.planner.traces", "exitplan.worker_image.bundle_runtime"),
         HEAVY,
     ),
-    # the operator: never the CLI, the local process runner or the dev cluster; of the data plane
-    # only the client of its control endpoints
+    # the operator: never the CLI, the local process runner or the dev cluster; of the data plane only
+    # the client side of its control endpoints (one router's, every router's of a service) and the guard
+    # its own ports share with every exitplan server; of storage, the limits its storage-init is given
     "exitplan.operator": (
-        ("exitplan.api", "exitplan.planner", "exitplan.operator", "exitplan.worker.control_client"),
+        (
+            "exitplan.api",
+            "exitplan.planner",
+            "exitplan.operator",
+            "exitplan.worker_image.control_client",
+            "exitplan.worker_image.router_fleet",
+            "exitplan.worker_image.server_guard",
+            "exitplan.worker_image.server_limits",
+            "exitplan.storage.limits",
+        ),
         ("torch", "transformers"),
     ),
     "exitplan.prepare": (
@@ -51,14 +61,14 @@ CONTRACTS = {
             "exitplan.api",
             "exitplan.planner",
             "exitplan.prepare",
-            "exitplan.worker.bundle_runtime",
-            "exitplan.worker.generate.decoder",
+            "exitplan.worker_image.bundle_runtime",
+            "exitplan.worker_image.generate.decoder",
         ),
         ("kopf", "kubernetes", "aiohttp"),
     ),
     # `exitplan up`'s process runner: what a pod would run, started as local processes
     "exitplan.localrun": (
-        ("exitplan.api", "exitplan.planner", "exitplan.worker", "exitplan.client", "exitplan.localrun"),
+        ("exitplan.api", "exitplan.planner", "exitplan.worker_image", "exitplan.client", "exitplan.localrun"),
         ("kopf", "kubernetes"),
     ),
     # bundle storage: fetch, verify, push (the storage-init container, `exitplan bundle`)
@@ -153,13 +163,13 @@ def test_the_checker_catches_violations():
     assert any("kubernetes" in v for v in found) and any("exitplan.operator" in v for v in found)
     worker = imports_of(
         "from exitplan.planner.e3 import solve\nfrom exitplan.planner.dispatch import least_loaded\n",
-        "exitplan.worker.classify.router",
+        "exitplan.worker_image.classify.router",
         False,
     )
-    found = violations("exitplan.worker", "exitplan.worker.classify.router", worker)
+    found = violations("exitplan.worker_image", "exitplan.worker_image.classify.router", worker)
     assert found and all("exitplan.planner.e3" in v for v in found)
-    sneaky = imports_of("from exitplan.planner import plan_service\n", "exitplan.worker.classify.router", False)
-    assert violations("exitplan.worker", "exitplan.worker.classify.router", sneaky)
+    sneaky = imports_of("from exitplan.planner import plan_service\n", "exitplan.worker_image.classify.router", False)
+    assert violations("exitplan.worker_image", "exitplan.worker_image.classify.router", sneaky)
 
 
 def test_the_dev_cluster_is_used_only_by_the_cli_and_tests():
@@ -174,6 +184,7 @@ def test_the_dev_cluster_is_used_only_by_the_cli_and_tests():
 
 
 def test_the_cli_package_holds_only_the_cli():
-    """exitplan/ is the CLI: `cli.py`, one `cmd_*.py` per command, nothing the other rooms import."""
+    """exitplan/ is the CLI: `cli.py`, what its commands share (`cli_*.py`), one `cmd_*.py` per command,
+    nothing the other rooms import."""
     names = sorted(p.name for p in (REPO / "exitplan").glob("*.py"))
-    assert all(n in ("__init__.py", "__main__.py", "cli.py") or n.startswith("cmd_") for n in names), names
+    assert all(n in ("__init__.py", "__main__.py") or n.startswith(("cli", "cmd_")) for n in names), names

@@ -1,10 +1,10 @@
 """Observation windows: survival, agreement with intervals, ramp utility; the feedback ring."""
 
-import io
-
 import numpy as np
 
-from exitplan.worker.classify.observe import FeedbackRing, WindowStats, wilson
+from exitplan.api.observations import wilson
+from exitplan.worker_image.classify.observe import FeedbackRing, WindowStats
+from exitplan.worker_image.control_bodies import FeedbackArrays
 
 
 def test_wilson_interval_contains_the_estimate_and_narrows_with_samples():
@@ -45,5 +45,7 @@ def test_feedback_ring_keeps_the_latest_in_order_and_rejects_incomplete_samples(
         assert ring.add([0.1 * k, 0.2], [k, k], k)
     conf, pred, final = ring.arrays()
     assert final.tolist() == [2, 3, 4] and pred[:, 0].tolist() == [2, 3, 4]
-    data = np.load(io.BytesIO(ring.to_npz(np.array([1.0, 2.0]), np.array([0.1, 0.1]), last=2)))
-    assert data["final"].tolist() == [3, 4] and data["conf"].shape == (2, 2)
+    window = ring.window(np.array([1.0, 2.0]), np.array([0.1, 0.1]), last=2)
+    assert window.final.tolist() == [3, 4] and window.conf.shape == (2, 2)
+    data = FeedbackArrays.from_npz(window.to_npz())  # as GET /v1/window.npz carries it
+    assert data.final.tolist() == [3, 4] and data.conf.shape == (2, 2) and data.saving_ms.tolist() == [1.0, 2.0]

@@ -6,11 +6,12 @@ import json
 
 import pytest
 
+from exitplan.api.commands import CPU_MAX_WAIT_MS
 from exitplan.api.observations import Observations
 from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import DriftLimits, EarlyExitServiceSpec, GPUPoolSpec
 from exitplan.operator import apply as applying
-from exitplan.operator import builders, drift
+from exitplan.operator import builders, drift, names, pod_template
 from exitplan.operator.status import Phase, ServiceStatus, parse_status, set_condition, summarize
 
 OWNER = {
@@ -60,8 +61,8 @@ def by_name(children: list[dict]) -> dict[str, dict]:
 
 def test_children_cover_every_cell_with_labels_owner_and_hash():
     children = builders.build_children(OWNER, SPEC, PLAN, POOLS)
-    names = by_name(children)
-    assert set(names) == {
+    objs = by_name(children)
+    assert set(objs) == {
         "ConfigMap/minilm-plan",
         "Deployment/minilm-router",
         "Service/minilm",
@@ -86,15 +87,15 @@ def test_children_cover_every_cell_with_labels_owner_and_hash():
                 "blockOwnerDeletion": True,
             }
         ]
-        assert meta["labels"][builders.L_SERVICE] == "minilm"
-        assert meta["annotations"][builders.A_PLAN_HASH] == PLAN.content_hash()
-    worker = names["Deployment/minilm-s0-b128-cpu"]
+        assert meta["labels"][names.L_SERVICE] == "minilm"
+        assert meta["annotations"][names.A_PLAN_HASH] == PLAN.content_hash()
+    worker = objs["Deployment/minilm-s0-b128-cpu"]
     assert worker["spec"]["replicas"] == 1
-    assert {builders.L_SPLIT: "0", builders.L_BUCKET: "128", builders.L_POOL: "cpu"}.items() <= worker["metadata"][
+    assert {names.L_SPLIT: "0", names.L_BUCKET: "128", names.L_POOL: "cpu"}.items() <= worker["metadata"][
         "labels"
     ].items()
     # The ConfigMap holds the plan exactly, naming the routers' control Service as its routers.
-    held = Plan.model_validate_json(names["ConfigMap/minilm-plan"]["data"]["plan.json"])
+    held = Plan.model_validate_json(objs["ConfigMap/minilm-plan"]["data"]["plan.json"])
     assert held == PLAN.model_copy(update={"routers": ["minilm-control.ml.svc:8081"]})
     assert held.content_hash() == PLAN.content_hash()  # wiring, not part of the plan's hash
 
@@ -108,15 +109,15 @@ def test_selectors_match_pod_labels():
             assert child["spec"]["clusterIP"] == "None"
             split = child["metadata"]["name"].rsplit("-", 1)[1]
             assert child["spec"]["selector"] == {
-                builders.L_SERVICE: "minilm",
-                builders.L_COMPONENT: "worker",
-                builders.L_SPLIT: split,
+                names.L_SERVICE: "minilm",
+                names.L_COMPONENT: "worker",
+                names.L_SPLIT: split,
             }
 
 
 def test_worker_pod_follows_the_contract_and_the_pool():
-    names = by_name(builders.build_children(OWNER, SPEC, PLAN, POOLS))
-    pod = names["Deployment/minilm-s0-b32-gpu-a"]["spec"]["template"]["spec"]
+    objs = by_name(builders.build_children(OWNER, SPEC, PLAN, POOLS))
+    pod = objs["Deployment/minilm-s0-b32-gpu-a"]["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["command"] == ["exitplan", "worker"]
     assert c["args"] == [
@@ -134,6 +135,8 @@ def test_worker_pod_follows_the_contract_and_the_pool():
         "8080",
         "--control-token-file",
         "/var/run/exitplan-control/token",
+        "--device",
+        "gpu",  # a pool with a gpuResource: never serve on the CPU in its stead
         "--next",
         "minilm-split-1.ml.svc:8080",
     ]
@@ -142,6 +145,15 @@ def test_worker_pod_follows_the_contract_and_the_pool():
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["resources"]["requests"]["cpu"] == "4"
     assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
     assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    # a large model loads before liveness counts: the startup probe allows STARTUP_SECONDS
+    start = c["startupProbe"]
+    assert start["httpGet"]["path"] == "/v2/health/live" and "initialDelaySeconds" not in c["livenessProbe"]
+    assert start["periodSeconds"] * start["failureThreshold"] == pod_template.STARTUP_SECONDS >= 300
+    # the recommended instance label names the service, on the Deployment and on its pods (not in the selector)
+    dep = objs["Deployment/minilm-s1-b128-gpu-a"]
+    assert dep["metadata"]["labels"]["app.kubernetes.io/instance"] == "minilm"
+    assert dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/instance"] == "minilm"
+    assert "app.kubernetes.io/instance" not in dep["spec"]["selector"]["matchLabels"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]} and c["securityContext"]["readOnlyRootFilesystem"]
     term = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
@@ -151,15 +163,20 @@ def test_worker_pod_follows_the_contract_and_the_pool():
     token = next(v for v in pod["volumes"] if v["name"] == "control-token")
     assert token["secret"]["secretName"] == "minilm-control-token" and token["secret"]["defaultMode"] == 0o440
     # The last split has no --next; a CPU-only pool asks for no GPU.
-    last = names["Deployment/minilm-s1-b128-gpu-a"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    last = objs["Deployment/minilm-s1-b128-gpu-a"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--next" not in last
-    cpu = names["Deployment/minilm-s0-b128-cpu"]["spec"]["template"]["spec"]
+    cpu = objs["Deployment/minilm-s0-b128-cpu"]["spec"]["template"]["spec"]
     assert not any("gpu" in k for k in cpu["containers"][0]["resources"]["limits"]) and "nodeSelector" not in cpu
+    # a CPU worker launches a partial batch after a short wait (its batch latency grows with the batch: at low
+    # load every input would otherwise wait until its deadline nearly ran out); a GPU worker waits for a batch
+    args = cpu["containers"][0]["args"]
+    assert args[args.index("--max-wait-ms") + 1] == str(CPU_MAX_WAIT_MS) and "--device" not in args
+    assert "--max-wait-ms" not in c["args"]
 
 
 def test_router_and_entry_service():
-    names = by_name(builders.build_children(OWNER, SPEC, PLAN, POOLS))
-    router = names["Deployment/minilm-router"]
+    objs = by_name(builders.build_children(OWNER, SPEC, PLAN, POOLS))
+    router = objs["Deployment/minilm-router"]
     assert router["spec"]["replicas"] == 2
     (c,) = router["spec"]["template"]["spec"]["containers"]
     assert c["command"] == ["exitplan", "router"]
@@ -177,12 +194,12 @@ def test_router_and_entry_service():
     assert flags["--slo-ms"] == "100" and flags["--accuracy-budget"] == "0.01" and flags["--max-inflight"] == "4096"
     assert flags["--control-port"] == "8081" and flags["--control-token-file"] == "/var/run/exitplan-control/token"
     assert {"name": "control", "containerPort": 8081} in c["ports"]
-    svc = names["Service/minilm"]
+    svc = objs["Service/minilm"]
     assert (
         svc["spec"]["ports"][0]["port"] == 8080 and svc["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
     )
     assert [p["port"] for p in svc["spec"]["ports"]] == [8080]  # clients reach only the inference port
-    control = names["Service/minilm-control"]  # headless: every router pod, at the control port
+    control = objs["Service/minilm-control"]  # headless: every router pod, at the control port
     assert control["spec"]["clusterIP"] == "None" and control["spec"]["selector"] == svc["spec"]["selector"]
     assert control["spec"]["ports"] == [{"name": "control", "port": 8081, "targetPort": "control", "protocol": "TCP"}]
 
@@ -200,9 +217,9 @@ def test_plan_on_unknown_pool_is_refused():
 
 
 def test_dns_names_stay_valid():
-    name = builders.dns_name("A" * 80, "s0", "b128", "Pool_X")
+    name = names.dns_name("A" * 80, "s0", "b128", "Pool_X")
     assert len(name) <= 63 and name == name.lower() and "_" not in name
-    assert builders.dns_name("A" * 80, "x") != builders.dns_name("A" * 80, "y")
+    assert names.dns_name("A" * 80, "x") != names.dns_name("A" * 80, "y")
 
 
 def test_profile_job_measures_then_publishes_on_the_pool():
@@ -248,7 +265,7 @@ def window(hist: list[int], survival: list[float], p99: float = 20.0, n: int | N
     return Observations(
         service="minilm",
         model="minilm",
-        since=0,
+        since=1,
         until=60,
         requests=total,
         within_slo=total,
@@ -272,6 +289,9 @@ def test_drift_statistics_and_triggers():
     assert slow.trigger == "slo-risk"
     tiny = drift.assess(PLAN, window([0, 10], [0.9, 0.9]), limits, 100.0, [])
     assert tiny.trigger == "" and tiny.requests == 10
+    # the window's bounds, to line MEASURED up with a load generator's figures: 60 s at 10 within the SLO
+    assert (tiny.window_start, tiny.window_end) == ("1970-01-01T00:00:01.000Z", "1970-01-01T00:01:00.000Z")
+    assert tiny.goodput_rps == pytest.approx(10 / 59, abs=0.05)
     # Few answers (the plan is short of capacity for the new lengths) but many arrivals: the
     # length test still judges; the survival and latency tests wait for answers.
     backlog = drift.assess(PLAN, window([100, 900], [0.9, 0.9], p99=500.0, n=10), limits, 100.0, [])

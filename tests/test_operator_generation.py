@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
 from exitplan.cli import app
-from exitplan.operator import builders, generation_builders
+from exitplan.operator import generation_builders, names
 from exitplan.operator.bundle_volumes import BUNDLE_DIR, STORAGE_INIT
 from exitplan.planner.generation import plan_generation
 
@@ -57,10 +57,10 @@ def test_pipeline_plan_builds_one_stage_deployment_per_split_chained_by_next():
     p = plan(3)
     children = generation_builders.build_children(OWNER, spec(), p, POOLS)
     deployments = by_kind(children, "Deployment")
-    stages = {n: d for n, d in deployments.items() if d["metadata"]["labels"][builders.L_COMPONENT] == "worker"}
-    assert set(stages) == {builders.worker_name("gen", c) for c in p.cells}
+    stages = {n: d for n, d in deployments.items() if d["metadata"]["labels"][names.L_COMPONENT] == "worker"}
+    assert set(stages) == {names.worker_name("gen", c) for c in p.cells}
     for cell in p.cells:
-        dep = stages[builders.worker_name("gen", cell)]
+        dep = stages[names.worker_name("gen", cell)]
         split = p.splits[cell.split]
         container = dep["spec"]["template"]["spec"]["containers"][0]
         args = container["args"]
@@ -70,31 +70,31 @@ def test_pipeline_plan_builds_one_stage_deployment_per_split_chained_by_next():
         )
         assert args[args.index("--mode") + 1] == "pipeline" and args[args.index("--bundle") + 1] == "/models/decoder"
         if cell.split < 2:
-            assert args[args.index("--next") + 1] == builders.split_host("gen", "ns", cell.split + 1)
+            assert args[args.index("--next") + 1] == names.split_host("gen", "ns", cell.split + 1)
         else:
             assert "--next" not in args
         assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
-        assert dep["metadata"]["labels"][builders.L_SPLIT] == str(cell.split)
+        assert dep["metadata"]["labels"][names.L_SPLIT] == str(cell.split)
         assert dep["spec"]["template"]["spec"]["nodeSelector"] == dict(POOLS[cell.pool].node_selector)
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-        assert dep["metadata"]["annotations"][builders.A_PLAN_HASH] == p.content_hash()
+        assert dep["metadata"]["annotations"][names.A_PLAN_HASH] == p.content_hash()
     assert [c.pool for c in sorted(p.cells, key=lambda c: c.split)] == ["gpu-a", "gpu-b", "gpu-b"]
     router = deployments["gen-router"]["spec"]["template"]["spec"]["containers"][0]
     assert router["command"] == ["exitplan", "router"]
-    assert router["args"][router["args"].index("--peers") + 1] == builders.split_host("gen", "ns", 0)
-    splits = {builders.split_service_name("gen", i) for i in range(3)}
+    assert router["args"][router["args"].index("--peers") + 1] == names.split_host("gen", "ns", 0)
+    splits = {names.split_service_name("gen", i) for i in range(3)}
     assert set(by_kind(children, "Service")) == {"gen", "gen-control"} | splits  # the router's control port too
     assert json.loads(by_kind(children, "ConfigMap")["gen-plan"]["data"]["plan.json"])["splits"][2]["lastBlock"] == 3
     assert all(c["metadata"]["ownerReferences"][0]["uid"] == "u-1" for c in children)
     # apply order: the ConfigMap, stages from the last split back, Services, the router last
-    kinds = [(c["kind"], c["metadata"]["labels"].get(builders.L_SPLIT)) for c in children]
+    kinds = [(c["kind"], c["metadata"]["labels"].get(names.L_SPLIT)) for c in children]
     assert kinds[0][0] == "ConfigMap" and kinds[-1][0] == "Deployment" and [s for k, s in kinds[1:4]] == ["2", "1", "0"]
 
 
 def test_one_split_is_a_recompute_stage_and_bad_plans_are_refused():
     children = generation_builders.build_children(OWNER, spec(), plan(1), POOLS)
     (stage,) = [
-        c for c in children if c["kind"] == "Deployment" and c["metadata"]["labels"][builders.L_COMPONENT] == "worker"
+        c for c in children if c["kind"] == "Deployment" and c["metadata"]["labels"][names.L_COMPONENT] == "worker"
     ]
     args = stage["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--mode") + 1] == "recompute" and "--next" not in args
@@ -158,11 +158,11 @@ def test_operator_creates_the_stage_deployments_of_a_generation_service(cluster,
             "the generation service is planned and applied",
             lambda: (s := status(cluster, ns, "tweets")).get("phase") in ("Deploying", "Ready") and s,
         )
-        cm = cluster.get("ConfigMap", ns, builders.plan_configmap_name("tweets"))
+        cm = cluster.get("ConfigMap", ns, names.plan_configmap_name("tweets"))
         plan = Plan.model_validate_json(cm["data"]["plan.json"])
         assert len(plan.splits) == 2 and set(plan.thresholds.values()) == {0.8}  # the measurements were used
         stages = workers(cluster, ns, "tweets")
-        assert set(stages) == {builders.worker_name("tweets", c) for c in plan.cells}
+        assert set(stages) == {names.worker_name("tweets", c) for c in plan.cells}
         commands = {d["spec"]["template"]["spec"]["containers"][0]["command"][1] for d in stages.values()}
         assert commands == {"generate-stage"}
         router = cluster.get("Deployment", ns, "tweets-router")
@@ -259,11 +259,11 @@ def test_a_remote_generation_bundle_is_read_by_a_job_and_planned_from_its_config
             lambda: (s := status(cluster, ns, "far")).get("phase") in ("Deploying", "Ready") and s,
         )
         plan = Plan.model_validate_json(
-            cluster.get("ConfigMap", ns, builders.plan_configmap_name("far"))["data"]["plan.json"]
+            cluster.get("ConfigMap", ns, names.plan_configmap_name("far"))["data"]["plan.json"]
         )
         assert len(plan.splits) == 2 and set(plan.thresholds.values()) == {0.8}  # the measurements were used
         stages = workers(cluster, ns, "far")
-        assert set(stages) == {builders.worker_name("far", c) for c in plan.cells}
+        assert set(stages) == {names.worker_name("far", c) for c in plan.cells}
         for dep in stages.values():
             pod = dep["spec"]["template"]["spec"]
             assert pod["initContainers"][-1]["name"] == STORAGE_INIT

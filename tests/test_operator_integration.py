@@ -31,7 +31,7 @@ from test_operator_support import (
 )
 
 from exitplan.api.plan import Plan
-from exitplan.operator import builders
+from exitplan.operator import builders, names
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def cluster(tmp_path):
 
 
 def plan_of(cluster: ClusterThread, ns: str, name: str) -> Plan | None:
-    cm = cluster.get("ConfigMap", ns, builders.plan_configmap_name(name))
+    cm = cluster.get("ConfigMap", ns, names.plan_configmap_name(name))
     return Plan.model_validate_json(cm["data"]["plan.json"]) if cm else None
 
 
@@ -61,17 +61,17 @@ def test_create_builds_every_child_with_the_right_specs(cluster):
         plan = plan_of(cluster, ns, "minilm")
         assert plan is not None and st["plan"]["hash"] == plan.content_hash()
         deps = workers(cluster, ns, "minilm")
-        assert {builders.worker_name("minilm", c) for c in plan.cells} == set(deps)
+        assert {names.worker_name("minilm", c) for c in plan.cells} == set(deps)
         for cell in plan.cells:
-            dep = deps[builders.worker_name("minilm", cell)]
+            dep = deps[names.worker_name("minilm", cell)]
             assert dep["spec"]["replicas"] == cell.replicas
             pod = dep["spec"]["template"]["spec"]
             assert pod["nodeSelector"] == {"exitplan.io/pool": cell.pool}
             assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-            assert dep["metadata"]["annotations"][builders.A_PLAN_HASH] == plan.content_hash()
-        names = {o["metadata"]["name"] for o in cluster.list("Service", ns, "exitplan.io/service=minilm")}
-        splits = {builders.split_service_name("minilm", s.index) for s in plan.splits}
-        assert names == {"minilm", "minilm-control"} | splits
+            assert dep["metadata"]["annotations"][names.A_PLAN_HASH] == plan.content_hash()
+        services = {o["metadata"]["name"] for o in cluster.list("Service", ns, "exitplan.io/service=minilm")}
+        splits = {names.split_service_name("minilm", s.index) for s in plan.splits}
+        assert services == {"minilm", "minilm-control"} | splits
         secret = cluster.get("Secret", ns, "minilm-control-token")  # the control token, made once
         assert secret["metadata"]["ownerReferences"][0]["uid"] == svc["metadata"]["uid"]
         assert len(base64.b64decode(secret["data"]["token"])) >= 32
@@ -88,6 +88,13 @@ def test_create_builds_every_child_with_the_right_specs(cluster):
         assert condition(st, "Ready")["status"] == "True" and condition(st, "Progressing")["status"] == "False"
         assert all(c["readyReplicas"] == c["replicas"] for c in st["plan"]["cells"])
         assert any(e["reason"] == "Applied" for e in cluster.events(ns, "minilm"))
+        from prometheus_client import REGISTRY
+
+        # the plan's goodput is exported beside the status (the dashboard's planned-vs-measured panel); no
+        # window was measured yet, so the measured series is absent rather than 0
+        labels = {"namespace": ns, "service": "minilm"}
+        assert REGISTRY.get_sample_value("exitplan_plan_goodput_per_second", labels) == st["plan"]["goodputRps"] > 0
+        assert REGISTRY.get_sample_value("exitplan_measured_goodput_per_second", labels) is None
 
 
 def test_spec_change_replans_and_patches(cluster):
@@ -106,9 +113,9 @@ def test_spec_change_replans_and_patches(cluster):
         assert st["lastReplanReason"] == "spec-change" and st["observedGeneration"] == 2
         plan = plan_of(cluster, ns, "minilm")
         after = workers(cluster, ns, "minilm")
-        assert set(after) == {builders.worker_name("minilm", c) for c in plan.cells}
+        assert set(after) == {names.worker_name("minilm", c) for c in plan.cells}
         assert all(d["metadata"]["labels"]["exitplan.io/pool"] == "gpu-a" for d in after.values())
-        assert all(d["metadata"]["annotations"][builders.A_PLAN_HASH] == plan.content_hash() for d in after.values())
+        assert all(d["metadata"]["annotations"][names.A_PLAN_HASH] == plan.content_hash() for d in after.values())
         kept = set(before) & set(after)
         for name in kept:  # patched in place, not re-created
             assert after[name]["metadata"]["uid"] == before[name]["metadata"]["uid"]
@@ -225,14 +232,22 @@ def observations():
 
 
 def publish_endpoint(cluster: ClusterThread, ns: str, name: str, server: ObservationServer) -> None:
-    """Publish the observation server as the routers' control Service's ingress (as the dev-cluster
-    does), answering to the service's control token."""
-    secret = cluster.get("Secret", ns, builders.control_secret_name(name))
+    """Publish the observation server as the routers' control Service's one endpoint (the Endpoints object
+    a cluster, or the dev cluster, keeps; the operator reads every router listed there), answering to the
+    service's control token."""
+    secret = cluster.get("Secret", ns, names.control_secret_name(name))
     server.token = base64.b64decode(secret["data"]["token"]).decode()
-    ingress = [{"ip": "127.0.0.1", "ports": [{"port": server.port, "protocol": "TCP"}]}]
-    cluster.patch(
-        "Service", ns, builders.control_service_name(name), {"status": {"loadBalancer": {"ingress": ingress}}}, "status"
-    )
+    subsets = [{"addresses": [{"ip": "127.0.0.1"}], "ports": [{"name": "control", "port": server.port}]}]
+    endpoints = {
+        "apiVersion": "v1",
+        "kind": "Endpoints",
+        "metadata": {"name": names.control_service_name(name), "namespace": ns},
+        "subsets": subsets,
+    }
+    if cluster.get("Endpoints", ns, names.control_service_name(name)) is None:
+        cluster.create(endpoints)
+    else:
+        cluster.patch("Endpoints", ns, names.control_service_name(name), {"subsets": subsets})
 
 
 DRIFT = {"periodSeconds": 5, "drift": {"cooldownSeconds": 0, "maxMoveFraction": 1.0, "lengthScore": 0.15}}
@@ -268,8 +283,7 @@ def test_injected_length_drift_moves_replicas_between_cells(cluster, observation
         assert after[32] > before[32] and after[128] < before[128]
         for cell in plan1.cells:
             assert (
-                workers(cluster, ns, "minilm")[builders.worker_name("minilm", cell)]["spec"]["replicas"]
-                == cell.replicas
+                workers(cluster, ns, "minilm")[names.worker_name("minilm", cell)]["spec"]["replicas"] == cell.replicas
             )
         assert any(e["reason"] == "Replan" and "length-drift" in e["message"] for e in cluster.events(ns, "minilm"))
         # The operator's metrics saw it (the operator runs in this process under KopfRunner).
@@ -577,7 +591,7 @@ def test_live_tuned_thresholds_are_written_into_the_plan(cluster, observations):
     """The drift loop's re-tuning pushes thresholds to the routers and writes them into the plan
     ConfigMap (a router that restarts reads plan.json); thresholds someone else pushed to routers
     running the current plan are taken into the plan the same way. Neither is a re-plan."""
-    from exitplan.worker.planfile import read_plan
+    from exitplan.worker_image.planfile import read_plan
 
     ns = "tuned"
     install_profiles(cluster, ns)
@@ -604,7 +618,7 @@ def test_live_tuned_thresholds_are_written_into_the_plan(cluster, observations):
         )
         assert st["lastReplanReason"] == first["lastReplanReason"] and st["lastReplanTime"] == first["lastReplanTime"]
         for dep in workers(cluster, ns, "minilm").values():
-            assert dep["metadata"]["annotations"][builders.A_PLAN_HASH] == plan.content_hash()
+            assert dep["metadata"]["annotations"][names.A_PLAN_HASH] == plan.content_hash()
         assert any(e["reason"] == "ThresholdsPersisted" for e in cluster.events(ns, "minilm"))
         # What a restarted router reads: plan.json as the ConfigMap volume holds it.
         cm = cluster.get("ConfigMap", ns, "minilm-plan")
@@ -738,7 +752,6 @@ def test_move_cap_moves_a_fraction_per_step_and_converges(cluster, observations)
         assert drift.moved_replicas(seen[0], final) > max(1, int(0.25 * sum(c.replicas for c in seen[0].cells)))
         for cell in final.cells:
             assert (
-                workers(cluster, ns, "minilm")[builders.worker_name("minilm", cell)]["spec"]["replicas"]
-                == cell.replicas
+                workers(cluster, ns, "minilm")[names.worker_name("minilm", cell)]["spec"]["replicas"] == cell.replicas
             )
         assert final.length_histogram[0] > seen[0].length_histogram[0]

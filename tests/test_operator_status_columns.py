@@ -68,13 +68,21 @@ def test_status_numbers_are_rounded_as_they_enter_the_status() -> None:
         "survivalError": 0.0,
         "p99Ms": 51.24,
         "requests": 0,
+        "windowStart": "",
+        "windowEnd": "",
         "goodputRps": 100.0,
         "goodputRatio": 0.46,
         "trigger": "",
+        "routers": "",
     }
     # what is stored parses back to the same status (a write that changes nothing stays a no-op)
     status = ServiceStatus(plan=summary, drift=drift)
     assert parse_status(status.model_dump(by_alias=True, mode="json")) == status
+
+
+def test_exits_name_the_ramps_or_say_there_are_none() -> None:
+    """A bundle without an exit ramp is served as the plain model: kubectl's EXITS says so."""
+    assert [summarize(_plan(), ramps=n).exits for n in (0, 1, 2, None)] == ["no exits", "1 ramp", "2 ramps", ""]
 
 
 def _conditions(*entries: tuple[str, bool, str]) -> list[Condition]:
@@ -144,7 +152,17 @@ def _kubectl(cluster: ClusterThread, tmp: Path, *args: str) -> list[list[str]]:
         text=True,
     )
     assert proc.returncode == 0, proc.stderr
-    return [line.split() for line in proc.stdout.splitlines()]
+    lines = proc.stdout.splitlines()
+    header = lines[0].split()
+    starts = [lines[0].index(name) for name in header] + [None]  # a cell may hold a space ("no exits")
+    return [header] + [[line[a:b].strip() for a, b in zip(starts, starts[1:])] for line in lines[1:]]
+
+
+def ramps(cluster: ClusterThread, ns: str) -> str:
+    """What EXITS should read: the ramps of the service's profiles."""
+    (count,) = {len(p["spec"]["ramps"]) for p in cluster.list("ModelProfile", ns)}
+    assert count > 1, "the test's profiles have ramps"
+    return f"{count} ramps"
 
 
 def test_one_reason_per_plan_and_the_kubectl_columns(tmp_path: Path) -> None:
@@ -181,7 +199,7 @@ def test_one_reason_per_plan_and_the_kubectl_columns(tmp_path: Path) -> None:
             if shutil.which("kubectl") is not None:
                 cluster.patch("EarlyExitService", ns, name, {"status": {"drift": {"goodputRps": 181.5}}}, "status")
                 header, row = _kubectl(cluster, tmp_path, "get", "ees", "-n", ns)
-                assert header == ["NAME", "PHASE", "READY", "GOODPUT", "MEASURED", "P99-MS", "REASON", "AGE"]
+                assert header == ["NAME", "PHASE", "READY", "GOODPUT", "MEASURED", "P99-MS", "EXITS", "REASON", "AGE"]
                 cells = dict(zip(header, row))
                 assert (cells["READY"], cells["MEASURED"], cells["REASON"]) == (
                     f"{planned}/{planned}",
@@ -189,5 +207,6 @@ def test_one_reason_per_plan_and_the_kubectl_columns(tmp_path: Path) -> None:
                     "AllReady",
                 )
                 assert cells["GOODPUT"] == str(st["plan"]["goodputRps"])
+                assert cells["EXITS"] == st["plan"]["exits"] == ramps(cluster, ns)
                 wide = _kubectl(cluster, tmp_path, "get", "ees", "-n", ns, "-o", "wide")[0]
                 assert {"SPLITS", "COST/H"} <= set(wide)

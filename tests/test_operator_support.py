@@ -59,8 +59,9 @@ class ClusterThread:
     def api(self):  # the DevKubeAPI (kmock handler): objects, fault injection
         return self.server.api
 
-    def run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
+    def run(self, coro: Any, guard: float = 60.0) -> Any:
+        """Run `coro` on the server's loop; `guard` only stops a broken call from hanging."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=guard)
 
     def call(self, method: str, url: str, body: Any = None, content_type: str = "application/json") -> dict:
         return self.run(self.client.request(method, url, body=body, content_type=content_type))

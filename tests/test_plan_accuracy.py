@@ -13,7 +13,7 @@ from exitplan.api.resources import ModelProfileSpec
 from exitplan.operator import drift, plan_accuracy
 from exitplan.operator.plan_accuracy import Tracker, corrected_profiles, judge, update_condition
 from exitplan.operator.status import ServiceStatus, set_condition
-from exitplan.worker.classify.observe import WindowStats
+from exitplan.worker_image.classify.observe import WindowStats
 
 PERIOD = 10.0
 SPAN = 10.0  # seconds of one observation window (>= drift.JUDGED_PERIODS periods)

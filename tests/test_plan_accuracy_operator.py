@@ -9,7 +9,7 @@ import pytest
 from test_operator_integration import ObservationServer, deployed, plan_of, publish_endpoint
 from test_operator_support import ClusterThread, condition, install_profiles, operator, pool, service, status, wait_for
 
-from exitplan.operator import builders, plan_accuracy, profiling
+from exitplan.operator import names, plan_accuracy, profiling
 
 PLANNER = {"periodSeconds": 5, "drift": {"cooldownSeconds": 0, "maxMoveFraction": 1.0}}
 SPAN = 4.0
@@ -85,8 +85,8 @@ class Router:
 
 
 def profiler_jobs(cluster: ClusterThread, ns: str, name: str) -> dict[str, dict]:
-    jobs = cluster.list("Job", ns, f"{builders.L_SERVICE}={name},{builders.L_COMPONENT}=profiler")
-    return {j["metadata"]["labels"][builders.L_POOL]: j for j in jobs}
+    jobs = cluster.list("Job", ns, f"{names.L_SERVICE}={name},{names.L_COMPONENT}=profiler")
+    return {j["metadata"]["labels"][names.L_POOL]: j for j in jobs}
 
 
 def test_goodput_short_of_the_plan_under_load_replans_and_reprofiles(cluster):
@@ -245,3 +245,49 @@ def test_a_service_serving_what_its_plan_as_served_holds_matches_it(tmp_path):
                 assert st["lastReplanReason"] == "initial" and profiler_jobs(cluster, ns, "minilm") == {}
         finally:
             server.close()
+
+
+def test_a_read_that_misses_a_router_is_reported_and_never_judged_against_the_plan(cluster):
+    """Two routers listed, one of which never answers: what the other reports (saturated, 40 % of the plan,
+    which read alone would turn PlanAccurate False) is only part of the service's traffic. The reads say
+    so (status.drift.routers, a RoutersUnread event) and PlanAccurate is not judged on them; once every
+    listed router answers, it is."""
+    ns = "partial"
+    install_profiles(cluster, ns)
+    server = ObservationServer()
+    router = Router(server)
+    try:
+        with operator(cluster):
+            cluster.create(service("minilm", ns, planner=PLANNER))
+            wait_for("first plan applied", lambda: deployed(cluster, ns, "minilm"))
+            share = plan_of(cluster, ns, "minilm").prediction.goodput_rps / 2
+            router.set(0.4 * share, 0.05, 0.95)
+            router.roll()
+            publish_endpoint(cluster, ns, "minilm", server)
+            dead = {"addresses": [{"ip": "127.0.0.1"}], "ports": [{"name": "control", "port": 1}]}  # refuses
+            ep = cluster.get("Endpoints", ns, names.control_service_name("minilm"))
+            cluster.patch("Endpoints", ns, names.control_service_name("minilm"), {"subsets": [*ep["subsets"], dead]})
+
+            def partial() -> dict | None:
+                router.roll()
+                st = status(cluster, ns, "minilm")
+                return st if "1 of 2 routers read" in ((st or {}).get("drift") or {}).get("routers", "") else None
+
+            wait_for("a partial read reported", partial)
+            seen = router.reads
+            wait_for("ten more partial reads", lambda: (router.roll(), router.reads >= seen + 10)[1])
+            st = status(cluster, ns, "minilm")
+            assert condition(st, "PlanAccurate") == {}, st  # never judged on part of the traffic
+            assert "1 of 2 routers read" in st["drift"]["routers"]
+            assert any(e["reason"] == "RoutersUnread" for e in cluster.events(ns, "minilm"))
+            publish_endpoint(cluster, ns, "minilm", server)  # the stand-in alone: every router answers
+
+            def judged() -> dict | None:
+                router.roll()
+                st = status(cluster, ns, "minilm")
+                return st if st and condition(st, "PlanAccurate") else None
+
+            st = wait_for("PlanAccurate judged on whole reads", judged)
+            assert st["drift"]["routers"] == ""
+    finally:
+        server.close()

@@ -362,3 +362,25 @@ def test_dp_on_the_rebatching_tables_equals_exhaustive_enumeration(rebatch):
     sol.verify(problem)
     assert best_goodput > 0
     assert sol.goodput == pytest.approx(best_goodput, rel=1e-7) and sol.cost == pytest.approx(best_cost, rel=1e-7)
+
+
+def test_a_lower_max_splits_is_not_held_back_by_the_previous_layout():
+    """spec.planner.maxSplits lowered below the previous plan's splits: the re-plan obeys it, even where the
+    previous layout would be kept (within the hysteresis, or keep_layout)."""
+    from exitplan.api.plan import Cell, Plan, SplitPlan
+
+    thresholds = {"ramp1": 0.8, "ramp3": 0.8}
+    first = plan_service("minilm", cpu_spec(), CPU_POOLS, {"cpu": cpu_profile()}, thresholds=thresholds).plan
+    previous = Plan(
+        service="minilm",
+        model="minilm",
+        splits=[SplitPlan(index=0, first_block=0, last_block=2), SplitPlan(index=1, first_block=3, last_block=5)],
+        buckets=first.buckets,
+        cells=[Cell(split=s, bucket=b, pool="cpu", replicas=1, batch_size=1) for s in (0, 1) for b in first.buckets],
+    )
+    one = cpu_spec(planner=PlannerSettings(max_splits=1))
+    for keep in (False, True):
+        again = plan_service(
+            "minilm", one, CPU_POOLS, {"cpu": cpu_profile()}, thresholds=thresholds, previous=previous, keep_layout=keep
+        )
+        assert len(again.plan.splits) == 1

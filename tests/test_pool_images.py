@@ -15,7 +15,8 @@ from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPool, GPUPoolSpec
 from exitplan.devcluster.schema import Validator
 from exitplan.operator import builders, crdgen
-from exitplan.operator.images import Images
+from exitplan.operator import images as operator_images
+from exitplan.operator.images import DEFAULT_IMAGE, Images
 
 DEFAULTS = Images("registry.local/exitplan-worker-cpu:1", "IfNotPresent", ("regcred",))
 OWNER = {
@@ -55,7 +56,7 @@ PLAN = Plan(
 
 @pytest.fixture
 def defaults(monkeypatch):
-    monkeypatch.setattr(builders, "IMAGES", DEFAULTS)
+    monkeypatch.setattr(operator_images, "IMAGES", DEFAULTS)
 
 
 def containers(pod: dict) -> list[dict]:
@@ -81,7 +82,7 @@ def test_each_pool_runs_its_image_and_the_router_the_defaults(defaults):
 
 
 def test_without_pull_secrets_the_pods_name_none(monkeypatch):
-    monkeypatch.setattr(builders, "IMAGES", Images("exitplan:1"))
+    monkeypatch.setattr(operator_images, "IMAGES", Images("exitplan:1"))
     children = builders.build_children(OWNER, SPEC, PLAN, {**POOLS, "gpu": GPUPoolSpec(capacity=8)})
     for dep in (c for c in children if c["kind"] == "Deployment"):
         pod = dep["spec"]["template"]["spec"]
@@ -105,13 +106,13 @@ def test_the_chart_values_reach_the_builders_through_the_operator_env():
         }
     }
     env = {e["name"]: e.get("value") for e in operator_pod(render(values))["spec"]["containers"][0]["env"]}
-    images = Images.from_env(builders.DEFAULT_IMAGE, env)
+    images = Images.from_env(DEFAULT_IMAGE, env)
     assert images == Images("registry.local/exitplan-worker:e2e", "Always", ("regcred", "mirror"))
     plain = {e["name"]: e.get("value") for e in operator_pod(render())["spec"]["containers"][0]["env"]}
     assert "EXITPLAN_IMAGE_PULL_SECRETS" not in plain
-    assert Images.from_env(builders.DEFAULT_IMAGE, plain).pull_policy == "IfNotPresent"
+    assert Images.from_env(DEFAULT_IMAGE, plain).pull_policy == "IfNotPresent"
     with pytest.raises(ValueError, match="EXITPLAN_IMAGE_PULL_POLICY"):
-        Images.from_env(builders.DEFAULT_IMAGE, {"EXITPLAN_IMAGE_PULL_POLICY": "Sometimes"})
+        Images.from_env(DEFAULT_IMAGE, {"EXITPLAN_IMAGE_PULL_POLICY": "Sometimes"})
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """`exitplan prepare --hf` on encoder families other than BERT: DistilBERT (no token types, its own layer
-names), RoBERTa (positions after the padding index) and ELECTRA, each as a small randomly initialised
+names), RoBERTa (positions after the padding index), ELECTRA and DeBERTa-v2 (relative positions), each as a small randomly initialised
 checkpoint written here with save_pretrained (nothing downloaded; the tokenizer is MiniLM's WordPiece file),
 both as an encoder (a head trained on the labels) and as a sequence classifier. The chained bundle must
 reproduce the exported model, the ramps sit at cut vertices found automatically, and the bundle loads
@@ -29,6 +29,19 @@ FAMILIES = {
         "ElectraConfig",
         dict(hidden_size=64, embedding_size=32, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4),
     ),
+    # relative positions from a shape read of the hidden state, used in every layer (issue 27)
+    "deberta-v2": (
+        "DebertaV2Config",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            relative_attention=True,
+            pos_att_type=["p2c", "c2p"],
+            position_buckets=16,
+        ),
+    ),  # fmt: skip
 }
 
 
@@ -66,7 +79,7 @@ def test_hf_families_become_bundles(tmp_path, family, classifier):
 
     from exitplan.prepare.check import check_bundle
     from exitplan.prepare.from_hf import from_hf
-    from exitplan.worker.bundle_runtime import BundleRuntime, pad_batch
+    from exitplan.worker_image.bundle_runtime import BundleRuntime, pad_batch
 
     checkpoint = tmp_path / family
     _checkpoint(checkpoint, family, classifier)
@@ -76,7 +89,7 @@ def test_hf_families_become_bundles(tmp_path, family, classifier):
     report = result.report
     assert report["chain_max_abs_diff"] <= 1e-4, report
     assert report["head"] == ("the checkpoint's own" if classifier else "linear, trained here")
-    assert report["candidates"] and all(c["kind"] == "sequence" for c in report["candidates"])
+    assert len(report["candidates"]) >= 3 and all(c["kind"] == "sequence" for c in report["candidates"])  # 4 layers
     manifest = read_manifest(result.path)
     assert [t.name for t in manifest.inputs] == ["input_ids", "attention_mask"] and manifest.max_length == 32
     assert len(manifest.blocks) == len(manifest.exit_ramps()) + 1

@@ -52,7 +52,7 @@ def transformer(tmp_path_factory, minilm_bundle):
 def _service_file(path, bundle, name: str) -> None:
     docs = [
         {"apiVersion": "exitplan.io/v1alpha1", "kind": "GPUPool", "metadata": {"name": "cpu"},
-         "spec": {"capacity": 2, "costPerHour": 1.0, "memoryBytes": 4 << 30, "linkBandwidthGbps": 20}},
+         "spec": {"capacity": 2, "costPerHour": 1.0, "memoryBytes": 4 << 30, "linkBandwidthGbps": 20, "gpuResource": ""}},
         {"apiVersion": "exitplan.io/v1alpha1", "kind": "EarlyExitService", "metadata": {"name": name},
          "spec": {"model": {"name": name, "bundle": str(bundle)}, "slo": {"latencyMs": 500},
                   "accuracy": {"maxDrop": BUDGET}, "pools": [{"name": "cpu"}], "planner": {"maxSplits": 2}}},

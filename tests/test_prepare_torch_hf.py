@@ -153,7 +153,7 @@ def test_torch_factory_end_to_end(tmp_path, user_module):
     import torch
 
     from exitplan.prepare.check import check_bundle
-    from exitplan.worker.bundle_runtime import BundleRuntime
+    from exitplan.worker_image.bundle_runtime import BundleRuntime
 
     x, y = _digits(tmp_path / "digits.npz")
     _train_cnn(user_module, x, y, tmp_path / "cnn.pt")

@@ -109,7 +109,7 @@ def test_a_cell_is_timed_by_its_fastest_run_so_preemptions_do_not_count(digits_b
     import time
 
     from exitplan.prepare.measure import batch_state, load_heldout, time_chain
-    from exitplan.worker.bundle_runtime import BundleRuntime
+    from exitplan.worker_image.bundle_runtime import BundleRuntime
 
     runtime = BundleRuntime(digits_bundle)
     heldout = load_heldout(digits_bundle, runtime.manifest)

@@ -43,7 +43,7 @@ from test_operator_support import ClusterThread, install_profiles, mark_ready, o
 
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
 from exitplan.localrun.deployment import LocalDeployment
-from exitplan.operator import builders
+from exitplan.operator import names
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +122,7 @@ async def _burst(url: str, texts: list[str], n: int) -> list[int]:
 
 def _generation_deployment(workdir: Path) -> LocalDeployment:
     from exitplan.planner.generation import plan_generation
-    from exitplan.worker.generate.decoder import DecoderModel
+    from exitplan.worker_image.generate.decoder import DecoderModel
 
     bundle = tiny_decoder_bundle()
     spec = EarlyExitServiceSpec.model_validate(
@@ -167,15 +167,15 @@ def _operator_service(cluster: ClusterThread, dep: LocalDeployment) -> None:
         {
             "apiVersion": "v1",
             "kind": "Secret",
-            "metadata": {"name": builders.control_secret_name(NAME), "namespace": NS},
-            "data": {builders.TOKEN_KEY: token},
+            "metadata": {"name": names.control_secret_name(NAME), "namespace": NS},
+            "data": {names.TOKEN_KEY: token},
         }
     )
     cluster.create(service(NAME, NS, planner=DRIFT, slo={"latencyMs": 2000}))
 
 
 def _publish_router(cluster: ClusterThread, dep: LocalDeployment) -> None:
-    control = builders.control_service_name(NAME)
+    control = names.control_service_name(NAME)
     wait_for("the routers' control Service", lambda: cluster.get("Service", NS, control))
     ingress = [{"ip": "127.0.0.1", "ports": [{"port": dep.control_port, "protocol": "TCP"}]}]
     cluster.patch("Service", NS, control, {"status": {"loadBalancer": {"ingress": ingress}}}, "status")
@@ -257,12 +257,23 @@ def live(minilm_bundle, tmp_path_factory) -> Iterator[Live]:
         truths = (
             'sum(increase(exitplan_replan_total{reason="spec-change"}[10m])) > 0',
             'sum(increase(exitplan_router_requests_total{code="429"}[10m])) > 0',
-            'count(increase(exitplan_threshold_updates_total{reason="api"}[10m]) > 0) == 5',  # router, 4 workers
-            'count(increase(exitplan_threshold_updates_total{reason="plan-update"}[10m]) > 0) == 5',
+            # the router and 4 workers (job data-plane: the operator's job serves this pytest process's registry,
+            # where earlier tests' in-process routers left series of their own)
+            'count(increase(exitplan_threshold_updates_total{job="data-plane",reason="api"}[10m]) > 0) == 5',
+            'count(increase(exitplan_threshold_updates_total{job="data-plane",reason="plan-update"}[10m]) > 0) == 5',
             "max(exitplan_router_agreement_samples) > 0",
             "count(exitplan_drift_length_score_ratio) > 0",
         )
-        wait_for("Prometheus saw the run", lambda: all(prom.query(q) for q in truths))
+        unseen: list[str] = list(truths)
+
+        def seen_all() -> bool:
+            unseen[:] = [q for q in truths if not prom.query(q)]
+            return not unseen
+
+        try:  # a slow machine scrapes late: the guard only stops a broken run from hanging
+            wait_for("Prometheus saw the run", seen_all, guard=3 * HANG_GUARD)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; still false: {unseen}") from None
         yield result
 
 
@@ -294,7 +305,7 @@ def test_counters_count_their_first_events_and_ramps_have_one_name(live: Live) -
     assert prom.value('sum(increase(exitplan_router_requests_total{code="429"}[10m]))') >= 1
     assert prom.value('sum(increase(exitplan_router_errors_total{reason="overload"}[10m]))') >= 1
     for reason in ("api", "plan-update"):  # the router and every worker applied each update once
-        updates = prom.query(f'increase(exitplan_threshold_updates_total{{reason="{reason}"}}[10m])')
+        updates = prom.query(f'increase(exitplan_threshold_updates_total{{job="data-plane",reason="{reason}"}}[10m])')
         assert len(updates) == 5 and all(float(u["value"][1]) > 0 for u in updates), updates
     # one name per ramp: the router's exits and the workers' carry the same names, the final head's own
     router = {s["metric"]["ramp"] for s in prom.query("exitplan_router_exits_total")}
@@ -332,8 +343,10 @@ def test_every_rule_evaluates_on_the_run(live: Live) -> None:
     # holds the series of services earlier tests of the session planned in other namespaces, without routers).
     def ours() -> list[dict]:
         alerts = live.prom.api("alerts")["alerts"]
-        names = {"ExitplanRoutersAbsent", "ExitplanRouterDown"}
-        return [a for a in alerts if a["labels"].get("alertname") in names and a["labels"].get("namespace") == NS]
+        router_alerts = {"ExitplanRoutersAbsent", "ExitplanRouterDown"}
+        return [
+            a for a in alerts if a["labels"].get("alertname") in router_alerts and a["labels"].get("namespace") == NS
+        ]
 
     try:
         wait_for("no router alert for the live service", lambda: not ours(), guard=60.0)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 from prometheus_helpers import RULES, promtool
-from test_chart_support import of_kind, one, render
+from test_chart_support import PROMETHEUS_PEER, of_kind, one, render
 from test_dashboards import TARGET_LABELS, declared, parse_promql, series_index
 
 RULE_TESTS = Path(__file__).resolve().parent / "prometheus" / "exitplan-alerts.test.yaml"
@@ -104,7 +104,8 @@ def test_the_chart_ships_the_same_rules_as_a_prometheus_rule() -> None:
         "metrics": {
             "prometheusRule": {"enabled": True, "additionalLabels": {"release": "monitoring-stack"}},
             "podMonitor": {"enabled": True},
-        }
+        },
+        "networkPolicy": {"metricsFrom": [PROMETHEUS_PEER]},  # the PodMonitor's scraper may reach the pods
     }
     objs = render(values)
     rule = one(objs, "PrometheusRule")

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_chart_support import NAMESPACE, RESTRICTED, ROOT, of_kind, one, render
+from test_chart_support import NAMESPACE, RESTRICTED, ROOT, VARIANTS, of_kind, one, render
 
 pytest.importorskip("helm_python", reason="helm-python-sdk is in the dev extra: pip install -e '.[dev]'")
 
@@ -233,6 +233,8 @@ class Scanner:
 
     def objects(self, mod: Module, fn: Any, expr: ast.expr, parents: dict) -> set:
         """Kinds of the manifest(s) an expression can hold (or a Param)."""
+        if isinstance(expr, ast.Constant) and expr.value is None:
+            return set()  # `return None`: no object
         if isinstance(expr, ast.Dict):
             for key, value in zip(expr.keys, expr.values):
                 if isinstance(key, ast.Constant) and key.value == "kind":
@@ -622,29 +624,64 @@ def test_scan_resolves_every_api_call() -> None:
     assert ("", "configmaps", "patch") in needs.profiler  # publish-bundle-info (operator/bundle_info.py)
 
 
+def is_secret(need: Need) -> bool:
+    return need[:2] == ("", "secrets")
+
+
 def test_cluster_wide_rules_match_the_code_exactly() -> None:
+    """Everything the code needs, with Secrets split out of the ClusterRole into a Role of each
+    namespace the chart serves (issue 28 item 7: no cluster-wide Secrets in the default mode)."""
     objs = render()
     role = one(objs, "ClusterRole", "exitplan-operator")
-    assert rule_needs(role) == expected(clusterwide=True, peering=True), diff(
-        rule_needs(role), expected(clusterwide=True, peering=True)
+    want = expected(clusterwide=True, peering=True)
+    cluster_want = {n for n in want if not is_secret(n)}
+    assert rule_needs(role) == cluster_want, diff(rule_needs(role), cluster_want)
+    (ns_role,) = [r for r in of_kind(objs, "Role") if r["metadata"]["name"] == "exitplan-operator"]
+    assert ns_role["metadata"]["namespace"] == "default"
+    assert (
+        rule_needs(ns_role) == {n for n in want if is_secret(n)} == {("", "secrets", "get"), ("", "secrets", "create")}
     )
-    assert not [r for r in of_kind(objs, "Role") if r["metadata"]["name"] == "exitplan-operator"]
     binding = one(objs, "ClusterRoleBinding", "exitplan-operator")
     sts = one(objs, "StatefulSet")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    assert binding["subjects"] == [
-        {
-            "kind": "ServiceAccount",
-            "name": sts["spec"]["template"]["spec"]["serviceAccountName"],
-            "namespace": NAMESPACE,
-        }
-    ]
+    subject = {
+        "kind": "ServiceAccount",
+        "name": sts["spec"]["template"]["spec"]["serviceAccountName"],
+        "namespace": NAMESPACE,
+    }
+    assert binding["subjects"] == [subject]
+    role_binding = one(objs, "RoleBinding", "exitplan-operator", "default")
+    assert role_binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "exitplan-operator",
+    }
+    assert role_binding["subjects"] == [subject]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_no_cluster_wide_secrets_in_any_variant(variant: str) -> None:
+    """The attack: a ClusterRole that gets or creates Secrets lets the operator (and whoever holds its
+    token) read every Secret of the cluster. In every rendered variant no ClusterRole names Secrets, and
+    a Role grants them only in the namespaces the chart serves."""
+    objs = render(VARIANTS[variant])
+    for cluster_role in of_kind(objs, "ClusterRole"):
+        granted = {r for rule in cluster_role["rules"] for r in rule["resources"]}
+        assert "secrets" not in granted and "*" not in granted, (variant, cluster_role["metadata"]["name"])
+    served = set(VARIANTS[variant].get("namespaces", {}).get("services", ["default"]))
+    with_secrets = {
+        r["metadata"]["namespace"]
+        for r in of_kind(objs, "Role")
+        if any("secrets" in x["resources"] for x in r["rules"])
+    }
+    assert with_secrets == served, variant
+    print(f"{variant}: Secrets granted in {sorted(with_secrets)} only, no ClusterRole names them")
 
 
 def test_rules_without_peering_drop_exactly_the_peering_needs() -> None:
     objs = render({"leaderElection": {"enabled": False}})
     have = rule_needs(one(objs, "ClusterRole"))
-    want = expected(clusterwide=True, peering=False)
+    want = {n for n in expected(clusterwide=True, peering=False) if not is_secret(n)}
     assert have == want, diff(have, want)
     assert not any(r == "clusterkopfpeerings" for _, r, _ in have)
 
@@ -659,6 +696,7 @@ def test_restricted_rules_split_into_cluster_and_namespaced_roles() -> None:
     for ns in RESTRICTED["namespaces"]["services"]:
         have_ns = rule_needs(one(objs, "Role", "exitplan-operator", ns))
         assert have_ns == ns_want, diff(have_ns, ns_want)
+        assert ("", "secrets", "get") in have_ns
         binding = one(objs, "RoleBinding", "exitplan-operator", ns)
         assert binding["roleRef"] == {
             "apiGroup": "rbac.authorization.k8s.io",

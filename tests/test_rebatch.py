@@ -21,8 +21,8 @@ from tokenizers import Tokenizer
 from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.planner.dispatch import choose_queue
-from exitplan.worker.bundle_runtime import BundleRuntime, bucket_for, pad_batch, softmax
-from exitplan.worker.classify.fusion import FusionQueues
+from exitplan.worker_image.bundle_runtime import BundleRuntime, bucket_for, pad_batch, softmax
+from exitplan.worker_image.classify.fusion import FusionQueues
 
 BATCH = 8
 
@@ -158,8 +158,8 @@ async def test_rebatching_split_answers_like_the_model_in_one_piece_and_runs_ful
 async def test_rows_left_inside_a_split_when_rebatching_turns_off_run_to_its_end(minilm_bundle, ramps, texts, tmp_path):
     """A plan update that turns rebatching off: rows already waiting at an inner block run from there
     to the end of the split and get the same answers."""
-    from exitplan.worker.classify.worker import Pending, Row, SplitWorker
-    from exitplan.worker.wire import HopItem
+    from exitplan.worker_image.classify.worker import Pending, Row, SplitWorker
+    from exitplan.worker_image.wire import HopItem
 
     n_blocks = len(read_manifest(minilm_bundle).blocks)
     plan = rebatch_plan(ramps, n_blocks, buckets=(128,))

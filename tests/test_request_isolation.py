@@ -24,16 +24,16 @@ from tokenizers import Tokenizer
 
 from exitplan.api.bundle import read_manifest
 from exitplan.localrun.deployment import LocalDeployment
-from exitplan.worker import wire
-from exitplan.worker.auth import new_token
-from exitplan.worker.bundle_runtime import BundleRuntime, StateError, pad_batch, softmax
-from exitplan.worker.classify.admission import Admission, Admitted, Refusal
-from exitplan.worker.classify.decode import BadRequest, decode_inputs
-from exitplan.worker.classify.isolate import execute_isolated, known_input_check
-from exitplan.worker.classify.worker import SplitWorker
-from exitplan.worker.hop_client import HopClient
-from exitplan.worker.vocabulary import embedding_rows, vocabulary_size
-from exitplan.worker.wire import HopAnswer, HopItem, HopRequest, HopResult
+from exitplan.worker_image import wire
+from exitplan.worker_image.auth import new_token
+from exitplan.worker_image.bundle_runtime import BundleRuntime, StateError, pad_batch, softmax
+from exitplan.worker_image.classify.admission import Admission, Admitted, Refusal
+from exitplan.worker_image.classify.batch_bisect import execute_isolated, known_input_check
+from exitplan.worker_image.classify.decode import BadRequest, decode_inputs
+from exitplan.worker_image.classify.worker import SplitWorker
+from exitplan.worker_image.hop_client import HopClient
+from exitplan.worker_image.vocabulary import embedding_rows, vocabulary_size
+from exitplan.worker_image.wire import HopAnswer, HopItem, HopRequest, HopResult
 
 BATCH = 24
 VOCAB = 30522

@@ -11,9 +11,14 @@ broken server would leave hanging (a hang guard, far above the limits); no test 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import os
+import time
+import zlib
 
 import aiohttp
+import fuzz_encodings
 import numpy as np
 import pytest
 from dataplane_helpers import free_port_block, service_spec
@@ -87,7 +92,7 @@ def head(port: int, headers: dict[str, str]) -> bytes:
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
     """One HTTP/1.1 response with a Content-Length body."""
     status_line = await reader.readline()
-    assert status_line.startswith(b"HTTP/1.1 "), status_line
+    assert status_line.startswith((b"HTTP/1.1 ", b"HTTP/1.0 ")), status_line  # 1.0: a request line not parsed
     headers = {}
     while (line := await reader.readline()) not in (b"\r\n", b""):
         key, _, value = line.decode().partition(":")
@@ -245,3 +250,99 @@ async def test_connections_past_the_limit_are_refused_while_the_open_ones_work(r
             break
         await asyncio.sleep(0.1)
     assert status == 200
+
+
+# ---------------------------------------------------------------- compressed bodies (issue 28 item 5)
+
+
+def _cpu_ticks(pid: int) -> int:
+    """utime + stime of process `pid`, in clock ticks (/proc/<pid>/stat)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+async def test_a_deflate_bomb_is_413_without_inflating_past_the_limit(router, image):
+    """A ~46 KB deflate body that inflates to 10 MiB: 413 once the inflated body passes the limit; the
+    router inflates LIMIT + 1 bytes of it, not 10 MiB (the inflater's own test counts the bytes:
+    tests/test_request_body.py). Figures printed: the router's CPU for the bomb and for a valid request."""
+    port = router.port
+    (proc,) = router.router_procs()
+    assert proc.popen is not None
+    bomb = fuzz_encodings.bomb(10 << 20)  # ~46 KB sent: under the limit as sent
+    valid = body_of_size(image, 1024)
+    before = _cpu_ticks(proc.popen.pid)
+    status, headers, answer = await exchange(
+        port, [head(port, {"Content-Length": str(len(bomb)), "Content-Encoding": "deflate"}) + bomb]
+    )
+    bomb_ticks = _cpu_ticks(proc.popen.pid) - before
+    assert status == 413, answer
+    assert f"over the limit of {LIMIT} bytes once inflated" in json.loads(answer)["error"]
+    assert headers.get("connection") == "close"
+    before = _cpu_ticks(proc.popen.pid)
+    status, _, _ = await exchange(port, [head(port, {"Content-Length": str(len(valid))}) + valid])
+    valid_ticks = _cpu_ticks(proc.popen.pid) - before
+    assert status == 200
+    big = fuzz_encodings.bomb(100 << 20)  # ~457 KB sent, 100 MiB inflated: over the limit as sent
+    before = _cpu_ticks(proc.popen.pid)
+    status, headers, answer = await exchange(
+        port, [head(port, {"Content-Length": str(len(big)), "Content-Encoding": "deflate"}) + big]
+    )
+    big_ticks = _cpu_ticks(proc.popen.pid) - before
+    assert status == 413 and headers.get("connection") == "close", answer  # nothing of it inflated
+    started = time.process_time()
+    assert len(zlib.decompress(bomb)) == 10 << 20  # what inflating all of it costs (here, in the test)
+    whole_ms = (time.process_time() - started) * 1000
+    ms = 1000 / os.sysconf("SC_CLK_TCK")
+    print(
+        f"deflate bomb of {len(bomb)} bytes (10 MiB inflated): 413, router CPU {bomb_ticks * ms:.0f} ms "
+        f"(inflating all of it: {whole_ms:.0f} ms); of {len(big)} bytes (100 MiB): 413, router CPU "
+        f"{big_ticks * ms:.0f} ms; a valid 1 KB request: router CPU {valid_ticks * ms:.0f} ms"
+    )
+
+
+async def test_corrupt_gzip_bodies_are_400_logged_as_one_line_each_rate_limited(router, image):
+    port = router.port
+    (proc,) = router.router_procs()
+    corrupt = gzip.compress(body_of_size(image, 1024))[:20] + b"not deflate data" * 4
+    log_before = proc.log_path.stat().st_size
+    for _ in range(200):
+        status, _, answer = await exchange(
+            port, [head(port, {"Content-Length": str(len(corrupt)), "Content-Encoding": "gzip"}) + corrupt]
+        )
+        assert status == 400, answer
+        assert "not a valid gzip stream" in json.loads(answer)["error"]
+    grown = proc.log_path.read_bytes()[log_before:].decode()
+    lines = [line for line in grown.splitlines() if "client error (bad_body)" in line]
+    print(f"200 corrupt gzip bodies: 200 x 400; router.log grew by {len(grown)} bytes, {len(lines)} lines")
+    assert "Traceback" not in grown
+    assert 1 <= len(lines) <= 8  # the 1st, 2nd, 4th, ... 128th (or fewer: earlier ones counted before)
+
+
+async def _raw(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(read_response(reader), HANG_GUARD_S)
+    finally:
+        writer.close()
+
+
+async def test_aiohttps_own_refusals_are_json_on_both_ports(router):
+    """Issue 28 item 8: no such route, wrong method, an unparsable request line or header — on the
+    inference port and on the control port — answered `{"error": ...}`, not aiohttp's plain text."""
+    for port in (router.port, router.control_port):
+        cases = [
+            (b"GET /no/such/route HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+            (b"GARBAGE\r\n\r\n", 400),
+            (b"GET / HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 20000 + b"\r\n\r\n", 400),
+        ]
+        if port == router.port:
+            cases.append((f"GET {PATH} HTTP/1.1\r\nHost: x\r\n\r\n".encode(), 405))
+        for raw, expected in cases:
+            status, headers, body = await _raw(port, raw)
+            assert status == expected, (raw[:40], body)
+            assert headers["content-type"].startswith("application/json"), (raw[:40], headers)
+            assert json.loads(body)["error"], body
+            if expected == 405:
+                assert headers["allow"] == "POST"

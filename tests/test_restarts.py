@@ -25,8 +25,8 @@ from exitplan.api.bundle import read_manifest
 from exitplan.localrun.deployment import LocalDeployment
 from exitplan.localrun.service_setup import ServiceSetup, single_split_plan
 from exitplan.localrun.supervisor import RestartPolicy
-from exitplan.worker import wire
-from exitplan.worker.wire import HopAnswer, HopItem, HopRequest
+from exitplan.worker_image import wire
+from exitplan.worker_image.wire import HopAnswer, HopItem, HopRequest
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
 from exitplan.devcluster.apiserver import ApiServer
 from exitplan.operator import apply as applying
-from exitplan.operator import builders, disruption
+from exitplan.operator import builders, disruption, names, pod_template
 from exitplan.operator.kube import KubeClient, path
-from exitplan.worker.serve import ServerLimits
+from exitplan.worker_image.serve import ServerLimits
 
 kv = pytest.importorskip("kubernetes_validate.utils", reason="kubernetes-validate is in the dev extra")
 
@@ -52,7 +52,7 @@ def one(objs: list[dict], kind: str, component: str | None = None) -> dict:
     (found,) = [
         o
         for o in objs
-        if o["kind"] == kind and (component is None or o["metadata"]["labels"].get(builders.L_COMPONENT) == component)
+        if o["kind"] == kind and (component is None or o["metadata"]["labels"].get(names.L_COMPONENT) == component)
     ]
     return found
 
@@ -73,7 +73,7 @@ def test_two_routers_by_default_under_a_budget_that_keeps_one():
     )
     (owner,) = budget["metadata"]["ownerReferences"]
     assert owner["uid"] == "1234-uid" and owner["kind"] == "EarlyExitService"
-    assert budget["metadata"]["annotations"][builders.A_PLAN_HASH] == PLAN.content_hash()
+    assert budget["metadata"]["annotations"][names.A_PLAN_HASH] == PLAN.content_hash()
 
 
 def test_one_router_gets_no_budget_that_would_block_every_eviction():
@@ -89,9 +89,9 @@ def test_routers_and_workers_pause_before_the_drain_within_the_grace_period():
         pod = one(objs, "Deployment", component)["spec"]["template"]["spec"]
         (container,) = pod["containers"]
         pause = container["lifecycle"]["preStop"]["exec"]["command"]
-        assert pause == ["sleep", str(builders.PRESTOP_SLEEP_S)]
+        assert pause == ["sleep", str(pod_template.PRESTOP_SLEEP_S)]
         # the kubelet's grace period counts the preStop hook too: the pause and the longest drain fit
-        assert pod["terminationGracePeriodSeconds"] > builders.PRESTOP_SLEEP_S + limits.drain_timeout_s + 1
+        assert pod["terminationGracePeriodSeconds"] > pod_template.PRESTOP_SLEEP_S + limits.drain_timeout_s + 1
 
 
 @pytest.fixture(scope="module")
@@ -129,4 +129,4 @@ async def test_the_budget_is_applied_with_the_children_and_pruned_with_one_route
             assert "PodDisruptionBudget/minilm-router" in again.unchanged and not again.changed()
             shrunk = await applying.apply_children(client, children(spec(replicas=1)), "minilm", "default")
             assert "PodDisruptionBudget/minilm-router" in shrunk.deleted
-            assert await client.list(path("PodDisruptionBudget", "default"), f"{builders.L_SERVICE}=minilm") == []
+            assert await client.list(path("PodDisruptionBudget", "default"), f"{names.L_SERVICE}=minilm") == []

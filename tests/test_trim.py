@@ -9,8 +9,8 @@ from dataplane_helpers import heldout_texts, one_cell_plan, two_split_plan
 from tokenizers import Tokenizer
 
 from exitplan.api.bundle import read_manifest
-from exitplan.worker.bundle_runtime import pad_batch
-from exitplan.worker.classify.trim import TRIM_STEP, longest_row, seq_axes, trimmed
+from exitplan.worker_image.bundle_runtime import pad_batch
+from exitplan.worker_image.classify.trim import TRIM_STEP, longest_row, seq_axes, trimmed
 
 
 def test_a_batch_is_cut_to_its_longest_row_rounded_up_to_the_step():
@@ -34,7 +34,7 @@ def test_a_batch_is_cut_to_its_longest_row_rounded_up_to_the_step():
 
 @pytest.mark.slow
 async def test_a_trimming_worker_answers_as_the_untrimmed_one_at_a_shorter_length(minilm_bundle, tmp_path):
-    from exitplan.worker.classify.worker import SplitWorker
+    from exitplan.worker_image.classify.worker import SplitWorker
 
     n_blocks = len(read_manifest(minilm_bundle).blocks)
     plan_path = tmp_path / "plan.json"
@@ -61,7 +61,7 @@ async def test_a_trimming_worker_answers_as_the_untrimmed_one_at_a_shorter_lengt
 
 
 def test_only_a_last_split_that_runs_as_one_batch_trims(minilm_bundle, tmp_path):
-    from exitplan.worker.classify.worker import SplitWorker
+    from exitplan.worker_image.classify.worker import SplitWorker
 
     ramps = [r.name for r in read_manifest(minilm_bundle).exit_ramps()]
     plan = two_split_plan(ramps, 0.9, {}, buckets=(32, 128))
@@ -80,7 +80,7 @@ def test_only_a_last_split_that_runs_as_one_batch_trims(minilm_bundle, tmp_path)
 
 
 def test_service_time_interpolates_in_length_and_follows_the_lengths_batches_ran_at():
-    from exitplan.worker.classify.service_time import Fit, ServiceTime
+    from exitplan.worker_image.classify.service_time import Fit, ServiceTime
 
     times = ServiceTime(128, {128: Fit(2.0, 10.0), 16: Fit(1.0, 2.0)})
     assert times.expected_ms(4) == 42.0 and times.expected_ms(4, 16) == 9.0
@@ -94,7 +94,7 @@ def test_service_time_interpolates_in_length_and_follows_the_lengths_batches_ran
 
 @pytest.mark.slow
 def test_a_trimming_worker_reports_its_capacity_at_the_lengths_it_runs(minilm_bundle, tmp_path):
-    from exitplan.worker.classify.worker import SplitWorker
+    from exitplan.worker_image.classify.worker import SplitWorker
 
     n_blocks = len(read_manifest(minilm_bundle).blocks)
     plan_path = tmp_path / "plan.json"

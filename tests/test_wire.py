@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from exitplan.worker import wire
-from exitplan.worker.wire import HopAnswer, HopItem, HopRequest, HopResult, ShadowRecord
+from exitplan.worker_image import wire
+from exitplan.worker_image.wire import HopAnswer, HopItem, HopRequest, HopResult, ShadowRecord
 
 
 def test_round_trip_keeps_dtype_shape_and_values():

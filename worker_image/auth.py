@@ -13,7 +13,9 @@ generates one per run and hands it to its processes the same way.
 
 `ControlPlane` mounts control routes behind the token, on the app's own port or on a port of their
 own (a router's ``--control-port``): a NetworkPolicy then opens that port only to the operator and the
-service's own pods, while clients reach only the inference port.
+service's own pods, while clients reach only the inference port. That port's listener is guarded as the
+inference port is (server_guard.py: header and body timeouts, JSON errors), with a connection limit of
+its own (`ServerLimits.control_max_connections`), so a flood of it cannot starve the inference port.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import logging
 import os
 import secrets
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 
-import orjson
 from aiohttp import web
 
-from exitplan.worker.protocol import error_response
+from exitplan.worker_image.protocol import error_response
+from exitplan.worker_image.server_guard import LIMITS, Guard, GuardedRunner
+from exitplan.worker_image.server_limits import ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -116,33 +120,6 @@ def guarded(token: str | None, handler: Handler) -> Handler:
     return check
 
 
-class BodyTooLarge(ValueError):
-    pass
-
-
-async def read_limited(request: web.Request, limit: int) -> bytes:
-    """The whole body; BodyTooLarge past `limit` bytes (said or read)."""
-    if request.content_length is not None and request.content_length > limit:
-        raise BodyTooLarge(f"body of {request.content_length} bytes is over the limit of {limit}")
-    chunks, size = [], 0
-    while chunk := await request.content.readany():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"body is over the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def json_body(request: web.Request, limit: int) -> object | web.Response:
-    """The request's JSON body, or the 413/400 answer (a body over `limit` bytes, or not JSON)."""
-    try:
-        return orjson.loads(await read_limited(request, limit))
-    except BodyTooLarge as err:
-        return error_response(413, str(err))
-    except orjson.JSONDecodeError as err:
-        return error_response(400, f"body is not valid JSON: {err}")
-
-
 class ControlPlane:
     """Mounts control routes behind `token`: on the app's port (`port` None or 0), or on a port of
     their own, served by a second listener that starts and stops with the app."""
@@ -155,15 +132,17 @@ class ControlPlane:
         return guarded(self.token, handler)
 
     def mount(self, app: web.Application, routes: Iterable[web.RouteDef]) -> None:
-        wrapped = [web.route(r.method, r.path, self.guard(r.handler), **r.kwargs) for r in routes]  # type: ignore[arg-type]
+        wrapped = [web.route(r.method, r.path, self.guard(r.handler), **r.kwargs) for r in routes]
         if self.port is None:
             app.add_routes(wrapped)
             return
         control = web.Application(client_max_size=self.max_body)
         control.add_routes(wrapped)
 
-        async def start(_: web.Application) -> None:
-            self._runner = web.AppRunner(control, access_log=None)
+        async def start(app: web.Application) -> None:
+            limits = app.get(LIMITS) or ServerLimits()  # the inference port's, with a limit of its own
+            guard = Guard(replace(limits, max_connections=limits.control_max_connections))
+            self._runner = GuardedRunner(control, guard, keepalive_timeout=limits.keepalive_timeout_s, access_log=None)
             await self._runner.setup()
             await web.TCPSite(self._runner, self.host, self.port).start()
             log.info("control endpoints on %s:%d", self.host, self.port)

@@ -16,7 +16,7 @@ Only numpy, onnxruntime and exitplan.api here: this module runs inside worker po
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +24,10 @@ import onnxruntime as ort
 
 from exitplan.api.bundle import BundleError, BundleManifest, RampSpec, read_manifest
 from exitplan.api.dtypes import UnknownDType, by_numpy, by_onnx
+from exitplan.worker_image.range_result import RampExit, RangeResult, softmax
+from exitplan.worker_image.resident import GPU_PROVIDERS, ResidentRange
+
+__all__ = ["BundleRuntime", "RampExit", "RangeResult", "StateError", "softmax"]
 
 SEQ_DIM = "seq"
 BATCH_DIM = "batch"
@@ -72,8 +76,39 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
     raise StateError(f"input of length {length} is longer than the largest bucket ({max(buckets)}); truncate it")
 
 
-def pad_batch(sequences: Sequence[Sequence[int]], bucket: int, pad_id: int = 0) -> dict[str, np.ndarray]:
-    """Token id lists -> `input_ids` and `attention_mask` [n, bucket] (int64), right-padded."""
+def input_role(name: str) -> str:
+    """What a text model's input holds, by its name, so the router and `prepare` fill in what clients do
+    not send: `tokens` (input_ids), `mask` (1 per token, 0 for padding), `token_types` (zeros: a single
+    segment), `positions` (0, 1, ..., L-1), else `data` (only the client can send it)."""
+    lowered = name.lower()
+    if lowered == "input_ids":
+        return "tokens"
+    if "mask" in lowered:
+        return "mask"
+    if "token_type" in lowered or lowered in ("segment_ids", "segment_ids_input"):
+        return "token_types"
+    if "position" in lowered:
+        return "positions"
+    return "data"
+
+
+def derived_inputs(ids: np.ndarray, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The inputs among `names` that follow from the token ids' shape: token types (zeros) and positions."""
+    out = {}
+    for name in names:
+        role = input_role(name)
+        if role == "token_types":
+            out[name] = np.zeros_like(ids)
+        elif role == "positions":
+            out[name] = np.broadcast_to(np.arange(ids.shape[1], dtype=ids.dtype), ids.shape).copy()
+    return out
+
+
+def pad_batch(
+    sequences: Sequence[Sequence[int]], bucket: int, pad_id: int = 0, names: Sequence[str] = ()
+) -> dict[str, np.ndarray]:
+    """Token id lists -> `input_ids` and `attention_mask` [n, bucket] (int64), right-padded, and the token
+    types and positions among the model's input `names` (:func:`derived_inputs`)."""
     ids = np.full((len(sequences), bucket), pad_id, dtype=np.int64)
     mask = np.zeros((len(sequences), bucket), dtype=np.int64)
     for row, seq in enumerate(sequences):
@@ -81,34 +116,7 @@ def pad_batch(sequences: Sequence[Sequence[int]], bucket: int, pad_id: int = 0) 
             raise StateError(f"row {row}: {len(seq)} tokens do not fit bucket {bucket}")
         ids[row, : len(seq)] = seq
         mask[row, : len(seq)] = 1
-    return {"input_ids": ids, "attention_mask": mask}
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    e = np.exp(shifted)
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-@dataclass(frozen=True)
-class RampExit:
-    """One input answered by a ramp: its row in the batch given to `run_range`."""
-
-    row: int
-    ramp: str
-    logits: np.ndarray
-    confidence: float
-    """Max softmax probability of `logits`."""
-
-
-@dataclass
-class RangeResult:
-    exits: list[RampExit]
-    """Inputs answered inside the range (exit ramps and, when the range ends the model, the final head)."""
-    rows: np.ndarray
-    """Rows (of the batch given to `run_range`) still running, in the order of `state`'s rows."""
-    state: dict[str, np.ndarray] = field(default_factory=dict)
-    """What the next split needs (`manifest.live_after(last_block)`) for the surviving rows."""
+    return {"input_ids": ids, "attention_mask": mask, **derived_inputs(ids, names)}
 
 
 @dataclass(frozen=True)
@@ -131,9 +139,12 @@ class BundleRuntime:
         providers: Sequence[str] = ("CPUExecutionProvider",),
         threads: int = 1,
         free_length: bool = False,
+        resident: bool | None = None,
     ) -> None:
         """`free_length`: the sessions keep the `seq` dimension free (no fixed length per bucket): a bucket's
-        session then runs any length up to it (a trimming worker, classify/trim.py)."""
+        session then runs any length up to it (a trimming worker, classify/trim.py). `resident`: `run_range`
+        keeps the batch on the device between blocks (worker_image/resident.py); None = where the first
+        provider is a GPU's."""
         self.directory = Path(directory)
         self.free_length = free_length
         self.manifest: BundleManifest = read_manifest(self.directory)
@@ -151,6 +162,8 @@ class BundleRuntime:
         self.buckets: tuple[int, ...] = self._resolve_buckets(buckets)
         self.providers = tuple(providers)
         self.threads = threads
+        self.resident = self.providers[:1] in [(p,) for p in GPU_PROVIDERS] if resident is None else resident
+        self._resident: ResidentRange | None = None
         self._check_dataflow()
         self._sessions: dict[tuple[str, int], ort.InferenceSession] = {}
         self._io: dict[tuple[str, int], _IOSpec] = {}
@@ -174,6 +187,20 @@ class BundleRuntime:
     def active_providers(self) -> list[str]:
         """Execution providers the sessions run on (ONNX Runtime falls back silently when one is missing)."""
         return list(next(iter(self._sessions.values())).get_providers())
+
+    def session(self, rel: str, bucket: int) -> ort.InferenceSession:
+        """The session of ONNX file `rel` (a block's or ramp's, as bundle.yaml names it) for `bucket`: what an
+        IO-bound caller runs (the sessions' inputs and outputs are as bundle.yaml names them)."""
+        try:
+            return self._sessions[(rel, bucket)]
+        except KeyError:
+            raise StateError(
+                f"no session for {rel!r} at bucket {bucket} (buckets here: {list(self.buckets)})"
+            ) from None
+
+    def session_providers(self) -> list[tuple[str, list[str]]]:
+        """(file@bucket, the providers its session runs on, first = where its nodes run) for every session."""
+        return [(f"{rel}@{bucket}", list(s.get_providers())) for (rel, bucket), s in self._sessions.items()]
 
     @property
     def ends_model(self) -> bool:
@@ -277,7 +304,9 @@ class BundleRuntime:
 
     # ------------------------------------------------------------------ running
 
-    def _feeds(self, rel: str, state: Mapping[str, np.ndarray], bucket: int | None, what: str) -> tuple[dict, int]:
+    def _feeds(
+        self, rel: str, state: Mapping[str, np.ndarray], bucket: int | None, what: str
+    ) -> tuple[dict[str, np.ndarray], int]:
         """The arrays `rel` reads from `state`, checked against its session for `bucket` (None: inferred)."""
         first = self._io[(rel, self.buckets[0])]
         feeds: dict[str, np.ndarray] = {}
@@ -333,6 +362,7 @@ class BundleRuntime:
                 f"ramp {ramp_name!r} is not in this runtime's range (ramps here: {[r.name for r in self.ramps]})"
             )
         feeds, bucket = self._feeds(ramp.file, state, bucket, f"ramp {ramp.name!r}")
+        logits: np.ndarray
         (logits,) = self._sessions[(ramp.file, bucket)].run([ramp.output], feeds)
         return logits
 
@@ -371,14 +401,23 @@ class BundleRuntime:
         state: Mapping[str, np.ndarray],
         bucket: int | None = None,
         thresholds: Mapping[str, float] | None = None,
+        resident: bool | None = None,
     ) -> RangeResult:
-        """Run every block of the range with early exits; the caller's state is not modified.
+        """Run every block of the range with early exits; the caller's state is not modified. `resident`:
+        the batch stays on the device between blocks (None: as the runtime was made).
 
         An input exits at the earliest exit ramp whose max-softmax confidence is >= that ramp's
         threshold; a ramp with no threshold or one above 1 is not run. Exited rows leave the batch
         before the next block. When the range ends the model, the final head answers the rest.
         """
         limits = self._check_thresholds(thresholds)
+        if self.resident if resident is None else resident:
+            if self._resident is None:
+                self._resident = ResidentRange.for_providers(self.providers)
+            first = self.manifest.blocks[self.first_block]
+            _, bucket = self._feeds(first.file, state, bucket, f"block {first.name!r}")
+            _batch_size(dict(state))
+            return self._resident.run(self, state, bucket, limits)
         work = dict(state)
         n = _batch_size(work)
         rows = np.arange(n)

@@ -16,18 +16,17 @@ failed request, a non-2xx answer or a body that does not parse, so callers handl
 
 from __future__ import annotations
 
-import io
 from types import TracebackType
 
 import aiohttp
-import numpy as np
 import orjson
 from pydantic import ValidationError
 
 from exitplan.api.observations import Observations
+from exitplan.worker_image.control_bodies import FeedbackArrays, ThresholdUpdate
+from exitplan.worker_image.threshold_set import ThresholdSet
 
-FEEDBACK_ARRAYS = ("conf", "pred", "final", "saving_ms", "cost_ms")
-"""The arrays of a feedback window that the tuner reads."""
+__all__ = ["ControlClient", "ControlError", "FeedbackArrays"]
 
 
 class ControlError(RuntimeError):
@@ -101,26 +100,39 @@ class ControlClient:
                 f"{self.base_url}{route}", f"not an observation window: {err.errors()[0]['msg']}"
             ) from err
 
-    async def feedback(self, last: int) -> dict[str, np.ndarray] | None:
-        """The newest ``last`` shadow-sampled feedback samples as arrays (see FEEDBACK_ARRAYS), or
-        None while the router has none."""
+    async def feedback(self, last: int) -> FeedbackArrays | None:
+        """The newest ``last`` shadow-sampled feedback samples, or None while the router has none."""
         route = f"/v1/window.npz?last={int(last)}"
         body = await self._request("GET", route)
         try:
-            with np.load(io.BytesIO(body)) as data:
-                arrays = {name: data[name] for name in FEEDBACK_ARRAYS}
+            arrays = FeedbackArrays.from_npz(body)
         except (ValueError, KeyError, OSError) as err:
             raise ControlError(f"{self.base_url}{route}", f"not a feedback window: {err}") from err
-        return None if arrays["final"].size == 0 else arrays
+        return None if arrays.final.size == 0 else arrays
 
     async def thresholds(self) -> dict[str, float]:
         """The exit thresholds in force."""
-        body = await self._request("GET", "/v1/thresholds")
-        try:
-            return {str(k): float(v) for k, v in orjson.loads(body)["thresholds"].items()}
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise ControlError(f"{self.base_url}/v1/thresholds", f"not a thresholds answer: {err}") from err
+        return (await self.threshold_set()).values
 
-    async def push_thresholds(self, thresholds: dict[str, float], reason: str) -> None:
-        """A hot threshold update (a router forwards it to every split-0 pod, which forward it down)."""
-        await self._request("POST", "/v1/thresholds", json={"thresholds": thresholds, "reason": reason})
+    async def threshold_set(self) -> ThresholdSet:
+        """The exit thresholds in force with their version."""
+        return self._threshold_answer("/v1/thresholds", await self._request("GET", "/v1/thresholds"))
+
+    def _threshold_answer(self, route: str, body: bytes) -> ThresholdSet:
+        try:
+            return ThresholdSet.from_answer(orjson.loads(body))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ControlError(f"{self.base_url}{route}", f"not a thresholds answer: {err}") from err
+
+    async def push_thresholds(
+        self, thresholds: dict[str, float], reason: str, *, replace: bool = False, version: int | None = None
+    ) -> ThresholdSet:
+        """A hot threshold update (a router forwards it to the other routers and every split-0 pod, which
+        forward it down): merged into the set in force unless `replace`; `version`: the version this set
+        is (taken only when newer). The set in force after it."""
+        update = ThresholdUpdate(thresholds, reason, replace, version)
+        return self._threshold_answer("/v1/thresholds", await self._request("POST", "/v1/thresholds", update.to_json()))
+
+    async def push_set(self, new: ThresholdSet, reason: str) -> ThresholdSet:
+        """Push a whole versioned set (replacing, at its version)."""
+        return await self.push_thresholds(new.values, reason, replace=True, version=new.version)

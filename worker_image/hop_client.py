@@ -22,9 +22,9 @@ from collections.abc import Sequence
 import httptools
 import numpy as np
 
-from exitplan.worker import wire
-from exitplan.worker.discovery import Peer, PeerSet
-from exitplan.worker.wire import HopAnswer, HopItem, HopRequest
+from exitplan.worker_image import wire
+from exitplan.worker_image.peer_choice import Peer, PeerSet
+from exitplan.worker_image.wire import HopAnswer, HopItem, HopRequest
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.reusable = True
-        self.waiter: asyncio.Future | None = None
+        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -228,6 +228,31 @@ class HopClient:
         self.idle.clear()
 
 
+async def _attempt(
+    client: HopClient, peers: PeerSet, peer: Peer, body: bytes, rows: int, timeout_at: float
+) -> tuple[HopAnswer, dict[str, np.ndarray], Peer]:
+    """One POST of the frame to `peer`; its rows count as the peer's load while it is out."""
+    peer.running += rows
+    sent = time.monotonic()
+    try:
+        status, payload = await client.post(peer.address, "/v1/run", body, wire.CONTENT_TYPE, timeout_at - time.time())
+        if status >= 500:
+            raise PodError(f"HTTP {status}: {payload[:200].decode(errors='replace')}")
+        if status != 200:
+            # A 4xx is our bug or a version skew: another pod would answer the same.
+            raise HopFailed(
+                f"pod {peer.address} rejected the frame ({status}): {payload[:300].decode(errors='replace')}"
+            )
+        out_meta, out_tensors = wire.decode(payload)
+        answer = HopAnswer.from_meta(out_meta)
+        peer.failures = 0
+        peers.observe_service(peer, answer.service_ms, answer.expected_ms)
+        peers.observe_round_trip(time.monotonic() - sent)
+        return answer, out_tensors, peer
+    finally:
+        peer.running -= rows
+
+
 async def send(
     client: HopClient,
     peers: PeerSet,
@@ -240,41 +265,69 @@ async def send(
     attempts: int = 3,
 ) -> tuple[HopAnswer, dict[str, np.ndarray], Peer]:
     """POST a frame of `items` (row i of `tensors` is item i) to /v1/run of a pod of (split, bucket);
-    (answer, tensors, pod) of its answer. While the frame is out, its rows count as the pod's load."""
+    (answer, tensors, pod) of the first answer.
+
+    A pod that fails (connection, 5xx) is followed by another; a pod that makes no progress within
+    the hedge bound (`PeerSet.hedge_after_s`: derived from its profile and the hop's observed round
+    trips, with a floor) is taken out of rotation (`PeerSet.eject`, until it answers its health check)
+    and the frame is also sent to another ready pod: the first answer wins, the other is cancelled.
+    At most `attempts` pods are tried."""
     body = wire.encode(HopRequest(items, bucket).to_meta(), tensors)
     rows = len(items)
     tried: list[str] = []
+    out: dict[asyncio.Task[tuple[HopAnswer, dict[str, np.ndarray], Peer]], Peer] = {}
     last_error = ""
-    for _ in range(attempts):
+
+    def launch() -> bool:
+        if len(tried) >= attempts:
+            return False
         peer = peers.choose(bucket, split, exclude=tried)
         if peer is None:
-            break
-        remaining = timeout_at - time.time()
-        if remaining <= 0:
-            raise HopFailed(f"timed out before reaching a pod of split {split} bucket {bucket}")
+            return False
         tried.append(peer.address)
-        peer.running += rows
-        try:
-            status, payload = await client.post(peer.address, "/v1/run", body, wire.CONTENT_TYPE, remaining)
-            if status >= 500:
-                raise PodError(f"HTTP {status}: {payload[:200].decode(errors='replace')}")
-            if status != 200:
-                # A 4xx is our bug or a version skew: another pod would answer the same.
-                raise HopFailed(
-                    f"pod {peer.address} rejected the frame ({status}): {payload[:300].decode(errors='replace')}"
-                )
-            out_meta, out_tensors = wire.decode(payload)
-            answer = HopAnswer.from_meta(out_meta)
-            peer.failures = 0
-            peers.observe_service(peer, answer.service_ms, answer.expected_ms)
-            return answer, out_tensors, peer
-        except (ConnectionError, TimeoutError, wire.WireError) as err:
-            peer.failures += 1
-            peer.ready = peer.failures < 3 and peer.ready
-            last_error = f"{peer.address}: {type(err).__name__}: {err}"
-            log.warning("send to %s failed (%s); trying another pod", peer.address, last_error)
-        finally:
-            peer.running -= rows
-    if not tried:
-        raise NoPeer(f"no ready worker for split {split} bucket {bucket}")
-    raise HopFailed(f"every pod tried for split {split} bucket {bucket} failed; last: {last_error}")
+        out[asyncio.ensure_future(_attempt(client, peers, peer, body, rows, timeout_at))] = peer
+        return True
+
+    try:
+        if time.time() >= timeout_at:
+            raise HopFailed(f"timed out before reaching a pod of split {split} bucket {bucket}")
+        if not launch():
+            raise NoPeer(f"no ready worker for split {split} bucket {bucket}")
+        hedge = True
+        while out:
+            remaining = timeout_at - time.time()
+            if remaining <= 0:
+                break
+            # (never later than half the time left: a hedge must have time to answer)
+            wait = min(remaining / 2, peers.hedge_after_s(out.values())) if hedge else remaining
+            done, _ = await asyncio.wait(out, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            if not done:  # no progress within the bound: eject the stalled pods, hedge on another one
+                for peer in out.values():
+                    peers.eject(peer, wait)
+                hedge = launch()
+                if not hedge:
+                    log.warning(
+                        "no other pod of split %s bucket %s to hedge on (%d tried, ready: %s)",
+                        split,
+                        bucket,
+                        len(tried),
+                        [p.address for p in peers.candidates(bucket, split)],
+                    )
+                continue
+            for task in done:
+                peer = out.pop(task)
+                try:
+                    return task.result()
+                except (ConnectionError, TimeoutError, wire.WireError) as err:
+                    peer.failures += 1
+                    peer.ready = peer.failures < 3 and peer.ready
+                    last_error = f"{peer.address}: {type(err).__name__}: {err}"
+                    log.warning("send to %s failed (%s); trying another pod", peer.address, last_error)
+            if not out:
+                launch()
+        if last_error:
+            raise HopFailed(f"every pod tried for split {split} bucket {bucket} failed; last: {last_error}")
+        raise HopFailed(f"no pod of split {split} bucket {bucket} answered before the request's timeout")
+    finally:
+        for task in out:
+            task.cancel()

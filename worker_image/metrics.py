@@ -18,14 +18,16 @@ the router's and the workers' `ramp` label alike.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 
 if TYPE_CHECKING:
-    from exitplan.worker.generate.decoder import TokenEvent
+    from exitplan.worker_image.generate.decoder import TokenEvent
+    from exitplan.worker_image.peer_choice import Peer
 
 ROUTER_CODES = ("200", "400", "413", "422", "429", "502", "503", "504")
 """The HTTP codes a router counts in exitplan_router_requests_total (each at 0 from the start)."""
@@ -69,13 +71,17 @@ data would let any caller grow /metrics without bound)."""
 
 
 THRESHOLD_REASONS = (*sorted(UPDATE_REASONS), "other")
+THRESHOLD_UPDATES_DOC = "Threshold changes applied, by reason."
 
 
 def reason_label(reason: str) -> str:
     return reason if reason in UPDATE_REASONS else "other"
 
 
-def drop(metric, *labels: str) -> None:
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+def drop(metric: MetricWrapperBase, *labels: str) -> None:
     """Remove one label set of a labelled metric (nothing when it is not there)."""
     try:
         metric.remove(*labels)
@@ -89,119 +95,112 @@ class Children:
 
     def __init__(self, *fixed: str) -> None:
         self.fixed = fixed
-        self.cache: dict[tuple, object] = {}
+        self.cache: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
 
-    def __call__(self, metric, *labels: str):
+    def __call__(self, metric: M, *labels: str) -> M:
         key = (id(metric), labels)
         child = self.cache.get(key)
         if child is None:
             child = self.cache[key] = metric.labels(*self.fixed, *labels)
-        return child
+        return cast(M, child)  # the child of `metric` stored under its id: a metric of the same class
+
+
+class Declare:
+    """Declares one component's metrics in its registry: each with the component's fixed labels first
+    (`labels`), then its own (`extra`). tests/test_dashboards.py reads these calls from the source
+    (`d = Declare(registry, [labels])`, then `d.counter("literal_name", "doc", "extra", ...)`)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: Sequence[str]) -> None:
+        self.registry, self.labels = registry, list(labels)
+
+    def counter(self, name: str, doc: str, *extra: str) -> Counter:
+        return self._make(Counter, name, doc, extra)
+
+    def gauge(self, name: str, doc: str, *extra: str) -> Gauge:
+        return self._make(Gauge, name, doc, extra)
+
+    def histogram(self, name: str, doc: str, buckets: Sequence[float], *extra: str) -> Histogram:
+        return self._make(Histogram, name, doc, extra, buckets=buckets)
+
+    def _make(self, kind: type[M], name: str, doc: str, extra: Sequence[str], **more: Any) -> M:
+        return kind(name, doc, [*self.labels, *extra], registry=self.registry, **more)
 
 
 class RouterMetrics:
     def __init__(self, service: str) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
         self.service = service
-        self.requests = Counter(
-            "exitplan_router_requests_total",
-            "Inference requests answered, by HTTP status code.",
-            ["service", "code"],
-            registry=r,
+        d = Declare(self.registry, ["service"])
+        self.requests = d.counter(
+            "exitplan_router_requests_total", "Inference requests answered, by HTTP status code.", "code"
         )
-        self.inputs = Counter(
-            "exitplan_router_inputs_total",
-            "Inputs answered with a result, by length bucket.",
-            ["service", "bucket"],
-            registry=r,
+        self.inputs = d.counter(
+            "exitplan_router_inputs_total", "Inputs answered with a result, by length bucket.", "bucket"
         )
-        self.within_slo = Counter(
-            "exitplan_router_within_slo_total", "Inputs answered with a result within the SLO.", ["service"], registry=r
+        self.within_slo = d.counter("exitplan_router_within_slo_total", "Inputs answered with a result within the SLO.")
+        self.errors = d.counter("exitplan_router_errors_total", "Inputs answered with an error, by reason.", "reason")
+        self.latency = d.histogram(
+            "exitplan_router_latency_seconds", "End-to-end latency of answered inputs.", LATENCY_BUCKETS, "bucket"
         )
-        self.errors = Counter(
-            "exitplan_router_errors_total",
-            "Inputs answered with an error, by reason.",
-            ["service", "reason"],
-            registry=r,
-        )
-        self.latency = Histogram(
-            "exitplan_router_latency_seconds",
-            "End-to-end latency of answered inputs.",
-            ["service", "bucket"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.exits = Counter(
+        self.exits = d.counter(
             "exitplan_router_exits_total",
             "Answers per ramp (the final head by the bundle's name for it, as on the workers).",
-            ["service", "ramp"],
-            registry=r,
+            "ramp",
         )
-        self.inflight = Gauge(
-            "exitplan_router_inflight_inputs", "Inputs accepted and not yet answered.", ["service"], registry=r
-        )
-        self.bucket_load = Gauge(
+        self.inflight = d.gauge("exitplan_router_inflight_inputs", "Inputs accepted and not yet answered.")
+        self.bucket_load = d.gauge(
             "exitplan_router_bucket_load_ratio",
             "Outstanding inputs over capacity, per bucket (absent while the bucket has no ready capacity).",
-            ["service", "bucket"],
-            registry=r,
+            "bucket",
         )
-        self._declare_agreement(r)
-        self.accuracy_budget = Gauge(
-            "exitplan_router_accuracy_budget_ratio",
-            "The accuracy budget: the agreement must stay >= 1 - budget.",
-            ["service"],
-            registry=r,
+        self._declare_agreement()
+        self.accuracy_budget = d.gauge(
+            "exitplan_router_accuracy_budget_ratio", "The accuracy budget: the agreement must stay >= 1 - budget."
         )
-        self.slo = Gauge("exitplan_router_slo_seconds", "The service's p99 latency SLO.", ["service"], registry=r)
-        self.threshold = Gauge(
+        self.slo = d.gauge("exitplan_router_slo_seconds", "The service's p99 latency SLO.")
+        self.threshold = d.gauge(
             "exitplan_threshold_ratio",
             "Exit threshold in force per exit ramp, in [0, 1] (absent while the ramp is disabled).",
-            ["service", "ramp"],
-            registry=r,
+            "ramp",
         )
-        self.threshold_updates = Counter(
-            "exitplan_threshold_updates_total",
-            "Threshold changes applied, by reason.",
-            ["service", "reason"],
-            registry=r,
+        self.threshold_updates = d.counter("exitplan_threshold_updates_total", THRESHOLD_UPDATES_DOC, "reason")
+        self.length_inputs = d.counter(
+            "exitplan_router_length_inputs_total", "Inputs by ideal length bucket.", "bucket"
         )
-        self.length_inputs = Counter(
-            "exitplan_router_length_inputs_total", "Inputs by ideal length bucket.", ["service", "bucket"], registry=r
+        self.stragglers_marked = d.counter(
+            "exitplan_router_stragglers_marked_total",
+            "Pods this router (or split 0 in its process) marked stragglers: service times far above what they "
+            "promise (E3), skipped for hops until they recover; by the pod's split and pool.",
+            "split",
+            "pool",
         )
 
-    def _declare_agreement(self, r: CollectorRegistry) -> None:
+    def _declare_agreement(self) -> None:
         """The last window's agreement with the full model: estimate, interval and the samples behind them."""
-        self.agreement = Gauge(
+        d = Declare(self.registry, ["service"])
+        self.agreement = d.gauge(
             "exitplan_router_agreement_ratio",
             "Agreement of the answers with the full model in the last window with answers, estimated from shadow "
             "samples (absent when that window had early exits but no shadow sample).",
-            ["service"],
-            registry=r,
         )
-        self.agreement_low = Gauge(
-            "exitplan_router_agreement_low_ratio",
-            "Lower bound of the last window's agreement (95 % Wilson intervals per ramp, weighted by exits).",
-            ["service"],
-            registry=r,
-        )
-        self.agreement_high = Gauge(
-            "exitplan_router_agreement_high_ratio",
-            "Upper bound of the last window's agreement (95 % Wilson intervals per ramp, weighted by exits).",
-            ["service"],
-            registry=r,
-        )
-        self.agreement_samples = Gauge(
+        bound = "bound of the last window's agreement (95 % Wilson intervals per ramp, weighted by exits)."
+        self.agreement_low = d.gauge("exitplan_router_agreement_low_ratio", f"Lower {bound}")
+        self.agreement_high = d.gauge("exitplan_router_agreement_high_ratio", f"Upper {bound}")
+        self.agreement_samples = d.gauge(
             "exitplan_router_agreement_samples",
             "Shadow samples behind the agreement estimate (the last window with answers).",
-            ["service"],
-            registry=r,
         )
 
-    def zero(self, buckets: list[int], ramps: list[str]) -> None:
-        """Every label set the router will count, at 0 (`ramps`: the exit ramps and the final head)."""
+    def straggler_marked(self, peer: Peer) -> None:
+        """Count a pod marked a straggler (a PeerSet's on_straggler)."""
+        self.stragglers_marked.labels(self.service, str(peer.split), peer.pool).inc()
+
+    def zero(self, buckets: list[int], ramps: list[str], cells: Iterable[tuple[int, str]] = ()) -> None:
+        """Every label set the router will count, at 0 (`ramps`: the exit ramps and the final head;
+        `cells`: the (split, pool) of the pods it may mark stragglers)."""
         s = self.service
+        for split, pool in cells:
+            self.stragglers_marked.labels(s, str(split), pool)
         for code in ROUTER_CODES:
             self.requests.labels(s, code)
         for reason in ERROR_REASONS:
@@ -242,58 +241,55 @@ class RouterMetrics:
 class WorkerMetrics:
     def __init__(self, service: str, split: int, bucket: int, pool: str) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
         self.labels = {"service": service, "split": str(split), "bucket": str(bucket), "pool": pool}
-        names = list(self.labels)
-        self.batch_size = Histogram(
-            "exitplan_worker_batch_inputs", "Inputs per executed batch.", names, buckets=BATCH_BUCKETS, registry=r
-        ).labels(**self.labels)
-        self.planned_batch = Gauge(
-            "exitplan_worker_planned_batch_inputs", "The plan's batch size for this cell.", names, registry=r
-        ).labels(**self.labels)
-        self.batch_seconds = Histogram(
-            "exitplan_worker_batch_seconds", "Compute time of one batch.", names, buckets=LATENCY_BUCKETS, registry=r
-        ).labels(**self.labels)
-        self.queue_seconds = Histogram(
-            "exitplan_worker_queue_seconds",
-            "Time inputs wait in the fusion queue.",
-            names,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        ).labels(**self.labels)
-        self.inputs = Counter(
-            "exitplan_worker_inputs_total", "Inputs computed by this worker.", names, registry=r
-        ).labels(**self.labels)
-        self.exits = Counter(
-            "exitplan_worker_exits_total", "Inputs answered at each ramp of this split.", [*names, "ramp"], registry=r
-        )
-        self.queued = Gauge(
-            "exitplan_worker_queue_inputs", "Inputs waiting in the fusion queue.", names, registry=r
-        ).labels(**self.labels)
-        self.forward_bytes = Counter(
-            "exitplan_worker_forward_bytes_total", "Activation bytes sent to the next split.", names, registry=r
-        ).labels(**self.labels)
-        self.rejected = Counter(
+        d = Declare(self.registry, list(self.labels))
+        cell = self.labels
+        self.batch_size = d.histogram(
+            "exitplan_worker_batch_inputs", "Inputs per executed batch.", BATCH_BUCKETS
+        ).labels(**cell)
+        self.planned_batch = d.gauge(
+            "exitplan_worker_planned_batch_inputs", "The plan's batch size for this cell."
+        ).labels(**cell)
+        self.batch_seconds = d.histogram(
+            "exitplan_worker_batch_seconds", "Compute time of one batch.", LATENCY_BUCKETS
+        ).labels(**cell)
+        self.queue_seconds = d.histogram(
+            "exitplan_worker_queue_seconds", "Time inputs wait in the fusion queue.", LATENCY_BUCKETS
+        ).labels(**cell)
+        self.inputs = d.counter("exitplan_worker_inputs_total", "Inputs computed by this worker.").labels(**cell)
+        self.exits = d.counter("exitplan_worker_exits_total", "Inputs answered at each ramp of this split.", "ramp")
+        self.queued = d.gauge("exitplan_worker_queue_inputs", "Inputs waiting in the fusion queue.").labels(**cell)
+        self.forward_bytes = d.counter(
+            "exitplan_worker_forward_bytes_total", "Activation bytes sent to the next split."
+        ).labels(**cell)
+        self.rejected = d.counter(
             "exitplan_worker_rejected_inputs_total",
             "Inputs the model could not run: each failed alone after its batch failed and was split.",
-            names,
-            registry=r,
-        ).labels(**self.labels)
-        self.forward_errors = Counter(
-            "exitplan_worker_forward_errors_total",
-            "Failed sends to a next-split pod (retried elsewhere).",
-            names,
-            registry=r,
-        ).labels(**self.labels)
-        self.stragglers = Gauge(
-            "exitplan_worker_next_stragglers", "Next-split pods currently marked stragglers.", names, registry=r
-        ).labels(**self.labels)
-        self.threshold_updates = Counter(
-            "exitplan_threshold_updates_total",
-            "Threshold changes applied, by reason.",
-            ["service", "reason"],
-            registry=r,
+        ).labels(**cell)
+        self.forward_errors = d.counter(
+            "exitplan_worker_forward_errors_total", "Failed sends to a next-split pod (retried elsewhere)."
+        ).labels(**cell)
+        self.stragglers = d.gauge(
+            "exitplan_worker_next_stragglers", "Next-split pods currently marked stragglers."
+        ).labels(**cell)
+        self.threshold_updates = Declare(self.registry, ["service"]).counter(
+            "exitplan_threshold_updates_total", THRESHOLD_UPDATES_DOC, "reason"
         )
+        self.info = d.gauge(
+            "exitplan_worker_info",
+            "1 for the worker's runtime: the provider its sessions run on, its device, the bundle's precision.",
+            "provider",
+            "device",
+            "precision",
+        )
+
+    def runtime_info(self, providers: Sequence[str], dtype: str) -> None:
+        """The runtime the worker serves on: its sessions' first provider, the device it puts batches on, and
+        the bundle's activation dtype (fp32/fp16), as exitplan_worker_info (a GPU pool serving on the CPU shows)."""
+        provider = providers[0] if providers else "none"
+        device = "gpu" if provider in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else "cpu"
+        precision = {"float16": "fp16", "bfloat16": "bf16"}.get(dtype, "fp32")
+        self.info.labels(**self.labels, provider=provider, device=device, precision=precision).set(1)
 
     def zero(self, ramps: list[str]) -> None:
         """Every label set the worker will count, at 0 (`ramps`: the ramps of its split, final head included)."""
@@ -308,53 +304,36 @@ class GenerationMetrics:
 
     def __init__(self, service: str, mode: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        labels = ["service", "mode"]
         self.labels = {"service": service, "mode": mode}
-        self.token_seconds = Histogram(
-            "exitplan_generation_token_seconds",
-            "Time per generated token (one forward pass).",
-            labels,
-            buckets=TOKEN_BUCKETS,
-            registry=r,
-        ).labels(**self.labels)
-        self.first_token_seconds = Histogram(
-            "exitplan_generation_first_token_seconds",
-            "Time to the first token (prompt pass).",
-            labels,
-            buckets=TOKEN_BUCKETS,
-            registry=r,
-        ).labels(**self.labels)
-        self.tokens = Counter(
+        d = Declare(self.registry, list(self.labels))
+        own = self.labels
+        self.token_seconds = d.histogram(
+            "exitplan_generation_token_seconds", "Time per generated token (one forward pass).", TOKEN_BUCKETS
+        ).labels(**own)
+        self.first_token_seconds = d.histogram(
+            "exitplan_generation_first_token_seconds", "Time to the first token (prompt pass).", TOKEN_BUCKETS
+        ).labels(**own)
+        self.tokens = d.counter(
             "exitplan_generation_tokens_total",
             "Generated tokens, by the head that chose them (ramp=final head's name for full passes).",
-            [*labels, "ramp"],
-            registry=r,
+            "ramp",
         )
-        self.requests = Counter(
-            "exitplan_generation_requests_total",
-            "Generation requests answered, by HTTP status code.",
-            [*labels, "code"],
-            registry=r,
+        self.requests = d.counter(
+            "exitplan_generation_requests_total", "Generation requests answered, by HTTP status code.", "code"
         )
-        self.disconnects = Counter(
-            "exitplan_generation_disconnects_total", "Streams stopped because the client went away.", labels, registry=r
-        ).labels(**self.labels)
-        self.recomputed = Counter(
-            "exitplan_generation_recomputed_positions_total",
-            "Positions whose missing KV entries were recomputed.",
-            labels,
-            registry=r,
-        ).labels(**self.labels)
-        self.full_passes = Counter(
+        self.disconnects = d.counter(
+            "exitplan_generation_disconnects_total", "Streams stopped because the client went away."
+        ).labels(**own)
+        self.recomputed = d.counter(
+            "exitplan_generation_recomputed_positions_total", "Positions whose missing KV entries were recomputed."
+        ).labels(**own)
+        self.full_passes = d.counter(
             "exitplan_generation_full_passes_total",
             "Tokens that ran every block (final head or forced by the pending bound).",
-            labels,
-            registry=r,
-        ).labels(**self.labels)
-        self.sequences = Gauge(
-            "exitplan_generation_active_sequences", "Sequences holding a KV cache now.", labels, registry=r
-        ).labels(**self.labels)
+        ).labels(**own)
+        self.sequences = d.gauge("exitplan_generation_active_sequences", "Sequences holding a KV cache now.").labels(
+            **own
+        )
 
     def zero(self, ramps: list[str]) -> None:
         """Every label set generation will count, at 0 (`ramps`: the exit heads and the final head)."""

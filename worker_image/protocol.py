@@ -1,4 +1,8 @@
-"""The Open Inference Protocol (KServe v2) bodies the routers answer, and their HTTP responses.
+"""The Open Inference Protocol (KServe v2) as the routers speak it: its routes, the bodies they answer,
+and their HTTP responses.
+
+Both routers (`classify/router.py:Router`, `generate/router.py:GenerationRouter`) serve the same route
+table (`v2_routes`) from the same handler names (`V2Handlers`).
 
 One place for the shape of every body a client reads: classification (`infer_response`, the
 `label` / `scores` / `exit_ramp` outputs with `parameters.latency_ms`), generation
@@ -15,7 +19,7 @@ Request decoding lives beside its router (`classify/decode.py`, `generate/routes
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol, TypedDict
 
 import numpy as np
@@ -87,15 +91,58 @@ class GenerateResponse(TypedDict):
     total_seconds: float
 
 
+class V2Handlers(Protocol):
+    """The handlers of the routes every router serves on its inference port."""
+
+    async def handle_infer(self, request: web.Request) -> web.Response: ...
+
+    async def handle_model(self, request: web.Request) -> web.Response: ...
+
+    async def handle_model_ready(self, request: web.Request) -> web.Response: ...
+
+    async def handle_server(self, request: web.Request) -> web.Response: ...
+
+    async def handle_live(self, request: web.Request) -> web.Response: ...
+
+    async def handle_ready(self, request: web.Request) -> web.Response: ...
+
+    async def handle_metrics(self, request: web.Request) -> web.Response: ...
+
+
+def v2_routes(handlers: V2Handlers) -> list[web.RouteDef]:
+    """POST /v2/models/{name}/infer, GET /v2/models/{name}, GET /v2/models/{name}/ready, GET /v2,
+    GET /v2/health/live|ready, GET /metrics."""
+    return [
+        web.post("/v2/models/{name}/infer", handlers.handle_infer),
+        web.get("/v2/models/{name}", handlers.handle_model),
+        web.get("/v2/models/{name}/ready", handlers.handle_model_ready),
+        web.get("/v2", handlers.handle_server),
+        web.get("/v2/health/live", handlers.handle_live),
+        web.get("/v2/health/ready", handlers.handle_ready),
+        web.get("/metrics", handlers.handle_metrics),
+    ]
+
+
 class Token(Protocol):
     """A generated token as the generation bodies read it (`generate.decoder.TokenEvent`)."""
 
-    token_id: int
-    text: str
-    exit: str
-    confidence: float
-    recomputed: int
-    seconds: float
+    @property
+    def token_id(self) -> int: ...
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def exit(self) -> str: ...
+
+    @property
+    def confidence(self) -> float: ...
+
+    @property
+    def recomputed(self) -> int: ...
+
+    @property
+    def seconds(self) -> float: ...
 
 
 def tensor_spec(name: str, datatype: str, shape: Sequence[int]) -> TensorSpec:
@@ -162,15 +209,24 @@ def infer_http_response(
 
 
 def classifier_metadata(manifest: BundleManifest, name: str, version: str, parameters: dict[str, Any]) -> ModelMetadata:
-    """GET /v2/models/{name} of a classifier: text or token ids in (or the bundle's fixed-size
-    inputs), the infer outputs out."""
-    if manifest.tokenizer:
-        inputs = [tensor_spec("text", "BYTES", [-1]), tensor_spec("input_ids", "INT64", [-1, -1])]
+    """GET /v2/models/{name} of a classifier: text (with a tokenizer) or token ids in (or the bundle's
+    fixed-size inputs), the infer outputs out; `parameters.accepts` says which in words."""
+    if manifest.seq_axis is not None:
+        ids = [tensor_spec("input_ids", "INT64", [-1, -1]), tensor_spec("attention_mask", "INT64", [-1, -1])]
+        inputs = [tensor_spec("text", "BYTES", [-1]), *ids] if manifest.tokenizer else ids
+        accepts = (
+            "text, or input_ids with an optional attention_mask"
+            if manifest.tokenizer
+            else "input_ids only, with an optional attention_mask (the bundle has no tokenizer: prepare it with "
+            "--tokenizer to send text)"
+        )
     else:
         inputs = [
             tensor_spec(t.name, by_numpy(t.dtype).v2, [-1 if isinstance(d, str) else d for d in t.shape])
             for t in manifest.inputs
         ]
+        accepts = ", ".join(t.name for t in manifest.inputs)
+    parameters = {**parameters, "accepts": accepts}
     outputs = [
         tensor_spec("label", "BYTES", [-1]),
         tensor_spec("scores", "FP32", [-1, len(manifest.labels)]),
@@ -228,7 +284,7 @@ def generator_metadata(name: str, version: str, parameters: dict[str, Any]) -> M
     }
 
 
-def sse_event(data: dict[str, Any], event: str | None = None) -> bytes:
+def sse_event(data: Mapping[str, object], event: str | None = None) -> bytes:
     """One server-sent event (`data: {json}`, after `event: <name>` when named)."""
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {json.dumps(data)}\n\n".encode()

@@ -1,5 +1,5 @@
 """Running an aiohttp app as a process: uvloop, port from the environment, logging, the server's
-limits (server_guard.py) and a drain on SIGTERM.
+limits (`server_limits.py`, enforced by `server_guard.py`) and a drain on SIGTERM.
 
 SIGTERM (what the kubelet sends after the pod's preStop hook) drains: readiness answers 503 at once,
 requests keep being served (with `Connection: close`, so kept-alive clients reconnect elsewhere) for
@@ -16,43 +16,21 @@ import logging
 import os
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from exitplan.worker_image.server_limits import ServerLimits, within_fd_limit
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+__all__ = ["PORT_ENV", "ServerLimits", "new_loop", "port_from_env", "serve"]
 
 PORT_ENV = "EXITPLAN_PORT"
 CANCEL_GRACE_S = 1.0
 """After the drain, how long aiohttp's shutdown still waits for a handler before cancelling it."""
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What a server holds its clients to, and how it drains (server_guard.py)."""
-
-    header_timeout_s: float = 10.0
-    """From a connection's opening, or the first byte of a later request on it, to the end of the request's head."""
-    keepalive_timeout_s: float = 75.0
-    """How long a kept-alive connection may stay idle between requests."""
-    body_timeout_s: float = 30.0
-    """From the end of a request's head to the end of its body (408 past it)."""
-    max_connections: int = 4096
-    """Open connections past which a new one is answered 503 and closed."""
-    drain_delay_s: float = 2.0
-    """After SIGTERM, keep serving (readiness off, answers with Connection: close) at least this long,
-    so that clients with kept-alive connections and the other hops see the replica leave."""
-    drain_timeout_s: float = 20.0
-    """After SIGTERM, the longest the server waits for its in-flight requests (the delay included)."""
-
-    def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "keepalive_timeout_s", "body_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
-        if self.drain_delay_s < 0 or self.drain_timeout_s < self.drain_delay_s:
-            raise ValueError(
-                f"need 0 <= drain_delay_s <= drain_timeout_s, got {self.drain_delay_s} and {self.drain_timeout_s}"
-            )
 
 
 def port_from_env(default: int) -> int:
@@ -62,7 +40,7 @@ def port_from_env(default: int) -> int:
 
 
 def serve(
-    app,
+    app: web.Application,
     host: str,
     port: int,
     log_level: str = "info",
@@ -77,10 +55,13 @@ def serve(
         runner.run(_serve(app, host, port, limits or ServerLimits(), on_drain))
 
 
-async def _serve(app, host: str, port: int, limits: ServerLimits, on_drain: Callable[[], None] | None) -> None:
+async def _serve(
+    app: web.Application, host: str, port: int, limits: ServerLimits, on_drain: Callable[[], None] | None
+) -> None:
+    # aiohttp (and the guard built on it) load when a server starts, not with the CLI that imports this module.
     from aiohttp import web
 
-    from exitplan.worker.server_guard import Guard, GuardedRunner
+    from exitplan.worker_image.server_guard import LIMITS, Guard, GuardedRunner
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -93,6 +74,8 @@ async def _serve(app, host: str, port: int, limits: ServerLimits, on_drain: Call
 
     for sig in (signal.SIGTERM, signal.SIGINT):  # before startup: a worker warming up drains too
         loop.add_signal_handler(sig, on_signal, sig)
+    limits = within_fd_limit(limits)
+    app[LIMITS] = limits  # the control port's listener (auth.ControlPlane) is guarded the same way
     guard = Guard(limits)
     runner = GuardedRunner(
         app,

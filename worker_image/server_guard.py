@@ -11,7 +11,9 @@ its headers or its body, would hold them (and a file descriptor each) for as lon
 | header timeout | `GuardedHandler`: a timer armed when a connection opens and at the first byte of each later request, cancelled when the request's head is complete | the connection is closed, no answer (as Go's `ReadHeaderTimeout`, nginx's `client_header_timeout`) |
 | idle keep-alive | aiohttp's own `keepalive_timeout`, from the end of an answer to the first byte of the next request | the idle connection is closed |
 | body timeout | `Guard.handle`: a request whose body is not all there when its head is, must deliver it within the timeout; at the deadline the handler (still reading it) is cancelled | 408, `Connection: close` |
-| connection limit | `GuardedHandler.connection_made`: a connection past `max_connections` open ones is answered at once and closed, never read | 503 with `Retry-After: 1`, `Connection: close` |
+| connection limit | `GuardedHandler.connection_made`: a connection past `max_connections` open ones is answered at once and closed, never read (held open a second for the answer to be read, unless `MAX_LINGERING` already are); a router's control port has its own guard and `control_max_connections` (auth.ControlPlane); both fit the process's file descriptors (server_limits.within_fd_limit) | 503 with `Retry-After: 1`, `Connection: close` |
+| errors as JSON | `Guard.wrap` answers aiohttp's own 4xx (no such route, method not allowed, ...) as `{"error": ...}`; `GuardedHandler.handle_error` answers a request aiohttp cannot parse (400, 431, ...) the same way, logged as one rate-limited line (request_body.CLIENT_ERRORS) | a JSON 4xx, `Connection: close` where the request could not be parsed |
+| compressed bodies | `GuardedRunner` turns aiohttp's decompression off; request_body.read_body inflates within the body limit | 413 / 400 / 415 (request_body.py) |
 | drain | `Guard.begin_drain` (SIGTERM, see serve.py): readiness paths answer 503, every answer carries `Connection: close`, in-flight requests are counted until none is left | clients move to other replicas |
 
 The header timer needs to know when the server waits for a head: it reads two attributes of
@@ -30,17 +32,35 @@ from typing import Any, cast
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from exitplan.worker.serve import ServerLimits
+from exitplan.worker_image.protocol import error_response
+from exitplan.worker_image.request_body import CLIENT_ERRORS, every_power_of_two, one_line
+from exitplan.worker_image.server_limits import MAX_LINGERING, ServerLimits
 
 log = logging.getLogger(__name__)
 
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+"""aiohttp's low-level request handler."""
+
 REFUSED_LINGER_S = 1.0
 """How long a refused connection stays open after its 503 (so that the answer is read, not reset)."""
+LIMITS: web.AppKey[ServerLimits] = web.AppKey("exitplan_server_limits", ServerLimits)
+"""The limits the app is served with (serve.py sets it; a second listener, the control port, reads it)."""
 
 
-def _every_power_of_two(count: int) -> bool:
-    """Log the 1st, 2nd, 4th, 8th, ... occurrence: a flood of bad clients does not flood the log."""
-    return count & (count - 1) == 0
+async def as_json(handler: Handler, request: web.BaseRequest) -> web.StreamResponse:
+    """`handler`'s answer, aiohttp's own 4xx (raised: no such route, method not allowed, body too
+    large for request.read()) as a JSON `{"error": ...}` with their headers (Allow, ...)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if not 400 <= exc.status < 500:
+            raise
+        CLIENT_ERRORS.note(f"http_{exc.status}", f"{request.method} {request.path[:100]}: {exc.reason}")
+        response = error_response(exc.status, f"{exc.reason}: {request.method} {request.path[:200]}")
+        for key in ("Allow", "Retry-After"):
+            if key in exc.headers:
+                response.headers[key] = exc.headers[key]
+        return response
 
 
 class Guard:
@@ -51,15 +71,17 @@ class Guard:
         self.open_connections = 0
         self.inflight = 0
         self.draining = False
+        self.lingering = 0
+        """Refused connections still open for their 503 to be read (at most MAX_LINGERING)."""
         self.counts = {"refused": 0, "header_timeout": 0, "body_timeout": 0}
         self._idle = asyncio.Event()
 
     def count(self, what: str, message: str, *args: Any) -> None:
         self.counts[what] += 1
-        if _every_power_of_two(self.counts[what]):
+        if every_power_of_two(self.counts[what]):
             log.warning(message + " (%d so far)", *args, self.counts[what])
 
-    def wrap(self, handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]):
+    def wrap(self, handler: Handler) -> Handler:
         """The app's request handler, with the body timeout, the in-flight count and the drain."""
 
         async def handle(request: web.BaseRequest) -> web.StreamResponse:
@@ -70,7 +92,7 @@ class Guard:
                         {"ready": False, "reason": "draining: this process is shutting down"}, status=503
                     )
                 elif request.content.is_eof():  # no body, or all of it came with the head
-                    response = await handler(request)
+                    response = await as_json(handler, request)
                 else:
                     response = await self._with_body_deadline(request, handler)
             finally:
@@ -83,7 +105,7 @@ class Guard:
 
         return handle
 
-    async def _with_body_deadline(self, request: web.BaseRequest, handler) -> web.StreamResponse:
+    async def _with_body_deadline(self, request: web.BaseRequest, handler: Handler) -> web.StreamResponse:
         task = asyncio.current_task()
         assert task is not None
         expired = False
@@ -96,7 +118,7 @@ class Guard:
 
         timer = asyncio.get_running_loop().call_later(self.limits.body_timeout_s, expire)
         try:
-            return await handler(request)
+            return await as_json(handler, request)
         except asyncio.CancelledError:
             if not expired:
                 raise
@@ -166,9 +188,17 @@ class GuardedHandler(RequestHandler):
         ).encode()
         transport = cast(asyncio.Transport, transport)
         transport.write(head + body)
+        if self.guard.lingering >= MAX_LINGERING:  # a flood: its descriptors are not held a second each
+            transport.close()  # (after the answer is written)
+            return
         if transport.can_write_eof():
             transport.write_eof()  # the answer, then FIN; what the client sends is read and dropped
-        self._loop.call_later(REFUSED_LINGER_S, transport.close)
+        self.guard.lingering += 1
+        self._loop.call_later(REFUSED_LINGER_S, self._close_refused, transport)
+
+    def _close_refused(self, transport: asyncio.Transport) -> None:
+        self.guard.lingering -= 1
+        transport.close()
 
     def _arm_header_timer(self) -> None:
         self.heads_before = self._request_count
@@ -196,6 +226,23 @@ class GuardedHandler(RequestHandler):
         if self.header_timer is not None and self._request_count != self.heads_before:
             self.header_timer.cancel()
             self.header_timer = None
+
+    def handle_error(
+        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        """aiohttp's answer to a request it could not parse (status < 500: one rate-limited log line, no
+        traceback) or a handler that raised (500, logged with its traceback), as JSON; the connection closes."""
+        if status >= 500:
+            log.error("error handling a request to %s", request.path[:100], exc_info=exc)
+            text = "internal error while handling this request"
+        else:
+            text = one_line(f"the request is malformed: {message or exc or 'bad request'}")
+            CLIENT_ERRORS.note(f"http_{status}", text)
+        if request.writer.output_size > 0:  # part of an answer went out: the connection is broken
+            raise ConnectionError("an answer was being sent; cannot send another")
+        response = error_response(status, text[:500])
+        response.force_close()
+        return response
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self.refused:
@@ -228,6 +275,7 @@ class GuardedRunner(web.AppRunner):
     """`web.AppRunner` whose server is a `GuardedServer`."""
 
     def __init__(self, app: web.Application, guard: Guard, **kwargs: Any) -> None:
+        kwargs.setdefault("auto_decompress", False)  # request_body.read_body inflates, within the limit
         super().__init__(app, **kwargs)
         self.guard = guard
 

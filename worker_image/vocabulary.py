@@ -17,8 +17,12 @@ from __future__ import annotations
 import mmap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from exitplan.api.bundle import BundleManifest
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 TOKEN_INPUT = "input_ids"
 _VALUE_KEEPING = frozenset({"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
@@ -156,7 +160,7 @@ def _embedding_rows(model: memoryview, token_input: str) -> int | None:
     return min(rows) if rows else None
 
 
-def vocabulary_size(directory: str | Path, manifest: BundleManifest, tokenizer=None) -> int | None:
+def vocabulary_size(directory: str | Path, manifest: BundleManifest, tokenizer: Tokenizer | None = None) -> int | None:
     """How many token ids (0 .. n-1) the bundle's model runs: the smaller of its tokenizer's vocabulary
     and its first block's embedding table; None for bundles without token ids or where neither says."""
     if manifest.seq_axis is None:

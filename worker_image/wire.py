@@ -19,11 +19,14 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from exitplan.api.dtypes import DTYPES
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 MAGIC = b"EXP1"
 CONTENT_TYPE = "application/x-exitplan-frame"
@@ -40,7 +43,7 @@ class WireError(ValueError):
 def encode(meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None = None) -> bytes:
     """One frame holding `meta` (JSON-able) and `tensors` (name -> array)."""
     specs = []
-    chunks: list = []
+    chunks: list[Buffer] = []
     offset = 0
     for name, array in (tensors or {}).items():
         array = np.ascontiguousarray(array)
@@ -51,7 +54,7 @@ def encode(meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None = N
         specs.append(
             {"name": name, "dtype": array.dtype.name, "shape": list(array.shape), "offset": offset, "nbytes": nbytes}
         )
-        chunks.append(array)  # contiguous (ascontiguousarray gives ndim >= 1): the join copies it once
+        chunks.append(array.data)  # contiguous (ascontiguousarray gives ndim >= 1): the join copies it once
         if pad:
             chunks.append(b"\0" * pad)
         offset += nbytes + pad
@@ -94,24 +97,47 @@ def decode(body: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 # ---------------------------------------------------------------- the meta of /v1/run frames
 
 
-_NUMBER = (float, int)  # JSON numbers as parsed (`type(x) in _NUMBER` leaves out bool)
-_KINDS = {"string": (str,), "number": _NUMBER, "bool": (bool,)}
-_KIND_TEXT = {"string": "a string", "number": "a number", "bool": "true or false"}
+_STRING: tuple[type, ...] = (str,)
+_NUMBER: tuple[type, ...] = (float, int)  # JSON numbers as parsed (`type(x) in _NUMBER` leaves out bool)
+_BOOL: tuple[type, ...] = (bool,)
+_KIND_TEXT = {_STRING: "a string", _NUMBER: "a number", _BOOL: "true or false"}
 
 
-def _named_error(meta: Any, where: str, fields: tuple[tuple[str, str, bool], ...]) -> WireError:
-    """The error naming the first of `fields` (key, kind, required) that `meta` gets wrong. Optional
-    fields may be absent or null. Only called once a fast check failed, so this path may be slow."""
+Fields = tuple[tuple[str, tuple[type, ...], bool], ...]
+"""A message's fields: (key, the types its JSON value may have, required); an optional field may be
+absent or null."""
+
+
+def _checked(meta: Any, where: str, fields: Fields) -> dict[str, Any]:
+    """`meta` when it is a JSON object whose `fields` have their kinds; else the WireError naming the
+    first field it gets wrong."""
+    if type(meta) is dict:
+        get = meta.get
+        for key, kinds, required in fields:  # nested ifs: the fastest form of this loop (the hot path)
+            value = get(key)
+            if value is None:
+                if required:
+                    break
+            elif type(value) not in kinds:
+                break
+        else:
+            return meta
+    raise _named_error(meta, where, fields)
+
+
+def _named_error(meta: Any, where: str, fields: Fields) -> WireError:
+    """The error naming the first of `fields` that `meta` gets wrong. Only called once a check failed,
+    so this path may be slow."""
     if not isinstance(meta, Mapping):
         return WireError(f"{where} must be a JSON object, got {meta!r}"[:300])
-    for key, kind, required in fields:
+    for key, kinds, required in fields:
         value = meta.get(key)
         if value is None:
             if required:
                 return WireError(f"{where}: field {key!r} is missing")
             continue
-        if type(value) not in _KINDS[kind]:
-            return WireError(f"{where}: field {key!r} must be {_KIND_TEXT[kind]}, got {value!r}"[:300])
+        if type(value) not in kinds:
+            return WireError(f"{where}: field {key!r} must be {_KIND_TEXT[kinds]}, got {value!r}"[:300])
     return WireError(f"{where} is malformed: {meta!r}"[:300])
 
 
@@ -192,38 +218,27 @@ class HopItem:
         return meta
 
     _FIELDS = (
-        ("id", "string", True),
-        ("deadline", "number", False),
-        ("timeout", "number", False),
-        ("record", "bool", False),
-        ("reply_to", "string", False),
-        ("answered", "bool", False),
+        ("id", _STRING, True),
+        ("deadline", _NUMBER, False),
+        ("timeout", _NUMBER, False),
+        ("record", _BOOL, False),
+        ("reply_to", _STRING, False),
+        ("answered", _BOOL, False),
     )
 
     @classmethod
     def from_meta(cls, meta: Any, where: str = "item") -> HopItem:
-        if type(meta) is not dict:
-            raise _named_error(meta, where, cls._FIELDS)
-        get = meta.get
-        id_, deadline, timeout, record = get("id"), get("deadline"), get("timeout"), get("record", False)
-        reply_to, rec, answered = get("reply_to"), get("rec"), get("answered")
-        if not (
-            type(id_) is str
-            and (deadline is None or type(deadline) in _NUMBER)
-            and (timeout is None or type(timeout) in _NUMBER)
-            and (record is None or type(record) is bool)
-            and (reply_to is None or type(reply_to) is str)
-            and (answered is None or type(answered) is bool)
-        ):
-            raise _named_error(meta, where, cls._FIELDS)
+        checked = _checked(meta, where, cls._FIELDS)
+        get = checked.get
+        rec = get("rec")
         return cls(
-            id_,
-            deadline,
-            timeout,
-            bool(record),
-            reply_to,
+            checked["id"],
+            get("deadline"),
+            get("timeout"),
+            bool(get("record")),
+            get("reply_to"),
             None if rec is None else ShadowRecord.from_meta(rec, f"{where}: field 'rec'"),
-            answered,
+            get("answered"),
         )
 
 
@@ -271,39 +286,24 @@ class HopResult:
         return {"id": self.id, "ramp": self.ramp, "final": self.final}
 
     _FIELDS = (
-        ("id", "string", True),
-        ("error", "string", False),
-        ("shadow", "bool", False),
-        ("final", "bool", False),
-        ("input_error", "bool", False),
+        ("id", _STRING, True),
+        ("error", _STRING, False),
+        ("shadow", _BOOL, False),
+        ("final", _BOOL, False),
+        ("input_error", _BOOL, False),
     )
 
     @classmethod
     def from_meta(cls, meta: Any, where: str = "result") -> HopResult:
-        if type(meta) is not dict:
-            raise _named_error(meta, where, cls._FIELDS)
-        get = meta.get
-        id_, ramp, final, error, shadow, own = (
-            get("id"),
-            get("ramp"),
-            get("final", False),
-            get("error"),
-            get("shadow", False),
-            get("input_error", False),
-        )
-        if not (
-            type(id_) is str
-            and (final is None or type(final) is bool)
-            and (error is None or type(error) is str)
-            and (shadow is None or type(shadow) is bool)
-            and (own is None or type(own) is bool)
-        ):
-            raise _named_error(meta, where, cls._FIELDS)
+        checked = _checked(meta, where, cls._FIELDS)
+        get = checked.get
+        ramp, error, shadow = get("ramp"), get("error"), bool(get("shadow"))
         if error is not None or shadow:
             ramp = None
         elif type(ramp) is not str:
-            raise _named_error(meta, where, (("ramp", "string", True),))
-        return cls(id_, ramp, bool(final), error, bool(shadow), bool(own) and error is not None)
+            raise _named_error(meta, where, (("ramp", _STRING, True),))
+        own = bool(get("input_error")) and error is not None
+        return cls(checked["id"], ramp, bool(get("final")), error, shadow, own)
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,16 +349,21 @@ class HopAnswer:
     """What the pod expected that batch to take (the straggler detector compares the two)."""
     compute_ms: float = 0.0
     """The first batch's compute alone."""
+    thresholds_version: int = 0
+    """The version of the thresholds the pod decided the first batch's exits with (0: not said)."""
 
     def to_meta(self) -> dict[str, Any]:
-        return {
+        meta = {
             "results": [r.to_meta() for r in self.results],
             "service_ms": self.service_ms,
             "expected_ms": self.expected_ms,
             "compute_ms": self.compute_ms,
         }
+        if self.thresholds_version:  # (left out at 0: the answer an older pod sent)
+            meta["thresholds_version"] = self.thresholds_version
+        return meta
 
-    _TIMINGS = (("service_ms", "number", False), ("expected_ms", "number", False), ("compute_ms", "number", False))
+    _TIMINGS = (("service_ms", _NUMBER, False), ("expected_ms", _NUMBER, False), ("compute_ms", _NUMBER, False))
 
     @classmethod
     def from_meta(cls, meta: Any) -> HopAnswer:
@@ -378,4 +383,7 @@ class HopAnswer:
             for k, r in enumerate(results):
                 HopResult.from_meta(r, f"results[{k}]")
             raise
-        return cls(parsed, float(service or 0.0), float(expected or 0.0), float(compute or 0.0))
+        version = meta.get("thresholds_version", 0)
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise WireError(f"meta: field 'thresholds_version' must be an integer, got {version!r}"[:300])
+        return cls(parsed, float(service or 0.0), float(expected or 0.0), float(compute or 0.0), version)

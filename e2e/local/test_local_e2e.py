@@ -50,7 +50,8 @@ pytestmark = [pytest.mark.slow]
 
 def _bundle() -> Path:
     """The MiniLM test bundle, shared with tests/conftest.py (same options, same cache folder)."""
-    from exitplan.prepare.build import BuildOptions, prepare_bundle, tqdm_bar
+    from exitplan.prepare.build import BuildOptions, tqdm_bar
+    from exitplan.prepare.presets import prepare_bundle
 
     options = {"model": "minilm", "train_size": 2000, "heldout_size": 600}
     return prepare_bundle(BuildOptions(**options), BUNDLES / "minilm", bar=tqdm_bar(enabled=False)).path
@@ -279,7 +280,7 @@ def test_local_end_to_end(stack, published):
     url = f"http://127.0.0.1:{port}"
     head, row = kubectl(stack, "get", "ees").splitlines()[:2]
     header = head.split()
-    assert header == ["NAME", "PHASE", "READY", "GOODPUT", "MEASURED", "P99-MS", "REASON", "AGE"]
+    assert header == ["NAME", "PHASE", "READY", "GOODPUT", "MEASURED", "P99-MS", "EXITS", "REASON", "AGE"]
     starts = [head.index(name) for name in header] + [None]  # MEASURED is blank before a drift window
     cells = {name: row[a:b].strip() for name, a, b in zip(header, starts, starts[1:])}
     ready, planned = cells["READY"].split("/")

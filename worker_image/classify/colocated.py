@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from exitplan.worker.discovery import parse_peer_spec
-from exitplan.worker.hop_client import HopFailed
-from exitplan.worker.wire import HopAnswer, HopItem
+from exitplan.worker_image.discovery import parse_peer_spec
+from exitplan.worker_image.hop_client import HopFailed
+from exitplan.worker_image.wire import HopAnswer, HopItem
 
 if TYPE_CHECKING:
-    from exitplan.worker.classify.router import Router
-    from exitplan.worker.classify.worker import SplitWorker
+    from exitplan.worker_image.classify.router import Router
+    from exitplan.worker_image.classify.worker import SplitWorker
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,7 @@ class Colocation:
 def split0_workers(router: Router, co: Colocation, peers: str, token: str | None) -> dict[int, SplitWorker]:
     """bucket -> a split-0 worker of that bucket, run by the router's event loop; ValueError when a
     multi-split plan names no split-1 peers."""
-    from exitplan.worker.classify.worker import SplitWorker
+    from exitplan.worker_image.classify.worker import SplitWorker
 
     plan = router.plan
     if len(plan.splits) > 1 and not parse_peer_spec(peers):

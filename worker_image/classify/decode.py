@@ -1,4 +1,5 @@
-"""Decoding an Open Inference Protocol (KServe v2) request body into model inputs.
+"""Decoding a classification request: an Open Inference Protocol (KServe v2) body into checked model
+inputs. (Not to be confused with `generate/decoder.py`, the decoder *model* of generation.)
 
 Accepted inputs:
 - text models: `text` (BYTES, shape [n]) tokenized here, or `input_ids` (INT64, [n, L]; ids inside
@@ -27,17 +28,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
 
 from exitplan.api.bundle import BundleManifest
 from exitplan.api.dtypes import V2_DATATYPES, DTypeInfo, UnknownDType, by_numpy, by_v2
-from exitplan.worker.protocol import BINARY_HEADER, CLASSIFY_OUTPUTS
+from exitplan.worker_image.bundle_runtime import derived_inputs
+from exitplan.worker_image.protocol import BINARY_HEADER, CLASSIFY_OUTPUTS
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 _INT64 = by_numpy("int64")
 _EXACT = 2**53
 """float64 holds every integer up to this magnitude exactly."""
+MAX_ID_CHARS = 1024
+"""The longest request `id` a router echoes."""
 _TEXT_INPUTS = ("text", "input_ids", "attention_mask")
 _TEXT_INPUTS_TEXT = "'text' (BYTES, [n]) or 'input_ids' (INT64, [n, length]) with an optional 'attention_mask'"
 
@@ -56,8 +64,12 @@ class DecodedBatch:
     fixed: dict[str, np.ndarray] | None = None
     """Fixed-size models: the input tensors, [n, ...]."""
     pad_id: int = 0
+    names: tuple[str, ...] = ()
+    """The model's inputs (text models: token types and positions among them are filled in here)."""
     binary_outputs: frozenset[str] = frozenset()
     """The outputs the answer carries as binary tensors (the binary tensor extension)."""
+    request_id: str = ""
+    """The request's `id`, echoed in its answer."""
 
     def state_for(self, rows: list[int], bucket: int) -> dict[str, np.ndarray]:
         """The split-0 state for these inputs, padded to `bucket`."""
@@ -70,10 +82,10 @@ class DecodedBatch:
             seq = self.tokens[i]
             ids[j, : len(seq)] = seq
             mask[j, : len(seq)] = 1
-        return {"input_ids": ids, "attention_mask": mask}
+        return {"input_ids": ids, "attention_mask": mask, **derived_inputs(ids, self.names)}
 
 
-def _tensor(spec: dict, target: DTypeInfo | None = None) -> np.ndarray:
+def _tensor(spec: dict[str, Any], target: DTypeInfo | None = None) -> np.ndarray:
     """One input's array; numeric data is checked against its datatype and converted to `target`
     (default: the datatype sent)."""
     for key in ("name", "datatype", "shape", "data"):
@@ -256,7 +268,9 @@ def parse_request(raw: bytes, header_length: str | None) -> object:
 
 def _binary_size(spec: object) -> int | None:
     """An input's `parameters.binary_data_size`, None when it has none (its values are JSON)."""
-    params = spec.get("parameters") if isinstance(spec, dict) else None
+    if not isinstance(spec, dict):
+        return None
+    params = spec.get("parameters")
     if not isinstance(params, dict) or "binary_data_size" not in params:
         return None
     size = params["binary_data_size"]
@@ -265,7 +279,7 @@ def _binary_size(spec: object) -> int | None:
     return size
 
 
-def _attach_binary(inputs: list, tail: memoryview, has_header: bool) -> list:
+def _attach_binary(inputs: list[Any], tail: memoryview, has_header: bool) -> list[Any]:
     """The inputs, each that declares binary data with its share of `tail` (in input order) as its `data`."""
     out, offset = [], 0
     for spec in inputs:
@@ -335,7 +349,7 @@ def _binary_strings(name: object, chunk: memoryview, count: int) -> list[str]:
     return out
 
 
-def _binary_outputs(body: dict, params: dict) -> frozenset[str]:
+def _binary_outputs(body: dict[str, Any], params: dict[str, Any]) -> frozenset[str]:
     """The outputs to answer in binary form: `parameters.binary_data_output` for all, overridden per
     output by its `parameters.binary_data`."""
     default = params.get("binary_data_output", False)
@@ -360,20 +374,20 @@ def _binary_outputs(body: dict, params: dict) -> frozenset[str]:
 def decode_inputs(
     body: object,
     manifest: BundleManifest,
-    tokenizer,
+    tokenizer: Tokenizer | None,
     buckets: list[int],
     truncate_default: bool,
     vocab_size: int | None = None,
 ) -> DecodedBatch:
     """The request's inputs, every value checked; `vocab_size`: the token ids the model runs
-    (`exitplan.worker.vocabulary`), None when unknown (ids are then only checked to be >= 0)."""
+    (`exitplan.worker_image.vocabulary`), None when unknown (ids are then only checked to be >= 0)."""
     if not isinstance(body, dict) or not isinstance(body.get("inputs"), list) or not body["inputs"]:
         raise BadRequest('body must be a JSON object with a non-empty "inputs" list (Open Inference Protocol)')
     params = body.get("parameters") or {}
     if not isinstance(params, dict):
         raise BadRequest('"parameters" must be an object')
     truncate = bool(params.get("truncate", truncate_default))
-    inputs: dict[str, dict] = {}
+    inputs: dict[str, dict[str, Any]] = {}
     for spec in body["inputs"]:
         if not isinstance(spec, dict):
             raise BadRequest("each entry of inputs must be an object")
@@ -392,16 +406,24 @@ def decode_inputs(
         if name not in known:
             raise BadRequest(f"this model has no input named {name!r}; it takes {takes}")
     binary = _binary_outputs(body, params)
+    request_id = body.get("id", "")
+    if not isinstance(request_id, str) or len(request_id) > MAX_ID_CHARS:
+        raise BadRequest(f'"id" must be a string of at most {MAX_ID_CHARS} characters, got {str(request_id)[:40]!r}')
     if manifest.seq_axis is None:
         batch = _decode_fixed(inputs, manifest, takes)
     else:
         batch = _decode_text(inputs, manifest, tokenizer, buckets, truncate, vocab_size)
-    batch.binary_outputs = binary
+    batch.binary_outputs, batch.request_id = binary, request_id
     return batch
 
 
 def _decode_text(
-    inputs: dict, manifest: BundleManifest, tokenizer, buckets: list[int], truncate: bool, vocab_size: int | None
+    inputs: dict[str, dict[str, Any]],
+    manifest: BundleManifest,
+    tokenizer: Tokenizer | None,
+    buckets: list[int],
+    truncate: bool,
+    vocab_size: int | None,
 ) -> DecodedBatch:
     longest = buckets[-1]
     if "text" in inputs:
@@ -456,7 +478,8 @@ def _decode_text(
                 )
             tokens[i] = np.concatenate([seq[: longest - 1], seq[-1:]])  # keep the closing special token
     lengths = np.asarray([len(t) for t in tokens], dtype=np.int64)
-    return DecodedBatch(len(tokens), lengths, tokens=tokens, pad_id=manifest.pad_token_id)
+    names = tuple(t.name for t in manifest.inputs)
+    return DecodedBatch(len(tokens), lengths, tokens=tokens, pad_id=manifest.pad_token_id, names=names)
 
 
 def _check_token_ids(ids: np.ndarray, vocab_size: int | None) -> None:
@@ -487,7 +510,7 @@ def _check_mask(mask: np.ndarray) -> None:
         )
 
 
-def _decode_fixed(inputs: dict, manifest: BundleManifest, takes: str) -> DecodedBatch:
+def _decode_fixed(inputs: dict[str, dict[str, Any]], manifest: BundleManifest, takes: str) -> DecodedBatch:
     tensors = {}
     n = None
     for t in manifest.inputs:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from exitplan.api.bundle import BundleManifest
-from exitplan.worker.bundle_runtime import BundleRuntime, softmax
+from exitplan.worker_image.bundle_runtime import BundleRuntime, softmax
 
 
 @dataclass
@@ -51,7 +51,7 @@ class BatchOutcome:
     compute_ms: float = 0.0
     """Wall time of this call, measured on the thread that ran it (no hand-off or queueing in it)."""
     rejected: dict[int, str] = field(default_factory=dict)
-    """Row -> why the model cannot run it (rows that failed alone, `isolate.execute_isolated`)."""
+    """Row -> why the model cannot run it (rows that failed alone, `batch_bisect.execute_isolated`)."""
 
 
 def execute(

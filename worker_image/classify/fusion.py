@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from exitplan.planner.dispatch import choose_queue
+from exitplan.worker_image.control_bodies import StageInfo
 
 SURVIVAL_EWMA = 0.1
 
@@ -31,6 +32,9 @@ SURVIVAL_EWMA = 0.1
 class Queued(Protocol):
     enqueued: float
     deadline: float
+
+
+Q = TypeVar("Q", bound=Queued)
 
 
 @dataclass
@@ -41,15 +45,15 @@ class QueueStats:
     """EWMA of the fraction of a batch of this queue that goes on past its last block."""
 
 
-class FusionQueues:
+class FusionQueues(Generic[Q]):
     def __init__(self, first_block: int, last_block: int, rebatch: bool) -> None:
         self.first, self.last = first_block, last_block
-        self.queues: list[deque] = [deque() for _ in range(last_block - first_block + 1)]
+        self.queues: list[deque[Q]] = [deque() for _ in range(last_block - first_block + 1)]
         self.stats = [QueueStats() for _ in self.queues]
         self.rebatch = rebatch
 
     @property
-    def entry(self) -> deque:
+    def entry(self) -> deque[Q]:
         """The queue of rows entering the split."""
         return self.queues[0]
 
@@ -79,7 +83,7 @@ class FusionQueues:
 
         return choose_queue([len(q) for q in self.queues], batch, launch_at, now)
 
-    def take(self, j: int, batch: int) -> list:
+    def take(self, j: int, batch: int) -> list[Q]:
         q = self.queues[j]
         return [q.popleft() for _ in range(min(batch, len(q)))]
 
@@ -111,15 +115,15 @@ class FusionQueues:
             reach *= st.survival
         return total / len(self.stats)
 
-    def snapshot(self) -> list[dict]:
+    def snapshot(self) -> list[StageInfo]:
         return [
-            {
-                "firstBlock": self.first + j,
-                "queued": len(q),
-                "batches": st.batches,
-                "rows": st.rows,
-                "meanBatch": round(st.rows / st.batches, 3) if st.batches else 0.0,
-                "survival": round(st.survival, 4),
-            }
+            StageInfo(
+                first_block=self.first + j,
+                queued=len(q),
+                batches=st.batches,
+                rows=st.rows,
+                mean_batch=round(st.rows / st.batches, 3) if st.batches else 0.0,
+                survival=round(st.survival, 4),
+            )
             for j, (q, st) in enumerate(zip(self.queues, self.stats))
         ]

@@ -9,19 +9,22 @@ capacity in use, sampled) and rolls over into an `Observations` document. `Feedb
 
 from __future__ import annotations
 
-import io
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from exitplan.api.observations import (
+    LATENCY_EDGES_MS,
     BucketObservations,
     ErrorCounts,
     LatencySummary,
     Observations,
     RampAgreement,
+    overall_agreement,
+    wilson,
 )
+from exitplan.worker_image.control_bodies import FeedbackArrays
 
 
 @dataclass
@@ -100,15 +103,7 @@ class WindowStats:
         total = int(self.exit_counts.sum())
         reached = total - np.concatenate([[0], np.cumsum(self.exit_counts[:-1])])
         per_ramp = []
-        overall = low = high = 1.0
-        if total:
-            overall, low, high = 1.0, 1.0, 1.0
-            for r in range(len(self.ramps)):
-                share = self.exit_counts[r] / total
-                p, lo, hi = wilson(int(self.agree[r]), int(self.samples[r]))
-                overall -= share * (1 - p)
-                low -= share * (1 - lo)
-                high -= share * (1 - hi)
+        overall, low, high = overall_agreement(self.exit_counts.tolist(), self.agree.tolist(), self.samples.tolist())
         for r, name in enumerate(self.ramps):
             p, lo, hi = wilson(int(self.agree[r]), int(self.samples[r]))
             active = thresholds.get(name, 2.0) <= 1.0
@@ -178,6 +173,9 @@ class WindowStats:
             length_buckets=list(self.buckets),
             length_histogram=self.length_counts.tolist(),
             latency=latency,
+            latency_histogram=np.bincount(
+                np.searchsorted(LATENCY_EDGES_MS, lat, side="left"), minlength=len(LATENCY_EDGES_MS) + 1
+            ).tolist(),
             load=load,
             per_bucket=per_bucket,
             agreement=per_ramp,
@@ -187,17 +185,6 @@ class WindowStats:
             thresholds=dict(thresholds),
             plan_hash=plan_hash,
         )
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float, float]:
-    """(estimate, low, high) of a proportion: the Wilson score interval; (1, 0, 1) with no samples."""
-    if n <= 0:
-        return 1.0, 0.0, 1.0
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return p, float(max(0.0, centre - half)), float(min(1.0, centre + half))
 
 
 class FeedbackRing:
@@ -219,7 +206,7 @@ class FeedbackRing:
         if not np.isfinite(c).all():
             return False
         i = self.next
-        self.conf[i], self.pred[i], self.final[i] = c, pred, final
+        self.conf[i], self.pred[i], self.final[i] = c, np.asarray(pred, dtype=np.int64), final
         self.next = (i + 1) % len(self.final)
         self.size = min(self.size + 1, len(self.final))
         self.added += 1
@@ -231,18 +218,9 @@ class FeedbackRing:
         order = np.r_[self.next : len(self.final), 0 : self.next]
         return self.conf[order], self.pred[order], self.final[order]
 
-    def to_npz(self, saving_ms: np.ndarray, cost_ms: np.ndarray, last: int | None = None) -> bytes:
+    def window(self, saving_ms: np.ndarray, cost_ms: np.ndarray, last: int | None = None) -> FeedbackArrays:
         """The stored samples (the most recent `last` of them) in the `exitplan tune` window format."""
         conf, pred, final = self.arrays()
         if last is not None:
             conf, pred, final = conf[-last:], pred[-last:], final[-last:]
-        buf = io.BytesIO()
-        np.savez(
-            buf,
-            conf=conf,
-            pred=pred,
-            final=final,
-            saving_ms=np.asarray(saving_ms, np.float64),
-            cost_ms=np.asarray(cost_ms, np.float64),
-        )
-        return buf.getvalue()
+        return FeedbackArrays(conf, pred, final, saving_ms, cost_ms)

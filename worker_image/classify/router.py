@@ -1,4 +1,6 @@
-"""The router: the cluster entry point, speaking the Open Inference Protocol (KServe v2).
+"""The router of a classification service: the cluster entry point, speaking the Open Inference
+Protocol (KServe v2). (A generation service's router is `generate/router.py`; `exitplan router` starts
+the one the bundle calls for. Both serve `protocol.v2_routes`.)
 
 It owns every request until it answers it: a result (label, scores, the ramp that answered) or an
 explicit error. Per input: tokenize (text) or take token ids, pick the length-bucket runtime with
@@ -32,27 +34,32 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from exitplan.api.bundle import read_manifest
+from exitplan.api.observations import Observations
 from exitplan.api.plan import Plan
 from exitplan.planner.dispatch import QueueParams
-from exitplan.worker import protocol
-from exitplan.worker.auth import BodyTooLarge, ControlPlane, bearer, read_limited
-from exitplan.worker.bundle_runtime import softmax
-from exitplan.worker.classify.admission import Admission, Admitted, Refusal
-from exitplan.worker.classify.colocated import Colocation, run_local, split0_workers
-from exitplan.worker.classify.control import RouterControl
-from exitplan.worker.classify.decode import BadRequest, DecodedBatch, decode_inputs, parse_request
-from exitplan.worker.classify.observe import FeedbackRing, WindowStats
-from exitplan.worker.control_client import ControlClient
-from exitplan.worker.discovery import PeerSet, parse_peer_spec
-from exitplan.worker.hop_client import HopClient, HopFailed, NoPeer, send
-from exitplan.worker.metrics import Children, RouterMetrics, merged, reason_label
-from exitplan.worker.planfile import read_plan, watch_plan
-from exitplan.worker.protocol import error_response as _error
-from exitplan.worker.vocabulary import vocabulary_size
-from exitplan.worker.wire import HopAnswer, HopItem
+from exitplan.worker_image import protocol
+from exitplan.worker_image.auth import ControlPlane, bearer
+from exitplan.worker_image.bundle_runtime import softmax
+from exitplan.worker_image.classify.admission import Admission, Admitted, Refusal
+from exitplan.worker_image.classify.colocated import Colocation, run_local, split0_workers
+from exitplan.worker_image.classify.control import RouterControl
+from exitplan.worker_image.classify.decode import BadRequest, DecodedBatch, decode_inputs, parse_request
+from exitplan.worker_image.classify.observe import FeedbackRing, WindowStats
+from exitplan.worker_image.classify.router_thresholds import RouterThresholds
+from exitplan.worker_image.discovery import parse_peer_spec
+from exitplan.worker_image.hop_client import HopClient, HopFailed, NoPeer, send
+from exitplan.worker_image.metrics import Children, RouterMetrics, merged
+from exitplan.worker_image.peer_choice import PeerSet
+from exitplan.worker_image.planfile import read_plan, watch_plan
+from exitplan.worker_image.protocol import error_response as _error
+from exitplan.worker_image.request_body import BodyError, body_error_response, read_body
+from exitplan.worker_image.vocabulary import vocabulary_size
+from exitplan.worker_image.wire import HopAnswer, HopItem
 
 if TYPE_CHECKING:
-    from exitplan.worker.classify.worker import SplitWorker
+    from tokenizers import Tokenizer
+
+    from exitplan.worker_image.classify.worker import SplitWorker
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +96,8 @@ class InferCall:
     """[inputs, classes]: the answers' softmax scores."""
     compute_ms: list[float]
     """Per bucket the request went to: split 0's compute for the batch that carried its inputs."""
+    thresholds_version: int = 0
+    """The newest thresholds version split 0 decided the request's exits with."""
 
 
 class Router:
@@ -145,7 +154,6 @@ class Router:
         self.exit_ramps = [r.name for r in self.manifest.exit_ramps()]
         self.ramp_index = {name: i for i, name in enumerate(self.exit_ramps)}
         self.final_name = self.manifest.final_ramp().name
-        self.thresholds = dict(self.plan.thresholds)
         self.tokenizer = self._load_tokenizer()
         self.vocab_size = vocabulary_size(self.bundle_dir, self.manifest, self.tokenizer)
         self.buckets = list(self.plan.buckets)
@@ -156,11 +164,11 @@ class Router:
         self.prefix = f"{os.getpid():x}{int(time.time()) % 100000:x}"
         self.metrics = RouterMetrics(self.plan.service)
         self._child = Children(self.plan.service)
-        self.metrics.zero(self.buckets, [*self.exit_ramps, self.final_name])
+        self._count_stragglers()
         self.metrics.slo.labels(self.plan.service).set(self.slo_s)
         self.metrics.accuracy_budget.labels(self.plan.service).set(accuracy_budget)
         self.window = self._new_window()
-        self.last_window = None
+        self.last_window: Observations | None = None
         self.feedback = FeedbackRing(len(self.exit_ramps))
         self.pending_records: dict[str, str] = {}  # id of a shadow-sampled input -> ramp that answered it
         self.saving_ms, self.cost_ms = self._ramp_costs()
@@ -169,12 +177,21 @@ class Router:
         self.control = ControlPlane(control_token, control_port, control_host)
         self.hop = HopClient(token=control_token)
         """Frames to the next hop's /v1/run (the session serves probes, thresholds and feedback)."""
-        self.tasks: list[asyncio.Task] = []
-        self._publish_thresholds()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.threshold_set = RouterThresholds(self)
+        """The versioned thresholds, the same on every router (router_thresholds.py)."""
+        self.threshold_set.publish()
 
     # ------------------------------------------------------------------ setup helpers
 
-    def _load_tokenizer(self):
+    def _count_stragglers(self) -> None:
+        """Every label set the router counts at 0, and the peer sets' stragglers counted as they are marked."""
+        hops = {(c.split, c.pool) for c in self.plan.cells if c.split == (1 if self.local else 0)}
+        self.metrics.zero(self.buckets, [*self.exit_ramps, self.final_name], sorted(hops))
+        for peer_set in (self.peers, *(w.next for w in self.local.values() if w.next is not None)):
+            peer_set.on_straggler = self.metrics.straggler_marked
+
+    def _load_tokenizer(self) -> Tokenizer | None:
         if not self.manifest.tokenizer:
             return None
         from tokenizers import Tokenizer
@@ -202,9 +219,10 @@ class Router:
     def _new_window(self) -> WindowStats:
         return WindowStats(self.plan.service, self.model, self.exit_ramps, self.buckets)
 
-    def _publish_thresholds(self) -> None:
-        for name in self.exit_ramps:
-            self.metrics.set_threshold(name, self.thresholds.get(name))
+    @property
+    def thresholds(self) -> dict[str, float]:
+        """The thresholds in force (the values of `threshold_set`)."""
+        return self.threshold_set.current.values
 
     def apply_plan(self, plan: Plan) -> None:
         if plan.buckets != self.buckets:
@@ -218,10 +236,7 @@ class Router:
                 "its own split 0" if self.local else "sending to split-0 pods",
             )
         self.plan = plan
-        if plan.thresholds != self.thresholds:
-            self.thresholds = dict(plan.thresholds)
-            self.metrics.threshold_updates.labels(plan.service, "plan-update").inc()
-            self._publish_thresholds()
+        self.threshold_set.adopt_plan(plan.thresholds, plan.thresholds_version)
 
     # ------------------------------------------------------------------ admission and dispatch
 
@@ -250,7 +265,7 @@ class Router:
 
     def _roll_window(self) -> None:
         now = time.time()
-        obs = self._snapshot(now)
+        obs = self.snapshot(now)
         self.last_window = obs
         if obs.requests:  # a window without answers tells nothing new: the last estimate stands
             samples = int(self.window.samples.sum())
@@ -261,7 +276,8 @@ class Router:
             )
         self.window = self._new_window()
 
-    def _snapshot(self, now: float):
+    def snapshot(self, now: float) -> Observations:
+        """The observation window in progress (GET /v1/observations?window=current)."""
         loads = self.admission.loads()
         return self.window.observations(
             now,
@@ -307,9 +323,9 @@ class Router:
         if name != self.model:
             return _error(404, f"unknown model {name!r}; this router serves {self.model!r}")
         try:  # the whole body: one `read(n)` returns only what has arrived so far
-            raw = await read_limited(request, self.max_body_bytes)
-        except BodyTooLarge as err:
-            return _error(413, f"request {err}")
+            raw = await read_body(request, self.max_body_bytes)
+        except BodyError as err:  # 413, 415, 400 (a corrupt stream, a malformed chunk): the connection closes
+            return self._bad_request(err) if err.status == 400 else body_error_response(err)
         try:
             body = parse_request(raw, request.headers.get(protocol.BINARY_HEADER))
             return decode_inputs(
@@ -320,10 +336,10 @@ class Router:
         except (ValueError, UnicodeDecodeError) as err:
             return self._bad_request(f"body is not valid JSON: {err}")
 
-    def _bad_request(self, message: str) -> web.Response:
+    def _bad_request(self, why: str | BodyError) -> web.Response:
         self.window.record_error("bad_request")
         self.metrics.requests.labels(self.plan.service, "400").inc()
-        return _error(400, message)
+        return body_error_response(why) if isinstance(why, BodyError) else _error(400, why)
 
     def _observe_lengths(self, ideal: list[int] | tuple[int, ...]) -> None:
         """Count the inputs per ideal bucket (the length histogram the planner sizes buckets from)."""
@@ -356,8 +372,8 @@ class Router:
 
     def _items(self, call: InferCall, n: int) -> list[HopItem]:
         """The hop items of n inputs, a shadow-sampled share of them recorded for feedback."""
-        frac = self.shadow_fraction
-        if self.window.samples.sum() < 50 * max(len(self.exit_ramps), 1):
+        frac = self.shadow_fraction if self.exit_ramps else 0.0  # no ramp: every answer is the full model's
+        if frac and self.window.samples.sum() < 50 * max(len(self.exit_ramps), 1):
             frac = min(4 * frac, 0.5)  # short of feedback in this window: sample more
         items = []
         for _ in range(n):
@@ -376,6 +392,7 @@ class Router:
         bucket = self.buckets[b]
         items = self._items(call, len(rows))
         tensors = call.batch.state_for(rows, bucket)
+        logits: np.ndarray | None
         try:
             if self.local:
                 answer, logits = await run_local(self.local[bucket], items, tensors, call.timeout_at)
@@ -409,6 +426,7 @@ class Router:
         self, call: InferCall, rows: list[int], items: list[HopItem], answer: HopAnswer, logits: np.ndarray | None
     ) -> None:
         call.compute_ms.append(answer.compute_ms)
+        call.thresholds_version = max(call.thresholds_version, answer.thresholds_version)
         by_id = {item.id: (i, item) for item, i in zip(items, rows)}
         answered_k, answered_i = [], []
         for k, res in enumerate(answer.results):
@@ -476,34 +494,16 @@ class Router:
         timing = f"router;dur={latency * 1000:.3f}, split0;dur={max(call.compute_ms, default=0.0):.3f}"
         body = protocol.infer_response(
             self.model,
-            request.headers.get("X-Request-Id", ""),
+            call.batch.request_id or request.headers.get("X-Request-Id", ""),
             labels,
             call.scores,
             [r.ramp for r in call.outcomes],
             latency,
         )
+        body["parameters"]["thresholds_version"] = call.thresholds_version
         return protocol.infer_http_response(body, call.batch.binary_outputs, headers={"Server-Timing": timing})
 
     # ------------------------------------------------------------------ feedback and control
-
-    async def push_thresholds(self, new: dict[str, float], reason: str) -> None:
-        """Apply new thresholds here and on every split-0 pod (which forward them down the chain)."""
-        assert self.session is not None
-        clients = [
-            ControlClient(p.url, session=self.session, timeout_s=5.0) for p in self.peers.peers.values() if p.ready
-        ]
-        pushes = [c.push_thresholds(new, reason) for c in clients] + [
-            w.push_thresholds(new, reason) for w in self.local.values()
-        ]
-        results = await asyncio.gather(*pushes, return_exceptions=True)
-        for r in results:
-            if isinstance(r, Exception):
-                log.warning("threshold push failed: %s", r)
-        if new != self.thresholds:
-            log.info("thresholds %s -> %s (%r)", self.thresholds, new, reason)
-            self.thresholds = dict(new)
-            self.metrics.threshold_updates.labels(self.plan.service, reason_label(reason)).inc()
-            self._publish_thresholds()
 
     async def handle_model(self, request: web.Request) -> web.Response:
         if request.match_info["name"] != self.model:
@@ -513,6 +513,9 @@ class Router:
             "buckets": self.buckets,
             "ramps": self.exit_ramps,
             "thresholds": self.thresholds,
+            "thresholds_version": self.threshold_set.current.version,
+            "thresholds_digest": self.threshold_set.current.digest,
+            "exits": "early exits" if self.exit_ramps else "no exits",
         }
         return web.json_response(
             protocol.classifier_metadata(self.manifest, self.model, self.plan.content_hash(), parameters)
@@ -548,6 +551,8 @@ class Router:
     # ------------------------------------------------------------------ lifecycle
 
     async def _startup(self, app: web.Application) -> None:
+        if not self.exit_ramps:  # said once: no shadow samples, no feedback, nothing to tune
+            log.info("bundle %r has no exit ramp: serving the plain model (no exits)", self.manifest.name)
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), headers=bearer(self.control_token)
         )  # probes of split-0 pods and threshold pushes carry the control token
@@ -556,7 +561,9 @@ class Router:
         if not self.local:
             await self.peers.refresh(self.session)
             self.tasks.append(asyncio.create_task(self.peers.run(self.session)))
+        await self.threshold_set.sync_once()  # a router that (re)starts takes the newest set of the others
         self.tasks += [
+            asyncio.create_task(self.threshold_set.run(self.session)),
             asyncio.create_task(self._gauge_loop()),
             asyncio.create_task(self._window_loop()),
             asyncio.create_task(watch_plan(self.plan_path, self.apply_plan)),
@@ -574,17 +581,7 @@ class Router:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes + 1024)
-        app.add_routes(
-            [
-                web.post("/v2/models/{name}/infer", self.handle_infer),
-                web.get("/v2/models/{name}", self.handle_model),
-                web.get("/v2/models/{name}/ready", self.handle_model_ready),
-                web.get("/v2", self.handle_server),
-                web.get("/v2/health/live", self.handle_live),
-                web.get("/v2/health/ready", self.handle_ready),
-                web.get("/metrics", self.handle_metrics),
-            ]
-        )
+        app.add_routes(protocol.v2_routes(self))
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         self.control.mount(app, RouterControl(self).routes())

@@ -10,7 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from exitplan.worker.wire import HopAnswer, HopItem, HopResult, ShadowRecord
+from exitplan.worker_image.wire import HopAnswer, HopItem, HopResult, ShadowRecord
+
+NOT_FINITE = (
+    "the model's scores for this input are not finite (NaN or infinity): its values are outside the range "
+    "the model computes in; send values of the magnitude it was trained on"
+)
 
 
 class Pending:
@@ -21,6 +26,7 @@ class Pending:
         "tensors",
         "results",
         "logits",
+        "thresholds_version",
         "remaining",
         "future",
         "service_ms",
@@ -35,15 +41,19 @@ class Pending:
         self.results: list[HopResult | None] = [None] * len(items)
         self.logits = np.zeros((len(items), n_labels), dtype=np.float32)
         self.remaining = len(items)
-        self.future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.service_ms = 0.0
         self.expected_ms = 0.0
         self.compute_ms = 0.0
         """The first batch's compute alone (service_ms may also hold a hand-off to the inference thread)."""
+        self.thresholds_version = 0
+        """The version of the thresholds the first batch's exits were decided with."""
 
     def answer(self, index: int, result: HopResult, logits: np.ndarray | None) -> None:
         if self.results[index] is not None:
             return  # a shadow row's second answer: the first one stands
+        if logits is not None and result.error is None and not np.isfinite(logits).all():
+            result, logits = HopResult.rejection(result.id, NOT_FINITE), None  # the input's own fault: 422
         self.results[index] = result
         if logits is not None:
             self.logits[index] = logits
@@ -64,7 +74,7 @@ class Pending:
         results = [
             r if r is not None else HopResult.failure(item.id, "no answer") for r, item in zip(self.results, self.items)
         ]
-        return HopAnswer(results, self.service_ms, self.expected_ms, self.compute_ms)
+        return HopAnswer(results, self.service_ms, self.expected_ms, self.compute_ms, self.thresholds_version)
 
 
 @dataclass(slots=True)
@@ -94,3 +104,9 @@ def batch_state(batch: list[Row], names: Sequence[str]) -> dict[str, np.ndarray]
     if len(batch) == len(first.items) and all(row.pending is first and row.index == i for i, row in enumerate(batch)):
         return {name: first.tensors[name] for name in names}
     return {name: np.stack([row.pending.tensors[name][row.index] for row in batch]) for name in names}
+
+
+def carried_state(batch: list[Row]) -> dict[str, np.ndarray]:
+    """The batch's state inside a rebatching split: the state each row carries (`Row.state`), stacked."""
+    states = [row.state or {} for row in batch]
+    return {name: np.stack([state[name] for state in states]) for name in states[0]}

@@ -23,7 +23,7 @@ import numpy as np
 
 from exitplan.api.bundle import BundleManifest
 from exitplan.api.plan import SplitPlan
-from exitplan.worker.bundle_runtime import mask_input
+from exitplan.worker_image.bundle_runtime import mask_input
 
 __all__ = ["SEQ_DIM", "TRIM_STEP", "cut_to", "longest_row", "mask_input", "seq_axes", "trim_length", "trimmed", "trims"]
 

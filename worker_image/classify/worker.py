@@ -1,30 +1,26 @@
-"""The split worker: one (split, length bucket, pool) cell of a plan, as an aiohttp app.
+"""The split worker: one (split, length bucket, pool) cell of a plan, and its batching/execution loop.
 
-POST /v1/run takes a frame of inputs (rows of the split's input state, padded to the bucket),
-puts the rows in the fusion queue and answers when every row has its answer: rows that exit in this
-split are answered from here; survivors go, as one frame per batch, to the least-loaded pod of the
-next split (same bucket) and their answers come back through here. A batch launches when it holds
-the planned batch size, or when the oldest deadline needs it to run now (deadline minus the
-expected time to finish the model from this split), or — when `max_wait_ms` is set, which suits
-processors whose batch latency grows with the batch (CPUs) — when its oldest row has waited that long.
-When the plan's split rebatches, every block of the split has such a queue of its own (`fusion.py`):
-a batch runs one block and its survivors wait for the next block with the survivors of other batches.
-A batch that fails in ONNX Runtime is split until only the inputs the model cannot run fail, each
-answered with an input error (a 422 at the router), the others as usual (`isolate.py`).
+`SplitWorker` owns the cell's runtime (the split's blocks for one bucket), its thresholds and plan
+(re-read when the plan file changes), and the rows in flight: `enqueue` puts a frame's rows in the
+fusion queue (`fusion.py`; the rows and frames are `rows.py`'s) and `batch_loop` runs them. A batch
+launches when it holds the planned batch size, or when the oldest deadline needs it to run now
+(deadline minus the expected time to finish the model from this split), or — when `max_wait_ms` is
+set, which suits processors whose batch latency grows with the batch (CPUs) — when its oldest row has
+waited that long. `run_batch` executes it (`batch_bisect.execute_isolated`: a batch that fails in ONNX
+Runtime is split until only the inputs the model cannot run fail, each answered with an input error, a
+422 at the router), answers the rows that exit here, and sends the survivors, as one frame per batch, to
+the least-loaded pod of the next split (same bucket), whose answers come back through here. When the
+plan's split rebatches, every block of the split has a queue of its own: a batch runs one block and
+its survivors wait for the next block with the survivors of other batches.
 
-Also: GET /v1/info (what this pod is), /v1/peers (next-split pods with their straggler marks),
-/v2/health/live, /v2/health/ready, /metrics; POST /v1/thresholds (hot update, forwarded to the
-next split). The plan file is re-read when it changes. The frames and rows in flight are in `rows.py`.
-
-Every /v1 route answers only requests that carry the service's control token (`exitplan.worker.auth`),
-and a frame is refused (403) when an input's reply_to is not a router the plan names (`Plan.routers`).
+The HTTP surface (/v1/run, /v1/info, health, metrics, thresholds) is `worker_routes.py`; the warm-up that
+fits the expected service time is `warmup.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -34,35 +30,33 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from exitplan.api.bundle import read_manifest
-from exitplan.api.dtypes import by_onnx
 from exitplan.api.plan import Plan
-from exitplan.worker import wire
-from exitplan.worker.auth import bearer, guarded, json_body
-from exitplan.worker.bundle_runtime import BundleRuntime, StateError
-from exitplan.worker.classify.control import MAX_THRESHOLDS_BODY, BadControl, parse_thresholds
-from exitplan.worker.classify.executor import BatchOutcome, execute
-from exitplan.worker.classify.feedback import send_feedback
-from exitplan.worker.classify.fusion import FusionQueues
-from exitplan.worker.classify.isolate import execute_isolated, known_input_check
-from exitplan.worker.classify.rows import Pending, Row, batch_state
-from exitplan.worker.classify.service_time import Fit, ServiceTime
-from exitplan.worker.classify.trim import TRIM_STEP, cut_to, mask_input, seq_axes, trim_length, trimmed, trims
-from exitplan.worker.control_client import ControlClient
-from exitplan.worker.discovery import PeerSet, ReplyTargets, parse_peer_spec
-from exitplan.worker.hop_client import HopClient, HopFailed, NoPeer, send
-from exitplan.worker.metrics import Children, WorkerMetrics, reason_label
-from exitplan.worker.planfile import read_plan, watch_plan
-from exitplan.worker.wire import HopAnswer, HopItem, HopRequest, HopResult, ShadowRecord
+from exitplan.worker_image.auth import bearer
+from exitplan.worker_image.bundle_runtime import BundleRuntime, StateError
+from exitplan.worker_image.classify.batch_bisect import execute_isolated, known_input_check
+from exitplan.worker_image.classify.executor import BatchOutcome
+from exitplan.worker_image.classify.feedback import send_feedback
+from exitplan.worker_image.classify.fusion import FusionQueues
+from exitplan.worker_image.classify.rows import Pending, Row, batch_state, carried_state
+from exitplan.worker_image.classify.service_time import ServiceTime
+from exitplan.worker_image.classify.trim import mask_input, seq_axes, trim_length, trimmed, trims
+from exitplan.worker_image.classify.warmup import first_block_inputs, warm_up
+from exitplan.worker_image.classify.worker_routes import worker_app
+from exitplan.worker_image.control_bodies import WorkerInfo
+from exitplan.worker_image.discovery import ReplyTargets, parse_peer_spec
+from exitplan.worker_image.hop_client import HopClient, HopFailed, NoPeer, send
+from exitplan.worker_image.metrics import Children, WorkerMetrics, reason_label
+from exitplan.worker_image.peer_choice import PeerSet
+from exitplan.worker_image.planfile import read_plan, watch_plan
+from exitplan.worker_image.threshold_push import catch_up, push_to_peers
+from exitplan.worker_image.threshold_set import ThresholdHolder, ThresholdSet
+from exitplan.worker_image.wire import HopAnswer, HopItem, HopResult, ShadowRecord
 
 log = logging.getLogger(__name__)
 
 _NO_RECORD = ShadowRecord({}, {})
-
-FAULTS_ENV = "EXITPLAN_ENABLE_FAULTS"
-"""Set to 1 to enable POST /v1/faults (slow-down injection for straggler tests and chaos drills)."""
 
 INLINE_BATCH_MS = 1.0
 """Batches expected to compute within this many ms run on the event loop itself: the round trip to the
@@ -118,7 +112,7 @@ class SplitWorker:
             free_length=trim,
         )
         manifest = self.runtime.manifest
-        self.trim_axes = seq_axes({i.name: i.shape for i in self._first_block_inputs()}) if trim else {}
+        self.trim_axes = seq_axes({i.name: i.shape for i in first_block_inputs(self.runtime)}) if trim else {}
         if self.trim_mask not in self.trim_axes:
             self.trim_axes = {}
         self.n_labels = len(manifest.labels)
@@ -133,10 +127,10 @@ class SplitWorker:
             )
         self.next = PeerSet(parse_peer_spec(next_peers)) if not self.is_last else None
         self.batch_size = self._planned_batch(self.plan)
-        self.thresholds = dict(self.plan.thresholds)
+        self.threshold_set = ThresholdHolder(ThresholdSet(dict(self.plan.thresholds), self.plan.thresholds_version))
         self.max_wait = None if max_wait_ms is None or max_wait_ms < 0 else max_wait_ms / 1000.0
         self.n_blocks = len(manifest.blocks)
-        self.stages = FusionQueues(sp.first_block, sp.last_block, sp.rebatch)
+        self.stages: FusionQueues[Row] = FusionQueues(sp.first_block, sp.last_block, sp.rebatch)
         self.queue: deque[Row] = self.stages.entry
         self.wakeup = asyncio.Event()
         self.pool_exec = ThreadPoolExecutor(1, thread_name_prefix="infer")
@@ -144,6 +138,7 @@ class SplitWorker:
         self._child = Children(*self.metrics.labels.values())
         self.metrics.zero([r.name for r in manifest.ramps_in(sp.first_block, sp.last_block)])
         self.metrics.planned_batch.set(self.batch_size)
+        self.metrics.runtime_info(self.runtime.active_providers, manifest.dtype)
         self.times = ServiceTime(bucket)  # expected ms per batch (service_time.py), fitted at warm-up
         self.warm_input: dict[str, np.ndarray] | None = None
         """One row the model ran at warm-up: tells a batch it cannot run from a model that runs nothing."""
@@ -157,7 +152,7 @@ class SplitWorker:
         self.replies = ReplyTargets(self.plan.routers)
         self.hop = HopClient(token=control_token)
         """Frames to the next hop's /v1/run (the session serves probes, thresholds and feedback)."""
-        self.tasks: list[asyncio.Task] = []
+        self.tasks: list[asyncio.Task[None]] = []
         self.forwarding = 0
         """Frames out to the next split, not yet answered."""
 
@@ -180,62 +175,39 @@ class SplitWorker:
             self.replies.set(plan.routers)
         self.batch_size = self._planned_batch(plan)
         self.metrics.planned_batch.set(self.batch_size)
-        self.set_thresholds(plan.thresholds, "plan-update")
+        before = self.threshold_set.current
+        if self.threshold_set.adopt_plan(plan.thresholds, plan.thresholds_version):
+            self._took(before, "plan-update")
 
-    def set_thresholds(self, thresholds: dict[str, float], reason: str) -> None:
+    @property
+    def thresholds(self) -> dict[str, float]:
+        """The thresholds in force (the values of `threshold_set`)."""
+        return self.threshold_set.values
+
+    def _took(self, before: ThresholdSet, reason: str) -> None:
+        now = self.threshold_set.current
+        log.info("thresholds %s %s -> %s %s (%r)", before.label, before.values, now.label, now.values, reason)
+        self.metrics.threshold_updates.labels(self.plan.service, reason_label(reason)).inc()
+
+    def set_thresholds(self, new: ThresholdSet, reason: str) -> bool:
+        """Take `new` when it is newer than the set in force (ValueError: a ramp the bundle lacks)."""
         known = {r.name for r in self.runtime.manifest.ramps}
-        unknown = sorted(set(thresholds) - known)
+        unknown = sorted(set(new.values) - known)
         if unknown:
             raise ValueError(
                 f"thresholds name ramps the bundle does not have: {unknown}; its ramps are {sorted(known)}"
             )
-        if dict(thresholds) != self.thresholds:
-            log.info("thresholds %s -> %s (%r)", self.thresholds, dict(thresholds), reason)
-            self.thresholds = {k: float(v) for k, v in thresholds.items()}
-            self.metrics.threshold_updates.labels(self.plan.service, reason_label(reason)).inc()
+        before = self.threshold_set.current
+        if not self.threshold_set.adopt(new):
+            return False
+        self._took(before, reason)
+        return True
 
     # ------------------------------------------------------------------ warm-up and expected service time
 
-    def _first_block_inputs(self) -> list:
-        """The input specs (name, shape with its named dimensions, type) of the split's first block's ONNX file."""
-        import onnxruntime as ort
-
-        first = self.runtime.manifest.blocks[self.runtime.first_block]
-        session = ort.InferenceSession(str(self.runtime.directory / first.file), providers=["CPUExecutionProvider"])
-        return list(session.get_inputs())
-
-    def _dummy_state(self, n: int) -> dict[str, np.ndarray]:
-        """Inputs of the split's first block, shaped for batch n and this bucket (read from the ONNX file)."""
-        state = {}
-        for spec in self._first_block_inputs():
-            dims = [
-                n if d == "batch" else self.bucket if d == "seq" else (d if isinstance(d, int) else 1)
-                for d in spec.shape
-            ]
-            dtype = np.dtype(by_onnx(spec.type).numpy)  # the runtime checked these types at load
-            state[spec.name] = (np.ones if "mask" in spec.name else np.zeros)(dims, dtype=dtype)
-        return state
-
-    def _time_batch(self, n: int, template: dict[str, np.ndarray]) -> float:
-        state = {k: np.repeat(v[:1], n, axis=0) for k, v in template.items()}
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            execute(self.runtime, state, self.bucket, {}, np.zeros(n, bool), np.zeros(n, bool))
-            best = min(best, (time.perf_counter() - t0) * 1000)
-        return best
-
     def warm_up(self) -> None:
-        template = self._dummy_state(1)
-        small = self._time_batch(1, template)
-        self.warm_input = template
-        big_n = max(2, self.batch_size)
-        big = self._time_batch(big_n, template)
-        self.times.fits[self.bucket] = Fit.of(small, big, big_n)
-        if self.trim_axes and self.bucket > 2 * TRIM_STEP:  # a trimming worker: its fit at a short length too
-            cut = cut_to(template, self.trim_axes, 2 * TRIM_STEP)
-            self.times.fits[2 * TRIM_STEP] = Fit.of(self._time_batch(1, cut), self._time_batch(big_n, cut), big_n)
-        log.info("warm-up: %.2f ms at batch 1, %.2f ms at batch %d; fits %s", small, big, big_n, self.times.describe())
+        """Run and time the split (`warmup.py`): the expected service time's fits, and a known-good input."""
+        self.warm_input = warm_up(self.runtime, self.bucket, self.batch_size, self.trim_axes, self.times)
 
     def expected_ms(self, n: int) -> float:  # a batch of n at the bucket's length (the longest it can take)
         return self.times.expected_ms(n)
@@ -256,41 +228,18 @@ class SplitWorker:
         downstream = sum(p.capacity for p in self.next.candidates(self.bucket, self.split + 1))
         return min(own, downstream / max(self.survival, 0.05))
 
-    # ------------------------------------------------------------------ HTTP
-
-    async def handle_run(self, request: web.Request) -> web.Response:
-        if not self.ready:
-            return web.Response(status=503, text="worker is warming up", headers={"Retry-After": "1"})
-        body = await request.read()
-        try:
-            meta, tensors = wire.decode(body)
-            items = HopRequest.from_meta(meta).items
-            self._check_tensors(tensors, len(items))
-        except (wire.WireError, KeyError, TypeError, ValueError) as err:
-            return web.Response(status=400, text=f"bad frame: {err}")
-        for target in {item.reply_to for item in items if item.reply_to}:
-            if not await self.replies.allows(target):
-                return web.Response(
-                    status=403,
-                    text=f"reply_to {target[:100]!r} is not a router of this service's plan "
-                    f"(its routers: {self.replies.entries}); a worker posts feedback only to them",
-                )
-        pending = self._enqueue(items, tensors)
-        await pending.future
-        return web.Response(
-            body=wire.encode(pending.reply().to_meta(), {"logits": pending.logits}), content_type=wire.CONTENT_TYPE
-        )
+    # ------------------------------------------------------------------ what comes in, what it reports
 
     async def run_local(self, items: list[HopItem], tensors: dict[str, np.ndarray]) -> tuple[HopAnswer, np.ndarray]:
         """A frame from a router in this very process (co-located): the answer and the logits (a row per
         item), through the same queue and batches as /v1/run, without the encoding, HTTP and sender checks."""
         if not self.ready or self.draining:
             raise NoPeer(f"the co-located split-0 runtime of bucket {self.bucket} is not ready")
-        pending = self._enqueue(items, tensors)
+        pending = self.enqueue(items, tensors)
         await pending.future
         return pending.reply(), pending.logits
 
-    def _enqueue(self, items: list[HopItem], tensors: dict[str, np.ndarray]) -> Pending:
+    def enqueue(self, items: Sequence[HopItem], tensors: dict[str, np.ndarray]) -> Pending:
         """A frame's rows into the fusion queue; its Pending is answered when every row is."""
         pending = Pending(items, self.n_labels, {k: tensors[k] for k in self.input_names})
         now = time.time()
@@ -305,89 +254,42 @@ class SplitWorker:
         self.wakeup.set()
         return pending
 
-    def _check_tensors(self, tensors: dict[str, np.ndarray], n: int) -> None:
-        """Raise ValueError unless the frame holds this split's inputs, n rows each, padded to this bucket."""
-        for name in self.input_names:
-            if name not in tensors:
-                raise ValueError(f"tensor {name!r} missing; this split reads {self.input_names}")
-            t = tensors[name]
-            if t.shape[0] != n:
-                raise ValueError(f"tensor {name!r} has {t.shape[0]} rows for {n} items")
-            if self.runtime.is_sequence_model and (t.ndim < 2 or t.shape[1] != self.bucket):
-                raise ValueError(
-                    f"tensor {name!r} shape {list(t.shape)}: axis 1 must be this bucket's length {self.bucket}"
-                )
+    async def push_thresholds(self, new: ThresholdSet, reason: str) -> None:
+        """Take `new` here when it is newer and pass it on down the chain (ValueError: a ramp the bundle
+        lacks); a pod of the next split that missed it gets it at its next probe (`catch_up`)."""
+        if self.set_thresholds(new, reason) and self.next and self.session:
+            await push_to_peers(self.session, self.next.peers.values(), self.threshold_set.current, reason)
 
-    async def handle_info(self, _: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "service": self.plan.service,
-                "model": self.plan.model,
-                "split": self.split,
-                "bucket": self.bucket,
-                "pool": self.pool,
-                "batchSize": self.batch_size,
-                "ready": self.ready and not self.draining,
-                "firstBlock": self.runtime.first_block,
-                "lastBlock": self.runtime.last_block,
-                "queued": self.stages.held(),
-                "served": self.served,
-                "thresholds": self.thresholds,
-                "rebatch": self.stages.rebatch,
-                "stages": self.stages.snapshot(),
-                "capacity": round(self.capacity(), 3),
-                "survival": round(self.survival, 4),
-                "planHash": self.plan.content_hash(),
-                "expectedMs": self.times.describe(),
-                "meanLength": round(self.times.mean_length, 2),
-            }
-        )
-
-    async def handle_peers(self, _: web.Request) -> web.Response:
-        return web.json_response(self.next.snapshot() if self.next else [])
-
-    async def handle_live(self, _: web.Request) -> web.Response:
-        return web.json_response({"live": True})
-
-    async def handle_ready(self, _: web.Request) -> web.Response:
-        ok = self.ready and (self.next is None or bool(self.next.candidates(self.bucket, self.split + 1)))
-        return web.json_response({"ready": ok}, status=200 if ok else 503)
-
-    async def handle_metrics(self, _: web.Request) -> web.Response:
-        self.metrics.stragglers.set(sum(p.straggler for p in self.next.peers.values()) if self.next else 0)
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def handle_thresholds(self, request: web.Request) -> web.Response:
-        body = await json_body(request, MAX_THRESHOLDS_BODY)
-        if isinstance(body, web.Response):
-            return body
-        try:
-            manifest = self.runtime.manifest
-            thresholds, reason = parse_thresholds(body, self.exit_ramps, manifest.final_ramp().name)
-            await self.push_thresholds(thresholds, reason)
-        except (BadControl, ValueError) as err:
-            return web.Response(status=400, text=f"bad thresholds: {err}")
-        return web.json_response({"thresholds": self.thresholds})
-
-    async def push_thresholds(self, thresholds: dict[str, float], reason: str) -> None:
-        """Apply thresholds here and pass them on down the chain (ValueError: a ramp the bundle lacks)."""
-        self.set_thresholds(thresholds, reason)
-        if self.next and self.session:
-            clients = [
-                ControlClient(p.url, session=self.session, timeout_s=2.0) for p in self.next.peers.values() if p.ready
-            ]
-            await asyncio.gather(*(c.push_thresholds(thresholds, reason) for c in clients), return_exceptions=True)
-
-    async def handle_faults(self, request: web.Request) -> web.Response:
-        body = await json_body(request, 1024)
-        if isinstance(body, web.Response):
-            return body
-        slowdown = body.get("slowdown", 1.0) if isinstance(body, dict) else None
-        if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 1.0 <= slowdown <= 100.0:
-            return web.Response(status=400, text='send {"slowdown": x} with x in [1, 100]')
-        self.slowdown = float(slowdown)
+    def inject_slowdown(self, slowdown: float) -> None:
+        """Every batch takes `slowdown` times its time from now on (fault injection, POST /v1/faults)."""
+        self.slowdown = slowdown
         log.warning("fault injection: slowdown x%.1f", self.slowdown)
-        return web.json_response({"slowdown": self.slowdown})
+
+    def info(self) -> WorkerInfo:
+        """What this pod is and how it is doing (GET /v1/info)."""
+        return WorkerInfo(
+            service=self.plan.service,
+            model=self.plan.model,
+            split=self.split,
+            bucket=self.bucket,
+            pool=self.pool,
+            batch_size=self.batch_size,
+            ready=self.ready and not self.draining,
+            first_block=self.runtime.first_block,
+            last_block=self.runtime.last_block,
+            queued=self.stages.held(),
+            served=self.served,
+            thresholds=self.thresholds,
+            thresholds_version=self.threshold_set.current.version,
+            thresholds_digest=self.threshold_set.current.digest,
+            rebatch=self.stages.rebatch,
+            stages=self.stages.snapshot(),
+            capacity=round(self.capacity(), 3),
+            survival=round(self.survival, 4),
+            plan_hash=self.plan.content_hash(),
+            expected_ms=self.times.describe(),
+            mean_length=round(self.times.mean_length, 2),
+        )
 
     # ------------------------------------------------------------------ batching
 
@@ -421,42 +323,20 @@ class SplitWorker:
     async def run_batch(self, batch: list[Row], stage: int = 0) -> None:
         """Run fusion queue `stage`'s batch over its blocks (the whole split, or one block when the
         split rebatches); answer the exits; pass the survivors on to the next block's queue or split."""
-        now = time.time()
         first, last = self.stages.span(stage)
         if stage == 0:
+            now = time.time()
             for row in batch:
                 self.metrics.queue_seconds.observe(now - row.arrival)
             state = batch_state(batch, self.input_names)
         else:
-            state = {name: np.stack([row.state[name] for row in batch]) for name in batch[0].state}
-        answered = np.array([row.answered for row in batch], dtype=bool)
-        recorded = np.array([row.item.record for row in batch], dtype=bool)
-        args = (state, self.thresholds, answered, recorded, first, last)
-        fraction = (last - first + 1) / (self.runtime.last_block - self.runtime.first_block + 1)
-        trims = bool(self.trim_axes) and self.trim_mask in state  # the length _execute cuts the batch to:
-        length = trim_length(state, self.trim_mask, self.trim_axes, self.bucket) if trims else self.bucket
-        self.times.ran_at(length)
-        expected = self.times.expected_ms(len(batch), length) * fraction
-        t0 = time.perf_counter()
+            state = carried_state(batch)
         try:
-            if expected <= INLINE_BATCH_MS or (
-                expected <= INLINE_IDLE_MAX_MS
-                and self.stages.held() == 0
-                and self.forwarding == 0
-                and self.alone(len(batch))
-            ):
-                outcome = self._execute(*args)
-            else:
-                outcome = await asyncio.get_running_loop().run_in_executor(self.pool_exec, self._execute, *args)
+            outcome, service_ms, expected = await self._compute(batch, state, first, last)
         except StateError as err:
             for row in batch:
                 row.pending.fail(row.index, f"split {self.split} cannot run this input: {err}")
             return
-        service_ms = (time.perf_counter() - t0) * 1000
-        if self.slowdown > 1.0:
-            extra = service_ms * (self.slowdown - 1.0)
-            await asyncio.sleep(extra / 1000)
-            service_ms += extra
         if stage == 0:
             self.served += len(batch)
             self.metrics.inputs.inc(len(batch))
@@ -466,6 +346,60 @@ class SplitWorker:
             p = row.pending
             if p.service_ms == 0.0:
                 p.service_ms, p.expected_ms, p.compute_ms = service_ms, expected, outcome.compute_ms
+                p.thresholds_version = self.threshold_set.current.version
+        self._answer(batch, outcome)
+        self.stages.record(stage, len(batch), len(outcome.survivors))
+        self._pass_on(batch, outcome, stage + last - first + 1, last)
+
+    async def _compute(
+        self, batch: list[Row], state: dict[str, np.ndarray], first: int, last: int
+    ) -> tuple[BatchOutcome, float, float]:
+        """(outcome, service ms, expected ms) of the batch through blocks first..last: on the event loop
+        when it is short or the worker has nothing else to do, else on the inference thread."""
+        answered = np.array([row.answered for row in batch], dtype=bool)
+        recorded = np.array([row.item.record for row in batch], dtype=bool)
+        fraction = (last - first + 1) / (self.runtime.last_block - self.runtime.first_block + 1)
+        mask = self.trim_mask  # the length _execute cuts the batch to:
+        trims = bool(self.trim_axes) and mask is not None and mask in state
+        length = trim_length(state, mask, self.trim_axes, self.bucket) if trims and mask is not None else self.bucket
+        self.times.ran_at(length)
+        expected = self.times.expected_ms(len(batch), length) * fraction
+        args = (state, self.thresholds, answered, recorded, first, last)
+        t0 = time.perf_counter()
+        if expected <= INLINE_BATCH_MS or (
+            expected <= INLINE_IDLE_MAX_MS
+            and self.stages.held() == 0
+            and self.forwarding == 0
+            and self.alone(len(batch))
+        ):
+            outcome = self._execute(*args)
+        else:
+            outcome = await asyncio.get_running_loop().run_in_executor(self.pool_exec, self._execute, *args)
+        service_ms = (time.perf_counter() - t0) * 1000
+        if self.slowdown > 1.0:
+            extra = service_ms * (self.slowdown - 1.0)
+            await asyncio.sleep(extra / 1000)
+            service_ms += extra
+        return outcome, service_ms, expected
+
+    def _execute(
+        self,
+        state: dict[str, np.ndarray],
+        thresholds: dict[str, float],
+        answered: np.ndarray,
+        recorded: np.ndarray,
+        first: int,
+        last: int,
+    ) -> BatchOutcome:
+        """A batch through blocks first..last; an input the model cannot run fails alone (batch_bisect.py)."""
+        known = known_input_check(self.runtime, self.warm_input, self.bucket, first, last)
+        mask = self.trim_mask
+        if self.trim_axes and mask is not None and mask in state:  # cut to its longest row (a free-length session)
+            state, _ = trimmed(state, mask, self.trim_axes, self.bucket)
+        return execute_isolated(self.runtime, state, self.bucket, thresholds, answered, recorded, first, last, known)
+
+    def _answer(self, batch: list[Row], outcome: BatchOutcome) -> None:
+        """The rows that exited, and those the model cannot run; the shadow records of the recorded ones."""
         for i, rec in outcome.records.items():
             row = batch[i]
             row.rec = (row.rec or _NO_RECORD).merged(rec.conf, rec.pred, rec.final_pred)
@@ -476,13 +410,16 @@ class SplitWorker:
             row.pending.answer(row.index, HopResult.answer(row.item.id, ans.ramp, ans.final), ans.logits)
         for ramp, count in per_ramp.items():
             self._child(self.metrics.exits, ramp).inc(count)
-        for i, why in outcome.rejected.items():  # inputs the model cannot run: the client's fault (isolate.py)
+        for i, why in outcome.rejected.items():  # inputs the model cannot run: the client's fault (batch_bisect.py)
             batch[i].pending.reject(batch[i].index, why)
         self.metrics.rejected.inc(len(outcome.rejected))
-        self.stages.record(stage, len(batch), len(outcome.survivors))
-        if last < self.runtime.last_block:  # on to the next block's queue, each row with its slice of the state
+
+    def _pass_on(self, batch: list[Row], outcome: BatchOutcome, next_queue: int, last: int) -> None:
+        """The survivors to the next block's queue (`next_queue`, inside a rebatching split) or to the
+        next split; the last split posts the shadow records' feedback instead."""
+        if last < self.runtime.last_block:  # each row with its slice of the state
             now = time.time()
-            queue = self.stages.queues[stage + last - first + 1]
+            queue = self.stages.queues[next_queue]
             for pos, i in enumerate(outcome.survivors):
                 row = batch[i]
                 row.state = {name: value[pos] for name, value in outcome.state.items()}
@@ -495,13 +432,6 @@ class SplitWorker:
             rows = [batch[i] for i in outcome.survivors]
             self.forwarding += 1
             asyncio.create_task(self.forward(rows, outcome.state))
-
-    def _execute(self, state, thresholds, answered, recorded, first: int, last: int) -> BatchOutcome:
-        """A batch through blocks first..last; an input the model cannot run fails alone (isolate.py)."""
-        known = known_input_check(self.runtime, self.warm_input, self.bucket, first, last)
-        if self.trim_axes and self.trim_mask in state:  # cut to its longest row; the session has a free length
-            state, _ = trimmed(state, self.trim_mask, self.trim_axes, self.bucket)
-        return execute_isolated(self.runtime, state, self.bucket, thresholds, answered, recorded, first, last, known)
 
     async def forward(self, rows: list[Row], state: dict[str, np.ndarray]) -> None:
         try:
@@ -531,21 +461,18 @@ class SplitWorker:
         logits = tensors.get("logits")
         by_id = {row.item.id: row for row in rows}
         for k, result in enumerate(answer.results):
-            row = by_id.pop(result.id, None)
-            if row is None or result.shadow:
+            sent = by_id.pop(result.id) if result.id in by_id else None
+            if sent is None or result.shadow:
                 continue
             if result.error is not None:  # the pod's failure or the input's own (result.input_error), kept as is
-                row.pending.answer(row.index, result, None)
+                sent.pending.answer(sent.index, result, None)
             else:
-                row.pending.answer(row.index, result, logits[k] if logits is not None else None)
+                sent.pending.answer(sent.index, result, logits[k] if logits is not None else None)
         for row in by_id.values():
             if not row.answered:
                 row.pending.fail(row.index, f"split {self.split + 1} returned no answer for this input")
 
     # ------------------------------------------------------------------ lifecycle
-
-    async def _startup(self, app: web.Application) -> None:
-        await self.start()
 
     async def start(self) -> None:
         """Warm up and start batching (the app's startup; a router that co-locates split 0 calls it)."""
@@ -560,10 +487,12 @@ class SplitWorker:
         self.tasks.append(asyncio.create_task(watch_plan(self.plan_path, self.apply_plan)))
         if self.next:
             await self.next.refresh(self.session)
-            self.tasks.append(asyncio.create_task(self.next.run(self.session)))
+            self.tasks.append(asyncio.create_task(self.next.run(self.session, self._catch_up)))
 
-    async def _cleanup(self, app: web.Application) -> None:
-        await self.stop()
+    async def _catch_up(self) -> None:
+        """After each probe of the next split: push the thresholds to a pod that reported older ones."""
+        if self.next and self.session:
+            await catch_up(self.session, self.next, self.threshold_set.current)
 
     async def stop(self) -> None:
         """Fail what is queued, stop the loops, close the connections."""
@@ -580,21 +509,5 @@ class SplitWorker:
         self.pool_exec.shutdown(wait=False)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 << 20)
-        token = self.control_token
-        app.add_routes(
-            [
-                web.post("/v1/run", guarded(token, self.handle_run)),
-                web.get("/v1/info", guarded(token, self.handle_info)),
-                web.get("/v1/peers", guarded(token, self.handle_peers)),
-                web.get("/v2/health/live", self.handle_live),
-                web.get("/v2/health/ready", self.handle_ready),
-                web.get("/metrics", self.handle_metrics),
-                web.post("/v1/thresholds", guarded(token, self.handle_thresholds)),
-            ]
-        )
-        if os.environ.get(FAULTS_ENV) == "1":
-            app.router.add_post("/v1/faults", guarded(token, self.handle_faults))
-        app.on_startup.append(self._startup)
-        app.on_cleanup.append(self._cleanup)
-        return app
+        """The worker's aiohttp app (`worker_routes.py`), which starts and stops it."""
+        return worker_app(self)

@@ -1,4 +1,5 @@
 """Early-exit generation over an explicit KV cache (EE-LLM): the decoder runtime and KV recomputation.
+(Not to be confused with `classify/decode.py`, which decodes classification request bodies.)
 
 `DecoderModel` runs the blocks of a generative bundle (`bundle.yaml` with a `decoder` section) through
 ONNX Runtime, one session per block and per head, every axis free: a block call takes the hidden states
@@ -175,7 +176,9 @@ class DecoderModel:
                 raise BundleError(f"{where}: head {ramp.name!r} must read only the hidden output of block {ramp.after}")
         return spec
 
-    def _session(self, rel: str, inputs: list[str], outputs: list[str], options, what: str) -> ort.InferenceSession:
+    def _session(
+        self, rel: str, inputs: list[str], outputs: list[str], options: ort.SessionOptions, what: str
+    ) -> ort.InferenceSession:
         path = self.directory / rel
         try:
             session = ort.InferenceSession(str(path), options, providers=list(self.providers))
@@ -218,6 +221,7 @@ class DecoderModel:
     def head_logits(self, block: int, hidden: np.ndarray) -> np.ndarray:
         """Logits [1, q, vocab] of the head after `block`."""
         ramp = self._ramp_after[block]
+        logits: np.ndarray
         (logits,) = self._ramps[block].run([ramp.output], {ramp.inputs[0]: hidden})
         return logits
 
@@ -245,7 +249,14 @@ def confidence(logits: np.ndarray) -> tuple[int, float]:
 
 
 def forward_stage(
-    model: DecoderModel, keys: list, values: list, x: np.ndarray, start: int, threshold: float, decide: bool, where: str
+    model: DecoderModel,
+    keys: list[np.ndarray],
+    values: list[np.ndarray],
+    x: np.ndarray,
+    start: int,
+    threshold: float,
+    decide: bool,
+    where: str,
 ) -> tuple[np.ndarray, tuple[int, int, str, float, bool] | None]:
     """Run a stage's blocks (model.first_block..last_block) on `x` at position `start`, appending to the
     stage's `keys`/`values` (one per block, in place). While `decide`, the first head that is final or

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from exitplan.api.plan import even_ranges
-from exitplan.worker.generate.decoder import (
+from exitplan.worker_image.generate.decoder import (
     NEVER_EXIT,
     DecoderModel,
     EngineBase,

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from exitplan.worker.generate.decoder import NEVER_EXIT, DecoderModel, GenerationError
+from exitplan.worker_image.generate.decoder import NEVER_EXIT, DecoderModel, GenerationError
 
 DEFAULT_CANDIDATES = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
@@ -62,7 +63,7 @@ def measure_recompute_ratio(model: DecoderModel, *, context: int = 64, repeats: 
 
 def measure_thresholds(
     model: DecoderModel, texts: Sequence[str], candidates: Sequence[float] = DEFAULT_CANDIDATES
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Per candidate threshold `{"threshold", "disagreement", "decide_share": {block: share}}`: the share of
     positions each head decides and how often the deciding head's token differs from the final head's."""
     if not texts:
@@ -107,7 +108,7 @@ def measure_profile(
     hop_ms: float = 0.0,
     context: int = 64,
     repeats: int = 50,
-) -> dict:
+) -> dict[str, Any]:
     """`{"block_ms", "head_ms", "decide_share", "hop_ms"}`: block and head times for one token against a
     `context`-long cache, and the share of tokens each head decides at `threshold` (teacher forced on
     `texts`: the first head whose confidence reaches it)."""
@@ -144,7 +145,7 @@ def measure_hop(model: DecoderModel, *, repeats: int = 50) -> float:
 
     import aiohttp
 
-    from exitplan.worker import wire
+    from exitplan.worker_image import wire
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

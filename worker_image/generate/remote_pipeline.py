@@ -36,17 +36,18 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NotRequired, TypedDict, TypeVar
 
 import aiohttp
 import numpy as np
 from aiohttp import web
 
-from exitplan.worker import wire
-from exitplan.worker.discovery import parse_peer_spec, resolve
-from exitplan.worker.generate.decoder import (
+from exitplan.worker_image import wire
+from exitplan.worker_image.discovery import parse_peer_spec, resolve
+from exitplan.worker_image.generate.decoder import (
     NEVER_EXIT,
     DecoderModel,
     EngineBase,
@@ -69,16 +70,31 @@ RUN, RELEASE, CACHE, STATS = (
 )
 
 
+T = TypeVar("T")
+
+
+class Decision(TypedDict):
+    """The token a head chose for a sequence's position (the `decision` line of a run's answer)."""
+
+    token: int
+    block: int
+    head: str
+    confidence: float
+    final: bool
+    recomputed: NotRequired[int]
+    """Positions whose missing KV entries were recomputed with this token (KV recomputation only)."""
+
+
 @dataclass
 class _Item:
     kind: str  # "run" | "release" | "barrier"
     seq: str
-    done: asyncio.Future
+    done: asyncio.Future[Decision | None]
     start: int = 0
     x: np.ndarray | None = None
     decide: bool = False
     threshold: float = NEVER_EXIT
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class StageServer:
@@ -95,8 +111,8 @@ class StageServer:
         self.cancelled: set[str] = set()
         self._queue: asyncio.Queue[_Item] | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._worker: asyncio.Task | None = None
-        self._relays: set[asyncio.Task] = set()
+        self._worker: asyncio.Task[None] | None = None
+        self._relays: set[asyncio.Task[None]] = set()
         self._compute_ewma = 0.0
         """Recent time of one work item's compute; below INLINE_SECONDS it runs on the event loop."""
 
@@ -265,7 +281,7 @@ class StageServer:
                 if not item.done.done():
                     item.done.set_exception(err)
 
-    def _compute(self, item: _Item) -> tuple[dict | None, np.ndarray, bool]:
+    def _compute(self, item: _Item) -> tuple[Decision | None, np.ndarray, bool]:
         model, first = self.model, self.model.first_block
         n = model.last_block - first + 1
         if item.seq not in self.caches:
@@ -282,7 +298,8 @@ class StageServer:
         if decided is None:
             return None, x, item.decide
         token, block, head, conf, final = decided
-        return {"token": token, "block": block, "head": head, "confidence": conf, "final": final}, x, False
+        decision: Decision = {"token": token, "block": block, "head": head, "confidence": conf, "final": final}
+        return decision, x, False
 
     async def _forward(self, item: _Item, x: np.ndarray, decide: bool) -> None:
         nxt = await self._next()
@@ -305,7 +322,7 @@ class StageServer:
         task.add_done_callback(self._relays.discard)
 
     @staticmethod
-    async def _relay(response: aiohttp.ClientResponse, done: asyncio.Future | None) -> None:
+    async def _relay(response: aiohttp.ClientResponse, done: asyncio.Future[Decision | None] | None) -> None:
         """Pass the later stage's decision (or error) back to whoever waits for this item."""
         try:
             async for line in response.content:
@@ -337,7 +354,7 @@ class RecomputeStageServer(StageServer):
         if handle is not None:
             self.engine.release(handle)
 
-    def _compute(self, item: _Item) -> tuple[dict | None, np.ndarray, bool]:
+    def _compute(self, item: _Item) -> tuple[Decision | None, np.ndarray, bool]:
         assert item.x is not None
         ids = [int(t) for t in item.x[0]]
         handle = self.handles.get(item.seq)
@@ -354,7 +371,7 @@ class RecomputeStageServer(StageServer):
             )
         handle.threshold = item.threshold
         event = self.engine.step(handle)
-        decision = {
+        decision: Decision = {
             "token": event.token_id,
             "block": event.block,
             "head": event.exit,
@@ -387,7 +404,7 @@ class RemotePipelineEngine(EngineBase):
     async def _make_session(self) -> aiohttp.ClientSession:
         return aiohttp.ClientSession()
 
-    def _call(self, coro):
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def _seq(self, handle: GenerationHandle) -> str:
@@ -477,7 +494,7 @@ class RemotePipelineEngine(EngineBase):
         if self._asession is not None:
             await self._asession.close()
 
-    def _next_work(self, handle: GenerationHandle) -> tuple[dict, np.ndarray, float]:
+    def _next_work(self, handle: GenerationHandle) -> tuple[dict[str, Any], np.ndarray, float]:
         if handle.finished:
             raise GenerationError("this sequence has finished")
         if handle.id not in self._open:
@@ -494,7 +511,7 @@ class RemotePipelineEngine(EngineBase):
         }
         return meta, np.asarray([new], dtype=np.int64), started
 
-    def _event(self, handle: GenerationHandle, decision: dict, started: float) -> TokenEvent:
+    def _event(self, handle: GenerationHandle, decision: Decision, started: float) -> TokenEvent:
         token = int(decision["token"])
         self._finish(handle, token)
         assert handle.decoder is not None
@@ -510,14 +527,14 @@ class RemotePipelineEngine(EngineBase):
             seconds=time.perf_counter() - started,
         )
 
-    async def _run(self, meta: dict, x: np.ndarray, session: aiohttp.ClientSession | None = None) -> dict:
+    async def _run(self, meta: dict[str, Any], x: np.ndarray, session: aiohttp.ClientSession | None = None) -> Decision:
         frame = wire.encode(meta, {"x": x})
         async with (session or self._session).post(
             self.urls[0] + RUN, data=frame, headers={"Content-Type": wire.CONTENT_TYPE}
         ) as r:
             if r.status != 200:
                 raise GenerationError(f"stage {self.urls[0]} refused the work: {r.status} {await r.text()}")
-            decision = None
+            decision: Decision | None = None
             for line in (await r.read()).splitlines():  # one line: the decision (or the error)
                 message = json.loads(line)
                 if "decision" in message:

@@ -1,5 +1,6 @@
 """The router of a generation service (a bundle with a `decoder` section): the cluster entry point for
-early-exit text generation, started by the same `exitplan router` command as every router.
+early-exit text generation, started by the same `exitplan router` command as every router (a
+classification service's router is `classify/router.py`; both serve `protocol.v2_routes`).
 
 It coordinates the plan's stage workers (`exitplan generate-stage`, one replica per split, chained by
 `--next`): the first stage is the router's `--peers` (the split-0 headless Service in a cluster),
@@ -12,7 +13,7 @@ when it ends or the client goes away.
 Endpoints: POST /v2/models/{name}/generate and /generate_stream (see routes.py),
 GET /v2/models/{name}, GET /v2/models/{name}/ready, GET /v2, GET /v2/health/live|ready, GET /metrics,
 POST /v2/models/{name}/infer answers 400 (this model generates); behind the service's control token,
-on the control port when there is one (`exitplan.worker.auth`): GET/POST /v1/thresholds (one exit
+on the control port when there is one (`exitplan.worker_image.auth`): GET/POST /v1/thresholds (one exit
 threshold for every head; the plan's thresholds are hot-updated).
 """
 
@@ -29,14 +30,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from exitplan.api.bundle import read_manifest
 from exitplan.api.plan import Plan
-from exitplan.worker import protocol
-from exitplan.worker.auth import ControlPlane, json_body
-from exitplan.worker.discovery import parse_peer_spec, resolve
-from exitplan.worker.generate.decoder import NEVER_EXIT
-from exitplan.worker.generate.remote_pipeline import RemotePipelineEngine
-from exitplan.worker.generate.routes import GenerationMetrics, add_generate_routes
-from exitplan.worker.planfile import read_plan, watch_plan
-from exitplan.worker.protocol import error_response as _error
+from exitplan.worker_image import protocol
+from exitplan.worker_image.auth import ControlPlane
+from exitplan.worker_image.discovery import parse_peer_spec, resolve
+from exitplan.worker_image.generate.decoder import NEVER_EXIT
+from exitplan.worker_image.generate.remote_pipeline import RemotePipelineEngine
+from exitplan.worker_image.generate.routes import add_generate_routes
+from exitplan.worker_image.metrics import GenerationMetrics
+from exitplan.worker_image.planfile import read_plan, watch_plan
+from exitplan.worker_image.protocol import error_response as _error
+from exitplan.worker_image.request_body import json_body
 
 log = logging.getLogger(__name__)
 RESOLVE_SECONDS = 2.0
@@ -82,7 +85,7 @@ class GenerationRouter:
         self.first_stage_ready = False
         self.reason = "the first stage has not been reached yet"
         self.session: aiohttp.ClientSession | None = None
-        self.tasks: list[asyncio.Task] = []
+        self.tasks: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------ plan and stages
 
@@ -232,17 +235,7 @@ class GenerationRouter:
             metrics=self.metrics,
             unavailable=self.unavailable,
         )
-        app.add_routes(
-            [
-                web.post("/v2/models/{name}/infer", self.handle_infer),
-                web.get("/v2/models/{name}", self.handle_model),
-                web.get("/v2/models/{name}/ready", self.handle_model_ready),
-                web.get("/v2", self.handle_server),
-                web.get("/v2/health/live", self.handle_live),
-                web.get("/v2/health/ready", self.handle_ready),
-                web.get("/metrics", self.handle_metrics),
-            ]
-        )
+        app.add_routes(protocol.v2_routes(self))
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         self.control.mount(

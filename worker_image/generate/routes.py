@@ -18,15 +18,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from exitplan.worker import protocol
-from exitplan.worker.generate.decoder import EngineBase, GenerationError, GenerationHandle, TokenEvent
-from exitplan.worker.metrics import GenerationMetrics
+from exitplan.worker_image import protocol
+from exitplan.worker_image.generate.decoder import EngineBase, GenerationError, GenerationHandle, TokenEvent
+from exitplan.worker_image.metrics import GenerationMetrics
 
 DEFAULT_MAX_TOKENS = 32
 
@@ -88,7 +88,8 @@ class GenerateRoutes:
         self.metrics = metrics
         self.threshold = threshold
         self.unavailable = unavailable
-        self.astep = getattr(engine, "astep", None)
+        self.astep: Callable[[GenerationHandle], Awaitable[TokenEvent]] | None = getattr(engine, "astep", None)
+        """The engine's step on this event loop (an engine that awaits remote stages has one)."""
 
     def error(self, code: int, message: str) -> web.Response:
         self.metrics.answered(code)
@@ -115,7 +116,7 @@ class GenerateRoutes:
             return self.error(503, reason)
         return handle
 
-    def start_step(self, handle: GenerationHandle) -> asyncio.Future:
+    def start_step(self, handle: GenerationHandle) -> asyncio.Future[TokenEvent]:
         """The next token: on this loop when the engine awaits remote stages, else in a thread (ONNX Runtime)."""
         if self.astep is not None:
             return asyncio.ensure_future(self.astep(handle))
@@ -156,7 +157,7 @@ class GenerateRoutes:
         metrics = self.metrics
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         events: list[TokenEvent] = []
-        step: asyncio.Future | None = None
+        step: asyncio.Future[TokenEvent] | None = None
         try:
             await response.prepare(request)
             while not handle.finished:

@@ -54,21 +54,23 @@ exactly: nothing missing, nothing extra.
 - apiGroups: ["exitplan.io"]
   resources: ["modelprofiles"]
   verbs: ["list", "watch"]
-# kopf + app: events about services (kopf.event in reconcile/driftloop; kopf's handler errors).
+# kopf + app: events about services (operator/events.py: created, then patched to count repeats;
+# kopf's handler errors).
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "patch"]
 # app: the plan ConfigMap and the router/split Services (operator/apply.py apply_one, delete_one,
 # list_children; reconcile.py current_plan; driftloop.py router_urls).
 - apiGroups: [""]
   resources: ["configmaps", "services"]
   verbs: ["get", "list", "create", "patch", "delete"]
-# app: each service's control token (operator/control_token.py: read it to call the routers'
-# control endpoints, create it once, before the pods that mount it).
+# app: every router replica's address for /v1/observations: the control Service's Endpoints
+# (operator/router_endpoints.py find_routers).
 - apiGroups: [""]
-  resources: ["secrets"]
-  verbs: ["get", "create"]
-# app: router pods' IPs for /v1/observations (operator/driftloop.py router_urls); the init container
+  resources: ["endpoints"]
+  verbs: ["get"]
+# app: router pods' IPs for /v1/observations (operator/router_endpoints.py, where there are no
+# Endpoints); the init container
 # statuses of a service's pods, for a remote bundle they cannot fetch (operator/bundle_health.py).
 - apiGroups: [""]
   resources: ["pods"]
@@ -82,11 +84,26 @@ exactly: nothing missing, nothing extra.
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "create", "patch", "delete"]
+# app: each service's own NetworkPolicies (operator/network_policies.py, applied, listed and pruned
+# by operator/apply.py like the other children).
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 # app: profiling Jobs (operator/reconcile.py ensure_profiling; apply.py list_children). Finished
 # Jobs expire by ttlSecondsAfterFinished and go with their service, so no delete.
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "create", "patch"]
+{{- end -}}
+
+{{/* Secrets: never cluster-wide. Always in a Role of each namespace of namespaces.services, whatever
+     the watch mode: the operator reads and creates Secrets only where services are meant to run. */}}
+{{- define "exitplan.rules.secrets" -}}
+# app: each service's control token (operator/control_token.py: read it to call the routers'
+# control endpoints, create it once, before the pods that mount it).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
 {{- end -}}
 
 {{/* The profiling Job's `exitplan operator publish-profile` (exitplan/cmd_operator.py publish_profile

@@ -1,4 +1,5 @@
-"""One bad input fails alone: a fused batch that ONNX Runtime refuses is split until the culprit is found.
+"""The worker's execute entry point: a fused batch through `executor.execute`, and when ONNX Runtime
+refuses the batch, bisected until only the inputs the model cannot run fail (each alone).
 
 A worker's batch fuses the inputs of many requests. The router checks every value before it sends
 an input (dtypes, ranges, token ids inside the vocabulary), but a model may still refuse a value it
@@ -20,34 +21,59 @@ Pure compute, like `executor.execute`: called where the batch runs (inference th
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-from exitplan.worker.bundle_runtime import BundleRuntime, StateError
-from exitplan.worker.classify.executor import Answer, BatchOutcome, execute
+from exitplan.worker_image.bundle_runtime import BundleRuntime, StateError
+from exitplan.worker_image.classify.executor import Answer, BatchOutcome, execute
 
 REASON_CHARS = 400
 """ONNX Runtime's messages name the node and the value; longer ones are cut here."""
 
 
-def _run(runtime, state, rows: np.ndarray, args: tuple) -> BatchOutcome:
-    bucket, thresholds, answered, recorded, first, last = args
-    sub = {name: value[rows] for name, value in state.items()}
-    return execute(runtime, sub, bucket, thresholds, answered[rows], recorded[rows], first, last)
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """What `execute` takes besides the rows: the batch's state and per-row flags, and its stage."""
+
+    runtime: BundleRuntime
+    state: dict[str, np.ndarray]
+    bucket: int
+    thresholds: dict[str, float]
+    answered: np.ndarray
+    recorded: np.ndarray
+    first: int | None
+    last: int | None
+
+    def run(self, rows: np.ndarray) -> BatchOutcome:
+        """`execute` on the batch's `rows` alone."""
+        sub = {name: value[rows] for name, value in self.state.items()}
+        return execute(
+            self.runtime,
+            sub,
+            self.bucket,
+            self.thresholds,
+            self.answered[rows],
+            self.recorded[rows],
+            self.first,
+            self.last,
+        )
 
 
-def _bisect(runtime, state, rows: np.ndarray, args: tuple, ran: list, rejected: dict[int, Exception]) -> None:
+def _bisect(
+    batch: _Batch, rows: np.ndarray, ran: list[tuple[np.ndarray, BatchOutcome]], rejected: dict[int, Exception]
+) -> None:
     """Run `rows` (which failed together) in halves, down to single rows; collect what ran and what failed."""
     for half in (rows[: len(rows) // 2], rows[len(rows) // 2 :]):
         try:
-            ran.append((half, _run(runtime, state, half, args)))
+            ran.append((half, batch.run(half)))
         except StateError:
             raise
         except Exception as err:  # onnxruntime raises several unrelated types
             if len(half) == 1:
                 rejected[int(half[0])] = err
             else:
-                _bisect(runtime, state, half, args, ran, rejected)
+                _bisect(batch, half, ran, rejected)
 
 
 def _merge(parts: list[tuple[np.ndarray, BatchOutcome]], rejected: dict[int, str]) -> BatchOutcome:
@@ -97,11 +123,11 @@ def execute_isolated(
     except Exception as err:  # onnxruntime raises several unrelated types
         first_error = err
     n = len(answered)
-    args = (bucket, thresholds, answered, recorded, first, last)
+    batch = _Batch(runtime, state, bucket, thresholds, answered, recorded, first, last)
     ran: list[tuple[np.ndarray, BatchOutcome]] = []
     failed: dict[int, Exception] = {}
     if n > 1:
-        _bisect(runtime, state, np.arange(n), args, ran, failed)
+        _bisect(batch, np.arange(n), ran, failed)
     else:
         failed[0] = first_error
     if not ran and (known_good is None or not known_good()):

@@ -1,0 +1,53 @@
+"""What the operator keeps per service between handler calls, in kopf's per-object memo: the plan in force as
+last read from its ConfigMap, and the planner's option tables of the service's last plan.
+
+The drift loop asks for the plan in force at every router read (four times a period); it is read from the
+API once and kept until this process writes the service's children again (`children_written`, called
+after every apply). The planner's OptionCache (planner/problem.py) lets a re-plan reuse the tables whose
+inputs did not change. Without a memo (tests, a one-off call) nothing is kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from exitplan.api.plan import Plan
+from exitplan.operator import tick_reads
+from exitplan.operator.kube import KubeClient
+from exitplan.operator.service_state import current_plan
+from exitplan.planner.problem import OptionCache
+
+PLAN_CACHE_KEY = "plan_cache"
+"""The per-object memo's key for the service's planner OptionCache."""
+PLAN_IN_FORCE_KEY = "plan_in_force"
+"""The per-object memo's key for the plan in force as last read."""
+
+
+async def plan_in_force(memo: Any, client: KubeClient, name: str, namespace: str) -> Plan | None:
+    """`current_plan`, read once and kept in the per-object memo until `children_written`."""
+    if memo is None:
+        return await current_plan(client, name, namespace)
+    kept = memo.get(PLAN_IN_FORCE_KEY)
+    if isinstance(kept, Plan):
+        return kept
+    plan = await current_plan(client, name, namespace)
+    if plan is not None:
+        memo[PLAN_IN_FORCE_KEY] = plan
+    return plan
+
+
+def children_written(memo: Any) -> None:
+    """After this process wrote the service's children (the plan ConfigMap among them): read the plan again."""
+    if memo is not None:
+        memo.pop(PLAN_IN_FORCE_KEY, None)
+    tick_reads.children_written(memo)  # and the Deployments again, not from a list asked for before
+
+
+def plan_cache(memo: Any) -> OptionCache:
+    """The service's planner OptionCache (a fresh one without a memo)."""
+    if memo is None:
+        return OptionCache()
+    cache = memo.get(PLAN_CACHE_KEY)
+    if not isinstance(cache, OptionCache):
+        cache = memo[PLAN_CACHE_KEY] = OptionCache()
+    return cache

@@ -1,0 +1,93 @@
+"""Ready, Progressing and Degraded from what runs: the service's Deployments and pods, every timer tick.
+
+Owns `refresh_readiness`: per plan cell the ready replicas (a co-located plan's split 0 counted from
+its routers, colocation.py), the cell metrics, a rollout that stalls (Degraded, reason RolloutStalled)
+and recovers, a bundle the pods cannot fetch (bundle_health.py), and Ready once every Deployment has
+its replicas, pods that refuse to serve on the CPU in place of their pool's GPU (provider_health.py). It
+writes the status only when something changed.
+"""
+
+from __future__ import annotations
+
+import json
+
+from exitplan.operator import bundle_health, colocation, provider_health, tick_reads
+from exitplan.operator.kube import path
+from exitplan.operator.metrics import METRICS
+from exitplan.operator.names import L_BUCKET, L_COMPONENT, L_POOL, L_SERVICE, L_SPLIT, bundle_path
+from exitplan.operator.service_state import Service
+from exitplan.operator.status import Phase, ServiceStatus, parse_status, set_condition
+
+
+async def refresh_readiness(svc: Service) -> ServiceStatus:
+    """Ready / Progressing from the Deployments' status (the timer calls it every tick)."""
+    status = parse_status(svc.body.get("status"))
+    idle = (Phase.infeasible, Phase.advisory, Phase.profiling, Phase.profiling_failed)
+    if status.plan is None or status.phase in idle:
+        return status
+    gen = svc.generation
+    deployments = await tick_reads.service_deployments(svc.memo, svc.namespace, svc.name)
+    if deployments is None:  # no shared list fresh enough (tick_reads.py): the service's own
+        deployments = await svc.client.list(path("Deployment", svc.namespace), f"{L_SERVICE}={svc.name}")
+    ready: dict[tuple[int, int, str], int] = {}
+    all_ready = True
+    colocated_routers = None  # ready routers that run split 0 (a co-located plan), else None
+    for dep in deployments:
+        labels = dep["metadata"].get("labels", {})
+        want = int(dep.get("spec", {}).get("replicas") or 0)
+        have = int((dep.get("status") or {}).get("readyReplicas") or 0)
+        all_ready &= have >= want
+        if labels.get(L_COMPONENT) == "worker":
+            ready[(int(labels[L_SPLIT]), int(labels[L_BUCKET]), labels[L_POOL])] = have
+        elif labels.get(L_COMPONENT) == "router" and colocation.runs_split_zero(dep):
+            colocated_routers = have
+    for cell in status.plan.cells:
+        cell.ready_replicas = ready.get((cell.split, cell.bucket, cell.pool), 0)
+        if colocated_routers is not None and cell.split == 0:  # every ready router holds split 0 of each bucket
+            cell.ready_replicas = min(cell.replicas, colocated_routers)
+    METRICS.record_plan(
+        svc.namespace,
+        svc.name,
+        status.plan.cost_per_hour,
+        [(c.split, c.bucket, c.pool, c.replicas, c.ready_replicas) for c in status.plan.cells],
+    )
+    all_ready &= bool(deployments)
+    stalled = [
+        f"Deployment {d['metadata']['name']}: {c.get('message') or c.get('reason')}"
+        for d in deployments
+        for c in (d.get("status") or {}).get("conditions") or []
+        if c.get("type") == "Progressing" and c.get("status") == "False"
+    ]
+    before = json.dumps(parse_status(svc.body.get("status")).model_dump(mode="json"), sort_keys=True)
+    degraded = any(c.type == "Degraded" and c.status == "True" for c in status.conditions)
+    if stalled:
+        bundle = bundle_path((svc.body.get("spec") or {}).get("model", {}).get("bundle", ""))
+        message = (
+            "; ".join(stalled) + f". Pods of the plan do not start: check that the bundle {bundle} is "
+            "reachable from the pods and their logs; the replicas that run keep serving"
+        )
+        if not degraded or status.message != message:
+            svc.event("Warning", "RolloutStalled", message)
+        status.conditions = set_condition(status.conditions, "Degraded", True, "RolloutStalled", message, gen)
+        status.phase, status.message, degraded = Phase.degraded, message, True
+    elif degraded and any(c.type == "Degraded" and c.reason == "RolloutStalled" for c in status.conditions):
+        status.conditions = set_condition(status.conditions, "Degraded", False, "Recovered", "rollout progresses", gen)
+        status.phase, degraded = Phase.deploying, False
+    degraded = await bundle_health.surface(svc, status, degraded)
+    if not all_ready or any(c.reason == provider_health.REASON for c in status.conditions):  # ready: no pod refuses
+        pods = await svc.client.list(path("Pod", svc.namespace), f"{L_SERVICE}={svc.name}")
+        degraded = await provider_health.surface(svc, status, degraded, pods)
+    if all_ready:
+        status.conditions = set_condition(
+            status.conditions, "Ready", True, "AllReady", "every Deployment is ready", gen
+        )
+        status.conditions = set_condition(status.conditions, "Progressing", False, "Complete", "rollout complete", gen)
+        if not degraded:
+            status.phase = Phase.ready
+    else:
+        status.conditions = set_condition(
+            status.conditions, "Ready", False, "Waiting", "some Deployments have fewer ready replicas than desired", gen
+        )
+    if json.dumps(status.model_dump(mode="json"), sort_keys=True) != before:
+        await svc.write_status(status)
+    return status

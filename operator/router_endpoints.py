@@ -1,0 +1,98 @@
+"""Where the operator reaches each router replica's control endpoints (`/v1/observations`,
+`/v1/window.npz`, `/v1/thresholds`), so that every router's observations are read and summed: a read
+through one Service address reaches one router per connection, and the windows of the others are
+never seen (MEASURED under-reads by the number of routers).
+
+First that gives addresses:
+1. the Endpoints of the routers' control Service (`<svc>-control`, headless, publishing not-ready
+   addresses): one address per router pod, at the control port (in a cluster the pods' IPs; the dev
+   cluster publishes each pod's local port: devcluster/endpoints.py);
+2. router Pods with a podIP, at the control port;
+3. one address for all of them: the control Service's `status.loadBalancer.ingress` ip:port, else its
+   cluster DNS name. Such a read is not per replica: with more than one router it is reported as
+   partial (`Routers.shortfall`) and not used to judge the plan (condition PlanAccurate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from exitplan.api.manifest import Manifest
+from exitplan.operator import names
+from exitplan.operator.kube import ApiError, path
+from exitplan.operator.service_state import Service
+
+
+@dataclass(frozen=True)
+class Routers:
+    urls: list[str]
+    """The control endpoints to read (one per router replica when `per_replica`)."""
+    per_replica: bool
+    """Each URL is one router pod (Endpoints or pod IPs), not a Service address that reaches any."""
+    replicas: int
+    """Router pods whose observations a whole read holds: the URLs' count when `per_replica`, else the
+    router Deployment's replicas."""
+
+    def shortfall(self, answered: int) -> str:
+        """Why a read of `answered` routers does not hold every router's observations ('' when it does)."""
+        if not self.per_replica and self.replicas > 1:
+            return f"routers read through one Service address (one of {self.replicas} routers per read)"
+        if answered < self.replicas:
+            return f"{answered} of {self.replicas} routers read"
+        return ""
+
+
+def endpoint_urls(endpoints: Manifest) -> list[str]:
+    """Every address of an Endpoints object, ready or not, at its subset's control port."""
+    urls = []
+    for subset in endpoints.get("subsets") or []:
+        ports = subset.get("ports") or []
+        port = next((p["port"] for p in ports if p.get("name") == "control"), ports[0]["port"] if ports else None)
+        if port is None:
+            continue
+        for address in (subset.get("addresses") or []) + (subset.get("notReadyAddresses") or []):
+            urls.append(f"http://{address['ip']}:{port}")
+    return sorted(set(urls))
+
+
+async def _get(svc: Service, kind: str, name: str) -> Manifest | None:
+    try:
+        return await svc.client.get(path(kind, svc.namespace, name))
+    except ApiError as err:
+        if err.status == 404:
+            return None
+        raise
+
+
+async def _service_address(svc: Service) -> list[str]:
+    """The control Service's load-balancer ingress, else its DNS name ([] when there is no Service)."""
+    service = await _get(svc, "Service", names.control_service_name(svc.name))
+    if service is None:
+        return []
+    for ingress in ((service.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []:
+        host = ingress.get("ip") or ingress.get("hostname")
+        ports = ingress.get("ports") or [{"port": names.CONTROL_PORT}]
+        if host:
+            return [f"http://{host}:{ports[0]['port']}"]
+    return [f"http://{names.control_host(svc.name, svc.namespace)}"]
+
+
+async def find_routers(svc: Service) -> Routers:
+    """The routers' control endpoints (see the module docstring for the order)."""
+    endpoints = await _get(svc, "Endpoints", names.control_service_name(svc.name))
+    urls = endpoint_urls(endpoints) if endpoints is not None else []
+    if not urls:
+        selector = f"{names.L_SERVICE}={svc.name},{names.L_COMPONENT}=router"
+        pods = await svc.client.list(path("Pod", svc.namespace), selector)
+        ips = [(p.get("status") or {}).get("podIP") for p in pods]
+        urls = [f"http://{ip}:{names.CONTROL_PORT}" for ip in ips if ip]
+    if urls:  # every router pod that runs (the Service publishes not-ready ones): one that does not, answers nothing
+        return Routers(urls, True, len(urls))
+    deployment = await _get(svc, "Deployment", names.router_name(svc.name))
+    urls = await _service_address(svc)
+    return Routers(urls, False, int(((deployment or {}).get("spec") or {}).get("replicas") or len(urls)))
+
+
+async def router_urls(svc: Service) -> list[str]:
+    """The routers' control endpoints (find_routers' URLs)."""
+    return (await find_routers(svc)).urls

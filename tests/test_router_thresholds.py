@@ -1,0 +1,209 @@
+"""One versioned set of thresholds per service, the same on every router (worker_image/threshold_set.py,
+worker_image/classify/router_thresholds.py, worker_image/router_fleet.py).
+
+On a real local deployment (the digits bundle, 2 and then 3 routers behind the front, as `exitplan up
+--routers N` runs them): a POST to one router is merged into the set in force (the ramps it leaves out
+keep their values) as the next version, and every router and the worker serve that version as soon as
+the POST is answered; `"replace": true` replaces the whole set; a set given to one router only (a
+versioned post, not forwarded) reaches the others through their sync; a tuning step of the tuner of
+`exitplan up`, on the feedback of every router, leaves every router on the version it pushed; the
+answers and the model metadata name the version. Loops that wait are hang guards, not deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import replace
+
+import aiohttp
+import numpy as np
+import pytest
+from dataplane_helpers import free_port_block, service_spec
+
+from exitplan.api.bundle import read_manifest
+from exitplan.localrun.autotune import AutoTuner
+from exitplan.localrun.deployment import LocalDeployment
+from exitplan.localrun.service_setup import ServiceSetup, single_split_plan
+from exitplan.planner.tuning.autotune import LIVE
+from exitplan.worker_image.control_bodies import FeedbackArrays
+from exitplan.worker_image.router_fleet import merge_feedback
+from exitplan.worker_image.threshold_set import ThresholdHolder, ThresholdSet
+
+PATH = "/v2/models/digits/infer"
+HANG_GUARD_S = 120.0
+
+
+def test_the_newest_version_wins_whatever_the_order_and_a_tie_is_broken_the_same_everywhere():
+    a, b = ThresholdSet({"r0": 0.9, "r1": 0.8}, 3), ThresholdSet({"r0": 0.5, "r1": 0.8}, 3)
+    newest = ThresholdSet({"r0": 0.7}, 4)
+    ends = set()
+    for order in ([a, b, newest], [newest, b, a], [b, a, newest]):
+        holder = ThresholdHolder(ThresholdSet({"r0": 2.0, "r1": 2.0}, 0))
+        for s in order:
+            holder.adopt(s)
+        ends.add(holder.current.key())
+    assert ends == {newest.key()}
+    tie = ThresholdHolder(ThresholdSet())
+    tie.adopt(a), tie.adopt(b)
+    other = ThresholdHolder(ThresholdSet())
+    other.adopt(b), other.adopt(a)
+    assert tie.current == other.current  # the digest decides, the same on both
+
+
+def test_a_post_merges_unless_it_replaces():
+    held = ThresholdSet({"r0": 0.98, "r1": 0.99}, 5)
+    assert held.changed({"r0": 0.5}, replace=False, version=None) == ThresholdSet({"r0": 0.5, "r1": 0.99}, 6)
+    assert held.changed({"r0": 0.5}, replace=True, version=None) == ThresholdSet({"r0": 0.5}, 6)
+    assert held.changed({"r1": 0.9}, replace=False, version=9).version == 9
+
+
+def test_a_new_unversioned_plan_is_the_next_version_and_the_same_plan_again_changes_nothing():
+    holder = ThresholdHolder(ThresholdSet({"r0": 0.9}, 4))
+    assert not holder.adopt_plan({"r0": 0.9}, 0)
+    assert holder.adopt_plan({"r0": 0.8}, 0) and holder.current == ThresholdSet({"r0": 0.8}, 5)
+    assert not holder.adopt_plan({"r0": 0.1}, 2)  # an older versioned plan: the routers' set stands
+
+
+def test_the_tuner_window_holds_every_routers_feedback_in_proportion():
+    def arrays(n: int, label: int) -> FeedbackArrays:
+        return FeedbackArrays(np.full((n, 2), 0.5), np.full((n, 2), label), np.full(n, label), np.ones(2), np.zeros(2))
+
+    merged = merge_feedback([arrays(300, 0), arrays(100, 1), arrays(0, 2)], last=200)
+    assert merged is not None and merged.final.size == 200
+    assert (merged.final == 0).sum() == 150 and (merged.final == 1).sum() == 50
+    both = merge_feedback([arrays(30, 0), arrays(20, 1)], last=200)
+    assert both is not None and both.final.size == 50  # under the window: every sample
+    assert merge_feedback([arrays(0, 0)], last=10) is None
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}-routers")
+def served(request, digits_bundle, tmp_path_factory):
+    manifest = read_manifest(digits_bundle)
+    spec = service_spec(digits_bundle, slo_ms=2000.0, shadow=0.5)
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"name": "digits"})})
+    setup = ServiceSetup("thresholds", spec, digits_bundle, manifest)
+    plan = single_split_plan(
+        setup, thresholds={r.name: 0.9 for r in manifest.exit_ramps()}, replicas=1, batch_size=8, reason="test"
+    )
+    base = free_port_block(4 + request.param)
+    dep = LocalDeployment(
+        digits_bundle,
+        plan,
+        spec,
+        tmp_path_factory.mktemp("thresholds"),
+        port=base + 3 + request.param,
+        base_port=base,
+        window_seconds=3600,
+        routers=request.param,
+    )
+    dep.ramps = [r.name for r in manifest.exit_ramps()]
+    with dep:
+        yield dep
+
+
+@pytest.fixture(scope="module")
+def body(digits_bundle) -> bytes:
+    with np.load(digits_bundle / "data" / "heldout.npz") as data:
+        image = np.asarray(data["x"][0], dtype=np.float32).ravel().tolist()
+    return json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": image}]}).encode()
+
+
+def controls(dep: LocalDeployment) -> list[str]:
+    return [f"http://127.0.0.1:{p}" for p in dep.control_ports]
+
+
+async def call(session: aiohttp.ClientSession, method: str, url: str, body: object = None) -> dict:
+    async with session.request(method, url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+async def router_sets(session: aiohttp.ClientSession, dep: LocalDeployment) -> list[tuple[int, str, dict]]:
+    answers = [await call(session, "GET", f"{url}/v1/thresholds") for url in controls(dep)]
+    return [(a["version"], a["digest"], a["thresholds"]) for a in answers]
+
+
+async def worker_version(dep: LocalDeployment, token: str) -> tuple[int, str]:
+    (worker,) = [p for p in dep.procs if p.name.startswith("worker-")]
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as s:
+        info = await call(s, "GET", f"http://{worker.address}/v1/info")
+    return info["thresholdsVersion"], info["thresholdsDigest"]
+
+
+async def test_a_post_to_one_router_is_merged_and_served_by_every_router_when_it_is_answered(served, body):
+    dep = served
+    r0, r1 = dep.ramps[0], dep.ramps[1]
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {dep.control_token}"}) as s:
+        (version, _, before), *_ = await router_sets(s, dep)
+        posted = await call(s, "POST", f"{controls(dep)[0]}/v1/thresholds", {"thresholds": {r0: 0.5}})
+        assert posted["version"] == version + 1
+        assert posted["thresholds"] == {**before, r0: 0.5}  # merged: the other ramps keep their values
+        sets = await router_sets(s, dep)
+        assert len(sets) == len(dep.router_procs()) and {(v, d) for v, d, _ in sets} == {
+            (posted["version"], posted["digest"])
+        }
+        assert await worker_version(dep, dep.control_token) == (posted["version"], posted["digest"])
+        # replace: the set is exactly what is posted (to another router this time)
+        replaced = await call(
+            s, "POST", f"{controls(dep)[-1]}/v1/thresholds", {"thresholds": {r1: 0.75}, "replace": True}
+        )
+        assert replaced["thresholds"] == {r1: 0.75} and replaced["version"] == version + 2
+        assert {(v, d) for v, d, _ in await router_sets(s, dep)} == {(replaced["version"], replaced["digest"])}
+    async with aiohttp.ClientSession() as s:  # the answers and the metadata through the front name it
+        for _ in range(2 * len(dep.router_procs())):
+            meta = await call(s, "GET", f"{dep.url}/v2/models/digits")
+            assert meta["parameters"]["thresholds_version"] == replaced["version"]
+            assert meta["parameters"]["thresholds"] == {r1: 0.75}
+            async with s.post(f"{dep.url}{PATH}", data=body, headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 200
+                assert (await r.json())["parameters"]["thresholds_version"] == replaced["version"]
+
+
+async def test_a_router_given_a_set_alone_hands_it_to_the_others_at_their_sync(served):
+    dep = served
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {dep.control_token}"}) as s:
+        (version, _, values), *_ = await router_sets(s, dep)
+        lone = {"thresholds": {**values, dep.ramps[0]: 0.66}, "version": version + 10, "replace": True}
+        given = await call(s, "POST", f"{controls(dep)[-1]}/v1/thresholds", lone)  # versioned: not forwarded
+        end = time.monotonic() + HANG_GUARD_S
+        while {(v, d) for v, d, _ in await router_sets(s, dep)} != {(given["version"], given["digest"])}:
+            assert time.monotonic() < end, "the routers did not converge"
+            await asyncio.sleep(0.1)
+
+
+async def send_load(url: str, bundle, n: int, at_once: int = 8) -> None:
+    """n held-out images, in turn (agreement at an early ramp is measured on varied inputs)."""
+    with np.load(bundle / "data" / "heldout.npz") as data:
+        held = np.asarray(data["x"], dtype=np.float32)
+    images = [held[i % len(held)] for i in range(n)]
+    bodies = [
+        json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": x.ravel().tolist()}]})
+        for x in images
+    ]
+    async with aiohttp.ClientSession() as s:
+
+        async def one(body: str) -> None:
+            async with s.post(f"{url}{PATH}", data=body, headers={"Content-Type": "application/json"}) as r:
+                await r.read()
+
+        for start in range(0, len(bodies), at_once):
+            await asyncio.gather(*(one(b) for b in bodies[start : start + at_once]))
+
+
+async def test_a_tuning_step_on_every_routers_feedback_leaves_every_router_on_its_version(served, digits_bundle):
+    dep = served
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {dep.control_token}"}) as s:
+        exit_all = {r: 0.0 for r in dep.ramps}  # every input exits at the first ramp: far over the budget
+        await call(s, "POST", f"{controls(dep)[0]}/v1/thresholds", {"thresholds": exit_all})
+        await send_load(dep.url, digits_bundle, 600)
+        tuner = AutoTuner(controls(dep), dep.ramps, 0.01, config=replace(LIVE, tails=()), token=dep.control_token)
+        try:
+            decision = await asyncio.to_thread(tuner.step)
+        finally:
+            await asyncio.to_thread(tuner.stop)
+        assert decision.thresholds is not None and decision.trigger == "breach", decision
+        sets = await router_sets(s, dep)
+        assert {v for v, _, _ in sets} == {tuner.version} and all(t == decision.thresholds for _, _, t in sets)
+        assert (await worker_version(dep, dep.control_token))[0] == tuner.version
