@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from test_operator_support import (
     ClusterThread,
     condition,
+    events_where,
     install_profiles,
     operator,
     pool,
@@ -404,7 +405,9 @@ def test_a_failing_storage_init_makes_the_service_degraded_and_recovers(tmp_path
                 and pod["metadata"]["name"] in message
                 and "s3://bundles/minilm" in message
             )
-            events = [e for e in cluster.events(ns, "minilm") if e["reason"] == "BundleFetchFailed"]
+            events = events_where(
+                cluster, ns, "minilm", lambda e: e["reason"] == "BundleFetchFailed", "a BundleFetchFailed event"
+            )
             assert events and events[0]["type"] == "Warning"
             fetched = {
                 "phase": "Running",

@@ -66,6 +66,13 @@ def warnings(cluster: ClusterThread, ns: str, name: str, reason: str) -> list[di
     return [e for e in cluster.events(ns, name) if e["type"] == "Warning" and e["reason"] == reason]
 
 
+def one_warning(cluster: ClusterThread, ns: str, name: str, reason: str) -> dict:
+    """The one Warning of `reason` on the service: events are posted in the background, after the status
+    that reports the same thing, so a test that has seen the status waits for the event."""
+    (event,) = wait_for(f"a {reason} Warning on {ns}/{name}", lambda: warnings(cluster, ns, name, reason))
+    return event
+
+
 # ------------------------------------------------------------------ bundle host paths
 
 
@@ -108,7 +115,7 @@ def test_a_relative_bundle_path_is_refused_naming_the_field_and_the_fix(cluster)
         message = condition(st, "PlanInfeasible")["message"]
         assert message.startswith("spec.model.bundle artifacts/bundles/minilm is a relative path")
         assert "absolute path under an allowed prefix (['/models'])" in message and "exitplan apply" in message
-        (event,) = warnings(cluster, ns, "rel", guards.REFUSED)
+        event = one_warning(cluster, ns, "rel", guards.REFUSED)
         assert event["message"] == message
         for kind in ("Deployment", "ConfigMap", "Job", "Service"):
             assert cluster.list(kind, ns, "exitplan.io/service=rel") == []
@@ -153,7 +160,7 @@ def test_refused_host_paths_become_a_condition_and_one_event_and_nothing_runs(cl
         for name in ("etc", "escape", "sibling"):
             for kind in ("Deployment", "ConfigMap", "Job", "Service"):
                 assert cluster.list(kind, ns, f"exitplan.io/service={name}") == []
-            (event,) = warnings(cluster, ns, name, guards.REFUSED)
+            event = one_warning(cluster, ns, name, guards.REFUSED)
             assert "/etc" in event["message"] or "/modelsx/minilm" in event["message"]
             annotations = cluster.get("EarlyExitService", ns, name)["metadata"].get("annotations", {})
             assert not any("retry" in v for v in annotations.values() if isinstance(v, str))
@@ -245,7 +252,7 @@ def test_services_on_one_pool_never_exceed_its_capacity(cluster):
             assert part in message, message
         assert "left 0" in message and "needs 1 replica(s) (shared: 1) for 200 req/s" in message
         assert workers(cluster, ns, second) == {}
-        (event,) = warnings(cluster, ns, second, capacity.REASON)
+        event = one_warning(cluster, ns, second, capacity.REASON)
         assert event["message"] == message
         # Room frees when the first goes: the second plans into it (its timer looks again).
         cluster.delete("EarlyExitService", ns, first)
@@ -266,7 +273,7 @@ def test_a_pool_without_capacity_is_reported_at_once_without_a_profiling_job(clu
             message = condition(st, "PlanInfeasible")["message"]
             assert why in message and "no profiling Job runs" in message and "spec.capacity" in message, message
             assert st["phase"] == "Infeasible" and not st.get("waitingForProfiles")
-            (event,) = warnings(cluster, ns, name, capacity.REASON)
+            event = one_warning(cluster, ns, name, capacity.REASON)
             assert event["message"] == message
         assert cluster.list("Job", ns) == []  # no ModelProfile exists, and still no Job measures the pools
         # Capacity added: the service goes on to profile its pool.
@@ -367,8 +374,11 @@ def test_a_failing_profiling_job_ends_in_profiling_failed_after_bounded_attempts
         jobs = jobs_of(cluster, ns, "broken")
         assert len(jobs) == 2 and all(profiling.failed(j) for j in jobs)
         assert all(j["spec"]["backoffLimit"] == 2 and j["status"]["failed"] == 3 for j in jobs)  # 3 pods each
-        failed_events = warnings(cluster, ns, "broken", profiling.CONDITION)
-        assert len(failed_events) == 2  # one per failed Job
+        failed_events = wait_for(  # one per failed Job (posted in the background)
+            "two failed-profiling Warnings",
+            lambda: w if len(w := warnings(cluster, ns, "broken", profiling.CONDITION)) >= 2 else None,
+        )
+        assert len(failed_events) == 2
         assert sorted("attempt 1 of 2" in e["message"] for e in failed_events) == [False, True]
         assert any("no more attempts" in e["message"] for e in failed_events)
         assert len(warnings(cluster, ns, "broken", "ProfilingRetry")) == 1

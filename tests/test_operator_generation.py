@@ -9,7 +9,17 @@ import shutil
 
 import pytest
 from generation_helpers import tiny_decoder_bundle
-from test_operator_support import ClusterThread, condition, mark_ready, operator, pool, status, wait_for, workers
+from test_operator_support import (
+    ClusterThread,
+    condition,
+    events_where,
+    mark_ready,
+    operator,
+    pool,
+    status,
+    wait_for,
+    workers,
+)
 from typer.testing import CliRunner
 
 from exitplan.api.plan import Plan
@@ -327,6 +337,8 @@ def test_a_failed_bundle_info_job_is_a_condition_with_its_message_then_retried(c
         assert condition(st, "ProfilingFailed")["reason"] == "BundleFetchFailed" and said in st["message"]
         assert "far-bundle-info-2 failed (attempt 2 of 2)" in st["message"]
         assert condition(st, "Progressing")["status"] == "False" and not cluster.list("Deployment", ns)
-        warnings = [e for e in cluster.events(ns, "far") if e.get("reason") == "BundleFetchFailed"]
+        warnings = events_where(
+            cluster, ns, "far", lambda e: e.get("reason") == "BundleFetchFailed", "a BundleFetchFailed event"
+        )
         assert warnings and all(e["type"] == "Warning" for e in warnings)
         assert len(bundle_info_jobs(cluster, ns, "far")) == 2  # no crash loop: nothing more is started

@@ -20,6 +20,7 @@ import pytest
 from test_operator_support import (
     ClusterThread,
     condition,
+    events_where,
     install_profiles,
     mark_ready,
     operator,
@@ -87,7 +88,7 @@ def test_create_builds_every_child_with_the_right_specs(cluster):
         st = wait_for("phase Ready", lambda: (s := status(cluster, ns, "minilm")).get("phase") == "Ready" and s)
         assert condition(st, "Ready")["status"] == "True" and condition(st, "Progressing")["status"] == "False"
         assert all(c["readyReplicas"] == c["replicas"] for c in st["plan"]["cells"])
-        assert any(e["reason"] == "Applied" for e in cluster.events(ns, "minilm"))
+        events_where(cluster, ns, "minilm", lambda e: e["reason"] == "Applied", "an Applied event")
         from prometheus_client import REGISTRY
 
         # the plan's goodput is exported beside the status (the dashboard's planned-vs-measured panel); no
@@ -285,7 +286,13 @@ def test_injected_length_drift_moves_replicas_between_cells(cluster, observation
             assert (
                 workers(cluster, ns, "minilm")[names.worker_name("minilm", cell)]["spec"]["replicas"] == cell.replicas
             )
-        assert any(e["reason"] == "Replan" and "length-drift" in e["message"] for e in cluster.events(ns, "minilm"))
+        events_where(
+            cluster,
+            ns,
+            "minilm",
+            lambda e: e["reason"] == "Replan" and "length-drift" in e["message"],
+            "a Replan event",
+        )
         # The operator's metrics saw it (the operator runs in this process under KopfRunner).
         from prometheus_client import REGISTRY
 
@@ -324,7 +331,7 @@ def test_advisory_mode_reports_and_changes_nothing(cluster, observations):
         st = wait_for("advisory status", lambda: (s := status(cluster, ns, "fresh")).get("phase") == "Advisory" and s)
         assert any(c.startswith("create Deployment fresh-s") for c in st["proposal"]["changes"])
         assert cluster.list("Deployment", ns) == [] and cluster.list("ConfigMap", ns) == []
-        assert any(e["reason"] == "WouldApply" for e in cluster.events(ns, "fresh"))
+        events_where(cluster, ns, "fresh", lambda e: e["reason"] == "WouldApply", "a WouldApply event")
         # A running service switched to advisory: drift is reported, children stay as they are.
         cluster.create(service("minilm", ns, planner=DRIFT))
         wait_for("first plan applied", lambda: deployed(cluster, ns, "minilm"))
@@ -344,7 +351,9 @@ def test_advisory_mode_reports_and_changes_nothing(cluster, observations):
         assert st["proposal"]["heldBack"] == "advisory mode: nothing applied"
         assert {n: d["metadata"]["resourceVersion"] for n, d in workers(cluster, ns, "minilm").items()} == snapshot
         assert cluster.get("ConfigMap", ns, "minilm-plan")["metadata"]["resourceVersion"] == cm_rv
-        assert any(e["reason"] == "WouldApply" and "scale" in e["message"] for e in cluster.events(ns, "minilm"))
+        events_where(
+            cluster, ns, "minilm", lambda e: e["reason"] == "WouldApply" and "scale" in e["message"], "a scale proposal"
+        )
 
 
 def test_delete_takes_the_children(cluster):
@@ -424,7 +433,7 @@ def test_invalid_specs_become_conditions_not_crash_loops(cluster):
         wait_for("valid service applied", lambda: deployed(cluster, ns, "fine"))
         for name in ("ghost", "tight"):
             assert cluster.list("Deployment", ns, f"exitplan.io/service={name}") == []
-            warnings = [e for e in cluster.events(ns, name) if e["type"] == "Warning"]
+            warnings = events_where(cluster, ns, name, lambda e: e["type"] == "Warning", f"a Warning on {name}")
             assert len(warnings) == 1, warnings  # reported once, not retried in a loop
             annotations = cluster.get("EarlyExitService", ns, name)["metadata"].get("annotations", {})
             assert not any("retry" in v for v in annotations.values() if isinstance(v, str))
@@ -563,7 +572,13 @@ def test_pods_that_cannot_start_make_the_service_degraded(cluster):
             and "/models/minilm" in msg
             and condition(st, "Degraded")["reason"] == "RolloutStalled"
         )
-        assert any(e["reason"] == "RolloutStalled" and e["type"] == "Warning" for e in cluster.events(ns, "minilm"))
+        events_where(
+            cluster,
+            ns,
+            "minilm",
+            lambda e: e["reason"] == "RolloutStalled" and e["type"] == "Warning",
+            "a RolloutStalled Warning",
+        )
         fine = {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable", "message": ""}
         cluster.patch("Deployment", ns, name, {"status": {"conditions": [fine]}}, "status")
         mark_ready(cluster, ns, "minilm")
@@ -619,7 +634,9 @@ def test_live_tuned_thresholds_are_written_into_the_plan(cluster, observations):
         assert st["lastReplanReason"] == first["lastReplanReason"] and st["lastReplanTime"] == first["lastReplanTime"]
         for dep in workers(cluster, ns, "minilm").values():
             assert dep["metadata"]["annotations"][names.A_PLAN_HASH] == plan.content_hash()
-        assert any(e["reason"] == "ThresholdsPersisted" for e in cluster.events(ns, "minilm"))
+        events_where(
+            cluster, ns, "minilm", lambda e: e["reason"] == "ThresholdsPersisted", "a ThresholdsPersisted event"
+        )
         # What a restarted router reads: plan.json as the ConfigMap volume holds it.
         cm = cluster.get("ConfigMap", ns, "minilm-plan")
         (tmp := cluster.kubeconfig.parent / "plan.json").write_text(cm["data"]["plan.json"])
@@ -664,7 +681,13 @@ def test_gpupool_changes_replan_the_services_that_use_them(cluster):
         )
         assert st["lastReplanReason"] == "pool-changed"
         assert pool_replicas(cluster, ns, "minilm").get("gpu-b", 0) <= 1
-        assert any(e["reason"] == "Applied" and "(pool-changed)" in e["message"] for e in cluster.events(ns, "minilm"))
+        events_where(
+            cluster,
+            ns,
+            "minilm",
+            lambda e: e["reason"] == "Applied" and "(pool-changed)" in e["message"],
+            "an Applied (pool-changed) event",
+        )
         # The service that does not use gpu-b was left alone.
         assert status(cluster, ns, "other")["plan"] == other["plan"]
         assert "(pool-changed)" not in condition(status(cluster, ns, "other"), "Planned")["message"]

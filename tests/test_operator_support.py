@@ -110,6 +110,12 @@ def wait_for(what: str, probe: Callable[[], Any], guard: float = HANG_GUARD) -> 
     raise AssertionError(f"never happened: {what} (last probe: {json.dumps(last, default=str)[:1500]})")
 
 
+def events_where(cluster: ClusterThread, ns: str, name: str, match: Callable[[dict], bool], what: str) -> list[dict]:
+    """The object's events that `match`, waited for: the operator posts events in the background, after the
+    status write that reports the same thing, so a test that has seen the status waits for the event."""
+    return wait_for(what, lambda: [e for e in cluster.events(ns, name) if match(e)])
+
+
 ALLOWED_HOST_PATHS = "/models"
 """The operator's allowed bundle host paths in these tests: service() names /models/minilm."""
 

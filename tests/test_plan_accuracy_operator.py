@@ -7,7 +7,17 @@ from __future__ import annotations
 
 import pytest
 from test_operator_integration import ObservationServer, deployed, plan_of, publish_endpoint
-from test_operator_support import ClusterThread, condition, install_profiles, operator, pool, service, status, wait_for
+from test_operator_support import (
+    ClusterThread,
+    condition,
+    events_where,
+    install_profiles,
+    operator,
+    pool,
+    service,
+    status,
+    wait_for,
+)
 
 from exitplan.operator import names, plan_accuracy, profiling
 
@@ -161,9 +171,20 @@ def test_goodput_short_of_the_plan_under_load_replans_and_reprofiles(cluster):
             for pool_name, job in jobs.items():
                 assert job["metadata"]["annotations"][profiling.A_REASON] == plan_accuracy.REASON
                 assert job["spec"]["template"]["spec"]["nodeSelector"] == {"exitplan.io/pool": pool_name}
-            events = cluster.events(ns, "minilm")
-            assert any(e["reason"] == "Reprofiling" and "plan-mismatch" in e["message"] for e in events)
-            assert any(e["reason"] == "Replan" and e["message"].startswith("plan-mismatch") for e in events)
+            events_where(
+                cluster,
+                ns,
+                "minilm",
+                lambda e: e["reason"] == "Reprofiling" and "plan-mismatch" in e["message"],
+                "a Reprofiling (plan-mismatch) event",
+            )
+            events_where(
+                cluster,
+                ns,
+                "minilm",
+                lambda e: e["reason"] == "Replan" and e["message"].startswith("plan-mismatch"),
+                "a Replan (plan-mismatch) event",
+            )
             cond = condition(status(cluster, ns, "minilm"), "PlanAccurate")
             assert "re-planned (plan-mismatch) with the measured ratio 0.40" in cond["message"]
             from prometheus_client import REGISTRY
@@ -279,7 +300,7 @@ def test_a_read_that_misses_a_router_is_reported_and_never_judged_against_the_pl
             st = status(cluster, ns, "minilm")
             assert condition(st, "PlanAccurate") == {}, st  # never judged on part of the traffic
             assert "1 of 2 routers read" in st["drift"]["routers"]
-            assert any(e["reason"] == "RoutersUnread" for e in cluster.events(ns, "minilm"))
+            events_where(cluster, ns, "minilm", lambda e: e["reason"] == "RoutersUnread", "a RoutersUnread event")
             publish_endpoint(cluster, ns, "minilm", server)  # the stand-in alone: every router answers
 
             def judged() -> dict | None:

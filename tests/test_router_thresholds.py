@@ -42,13 +42,13 @@ def test_the_newest_version_wins_whatever_the_order_and_a_tie_is_broken_the_same
     for order in ([a, b, newest], [newest, b, a], [b, a, newest]):
         holder = ThresholdHolder(ThresholdSet({"r0": 2.0, "r1": 2.0}, 0))
         for s in order:
-            holder.adopt(s)
+            holder.adopt(s, "api")
         ends.add(holder.current.key())
     assert ends == {newest.key()}
     tie = ThresholdHolder(ThresholdSet())
-    tie.adopt(a), tie.adopt(b)
+    tie.adopt(a, "api"), tie.adopt(b, "api")
     other = ThresholdHolder(ThresholdSet())
-    other.adopt(b), other.adopt(a)
+    other.adopt(b, "api"), other.adopt(a, "api")
     assert tie.current == other.current  # the digest decides, the same on both
 
 
@@ -64,6 +64,45 @@ def test_a_new_unversioned_plan_is_the_next_version_and_the_same_plan_again_chan
     assert not holder.adopt_plan({"r0": 0.9}, 0)
     assert holder.adopt_plan({"r0": 0.8}, 0) and holder.current == ThresholdSet({"r0": 0.8}, 5)
     assert not holder.adopt_plan({"r0": 0.1}, 2)  # an older versioned plan: the routers' set stands
+
+
+async def test_a_pod_that_missed_a_push_counts_the_change_under_the_reason_it_was_made_for():
+    """A pod behind is caught up with the set in force under that set's own reason (a plan update stays a
+    plan update on the pod that read it from the pusher, not from its own plan file)."""
+    from aiohttp import web
+
+    from exitplan.worker_image.peer_choice import Peer, PeerSet
+    from exitplan.worker_image.threshold_push import catch_up
+
+    posted: list[dict] = []
+
+    async def thresholds(request: web.Request) -> web.Response:
+        posted.append(await request.json())
+        return web.json_response({"thresholds": posted[-1]["thresholds"], "version": posted[-1]["version"]})
+
+    app = web.Application()
+    app.router.add_post("/v1/thresholds", thresholds)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        holder = ThresholdHolder(ThresholdSet({"r0": 0.9}, 4))
+        assert holder.adopt_plan({"r0": 0.8}, 0) and holder.reason == "plan-update"
+        peers = PeerSet([])
+        peers.peers["p"] = Peer(f"127.0.0.1:{port}", ready=True, thresholds_key=(4, "x"))
+        async with aiohttp.ClientSession() as session:
+            await catch_up(session, peers, holder)
+            assert [(p["reason"], p["version"]) for p in posted] == [("plan-update", 5)]
+            holder.adopt(ThresholdSet({"r0": 0.7}, 6), "tune-accuracy")
+            await catch_up(session, peers, holder)
+            assert [p["reason"] for p in posted] == ["plan-update", "tune-accuracy"]
+            peers.peers["p"].thresholds_key = holder.current.key()  # up to date: nothing pushed
+            await catch_up(session, peers, holder)
+            assert len(posted) == 2
+    finally:
+        await runner.cleanup()
 
 
 def test_the_tuner_window_holds_every_routers_feedback_in_proportion():

@@ -16,7 +16,7 @@ import aiohttp
 
 from exitplan.worker_image.control_client import ControlClient
 from exitplan.worker_image.peer_choice import Peer, PeerSet
-from exitplan.worker_image.threshold_set import ThresholdSet
+from exitplan.worker_image.threshold_set import ThresholdHolder, ThresholdSet
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,10 @@ async def push_to_peers(session: aiohttp.ClientSession, peers: Iterable[Peer], n
             peer.thresholds_key = result.key()
 
 
-async def catch_up(session: aiohttp.ClientSession, peers: PeerSet, current: ThresholdSet) -> None:
-    """Push `current` to every ready pod whose last probe reported an older set."""
+async def catch_up(session: aiohttp.ClientSession, peers: PeerSet, holder: ThresholdHolder) -> None:
+    """Push the set in force to every ready pod whose last probe reported an older set, under the reason
+    it was made for (the pod counts the change it missed, not the way it reached it)."""
+    current = holder.current
     behind = [p for p in peers.peers.values() if p.ready and p.thresholds_key < current.key()]
     if behind:
-        await push_to_peers(session, behind, current, "catch-up")
+        await push_to_peers(session, behind, current, holder.reason)

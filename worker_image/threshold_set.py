@@ -21,6 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+PLAN_UPDATE = "plan-update"
+"""The reason of a set read from a new plan file."""
+
 
 def digest_of(values: Mapping[str, float]) -> str:
     """A short digest of the values (the same on every holder: sorted names, rounded values)."""
@@ -75,16 +78,20 @@ class ThresholdHolder:
     """What one router or worker holds: the set in force, replaced only by a newer one."""
 
     current: ThresholdSet
+    reason: str = "plan"
+    """Why the set in force was taken ("api", "plan-update", a tuner's reason...). A pod that missed a push
+    is brought up to date under this reason (`threshold_push.catch_up`), so every pod counts one change
+    under the one reason it was made for, whichever way the set reached it."""
 
     @property
     def values(self) -> dict[str, float]:
         return self.current.values
 
-    def adopt(self, candidate: ThresholdSet) -> bool:
-        """Take `candidate` when it is newer; True when it was taken."""
+    def adopt(self, candidate: ThresholdSet, reason: str) -> bool:
+        """Take `candidate` (made for `reason`) when it is newer; True when it was taken."""
         if not candidate.newer_than(self.current):
             return False
-        self.current = candidate
+        self.current, self.reason = candidate, reason
         return True
 
     def adopt_plan(self, thresholds: Mapping[str, float], version: int) -> bool:
@@ -94,8 +101,8 @@ class ThresholdHolder:
         same file, so they all take the same set)."""
         values = {k: float(v) for k, v in thresholds.items()}
         if version > 0:
-            return self.adopt(ThresholdSet(values, version))
+            return self.adopt(ThresholdSet(values, version), PLAN_UPDATE)
         if digest_of(values) == self.current.digest:
             return False
-        self.current = ThresholdSet(values, self.current.version + 1)
+        self.current, self.reason = ThresholdSet(values, self.current.version + 1), PLAN_UPDATE
         return True

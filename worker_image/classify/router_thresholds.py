@@ -29,7 +29,7 @@ from exitplan.worker_image.control_client import ControlClient, ControlError
 from exitplan.worker_image.discovery import parse_peer_spec, resolve
 from exitplan.worker_image.metrics import reason_label
 from exitplan.worker_image.threshold_push import catch_up, push_to_peers
-from exitplan.worker_image.threshold_set import ThresholdHolder, ThresholdSet
+from exitplan.worker_image.threshold_set import PLAN_UPDATE, ThresholdHolder, ThresholdSet
 
 if TYPE_CHECKING:
     from exitplan.worker_image.classify.router import Router
@@ -66,7 +66,7 @@ class RouterThresholds:
     async def adopt(self, new: ThresholdSet, reason: str) -> bool:
         """Take `new` when it is newer, and push it to split 0 (the pods, or the workers in this process)."""
         before = self.current
-        if not self.holder.adopt(new):
+        if not self.holder.adopt(new, reason):
             return False
         self._took(before, reason)
         await self.push_down(reason)
@@ -85,7 +85,7 @@ class RouterThresholds:
         """A new plan file's thresholds (`ThresholdHolder.adopt_plan`); the pods read the same file."""
         before = self.current
         if self.holder.adopt_plan(thresholds, version):
-            self._took(before, "plan-update")
+            self._took(before, PLAN_UPDATE)
 
     async def post(self, update: ThresholdUpdate) -> ThresholdSet:
         """A POST /v1/thresholds: the change taken here and, when it is a new one (no version), forwarded
@@ -132,7 +132,7 @@ class RouterThresholds:
         sets = [s for s in await asyncio.gather(*(read(a) for a in await self._others())) if s is not None]
         if sets:
             await self.adopt(max(sets, key=ThresholdSet.key), "router-sync")
-        await catch_up(session, self.router.peers, self.current)
+        await catch_up(session, self.router.peers, self.holder)
 
     async def run(self, session: aiohttp.ClientSession, period_s: float = SYNC_SECONDS) -> None:
         while True:

@@ -51,7 +51,7 @@ from exitplan.worker_image.metrics import Children, WorkerMetrics, reason_label
 from exitplan.worker_image.peer_choice import PeerSet
 from exitplan.worker_image.planfile import read_plan, watch_plan
 from exitplan.worker_image.threshold_push import catch_up, push_to_peers
-from exitplan.worker_image.threshold_set import ThresholdHolder, ThresholdSet
+from exitplan.worker_image.threshold_set import PLAN_UPDATE, ThresholdHolder, ThresholdSet
 from exitplan.worker_image.wire import HopAnswer, HopItem, HopResult, ShadowRecord
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class SplitWorker:
         self.metrics.planned_batch.set(self.batch_size)
         before = self.threshold_set.current
         if self.threshold_set.adopt_plan(plan.thresholds, plan.thresholds_version):
-            self._took(before, "plan-update")
+            self._took(before, PLAN_UPDATE)
 
     @property
     def thresholds(self) -> dict[str, float]:
@@ -198,7 +198,7 @@ class SplitWorker:
                 f"thresholds name ramps the bundle does not have: {unknown}; its ramps are {sorted(known)}"
             )
         before = self.threshold_set.current
-        if not self.threshold_set.adopt(new):
+        if not self.threshold_set.adopt(new, reason):
             return False
         self._took(before, reason)
         return True
@@ -492,7 +492,7 @@ class SplitWorker:
     async def _catch_up(self) -> None:
         """After each probe of the next split: push the thresholds to a pod that reported older ones."""
         if self.next and self.session:
-            await catch_up(self.session, self.next, self.threshold_set.current)
+            await catch_up(self.session, self.next, self.threshold_set)
 
     async def stop(self) -> None:
         """Fail what is queued, stop the loops, close the connections."""
