@@ -31,7 +31,7 @@ test: install $(S3_VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -P tools/typecheck.py
-	$(PY) -P -m pytest -q -p no:cacheprovider --durations=30
+	$(PY) -P -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=30
 
 clean:
 	rm -rf artifacts .pytest_cache
