@@ -28,7 +28,7 @@ from typing import Any
 
 from exitplan.api.manifest import Manifest
 from exitplan.operator.kube import KubeClient, path
-from exitplan.operator.names import L_SERVICE
+from exitplan.operator.names import L_COMPONENT, L_SERVICE
 
 STATUS_WRITTEN_KEY = "status_written"
 """The per-object memo's key for (monotonic time, the service as the API returned it) of the last status write."""
@@ -85,6 +85,35 @@ class TickReads:
             namespace,
             lambda: self.client.list(path("EarlyExitService", namespace)),
             lambda item: str(item["metadata"]["name"]),
+        )
+
+    async def endpoints(self, namespace: str) -> tuple[float, dict[str, list[Manifest]]]:
+        """Every Endpoints of the namespace, by name (the routers' addresses: router_endpoints.py). Not by
+        label: a cluster copies a Service's labels onto its Endpoints, one made by hand need not carry them,
+        and a control Service's Endpoints missing from the list must mean that there are none."""
+        return await self._grouped(
+            "Endpoints",
+            namespace,
+            lambda: self.client.list(path("Endpoints", namespace)),
+            lambda item: str(item["metadata"]["name"]),
+        )
+
+    async def kube_services(self, namespace: str) -> tuple[float, dict[str, list[Manifest]]]:
+        """The namespace's (core/v1) Services of any exitplan service (router, control, split Services), by name."""
+        return await self._grouped(
+            "Service",
+            namespace,
+            lambda: self.client.list(path("Service", namespace), L_SERVICE),
+            lambda item: str(item["metadata"]["name"]),
+        )
+
+    async def router_pods(self, namespace: str) -> tuple[float, dict[str, list[Manifest]]]:
+        """The namespace's router Pods, by the service they belong to."""
+        return await self._grouped(
+            "Pod",
+            namespace,
+            lambda: self.client.list(path("Pod", namespace), f"{L_SERVICE},{L_COMPONENT}=router"),
+            lambda item: str(((item.get("metadata") or {}).get("labels") or {}).get(L_SERVICE, "")),
         )
 
     async def deployments(self, namespace: str) -> tuple[float, dict[str, list[Manifest]]]:

@@ -1,7 +1,8 @@
 """The timer ticks' shared reads (operator/tick_reads.py) on the emulated API: one list per kind and
 namespace serves every service's tick, never older than what the operator itself wrote, and a list that
 fails leaves each service to read on its own. Then the operator itself: with many services in a namespace,
-its ticks ask for a number of lists that does not grow with the services."""
+its ticks ask for a number of lists that does not grow with the services, and the drift loop looks the
+routers up (operator/router_endpoints.py) from the namespace's lists, not with requests of each service."""
 
 from __future__ import annotations
 
@@ -38,20 +39,27 @@ def cluster(tmp_path):
 
 
 class Lists:
-    """Counts the list requests the API server gets, per resource plural and with or without a field selector."""
+    """Counts the list requests the API server gets, per resource plural and with or without a field selector,
+    and the reads of one object by name (`gets`)."""
 
     def __init__(self, cluster: ClusterThread) -> None:
         self.seen: dict[int, tuple[kmock.Request, str, bool]] = {}  # each request once (kmock may show one twice)
+        self.named: dict[int, tuple[kmock.Request, str]] = {}
         cluster.api[lambda req: self._count(req)] << 500  # the filter never matches: it only counts
 
     def _count(self, req: kmock.Request) -> bool:
-        if req.method == "GET" and req.name is None and req.resource is not None:
+        if req.method == "GET" and req.resource is not None and req.name is None:
             self.seen[id(req)] = (
                 req,
                 req.resource.plural,
                 "fieldSelector" in (req.params or {}),
             )  # kept: ids stay unique
+        elif req.method == "GET" and req.resource is not None and not req.subresource:
+            self.named[id(req)] = (req, req.resource.plural)
         return False
+
+    def gets(self, plural: str) -> int:
+        return sum(1 for _, p in self.named.values() if p == plural)
 
     def count(self, plural: str, *, by_name: bool | None = None) -> int:
         return sum(1 for _, p, named in self.seen.values() if p == plural and (by_name is None or named == by_name))
@@ -173,3 +181,65 @@ def test_the_operator_ticks_ask_for_lists_that_do_not_grow_with_the_services(clu
     assert services <= bound < per_service / 2, (services, bound, per_service)
     assert deployments <= bound, (deployments, bound, per_service)
     assert services > 0 and deployments > 0  # the ticks ran (and read)
+
+
+def test_the_drift_loop_looks_the_routers_up_from_the_namespaces_lists(cluster):
+    """Six services whose routers never answer (their control Service published at a closed port), so every
+    drift read looks the routers up again: the Endpoints, router Pods, router Deployment and control Service
+    come from one list of each per namespace and tick, not from a read of each service's own (four requests
+    per service and read before)."""
+    import socket
+
+    from exitplan.operator import names as op_names
+
+    ns, names = "routers", [f"svc-{i}" for i in range(6)]
+    install_profiles(cluster, ns)
+    with socket.socket() as s:  # a port nothing listens on: connection refused at once
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    lists = Lists(cluster)
+    drift = {"periodSeconds": 5}
+    with operator(cluster):
+        for name in names:
+            cluster.create(
+                service(
+                    name,
+                    ns,
+                    planner=drift,
+                    pools=[{"name": "gpu-a", "maxGpus": 4}, {"name": "gpu-b", "maxGpus": 6}],
+                )
+            )
+        for name in names:
+            wait_for(f"{name} planned", lambda n=name: status(cluster, ns, n).get("plan"))
+            mark_ready(cluster, ns, name)
+            control = op_names.control_service_name(name)
+            wait_for(f"{name}'s control Service", lambda c=control: cluster.get("Service", ns, c))
+            ingress = {"loadBalancer": {"ingress": [{"ip": "127.0.0.1", "ports": [{"port": closed}]}]}}
+            cluster.patch("Service", ns, control, {"status": ingress}, "status")
+        wait_for("every service Ready", lambda: all(status(cluster, ns, n).get("phase") == "Ready" for n in names))
+        before = {k: lists.count(k) for k in ("endpoints", "pods")} | {
+            f"get {k}": lists.gets(k) for k in ("endpoints", "services", "deployments", "secrets")
+        }
+        start = time.monotonic()
+        wait_for(  # every service has read (and missed) its routers, each read reading its token again
+            "two drift reads of every service",
+            lambda: lists.gets("secrets") - before["get secrets"] >= 2 * len(names) and time.monotonic() - start > 11,
+            guard=120,
+        )
+        elapsed = time.monotonic() - start
+        endpoint_lists = lists.count("endpoints") - before["endpoints"]
+        endpoint_gets = lists.gets("endpoints") - before["get endpoints"]
+        service_gets = lists.gets("services") - before["get services"]
+        deployment_gets = lists.gets("deployments") - before["get deployments"]
+        token_reads = lists.gets("secrets") - before["get secrets"]
+    from exitplan.operator.handlers import TICK
+
+    bound = elapsed / (0.8 * TICK) + 2  # the lists one namespace's ticks may ask for in `elapsed`
+    reads = len(names) * 2  # at least two reads of each service in the window, each looking the routers up
+    assert endpoint_gets == 0 and service_gets == 0 and deployment_gets == 0, (
+        endpoint_gets,
+        service_gets,
+        deployment_gets,
+    )
+    assert 2 <= endpoint_lists <= bound, (endpoint_lists, bound, reads)
+    assert token_reads >= len(names), token_reads  # every service read (a missed read reads its token again)

@@ -65,10 +65,10 @@ exactly: nothing missing, nothing extra.
   resources: ["configmaps", "services"]
   verbs: ["get", "list", "create", "patch", "delete"]
 # app: every router replica's address for /v1/observations: the control Service's Endpoints
-# (operator/router_endpoints.py find_routers).
+# (operator/router_endpoints.py find_routers; listed once per namespace and tick, tick_reads.py).
 - apiGroups: [""]
   resources: ["endpoints"]
-  verbs: ["get"]
+  verbs: ["get", "list"]
 # app: router pods' IPs for /v1/observations (operator/router_endpoints.py, where there are no
 # Endpoints); the init container
 # statuses of a service's pods, for a remote bundle they cannot fetch (operator/bundle_health.py).
