@@ -43,6 +43,7 @@ import asyncio
 import datetime as dt
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -109,6 +110,21 @@ def merge_windows(windows: list[Observations]) -> Observations:
     return drift.combine(windows)
 
 
+@dataclass(frozen=True)
+class RouterRead:
+    """What one read of a service's routers gave."""
+
+    piece: Observations | None
+    """What arrived since the previous read, over every router that answered."""
+    latest: Observations | None
+    """The newest full window, merged over the routers that answered."""
+    note: str
+    """What failed ('' when every router answered)."""
+    answered: int
+    refused: bool
+    """A router refused the control token (HTTP 401 or 403): the token is read again before the next read."""
+
+
 async def read_routers(
     svc: Service,
     seen: dict[str, Observations],
@@ -116,15 +132,14 @@ async def read_routers(
     timeout: float = 5.0,
     token: str | None = None,
     session: aiohttp.ClientSession | None = None,
-) -> tuple[Observations | None, Observations | None, str, int]:
-    """(what arrived since the previous read, over every router that answers; the newest full
-    window, merged over routers; a note on what failed; how many routers answered). `seen` (router URL -> that router's
-    window in progress as last read) is updated in place; `urls`: the routers (default: looked up);
-    `token`: the control token (default: read); `session`: connections to keep (default: one per read)."""
+) -> RouterRead:
+    """One read of the routers. `seen` (router URL -> that router's window in progress as last read) is
+    updated in place; `urls`: the routers (default: looked up); `token`: the control token (default: read);
+    `session`: connections to keep (default: one per read)."""
     urls = await router_urls(svc) if urls is None else urls
     if token is None:
         token = await router_token(svc) if urls else None
-    slices, latest, notes = [], [], []
+    slices, latest, notes, refused = [], [], [], False
     for url in urls:
         try:
             async with ControlClient(url, timeout_s=timeout, token=token, session=session) as router:
@@ -132,6 +147,7 @@ async def read_routers(
                 closed = await router.observations()
         except ControlError as err:
             notes.append(str(err))  # the URL and what failed
+            refused = refused or err.status in (401, 403)
             continue
         windows = [closed, current]  # before the first roll `closed` is the window in progress too
         piece = drift.since_last(windows, seen.get(url))
@@ -144,7 +160,7 @@ async def read_routers(
         if url not in urls:
             del seen[url]
     piece = drift.combine(slices) if slices else None
-    return piece, (drift.combine(latest) if latest else None), "; ".join(notes), len(latest)
+    return RouterRead(piece, drift.combine(latest) if latest else None, "; ".join(notes), len(latest), refused)
 
 
 async def fetch_observations(svc: Service, timeout: float = 5.0) -> tuple[Observations | None, str]:
@@ -313,15 +329,15 @@ async def _read(
     """(what arrived since the previous read, the newest full window) over the routers that answer, and
     why the read does not hold every router's observations ('' when it does)."""
     if state.routers is None or state.urls_due(now, period):  # the addresses, once a period (routers scale)
-        failed = state.routers is None or state.router_token is None  # first read, or the last one missed a router
-        state.routers, state.urls_looked_up = await find_routers(svc), now
-        if failed:  # the token only then: a router that refuses it answers 401, and the read is retried with a new one
-            state.router_token = await router_token(svc) if state.routers.urls else None
+        state.routers, state.urls_looked_up = await find_routers(svc), now  # from shared lists under kopf
+    if state.router_token is None and state.routers.urls:  # first read, or a router refused the last one's
+        state.router_token = await router_token(svc)
     session = getattr(svc.memo, "router_session", None)  # the operator's (handlers.configure), if it has one
-    piece, latest, note, answered = await read_routers(
-        svc, state.seen, state.routers.urls, token=state.router_token, session=session
-    )
-    shortfall = state.routers.shortfall(answered)
+    read = await read_routers(svc, state.seen, state.routers.urls, token=state.router_token, session=session)
+    piece, latest, note = read.piece, read.latest, read.note
+    shortfall = state.routers.shortfall(read.answered)
+    if read.refused:
+        state.router_token = None  # a token rotated (or the Secret replaced): read it again next read
     if note:
         state.routers = None  # a router did not answer: look them up again next read
     if latest is None:

@@ -23,7 +23,7 @@ from exitplan.api.resources import GROUP, VERSION
 from exitplan.operator import driftloop, guards, http_ports, reconcile, tick_reads
 from exitplan.operator.kube import KubeClient, bearer, load_config, path
 from exitplan.operator.metrics import METRICS
-from exitplan.operator.service_state import Service, pools_changed
+from exitplan.operator.service_state import SERVICE_MEMOS, Service, forget_service_memo, pools_changed, service_memo
 
 EES, PROFILES, POOLS = "earlyexitservices", "modelprofiles", "gpupools"
 """The plurals of the kinds the handlers watch (group GROUP, version VERSION)."""
@@ -47,7 +47,7 @@ async def _service(memo: Any, body: Mapping[str, Any]) -> Service | None:
     items = await client.list(path("EarlyExitService", meta.get("namespace")), fields=f"metadata.name={meta['name']}")
     if not items:
         return None
-    return Service(body=items[0], client=client, memo=memo)
+    return Service(body=items[0], client=client, memo=service_memo(memo, body))
 
 
 def _lock(memo: Any, body: Mapping[str, Any]) -> asyncio.Lock:
@@ -88,6 +88,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     memo.router_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     memo.ignored_plans = set()  # plan-like ConfigMaps no service owns, already reported (capacity.py)
     memo.tick_reads = tick_reads.TickReads(memo.client, max_age=0.8 * TICK)  # one list per namespace and tick
+    memo[SERVICE_MEMOS] = {}  # each service's own memo, whichever handler asks (service_state.service_memo)
     env = os.environ.get
     memo.http_ports = await http_ports.start(  # /metrics and /healthz, guarded (exitplan operator sets the env)
         env(http_ports.ENV_LISTEN) or "127.0.0.1",
@@ -130,8 +131,9 @@ async def resumed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.on.delete(group=GROUP, version=VERSION, plural=EES, optional=True)
-async def deleted(name: str, namespace: str | None, **_: Any) -> None:
+async def deleted(body: kopf.Body, name: str, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     METRICS.forget(namespace or "", name)  # the per-cell and per-service gauges; counters keep their history
+    forget_service_memo(memo, body)
 
 
 @kopf.timer(group=GROUP, version=VERSION, plural=EES, interval=TICK, initial_delay=TICK)
@@ -140,13 +142,12 @@ async def tick(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     if lock.locked():
         return  # a reconcile runs; the next tick looks again
     async with lock:
-        known, fresh = await tick_reads.service_body(memo, body)  # the namespace's list, shared by every tick
-        svc = (
-            Service(body=dict(fresh), client=memo.client, memo=memo) if known and fresh else await _service(memo, body)
-        )
+        own = service_memo(memo, body)
+        known, fresh = await tick_reads.service_body(own, body)  # the namespace's list, shared by every tick
+        svc = Service(body=dict(fresh), client=memo.client, memo=own) if known and fresh else await _service(memo, body)
         if svc is None:
             return
-        await driftloop.on_tick(svc, memo)
+        await driftloop.on_tick(svc, own)
 
 
 @kopf.on.event(group=GROUP, version=VERSION, plural=PROFILES)

@@ -11,9 +11,11 @@ its service from here; nothing here plans or builds children.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +51,36 @@ class ServiceResources:
         body: dict[str, Any] = {name: pool.model_dump(mode="json") for name, pool in sorted(self.pools.items())}
         body.update({name: None for name in self.unknown_pools})
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
+
+
+SERVICE_MEMOS = "service_memos"
+"""The operator-wide memo's key for each service's own memo, by (namespace, name)."""
+
+
+def service_memo(memo: Any, body: Mapping[str, Any]) -> Any:
+    """The service's own memo: the same object whichever handler asks. kopf gives each handler the memo of
+    the object it watches, so a GPUPool or ModelProfile event that re-plans a service would keep what it
+    learned (the plan in force, the status it wrote, that it wrote the children) in that pool's memo, and
+    the service's timer would go on from older copies. The service's memo is a shallow copy of the
+    operator-wide one (the client, settings, locks and shared reads are the same objects), made on first
+    use; without the operator's memo (tests, one-off calls) `memo` itself."""
+    memos = memo.get(SERVICE_MEMOS) if memo is not None else None
+    if not isinstance(memos, dict):
+        return memo
+    meta = body["metadata"]
+    key = (meta.get("namespace") or "", meta["name"])
+    own = memos.get(key)
+    if own is None:
+        own = memos[key] = copy.copy(memo)
+    return own
+
+
+def forget_service_memo(memo: Any, body: Mapping[str, Any]) -> None:
+    """A deleted service's memo goes with it."""
+    memos = memo.get(SERVICE_MEMOS) if memo is not None else None
+    if isinstance(memos, dict):
+        meta = body["metadata"]
+        memos.pop((meta.get("namespace") or "", meta["name"]), None)
 
 
 @dataclass
