@@ -61,7 +61,7 @@ def command(
     from exitplan.prepare.check import check_bundle, one_line
     from exitplan.worker_image.bundle_runtime import choose_providers
 
-    console = Console()
+    console = Console(soft_wrap=True)  # lines whole: a failure names a path, which a wrap at 80 columns would break
     chosen = positive_ints(buckets, "--buckets")
     try:
         with console.status("checking the bundle") as status:
