@@ -193,7 +193,9 @@ def start_operator(cluster: ClusterThread, tmp: Path, tick: float, profile: Path
                 return op, health
         except OSError:
             time.sleep(0.2)
-    sys.exit("the operator did not become live in 120 s")
+    op.kill()  # not left running behind the exit
+    op.wait()
+    sys.exit(f"the operator did not become live in 120 s; see {tmp / 'operator.log'}")
 
 
 # ---------------------------------------------------------------- the emulated API, read in its own loop
