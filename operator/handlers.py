@@ -47,7 +47,7 @@ async def _service(memo: Any, body: Mapping[str, Any]) -> Service | None:
     items = await client.list(path("EarlyExitService", meta.get("namespace")), fields=f"metadata.name={meta['name']}")
     if not items:
         return None
-    return Service(body=items[0], client=client, memo=service_memo(memo, body))
+    return Service(body=items[0], client=client, memo=service_memo(memo, items[0]))  # a pool event's ref has no uid
 
 
 def _lock(memo: Any, body: Mapping[str, Any]) -> asyncio.Lock:

@@ -54,11 +54,12 @@ class ServiceResources:
 
 
 SERVICE_MEMOS = "service_memos"
-"""The operator-wide memo's key for each service's own memo, by (namespace, name)."""
+"""The operator-wide memo's key for each service's own memo, by (namespace, name, uid): a service deleted
+and created again under its name starts with a memo of its own, not its predecessor's plan in force."""
 
 
 def service_memo(memo: Any, body: Mapping[str, Any]) -> Any:
-    """The service's own memo: the same object whichever handler asks. kopf gives each handler the memo of
+    """The service's own memo (`body`: the service as read, with its uid): the same object whichever handler asks. kopf gives each handler the memo of
     the object it watches, so a GPUPool or ModelProfile event that re-plans a service would keep what it
     learned (the plan in force, the status it wrote, that it wrote the children) in that pool's memo, and
     the service's timer would go on from older copies. The service's memo is a shallow copy of the
@@ -68,7 +69,7 @@ def service_memo(memo: Any, body: Mapping[str, Any]) -> Any:
     if not isinstance(memos, dict):
         return memo
     meta = body["metadata"]
-    key = (meta.get("namespace") or "", meta["name"])
+    key = (meta.get("namespace") or "", meta["name"], meta.get("uid") or "")
     own = memos.get(key)
     if own is None:
         own = memos[key] = copy.copy(memo)
@@ -80,7 +81,7 @@ def forget_service_memo(memo: Any, body: Mapping[str, Any]) -> None:
     memos = memo.get(SERVICE_MEMOS) if memo is not None else None
     if isinstance(memos, dict):
         meta = body["metadata"]
-        memos.pop((meta.get("namespace") or "", meta["name"]), None)
+        memos.pop((meta.get("namespace") or "", meta["name"], meta.get("uid") or ""), None)
 
 
 @dataclass
