@@ -32,6 +32,8 @@ of its own. CPU figures are CPU time (user + system), not wall time: the machine
 Without a working cluster DNS (the usual case outside a cluster), (a)'s lookups of the control
 Services' names fail -- quickly, or after the resolver's timeout when many run at once.
 --profile / --profile-api write cProfile stats of the operator's main thread / the API server's.
+--spy PREFIX samples the operator with py-spy (`py-spy` on PATH; not a dependency) during each measured
+drift period only, as collapsed stacks in PREFIX-unreachable.txt / PREFIX-router.txt.
 
     python -P bench/operator_scale.py [--services 200] [--cells-per-service 10] [--pools 4] [--json]
 """
@@ -399,17 +401,28 @@ async def _publish(cluster: ClusterThread, keys: list[tuple[str, str]], port: in
 
 
 def measure_period(
-    cluster: ClusterThread, op_pid: int, period: float, warmup: float, router: RouterProcess | None = None
+    cluster: ClusterThread,
+    op_pid: int,
+    period: float,
+    warmup: float,
+    router: RouterProcess | None = None,
+    spy: Path | None = None,
 ) -> dict:
     """The operator's CPU over one period (after `warmup` s), the API server thread's, and the API
-    requests the period saw."""
+    requests the period saw; with `spy`, py-spy's samples of the operator over the period there."""
     time.sleep(warmup)
+    if spy is not None:  # started first: its own start-up is not in the period
+        cmd = ["py-spy", "record", "--pid", str(op_pid), "--duration", str(int(period) + 2), "--rate", "50"]
+        spying = subprocess.Popen([*cmd, "--format", "raw", "--output", str(spy), "--nonblocking"])
+        time.sleep(1.0)
     api_clock = time.pthread_getcpuclockid(cluster._thread.ident)
     counts0 = collections.Counter(cluster.api.counts)
     served, reads = router.stats() if router else (0, 0)
     op0, api0, t0 = proc_cpu(op_pid), time.clock_gettime(api_clock), time.perf_counter()
     time.sleep(period)
     op1, api1, t1 = proc_cpu(op_pid), time.clock_gettime(api_clock), time.perf_counter()
+    if spy is not None:
+        spying.wait(60)
     if router:
         served1, reads1 = router.stats()
         served, reads = served1 - served, reads1 - reads
@@ -568,14 +581,15 @@ def drift_figures(
     out: dict[str, Any] = {}
     out["mark_ready_s"] = mark_all_ready(cluster, set(created), args.timeout)
     hashes = {k: p.content_hash() for k, p in plans.items()}
-    out["drift_period_unreachable"] = measure_period(cluster, pid, args.period, args.period)
+    spy = (lambda name: Path(f"{args.spy}-{name}.txt")) if args.spy else (lambda name: None)
+    out["drift_period_unreachable"] = measure_period(cluster, pid, args.period, args.period, spy=spy("unreachable"))
     router = RouterProcess(next(iter(plans.values())), args.period, tmp)
     try:
         keys = sorted(created)
         for i in range(0, len(keys), 20):  # 20 per call: each within the cluster thread's 60 s on a busy machine
             cluster.run(_publish(cluster, keys[i : i + 20], router.port), BATCH_GUARD)
         warm = args.warmup_periods * args.period  # a full survival series: AR(1) fits, not EWMA
-        d = measure_period(cluster, pid, args.period, warm, router)
+        d = measure_period(cluster, pid, args.period, warm, router, spy=spy("router"))
         d["reads_done"], d["reads_due"] = d["router_reads"], args.services * drift.CHECKS_PER_PERIOD
         out["drift_period_stand_in_router"] = d
     finally:
@@ -654,6 +668,7 @@ def main() -> None:
     parser.add_argument("--skip-drift", action="store_true", help="measure the apply only")
     parser.add_argument("--profile", type=Path, help="run the operator under cProfile, stats to this file")
     parser.add_argument("--profile-api", type=Path, help="cProfile the emulated API server, stats to this file")
+    parser.add_argument("--spy", help="py-spy the operator in each measured period: PREFIX-<period>.txt")
     parser.add_argument("--json", nargs="?", const="-", help="also print (or write to a file) the figures as JSON")
     parser.add_argument("--serve-router", type=Path, help=argparse.SUPPRESS)  # the stand-in router's process
     args = parser.parse_args()

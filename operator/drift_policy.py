@@ -156,6 +156,8 @@ class DriftState:
     """When the last re-plan or step was planned (a capped re-plan steps at most once a period)."""
     last_tune: float | None = None
     """When the last background re-tune started (at most once a period)."""
+    drift_written: float | None = None
+    """When the drift loop last wrote the status (the window's figures alone are written once a period)."""
     tune_task: object = None
     """The background re-tune (an asyncio.Task, owned by the loop), or None."""
     profile_check: float = 0.0

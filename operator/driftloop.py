@@ -125,6 +125,17 @@ class RouterRead:
     """A router refused the control token (HTTP 401 or 403): the token is read again before the next read."""
 
 
+@dataclass(frozen=True)
+class RouterAccess:
+    """How the drift loop reaches a service's routers: their control URLs, the control token, the
+    operator's connections (a re-tune reuses them rather than looking up, reading the Secret and
+    connecting again)."""
+
+    urls: list[str]
+    token: str | None
+    session: aiohttp.ClientSession | None
+
+
 async def read_routers(
     svc: Service,
     seen: dict[str, Observations],
@@ -183,13 +194,18 @@ def _tune(arrays: FeedbackArrays, ramps: list[str], current: dict[str, float], b
 
 
 async def _retune_step(
-    urls: list[str], ramps: list[str], budget: float, apply: bool, token: str | None = None
+    urls: list[str],
+    ramps: list[str],
+    budget: float,
+    apply: bool,
+    token: str | None = None,
+    session: aiohttp.ClientSession | None = None,
 ) -> tuple[autotune.Decision, int] | None:
     """Read every router's feedback (one merged window) and the newest thresholds among them, decide
     (in a worker thread), and push new thresholds to every router as the next version when `apply`
     (`router_fleet`). (decision, the version pushed or in force); None when there is no feedback yet or
-    a step failed."""
-    clients = [ControlClient(url, timeout_s=TUNE_TIMEOUT, token=token) for url in urls]
+    a step failed. `session`: connections to reuse (the operator's; not closed here)."""
+    clients = [ControlClient(url, timeout_s=TUNE_TIMEOUT, token=token, session=session) for url in urls]
     try:
         arrays, missed = await fleet_feedback(clients, TUNE_WINDOW)
         for note in missed:
@@ -210,23 +226,35 @@ async def _retune_step(
             await client.close()
 
 
-async def retune(svc: Service, spec: EarlyExitServiceSpec, ramps: list[str], lock: asyncio.Lock | None = None) -> None:
+async def retune(
+    svc: Service,
+    spec: EarlyExitServiceSpec,
+    ramps: list[str],
+    lock: asyncio.Lock | None = None,
+    access: RouterAccess | None = None,
+) -> None:
     """Apparate's continual tuning on the routers' shadow-sampled feedback (exitplan.planner.tuning.autotune):
     new thresholds when the ones in force break the accuracy budget or leave savings unclaimed.
     Advisory mode computes but does not push. Pushed thresholds are written into the plan
     ConfigMap at once (under the service's lock), so a router that restarts keeps them. A bundle with no
-    exit ramp is the plain model: nothing to tune."""
+    exit ramp is the plain model: nothing to tune. `access`: the drift loop's routers, token and connections
+    (looked up and read here when None)."""
     if not ramps:
         return
-    try:
-        urls = await router_urls(svc)
-    except ApiError as err:
-        log.info("threshold re-tune skipped: %s", err)
-        return
+    if access is None:
+        try:
+            urls = await router_urls(svc)
+        except ApiError as err:
+            log.info("threshold re-tune skipped: %s", err)
+            return
+        token = await router_token(svc) if urls else None
+        session = None
+    else:
+        urls, token, session = access.urls, access.token, access.session
     if not urls:
         return
     active = spec.planner.mode == Mode.active
-    stepped = await _retune_step(urls, ramps, spec.accuracy.max_drop, active, await router_token(svc))
+    stepped = await _retune_step(urls, ramps, spec.accuracy.max_drop, active, token, session)
     if stepped is None:
         return
     decision, version = stepped
@@ -397,6 +425,8 @@ async def _score_new(
         plan_accuracy.update_condition(status, state.accuracy, verdict, plan.content_hash(), svc.generation)
     METRICS.length_score.labels(svc.namespace, svc.name).set(report.length_score)
     METRICS.survival_error.labels(svc.namespace, svc.name).set(report.survival_error)
+    planned = status.plan.goodput_rps if status.plan is not None else None
+    METRICS.record_goodput(svc.namespace, svc.name, planned, report.goodput_rps if report.observed_at else None)
     status.drift = report
     state.judged = judged
     return report
@@ -465,6 +495,7 @@ async def check_drift(svc: Service, memo: Any) -> None:
         if await persist_thresholds(svc, latest.thresholds, "observed on the routers"):
             plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace) or plan
             status = parse_status(svc.body.get("status"))
+    said = _what_status_says(status)
     report = await _judge(svc, state, spec, plan, piece, status, period)
     action = decide(
         state,
@@ -481,7 +512,17 @@ async def check_drift(svc: Service, memo: Any) -> None:
         utc_now=dt.datetime.now(dt.UTC),
     )
     state.record(action, now)
-    await _carry_out(svc, memo, state, spec, status, plan, latest, action, now)
+    await _carry_out(svc, memo, state, spec, status, plan, latest, action, now, said)
+
+
+def _what_status_says(status: ServiceStatus) -> str:
+    """The status less the judged window's figures, which move on every read: a read that changes only
+    those writes them at most once a period (a status write per read and service was most of a fleet's API
+    traffic and, through the watch, of the operator's own CPU). A trigger, a router shortfall, a condition or
+    a proposal is written at once. The figures are live in the metrics (length score, survival error,
+    measured goodput) on every read."""
+    drift = status.drift
+    return status.model_dump_json(exclude={"drift"}) + (f"|{drift.trigger}|{drift.routers}" if drift else "|")
 
 
 async def _carry_out(
@@ -494,18 +535,28 @@ async def _carry_out(
     latest: Observations,
     action: Action,
     now: float,
+    said: str,
 ) -> None:
-    """Do what `decide` chose: the status and event of a hold, a re-plan or step, a background re-tune."""
+    """Do what `decide` chose: the status and event of a hold, a re-plan or step, a background re-tune.
+    `said`: what the status said before the read (_what_status_says): unchanged, the window's figures
+    are written once a period."""
     if action.proposal is not None:
         status.proposal = action.proposal
     if action.clear_proposal:
         status.proposal = None
-    if action.write_status:
+    written, period = state.drift_written, float(spec.planner.period_seconds)
+    due = written is None or now - written >= period - period / (2 * drift.CHECKS_PER_PERIOD)  # reads jitter
+    if action.write_status and (due or _what_status_says(status) != said):
         await svc.write_status(status)
+        state.drift_written = now
     if action.event is not None:
         svc.event("Normal", action.event.reason, action.event.message)
     if action.do is Do.retune:  # once a period, in the background: never delays a drift check
-        state.tune_task = asyncio.create_task(retune(svc, spec, latest.ramps, _service_lock(svc, memo)))
+        access = None
+        if state.routers is not None and state.routers.urls:  # the routers the read just reached
+            session = getattr(svc.memo, "router_session", None)
+            access = RouterAccess(list(state.routers.urls), state.router_token, session)
+        state.tune_task = asyncio.create_task(retune(svc, spec, latest.ramps, _service_lock(svc, memo), access))
     elif action.plans:
         await _replan(svc, state, spec, status, plan, latest, action, now)
 
