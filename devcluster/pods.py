@@ -537,7 +537,6 @@ class PodRunner:
                 for p in self.pods.values()
                 if p.namespace == ns and (p.ready or p.alive()) and selector.items() <= p.labels.items()
             ]
-            await self.endpoints.write(endpoints_object(svc, self.reach, members))
             publish = headless and svc["spec"].get("publishNotReadyAddresses")
             endpoints = sorted((self.reach, m.port) for m in members if m.ready or publish)
             proxy = self.proxies.get((ns, name))
@@ -545,7 +544,8 @@ class PodRunner:
                 proxy = self.proxies[(ns, name)] = TcpProxy(f"{ns}/{name}")
                 await proxy.start(self.host, self._service_port())
                 log.info("Service %s/%s: local endpoint %s:%d", ns, name, self.reach, proxy.port)
-            proxy.endpoints = endpoints
+            proxy.endpoints = endpoints  # first: whoever sees the Endpoints object below can reach what it lists
+            await self.endpoints.write(endpoints_object(svc, self.reach, members))
             addresses = [f"{h}:{port}" for h, port in endpoints] if headless else [f"{self.reach}:{proxy.port}"]
             ports = [{"port": proxy.port, "protocol": "TCP"}]
             ingress = {"loadBalancer": {"ingress": [{"ip": self.reach, "ports": ports}]}}

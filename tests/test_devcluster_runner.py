@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from exitplan.devcluster.cluster import DevCluster, run_dev_cluster
-from exitplan.operator.kube import KubeClient, path
+from exitplan.operator.kube import ApiError, KubeClient, path
 
 # A tiny "pod": serves its config file, its name and readiness on $EXITPLAN_PORT.
 POD = r"""
@@ -124,6 +124,8 @@ async def test_deployments_run_scale_and_report(dev):
 
     await wait_for("2 ready replicas", lambda: _eq(ready_count(), 2))
     svc = await wait_for("the Service's local endpoint", lambda: _ingress(client))
+    # the Deployment's status and the Service's endpoints are synced apart (as in a cluster): wait for both
+    await wait_for("both replicas in the Service's Endpoints", lambda: _eq(_ready_addresses(client), 2))
     seen = {(await get_json(f"http://127.0.0.1:{svc}/"))["pod"] for _ in range(6)}
     assert len(seen) == 2  # round robin over both replicas
     body = await get_json(f"http://127.0.0.1:{svc}/")
@@ -197,6 +199,14 @@ async def _field(url: str, key: str):
         return (await get_json(url)).get(key)
     except aiohttp.ClientError:
         return None
+
+
+async def _ready_addresses(client: KubeClient) -> int:
+    try:
+        endpoints = await client.get(path("Endpoints", "default", "web"))
+    except ApiError:
+        return 0
+    return sum(len(subset.get("addresses") or []) for subset in endpoints.get("subsets") or [])
 
 
 async def _ingress(client: KubeClient):
