@@ -337,6 +337,9 @@ class StandInRouter:
                     return self._send(401, b'{"error": "no token"}')
                 if self.path.startswith("/v1/observations"):
                     owner.reads += "window=current" not in self.path  # one closed-window GET per read
+                    if "window=both" in self.path:  # as the router answers it: both windows in one answer
+                        both = {"closed": owner.window(current=False), "current": owner.window(current=True)}
+                        return self._send(200, json.dumps(both).encode())
                     body = json.dumps(owner.window(current="window=current" in self.path)).encode()
                     return self._send(200, body)
                 if self.path.startswith("/v1/window.npz"):

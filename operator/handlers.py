@@ -87,7 +87,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     # the drift loop's router reads keep their connections (a new session per read connected anew each time)
     memo.router_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     memo.ignored_plans = set()  # plan-like ConfigMaps no service owns, already reported (capacity.py)
-    memo.tick_reads = tick_reads.TickReads(memo.client, max_age=0.8 * TICK)  # one list per namespace and tick
+    memo.tick_reads = tick_reads.TickReads(memo.client)  # one list and watch per kind and namespace, for every tick
     memo[SERVICE_MEMOS] = {}  # each service's own memo, whichever handler asks (service_state.service_memo)
     env = os.environ.get
     memo.http_ports = await http_ports.start(  # /metrics and /healthz, guarded (exitplan operator sets the env)
@@ -100,7 +100,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
     if (reads := tick_reads.shared_reads(memo)) is not None:
-        reads.forget()
+        await reads.forget()
     if getattr(memo, "client", None) is not None:
         await memo.client.close()
     if getattr(memo, "router_session", None) is not None:
@@ -168,8 +168,12 @@ async def profile_event(body: kopf.Body, type: str | None, namespace: str | None
 
 
 @kopf.index(group=GROUP, version=VERSION, plural=EES)
-def services_by_pool(namespace: str | None, name: str, spec: kopf.Spec, **_: Any) -> dict[str, tuple[str | None, str]]:
-    """kopf's in-memory index of the services that name each GPUPool (no API call to find them)."""
+async def services_by_pool(
+    namespace: str | None, name: str, spec: kopf.Spec, **_: Any
+) -> dict[str, tuple[str | None, str]]:
+    """kopf's in-memory index of the services that name each GPUPool (no API call to find them). Async, so that
+    kopf runs it on the event loop: a sync one goes to a thread on every event of every service (each status
+    write), a thread hand-off that cost more than the index itself."""
     return {
         ref["name"]: (namespace, name) for ref in spec.get("pools", []) if isinstance(ref, dict) and ref.get("name")
     }

@@ -11,8 +11,10 @@ purpose.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import os
 import ssl
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -110,7 +112,11 @@ class KubeClient:
         self.ssl: ssl.SSLContext | bool = True if ssl_context is None else ssl_context
         """aiohttp's `ssl`: True verifies with the system's CAs, False does not verify, a context is used as given."""
         self.backoffs = backoffs
+        self.observers: list[Callable[[str, str, Manifest], None]] = []
+        """Called with (method, url, the API's answer) after each write this client made that succeeded
+        (POST, PATCH, DELETE): the watch-fed copies (watched.py) expect to see it."""
         self._session: aiohttp.ClientSession | None = None
+        self._watch_session: aiohttp.ClientSession | None = None
 
     @classmethod
     def from_config(cls, kubeconfig: str | None = None, context: str | None = None) -> KubeClient:
@@ -137,6 +143,9 @@ class KubeClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._watch_session is not None:
+            await self._watch_session.close()
+            self._watch_session = None
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -161,7 +170,11 @@ class KubeClient:
                 ) as rsp:
                     raw = await rsp.read()  # orjson: the shared lists of every tick are most of the operator's CPU
                     if rsp.status < 400:
-                        return orjson.loads(raw) if raw else {}
+                        answer = orjson.loads(raw) if raw else {}
+                        if method != "GET":
+                            for observe in self.observers:
+                                observe(method, url, answer)
+                        return answer
                     try:
                         status = orjson.loads(raw)
                     except orjson.JSONDecodeError:
@@ -185,6 +198,37 @@ class KubeClient:
     async def list(self, url: str, selector: str = "", fields: str = "") -> list[Manifest]:
         params = {k: v for k, v in (("labelSelector", selector), ("fieldSelector", fields)) if v}
         return list((await self.request("GET", url, params=params or None)).get("items", []))
+
+    async def list_at(self, url: str, selector: str = "") -> tuple[builtins.list[Manifest], str]:
+        """A list and its resourceVersion (where a watch of the same collection starts)."""
+        listing = await self.request("GET", url, params={"labelSelector": selector} if selector else None)
+        return list(listing.get("items") or []), str((listing.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def watch(self, url: str, resource_version: str, seconds: int, selector: str = "") -> AsyncIterator[Manifest]:
+        """The collection's watch events from `resource_version` until the server ends the watch after
+        `seconds` (a connection of its own: watches do not take the requests' connections)."""
+        params = {"watch": "true", "resourceVersion": resource_version, "timeoutSeconds": str(seconds)}
+        params |= {"allowWatchBookmarks": "true"} | ({"labelSelector": selector} if selector else {})
+        if self._watch_session is None or self._watch_session.closed:
+            self._watch_session = aiohttp.ClientSession(
+                headers=self.headers, connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+            )
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=seconds + 30)
+        async with self._watch_session.get(
+            self.server + url, params=params, headers={"Accept": "application/json"}, ssl=self.ssl, timeout=timeout
+        ) as rsp:
+            if rsp.status >= 400:
+                raw = await rsp.read()
+                raise ApiError(rsp.status, str(rsp.reason), raw[:500].decode(errors="replace"))
+            pending = b""
+            async for chunk in rsp.content.iter_any():
+                lines = (pending + chunk).split(b"\n")
+                pending = lines.pop()
+                for line in lines:
+                    if line.strip():
+                        yield orjson.loads(line)
+            if pending.strip():
+                yield orjson.loads(pending)
 
     async def create(self, obj: Manifest) -> Manifest:
         meta = obj["metadata"]

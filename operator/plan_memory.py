@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from exitplan.api.plan import Plan
-from exitplan.operator import tick_reads
 from exitplan.operator.kube import KubeClient
 from exitplan.operator.service_state import current_plan
 from exitplan.planner.problem import OptionCache
@@ -40,7 +39,6 @@ def children_written(memo: Any) -> None:
     """After this process wrote the service's children (the plan ConfigMap among them): read the plan again."""
     if memo is not None:
         memo.pop(PLAN_IN_FORCE_KEY, None)
-    tick_reads.children_written(memo)  # and the Deployments again, not from a list asked for before
 
 
 def plan_cache(memo: Any) -> OptionCache:

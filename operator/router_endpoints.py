@@ -12,10 +12,10 @@ First that gives addresses:
    cluster DNS name. Such a read is not per replica: with more than one router it is reported as
    partial (`Routers.shortfall`) and not used to judge the plan (condition PlanAccurate).
 
-Under the operator (kopf), these come from the lists the timer ticks share (tick_reads.py): the
-namespace's Endpoints and its exitplan router Pods, Deployments and Services, one list of each per
-namespace and tick, instead of up to four requests per service and read (at 200 services, 800 of the
-drift period's 1,131 API requests). A list that fails falls back to the service's own reads.
+Under the operator (kopf), these come from the watched copies the timer ticks share (tick_reads.py): the
+namespace's Endpoints and its exitplan router Pods, Deployments and Services, each listed once and then
+followed by a watch, instead of up to four requests per service and read (at 200 services, 800 of the
+drift period's 1,131 API requests). A collection whose list fails falls back to the service's own reads.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ async def _get(svc: Service, kind: str, name: str) -> Manifest | None:
         raise
 
 
-def _first(by_name: dict[str, list[Manifest]], name: str) -> Manifest | None:
-    return next(iter(by_name.get(name) or []), None)
+def _first(items: list[Manifest]) -> Manifest | None:
+    return next(iter(items), None)
 
 
 class OwnReads:
@@ -101,21 +101,20 @@ class SharedReads(OwnReads):
         self.reads = reads
 
     async def endpoints(self) -> Manifest | None:
-        _, by_name = await self.reads.endpoints(self.svc.namespace)
-        return _first(by_name, names.control_service_name(self.svc.name))
+        return _first(await self.reads.endpoints(self.svc.namespace).group(names.control_service_name(self.svc.name)))
 
     async def router_pods(self) -> list[Manifest]:
-        _, by_service = await self.reads.router_pods(self.svc.namespace)
-        return by_service.get(self.svc.name, [])
+        return await self.reads.router_pods(self.svc.namespace).group(self.svc.name)
 
     async def router_deployment(self) -> Manifest | None:
-        _, by_service = await self.reads.deployments(self.svc.namespace)
         name = names.router_name(self.svc.name)
-        return next((d for d in by_service.get(self.svc.name, []) if d["metadata"]["name"] == name), None)
+        deployments = await self.reads.deployments(self.svc.namespace).group(self.svc.name)
+        return next((d for d in deployments if d["metadata"]["name"] == name), None)
 
     async def control_service(self) -> Manifest | None:
-        _, by_name = await self.reads.kube_services(self.svc.namespace)
-        return _first(by_name, names.control_service_name(self.svc.name))
+        return _first(
+            await self.reads.kube_services(self.svc.namespace).group(names.control_service_name(self.svc.name))
+        )
 
 
 def _service_address(svc: Service, service: Manifest | None) -> list[str]:

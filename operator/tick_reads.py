@@ -1,135 +1,136 @@
-"""What every service's timer tick reads from the API, read once per namespace and tick for all of them.
+"""What every service's timer tick reads from the API, kept by one watch per kind and namespace for all of them.
 
-Each tick of each EarlyExitService needs the service as the API has it now (handlers.tick) and its
-Deployments (readiness.py). Asked per service, that is two requests per service and tick: at 200
-services and a 5 s tick, 80 requests a second that the API server answers and the operator parses, most
-of the operator's CPU. Here one list per kind and namespace serves every service of the namespace for
-`max_age` seconds (less than a tick): the EarlyExitServices of the namespace, and its Deployments that
-carry the exitplan.io/service label, grouped by service.
+Each tick of each EarlyExitService needs the service as the API has it now (handlers.tick), its
+Deployments (readiness.py) and its routers' addresses (router_endpoints.py). Asked per service, that is
+several requests per service and tick; asked as one list per namespace and tick (as this module did
+before), the lists were still most of the operator's CPU at 200 services (each parsed whole, 40 a
+period). Here each kind of a namespace is listed once and then followed by its watch (watched.py): a tick
+reads the copy in memory, and only what changed crosses the wire.
 
-A shared list is older than a read of one's own, so it is used only where it cannot be older than what
-this process itself did:
-- the service: the newest of the list's copy and the copy the API returned to this process's last status
-  write (`status_written`, service_state.Service.write_status); a copy whose generation is older than
-  the one kopf delivered (a spec change the list missed) is read again on its own;
-- the Deployments: only a list asked for after this process last wrote the service's children
-  (`children_written`, plan_memory.py): right after an apply the service's own list is read.
-A list that fails is not kept: each service then reads on its own, as it would without this module.
+The copy is never older than what this process itself wrote (watched.py's expectations: the API client
+reports each write, and the group it touched is not fresh until the watch has delivered it):
+- the service: while its last status write is unseen, the copy the API returned to that write
+  (`status_written`, service_state.Service.write_status); a copy whose generation is older than the one
+  kopf delivered (a spec change the watch has not delivered yet) is read again on its own;
+- the Deployments: while a write to one of the service's Deployments is unseen, the service's own list.
+A collection whose list fails serves nothing: each service then reads on its own, as without this module.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from exitplan.api.manifest import Manifest
 from exitplan.operator.kube import KubeClient, path
 from exitplan.operator.names import L_COMPONENT, L_SERVICE
+from exitplan.operator.watched import Key, Lister, Watched, Watcher
 
 STATUS_WRITTEN_KEY = "status_written"
 """The per-object memo's key for (monotonic time, the service as the API returned it) of the last status write."""
-CHILDREN_WRITTEN_KEY = "children_written_at"
-"""The per-object memo's key for the monotonic time this process last wrote the service's children."""
 
 
-@dataclass
-class _Shared:
-    """One list in flight or done: when it was asked for, and its result grouped by service name."""
+def _by_name(item: Manifest) -> str:
+    return str(item["metadata"]["name"])
 
-    asked: float
-    task: asyncio.Task[dict[str, list[Manifest]]]
+
+def _by_service(item: Manifest) -> str:
+    return str(((item.get("metadata") or {}).get("labels") or {}).get(L_SERVICE, ""))
 
 
 @dataclass
 class TickReads:
-    """The lists the timer ticks share (kept in the operator-wide memo as `tick_reads`)."""
+    """The watched collections the timer ticks share (kept in the operator-wide memo as `tick_reads`)."""
 
     client: KubeClient
-    max_age: float
-    """Seconds a list serves the ticks that ask for it (a fraction of the timer's tick)."""
-    lists: dict[tuple[str, str], _Shared] = field(default_factory=dict)
-    requests: int = 0
-    """Lists this cache asked the API for (tests/test_tick_reads.py counts them)."""
+    watched: dict[str, Watched] = field(default_factory=dict)
+    """By collection URL (path(kind, namespace))."""
 
-    async def _grouped(
-        self, kind: str, namespace: str, fetch: Callable[[], Awaitable[list[Manifest]]], key: Callable[[Manifest], str]
-    ) -> tuple[float, dict[str, list[Manifest]]]:
-        """(when the list was asked for, its items by `key`), asked for again once older than max_age."""
-        now = time.monotonic()
-        shared = self.lists.get((kind, namespace))
-        if shared is None or now - shared.asked > self.max_age or (shared.task.done() and shared.task.exception()):
+    def __post_init__(self) -> None:
+        self.client.observers.append(self._wrote)
 
-            async def grouped() -> dict[str, list[Manifest]]:
-                out: dict[str, list[Manifest]] = defaultdict(list)
-                for item in await fetch():
-                    out[key(item)].append(item)
-                return dict(out)
+    @property
+    def requests(self) -> int:
+        """Lists the collections asked the API for (tests/test_tick_reads.py counts them)."""
+        return sum(w.lists for w in self.watched.values())
 
-            self.requests += 1
-            shared = self.lists[(kind, namespace)] = _Shared(now, asyncio.create_task(grouped()))
-        try:
-            return shared.asked, await asyncio.shield(shared.task)
-        except Exception:
-            if self.lists.get((kind, namespace)) is shared:
-                del self.lists[(kind, namespace)]  # the next tick asks again; this one reads on its own
-            raise
+    def _collection(self, url: str, lister: Lister, watcher: Watcher, key: Key) -> Watched:
+        w = self.watched.get(url)
+        if w is None:
+            w = self.watched[url] = Watched(lister, watcher, key)
+            w.start()
+        return w
 
-    async def services(self, namespace: str) -> tuple[float, dict[str, list[Manifest]]]:
-        """The namespace's EarlyExitServices by name, and when the list was asked for."""
-        return await self._grouped(
-            "EarlyExitService",
-            namespace,
-            lambda: self.client.list(path("EarlyExitService", namespace)),
-            lambda item: str(item["metadata"]["name"]),
+    def services(self, namespace: str) -> Watched:
+        """The namespace's EarlyExitServices, by name."""
+        url = path("EarlyExitService", namespace)
+        return self._collection(
+            url, lambda: self.client.list_at(url), lambda rv, s: self.client.watch(url, rv, s), _by_name
         )
 
-    async def endpoints(self, namespace: str) -> tuple[float, dict[str, list[Manifest]]]:
+    def endpoints(self, namespace: str) -> Watched:
         """Every Endpoints of the namespace, by name (the routers' addresses: router_endpoints.py). Not by
         label: a cluster copies a Service's labels onto its Endpoints, one made by hand need not carry them,
-        and a control Service's Endpoints missing from the list must mean that there are none."""
-        return await self._grouped(
-            "Endpoints",
-            namespace,
-            lambda: self.client.list(path("Endpoints", namespace)),
-            lambda item: str(item["metadata"]["name"]),
+        and a control Service's Endpoints missing from the copy must mean that there are none."""
+        url = path("Endpoints", namespace)
+        return self._collection(
+            url, lambda: self.client.list_at(url), lambda rv, s: self.client.watch(url, rv, s), _by_name
         )
 
-    async def kube_services(self, namespace: str) -> tuple[float, dict[str, list[Manifest]]]:
+    def kube_services(self, namespace: str) -> Watched:
         """The namespace's (core/v1) Services of any exitplan service (router, control, split Services), by name."""
-        return await self._grouped(
-            "Service",
-            namespace,
-            lambda: self.client.list(path("Service", namespace), L_SERVICE),
-            lambda item: str(item["metadata"]["name"]),
+        url = path("Service", namespace)
+        return self._collection(
+            url,
+            lambda: self.client.list_at(url, L_SERVICE),
+            lambda rv, s: self.client.watch(url, rv, s, L_SERVICE),
+            _by_name,
         )
 
-    async def router_pods(self, namespace: str) -> tuple[float, dict[str, list[Manifest]]]:
+    def router_pods(self, namespace: str) -> Watched:
         """The namespace's router Pods, by the service they belong to."""
-        return await self._grouped(
-            "Pod",
-            namespace,
-            lambda: self.client.list(path("Pod", namespace), f"{L_SERVICE},{L_COMPONENT}=router"),
-            lambda item: str(((item.get("metadata") or {}).get("labels") or {}).get(L_SERVICE, "")),
+        url = path("Pod", namespace)
+        selector = f"{L_SERVICE},{L_COMPONENT}=router"
+        return self._collection(
+            url,
+            lambda: self.client.list_at(url, selector),
+            lambda rv, s: self.client.watch(url, rv, s, selector),
+            _by_service,
         )
 
-    async def deployments(self, namespace: str) -> tuple[float, dict[str, list[Manifest]]]:
+    def deployments(self, namespace: str) -> Watched:
         """The namespace's Deployments of any service, by the service they belong to."""
-        return await self._grouped(
-            "Deployment",
-            namespace,
-            lambda: self.client.list(path("Deployment", namespace), L_SERVICE),
-            lambda item: str(((item.get("metadata") or {}).get("labels") or {}).get(L_SERVICE, "")),
+        url = path("Deployment", namespace)
+        return self._collection(
+            url,
+            lambda: self.client.list_at(url, L_SERVICE),
+            lambda rv, s: self.client.watch(url, rv, s, L_SERVICE),
+            _by_service,
         )
 
-    def forget(self) -> None:
-        """Drop every list (the operator stops; in-flight ones are cancelled)."""
-        for shared in self.lists.values():
-            shared.task.cancel()
-        self.lists.clear()
+    def _wrote(self, method: str, url: str, answer: Manifest) -> None:
+        """The client wrote `url` (POST to a collection; PATCH or DELETE of an object or its status)."""
+        parts = url.split("/")
+        for cut in (len(parts), len(parts) - 1, len(parts) - 2):
+            w = self.watched.get("/".join(parts[:cut]))
+            if w is None:
+                continue
+            meta = answer.get("metadata") if answer.get("kind") != "Status" else None
+            name = str(meta.get("name")) if isinstance(meta, dict) and meta.get("name") else None
+            name = name or (parts[cut] if cut < len(parts) else None)
+            if name:
+                w.wrote(answer if meta else None, name, deleted=method == "DELETE")
+            return
+
+    async def forget(self) -> None:
+        """Stop every watch and wait for it to end (the operator stops: no connection outlives its loop)."""
+        watched, self.watched = list(self.watched.values()), {}
+        await asyncio.gather(*(w.stopped() for w in watched), return_exceptions=True)
+        if self._wrote in self.client.observers:
+            self.client.observers.remove(self._wrote)
 
 
 def shared_reads(memo: Any) -> TickReads | None:
@@ -144,12 +145,6 @@ def status_written(memo: Any, body: Manifest) -> None:
         memo[STATUS_WRITTEN_KEY] = (time.monotonic(), body)
 
 
-def children_written(memo: Any) -> None:
-    """After this process wrote the service's children: a shared Deployment list asked before is too old."""
-    if memo is not None:
-        memo[CHILDREN_WRITTEN_KEY] = time.monotonic()
-
-
 def _uid(body: Mapping[str, Any]) -> str:
     return str((body.get("metadata") or {}).get("uid") or "")
 
@@ -159,38 +154,40 @@ def _generation(body: Mapping[str, Any]) -> int:
 
 
 async def service_body(memo: Any, delivered: Mapping[str, Any]) -> tuple[bool, Manifest | None]:
-    """(known, the service as new as this process knows it) from the shared list; known=False: read it on
-    its own (no shared reads, a failed list, a copy older than what kopf delivered, or not in the list)."""
+    """(known, the service as new as this process knows it) from the watched copy; known=False: read it on
+    its own (no shared reads, a failed list, a copy older than what kopf delivered, or not in the copy)."""
     reads = shared_reads(memo)
     meta = delivered["metadata"]
     if reads is None:
         return False, None
+    watched = reads.services(str(meta.get("namespace")))
+    name = str(meta["name"])
     try:
-        asked, by_name = await reads.services(str(meta.get("namespace")))
+        listed = await watched.group(name)
     except Exception:  # noqa: BLE001 -- the service's own read reports what is wrong
         return False, None
-    listed = by_name.get(str(meta["name"]))
     if not listed:
-        return False, None  # created after the list, or gone: its own read says which
+        return False, None  # created after the copy was last updated, or gone: its own read says which
     body = listed[0]
-    written = memo.get(STATUS_WRITTEN_KEY)
-    if written is not None and written[0] > asked and _uid(written[1]) == _uid(body):
-        body = written[1]  # this process wrote the status after the list was asked for (same object, not a namesake)
+    if not watched.fresh(name):  # this process wrote it and the watch has not delivered that yet
+        written = memo.get(STATUS_WRITTEN_KEY)
+        if written is None or _uid(written[1]) != _uid(body) or not watched.expects(name, written[1]):
+            return False, None
+        body = written[1]
     if _generation(body) < _generation(delivered):
         return False, None
     return True, body
 
 
 async def service_deployments(memo: Any, namespace: str, name: str) -> list[Manifest] | None:
-    """The service's Deployments from the shared list, or None: read them on their own (no shared reads,
-    a failed list, or one asked for before this process last wrote the service's children)."""
+    """The service's Deployments from the watched copy, or None: read them on their own (no shared reads,
+    a failed list, or a write of this process to one of them that the watch has not delivered yet)."""
     reads = shared_reads(memo)
     if reads is None:
         return None
+    watched = reads.deployments(namespace)
     try:
-        asked, by_service = await reads.deployments(namespace)
+        deployments = await watched.group(name)
     except Exception:  # noqa: BLE001 -- the service's own read reports what is wrong
         return None
-    if asked <= float(memo.get(CHILDREN_WRITTEN_KEY) or 0.0):
-        return None
-    return by_service.get(name, [])
+    return deployments if watched.fresh(name) else None

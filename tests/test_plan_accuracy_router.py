@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from exitplan.api.bundle import read_manifest
 from exitplan.api.observations import Observations
 from exitplan.api.plan import Cell, Plan, SplitPlan
+from exitplan.worker_image.control_client import ControlClient
 
 pytestmark = pytest.mark.slow
 
@@ -78,6 +79,11 @@ async def test_per_bucket_figures_come_from_real_requests(minilm_bundle, tmp_pat
                 obs = await observed()
                 if all(obs.per_bucket[k].load_seconds > 0 for k in ("32", "128")):
                     break
+            # the operator's read: the closed window and the one in progress in one answer (?window=both)
+            async with ControlClient(dep.control_url, token=dep.control_token) as router:
+                closed, current = await router.recent_observations()
+            assert current.requests == obs.requests and current.per_bucket.keys() == obs.per_bucket.keys()
+            assert closed.since <= current.since and closed.until <= current.until
     finally:
         dep.stop()
 

@@ -36,7 +36,15 @@ from test_chart_support import NAMESPACE, RESTRICTED, ROOT, VARIANTS, of_kind, o
 pytest.importorskip("helm_python", reason="helm-python-sdk is in the dev extra: pip install -e '.[dev]'")
 
 Need = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
-CLIENT_VERBS = {"get": "get", "list": "list", "create": "create", "merge_patch": "patch", "delete": "delete"}
+CLIENT_VERBS = {
+    "get": "get",
+    "list": "list",
+    "list_at": "list",
+    "watch": "watch",
+    "create": "create",
+    "merge_patch": "patch",
+    "delete": "delete",
+}
 CLIENT_NON_API = {"close", "from_config"}
 HTTP_VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
 URL_RE = re.compile(

@@ -3,7 +3,8 @@
 Used by the operator's drift loop, by the threshold tuning loop of `exitplan up`, by the router
 (pushing thresholds to split 0) and by the workers (forwarding them down the chain):
 
-- ``GET  /v1/observations[?window=current]``: the last closed observation window, or the one in progress;
+- ``GET  /v1/observations[?window=current|both]``: the last closed observation window, the one in progress,
+  or both in one answer (a router that predates `both` answers its closed window: then a second request);
 - ``GET  /v1/window.npz?last=N``: the newest N shadow-sampled feedback samples (the `exitplan tune` format);
 - ``GET  /v1/thresholds`` / ``POST /v1/thresholds``: the exit thresholds in force / a hot update.
 
@@ -99,6 +100,27 @@ class ControlClient:
             raise ControlError(
                 f"{self.base_url}{route}", f"not an observation window: {err.errors()[0]['msg']}"
             ) from err
+
+    async def recent_observations(self) -> tuple[Observations, Observations]:
+        """(the last closed window, the one in progress) in one request where the router serves
+        ``?window=both``; a router that predates it ignores the query and answers its closed window (or
+        refuses it with 400/404), and the windows are asked for on their own."""
+        route = "/v1/observations?window=both"
+        try:
+            body = await self._request("GET", route)
+        except ControlError as err:
+            if err.status not in (400, 404):
+                raise
+            return await self.observations(), await self.observations(current=True)  # a server that refuses `both`
+        try:
+            doc = orjson.loads(body)
+            if isinstance(doc, dict) and set(doc) == {"closed", "current"}:
+                return Observations.model_validate(doc["closed"]), Observations.model_validate(doc["current"])
+            closed = Observations.model_validate(doc)
+        except (orjson.JSONDecodeError, ValidationError) as err:
+            msg = err.errors()[0]["msg"] if isinstance(err, ValidationError) else str(err)
+            raise ControlError(f"{self.base_url}{route}", f"not an observation window: {msg}") from err
+        return closed, await self.observations(current=True)
 
     async def feedback(self, last: int) -> FeedbackArrays | None:
         """The newest ``last`` shadow-sampled feedback samples, or None while the router has none."""

@@ -7,7 +7,8 @@ control port (``--control-port``) or, without one, on its inference port:
   a hot update (merged unless `"replace": true`; router_thresholds.py), forwarded to the other routers
   and pushed to every split-0 pod (which forward it down the chain);
 - ``POST /v1/feedback``: shadow-sampled feedback samples from the last split;
-- ``GET  /v1/observations[?window=current]``, ``GET /v1/window.npz?last=N``, ``GET /v1/peers``.
+- ``GET  /v1/observations[?window=current|both]`` (both: ``{"closed": ..., "current": ...}`` in one answer,
+  what the operator's drift read needs), ``GET /v1/window.npz?last=N``, ``GET /v1/peers``.
 
 What a post may carry is checked before anything changes (`control_bodies.py`); of the feedback, only
 samples of inputs this router shadow-sampled count. The free-text `reason` of a threshold update goes
@@ -92,9 +93,13 @@ class RouterControl:
 
     async def handle_observations(self, request: web.Request) -> web.Response:
         r = self.router
-        current = request.query.get("window") == "current"
-        obs = r.snapshot(time.time()) if current or r.last_window is None else r.last_window
-        return web.json_response(obs.dump())
+        window, closed = request.query.get("window"), r.last_window
+        if window in ("current", "both") or closed is None:
+            current = r.snapshot(time.time())
+            if window == "both":  # before the first roll the window in progress is the closed one too
+                return web.json_response({"closed": (closed or current).dump(), "current": current.dump()})
+            return web.json_response(current.dump())  # asked for, or no window closed yet
+        return web.json_response(closed.dump())
 
     async def handle_window(self, request: web.Request) -> web.Response:
         r = self.router

@@ -62,23 +62,29 @@ exactly: nothing missing, nothing extra.
 # app: the plan ConfigMap and the router/split Services (operator/apply.py apply_one, delete_one,
 # list_children; reconcile.py current_plan; driftloop.py router_urls).
 - apiGroups: [""]
-  resources: ["configmaps", "services"]
+  resources: ["configmaps"]
   verbs: ["get", "list", "create", "patch", "delete"]
+# app: the router/split Services, as above, and watched for the ticks (tick_reads.py).
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # app: every router replica's address for /v1/observations: the control Service's Endpoints
-# (operator/router_endpoints.py find_routers; listed once per namespace and tick, tick_reads.py).
+# (operator/router_endpoints.py find_routers; listed and watched once per namespace, tick_reads.py).
 - apiGroups: [""]
   resources: ["endpoints"]
-  verbs: ["get", "list"]
+  verbs: ["get", "list", "watch"]
 # app: router pods' IPs for /v1/observations (operator/router_endpoints.py, where there are no
 # Endpoints); the init container
-# statuses of a service's pods, for a remote bundle they cannot fetch (operator/bundle_health.py).
+# statuses of a service's pods, for a remote bundle they cannot fetch (operator/bundle_health.py); the
+# router Pods watched (tick_reads.py).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
-# app: router and worker Deployments (operator/apply.py; reconcile.py refresh_readiness).
+  verbs: ["list", "watch"]
+# app: router and worker Deployments (operator/apply.py; reconcile.py refresh_readiness; watched once per
+# namespace for the ticks, tick_reads.py).
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # app: the routers' PodDisruptionBudget (operator/disruption.py, applied, listed and pruned by
 # operator/apply.py like the other children).
 - apiGroups: ["policy"]
