@@ -45,7 +45,7 @@ import datetime as dt
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from pydantic import ValidationError
@@ -292,15 +292,32 @@ def _tuning(state: DriftState) -> bool:
     return isinstance(state.tune_task, asyncio.Future) and not state.tune_task.done()
 
 
+SPEC_KEY = "drift_spec"
+"""The per-object memo's key for ((uid, generation), the spec parsed): a tick parses it once per generation."""
+
+
+def _spec(svc: Service, memo: Any) -> EarlyExitServiceSpec | None:
+    """The service's spec parsed (None when it does not parse: reconcile reports that), once per generation
+    (the API server bumps it on every spec change); only read here, never changed."""
+    key = (str(svc.body["metadata"].get("uid") or ""), svc.generation)
+    kept = memo.get(SPEC_KEY) if memo is not None else None
+    if kept is not None and kept[0] == key:
+        return cast(EarlyExitServiceSpec, kept[1])
+    try:
+        spec = EarlyExitServiceSpec.model_validate(svc.body.get("spec") or {})
+    except ValidationError:
+        return None
+    if memo is not None:
+        memo[SPEC_KEY] = (key, spec)
+    return spec
+
+
 async def check_drift(svc: Service, memo: Any) -> None:
     """One drift-loop read (the timer calls it every tick; it reads CHECKS_PER_PERIOD times a period):
     read the routers, score the judged window, ask drift_policy.decide, carry its Action out."""
     status = parse_status(svc.body.get("status"))
-    try:
-        spec = EarlyExitServiceSpec.model_validate(svc.body.get("spec") or {})
-    except ValidationError:
-        return
-    if status.phase in (Phase.profiling, Phase.pending) or status.plan is None:
+    spec = _spec(svc, memo)
+    if spec is None or status.phase in (Phase.profiling, Phase.pending) or status.plan is None:
         return
     state = drift_state(memo)
     period = float(spec.planner.period_seconds)

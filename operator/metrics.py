@@ -42,6 +42,8 @@ class OperatorMetrics:
         service = ("namespace", "service")  # every series: one operator serves every namespace
         self._cells: dict[tuple[str, str], set[tuple[str, ...]]] = {}
         """The cells each service's last record_plan set (its stale ones go without scanning every series)."""
+        self._plans: dict[tuple[str, str], tuple[float, tuple[tuple[int, int, str, int, int], ...]]] = {}
+        """The last record_plan of each service (what its series now say)."""
         cell = (*service, "split", "bucket", "pool")  # a plan cell's series
         self.solve_seconds = Histogram(
             "exitplan_planner_solve_seconds",
@@ -146,7 +148,12 @@ class OperatorMetrics:
     def record_plan(
         self, namespace: str, service: str, cost_per_hour: float, cells: list[tuple[int, int, str, int, int]]
     ) -> None:
-        """The plan in force: its cost, and per cell (split, bucket, pool, desired, ready) replicas."""
+        """The plan in force: its cost, and per cell (split, bucket, pool, desired, ready) replicas. Every tick
+        of every service records it; the series are set only when something differs from the last record."""
+        recorded = (cost_per_hour, tuple(cells))
+        if self._plans.get((namespace, service)) == recorded:
+            return
+        self._plans[(namespace, service)] = recorded
         self.cost.labels(namespace, service).set(cost_per_hour)
         current: set[tuple[str, ...]] = set()
         for split, bucket, pool, desired, ready in cells:
@@ -171,6 +178,7 @@ class OperatorMetrics:
             self.measured_goodput,
         )
         self._cells.pop((namespace, service), None)
+        self._plans.pop((namespace, service), None)
         for metric in (*gauges, self.last_solve):
             for labels in series(metric):
                 if labels[:2] == (namespace, service):

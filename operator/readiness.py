@@ -9,8 +9,6 @@ writes the status only when something changed.
 
 from __future__ import annotations
 
-import json
-
 from exitplan.operator import bundle_health, colocation, provider_health, tick_reads
 from exitplan.operator.kube import path
 from exitplan.operator.metrics import METRICS
@@ -25,6 +23,7 @@ async def refresh_readiness(svc: Service) -> ServiceStatus:
     idle = (Phase.infeasible, Phase.advisory, Phase.profiling, Phase.profiling_failed)
     if status.plan is None or status.phase in idle:
         return status
+    before = status.model_dump(mode="json")  # what the API has, to write only what changed
     gen = svc.generation
     deployments = await tick_reads.service_deployments(svc.memo, svc.namespace, svc.name)
     if deployments is None:  # no shared list fresh enough (tick_reads.py): the service's own
@@ -58,7 +57,6 @@ async def refresh_readiness(svc: Service) -> ServiceStatus:
         for c in (d.get("status") or {}).get("conditions") or []
         if c.get("type") == "Progressing" and c.get("status") == "False"
     ]
-    before = json.dumps(parse_status(svc.body.get("status")).model_dump(mode="json"), sort_keys=True)
     degraded = any(c.type == "Degraded" and c.status == "True" for c in status.conditions)
     if stalled:
         bundle = bundle_path((svc.body.get("spec") or {}).get("model", {}).get("bundle", ""))
@@ -88,6 +86,6 @@ async def refresh_readiness(svc: Service) -> ServiceStatus:
         status.conditions = set_condition(
             status.conditions, "Ready", False, "Waiting", "some Deployments have fewer ready replicas than desired", gen
         )
-    if json.dumps(status.model_dump(mode="json"), sort_keys=True) != before:
+    if status.model_dump(mode="json") != before:
         await svc.write_status(status)
     return status

@@ -146,6 +146,7 @@ def test_one_list_and_watch_per_namespace_serve_every_tick_and_follow_changes(cl
             await until("the list again", lambda: _known(memos["s3"], delivered["s3"]))
             assert await until("the Deployments again", lambda: _listed(memos["s1"], "team-a", "s1"))
         finally:
+            await reads.forget()
             await client.close()
             await other.close()
 
@@ -233,6 +234,7 @@ def test_a_write_the_watch_has_not_delivered_yet_is_never_read_older(cluster):
             (dep,) = await tick_reads.service_deployments(memo, "ns", "s1") or [None]
             assert dep["spec"]["replicas"] == 3
         finally:
+            await reads.forget()
             await client.close()
             await other.close()
 
