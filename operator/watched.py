@@ -167,9 +167,9 @@ class Watched:
         while True:
             try:
                 rv = await self._list()
-                failures = 0
                 while True:  # each watch ends after WATCH_SECONDS: go on from the last version seen
                     rv = await self._follow(rv)
+                    failures = 0  # a watch that ran its course (one that fails at once backs off further)
             except asyncio.CancelledError:
                 raise
             except Expired:

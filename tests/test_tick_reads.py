@@ -384,3 +384,34 @@ def test_the_drift_loop_looks_the_routers_up_from_the_namespaces_watched_copies(
     assert gets == {k: 0 for k in kinds if k != "secrets"}, gets
     assert tokens == 0 if answer == 503 else tokens >= len(names), tokens
     assert endpoint_lists == 0, endpoint_lists  # listed once before the window, then followed by its watch
+
+
+def test_a_watch_the_api_refuses_backs_off_and_the_ticks_read_on_their_own(cluster):
+    """An operator whose role lacks `watch` (a chart older than the code): the list works, the watch answers
+    403. The copy lists again with a growing backoff (not once per failed watch at once), and meanwhile
+    serves nothing, so each tick reads on its own, as without the copies."""
+    cluster.create(service("s1", "ns"))
+    lists = Lists(cluster)
+    cluster.api[lambda req: req.method == "GET" and "watch" in (req.params or {}) and req.namespace == "ns"] << 403
+
+    async def scenario() -> int:
+        client = KubeClient(cluster.server.url)
+        reads = tick_reads.TickReads(client)
+        try:
+            delivered = await client.get(path("EarlyExitService", "ns", "s1"))
+            memo = memo_for(reads)
+            start = time.monotonic()
+            answers = []
+            while time.monotonic() - start < 4.0:
+                answers.append((await tick_reads.service_body(memo, delivered))[0])
+                await asyncio.sleep(0.05)
+            assert answers.count(False) > answers.count(True), answers.count(True)  # mostly read on its own
+            return reads.services("ns").lists
+        finally:
+            await reads.forget()
+            await client.close()
+
+    listed = asyncio.run(scenario())
+    # backoff 0.5, 1, 2 s (then 5 s) after each refused watch: at most 4 lists in 4 s, where a relist at once
+    # after every refusal would list tens of times
+    assert 2 <= listed <= 4 and lists.count("earlyexitservices", watch=False) == listed, listed
