@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import ast_source
 from test_layers import FOLDERS, REPO
 
 MAX_MODULE_LINES = 600
@@ -27,7 +28,7 @@ def oversized(path: Path, root: Path = REPO) -> list[str]:
     found = []
     if source.count("\n") > MAX_MODULE_LINES:
         found.append(rel)
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(ast_source.parse(source)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             if node.end_lineno is not None and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
                 found.append(f"{rel}:{node.name}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ast_source
 import pytest
 from test_chart_support import CHART, ROOT
 
@@ -136,7 +137,7 @@ def _declaration(call: ast.Call, fn: ast.AST, where: str) -> tuple[str, list[str
 def declared() -> dict[str, Declared]:
     out: dict[str, Declared] = {}
     for path in METRIC_MODULES:
-        tree = ast.parse(path.read_text(), str(path))
+        tree = ast_source.parse(path.read_text(), str(path))
         for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Module))]:
             for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
                 where = f"{path.relative_to(ROOT)}:{call.lineno}"

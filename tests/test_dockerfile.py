@@ -24,6 +24,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ast_source
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,7 +326,7 @@ def _command_imports(module: str, function: str = "command") -> set[str]:
     """What a CLI command imports inside its body (heavy imports live there): `module` or
     `module:name` for `from module import name`."""
     path = ROOT / "exitplan" / f"{module}.py"
-    tree = ast.parse(path.read_text())
+    tree = ast_source.parse(path.read_text())
     fn = next(
         n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == function
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import ast_source
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +95,7 @@ def imports_of(source: str, module: str, is_package: bool) -> list[str]:
     """Absolute names of everything `source` (the code of `module`) imports, relative imports resolved."""
     found = []
     package = module if is_package else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(ast_source.parse(source)):
         if isinstance(node, ast.Import):
             found.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import ast_source
 from test_layers import FOLDERS, layer_sources
 
 PRODUCT = set(FOLDERS.values())
@@ -59,7 +60,7 @@ def known_modules() -> dict[str, Path]:
 
 def private_imports(source: str, module: str, is_package: bool, modules: dict[str, Path]) -> list[str]:
     bad = []
-    for node in runtime_imports(ast.parse(source)) + _type_checking_imports(ast.parse(source)):
+    for node in runtime_imports(ast_source.parse(source)) + _type_checking_imports(ast_source.parse(source)):
         if not isinstance(node, ast.ImportFrom):
             continue
         target = resolve(node, module, is_package)
@@ -77,7 +78,7 @@ def private_imports(source: str, module: str, is_package: bool, modules: dict[st
 def private_attributes(source: str, module: str, is_package: bool, modules: dict[str, Path]) -> list[str]:
     """`other._name` where `other` is a module of exitplan this module imported (`import exitplan.x.y as other`,
     `from exitplan.x import y`)."""
-    tree = ast.parse(source)
+    tree = ast_source.parse(source)
     aliases: dict[str, str] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -117,7 +118,7 @@ def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     """module -> the modules of its own room it imports when it runs."""
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for module, path in modules.items():
-        tree = ast.parse(path.read_text())
+        tree = ast_source.parse(path.read_text())
         for node in runtime_imports(tree):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -192,7 +193,7 @@ def test_the_checks_catch_what_they_forbid():
     assert private_attributes(source, "exitplan.planner.a", False, modules) == [
         "exitplan.planner.a uses exitplan.planner.b._x"
     ]
-    tree = ast.parse(
+    tree = ast_source.parse(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from exitplan.planner import c\n"
         "def f():\n    from exitplan.planner import a\n"
     )

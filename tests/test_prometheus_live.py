@@ -37,7 +37,7 @@ import yaml
 from dataplane_helpers import control_headers, free_port_block, heldout_texts, ramp_names, service_spec, two_split_plan
 from generation_helpers import PROMPTS, tiny_decoder_bundle
 from prometheus_client import REGISTRY
-from prometheus_helpers import RULES, PrometheusServer, binary, free_port, promtool, scrape_job
+from prometheus_helpers import RULES, PrometheusServer, binary, promtool, scrape_job
 from test_dashboards import DASHBOARDS, load, queries
 from test_operator_support import ClusterThread, install_profiles, mark_ready, operator, pool, service, status, wait_for
 
@@ -232,8 +232,10 @@ def live(minilm_bundle, tmp_path_factory) -> Iterator[Live]:
             gen.stop()
 
         stack.callback(stop_deployments)
-        operator_port = free_port()
-        server, _ = start_http_server(operator_port, addr="127.0.0.1")  # the operator's /metrics (this process)
+        # the operator's /metrics (this process), on a port the kernel picks as it binds: a port picked before
+        # (free_port) could be taken meanwhile by the deployments starting beside it (EADDRINUSE, once)
+        server, _ = start_http_server(0, addr="127.0.0.1")
+        operator_port = server.server_port
         stack.callback(server.shutdown)
         cluster = stack.enter_context(ClusterThread(tmp))
         _operator_service(cluster, dep)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ast_source
 import pytest
 from test_chart_support import NAMESPACE, RESTRICTED, ROOT, VARIANTS, of_kind, one, render
 
@@ -99,7 +100,7 @@ class Scanner:
     # ---------------------------------------------------------- loading
 
     def _load(self, name: str, path: str, text: str) -> Module:
-        mod = Module(name, path, ast.parse(text, path))
+        mod = Module(name, path, ast_source.parse(text, path))
         package = name.rsplit(".", 1)[0]
         for node in mod.tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
