@@ -78,9 +78,6 @@ class Watched:
     groups: dict[str, dict[str, Manifest]] = field(default_factory=dict)
     lists: int = 0
     """Lists asked for (the first and every relist)."""
-    events: int = 0
-    listed_at: float = 0.0
-    """When the list the copy started from was asked for (monotonic)."""
     _recent: dict[str, deque[str]] = field(default_factory=dict)
     _expected: dict[str, _Expected] = field(default_factory=dict)
     _synced: asyncio.Event = field(default_factory=asyncio.Event)
@@ -189,7 +186,6 @@ class Watched:
         self.objects, self.groups, self._recent = {}, {}, {}
         for item in items:
             self._put(item)
-        self.listed_at = asked
         self._expected = {n: e for n, e in self._expected.items() if e.at > asked}  # the list is newer than the rest
         self._error = None
         self._failed.clear()
@@ -206,7 +202,6 @@ class Watched:
             rv = str(_meta(obj).get("resourceVersion") or rv)
             if kind == "BOOKMARK":
                 continue
-            self.events += 1
             if kind == "DELETED":
                 self._drop(str(_meta(obj).get("name")))
             elif kind in ("ADDED", "MODIFIED"):
