@@ -61,6 +61,11 @@ def _remote(svc: Service) -> bool:
         return False
 
 
+def reads_pods(svc: Service) -> bool:
+    """Whether `surface` reads the service's pods (a remote bundle: its pods' init containers fetch it)."""
+    return _remote(svc)
+
+
 async def surface(svc: Service, status: ServiceStatus, degraded: bool) -> bool:
     """Set or clear Degraded/BundleFetchFailed from the service's pods; the new `degraded`."""
     failures: list[str] = []

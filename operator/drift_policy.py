@@ -141,6 +141,8 @@ class DriftState:
     """The control token, read with the routers (and again whenever they are)."""
     shortfall: str = ""
     """Why the last read did not hold every router's observations ('' when it did)."""
+    latest_missing: bool = False
+    """The last read had no router's observations (driftloop logs a change at INFO, a repeat at DEBUG)."""
     slices: list[Observations] = field(default_factory=list)
     """What arrived between consecutive reads, oldest first, over at most drift.KEEP_PERIODS periods;
     cleared when a re-plan changes the plan (a new plan is judged on what arrives after it)."""
@@ -157,7 +159,7 @@ class DriftState:
     last_tune: float | None = None
     """When the last background re-tune started (at most once a period)."""
     drift_written: float | None = None
-    """When the drift loop last wrote the status (the window's figures alone are written once a period)."""
+    """When the drift loop last wrote the status (drift_writes.py: the window's figures when they move, at most once a period)."""
     tune_task: object = None
     """The background re-tune (an asyncio.Task, owned by the loop), or None."""
     profile_check: float = 0.0

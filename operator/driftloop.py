@@ -56,6 +56,7 @@ from exitplan.api.resources import EarlyExitServiceSpec, Mode
 from exitplan.operator import (
     capacity,
     drift,
+    drift_writes,
     plan_accuracy,
     plan_memory,
     plan_served,
@@ -200,11 +201,15 @@ async def _read(
         state.router_token = None  # a token rotated (or the Secret replaced): read it again next read
     if note:
         state.routers = None  # a router did not answer: look them up again next read
-    if latest is None:
-        log.info("%s/%s: no observations (%s)", svc.namespace, svc.name, note or "no router endpoint")
     if shortfall:
         shortfall += f" ({note})" if note else ""
-        log.info("%s/%s: partial read: %s", svc.namespace, svc.name, shortfall)
+    # each read of each service is a DEBUG line; INFO when what it says differs from the previous read's
+    level = logging.INFO if (latest is None) != state.latest_missing or shortfall != state.shortfall else logging.DEBUG
+    state.latest_missing = latest is None
+    if latest is None:
+        log.log(level, "%s/%s: no observations (%s)", svc.namespace, svc.name, note or "no router endpoint")
+    if shortfall:
+        log.log(level, "%s/%s: partial read: %s", svc.namespace, svc.name, shortfall)
     return piece, latest, shortfall
 
 
@@ -229,7 +234,8 @@ async def _score_new(
     if judged is None:
         return None
     report = _assess(spec, plan, judged, state)
-    log.info(
+    log.log(
+        logging.INFO if report.trigger else logging.DEBUG,  # a fleet's reads: DEBUG; a read that raises a trigger: INFO
         "%s/%s: %.1f s until %.1f (%d new, %d judged arrivals; %d answered): length score %.3f, "
         "survival error %.3f, p99 %.0f ms%s",
         svc.namespace,
@@ -344,7 +350,7 @@ async def check_drift(svc: Service, memo: Any) -> None:
         if await persist_thresholds(svc, latest.thresholds, "observed on the routers"):
             plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace) or plan
             status = parse_status(svc.body.get("status"))
-    said = _what_status_says(status)
+    said, written = drift_writes.what_status_says(status), status.drift
     report = await _judge(svc, state, spec, plan, piece, status, period)
     action = decide(
         state,
@@ -361,17 +367,7 @@ async def check_drift(svc: Service, memo: Any) -> None:
         utc_now=dt.datetime.now(dt.UTC),
     )
     state.record(action, now)
-    await _carry_out(svc, memo, state, spec, status, plan, latest, action, now, said)
-
-
-def _what_status_says(status: ServiceStatus) -> str:
-    """The status less the judged window's figures, which move on every read: a read that changes only
-    those writes them at most once a period (a status write per read and service was most of a fleet's API
-    traffic and, through the watch, of the operator's own CPU). A trigger, a router shortfall, a condition or
-    a proposal is written at once. The figures are live in the metrics (length score, survival error,
-    measured goodput) on every read."""
-    drift = status.drift
-    return status.model_dump_json(exclude={"drift"}) + (f"|{drift.trigger}|{drift.routers}" if drift else "|")
+    await _carry_out(svc, memo, state, spec, status, plan, latest, action, now, (said, written))
 
 
 async def _carry_out(
@@ -384,18 +380,24 @@ async def _carry_out(
     latest: Observations,
     action: Action,
     now: float,
-    said: str,
+    before: tuple[str, DriftReport | None],
 ) -> None:
     """Do what `decide` chose: the status and event of a hold, a re-plan or step, a background re-tune.
-    `said`: what the status said before the read (_what_status_says): unchanged, the window's figures
-    are written once a period."""
+    `before`: what the status said before the read and the figures it showed (drift_writes.py: what changed
+    is written at once, the figures when they moved, at most once a period)."""
     if action.proposal is not None:
         status.proposal = action.proposal
     if action.clear_proposal:
         status.proposal = None
-    written, period = state.drift_written, float(spec.planner.period_seconds)
-    due = written is None or now - written >= period - period / (2 * drift.CHECKS_PER_PERIOD)  # reads jitter
-    if action.write_status and (due or _what_status_says(status) != said):
+    said, figures = before
+    due = drift_writes.write_due(
+        state.drift_written,
+        now,
+        float(spec.planner.period_seconds),
+        says_other=drift_writes.what_status_says(status) != said,
+        figures_moved=drift_writes.moved(figures, status.drift),
+    )
+    if action.write_status and due:
         await svc.write_status(status)
         state.drift_written = now
     if action.event is not None:

@@ -209,6 +209,7 @@ async def test_switching_to_colocation_prunes_split_zero_and_the_routers_count_f
             body = {**OWNER, "spec": spec().model_dump(by_alias=True, mode="json")}
             body["status"] = {"phase": "Deploying", "plan": summarize(TOGETHER).model_dump(by_alias=True, mode="json")}
             status = await refresh_readiness(Service(body, client))
+            assert status is not None  # no memo: every call refreshes
             ready = {(c.split, c.bucket): c.ready_replicas for c in status.plan.cells}
             assert ready == {(0, 32): 3, (0, 128): 1, (1, 32): 2, (1, 128): 1}
             assert any(c.type == "Ready" and c.status == "True" for c in status.conditions)

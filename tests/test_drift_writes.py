@@ -1,8 +1,9 @@
 """What the drift loop writes and reads per service and period, with the real operator under kopf against the
 emulated API (tier 2 of DESIGN.md): a read that brings only new figures of the judged window writes the status
-at most once a period (at 200 services a status write per read was most of the fleet's API traffic), what a
-user must see at once (a trigger, a router shortfall, a condition, a proposal) is never held back, and the
-once-a-period re-tune reaches the routers with the read's token and connections, not a Secret read each time."""
+at most once a period, and figures that do not move only as a refresh every few periods (at 200 services a
+status write per read was most of the fleet's API traffic), what a user must see at once (a trigger, a router
+shortfall, a condition, a proposal) is never held back, and the once-a-period re-tune reaches the routers
+with the read's token and connections, not a Secret read each time."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import kmock
 from test_operator_integration import ObservationServer, deployed, publish_endpoint, window
 from test_operator_support import ClusterThread, install_profiles, operator, pool, service, status, wait_for
 
-from exitplan.operator import drift
-from exitplan.operator.driftloop import _what_status_says
+from exitplan.operator import drift, drift_writes
 from exitplan.operator.status import Condition, DriftReport, Proposal, ServiceStatus
 
 PERIOD = 5
@@ -41,23 +41,41 @@ class Requests:
         return sum(1 for _, w in self.seen.values() if w == what)
 
 
-class Steady:
-    """The routers' window in progress, growing with the wall clock (100 answered a second, half of them
-    short): every read brings new arrivals and new figures, none of them a reason to re-plan."""
+class Traffic:
+    """The routers' window in progress, growing with the wall clock at `rate` answered a second (half of them
+    short): every read brings new arrivals and new figures, none of them a reason to re-plan. `swing`: the
+    rate alternates between `rate` and `rate * swing` every half period (MEASURED moves on every read)."""
 
-    def __init__(self, server: ObservationServer) -> None:
-        self.t0, self.reads = time.time(), 0
+    def __init__(self, server: ObservationServer, rate: float = 100.0) -> None:
+        self.t0, self.reads, self.rate, self.swing = time.time(), 0, rate, 1.0
+        self.last, self.n = self.t0, 0.0
         server.in_progress = self  # type: ignore[method-assign]
 
     def __call__(self) -> dict:
         self.reads += 1
         now = time.time()
-        n = int(100 * (now - self.t0))
+        phase = int((now - self.t0) / (PERIOD / 2)) % 2
+        self.n += (now - self.last) * self.rate * (self.swing if phase else 1.0)
+        self.last = now
+        n = int(self.n)
         doc = window(n // 2, n - n // 2)
         return {**doc, "since": self.t0, "until": now}
 
 
-def test_the_window_figures_are_written_once_a_period_and_the_retune_reuses_the_reads_token(tmp_path):
+def _writes_over(requests: Requests, traffic: Traffic, periods: int) -> tuple[int, int, float]:
+    """(status writes, router reads, seconds) over `periods` periods of reads."""
+    writes0, reads0, start = requests.count("status write"), traffic.reads, time.monotonic()
+    wait_for(
+        f"{periods} periods of reads",
+        lambda: (
+            traffic.reads - reads0 >= periods * drift.CHECKS_PER_PERIOD and time.monotonic() - start > periods * PERIOD
+        ),
+        guard=40 * periods,
+    )
+    return requests.count("status write") - writes0, traffic.reads - reads0, time.monotonic() - start
+
+
+def test_the_window_figures_are_written_once_a_period_when_they_move_and_the_retune_reuses_the_token(tmp_path):
     server = ObservationServer()
     with ClusterThread(tmp_path) as cluster:
         cluster.create(pool("gpu-a", 4, 3.0))
@@ -70,37 +88,62 @@ def test_the_window_figures_are_written_once_a_period_and_the_retune_reuses_the_
                 cluster.create(service("minilm", ns, planner=QUIET))
                 wait_for("the plan applied", lambda: deployed(cluster, ns, "minilm"))
                 server.window = window(500, 500)
-                steady = Steady(server)
+                traffic = Traffic(server)
+                traffic.swing = 0.4  # MEASURED swings between 100 and 40 req/s
                 publish_endpoint(cluster, ns, "minilm", server)
                 wait_for("a first judged window in status", lambda: status(cluster, ns, "minilm").get("drift"))
-                writes0, secrets0, reads0 = requests.count("status write"), requests.count("secret read"), steady.reads
-                start = time.monotonic()
-                wait_for(
-                    "three periods of reads",
-                    lambda: steady.reads - reads0 >= 3 * drift.CHECKS_PER_PERIOD and time.monotonic() - start > 15,
-                    guard=120,
-                )
-                elapsed = time.monotonic() - start
-                writes = requests.count("status write") - writes0
+                secrets0 = requests.count("secret read")
+                moving = _writes_over(requests, traffic, 3)
+                traffic.swing = 1.0  # steady from now on: the figures stop moving
+                _writes_over(requests, traffic, 1)  # the judged window forgets the swings
+                steady = _writes_over(requests, traffic, 3)
                 secrets = requests.count("secret read") - secrets0
-                reads = steady.reads - reads0
                 st = status(cluster, ns, "minilm")
         finally:
             server.close()
     assert st["drift"]["requests"] > 0 and not st["drift"]["trigger"], st["drift"]
     assert not st.get("proposal") and st.get("lastReplanReason", "") in ("", "initial"), st
-    # every read brought new figures; they reached the status about once a period
-    assert 1 <= writes <= elapsed / PERIOD + 2 < reads, (writes, elapsed, reads)
+    # every read brought new figures; those that moved reached the status about once a period
+    writes, reads, elapsed = moving
+    assert 2 <= writes <= elapsed / PERIOD + 2 < reads, moving
+    # steady figures: written again only as the refresh (every drift_writes.REFRESH_PERIODS periods)
+    writes, reads, elapsed = steady
+    assert writes <= elapsed / (drift_writes.REFRESH_PERIODS * PERIOD) + 1 < reads, steady
     # the token was read with the first read; neither the reads nor the re-tunes read it again
     assert secrets == 0, secrets
 
 
+def test_figures_are_written_when_they_read_differently_at_most_once_a_period():
+    before = DriftReport(goodput_rps=100.0, goodput_ratio=0.95, length_score=0.1, p99_ms=80.0, requests=500)
+    assert not drift_writes.moved(before, before.model_copy(update={"goodput_rps": 103.0, "p99_ms": 85.0}))
+    for change in (
+        {"goodput_rps": 94.0},
+        {"goodput_ratio": 0.89},
+        {"length_score": 0.13},
+        {"survival_error": 0.03},
+        {"p99_ms": 90.0},
+        {"requests": 0, "goodput_rps": 0.0},
+    ):
+        assert drift_writes.moved(before, before.model_copy(update=change)), change
+    assert drift_writes.moved(None, before) and not drift_writes.moved(None, None)
+    period = 20.0
+    due = drift_writes.write_due
+    assert due(None, 0.0, period, says_other=False, figures_moved=False)  # the first read writes
+    assert due(100.0, 101.0, period, says_other=True, figures_moved=False)  # a condition: at once
+    assert not due(100.0, 110.0, period, says_other=False, figures_moved=True)  # moved, but within the period
+    assert due(100.0, 118.0, period, says_other=False, figures_moved=True)  # a period on (reads jitter)
+    assert not due(100.0, 160.0, period, says_other=False, figures_moved=False)  # still, before the refresh
+    assert due(100.0, 100.0 + drift_writes.REFRESH_PERIODS * period, period, says_other=False, figures_moved=False)
+    assert due(0.0, drift_writes.REFRESH_SECONDS, 120.0, says_other=False, figures_moved=False)  # 300 s < 5 periods
+    assert not due(0.0, drift_writes.REFRESH_SECONDS, 600.0, says_other=False, figures_moved=False)  # < a period
+
+
 def test_what_a_user_must_see_at_once_changes_what_the_status_says_and_the_figures_do_not():
     base = ServiceStatus(drift=DriftReport(observed_at="t0", length_score=0.1, requests=10, goodput_rps=5.0))
-    said = _what_status_says(base)
+    said = drift_writes.what_status_says(base)
     figures = base.model_copy(deep=True)
     figures.drift = DriftReport(observed_at="t1", length_score=0.12, requests=20, goodput_rps=6.0, p99_ms=9.0)
-    assert _what_status_says(figures) == said
+    assert drift_writes.what_status_says(figures) == said
     changes = []
     for change in (
         lambda s: setattr(s.drift, "trigger", "length-drift"),
@@ -110,5 +153,5 @@ def test_what_a_user_must_see_at_once_changes_what_the_status_says_and_the_figur
     ):
         changed = base.model_copy(deep=True)
         change(changed)
-        changes.append(_what_status_says(changed) != said)
+        changes.append(drift_writes.what_status_says(changed) != said)
     assert changes == [True, True, True, True]

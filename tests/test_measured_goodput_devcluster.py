@@ -101,6 +101,7 @@ def api(tmp_path_factory, digits_bundle):
                 }
             )
         )
+        client.operator_log = tmp / "operator.log"  # type: ignore[attr-defined]
         yield client
         client.close()
 
@@ -184,3 +185,13 @@ def test_measured_goodput_sums_every_router(api, digits_bundle):
         assert report.get("routers", "") == "", report  # every router was read
         assert abs(measured - sent) <= 0.10 * sent, (replicas, measured, sent, report)
     assert set(figures) == {2, 3}
+
+
+def test_the_operator_process_runs_on_uvloop(api):
+    """`exitplan operator` runs kopf on uvloop's event loop, as `kopf run` does where uvloop is installed."""
+    said = wait_for(
+        "the operator's event loop logged",
+        lambda: "event loop: " in (log := api.operator_log.read_text(errors="replace")) and log,
+        GUARD,
+    )
+    assert "event loop: uvloop" in said, said[-2000:]
