@@ -97,6 +97,14 @@ def bearer(cfg: Any) -> str:
     return token
 
 
+MAX_IN_FLIGHT = 100
+"""Requests in flight to the API server at once (watches aside: a session of their own). The bound is a
+semaphore of the client's own, the connection pool is unbounded: aiohttp's pool limit can lose slots to
+requests that their timeout cancels while they wait for or take a connection (aio-libs/aiohttp#9670 is one
+such case); at 400 services, an apply burst that kept the emulated API server busy past the 30 s timeout
+left every later request of the operator timing out (bench/operator_scale.py, session 18)."""
+
+
 class KubeClient:
     """Async JSON client for one API server."""
 
@@ -106,8 +114,11 @@ class KubeClient:
         headers: dict[str, str] | None = None,
         ssl_context: ssl.SSLContext | bool | None = None,
         backoffs: tuple[float, ...] = BACKOFFS,
+        timeout_s: float = 30.0,
     ) -> None:
         self.server = server.rstrip("/")
+        self.timeout_s = timeout_s
+        """Each request's limit (connection, sending and the whole answer)."""
         self.headers = headers or {}
         self.ssl: ssl.SSLContext | bool = True if ssl_context is None else ssl_context
         """aiohttp's `ssl`: True verifies with the system's CAs, False does not verify, a context is used as given."""
@@ -117,6 +128,7 @@ class KubeClient:
         (POST, PATCH, DELETE): the watch-fed copies (watched.py) expect to see it."""
         self._session: aiohttp.ClientSession | None = None
         self._watch_session: aiohttp.ClientSession | None = None
+        self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
 
     @classmethod
     def from_config(cls, kubeconfig: str | None = None, context: str | None = None) -> KubeClient:
@@ -149,7 +161,11 @@ class KubeClient:
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(headers=self.headers, timeout=aiohttp.ClientTimeout(total=30))
+            self._session = aiohttp.ClientSession(
+                headers=self.headers,
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            )
         return self._session
 
     async def request(
@@ -165,32 +181,42 @@ class KubeClient:
         headers = {"Content-Type": content_type, "Accept": "application/json"}
         for _attempt, backoff in enumerate((*self.backoffs, None)):
             try:
-                async with self._sess().request(
-                    method, self.server + url, data=data, params=params, headers=headers, ssl=self.ssl
-                ) as rsp:
-                    raw = await rsp.read()  # orjson: the shared lists of every tick are most of the operator's CPU
-                    if rsp.status < 400:
-                        answer = orjson.loads(raw) if raw else {}
-                        if method != "GET":
-                            for observe in self.observers:
-                                observe(method, url, answer)
-                        return answer
-                    try:
-                        status = orjson.loads(raw)
-                    except orjson.JSONDecodeError:
-                        status = {"message": raw[:500].decode(errors="replace")}
-                    if not isinstance(status, dict):
-                        status = {"message": str(status)[:500]}
-                    err = ApiError(rsp.status, str(status.get("reason") or rsp.reason), str(status.get("message", "")))
-                    if (rsp.status >= 500 or rsp.status == 429) and backoff is not None:
-                        await asyncio.sleep(backoff)
-                        continue
-                    raise err
+                async with self._in_flight:  # released however the request ends (a timeout cancels it anywhere)
+                    answer, err = await self._once(method, url, data, params, headers)
             except (TimeoutError, aiohttp.ClientConnectionError) as exc:
                 if backoff is None:
                     raise ApiError(503, "Unavailable", f"{method} {url}: {exc!r}") from exc
                 await asyncio.sleep(backoff)
+                continue
+            if err is None:
+                return answer
+            if (err.status >= 500 or err.status == 429) and backoff is not None:
+                await asyncio.sleep(backoff)  # outside the in-flight slot and the connection
+                continue
+            raise err
         raise AssertionError("unreachable")  # the last iteration always returns or raises
+
+    async def _once(
+        self, method: str, url: str, data: bytes | None, params: dict[str, str] | None, headers: dict[str, str]
+    ) -> tuple[Manifest, ApiError | None]:
+        """One request: (the answer, None), or ({}, the API's error)."""
+        async with self._sess().request(
+            method, self.server + url, data=data, params=params, headers=headers, ssl=self.ssl
+        ) as rsp:
+            raw = await rsp.read()  # orjson: the shared lists of every tick are most of the operator's CPU
+        if rsp.status < 400:
+            answer = orjson.loads(raw) if raw else {}
+            if method != "GET":
+                for observe in self.observers:
+                    observe(method, url, answer)
+            return answer, None
+        try:
+            status = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            status = {"message": raw[:500].decode(errors="replace")}
+        if not isinstance(status, dict):
+            status = {"message": str(status)[:500]}
+        return {}, ApiError(rsp.status, str(status.get("reason") or rsp.reason), str(status.get("message", "")))
 
     async def get(self, url: str) -> Manifest:
         return await self.request("GET", url)
