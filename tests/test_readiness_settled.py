@@ -54,9 +54,12 @@ async def test_a_steady_service_skips_the_refresh_until_a_deployment_changes():
             for dep in deps:
                 await _set_ready(client, dep, dep["spec"]["replicas"])
             writes: list[str] = []
-            client.observers.append(
-                lambda method, url, answer: "earlyexitservices" in url and writes.append(f"{method} {url}")
-            )
+
+            def service_writes(method: str, url: str, answer: Any) -> None:
+                if "earlyexitservices" in url:
+                    writes.append(f"{method} {url}")
+
+            client.observers.append(service_writes)
             memo: dict[str, Any] = {}
 
             async def tick() -> Any:
