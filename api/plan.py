@@ -117,10 +117,18 @@ class Plan(Model):
         return self
 
     def content_hash(self) -> str:
-        """Stable short hash of what the data plane runs (annotation exitplan.io/plan-hash)."""
-        body = self.model_dump(
-            by_alias=True, mode="json", exclude={"prediction", "reason", "routers", "thresholds_version"}
-        )
+        """Stable short hash of what the data plane runs: status.plan.hash, the plan ConfigMap's annotation
+        exitplan.io/plan-hash, and the plan hash the routers report."""
+        return self._hash({"prediction", "reason", "routers", "thresholds_version"})
+
+    def layout_hash(self) -> str:
+        """The hash of the plan less its exit thresholds: the annotation exitplan.io/plan-hash of every child
+        but the plan ConfigMap. Thresholds live in plan.json alone (a re-tune writes only the ConfigMap),
+        so a child's annotation changes only when the child itself does."""
+        return self._hash({"prediction", "reason", "routers", "thresholds_version", "thresholds"})
+
+    def _hash(self, exclude: set[str]) -> str:
+        body = self.model_dump(by_alias=True, mode="json", exclude=exclude)
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
     def to_json(self) -> str:

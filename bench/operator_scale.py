@@ -13,16 +13,19 @@ Many EarlyExitServices of ~10 plan cells each, measured in one run:
   (a) with no router reachable (nothing runs the routers in the emulated cluster: each read looks
       the routers up, finds no Pod and a control Service without ingress, tries its cluster DNS
       name, fails, and the service is left as it is), and
-  (b) with every service's control Service published at one stand-in router (a local HTTP server
-      answering /v1/observations with a steady window that matches the plan: arrivals since the
-      previous read, the plan's length mix and survival, p99 well within the SLO) so the loop does
-      its whole read -> score (AR(1) survival forecast) -> decide -> status path, without a re-plan;
+  (b) with every service's control Service published at the stand-in router (bench/stand_in_router.py:
+      one process, a socket per service, answering the router's control routes -- a steady window
+      that matches the plan with every ramp's exits and shadow agreement, the shadow feedback window,
+      the thresholds in force and their pushes) so the loop does its whole read -> score (AR(1)
+      survival forecast) -> decide -> status path and its re-tune once a period (the feedback read,
+      the tuner, a push when it gains), without a re-plan; measured after --warmup-periods, when the
+      first re-tunes' pushes have been written into the plans;
 - the loop's decision part alone, in this process, over the services' plans: one period of reads
   (drift.CHECKS_PER_PERIOD) per service -- since_last, the judged window, drift.assess (the AR(1)
   forecast over a full survival history), drift_policy.decide.
 
-Plans: pools come in pairs (a fast, dear pool and a slow, cheap one: the test suite's synthetic
-MiniLM profiles); each service names one pair, caps the fast pool at B GPUs and has B length buckets
+Plans: pools come in pairs (a fast, dear pool and a slow, cheap one: synthetic MiniLM-like profiles
+built by the test suite's rule, with --ramps exit ramps, 10 by default); each service names one pair, caps the fast pool at B GPUs and has B length buckets
 with maxSplits 2 and maxReplicas 2B, so its plan has 2 splits x B buckets = 2B cells over both
 pools (B = cells-per-service / 2). Pool capacity leaves room for every service (capacity is shared).
 
@@ -35,7 +38,7 @@ Services' names fail -- quickly, or after the resolver's timeout when many run a
 --spy PREFIX samples the operator with py-spy (`py-spy` on PATH; not a dependency) during each measured
 drift period only, as collapsed stacks in PREFIX-unreachable.txt / PREFIX-router.txt.
 
-    python -P bench/operator_scale.py [--services 200] [--cells-per-service 10] [--pools 4] [--json]
+    python -P bench/operator_scale.py [--services 200] [--cells-per-service 10] [--pools 4] [--ramps 10] [--json]
 """
 
 from __future__ import annotations
@@ -43,10 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import copy
 import cProfile
-import http.server
-import io
 import json
 import math
 import os
@@ -64,8 +64,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "bench"))
 
-from test_operator_support import ClusterThread, load_docs  # noqa: E402
+import stand_in_router  # noqa: E402
+from test_operator_support import ClusterThread  # noqa: E402
 
 from exitplan.api.observations import Observations  # noqa: E402
 from exitplan.api.plan import Plan  # noqa: E402
@@ -83,9 +85,7 @@ PLURALS = {
     "PodDisruptionBudget": "poddisruptionbudgets",
 }
 MODEL = "minilm"
-SLO_MS = 50.0
-RATE_RPS = 200.0
-"""Arrival rate of the stand-in router's windows."""
+SLO_MS = stand_in_router.SLO_MS
 BATCH_GUARD = 600.0
 """Seconds one batch of API calls on the server's loop may take before the bench gives up (a loaded machine is slow)."""
 
@@ -118,16 +118,49 @@ def pool_body(name: str, capacity: int, cost: float) -> dict:
     }
 
 
-def profile_bodies(namespace: str, pools: int) -> list[dict]:
-    """A ModelProfile per pool: even pools get the fast synthetic profile, odd ones the slow one."""
-    docs = {d["spec"]["pool"]: d for d in load_docs("profiles.yaml")}
-    out = []
-    for p in range(pools):
-        doc = copy.deepcopy(docs["gpu-a" if p % 2 == 0 else "gpu-b"])
-        doc["metadata"] = {"name": f"{MODEL}-pool-{p}", "namespace": namespace}
-        doc["spec"]["pool"] = f"pool-{p}"
-        out.append(doc)
-    return out
+BATCHES, SEQ_LENS = [1, 4, 16], [32, 64, 128]
+
+
+def latency_table(f: float, base: float, slope: float) -> list[list[float]]:
+    """latencyMs[seqLen][batch] = f * (base + slope * batch * seqLen / 32) ms (the synthetic profiles' rule)."""
+    return [[round(f * (base + slope * b * s / 32), 4) for b in BATCHES] for s in SEQ_LENS]
+
+
+def profile_body(namespace: str, pool: int, ramps: int) -> dict:
+    """A synthetic MiniLM-like ModelProfile (tests/test_operator_data/profiles.yaml's rule: f = 1.0 on even,
+    fast pools, 2.5 on odd, slow ones) with `ramps` exit ramps, one after each of the first blocks, and
+    survival falling from 0.95 after the first ramp to 0.30 after the last; the blocks (at least 6, two
+    more than the ramps) add up to the 6-layer model's latency."""
+    f = 1.0 if pool % 2 == 0 else 2.5
+    n_blocks = max(6, ramps + 2)
+    per_block = f * 6 / n_blocks  # the 6-layer model's total, cut finer
+    blocks = [
+        {
+            "name": f"layer{i}",
+            "latencyMs": latency_table(per_block, 0.4, 0.02),
+            "weightBytes": 7_100_000,
+            "outputBytes": [1536 * s for s in SEQ_LENS],
+        }
+        for i in range(n_blocks)
+    ]
+    exits = [{"name": f"ramp{i}", "afterBlock": i, "latencyMs": latency_table(f, 0.1, 0.002)} for i in range(ramps)]
+    survival = [round(0.95 * (0.30 / 0.95) ** (i / max(1, ramps - 1)), 4) for i in range(ramps)]
+    return {
+        "apiVersion": "exitplan.io/v1alpha1",
+        "kind": "ModelProfile",
+        "metadata": {"name": f"{MODEL}-pool-{pool}", "namespace": namespace},
+        "spec": {
+            "model": MODEL,
+            "pool": f"pool-{pool}",
+            "batchSizes": BATCHES,
+            "seqLens": SEQ_LENS,
+            "blocks": blocks,
+            "ramps": exits,
+            "survival": survival,
+            "inputBytes": [16 * s for s in SEQ_LENS],
+            "measuredOn": f"synthetic: bench/operator_scale.py, {n_blocks} blocks, {ramps} ramps",
+        },
+    }
 
 
 def service_body(name: str, namespace: str, pair: int, n_buckets: int, period: int) -> dict:
@@ -287,118 +320,37 @@ def mark_all_ready(cluster: ClusterThread, services: set[tuple[str, str]], timeo
 # ---------------------------------------------------------------- the stand-in router
 
 
-def steady_window(plan: Plan, period: float, current: bool, now: float) -> dict:
-    """A router's window at `now` for steady traffic that matches `plan`: the one in progress
-    (`current`) or the last closed one; windows are one period long on the wall clock."""
-    start = math.floor(now / period) * period
-    since, until = (start, now) if current else (start - period, start)
-    n = int(RATE_RPS * (until - since))
-    mix = plan.length_histogram or [1.0 / len(plan.buckets)] * len(plan.buckets)
-    hist = [int(round(n * share / sum(mix))) for share in mix]
-    wobble = 1.0 + 0.03 * math.sin(start / period)  # survival varies a little from window to window
-    return {
-        "service": plan.service,
-        "model": MODEL,
-        "since": since,
-        "until": until,
-        "requests": sum(hist),
-        "withinSlo": sum(hist),
-        "ramps": ["ramp1", "ramp3"],
-        "survival": [min(1.0, x * wobble) for x in plan.survival],
-        "lengthBuckets": list(plan.buckets),
-        "lengthHistogram": hist,
-        "latency": {"p50Ms": 0.1 * SLO_MS, "p99Ms": 0.3 * SLO_MS},
-    }
-
-
-class StandInRouter:
-    """One HTTP server answering every service's router control endpoints with a steady window:
-    windows one period long on the wall clock, arrivals at RATE_RPS, the plan's length mix and
-    survival, p99 at 30 % of the SLO; no shadow feedback yet (an empty window.npz). It runs in a
-    process of its own (RouterProcess): in this one it would share the GIL with the API server.
-    GET /stats (no token) answers what it served."""
-
-    def __init__(self, plan: Plan, period: float) -> None:
-        self.plan, self.period, self.served, self.reads = plan, period, 0, 0
-        buf = io.BytesIO()
-        empty = np.zeros(0)
-        np.savez(buf, conf=empty, pred=empty, final=empty, saving_ms=empty, cost_ms=empty)
-        self.npz = buf.getvalue()
-        owner = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self) -> None:  # noqa: N802
-                if self.path == "/stats":
-                    return self._send(200, json.dumps({"served": owner.served, "reads": owner.reads}).encode())
-                owner.served += 1
-                if not (self.headers.get("Authorization") or "").startswith("Bearer "):
-                    return self._send(401, b'{"error": "no token"}')
-                if self.path.startswith("/v1/observations"):
-                    owner.reads += "window=current" not in self.path  # one closed-window GET per read
-                    if "window=both" in self.path:  # as the router answers it: both windows in one answer
-                        both = {"closed": owner.window(current=False), "current": owner.window(current=True)}
-                        return self._send(200, json.dumps(both).encode())
-                    body = json.dumps(owner.window(current="window=current" in self.path)).encode()
-                    return self._send(200, body)
-                if self.path.startswith("/v1/window.npz"):
-                    return self._send(200, owner.npz, "application/octet-stream")
-                if self.path == "/v1/thresholds":
-                    return self._send(200, json.dumps({"thresholds": owner.plan.thresholds}).encode())
-                return self._send(404, b'{"error": "not here"}')
-
-            def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        class Server(http.server.ThreadingHTTPServer):
-            request_queue_size = 1024  # socketserver's 5 drops connections when 400 services' reads arrive at once
-
-        self.httpd = Server(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-
-    def window(self, current: bool) -> dict:
-        return steady_window(self.plan, self.period, current, time.time())
-
-
 class RouterProcess:
-    """The stand-in router in a child process (this script with --serve-router)."""
+    """The stand-in router (bench/stand_in_router.py) in a process of its own: in this one it would share
+    the GIL with the API server. `ports`: each plan's service's routers, in the plans' order."""
 
-    def __init__(self, plan: Plan, period: float, tmp: Path) -> None:
-        plan_file = tmp / "stand-in-plan.json"
-        plan_file.write_text(plan.model_dump_json())
-        cmd = [sys.executable, "-P", __file__, "--serve-router", str(plan_file), "--period", str(int(period))]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        self.port = int(self.proc.stdout.readline())
+    def __init__(self, plans: list[Plan], period: float, tmp: Path) -> None:
+        plans_file = tmp / "stand-in-plans.json"
+        plans_file.write_text(json.dumps([p.model_dump(mode="json") for p in plans]))
+        cmd = [sys.executable, "-P", str(REPO / "bench" / "stand_in_router.py"), str(plans_file)]
+        self.proc = subprocess.Popen([*cmd, "--period", str(period)], stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            sys.exit(f"the stand-in router did not start (exit {self.proc.wait(30)})")
+        self.ports: list[int] = json.loads(line)
 
     def stats(self) -> tuple[int, int]:
         """(requests served, router reads: one closed-window GET each)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats", timeout=30) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[0]}/stats", timeout=30) as resp:
             doc = json.loads(resp.read())
         return doc["served"], doc["reads"]
+
+    def cpu(self) -> float:
+        return proc_cpu(self.proc.pid)
 
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
 
 
-def serve_router(plan_file: Path, period: float) -> None:
-    router = StandInRouter(Plan.model_validate_json(plan_file.read_text()), period)
-    print(router.port, flush=True)
-    router.httpd.serve_forever()
-
-
-async def _publish(cluster: ClusterThread, keys: list[tuple[str, str]], port: int) -> None:
-    ingress = {"status": {"loadBalancer": {"ingress": [{"ip": "127.0.0.1", "ports": [{"port": port}]}]}}}
-    for ns, name in keys:
+async def _publish(cluster: ClusterThread, keys: list[tuple[str, str]], ports: list[int]) -> None:
+    for (ns, name), port in zip(keys, ports):
+        ingress = {"status": {"loadBalancer": {"ingress": [{"ip": "127.0.0.1", "ports": [{"port": port}]}]}}}
         url = f"/api/v1/namespaces/{ns}/services/{names.control_service_name(name)}/status"
         await cluster.client.merge_patch(url, ingress)
 
@@ -469,8 +421,8 @@ def decision_cost(plans: list[Plan], spec: EarlyExitServiceSpec, period: float) 
     for plan, state in zip(plans, states):
         for r in range(reads + 1):  # the windows the stand-in router serves
             now = t_start + (r + 1) * period / reads
-            current = Observations.model_validate(steady_window(plan, period, True, now))
-            closed = Observations.model_validate(steady_window(plan, period, False, now))
+            current = Observations.model_validate(stand_in_router.steady_window(plan, period, True, now))
+            closed = Observations.model_validate(stand_in_router.steady_window(plan, period, False, now))
             piece = drift.since_last([closed, current], state.seen.get("r"))
             state.seen["r"] = max([closed, current], key=lambda w: (w.since, w.until))
             if r == 0 or piece is None:  # the first read only sets where the next one starts
@@ -511,8 +463,8 @@ def create_world(cluster: ClusterThread, args: argparse.Namespace) -> dict[str, 
         cluster.create(body)
         pools[body["metadata"]["name"]] = GPUPoolSpec.model_validate(body["spec"])
     for n in range(args.namespaces):
-        for doc in profile_bodies(f"scale{n}", args.pools):
-            cluster.create(doc)
+        for p in range(args.pools):
+            cluster.create(profile_body(f"scale{n}", p, args.ramps))
     return pools
 
 
@@ -581,27 +533,35 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     return figures
 
 
+def structure(plan: Plan) -> str:
+    """The plan's hash without its thresholds (a re-tune writes those into the plan; a re-plan changes the rest)."""
+    return plan.model_copy(update={"thresholds": {}, "thresholds_version": 0}).content_hash()
+
+
 def drift_figures(
     cluster: ClusterThread, pid: int, created: dict, plans: dict, args: argparse.Namespace, tmp: Path
 ) -> dict:
     out: dict[str, Any] = {}
     out["mark_ready_s"] = mark_all_ready(cluster, set(created), args.timeout)
-    hashes = {k: p.content_hash() for k, p in plans.items()}
+    hashes = {k: structure(p) for k, p in plans.items()}
     spy = (lambda name: Path(f"{args.spy}-{name}.txt")) if args.spy else (lambda name: None)
     out["drift_period_unreachable"] = measure_period(cluster, pid, args.period, args.period, spy=spy("unreachable"))
-    router = RouterProcess(next(iter(plans.values())), args.period, tmp)
+    keys = sorted(created)
+    router = RouterProcess([plans[k] for k in keys], args.period, tmp)
     try:
-        keys = sorted(created)
         for i in range(0, len(keys), 20):  # 20 per call: each within the cluster thread's 60 s on a busy machine
-            cluster.run(_publish(cluster, keys[i : i + 20], router.port), BATCH_GUARD)
-        warm = args.warmup_periods * args.period  # a full survival series: AR(1) fits, not EWMA
+            cluster.run(_publish(cluster, keys[i : i + 20], router.ports[i : i + 20]), BATCH_GUARD)
+        warm = args.warmup_periods * args.period  # a full survival series; the first re-tunes' pushes settled
+        cpu0 = router.cpu()
         d = measure_period(cluster, pid, args.period, warm, router, spy=spy("router"))
         d["reads_done"], d["reads_due"] = d["router_reads"], args.services * drift.CHECKS_PER_PERIOD
+        d["stand_in_cpu_s"] = router.cpu() - cpu0  # over the warm-up and the period
         out["drift_period_stand_in_router"] = d
     finally:
         router.close()
-    changed = sum(1 for (ns, name), h in hashes.items() if (p := plan_of(cluster, ns, name)) and p.content_hash() != h)
-    out["replans_during_drift_periods"] = changed
+    now = {k: plan_of(cluster, *k) for k in hashes}
+    out["replans_during_drift_periods"] = sum(1 for k, p in now.items() if p and structure(p) != hashes[k])
+    out["thresholds_written_into_plans"] = sum(1 for k, p in now.items() if p and p.thresholds != plans[k].thresholds)
     return out
 
 
@@ -646,6 +606,7 @@ def report(f: dict) -> None:
         )
     if "replans_during_drift_periods" in f:
         rows.append(("plans changed during the drift periods", str(f["replans_during_drift_periods"])))
+        rows.append(("plans with re-tuned thresholds written in", str(f["thresholds_written_into_plans"])))
     rows.append(("operator RSS at the end", f"{f['operator_rss_mib']:.0f} MiB"))
     width = max(len(r[0]) for r in rows)
     print(f"operator at scale (tick {f['tick_s']:g} s, period {f['period_s']} s)")
@@ -660,6 +621,7 @@ def main() -> None:
     parser.add_argument(
         "--pools", type=int, default=4, help="GPUPools, in (fast, slow) pairs; each service uses one pair"
     )
+    parser.add_argument("--ramps", type=int, default=10, help="exit ramps of the model (its profiles')")
     parser.add_argument("--namespaces", type=int, default=0, help="default: one per 20 services")
     parser.add_argument("--tick", type=float, default=5.0, help="the operator's timer tick (its default: 5 s)")
     parser.add_argument("--period", type=int, default=20, help="spec.planner.periodSeconds (>= 5)")
@@ -676,10 +638,7 @@ def main() -> None:
     parser.add_argument("--profile-api", type=Path, help="cProfile the emulated API server, stats to this file")
     parser.add_argument("--spy", help="py-spy the operator in each measured period: PREFIX-<period>.txt")
     parser.add_argument("--json", nargs="?", const="-", help="also print (or write to a file) the figures as JSON")
-    parser.add_argument("--serve-router", type=Path, help=argparse.SUPPRESS)  # the stand-in router's process
     args = parser.parse_args()
-    if args.serve_router:
-        return serve_router(args.serve_router, args.period)
     if args.pools < 2:
         parser.error("--pools takes at least 2 (one fast, slow pair)")
     args.namespaces = args.namespaces or max(1, math.ceil(args.services / 20))

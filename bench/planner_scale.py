@@ -45,7 +45,6 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-import operator_scale  # noqa: E402
 from operator_scale import decision_cost  # noqa: E402
 
 from exitplan.api.plan import Plan  # noqa: E402
@@ -202,20 +201,12 @@ def small_plans(n: int) -> tuple[list[Plan], EarlyExitServiceSpec]:
 
 def decision_rows(period: float = 20.0) -> list[dict[str, Any]]:
     rows = []
-    served = operator_scale.steady_window
-
-    def ten_ramps(plan: Plan, *args: Any) -> dict[str, Any]:  # the stand-in router's window, every ramp named
-        window = served(plan, *args)
-        window["ramps"] = [f"ramp{k}" for k in range(len(plan.survival))]
-        return window
-
-    operator_scale.steady_window = ten_ramps
     try:
         for predictor, counts in (("ar1", (50, 200, 1000)), ("arima", (50,))):
             drift.planner_forecast = lambda series, name=predictor: forecast.forecast_survival(series, name)
             for n in counts:
                 plans, spec = small_plans(n)
-                d = decision_cost(plans, spec, period)
+                d = decision_cost(plans, spec, period)  # the stand-in router's windows name every ramp
                 rows.append({"predictor": predictor, **d})
                 print(
                     f"  {predictor:<5} {n:>5} services x 10 ramps, {d['reads_per_service']} reads each: {d['cpu_s']:7.3f} s "
@@ -224,7 +215,6 @@ def decision_rows(period: float = 20.0) -> list[dict[str, Any]]:
                     flush=True,
                 )
     finally:
-        operator_scale.steady_window = served
         drift.planner_forecast = forecast.forecast_survival
     return rows
 

@@ -129,13 +129,13 @@ def build_router(
     replicas = colocation.router_replicas(spec.router.replicas, plan)
     main = {**container, **pod_template.prestop()}
     deployment = pod_template.deployment(
-        router_name(service), namespace, labels, plan.content_hash(), replicas, main, parts
+        router_name(service), namespace, labels, plan.layout_hash(), replicas, main, parts
     )
     deployment["spec"]["template"]["metadata"]["labels"][L_SENDS_TO] = str(first)  # what its NetworkPolicy admits
     svc = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": metadata(dns_name(service), namespace, labels, plan.content_hash()),
+        "metadata": metadata(dns_name(service), namespace, labels, plan.layout_hash()),
         "spec": {
             "type": "ClusterIP",
             "selector": labels,
@@ -153,7 +153,7 @@ def build_control_service(service: str, namespace: str, plan: Plan) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": metadata(control_service_name(service), namespace, labels, plan.content_hash()),
+        "metadata": metadata(control_service_name(service), namespace, labels, plan.layout_hash()),
         "spec": {
             "clusterIP": "None",
             "selector": labels,
@@ -172,7 +172,7 @@ def build_split_services(service: str, namespace: str, plan: Plan) -> list[Manif
             {
                 "apiVersion": "v1",
                 "kind": "Service",
-                "metadata": metadata(split_service_name(service, split.index), namespace, labels, plan.content_hash()),
+                "metadata": metadata(split_service_name(service, split.index), namespace, labels, plan.layout_hash()),
                 "spec": {
                     "clusterIP": "None",
                     "selector": labels,
@@ -201,7 +201,7 @@ def build_worker(
     )
     main = {**container, **pod_template.prestop()}
     return pod_template.deployment(
-        worker_name(service, cell), namespace, labels, plan.content_hash(), cell.replicas, main, parts
+        worker_name(service, cell), namespace, labels, plan.layout_hash(), cell.replicas, main, parts
     )
 
 

@@ -66,4 +66,10 @@ def write_due(
     if says_other or written_at is None:
         return True
     since = now - written_at + period / (2 * drift.CHECKS_PER_PERIOD)  # reads jitter around their grid
-    return since >= period and (figures_moved or since >= min(REFRESH_PERIODS * period, REFRESH_SECONDS))
+    return since >= period and (figures_moved or since >= refresh_seconds(period))
+
+
+def refresh_seconds(period: float) -> float:
+    """How often what did not move is written again: every REFRESH_PERIODS periods or REFRESH_SECONDS, whichever
+    is sooner, but never more often than once a period."""
+    return max(period, min(REFRESH_PERIODS * period, REFRESH_SECONDS))

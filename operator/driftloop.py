@@ -64,7 +64,14 @@ from exitplan.operator import (
 )
 from exitplan.operator import reconcile as rec
 from exitplan.operator.drift_policy import Action, Do, DriftState, decide, needs_reassess
-from exitplan.operator.live_thresholds import RouterAccess, persist_thresholds, retune, router_token, same_thresholds
+from exitplan.operator.live_thresholds import (
+    RouterAccess,
+    retune,
+    router_token,
+    same_thresholds,
+    write_pending,
+    write_thresholds,
+)
 from exitplan.operator.metrics import METRICS
 from exitplan.operator.readiness import refresh_readiness
 from exitplan.operator.router_endpoints import find_routers, router_urls
@@ -347,9 +354,12 @@ async def check_drift(svc: Service, memo: Any) -> None:
         and not same_thresholds(latest.thresholds, plan.thresholds)
     ):
         # the routers run this plan with other thresholds (pushed live): the plan carries them from now on
-        if await persist_thresholds(svc, latest.thresholds, "observed on the routers"):
+        if await write_thresholds(svc, latest.thresholds, "observed on the routers", period):
             plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace) or plan
             status = parse_status(svc.body.get("status"))
+    elif active and await write_pending(svc, period):  # a re-tune's set that waited for its turn
+        plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace) or plan
+        status = parse_status(svc.body.get("status"))
     said, written = drift_writes.what_status_says(status), status.drift
     report = await _judge(svc, state, spec, plan, piece, status, period)
     action = decide(
@@ -407,7 +417,8 @@ async def _carry_out(
         if state.routers is not None and state.routers.urls:  # the routers the read just reached
             session = getattr(svc.memo, "router_session", None)
             access = RouterAccess(list(state.routers.urls), state.router_token, session)
-        state.tune_task = asyncio.create_task(retune(svc, spec, latest.ramps, _service_lock(svc, memo), access))
+        lock, in_force = _service_lock(svc, memo), dict(latest.thresholds)
+        state.tune_task = asyncio.create_task(retune(svc, spec, latest.ramps, lock, access, in_force))
     elif action.plans:
         await _replan(svc, state, spec, status, plan, latest, action, now)
 

@@ -70,7 +70,7 @@ def build_stage(
         "stage", parts, service, namespace, command=["exitplan", "generate-stage"], args=args, ports=ports
     )
     deployment = pod_template.deployment(
-        worker_name(service, cell), namespace, labels, plan.content_hash(), 1, stage, parts
+        worker_name(service, cell), namespace, labels, plan.layout_hash(), 1, stage, parts
     )
     deployment["spec"]["strategy"] = {"type": "Recreate"}
     return deployment

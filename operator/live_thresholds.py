@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from pydantic import ValidationError
 
 from exitplan.api.resources import EarlyExitServiceSpec, Mode
 from exitplan.operator import apply as applying
-from exitplan.operator import builders, control_token, guards, plan_memory
+from exitplan.operator import builders, control_token, drift_writes, guards, plan_memory
 from exitplan.operator.kube import ApiError, path
-from exitplan.operator.rollout import all_children
+from exitplan.operator.ownership import adopt
 from exitplan.operator.router_endpoints import router_urls
-from exitplan.operator.service_state import Service, current_plan, read_inputs
+from exitplan.operator.service_state import Service, current_plan
 from exitplan.operator.status import parse_status, summarize
 from exitplan.planner.tuning import autotune
 from exitplan.planner.tuning.feedback import FeedbackWindow, WindowError
@@ -70,11 +72,13 @@ async def _retune_step(
     apply: bool,
     token: str | None = None,
     session: aiohttp.ClientSession | None = None,
-) -> tuple[autotune.Decision, int] | None:
-    """Read every router's feedback (one merged window) and the newest thresholds among them, decide
-    (in a worker thread), and push new thresholds to every router as the next version when `apply`
-    (`router_fleet`). (decision, the version pushed or in force); None when there is no feedback yet or
-    a step failed. `session`: connections to reuse (the operator's; not closed here)."""
+    in_force: dict[str, float] | None = None,
+) -> tuple[autotune.Decision, int | None] | None:
+    """Read every router's feedback (one merged window), decide (in a worker thread) against the thresholds
+    in force -- `in_force`, what the drift read just saw, or else the newest set among the routers -- and
+    push new thresholds to every router as the version after the newest set when `apply` (`router_fleet`).
+    (decision, the version pushed, or the version in force when it was read, else None); None when there
+    is no feedback yet or a step failed. `session`: connections to reuse (the operator's; not closed here)."""
     clients = [ControlClient(url, timeout_s=TUNE_TIMEOUT, token=token, session=session) for url in urls]
     try:
         arrays, missed = await fleet_feedback(clients, TUNE_WINDOW)
@@ -82,10 +86,12 @@ async def _retune_step(
             log.info("a router's feedback is left out of this re-tune: %s", note)
         if arrays is None:  # no feedback yet
             return None
-        current = await fleet_thresholds(clients)
-        decision = await asyncio.to_thread(_tune, arrays, ramps, current.values, budget)
-        version = current.version
+        current = None if in_force else await fleet_thresholds(clients)
+        values = in_force or (current.values if current else {})
+        decision = await asyncio.to_thread(_tune, arrays, ramps, values, budget)
+        version = current.version if current else None
         if decision.thresholds is not None and apply:
+            current = current or await fleet_thresholds(clients)  # the version to follow
             version = (await push_fleet(clients, current, decision.thresholds, f"tune-{decision.reason}")).version
         return decision, version
     except (ControlError, WindowError, KeyError) as err:  # unreachable routers, short/odd window
@@ -102,13 +108,15 @@ async def retune(
     ramps: list[str],
     lock: asyncio.Lock | None = None,
     access: RouterAccess | None = None,
+    in_force: dict[str, float] | None = None,
 ) -> None:
     """Apparate's continual tuning on the routers' shadow-sampled feedback (exitplan.planner.tuning.autotune):
     new thresholds when the ones in force break the accuracy budget or leave savings unclaimed.
     Advisory mode computes but does not push. Pushed thresholds are written into the plan
     ConfigMap at once (under the service's lock), so a router that restarts keeps them. A bundle with no
     exit ramp is the plain model: nothing to tune. `access`: the drift loop's routers, token and connections
-    (looked up and read here when None)."""
+    (looked up and read here when None); `in_force`: the thresholds the drift read just saw on them (read
+    here when None or empty)."""
     if not ramps:
         return
     if access is None:
@@ -124,7 +132,7 @@ async def retune(
     if not urls:
         return
     active = spec.planner.mode == Mode.active
-    stepped = await _retune_step(urls, ramps, spec.accuracy.max_drop, active, token, session)
+    stepped = await _retune_step(urls, ramps, spec.accuracy.max_drop, active, token, session, in_force)
     if stepped is None:
         return
     decision, version = stepped
@@ -137,27 +145,66 @@ async def retune(
             f"{decision.agreement_before:.4f} -> {decision.agreement_after:.4f} on {decision.samples} samples",
         )
         if active:
+            period, source = float(spec.planner.period_seconds), f"tune-{decision.reason}"
+            if isinstance(svc.memo, dict) and not write_due(svc.memo, time.monotonic(), period):
+                svc.memo[PENDING_KEY] = (dict(decision.thresholds), version or 0, source)  # written when due
+                return
             async with lock or asyncio.Lock():
                 fresh = await svc.client.list(
                     path("EarlyExitService", svc.namespace), fields=f"metadata.name={svc.name}"
                 )
                 if fresh:
-                    await persist_thresholds(
-                        Service(body=fresh[0], client=svc.client, memo=svc.memo),
-                        decision.thresholds,
-                        f"tune-{decision.reason}",
-                        version,
-                    )
+                    service = Service(body=fresh[0], client=svc.client, memo=svc.memo)
+                    await write_thresholds(service, decision.thresholds, source, period, version or 0)
 
 
 def same_thresholds(a: dict[str, float], b: dict[str, float]) -> bool:
     return set(a) == set(b) and all(abs(a[k] - b[k]) <= 1e-9 for k in a)
 
 
+WRITTEN_KEY, PENDING_KEY = "thresholds_written", "thresholds_pending"
+"""The per-object memo's keys: when thresholds were last written into the plan (time.monotonic()), and the
+newest set that waits for its turn (values, version, source)."""
+
+
+def write_due(memo: Any, now: float, period: float) -> bool:
+    """Whether thresholds may be written into the plan now: at most once per drift_writes.refresh_seconds
+    (5 periods or 5 minutes). The routers hold every pushed set meanwhile (versioned, passed between them),
+    so only a restart of every router at once within that time falls back to the set written before."""
+    written = memo.get(WRITTEN_KEY) if isinstance(memo, dict) else None
+    return written is None or now - written >= drift_writes.refresh_seconds(period)
+
+
+async def write_thresholds(
+    svc: Service, thresholds: dict[str, float], source: str, period: float, version: int = 0
+) -> bool:
+    """`persist_thresholds` when `write_due`, else the set waits in the memo as the newest to write
+    (`write_pending` writes it when due). True when written now."""
+    now, memo = time.monotonic(), svc.memo if isinstance(svc.memo, dict) else None
+    if memo is not None and not write_due(memo, now, period):
+        memo[PENDING_KEY] = (dict(thresholds), version, source)
+        return False
+    written = await persist_thresholds(svc, thresholds, source, version)
+    if memo is not None:
+        memo[WRITTEN_KEY] = now  # written, or found already in the plan
+        memo.pop(PENDING_KEY, None)
+    return written
+
+
+async def write_pending(svc: Service, period: float) -> bool:
+    """Write the set that waits (the newest a re-tune pushed while a write was not due) when due."""
+    pending = svc.memo.get(PENDING_KEY) if isinstance(svc.memo, dict) else None
+    if pending is None or not write_due(svc.memo, time.monotonic(), period):
+        return False
+    values, version, source = pending
+    return await write_thresholds(svc, values, source, period, version)
+
+
 async def persist_thresholds(svc: Service, thresholds: dict[str, float], source: str, version: int = 0) -> bool:
-    """Write `thresholds` into the plan in force (plan ConfigMap, children's plan hash, status.plan)
-    when they differ from the plan's, with their `version` (the routers' set: a router that restarts
-    reads it and keeps the version): the same cells, not a re-plan (no lastReplanTime). True when
+    """Write `thresholds` into the plan in force when they differ from the plan's, with their `version` (the
+    routers' set: a router that restarts reads it and keeps the version): the plan ConfigMap (plan.json and
+    its plan hash) and status.plan; the other children are built from the plan less its thresholds
+    (Plan.layout_hash) and stay as they are. The same cells, not a re-plan (no lastReplanTime). True when
     written. Call under the service's lock (a concurrent re-plan must not be overwritten)."""
     plan = await current_plan(svc.client, svc.name, svc.namespace)
     if plan is None or not thresholds or same_thresholds(plan.thresholds, thresholds):
@@ -168,17 +215,17 @@ async def persist_thresholds(svc: Service, thresholds: dict[str, float], source:
         return False
     if guards.bundle_refusal(spec, svc.settings) is not None:
         return False  # the spec names a bundle path this operator does not mount (the reconcile says so)
-    inputs = await read_inputs(svc.client, spec, svc.namespace)
-    if inputs.unknown_pools or {c.pool for c in plan.cells} - set(inputs.pools):
-        return False  # the next reconcile reports it; the routers keep the pushed values meanwhile
     values = {k: float(v) for k, v in thresholds.items()}
     updated = plan.model_copy(update={"thresholds": values, "thresholds_version": version})
-    children = all_children(svc, spec, updated, builders.build_children(svc.body, spec, updated, inputs.pools))
-    await applying.apply_children(svc.client, children, svc.name, svc.namespace)  # the budget and policies kept
+    configmap = builders.build_configmap(svc.name, svc.namespace, updated)
+    adopt([configmap], owner=svc.body)
+    await applying.apply_one(svc.client, configmap, applying.ApplyReport())
     plan_memory.children_written(svc.memo)
     status = parse_status(svc.body.get("status"))
     ready = {(c.split, c.bucket, c.pool): c.ready_replicas for c in (status.plan.cells if status.plan else [])}
-    status.plan = summarize(updated, ready, max((len(p.ramps) for p in inputs.profiles.values()), default=None))
+    summary = summarize(updated, ready)
+    summary.exits = status.plan.exits if status.plan else summary.exits  # the bundle's ramps: unchanged
+    status.plan = summary
     await svc.write_status(status)
     log.info(
         "%s/%s: thresholds %s written into plan %s (%s)",

@@ -83,7 +83,7 @@ def worker_splits(plan: Plan) -> list[int]:
 
 def build_network_policies(service: str, namespace: str, plan: Plan, settings: guards.Settings) -> list[Manifest]:
     """The service's NetworkPolicies for `plan` (see the module docstring); not yet adopted."""
-    plan_hash, splits = plan.content_hash(), worker_splits(plan)
+    plan_hash, splits = plan.layout_hash(), worker_splits(plan)
     # split 1 too while split 0 runs in workers: a router that ran split 0 itself sends there until replaced
     routers_sending = sorted({s for s in (first_split(plan), 1) if s in splits})
     control = {"from": [operator_peer(settings), _pods(service, "worker")], "ports": _ports(names.CONTROL_PORT)}

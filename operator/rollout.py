@@ -31,7 +31,7 @@ def all_children(svc: Service, spec: EarlyExitServiceSpec, plan: Plan, children:
     """A plan's children (builders.py, generation_builders.py) with the routers' PodDisruptionBudget and,
     when the operator's settings ask for them, the service's NetworkPolicies: what every apply applies
     (an apply without them would prune them)."""
-    budgeted = disruption.with_router_budget(svc.body, spec, plan.content_hash(), children)
+    budgeted = disruption.with_router_budget(svc.body, spec, plan.layout_hash(), children)
     return network_policies.with_network_policies(svc.body, plan, svc.settings, budgeted)
 
 

@@ -75,7 +75,7 @@ def spec(routers: int = 2) -> EarlyExitServiceSpec:
 def children(plan: Plan, service_spec: EarlyExitServiceSpec | None = None) -> list[dict]:
     service_spec = service_spec or spec()
     built = builders.build_children(OWNER, service_spec, plan, POOLS)
-    return disruption.with_router_budget(OWNER, service_spec, plan.content_hash(), built)
+    return disruption.with_router_budget(OWNER, service_spec, plan.layout_hash(), built)
 
 
 def named(objs: list[dict]) -> dict[str, dict]:

@@ -132,7 +132,7 @@ def test_the_policies_are_children_of_the_service_and_validate_strictly(kube_ver
     for p in policies:
         assert p["metadata"]["ownerReferences"][0]["uid"] == "uid-a"
         assert p["metadata"]["labels"][names.L_SERVICE] == "a"
-        assert p["metadata"]["annotations"][names.A_PLAN_HASH] == plan("a", 3).content_hash()
+        assert p["metadata"]["annotations"][names.A_PLAN_HASH] == plan("a", 3).layout_hash()
         for version in kube_versions:
             kv.validate(p, version, strict=True)
     broken = {**policies[0], "spec": {**policies[0]["spec"], "podSelectr": {}}}

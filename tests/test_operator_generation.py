@@ -87,7 +87,7 @@ def test_pipeline_plan_builds_one_stage_deployment_per_split_chained_by_next():
         assert dep["metadata"]["labels"][names.L_SPLIT] == str(cell.split)
         assert dep["spec"]["template"]["spec"]["nodeSelector"] == dict(POOLS[cell.pool].node_selector)
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-        assert dep["metadata"]["annotations"][names.A_PLAN_HASH] == p.content_hash()
+        assert dep["metadata"]["annotations"][names.A_PLAN_HASH] == p.layout_hash()
     assert [c.pool for c in sorted(p.cells, key=lambda c: c.split)] == ["gpu-a", "gpu-b", "gpu-b"]
     router = deployments["gen-router"]["spec"]["template"]["spec"]["containers"][0]
     assert router["command"] == ["exitplan", "router"]

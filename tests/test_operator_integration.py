@@ -69,7 +69,7 @@ def test_create_builds_every_child_with_the_right_specs(cluster):
             pod = dep["spec"]["template"]["spec"]
             assert pod["nodeSelector"] == {"exitplan.io/pool": cell.pool}
             assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-            assert dep["metadata"]["annotations"][names.A_PLAN_HASH] == plan.content_hash()
+            assert dep["metadata"]["annotations"][names.A_PLAN_HASH] == plan.layout_hash()
         services = {o["metadata"]["name"] for o in cluster.list("Service", ns, "exitplan.io/service=minilm")}
         splits = {names.split_service_name("minilm", s.index) for s in plan.splits}
         assert services == {"minilm", "minilm-control"} | splits
@@ -116,7 +116,7 @@ def test_spec_change_replans_and_patches(cluster):
         after = workers(cluster, ns, "minilm")
         assert set(after) == {names.worker_name("minilm", c) for c in plan.cells}
         assert all(d["metadata"]["labels"]["exitplan.io/pool"] == "gpu-a" for d in after.values())
-        assert all(d["metadata"]["annotations"][names.A_PLAN_HASH] == plan.content_hash() for d in after.values())
+        assert all(d["metadata"]["annotations"][names.A_PLAN_HASH] == plan.layout_hash() for d in after.values())
         kept = set(before) & set(after)
         for name in kept:  # patched in place, not re-created
             assert after[name]["metadata"]["uid"] == before[name]["metadata"]["uid"]
@@ -619,6 +619,7 @@ def test_live_tuned_thresholds_are_written_into_the_plan(cluster, observations):
         quiet = {**DRIFT, "drift": {**DRIFT["drift"], "survivalError": 1.0}}
         cluster.create(service("minilm", ns, planner=quiet, accuracy={"maxDrop": 0.02}))
         first = wait_for("first plan applied", lambda: deployed(cluster, ns, "minilm"))
+        built = {k: d["metadata"]["resourceVersion"] for k, d in workers(cluster, ns, "minilm").items()}
         observations.window = window(500, 500)
         publish_endpoint(cluster, ns, "minilm", observations)
         wait_for("thresholds pushed", lambda: observations.pushed)
@@ -632,16 +633,21 @@ def test_live_tuned_thresholds_are_written_into_the_plan(cluster, observations):
             "status follows", lambda: (s := status(cluster, ns, "minilm"))["plan"]["hash"] == plan.content_hash() and s
         )
         assert st["lastReplanReason"] == first["lastReplanReason"] and st["lastReplanTime"] == first["lastReplanTime"]
-        for dep in workers(cluster, ns, "minilm").values():
-            assert dep["metadata"]["annotations"][names.A_PLAN_HASH] == plan.content_hash()
+        # only the plan ConfigMap changed: the workers are built from the plan less its thresholds
+        now = workers(cluster, ns, "minilm")
+        assert {k: d["metadata"]["resourceVersion"] for k, d in now.items()} == built
+        for dep in now.values():
+            assert dep["metadata"]["annotations"][names.A_PLAN_HASH] == plan.layout_hash()
         events_where(
             cluster, ns, "minilm", lambda e: e["reason"] == "ThresholdsPersisted", "a ThresholdsPersisted event"
         )
         # What a restarted router reads: plan.json as the ConfigMap volume holds it.
         cm = cluster.get("ConfigMap", ns, "minilm-plan")
+        assert cm["metadata"]["annotations"][names.A_PLAN_HASH] == plan.content_hash()
         (tmp := cluster.kubeconfig.parent / "plan.json").write_text(cm["data"]["plan.json"])
         assert read_plan(tmp).thresholds == pushed
-        # Thresholds pushed by someone else to routers that run this plan: written in too.
+        # Thresholds pushed by someone else to routers that run this plan: written in too, once the last
+        # write is 5 periods old (live_thresholds.write_due: at most one write per service that often).
         other = {"ramp1": 0.97, "ramp3": 0.93}
         observations.feedback = None
         observations.current = {

@@ -45,7 +45,7 @@ def spec(**router) -> EarlyExitServiceSpec:
 
 def children(service_spec: EarlyExitServiceSpec) -> list[dict]:
     built = builders.build_children(OWNER, service_spec, PLAN, POOLS)
-    return disruption.with_router_budget(OWNER, service_spec, PLAN.content_hash(), built)
+    return disruption.with_router_budget(OWNER, service_spec, PLAN.layout_hash(), built)
 
 
 def one(objs: list[dict], kind: str, component: str | None = None) -> dict:
@@ -73,7 +73,7 @@ def test_two_routers_by_default_under_a_budget_that_keeps_one():
     )
     (owner,) = budget["metadata"]["ownerReferences"]
     assert owner["uid"] == "1234-uid" and owner["kind"] == "EarlyExitService"
-    assert budget["metadata"]["annotations"][names.A_PLAN_HASH] == PLAN.content_hash()
+    assert budget["metadata"]["annotations"][names.A_PLAN_HASH] == PLAN.layout_hash()
 
 
 def test_one_router_gets_no_budget_that_would_block_every_eviction():

@@ -1,0 +1,80 @@
+"""How often the drift loop writes live thresholds into the plan, and what such a write touches: at most once
+per service every drift_writes.refresh_seconds (the routers hold every pushed set meanwhile; at 200 services
+the re-tune's pushes, each written at once into every child, saturated the API server), and only the plan
+ConfigMap: the other children carry the plan's layout hash, which the thresholds are not part of."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from test_operator_builders import make_plan
+
+from exitplan.api.observations import BucketObservations, LatencySummary, Observations
+from exitplan.operator import drift, drift_writes, live_thresholds
+from exitplan.operator.service_state import Service
+
+PERIOD = 20.0
+
+
+def test_a_write_is_due_at_most_once_per_refresh_interval():
+    memo: dict = {}
+    now = time.monotonic()
+    assert live_thresholds.write_due(memo, now, PERIOD)  # never written: at once
+    memo[live_thresholds.WRITTEN_KEY] = now
+    every = drift_writes.refresh_seconds(PERIOD)
+    assert every == 5 * PERIOD
+    assert not live_thresholds.write_due(memo, now + every - 1, PERIOD)
+    assert live_thresholds.write_due(memo, now + every, PERIOD)
+    assert drift_writes.refresh_seconds(600.0) == 600.0  # 5 minutes, but never more often than a period
+    assert drift_writes.refresh_seconds(30.0) == 150.0
+
+
+def test_a_set_that_is_not_due_waits_in_the_memo_without_touching_the_api():
+    # client=None: any API call would raise, so this also shows that nothing was read or written
+    memo: dict = {live_thresholds.WRITTEN_KEY: time.monotonic()}
+    svc = Service(body={"metadata": {"name": "s", "namespace": "ns"}}, client=None, memo=memo)  # type: ignore[arg-type]
+    first = {"ramp0": 0.9, "ramp1": 0.8}
+    assert not asyncio.run(live_thresholds.write_thresholds(svc, first, "tune-savings", PERIOD, 3))
+    newer = {"ramp0": 0.95, "ramp1": 0.85}
+    assert not asyncio.run(live_thresholds.write_thresholds(svc, newer, "tune-accuracy", PERIOD, 4))
+    assert memo[live_thresholds.PENDING_KEY] == (newer, 4, "tune-accuracy")  # the newest waits
+    assert not asyncio.run(live_thresholds.write_pending(svc, PERIOD))  # still not due: nothing tried
+
+
+def test_thresholds_are_not_part_of_the_layout_hash():
+    plan = make_plan([(0, 32, "gpu-a", 2), (1, 128, "gpu-b", 1)])
+    tuned = plan.model_copy(update={"thresholds": {"ramp1": 0.9, "ramp3": 0.8}, "thresholds_version": 2})
+    assert tuned.layout_hash() == plan.layout_hash()
+    assert tuned.content_hash() != plan.content_hash()  # what the routers run did change
+    moved = make_plan([(0, 32, "gpu-a", 3), (1, 128, "gpu-b", 1)])
+    assert moved.layout_hash() != plan.layout_hash()
+
+
+def window(since: float, until: float, requests: int) -> Observations:
+    return Observations(
+        service="s",
+        model="m",
+        since=since,
+        until=until,
+        requests=requests,
+        within_slo=requests,
+        ramps=["ramp1"],
+        survival=[0.5],
+        latency=LatencySummary(p50_ms=5.0, p99_ms=20.0),
+        per_bucket={"128": BucketObservations(requests=requests, within_slo=requests, load_seconds=2.0)},
+        thresholds={"ramp1": 0.9},
+    )
+
+
+def test_judging_a_window_leaves_the_windows_read_as_they_were():
+    """subtract and combine copy the newest window and change the copy (per bucket and latency too)."""
+    old, new = window(0.0, 5.0, 100), window(0.0, 10.0, 300)
+    before = (old.model_dump_json(), new.model_dump_json())
+    piece = drift.subtract(new, old)
+    assert piece.requests == 200 and piece.per_bucket["128"].requests == 200
+    both = drift.combine([piece, window(10.0, 15.0, 50)])
+    assert both.requests == 250 and both.per_bucket["128"].requests == 250
+    both.latency.p99_ms, both.thresholds["ramp1"] = 99.0, 0.1
+    assert (old.model_dump_json(), new.model_dump_json()) == before
+    assert piece.latency.p99_ms == 20.0 and piece.thresholds == {"ramp1": 0.9}
