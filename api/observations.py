@@ -140,12 +140,18 @@ def overall_agreement(
     """(estimate, low, high) of all answers' agreement with the full model: per exit ramp its shadow
     agreement (Wilson interval) weighted by the answers it gave; the final head's (the last exit count)
     agree by definition. (1, 1, 1) with no answers."""
+    return overall_from(exit_counts, [wilson(int(a), int(n)) for a, n in zip(agree, samples)])
+
+
+def overall_from(
+    exit_counts: Sequence[int], intervals: Sequence[tuple[float, float, float]]
+) -> tuple[float, float, float]:
+    """overall_agreement from each exit ramp's (estimate, low, high) already computed."""
     total = sum(exit_counts)
     overall = low = high = 1.0
     if total:
-        for r in range(len(agree)):
-            share = exit_counts[r] / total
-            p, lo, hi = wilson(int(agree[r]), int(samples[r]))
+        for count, (p, lo, hi) in zip(exit_counts, intervals):
+            share = count / total
             overall -= share * (1 - p)
             low -= share * (1 - lo)
             high -= share * (1 - hi)
@@ -160,4 +166,4 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float, float
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return p, float(max(0.0, centre - half)), float(min(1.0, centre + half))
+    return p, max(0.0, centre - half), min(1.0, centre + half)

@@ -38,7 +38,7 @@ Services' names fail -- quickly, or after the resolver's timeout when many run a
 --spy PREFIX samples the operator with py-spy (`py-spy` on PATH; not a dependency) during each measured
 drift period only, as collapsed stacks in PREFIX-unreachable.txt / PREFIX-router.txt.
 
-    python -P bench/operator_scale.py [--services 200] [--cells-per-service 10] [--pools 4] [--ramps 10] [--json]
+    python -P bench/operator_scale.py [--services 200] [--cells-per-service 10] [--pools 4] [--ramps 10] [--no-feedback] [--json]
 """
 
 from __future__ import annotations
@@ -324,11 +324,12 @@ class RouterProcess:
     """The stand-in router (bench/stand_in_router.py) in a process of its own: in this one it would share
     the GIL with the API server. `ports`: each plan's service's routers, in the plans' order."""
 
-    def __init__(self, plans: list[Plan], period: float, tmp: Path) -> None:
+    def __init__(self, plans: list[Plan], period: float, tmp: Path, feedback: bool = True) -> None:
         plans_file = tmp / "stand-in-plans.json"
         plans_file.write_text(json.dumps([p.model_dump(mode="json") for p in plans]))
         cmd = [sys.executable, "-P", str(REPO / "bench" / "stand_in_router.py"), str(plans_file)]
-        self.proc = subprocess.Popen([*cmd, "--period", str(period)], stdout=subprocess.PIPE, text=True)
+        cmd += ["--period", str(period)] + ([] if feedback else ["--no-feedback"])
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line:
             sys.exit(f"the stand-in router did not start (exit {self.proc.wait(30)})")
@@ -491,7 +492,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     cluster.server = ApiServer()
     cluster.server.api = api  # (not ApiServer(api): an emulator that has served nothing yet is falsy)
     figures: dict[str, Any] = {"services": args.services, "pools": args.pools, "namespaces": args.namespaces}
-    figures.update(tick_s=args.tick, period_s=args.period)
+    figures.update(tick_s=args.tick, period_s=args.period, ramps=args.ramps, feedback=not args.no_feedback)
     with cluster:
         api_profile = cProfile.Profile() if args.profile_api else None
         if api_profile is not None:  # the API server's event loop thread (cProfile profiles one thread)
@@ -547,7 +548,7 @@ def drift_figures(
     spy = (lambda name: Path(f"{args.spy}-{name}.txt")) if args.spy else (lambda name: None)
     out["drift_period_unreachable"] = measure_period(cluster, pid, args.period, args.period, spy=spy("unreachable"))
     keys = sorted(created)
-    router = RouterProcess([plans[k] for k in keys], args.period, tmp)
+    router = RouterProcess([plans[k] for k in keys], args.period, tmp, not args.no_feedback)
     try:
         for i in range(0, len(keys), 20):  # 20 per call: each within the cluster thread's 60 s on a busy machine
             cluster.run(_publish(cluster, keys[i : i + 20], router.ports[i : i + 20]), BATCH_GUARD)
@@ -609,7 +610,8 @@ def report(f: dict) -> None:
         rows.append(("plans with re-tuned thresholds written in", str(f["thresholds_written_into_plans"])))
     rows.append(("operator RSS at the end", f"{f['operator_rss_mib']:.0f} MiB"))
     width = max(len(r[0]) for r in rows)
-    print(f"operator at scale (tick {f['tick_s']:g} s, period {f['period_s']} s)")
+    feedback = "shadow feedback, re-tuned" if f.get("feedback", True) else "no shadow feedback"
+    print(f"operator at scale (tick {f['tick_s']:g} s, period {f['period_s']} s, {f.get('ramps')} ramps, {feedback})")
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
 
@@ -622,6 +624,9 @@ def main() -> None:
         "--pools", type=int, default=4, help="GPUPools, in (fast, slow) pairs; each service uses one pair"
     )
     parser.add_argument("--ramps", type=int, default=10, help="exit ramps of the model (its profiles')")
+    parser.add_argument(
+        "--no-feedback", action="store_true", help="the stand-in router has no shadow feedback (no re-tune)"
+    )
     parser.add_argument("--namespaces", type=int, default=0, help="default: one per 20 services")
     parser.add_argument("--tick", type=float, default=5.0, help="the operator's timer tick (its default: 5 s)")
     parser.add_argument("--period", type=int, default=20, help="spec.planner.periodSeconds (>= 5)")

@@ -9,7 +9,8 @@ control Service publishes; the socket an answer came in on tells which service i
   at 30 % of the SLO -- and the thresholds in force;
 - GET /v1/window.npz?last=N: the service's newest N (at most FEEDBACK) shadow-sampled feedback samples over
   every ramp, from a stream that gains one sample per shadow-sampled answer (RATE_RPS x SHADOW_SHARE a
-  second): each period's re-tune sees ~200 new samples of 1,024, as on a router with that traffic;
+  second): each period's re-tune sees ~200 new samples of 1,024, as on a router with that traffic
+  (--no-feedback: an empty window, as before a router's first shadow sample: the re-tune stops there);
 - GET /v1/thresholds, POST /v1/thresholds: the thresholds in force with their version, a push taken as a
   router takes it (worker_image/control_bodies.ThresholdUpdate, threshold_set.ThresholdHolder);
 - GET /stats (no token): requests served and router reads (closed-window GETs) so far.
@@ -128,8 +129,8 @@ class Served:
 
 
 class StandIn:
-    def __init__(self, plans: list[Plan], period: float) -> None:
-        self.plans, self.period = plans, period
+    def __init__(self, plans: list[Plan], period: float, feedback: bool = True) -> None:
+        self.plans, self.period, self.feedback = plans, period, feedback
         self.served, self.reads = 0, 0
         self.by_port: dict[int, Served] = {}
         self.pools: dict[int, FeedbackArrays] = {}
@@ -188,6 +189,9 @@ class StandIn:
         return web.json_response(steady_window(s.plan, self.period, window == "current", now, values))
 
     async def window(self, request: web.Request, s: Served) -> web.Response:
+        if not self.feedback:  # as a router before its first shadow sample: an empty window
+            empty = np.zeros(0)
+            return web.Response(body=FeedbackArrays(empty, empty, empty, empty, empty).to_npz())
         last = int(request.query.get("last", FEEDBACK))
         arrays = feedback_window(s.pool, s.offset, time.time(), min(max(last, 0), FEEDBACK) or FEEDBACK)
         return web.Response(body=arrays.to_npz(), content_type="application/octet-stream")
@@ -205,8 +209,8 @@ class StandIn:
         return web.json_response(s.holder.current.to_json())
 
 
-async def serve(plans: list[Plan], period: float) -> None:
-    stand_in = StandIn(plans, period)
+async def serve(plans: list[Plan], period: float, feedback: bool) -> None:
+    stand_in = StandIn(plans, period, feedback)
     print(json.dumps(await stand_in.start()), flush=True)
     await asyncio.Event().wait()  # until terminated
 
@@ -215,9 +219,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("plans", type=Path, help="a JSON list of plans, one per service")
     parser.add_argument("--period", type=float, default=20.0, help="spec.planner.periodSeconds")
+    parser.add_argument("--no-feedback", action="store_true", help="answer an empty feedback window (no re-tune)")
     args = parser.parse_args()
     plans = [Plan.model_validate(p) for p in json.loads(args.plans.read_text())]
-    asyncio.run(serve(plans, args.period))
+    asyncio.run(serve(plans, args.period, not args.no_feedback))
 
 
 if __name__ == "__main__":

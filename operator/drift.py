@@ -41,7 +41,7 @@ from exitplan.api.observations import (
     Observations,
     RampAgreement,
     histogram_quantile_ms,
-    overall_agreement,
+    overall_from,
     wilson,
 )
 from exitplan.api.plan import Cell, Plan
@@ -221,17 +221,16 @@ def _latency_from(out: Observations, histogram: list[int]) -> None:
 def _agreement_from(out: Observations, agree: list[int], samples: list[int]) -> None:
     """`out`'s agreement (per ramp and overall, with their intervals) from the shadow samples' counts and
     its exit counts, as a router computes it over its own (worker_image/classify/observe.py)."""
-    ramps = []
-    for a, n, was in zip(agree, samples, out.agreement):
-        _, low, high = wilson(a, n)
-        ramps.append(
-            RampAgreement(ramp=was.ramp, samples=n, agree=a, ci_low=low, ci_high=high, utility_ms=was.utility_ms)
+    intervals = [wilson(a, n) for a, n in zip(agree, samples)]
+    out.agreement = [
+        # built from figures computed here: no validation to run (a judged window holds many of them)
+        RampAgreement.model_construct(
+            ramp=was.ramp, samples=n, agree=a, ci_low=low, ci_high=high, utility_ms=was.utility_ms
         )
-    out.agreement = ramps
-    if len(out.exit_counts) == len(ramps) + 1:
-        out.agreement_overall, out.agreement_ci_low, out.agreement_ci_high = overall_agreement(
-            out.exit_counts, agree, samples
-        )
+        for a, n, was, (_, low, high) in zip(agree, samples, out.agreement, intervals)
+    ]
+    if len(out.exit_counts) == len(out.agreement) + 1:
+        out.agreement_overall, out.agreement_ci_low, out.agreement_ci_high = overall_from(out.exit_counts, intervals)
 
 
 def combine_buckets(windows: Sequence[Observations]) -> dict[str, BucketObservations]:
