@@ -19,7 +19,8 @@ Many EarlyExitServices of ~10 plan cells each, measured in one run:
       the thresholds in force and their pushes) so the loop does its whole read -> score (AR(1)
       survival forecast) -> decide -> status path and its re-tune once a period (the feedback read,
       the tuner, a push when it gains), without a re-plan; measured after --warmup-periods, when the
-      first re-tunes' pushes have been written into the plans;
+      first re-tunes' pushes have been written into the plans, over --periods periods (5: services
+      created together refresh their status every 5 periods, in the same one), their mean reported;
 - the loop's decision part alone, in this process, over the services' plans: one period of reads
   (drift.CHECKS_PER_PERIOD) per service -- since_last, the judged window, drift.assess (the AR(1)
   forecast over a full survival history), drift_policy.decide.
@@ -366,20 +367,28 @@ def measure_period(
     warmup: float,
     router: RouterProcess | None = None,
     spy: Path | None = None,
+    periods: int = 1,
 ) -> dict:
-    """The operator's CPU over one period (after `warmup` s), the API server thread's, and the API
-    requests the period saw; with `spy`, py-spy's samples of the operator over the period there."""
+    """The operator's CPU per period over `periods` periods (after `warmup` s) -- their mean, and each
+    period's -- the API server thread's, and the API requests they saw (per period); with `spy`, py-spy's
+    samples of the operator over them. Several periods: the status refresh (every 5 periods) of services
+    created together falls into one of them."""
     time.sleep(warmup)
     if spy is not None:  # started first: its own start-up is not in the period
-        cmd = ["py-spy", "record", "--pid", str(op_pid), "--duration", str(int(period) + 2), "--rate", "50"]
+        cmd = ["py-spy", "record", "--pid", str(op_pid), "--duration", str(int(period * periods) + 2), "--rate", "50"]
         spying = subprocess.Popen([*cmd, "--format", "raw", "--output", str(spy), "--nonblocking"])
         time.sleep(1.0)
     api_clock = time.pthread_getcpuclockid(cluster._thread.ident)
     counts0 = collections.Counter(cluster.api.counts)
     served, reads = router.stats() if router else (0, 0)
     op0, api0, t0 = proc_cpu(op_pid), time.clock_gettime(api_clock), time.perf_counter()
-    time.sleep(period)
-    op1, api1, t1 = proc_cpu(op_pid), time.clock_gettime(api_clock), time.perf_counter()
+    each, last = [], op0
+    for k in range(periods):
+        time.sleep(max(0.0, t0 + (k + 1) * period - time.perf_counter()))
+        now = proc_cpu(op_pid)
+        each.append(now - last)
+        last = now
+    op1, api1, t1 = last, time.clock_gettime(api_clock), time.perf_counter()
     if spy is not None:
         spying.wait(60)
     if router:
@@ -394,14 +403,16 @@ def measure_period(
             by_action[str(getattr(action, "name", action)).lower()] += n
             by_kind[f"{str(getattr(action, 'name', action)).lower()} {plural}"] += n
     return {
-        "wall_s": t1 - t0,
-        "operator_cpu_s": op1 - op0,
-        "api_server_cpu_s": api1 - api0,
-        "api_requests": sum(by_action.values()),
-        "api_requests_by_action": dict(by_action),
-        "api_requests_by_kind": dict(by_kind),
-        "router_requests": served,
-        "router_reads": reads,
+        "periods": periods,
+        "wall_s": (t1 - t0) / periods,
+        "operator_cpu_s": (op1 - op0) / periods,
+        "operator_cpu_each_s": each,
+        "api_server_cpu_s": (api1 - api0) / periods,
+        "api_requests": sum(by_action.values()) / periods,
+        "api_requests_by_action": {k: v / periods for k, v in by_action.items()},
+        "api_requests_by_kind": {k: v / periods for k, v in by_kind.items()},
+        "router_requests": served / periods,
+        "router_reads": reads / periods,
     }
 
 
@@ -554,7 +565,7 @@ def drift_figures(
             cluster.run(_publish(cluster, keys[i : i + 20], router.ports[i : i + 20]), BATCH_GUARD)
         warm = args.warmup_periods * args.period  # a full survival series; the first re-tunes' pushes settled
         cpu0 = router.cpu()
-        d = measure_period(cluster, pid, args.period, warm, router, spy=spy("router"))
+        d = measure_period(cluster, pid, args.period, warm, router, spy=spy("router"), periods=args.periods)
         d["reads_done"], d["reads_due"] = d["router_reads"], args.services * drift.CHECKS_PER_PERIOD
         d["stand_in_cpu_s"] = router.cpu() - cpu0  # over the warm-up and the period
         out["drift_period_stand_in_router"] = d
@@ -588,11 +599,16 @@ def report(f: dict) -> None:
             rows.append(
                 (
                     f"one drift period ({what})",
-                    f"operator CPU {d['operator_cpu_s']:.2f} s in {d['wall_s']:.1f} s "
-                    f"({100 * d['operator_cpu_s'] / d['wall_s']:.0f} % of a core; "
-                    f"{1000 * d['operator_cpu_s'] / f['services']:.1f} ms/service); API {d['api_requests']} "
+                    f"operator CPU {d['operator_cpu_s']:.2f} s in {d['wall_s']:.1f} s"
+                    + (
+                        f" (mean of {d['periods']}: " + " / ".join(f"{x:.2f}" for x in d["operator_cpu_each_s"]) + ") "
+                        if d.get("periods", 1) > 1
+                        else " "
+                    )
+                    + f"({100 * d['operator_cpu_s'] / d['wall_s']:.0f} % of a core; "
+                    f"{1000 * d['operator_cpu_s'] / f['services']:.1f} ms/service); API {d['api_requests']:.0f} "
                     f"requests, API server CPU {d['api_server_cpu_s']:.2f} s"
-                    + (f"; {d['reads_done']} of {d['reads_due']} router reads done" if "reads_due" in d else ""),
+                    + (f"; {d['reads_done']:.0f} of {d['reads_due']} router reads done" if "reads_due" in d else ""),
                 )
             )
     if "decision_part" in f:
@@ -636,6 +652,9 @@ def main() -> None:
         default=3,
         help="periods the stand-in router serves before the measured one (the survival forecast fits "
         "AR(1) from 6 half-period points on: 3 periods)",
+    )
+    parser.add_argument(
+        "--periods", type=int, default=5, help="periods measured with the stand-in router (their mean is reported)"
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up waiting after this many seconds")
     parser.add_argument("--skip-drift", action="store_true", help="measure the apply only")

@@ -239,7 +239,7 @@ def operator_rows(counts: list[int]) -> dict[str, Any]:
                          "reads_done": d["reads_done"], "reads_due": d["reads_due"]})  # fmt: skip
         print(
             f"  {n:>5} services: operator CPU {d['operator_cpu_s']:.2f} s per {d['wall_s']:.0f} s drift period "
-            f"({d['reads_done']} of {d['reads_due']} router reads done)",
+            f"({d['reads_done']:.0f} of {d['reads_due']} router reads done, per period)",
             flush=True,
         )
     x = np.asarray([m["services"] for m in measured], dtype=float)

@@ -86,6 +86,7 @@ BUILTINS: list[tuple[str, str, bool, list[str], list[str]]] = [
 ]
 VERBS = {"get", "list", "watch", "create", "patch", "delete"}
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+EVENTS = kmock.resource("v1/events")
 PROTOBUF = "application/vnd.kubernetes.protobuf"
 PROTOBUF_REFUSED = (
     f"this emulated API server reads JSON only, not {PROTOBUF} (what `kubectl create` sends for built-in "
@@ -119,6 +120,8 @@ class DevKubeAPI(kmock.KubernetesEmulator):
     _validators: dict[Any, devschema.Validator] = attrs.field(factory=dict, init=False)
     _columns: dict[Any, list[dict[str, Any]]] = attrs.field(factory=dict, init=False)
     _pending: list[tuple[Any, Manifest]] = attrs.field(factory=list, init=False)
+    _events: collections.deque[tuple[ObjectKey, str]] = attrs.field(factory=collections.deque, init=False)
+    """The core Events created, oldest first, with their uids (what `_trim_events` drops from)."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -246,7 +249,8 @@ class DevKubeAPI(kmock.KubernetesEmulator):
             self._register_crd(body)
         self._store(key, body)
         self._record(res, "ADDED", body, notify)
-        if res == kmock.resource("v1/events"):
+        if res == EVENTS:
+            self._events.append((key, meta["uid"]))
             self._trim_events()
         return body
 
@@ -348,9 +352,14 @@ class DevKubeAPI(kmock.KubernetesEmulator):
                 self._delete(res, ns, name)
 
     def _trim_events(self) -> None:
-        events = [k for k, o in self._objects.items() if k[0] == kmock.resource("v1/events") and not o.deleted]
-        for key in events[:-MAX_EVENTS_STORED]:
-            del self._objects[key]
+        """Drop the oldest Events past MAX_EVENTS_STORED (in the order created; one deleted or created again
+        under its name meanwhile is left alone). A queue of its own: every Event's create scanned the whole
+        store before, which at 200 services' events a period was a core of this server's time."""
+        while len(self._events) > MAX_EVENTS_STORED:
+            key, uid = self._events.popleft()
+            obj = self._objects[key] if key in self._objects else None
+            if obj is not None and not obj.deleted and obj.raw["metadata"].get("uid") == uid:
+                del self._objects[key]
 
     # ------------------------------------------------------------ CRDs
 

@@ -221,3 +221,23 @@ async def test_kubectl_applies_and_prints_columns(api, tmp_path):
     out = await asyncio.to_thread(kubectl, "get", "gpool")
     assert out.split("\n")[0].split() == ["NAME", "CAPACITY", "GPU", "COST/H", "AGE"]
     assert out.split("\n")[1].split()[:3] == ["gpu-a", "3", "nvidia.com/gpu"]
+
+
+async def test_the_oldest_events_are_dropped_past_the_bound(api, monkeypatch):
+    """Events are kept up to MAX_EVENTS_STORED, oldest dropped first, as a real server's TTL would; one
+    deleted and created again under its name is the newest, not dropped with the old one's place."""
+    from exitplan.devcluster import apiserver
+
+    server, client = api
+    monkeypatch.setattr(apiserver, "MAX_EVENTS_STORED", 3)
+
+    def event(name: str) -> dict:
+        return {"apiVersion": "v1", "kind": "Event", "metadata": {"name": name, "namespace": "default"}}
+
+    for name in ("e0", "e1", "e2"):
+        await client.create(event(name))
+    await client.delete(path("Event", "default", "e0"))
+    await client.create(event("e0"))  # again: now the newest
+    await client.create(event("e3"))  # one past the bound: e1, the oldest live one, goes
+    names = sorted(e["metadata"]["name"] for e in await client.list(path("Event", "default")))
+    assert names == ["e0", "e2", "e3"]
