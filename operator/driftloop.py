@@ -354,10 +354,10 @@ async def check_drift(svc: Service, memo: Any) -> None:
         and not same_thresholds(latest.thresholds, plan.thresholds)
     ):
         # the routers run this plan with other thresholds (pushed live): the plan carries them from now on
-        if await write_thresholds(svc, latest.thresholds, "observed on the routers", period):
+        if await write_thresholds(svc, latest.thresholds, "observed on the routers", period, base=plan.content_hash()):
             plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace) or plan
             status = parse_status(svc.body.get("status"))
-    elif active and await write_pending(svc, period):  # a re-tune's set that waited for its turn
+    elif active and await write_pending(svc, period, plan.content_hash()):  # a re-tune's set that waited its turn
         plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace) or plan
         status = parse_status(svc.body.get("status"))
     said, written = drift_writes.what_status_says(status), status.drift

@@ -113,7 +113,8 @@ async def retune(
     """Apparate's continual tuning on the routers' shadow-sampled feedback (exitplan.planner.tuning.autotune):
     new thresholds when the ones in force break the accuracy budget or leave savings unclaimed.
     Advisory mode computes but does not push. Pushed thresholds are written into the plan
-    ConfigMap at once (under the service's lock), so a router that restarts keeps them. A bundle with no
+    ConfigMap (under the service's lock; `write_thresholds`: at most once per service every 5 periods or 5
+    minutes), so a router that restarts keeps them. A bundle with no
     exit ramp is the plain model: nothing to tune. `access`: the drift loop's routers, token and connections
     (looked up and read here when None); `in_force`: the thresholds the drift read just saw on them (read
     here when None or empty)."""
@@ -146,8 +147,10 @@ async def retune(
         )
         if active:
             period, source = float(spec.planner.period_seconds), f"tune-{decision.reason}"
+            status = parse_status(svc.body.get("status"))
+            base = status.plan.hash if status.plan else ""  # the plan the routers ran when the tuner decided
             if isinstance(svc.memo, dict) and not write_due(svc.memo, time.monotonic(), period):
-                svc.memo[PENDING_KEY] = (dict(decision.thresholds), version or 0, source)  # written when due
+                svc.memo[PENDING_KEY] = (dict(decision.thresholds), version or 0, source, base)  # written when due
                 return
             async with lock or asyncio.Lock():
                 fresh = await svc.client.list(
@@ -155,7 +158,7 @@ async def retune(
                 )
                 if fresh:
                     service = Service(body=fresh[0], client=svc.client, memo=svc.memo)
-                    await write_thresholds(service, decision.thresholds, source, period, version or 0)
+                    await write_thresholds(service, decision.thresholds, source, period, version or 0, base)
 
 
 def same_thresholds(a: dict[str, float], b: dict[str, float]) -> bool:
@@ -164,7 +167,7 @@ def same_thresholds(a: dict[str, float], b: dict[str, float]) -> bool:
 
 WRITTEN_KEY, PENDING_KEY = "thresholds_written", "thresholds_pending"
 """The per-object memo's keys: when thresholds were last written into the plan (time.monotonic()), and the
-newest set that waits for its turn (values, version, source)."""
+newest set that waits for its turn (values, version, source, the content hash of the plan it is for)."""
 
 
 def write_due(memo: Any, now: float, period: float) -> bool:
@@ -176,13 +179,13 @@ def write_due(memo: Any, now: float, period: float) -> bool:
 
 
 async def write_thresholds(
-    svc: Service, thresholds: dict[str, float], source: str, period: float, version: int = 0
+    svc: Service, thresholds: dict[str, float], source: str, period: float, version: int = 0, base: str = ""
 ) -> bool:
     """`persist_thresholds` when `write_due`, else the set waits in the memo as the newest to write
-    (`write_pending` writes it when due). True when written now."""
+    (`write_pending` writes it when due, into the plan whose content hash is `base`). True when written now."""
     now, memo = time.monotonic(), svc.memo if isinstance(svc.memo, dict) else None
     if memo is not None and not write_due(memo, now, period):
-        memo[PENDING_KEY] = (dict(thresholds), version, source)
+        memo[PENDING_KEY] = (dict(thresholds), version, source, base)
         return False
     written = await persist_thresholds(svc, thresholds, source, version)
     if memo is not None:
@@ -191,13 +194,20 @@ async def write_thresholds(
     return written
 
 
-async def write_pending(svc: Service, period: float) -> bool:
-    """Write the set that waits (the newest a re-tune pushed while a write was not due) when due."""
+async def write_pending(svc: Service, period: float, plan_hash: str) -> bool:
+    """Write the set that waits (the newest a re-tune pushed while a write was not due) when due, into the
+    plan in force (content hash `plan_hash`); dropped when that is another plan than the one it was pushed
+    for (a re-plan since: the new plan's own thresholds became the routers' next version)."""
     pending = svc.memo.get(PENDING_KEY) if isinstance(svc.memo, dict) else None
-    if pending is None or not write_due(svc.memo, time.monotonic(), period):
+    if pending is None:
         return False
-    values, version, source = pending
-    return await write_thresholds(svc, values, source, period, version)
+    values, version, source, base = pending
+    if base and base != plan_hash:
+        svc.memo.pop(PENDING_KEY, None)
+        return False
+    if not write_due(svc.memo, time.monotonic(), period):
+        return False
+    return await write_thresholds(svc, values, source, period, version, base)
 
 
 async def persist_thresholds(svc: Service, thresholds: dict[str, float], source: str, version: int = 0) -> bool:

@@ -35,11 +35,16 @@ def test_a_set_that_is_not_due_waits_in_the_memo_without_touching_the_api():
     memo: dict = {live_thresholds.WRITTEN_KEY: time.monotonic()}
     svc = Service(body={"metadata": {"name": "s", "namespace": "ns"}}, client=None, memo=memo)  # type: ignore[arg-type]
     first = {"ramp0": 0.9, "ramp1": 0.8}
-    assert not asyncio.run(live_thresholds.write_thresholds(svc, first, "tune-savings", PERIOD, 3))
+    assert not asyncio.run(live_thresholds.write_thresholds(svc, first, "tune-savings", PERIOD, 3, "plan-a"))
     newer = {"ramp0": 0.95, "ramp1": 0.85}
-    assert not asyncio.run(live_thresholds.write_thresholds(svc, newer, "tune-accuracy", PERIOD, 4))
-    assert memo[live_thresholds.PENDING_KEY] == (newer, 4, "tune-accuracy")  # the newest waits
-    assert not asyncio.run(live_thresholds.write_pending(svc, PERIOD))  # still not due: nothing tried
+    assert not asyncio.run(live_thresholds.write_thresholds(svc, newer, "tune-accuracy", PERIOD, 4, "plan-a"))
+    assert memo[live_thresholds.PENDING_KEY] == (newer, 4, "tune-accuracy", "plan-a")  # the newest waits
+    assert not asyncio.run(live_thresholds.write_pending(svc, PERIOD, "plan-a"))  # still not due: nothing tried
+    assert live_thresholds.PENDING_KEY in memo
+    # a re-plan since (another plan in force): the set is not written into it, and no longer waits
+    memo[live_thresholds.WRITTEN_KEY] = time.monotonic() - drift_writes.refresh_seconds(PERIOD)  # due now
+    assert not asyncio.run(live_thresholds.write_pending(svc, PERIOD, "plan-b"))
+    assert live_thresholds.PENDING_KEY not in memo
 
 
 def test_thresholds_are_not_part_of_the_layout_hash():
