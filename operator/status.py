@@ -99,7 +99,8 @@ class CellSummary(Model):
 
 class PlanSummary(Model):
     hash: str
-    """Plan.content_hash(): the annotation exitplan.io/plan-hash on every child."""
+    """Plan.content_hash(): the annotation exitplan.io/plan-hash of the plan ConfigMap (the other children carry
+    Plan.layout_hash(), the plan less its exit thresholds, which a re-tune does not change)."""
     reason: str
     splits: Annotated[int, Field(ge=1)]
     buckets: list[int]
