@@ -150,7 +150,7 @@ async def retune(
             status = parse_status(svc.body.get("status"))
             base = status.plan.hash if status.plan else ""  # the plan the routers ran when the tuner decided
             if isinstance(svc.memo, dict) and not write_due(svc.memo, time.monotonic(), period):
-                svc.memo[PENDING_KEY] = (dict(decision.thresholds), version or 0, source, base)  # written when due
+                _wait(svc.memo, decision.thresholds, version or 0, source, base)  # no list of the service either
                 return
             async with lock or asyncio.Lock():
                 fresh = await svc.client.list(
@@ -178,6 +178,11 @@ def write_due(memo: Any, now: float, period: float) -> bool:
     return written is None or now - written >= drift_writes.refresh_seconds(period)
 
 
+def _wait(memo: dict[str, Any], thresholds: dict[str, float], version: int, source: str, base: str) -> None:
+    """Keep `thresholds` as the newest set to write when a write is due (`write_pending`)."""
+    memo[PENDING_KEY] = (dict(thresholds), version, source, base)
+
+
 async def write_thresholds(
     svc: Service, thresholds: dict[str, float], source: str, period: float, version: int = 0, base: str = ""
 ) -> bool:
@@ -185,7 +190,7 @@ async def write_thresholds(
     (`write_pending` writes it when due, into the plan whose content hash is `base`). True when written now."""
     now, memo = time.monotonic(), svc.memo if isinstance(svc.memo, dict) else None
     if memo is not None and not write_due(memo, now, period):
-        memo[PENDING_KEY] = (dict(thresholds), version, source, base)
+        _wait(memo, thresholds, version, source, base)
         return False
     written = await persist_thresholds(svc, thresholds, source, version)
     if memo is not None:
