@@ -59,10 +59,26 @@ class RouterAccess:
     session: aiohttp.ClientSession | None
 
 
-def _tune(arrays: FeedbackArrays, ramps: list[str], current: dict[str, float], budget: float) -> autotune.Decision:
-    """The tuning policy on one feedback window (numpy work: run it off the event loop)."""
+TUNER_KEY = "tuner_state"
+"""The per-object memo's key for the tuner's autotune.TunerState (fresh samples since the last breach or
+drift, the unconfirmed drift alarm, the previous window): carried from one re-tune to the next."""
+
+
+def _tune(
+    arrays: FeedbackArrays, ramps: list[str], current: dict[str, float], budget: float, state: autotune.TunerState
+) -> tuple[autotune.Decision, autotune.TunerState]:
+    """The tuning policy on one feedback window (numpy work: run it off the event loop): the live loop's
+    (`exitplan up`'s) `advance` with its settings, autotune.LIVE. A single look without the state, at
+    decide's defaults, tunes to the edge of the window's errors and breaks the budget on the inputs that
+    follow (bench/retune_replay.py)."""
     window = FeedbackWindow(arrays.conf, arrays.pred, arrays.final, arrays.saving_ms, arrays.cost_ms)
-    return autotune.decide(window, ramps, current, budget, autotune.TuneConfig())
+    return autotune.advance(state, window, current, ramps, budget, autotune.LIVE)
+
+
+def tuner_state(memo: Any) -> autotune.TunerState:
+    """The tuner's state kept for the service (a new one before the first re-tune)."""
+    kept = memo.get(TUNER_KEY) if isinstance(memo, dict) else None
+    return kept if isinstance(kept, autotune.TunerState) else autotune.TunerState()
 
 
 async def _retune_step(
@@ -73,12 +89,14 @@ async def _retune_step(
     token: str | None = None,
     session: aiohttp.ClientSession | None = None,
     in_force: dict[str, float] | None = None,
-) -> tuple[autotune.Decision, int | None] | None:
-    """Read every router's feedback (one merged window), decide (in a worker thread) against the thresholds
-    in force -- `in_force`, what the drift read just saw, or else the newest set among the routers -- and
-    push new thresholds to every router as the version after the newest set when `apply` (`router_fleet`).
-    (decision, the version pushed, or the version in force when it was read, else None); None when there
-    is no feedback yet or a step failed. `session`: connections to reuse (the operator's; not closed here)."""
+    state: autotune.TunerState | None = None,
+) -> tuple[autotune.Decision, int | None, autotune.TunerState] | None:
+    """Read every router's feedback (one merged window), decide (in a worker thread, from the tuner's
+    `state`) against the thresholds in force -- `in_force`, what the drift read just saw, or else the
+    newest set among the routers -- and push new thresholds to every router as the version after the newest
+    set when `apply` (`router_fleet`). (decision, the version pushed, or the version in force when it was
+    read, else None, and the state to keep once the decision is carried out); None when there is no
+    feedback yet or a step failed. `session`: connections to reuse (the operator's; not closed here)."""
     clients = [ControlClient(url, timeout_s=TUNE_TIMEOUT, token=token, session=session) for url in urls]
     try:
         arrays, missed = await fleet_feedback(clients, TUNE_WINDOW)
@@ -88,12 +106,12 @@ async def _retune_step(
             return None
         current = None if in_force else await fleet_thresholds(clients)
         values = in_force or (current.values if current else {})
-        decision = await asyncio.to_thread(_tune, arrays, ramps, values, budget)
+        decision, after = await asyncio.to_thread(_tune, arrays, ramps, values, budget, state or autotune.TunerState())
         version = current.version if current else None
         if decision.thresholds is not None and apply:
             current = current or await fleet_thresholds(clients)  # the version to follow
             version = (await push_fleet(clients, current, decision.thresholds, f"tune-{decision.reason}")).version
-        return decision, version
+        return decision, version, after
     except (ControlError, WindowError, KeyError) as err:  # unreachable routers, short/odd window
         log.info("threshold re-tune skipped: %s", err)
         return None
@@ -111,8 +129,9 @@ async def retune(
     in_force: dict[str, float] | None = None,
 ) -> None:
     """Apparate's continual tuning on the routers' shadow-sampled feedback (exitplan.planner.tuning.autotune):
-    new thresholds when the ones in force break the accuracy budget or leave savings unclaimed.
-    Advisory mode computes but does not push. Pushed thresholds are written into the plan
+    new thresholds when the ones in force break the accuracy budget or leave savings unclaimed, by the live
+    loop's policy (`autotune.advance` with autotune.LIVE, its state kept in the memo from one re-tune to the
+    next: after a breach only the samples since count). Advisory mode computes but does not push. Pushed thresholds are written into the plan
     ConfigMap (under the service's lock; `write_thresholds`: at most once per service every 5 periods or 5
     minutes), so a router that restarts keeps them. A bundle with no
     exit ramp is the plain model: nothing to tune. `access`: the drift loop's routers, token and connections
@@ -133,10 +152,13 @@ async def retune(
     if not urls:
         return
     active = spec.planner.mode == Mode.active
-    stepped = await _retune_step(urls, ramps, spec.accuracy.max_drop, active, token, session, in_force)
+    budget, state = spec.accuracy.max_drop, tuner_state(svc.memo)
+    stepped = await _retune_step(urls, ramps, budget, active, token, session, in_force, state)
     if stepped is None:
         return
-    decision, version = stepped
+    decision, version, after = stepped
+    if isinstance(svc.memo, dict) and (decision.thresholds is None or active):
+        svc.memo[TUNER_KEY] = after  # the decision is carried out (advisory mode pushes nothing: the state stays)
     if decision.thresholds is not None:
         verb = "re-tuned" if active else "would re-tune"
         svc.event(

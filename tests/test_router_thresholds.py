@@ -246,3 +246,32 @@ async def test_a_tuning_step_on_every_routers_feedback_leaves_every_router_on_it
         sets = await router_sets(s, dep)
         assert {v for v, _, _ in sets} == {tuner.version} and all(t == decision.thresholds for _, _, t in sets)
         assert (await worker_version(dep, dep.control_token))[0] == tuner.version
+
+
+async def test_the_operators_re_tune_runs_the_live_loops_policy_and_keeps_its_state(served, digits_bundle):
+    """The operator's re-tune (operator/live_thresholds.retune) on the same routers: a breach is repaired and
+    pushed to every router, and the tuner's state is kept in the service's memo, so the next re-tune counts
+    only the samples since the breach (none yet: no savings claimed on the samples that broke the budget)."""
+    from exitplan.operator import live_thresholds
+    from exitplan.operator.service_state import Service
+
+    dep = served
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {dep.control_token}"}) as s:
+        exit_all = {r: 0.0 for r in dep.ramps}
+        await call(s, "POST", f"{controls(dep)[0]}/v1/thresholds", {"thresholds": exit_all})
+        await send_load(dep.url, digits_bundle, 600)
+        # written into the plan a moment ago: the new set waits in the memo (client=None: no API call is made)
+        memo: dict = {live_thresholds.WRITTEN_KEY: time.monotonic()}
+        svc = Service(body={"metadata": {"name": "digits", "namespace": "ns"}}, client=None, memo=memo)  # type: ignore[arg-type]
+        access = live_thresholds.RouterAccess(controls(dep), dep.control_token, None)
+        await live_thresholds.retune(svc, dep.spec, dep.ramps, access=access, in_force=exit_all)
+        state = memo[live_thresholds.TUNER_KEY]
+        assert state.fresh == 0 and state.previous is not None  # a breach: fresh samples count from here
+        pushed = memo[live_thresholds.PENDING_KEY][0]
+        assert pushed != exit_all and all(pushed[r] >= exit_all[r] for r in dep.ramps)  # raised only
+        sets = await router_sets(s, dep)
+        assert all(t == pushed for _, _, t in sets)  # every router runs the repaired set
+        await live_thresholds.retune(svc, dep.spec, dep.ramps, access=access, in_force=pushed)
+        after = memo[live_thresholds.TUNER_KEY]
+        assert after.fresh == 0  # nothing arrived since
+        assert memo[live_thresholds.PENDING_KEY][2] != "tune-savings"  # probation: savings wait for fresh samples

@@ -5,7 +5,8 @@ router keeps the last shadow-sampled inputs (`GET /v1/window.npz`) and takes new
 (`POST /v1/thresholds`, pushed down to every worker without a restart). The control loops that
 read and push live elsewhere and call in here: `exitplan up`'s loop
 (:class:`exitplan.localrun.autotune.AutoTuner`, which keeps a :class:`TunerState` and calls
-:func:`advance` every period) and the operator's drift loop (one :func:`decide` per pass). Given
+:func:`advance` every period) and the operator's drift loop (the same, once a period per service,
+the state in the service's memo). Given
 one feedback window, :func:`decide`
 
 - re-tunes at once when the thresholds in force break the accuracy budget on the newest samples
@@ -59,8 +60,9 @@ DETECT_TAILS = (50, 100, 200)
 @dataclass(frozen=True)
 class TuneConfig:
     """Every knob of the tuning policy (:func:`decide`, :func:`advance`) and of the live loop that
-    runs it. The defaults are :func:`decide`'s (a single look at a window, as the operator's drift
-    loop takes); :data:`LIVE` holds the live loop's."""
+    runs it. The defaults are :func:`decide`'s for a single look at a window (tune to the edge of the
+    window's errors: what one-time tuning does); :data:`LIVE` holds the live loops' (`exitplan up`'s and
+    the operator's re-tune)."""
 
     min_samples: int = 200
     """Fewest samples (in the window; after a breach or drift, fresh ones outside probation) to act on."""
@@ -127,8 +129,8 @@ LIVE = TuneConfig(
     window=1500,
     period_s=20.0,
 )
-"""The live loop's settings (`exitplan up`), measured by bench/live_tuning.py (BENCHMARKS.md,
-"Threshold tuning"): breach judged on the newest 100 samples, tune to a quarter of the
+"""The live loops' settings (`exitplan up`'s and the operator's re-tune), measured by bench/live_tuning.py
+(BENCHMARKS.md, "Threshold tuning"): breach judged on the newest 100 samples, tune to a quarter of the
 budget's safe part, watch the early-exit share (confirmed on new samples), claim savings on 1,000
 fresh samples that also hold on the newest 200."""
 
