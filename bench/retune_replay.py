@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -79,7 +79,9 @@ class Replay:
     cpu_ms: float
 
 
-def replay(policy: str, s: FeedbackWindow, budget: float, per: int, window: int, periods: int) -> Replay:
+def replay(
+    policy: str, s: FeedbackWindow, budget: float, per: int, window: int, periods: int, live: autotune.TuneConfig
+) -> Replay:
     names = [f"ramp{i}" for i in range(s.n_ramps)]
     first = tune(rows(s, 0, 1024), 0.5 * autotune.sample_budget(budget, 1024))
     current = {r: float(t) for r, t in zip(names, first.thresholds)}
@@ -93,7 +95,7 @@ def replay(policy: str, s: FeedbackWindow, budget: float, per: int, window: int,
         if policy == "single":
             decision = autotune.decide(look, names, current, budget, autotune.TuneConfig())
         else:
-            decision, state = autotune.advance(state, look, current, names, budget, autotune.LIVE)
+            decision, state = autotune.advance(state, look, current, names, budget, live)
         cpu += time.process_time() - t0
         if decision.thresholds is not None:
             changes += any(abs(decision.thresholds[r] - current[r]) > 1e-9 for r in names)
@@ -116,7 +118,14 @@ def main() -> None:
     parser.add_argument("--per", type=int, default=200, help="new samples per period")
     parser.add_argument("--window", type=int, default=1024, help="newest samples per look")
     parser.add_argument("--budget", type=float, default=0.01, help="accuracy budget (spec.accuracy.maxDrop)")
+    parser.add_argument(
+        "--savings-every", type=int, help="the live policy's TuneConfig.savings_every (default: autotune.LIVE's)"
+    )
     args = parser.parse_args()
+    live = autotune.LIVE
+    if args.savings_every is not None:
+        live = replace(live, savings_every=args.savings_every)
+    print(f"live: autotune.LIVE with savings_every={live.savings_every}")
     n = 1024 + args.window + args.per * (args.periods + 1)
     print(
         f"{'stream':<13} {'policy':<7} {'held-out agreement':>19} {'saving ms':>10} {'changes':>8} "
@@ -127,7 +136,7 @@ def main() -> None:
         for seed in range(args.seeds):
             s = stream(kind, seed, args.ramps, n)
             for policy in ("single", "live"):
-                r = replay(policy, s, args.budget, args.per, args.window, args.periods)
+                r = replay(policy, s, args.budget, args.per, args.window, args.periods, live)
                 kept = r.agreement >= 1.0 - args.budget
                 broken[policy] += not kept
                 print(

@@ -460,3 +460,27 @@ def test_initial_thresholds_without_a_calibration_window_say_how_to_rebuild_the_
     assert issubclass(initial.MissingCalibrationWindow, ValueError)  # the operator and `exitplan up` catch ValueError
     monkeypatch.setattr(initial, "read_manifest", lambda bundle: SimpleNamespace(exit_ramps=list))
     assert initial.initial_thresholds(tmp_path, 0.01, [32, 128]) == ({}, [])  # no exit ramps: nothing to tune
+
+
+def test_advance_searches_savings_again_only_once_savings_every_samples_arrived():
+    """After a savings search that found nothing worth claiming, a look at a window that gained fewer than
+    `savings_every` samples under the same thresholds skips the search (it would search mostly the same
+    samples); once that many arrived, or the thresholds in force are others, it searches again."""
+    from exitplan.planner.tuning.autotune import _tail
+
+    config, ramps = replace(LIVE, savings_every=300), ["a", "b"]
+    w = window(1200, seed=0)
+    d, state = advance(TunerState(), w, {"a": 2.0, "b": 2.0}, ramps, 0.05, config)
+    assert d.trigger == "savings" and state.unclaimed is None
+    tuned = d.thresholds
+    d, state = advance(state, w, tuned, ramps, 0.05, config)
+    assert d.reason == "no-gain" and state.unclaimed == (0, tuned)  # searched: nothing more to claim
+    w = _tail(_stack(w, window(100, seed=3)), 1200)
+    d, state = advance(state, w, tuned, ramps, 0.05, config)
+    assert d.reason == "searched-recently" and d.thresholds is None and state.unclaimed == (100, tuned)
+    other = {"a": 0.95, "b": 0.97}
+    d_other, _ = advance(state, w, other, ramps, 0.05, config)
+    assert d_other.reason != "searched-recently"  # other thresholds in force: searched at once
+    w = _tail(_stack(w, window(250, seed=4)), 1200)
+    d, state = advance(state, w, tuned, ramps, 0.05, config)
+    assert d.trigger == "savings" and state.unclaimed is None

@@ -27,8 +27,10 @@ one feedback window, :func:`decide`
   error on the window are raised back to the target (trigger ``margin``, detail ``margin...``);
 - otherwise re-tunes to claim savings (the tuner's full search, lowering) when it finds at least
   `min_gain_ms` more saving per input on at least `savings_samples` fresh samples (reason and
-  trigger `savings`), unless the early-exit share is on the move (half the drift test's z: hold)
-  or, with `savings_check`, the new thresholds break the budget on the newest 200 samples (hold);
+  trigger `savings`), unless the early-exit share is on the move (half the drift test's z: reason
+  `hold`) or, with `savings_check`, the new thresholds break the budget on the newest 200 samples (`hold`);
+  the live loop searches again only once `savings_every` samples arrived since a search that found
+  nothing worth claiming (reason `searched-recently` meanwhile);
 - keeps the last good thresholds when the window is short of samples.
 
 Every knob is a field of :class:`TuneConfig`; :data:`LIVE` holds the settings bench/live_tuning.py
@@ -86,6 +88,11 @@ class TuneConfig:
     """Newest samples the drift test compares with the ones before them (0: no drift test)."""
     savings_check: int = 0
     """Newest samples on which new savings thresholds must also keep the budget (0: no check)."""
+    savings_every: int = 0
+    """The live loop (:func:`advance`): after a savings search that found nothing worth claiming, the next
+    one waits until this many samples have arrived, while the thresholds in force stay (0: search at every
+    look). A search on a window mostly the same as the last one finds mostly the same, at the tuner's
+    dearest step."""
     period_s: float = 20.0
     """The live loop: seconds between two looks at the router's feedback."""
     window: int = 1500
@@ -108,6 +115,7 @@ class TuneConfig:
             ("drift_z", self.drift_z >= 0.0, ">= 0 (0: off)"),
             ("drift_recent", self.drift_recent >= 0, ">= 0 (0: off)"),
             ("savings_check", self.savings_check >= 0, ">= 0 (0: off)"),
+            ("savings_every", self.savings_every >= 0, ">= 0 (0: every look)"),
             ("period_s", self.period_s > 0.0 and math.isfinite(self.period_s), "finite and > 0"),
             ("window", self.window >= 1, ">= 1"),
         ]
@@ -126,13 +134,16 @@ LIVE = TuneConfig(
     drift_recent=100,
     drift_confirm=True,
     savings_check=200,
+    savings_every=300,
     window=1500,
     period_s=20.0,
 )
 """The live loops' settings (`exitplan up`'s and the operator's re-tune), measured by bench/live_tuning.py
 (BENCHMARKS.md, "Threshold tuning"): breach judged on the newest 100 samples, tune to a quarter of the
 budget's safe part, watch the early-exit share (confirmed on new samples), claim savings on 1,000
-fresh samples that also hold on the newest 200."""
+fresh samples that also hold on the newest 200; after a search that found nothing worth claiming, search
+again once 300 samples arrived (bench/retune_replay.py: the same held-out agreement and savings, ~20 %
+fewer searches)."""
 
 
 @dataclass(frozen=True)
@@ -238,6 +249,7 @@ def decide(
     fresh: int | None = None,
     reference: dict[str, float] | None = None,
     drift_armed: bool = True,
+    search_savings: bool = True,
 ) -> Decision:
     """What to do with the thresholds given one feedback window (samples oldest first; pure).
 
@@ -262,7 +274,10 @@ def decide(
     With `savings_check` > 0, savings are claimed only if the new thresholds also keep the budget
     (point estimate) on the newest `savings_check` samples: a window of 1,000 fresh samples can end
     in the first ~100 of a shift, which the tuner, fitting the other 900, would ignore.
-    The knobs are `config`'s; its live-loop fields (`period_s`, `window`, `drift_confirm`) play no part here.
+    With `search_savings` False the savings search is not run (reason ``searched-recently``: the caller
+    searched a window mostly the same a moment ago and found nothing worth claiming); the tests above still are.
+    The knobs are `config`'s; its live-loop fields (`period_s`, `window`, `drift_confirm`, `savings_every`)
+    play no part here.
     """
     n = window.n_inputs
     if n < config.min_samples:
@@ -288,7 +303,7 @@ def decide(
     probation = fresh is not None and n < config.savings_samples
     if n < config.min_samples and not probation:
         return Decision(None, "short-of-samples", n, exit_z=z_exit)
-    return _margin_or_savings(window, ramps, start, budget, config, probation, z_exit)
+    return _margin_or_savings(window, ramps, start, budget, config, probation, z_exit, search_savings)
 
 
 def _breach_repair(
@@ -350,6 +365,7 @@ def _margin_or_savings(
     config: TuneConfig,
     probation: bool,
     z_exit: float,
+    search_savings: bool = True,
 ) -> Decision:
     """Back to the tuning target when past the statistically safe level (raises only), else savings."""
     n = window.n_inputs
@@ -374,6 +390,8 @@ def _margin_or_savings(
         )
     if n < config.savings_samples:
         return Decision(None, "short-of-samples", n, agree_now, agree_now, save_now, save_now, exit_z=z_exit)
+    if not search_savings:
+        return Decision(None, "searched-recently", n, agree_now, agree_now, save_now, save_now, exit_z=z_exit)
     return _savings(window, ramps, start, budget, config, target, (agree_now, save_now), z_exit)
 
 
@@ -396,7 +414,7 @@ def _savings(
     if result.saving_ms < save_now + config.min_gain_ms:
         return kept
     if config.drift_z and abs(z_exit) > config.drift_z / 2:  # the traffic may be moving: claim nothing yet
-        return replace(kept, detail=f"hold: early-exit share moving (z = {z_exit:+.1f})")
+        return replace(kept, reason="hold", detail=f"hold: early-exit share moving (z = {z_exit:+.1f})")
     new = np.asarray(result.thresholds, dtype=np.float64)
     if config.savings_check:  # the new thresholds must hold on the newest samples too (a shift may have begun there)
         tail = _tail(window, min(config.savings_check, n))
@@ -405,6 +423,7 @@ def _savings(
         if x > math.floor(budget * tail.n_inputs + 1e-9):
             return replace(
                 kept,
+                reason="hold",
                 detail=f"hold: the new thresholds break the budget on the newest {tail.n_inputs} "
                 f"samples ({x} disagree)",
             )
@@ -417,14 +436,19 @@ def new_samples(previous: FeedbackWindow | None, window: FeedbackWindow) -> int:
     ``window``. All of them when ``previous`` is None or not found (more arrived than fit)."""
     if previous is None or previous.n_inputs == 0:
         return window.n_inputs
-    k = min(4, previous.n_inputs)
-    key = np.concatenate([previous.conf[-k:].ravel(), previous.final[-k:].astype(np.float64)])
-    n = window.n_inputs
-    for end in range(n, k - 1, -1):
-        if np.array_equal(
-            np.concatenate([window.conf[end - k : end].ravel(), window.final[end - k : end].astype(np.float64)]), key
+    k, n = min(4, previous.n_inputs), window.n_inputs
+    if window.conf.shape[1:] != previous.conf.shape[1:]:
+        return n
+    conf, final = previous.conf[-k:], previous.final[-k:]
+    # rows equal to the previous window's newest one, newest first; each checked for the k rows before it too
+    ends = np.flatnonzero((window.conf == conf[-1]).all(axis=1) & (window.final == final[-1])) + 1
+    for end in ends[::-1]:
+        if (
+            end >= k
+            and np.array_equal(window.conf[end - k : end], conf)
+            and np.array_equal(window.final[end - k : end], final)
         ):
-            return n - end
+            return n - int(end)
     return n
 
 
@@ -446,6 +470,9 @@ class TunerState:
     """The last thresholds in force that let inputs exit (the drift test's probe while every ramp is off)."""
     previous: FeedbackWindow | None = None
     """The window of the last look (to count the samples that arrived since)."""
+    unclaimed: tuple[int, dict[str, float]] | None = None
+    """After a savings search that found nothing worth claiming: the samples arrived since, and the
+    thresholds it searched from (None: no such search since the thresholds last changed)."""
 
 
 def track_alarm(
@@ -484,8 +511,9 @@ def advance(
     next look. Counts the samples that arrived since the last look (fresh ones, and those since an
     unconfirmed drift alarm), arms the drift test once an alarm has `drift_recent` new samples
     (always, without `drift_confirm`: one look at 100 samples in ~1,000 sees z > 3.3 by chance),
-    keeps the last thresholds that let inputs exit as the drift test's reference, decides, tracks
-    the alarm, and after a breach or drift repair counts fresh samples from zero (the workload
+    keeps the last thresholds that let inputs exit as the drift test's reference, skips the savings
+    search while fewer than `savings_every` samples arrived since one that found nothing worth claiming
+    from the same thresholds, decides, tracks the alarm, and after a breach or drift repair counts fresh samples from zero (the workload
     changed: older samples no longer speak for it). The caller applies the decision's thresholds and
     keeps the new state only once they are applied."""
     arrived = new_samples(state.previous, window)
@@ -495,8 +523,26 @@ def advance(
     reference = state.reference
     if any(float(current.get(r, DISABLED)) <= 1.0 for r in ramps):
         reference = dict(current)
-    decision = decide(window, ramps, current, budget, config, fresh=fresh, reference=reference, drift_armed=armed)
+    unclaimed = state.unclaimed
+    if unclaimed is not None:
+        unclaimed = (unclaimed[0] + arrived, unclaimed[1])
+    search = unclaimed is None or unclaimed[0] >= config.savings_every or unclaimed[1] != current
+    decision = decide(
+        window,
+        ramps,
+        current,
+        budget,
+        config,
+        fresh=fresh,
+        reference=reference,
+        drift_armed=armed,
+        search_savings=search,
+    )
     alarm, words = track_alarm(alarm, decision, armed, config)
     if decision.thresholds is not None and decision.trigger in ("breach", "drift"):
         fresh = 0
-    return decision, TunerState(fresh, alarm, [*state.alarm_log, *words], reference, window)
+    if decision.thresholds is not None:
+        unclaimed = None
+    elif decision.reason == "no-gain":  # searched: nothing worth claiming
+        unclaimed = (0, dict(current))
+    return decision, TunerState(fresh, alarm, [*state.alarm_log, *words], reference, window, unclaimed)
