@@ -36,6 +36,8 @@ of its own. CPU figures are CPU time (user + system), not wall time: the machine
 Without a working cluster DNS (the usual case outside a cluster), (a)'s lookups of the control
 Services' names fail -- quickly, or after the resolver's timeout when many run at once.
 --profile / --profile-api write cProfile stats of the operator's main thread / the API server's.
+--cpu-profile PREFIX profiles the operator's main thread by CPU time (cProfile timed by time.thread_time)
+during each measured drift period, stats in PREFIX.0 (no router) and PREFIX.1 (the stand-in's periods).
 --spy PREFIX samples the operator with py-spy (`py-spy` on PATH; not a dependency) during each measured
 drift period only, as collapsed stacks in PREFIX-unreachable.txt / PREFIX-router.txt.
 
@@ -51,6 +53,7 @@ import cProfile
 import json
 import math
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -201,10 +204,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_operator(cluster: ClusterThread, tmp: Path, tick: float, profile: Path | None) -> tuple[Any, int]:
+def start_operator(
+    cluster: ClusterThread, tmp: Path, tick: float, profile: Path | None, cpu_profile: str | None = None
+) -> tuple[Any, int]:
     health = free_port()
     exe = str(Path(sys.executable).with_name("exitplan"))
     prefix = [sys.executable, "-P", "-m", "cProfile", "-o", str(profile), exe] if profile else [exe]
+    if cpu_profile:  # switched on and off around each measured drift period (measure_period)
+        prefix = [sys.executable, "-P", str(REPO / "bench" / "cpu_profiled.py"), cpu_profile, exe]
+        if cpu_profile.startswith("gc:"):  # the garbage collector's passes alone, no profiler
+            prefix[3:4] = ["--gc-only", cpu_profile[3:]]
     cmd = [
         *prefix,
         "operator",
@@ -368,6 +377,7 @@ def measure_period(
     router: RouterProcess | None = None,
     spy: Path | None = None,
     periods: int = 1,
+    cpu_profile: bool = False,
 ) -> dict:
     """The operator's CPU per period over `periods` periods (after `warmup` s) -- their mean, and each
     period's -- the API server thread's, and the API requests they saw (per period); with `spy`, py-spy's
@@ -376,11 +386,14 @@ def measure_period(
     time.sleep(warmup)
     if spy is not None:  # started first: its own start-up is not in the period
         cmd = ["py-spy", "record", "--pid", str(op_pid), "--duration", str(int(period * periods) + 2), "--rate", "50"]
+        cmd.append("--gil")  # the thread that holds the GIL (a thread waiting for it is not working)
         spying = subprocess.Popen([*cmd, "--format", "raw", "--output", str(spy), "--nonblocking"])
         time.sleep(1.0)
     api_clock = time.pthread_getcpuclockid(cluster._thread.ident)
     counts0 = collections.Counter(cluster.api.counts)
     served, reads = router.stats() if router else (0, 0)
+    if cpu_profile:
+        os.kill(op_pid, signal.SIGUSR1)  # bench/cpu_profiled.py: start
     op0, api0, t0 = proc_cpu(op_pid), time.clock_gettime(api_clock), time.perf_counter()
     each, last = [], op0
     for k in range(periods):
@@ -389,6 +402,8 @@ def measure_period(
         each.append(now - last)
         last = now
     op1, api1, t1 = last, time.clock_gettime(api_clock), time.perf_counter()
+    if cpu_profile:
+        os.kill(op_pid, signal.SIGUSR2)  # stop, and write OUT.<n>
     if spy is not None:
         spying.wait(60)
     if router:
@@ -509,7 +524,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
         if api_profile is not None:  # the API server's event loop thread (cProfile profiles one thread)
             cluster.loop.call_soon_threadsafe(api_profile.enable)
         pools = create_world(cluster, args)
-        op, _health = start_operator(cluster, tmp, args.tick, args.profile)
+        op, _health = start_operator(cluster, tmp, args.tick, args.profile, args.cpu_profile)
         try:
             cpu_idle = proc_cpu(op.pid)
             created = apply_all(cluster, args)
@@ -557,7 +572,9 @@ def drift_figures(
     out["mark_ready_s"] = mark_all_ready(cluster, set(created), args.timeout)
     hashes = {k: structure(p) for k, p in plans.items()}
     spy = (lambda name: Path(f"{args.spy}-{name}.txt")) if args.spy else (lambda name: None)
-    out["drift_period_unreachable"] = measure_period(cluster, pid, args.period, args.period, spy=spy("unreachable"))
+    out["drift_period_unreachable"] = measure_period(
+        cluster, pid, args.period, args.period, spy=spy("unreachable"), cpu_profile=bool(args.cpu_profile)
+    )
     keys = sorted(created)
     router = RouterProcess([plans[k] for k in keys], args.period, tmp, not args.no_feedback)
     try:
@@ -565,7 +582,16 @@ def drift_figures(
             cluster.run(_publish(cluster, keys[i : i + 20], router.ports[i : i + 20]), BATCH_GUARD)
         warm = args.warmup_periods * args.period  # a full survival series; the first re-tunes' pushes settled
         cpu0 = router.cpu()
-        d = measure_period(cluster, pid, args.period, warm, router, spy=spy("router"), periods=args.periods)
+        d = measure_period(
+            cluster,
+            pid,
+            args.period,
+            warm,
+            router,
+            spy=spy("router"),
+            periods=args.periods,
+            cpu_profile=bool(args.cpu_profile),
+        )
         d["reads_done"], d["reads_due"] = d["router_reads"], args.services * drift.CHECKS_PER_PERIOD
         d["stand_in_cpu_s"] = router.cpu() - cpu0  # over the warm-up and the period
         out["drift_period_stand_in_router"] = d
@@ -660,6 +686,11 @@ def main() -> None:
     parser.add_argument("--skip-drift", action="store_true", help="measure the apply only")
     parser.add_argument("--profile", type=Path, help="run the operator under cProfile, stats to this file")
     parser.add_argument("--profile-api", type=Path, help="cProfile the emulated API server, stats to this file")
+    parser.add_argument(
+        "--cpu-profile",
+        help="profile the operator's main thread by CPU time in each measured drift period (PREFIX.0: no router, "
+        "PREFIX.1: the stand-in's; bench/cpu_profiled.py); gc:PREFIX: only the garbage collector's passes",
+    )
     parser.add_argument("--spy", help="py-spy the operator in each measured period: PREFIX-<period>.txt")
     parser.add_argument("--json", nargs="?", const="-", help="also print (or write to a file) the figures as JSON")
     args = parser.parse_args()

@@ -183,13 +183,7 @@ def combine(windows: Sequence[Observations]) -> Observations:
     ]
     n = len(newest.exit_counts)
     out.exit_counts = [sum(w.exit_counts[i] for w in windows if len(w.exit_counts) == n) for i in range(n)]
-    k = len(newest.survival)
-    total = sum(w.requests for w in windows if len(w.survival) == k)
-    out.survival = (
-        [sum(w.survival[i] * w.requests for w in windows if len(w.survival) == k) / total for i in range(k)]
-        if total
-        else list(newest.survival)
-    )
+    out.survival = pooled_survival(windows)
     errs = [w.errors.model_dump() for w in windows]
     out.errors = out.errors.model_validate({k: sum(e.get(k, 0) for e in errs) for k in errs[0]})
     out.latency.p99_ms = max(w.latency.p99_ms for w in windows)
@@ -205,6 +199,29 @@ def combine(windows: Sequence[Observations]) -> Observations:
         _agreement_from(out, agree, samples)
     out.per_bucket = combine_buckets(windows)
     return out
+
+
+def span(windows: Sequence[Observations]) -> float:
+    """Seconds from the earliest window's start to the newest one's end: `combine(windows)`'s span."""
+    return max(w.until for w in windows) - min(w.since for w in windows)
+
+
+def pooled_survival(windows: Sequence[Observations]) -> list[float]:
+    """`combine(windows)`'s survival alone: each ramp's weighted by answered requests over the windows
+    with the newest one's ramps (the newest one's when none answered)."""
+    newest = max(windows, key=lambda w: w.until)
+    k = len(newest.survival)
+    total = sum(w.requests for w in windows if len(w.survival) == k)
+    if not total or len(windows) == 1:
+        return list(newest.survival)
+    return [sum(w.survival[i] * w.requests for w in windows if len(w.survival) == k) / total for i in range(k)]
+
+
+def pooled_arrivals(windows: Sequence[Observations]) -> int:
+    """`arrivals(combine(windows))` without combining: the arrivals of the windows whose length histogram has
+    the newest one's buckets."""
+    n = len(max(windows, key=lambda w: w.until).length_histogram)
+    return sum(arrivals(w) for w in windows if len(w.length_histogram) == n)
 
 
 def _latency_from(out: Observations, histogram: list[int]) -> None:

@@ -190,10 +190,10 @@ class DriftState:
 
     def add_to_survival(self, piece: Observations, period: float) -> None:
         """Add a slice to the survival block; a full block becomes one point of the forecaster's series."""
-        self.survival_block.append(piece)  # the forecaster's series: consecutive half-period blocks
-        whole = drift.combine(self.survival_block)
-        if whole.until - whole.since >= drift.JUDGED_PERIODS * period and whole.requests >= drift.MIN_REQUESTS:
-            self.survival.append(list(whole.survival))
+        block = self.survival_block
+        block.append(piece)  # the forecaster's series: consecutive half-period blocks
+        if drift.span(block) >= drift.JUDGED_PERIODS * period and sum(w.requests for w in block) >= drift.MIN_REQUESTS:
+            self.survival.append(drift.pooled_survival(block))  # what combining the block would say, alone
             del self.survival[:-HISTORY]
             self.survival_block.clear()
 

@@ -346,18 +346,18 @@ async def check_drift(svc: Service, memo: Any) -> None:
     plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace)
     if plan is None:  # advisory from the start: nothing applied to compare against
         return
-    active = spec.planner.mode == Mode.active
+    active, plan_hash = spec.planner.mode == Mode.active, plan.content_hash()
     if (
         active
         and latest.thresholds
-        and latest.plan_hash == plan.content_hash()
+        and latest.plan_hash == plan_hash
         and not same_thresholds(latest.thresholds, plan.thresholds)
     ):
         # the routers run this plan with other thresholds (pushed live): the plan carries them from now on
-        if await write_thresholds(svc, latest.thresholds, "observed on the routers", period, base=plan.content_hash()):
+        if await write_thresholds(svc, latest.thresholds, "observed on the routers", period, base=plan_hash):
             plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace) or plan
             status = parse_status(svc.body.get("status"))
-    elif active and await write_pending(svc, period, plan.content_hash()):  # a re-tune's set that waited its turn
+    elif active and await write_pending(svc, period, plan_hash):  # a re-tune's set that waited its turn
         plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace) or plan
         status = parse_status(svc.body.get("status"))
     said, written = drift_writes.what_status_says(status), status.drift

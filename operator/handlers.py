@@ -20,7 +20,7 @@ import aiohttp
 import kopf
 
 from exitplan.api.resources import GROUP, VERSION
-from exitplan.operator import driftloop, guards, http_ports, reconcile, tick_reads
+from exitplan.operator import driftloop, guards, http_ports, reconcile, router_resolver, tick_reads
 from exitplan.operator.kube import KubeClient, bearer, load_config, path
 from exitplan.operator.metrics import METRICS
 from exitplan.operator.service_state import SERVICE_MEMOS, Service, forget_service_memo, pools_changed, service_memo
@@ -84,8 +84,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     memo.locks = collections.defaultdict(asyncio.Lock)
     memo.settings = guards.Settings.from_env()  # allowed bundle host paths, served namespaces, profiling retries
     memo.capacity_lock = asyncio.Lock()  # one service at a time plans into the pools' free capacity (capacity.py)
-    # the drift loop's router reads keep their connections (a new session per read connected anew each time)
-    memo.router_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    # the drift loop's router reads keep their connections (a new session per read connected anew each time);
+    # their name lookups are bounded, so they cannot hold up the API server's connections (router_resolver.py)
+    resolver = router_resolver.BoundedResolver()
+    memo.router_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, resolver=resolver))
     memo.ignored_plans = set()  # plan-like ConfigMaps no service owns, already reported (capacity.py)
     memo.tick_reads = tick_reads.TickReads(memo.client)  # one list and watch per kind and namespace, for every tick
     memo[SERVICE_MEMOS] = {}  # each service's own memo, whichever handler asks (service_state.service_memo)

@@ -305,9 +305,12 @@ class Tracker:
         if key != self.plan_key:
             self.block, self.streak, self.last, self.plan_key, self.served = [], [], None, key, None
         self.block.append(piece)
+        if (
+            drift.span(self.block) < drift.JUDGED_PERIODS * period
+            or drift.pooled_arrivals(self.block) < drift.MIN_REQUESTS
+        ):
+            return None  # not full yet (judged without combining the block on every read)
         whole = drift.combine(self.block)
-        if whole.until - whole.since < drift.JUDGED_PERIODS * period or drift.arrivals(whole) < drift.MIN_REQUESTS:
-            return None
         self.block = []
         return whole
 

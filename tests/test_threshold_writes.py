@@ -82,3 +82,28 @@ def test_judging_a_window_leaves_the_windows_read_as_they_were():
     assert both.requests == 250 and both.per_bucket["128"].requests == 250
     piece.latency.p99_ms, piece.thresholds["ramp1"], piece.per_bucket["128"].within_slo = 99.0, 0.1, 0
     assert (old.model_dump_json(), new.model_dump_json()) == before  # the copy's own latency, dicts, buckets
+
+
+def test_the_drift_loops_shortcuts_say_what_combining_would():
+    """The survival series and the plan comparison read a block's span, arrivals and survival without
+    combining it (drift.span, pooled_arrivals, pooled_survival): the same figures as combine's, also when
+    a window has other buckets or ramps than the newest (left out, as combine leaves them out)."""
+    import random
+
+    rng = random.Random(4)
+    for _ in range(200):
+        block, t = [], 0.0
+        for _ in range(rng.randint(1, 4)):
+            ramps, buckets = rng.choice([1, 2]), rng.choice([1, 2])
+            w = window(t, t + rng.uniform(1.0, 5.0), rng.randint(0, 400))
+            w.survival = [rng.random() for _ in range(ramps)]
+            w.ramps = [f"ramp{k}" for k in range(ramps)]
+            w.length_histogram = [rng.randint(0, 200) for _ in range(buckets)]
+            w.length_buckets = [32, 128][:buckets]
+            block.append(w)
+            t = w.until + rng.choice([0.0, 1.0])
+        rng.shuffle(block)
+        whole = drift.combine(block)
+        assert drift.span(block) == whole.until - whole.since
+        assert drift.pooled_arrivals(block) == drift.arrivals(whole)
+        assert drift.pooled_survival(block) == whole.survival
