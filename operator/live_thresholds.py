@@ -131,9 +131,9 @@ async def retune(
     """Apparate's continual tuning on the routers' shadow-sampled feedback (exitplan.planner.tuning.autotune):
     new thresholds when the ones in force break the accuracy budget or leave savings unclaimed, by the live
     loop's policy (`autotune.advance` with autotune.LIVE, its state kept in the memo from one re-tune to the
-    next: after a breach only the samples since count). Advisory mode computes but does not push. Pushed thresholds are written into the plan
-    ConfigMap (under the service's lock; `write_thresholds`: at most once per service every 5 periods or 5
-    minutes), so a router that restarts keeps them. A bundle with no
+    next: after a breach only the samples since count). Advisory mode computes but does not push. Pushed
+    thresholds are written into the plan ConfigMap (under the service's lock; `write_thresholds`: at most
+    once per service every 5 periods or 5 minutes), so a router that restarts keeps them. A bundle with no
     exit ramp is the plain model: nothing to tune. `access`: the drift loop's routers, token and connections
     (looked up and read here when None); `in_force`: the thresholds the drift read just saw on them (read
     here when None or empty)."""

@@ -259,7 +259,9 @@ def test_advance_counts_fresh_samples_from_zero_after_a_breach():
     before = TunerState(fresh=None, alarm_log=["earlier"])
     quiet, state = advance(before, w, {"a": 2.0, "b": 2.0}, ["a", "b"], 0.01, config)
     assert quiet.trigger not in ("breach", "drift") and state.fresh is None  # no breach yet: every sample counts
-    assert state.previous is w and state.alarm_log == ["earlier"] and state.reference is None
+    assert state.alarm_log == ["earlier"] and state.reference is None
+    kept = state.previous  # the window's newest samples, copied (not the whole window: one state per service)
+    assert kept.n_inputs == 4 and np.array_equal(kept.conf, w.conf[-4:]) and kept.conf.base is None
     d, state = advance(state, w, {"a": 0.4, "b": 0.4}, ["a", "b"], 0.01, config)
     assert d.trigger == "breach" and d.thresholds is not None and state.fresh == 0
     assert state.reference == {"a": 0.4, "b": 0.4}  # thresholds that let inputs exit: the drift test's reference
@@ -401,7 +403,7 @@ def test_autotuner_step_reads_decides_pushes_and_carries_the_state():
     d = tuner.step()
     assert d.trigger == "breach" and router.pushed == [(d.thresholds, "tune-accuracy")] and changes == [d]
     assert router.version == tuner.version == 1  # the next version of the set in force
-    assert tuner.history == [d] and tuner.state.fresh == 0 and tuner.state.previous.n_inputs == 1000
+    assert tuner.history == [d] and tuner.state.fresh == 0 and tuner.state.previous.n_inputs == 4
     again = tuner.step()  # no new sample: nothing fresh to act on
     assert again.thresholds is None and tuner.state.fresh == 0 and len(tuner.history) == 2
     tuner.stop()

@@ -275,7 +275,7 @@ def decide(
     (point estimate) on the newest `savings_check` samples: a window of 1,000 fresh samples can end
     in the first ~100 of a shift, which the tuner, fitting the other 900, would ignore.
     With `search_savings` False the savings search is not run (reason ``searched-recently``: the caller
-    searched a window mostly the same a moment ago and found nothing worth claiming); the tests above still are.
+    searched a window mostly the same a moment ago and found nothing worth claiming); the tests above still run.
     The knobs are `config`'s; its live-loop fields (`period_s`, `window`, `drift_confirm`, `savings_every`)
     play no part here.
     """
@@ -436,7 +436,7 @@ def new_samples(previous: FeedbackWindow | None, window: FeedbackWindow) -> int:
     ``window``. All of them when ``previous`` is None or not found (more arrived than fit)."""
     if previous is None or previous.n_inputs == 0:
         return window.n_inputs
-    k, n = min(4, previous.n_inputs), window.n_inputs
+    k, n = min(NEWEST_KEPT, previous.n_inputs), window.n_inputs
     if window.conf.shape[1:] != previous.conf.shape[1:]:
         return n
     conf, final = previous.conf[-k:], previous.final[-k:]
@@ -469,7 +469,8 @@ class TunerState:
     reference: dict[str, float] | None = None
     """The last thresholds in force that let inputs exit (the drift test's probe while every ramp is off)."""
     previous: FeedbackWindow | None = None
-    """The window of the last look (to count the samples that arrived since)."""
+    """The newest samples of the last look's window (:data:`NEWEST_KEPT` of them, copied: the operator keeps
+    a state per service): where they are found again in the next window, the samples after them are new."""
     unclaimed: tuple[int, dict[str, float]] | None = None
     """After a savings search that found nothing worth claiming: the samples arrived since, and the
     thresholds it searched from (None: no such search since the thresholds last changed)."""
@@ -545,4 +546,19 @@ def advance(
         unclaimed = None
     elif decision.reason == "no-gain":  # searched: nothing worth claiming
         unclaimed = (0, dict(current))
-    return decision, TunerState(fresh, alarm, [*state.alarm_log, *words], reference, window, unclaimed)
+    return decision, TunerState(fresh, alarm, [*state.alarm_log, *words], reference, _newest(window), unclaimed)
+
+
+NEWEST_KEPT = 4
+"""Samples of a look's window the state keeps to find them again in the next (`new_samples` matches 4)."""
+
+
+def _newest(window: FeedbackWindow) -> FeedbackWindow:
+    k = min(NEWEST_KEPT, window.n_inputs)
+    return FeedbackWindow(
+        conf=window.conf[window.n_inputs - k :].copy(),
+        pred=window.pred[window.n_inputs - k :].copy(),
+        final=window.final[window.n_inputs - k :].copy(),
+        saving_ms=window.saving_ms,
+        cost_ms=window.cost_ms,
+    )
