@@ -560,17 +560,12 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     return figures
 
 
-def structure(plan: Plan) -> str:
-    """The plan's hash without its thresholds (a re-tune writes those into the plan; a re-plan changes the rest)."""
-    return plan.model_copy(update={"thresholds": {}, "thresholds_version": 0}).content_hash()
-
-
 def drift_figures(
     cluster: ClusterThread, pid: int, created: dict, plans: dict, args: argparse.Namespace, tmp: Path
 ) -> dict:
     out: dict[str, Any] = {}
     out["mark_ready_s"] = mark_all_ready(cluster, set(created), args.timeout)
-    hashes = {k: structure(p) for k, p in plans.items()}
+    hashes = {k: p.layout_hash() for k, p in plans.items()}  # a re-tune's write does not change it
     spy = (lambda name: Path(f"{args.spy}-{name}.txt")) if args.spy else (lambda name: None)
     out["drift_period_unreachable"] = measure_period(
         cluster, pid, args.period, args.period, spy=spy("unreachable"), cpu_profile=bool(args.cpu_profile)
@@ -598,7 +593,7 @@ def drift_figures(
     finally:
         router.close()
     now = {k: plan_of(cluster, *k) for k in hashes}
-    out["replans_during_drift_periods"] = sum(1 for k, p in now.items() if p and structure(p) != hashes[k])
+    out["replans_during_drift_periods"] = sum(1 for k, p in now.items() if p and p.layout_hash() != hashes[k])
     out["thresholds_written_into_plans"] = sum(1 for k, p in now.items() if p and p.thresholds != plans[k].thresholds)
     return out
 

@@ -1,10 +1,10 @@
 """The operator's threshold re-tune replayed offline on stationary feedback streams: does it keep the accuracy
 budget on the inputs that follow each decision, what does it save, how often does it change the thresholds?
 
-Each stream is a service's shadow-sampled feedback in arrival order; every period `--per` new samples arrive,
-the tuner looks at the newest `--window` (the operator reads 1,024: live_thresholds.TUNE_WINDOW) with the
-thresholds in force, and the period's new samples -- which no decision saw -- are served under whatever it
-decided. Printed per stream and policy: agreement with the full model on those held-out samples (the budget
+Each stream is a service's shadow-sampled feedback in arrival order, replayed by planner/tuning/replay.py:
+every period `--per` new samples arrive, the tuner looks at the newest `--window` (the operator reads 1,024:
+live_thresholds.TUNE_WINDOW) with the thresholds in force, and the period's new samples -- which no decision
+saw -- are served under whatever it decided. Printed per stream and policy: agreement with the full model on those held-out samples (the budget
 is kept when it is >= 1 - budget), the mean saving per input (ms), threshold changes per period (each one a
 push to every router, an Event and, in time, a plan write), full savings searches per period (the tuner's
 dearest step) and the tuner's CPU per look. Start: thresholds tuned once on 1,024 samples before the replay
@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stand_in_router  # noqa: E402
 
 from exitplan.planner.tuning import autotune  # noqa: E402
-from exitplan.planner.tuning.feedback import FeedbackWindow, evaluate  # noqa: E402
+from exitplan.planner.tuning.feedback import FeedbackWindow  # noqa: E402
+from exitplan.planner.tuning.replay import replay, stream_length  # noqa: E402
 from exitplan.planner.tuning.synthetic_windows import synthetic_window  # noqa: E402
-from exitplan.planner.tuning.thresholds import tune  # noqa: E402
 
 
 class SearchCounter:
@@ -66,48 +66,23 @@ def stream(kind: str, seed: int, ramps: int, n: int) -> FeedbackWindow:
     return synthetic_window(np.random.default_rng(seed), n, ramps)
 
 
-def rows(s: FeedbackWindow, start: int, end: int) -> FeedbackWindow:
-    return FeedbackWindow(s.conf[start:end], s.pred[start:end], s.final[start:end], s.saving_ms, s.cost_ms)
+class Policy:
+    """One policy's step (`replay.Step`), with its CPU and the tuner's full searches counted."""
 
+    def __init__(self, name: str, budget: float, live: autotune.TuneConfig) -> None:
+        self.name, self.budget, self.live = name, budget, live
+        self.state, self.cpu_s, self.searches = autotune.TunerState(), 0.0, 0
 
-@dataclass
-class Replay:
-    agreement: float
-    saving_ms: float
-    changes: float
-    searches: float
-    cpu_ms: float
-
-
-def replay(
-    policy: str, s: FeedbackWindow, budget: float, per: int, window: int, periods: int, live: autotune.TuneConfig
-) -> Replay:
-    names = [f"ramp{i}" for i in range(s.n_ramps)]
-    first = tune(rows(s, 0, 1024), 0.5 * autotune.sample_budget(budget, 1024))
-    current = {r: float(t) for r, t in zip(names, first.thresholds)}
-    state, end = autotune.TunerState(), 1024 + window
-    changes = disagree = 0
-    saved, cpu = 0.0, 0.0
-    COUNTER.count = 0
-    for _ in range(periods):
-        look = rows(s, end - window, end)
-        t0 = time.process_time()
-        if policy == "single":
-            decision = autotune.decide(look, names, current, budget, autotune.TuneConfig())
+    def __call__(self, look: FeedbackWindow, current: dict[str, float]) -> dict[str, float] | None:
+        t0, before = time.process_time(), COUNTER.count
+        names = list(current)
+        if self.name == "single":
+            decision = autotune.decide(look, names, current, self.budget, autotune.TuneConfig())
         else:
-            decision, state = autotune.advance(state, look, current, names, budget, live)
-        cpu += time.process_time() - t0
-        if decision.thresholds is not None:
-            changes += any(abs(decision.thresholds[r] - current[r]) > 1e-9 for r in names)
-            current = decision.thresholds
-        agree, saving = evaluate(rows(s, end, end + per), np.array([current[r] for r in names]))
-        disagree += round((1.0 - agree) * per)
-        saved += saving * per
-        end += per
-    served = periods * per
-    return Replay(
-        1.0 - disagree / served, saved / served, changes / periods, COUNTER.count / periods, 1e3 * cpu / periods
-    )
+            decision, self.state = autotune.advance(self.state, look, current, names, self.budget, self.live)
+        self.cpu_s += time.process_time() - t0
+        self.searches += COUNTER.count - before
+        return decision.thresholds
 
 
 def main() -> None:
@@ -126,7 +101,7 @@ def main() -> None:
     if args.savings_every is not None:
         live = replace(live, savings_every=args.savings_every)
     print(f"live: autotune.LIVE with savings_every={live.savings_every}")
-    n = 1024 + args.window + args.per * (args.periods + 1)
+    n = stream_length(args.periods, args.per, args.window)
     print(
         f"{'stream':<13} {'policy':<7} {'held-out agreement':>19} {'saving ms':>10} {'changes':>8} "
         f"{'searches':>9} {'CPU/look':>9}"
@@ -135,13 +110,15 @@ def main() -> None:
     for kind in ("pool", "synthetic"):
         for seed in range(args.seeds):
             s = stream(kind, seed, args.ramps, n)
-            for policy in ("single", "live"):
-                r = replay(policy, s, args.budget, args.per, args.window, args.periods, live)
+            for name in ("single", "live"):
+                policy = Policy(name, args.budget, live)
+                r = replay(s, policy, args.budget, periods=args.periods, per=args.per, window=args.window)
                 kept = r.agreement >= 1.0 - args.budget
-                broken[policy] += not kept
+                broken[name] += not kept
                 print(
-                    f"{kind + ' ' + str(seed):<13} {policy:<7} {r.agreement:>12.4f} {'kept' if kept else 'BROKEN':>6} "
-                    f"{r.saving_ms:>10.3f} {r.changes:>8.2f} {r.searches:>9.2f} {r.cpu_ms:>7.2f} ms",
+                    f"{kind + ' ' + str(seed):<13} {name:<7} {r.agreement:>12.4f} {'kept' if kept else 'BROKEN':>6} "
+                    f"{r.saving_ms:>10.3f} {r.changes / r.looks:>8.2f} {policy.searches / r.looks:>9.2f} "
+                    f"{1e3 * policy.cpu_s / r.looks:>7.2f} ms",
                     flush=True,
                 )
     total = 2 * args.seeds
