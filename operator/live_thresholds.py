@@ -61,7 +61,7 @@ class RouterAccess:
 
 TUNER_KEY = "tuner_state"
 """The per-object memo's key for the tuner's autotune.TunerState (fresh samples since the last breach or
-drift, the unconfirmed drift alarm, the previous window): carried from one re-tune to the next."""
+drift, the unconfirmed drift alarm, the last look's newest samples): carried from one re-tune to the next."""
 
 
 def _tune(
@@ -89,7 +89,7 @@ async def _retune_step(
     token: str | None = None,
     session: aiohttp.ClientSession | None = None,
     in_force: dict[str, float] | None = None,
-    state: autotune.TunerState | None = None,
+    state: autotune.TunerState = autotune.TunerState(),
 ) -> tuple[autotune.Decision, int | None, autotune.TunerState] | None:
     """Read every router's feedback (one merged window), decide (in a worker thread, from the tuner's
     `state`) against the thresholds in force -- `in_force`, what the drift read just saw, or else the
@@ -106,7 +106,7 @@ async def _retune_step(
             return None
         current = None if in_force else await fleet_thresholds(clients)
         values = in_force or (current.values if current else {})
-        decision, after = await asyncio.to_thread(_tune, arrays, ramps, values, budget, state or autotune.TunerState())
+        decision, after = await asyncio.to_thread(_tune, arrays, ramps, values, budget, state)
         version = current.version if current else None
         if decision.thresholds is not None and apply:
             current = current or await fleet_thresholds(clients)  # the version to follow
