@@ -79,18 +79,28 @@ def latency_bucket_counts(latencies_ms: Sequence[float]) -> list[int]:
 def histogram_quantile_ms(counts: Sequence[int], q: float) -> float:
     """The `q` quantile of a latency histogram over LATENCY_EDGES_MS (linear within the bucket that holds
     it; the last edge for the open bucket above it); 0 when it is empty."""
+    return histogram_quantiles_ms(counts, (q,))[0]
+
+
+def histogram_quantiles_ms(counts: Sequence[int], qs: Sequence[float]) -> list[float]:
+    """`histogram_quantile_ms` of each of `qs` (ascending), in one pass over the histogram."""
     total = sum(counts)
     if total <= 0:
-        return 0.0
-    rank, seen = q * total, 0
+        return [0.0] * len(qs)
+    out: list[float] = []
+    pending, seen = [q * total for q in qs], 0
     for i, c in enumerate(counts):
-        if c and seen + c >= rank:
+        while c and pending and seen + c >= pending[0]:
+            rank = pending.pop(0)
             if i >= len(LATENCY_EDGES_MS):
-                return LATENCY_EDGES_MS[-1]
-            low = LATENCY_EDGES_MS[i - 1] if i else 0.0
-            return low + (LATENCY_EDGES_MS[i] - low) * max(0.0, rank - seen) / c
+                out.append(LATENCY_EDGES_MS[-1])
+            else:
+                low = LATENCY_EDGES_MS[i - 1] if i else 0.0
+                out.append(low + (LATENCY_EDGES_MS[i] - low) * max(0.0, rank - seen) / c)
+        if not pending:
+            return out
         seen += c
-    return LATENCY_EDGES_MS[-1]
+    return out + [LATENCY_EDGES_MS[-1]] * len(pending)
 
 
 class Observations(Model):
@@ -159,10 +169,11 @@ def overall_from(
 
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float, float]:
-    """(estimate, low, high) of a proportion: the Wilson score interval; (1, 0, 1) with no samples."""
+    """(estimate, low, high) of a proportion: the Wilson score interval; (1, 0, 1) with no samples. Successes
+    beyond `n` (counts that do not add up: a router's windows read across its restart) count as `n`."""
     if n <= 0:
         return 1.0, 0.0, 1.0
-    p = successes / n
+    p = min(1.0, max(0.0, successes / n))
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom

@@ -6,24 +6,108 @@ worker threads) are not in it. The garbage collector's passes in between (their 
 generation, of whichever thread ran them) go to OUT.<n>.gc.json; with --gc-only no profiler runs (its
 overhead then does not inflate the passes).
 
-    python -P bench/cpu_profiled.py [--gc-only] OUT SCRIPT [ARGS...]
+With --sections, no profiler either: the functions EXITPLAN_SECTIONS names (comma-separated
+`module:function` or `module:Class.method`) are wrapped, each charged the CPU time of the thread that runs
+it while it runs (a coroutine: only its own steps, not the other tasks that run while it waits; charged step by step,
+so a coroutine that runs for good counts too), and
+OUT.<n>.sections.json holds, per function, its calls and its inclusive CPU seconds. Wrapping a few large
+functions costs little (cProfile's hook on every call inflates small Python functions ~3x, which skews
+its shares); a function called inside another is counted in both.
+
+    python -P bench/cpu_profiled.py [--gc-only | --sections] OUT SCRIPT [ARGS...]
 """
 
 from __future__ import annotations
 
 import cProfile
+import functools
 import gc
+import importlib
+import inspect
 import json
+import os
 import runpy
 import signal
 import sys
 import time
+import types
+from collections.abc import Callable, Generator
 from typing import Any
 
 
+class Sections:
+    """Inclusive CPU time (of the thread that runs them) of the wrapped functions while switched on."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.calls: dict[str, list[float]] = {}
+
+    def _charge(self, key: str, seconds: float, calls: int) -> None:
+        if self.on:
+            entry = self.calls.setdefault(key, [0, 0.0])
+            entry[0] += calls
+            entry[1] += seconds
+
+    def wrap(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(fn):
+
+            @types.coroutine
+            def stepped(coro: Any) -> Generator[Any, Any, Any]:
+                steps, sent, thrown = coro.__await__(), None, None
+                while True:
+                    start = time.thread_time()
+                    try:
+                        out = steps.throw(thrown) if thrown is not None else steps.send(sent)
+                    except StopIteration as done:
+                        self._charge(key, time.thread_time() - start, 1)
+                        return done.value
+                    except BaseException:
+                        self._charge(key, time.thread_time() - start, 1)
+                        raise
+                    self._charge(key, time.thread_time() - start, 0)  # each step: a coroutine that never ends counts
+                    try:
+                        sent, thrown = (yield out), None
+                    except BaseException as err:  # noqa: BLE001 -- passed on into the coroutine
+                        sent, thrown = None, err
+
+            @functools.wraps(fn)
+            async def timed_async(*args: Any, **kwargs: Any) -> Any:
+                return await stepped(fn(*args, **kwargs))
+
+            return timed_async
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._charge(key, time.thread_time() - start, 1)
+
+        return timed
+
+    def install(self, names: list[str]) -> None:
+        """Wrap each `module:function` / `module:Class.method`, and every module's own binding of it."""
+        for name in names:
+            module_name, _, attr = name.partition(":")
+            owner: Any = importlib.import_module(module_name)
+            *path, leaf = attr.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            original = inspect.getattr_static(owner, leaf)
+            wrapped = self.wrap(name, getattr(owner, leaf))
+            setattr(owner, leaf, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
+            if not path:  # `from module import function` elsewhere: those bindings too
+                for module in list(sys.modules.values()):
+                    for key, value in list(getattr(module, "__dict__", {}).items()):
+                        if value is original and module is not owner:
+                            setattr(module, key, wrapped)
+
+
 class Switch:
-    def __init__(self, out: str, gc_only: bool) -> None:
+    def __init__(self, out: str, gc_only: bool, sections: Sections | None = None) -> None:
         self.out, self.count, self.gc_only, self.on = out, 0, gc_only, False
+        self.sections = sections
         self.profile: cProfile.Profile | None = None
         self.gc: dict[int, list[float]] = {}
         self._gc_start = 0.0
@@ -43,7 +127,10 @@ class Switch:
         if self.on:
             return
         self.on, self.gc = True, {}
-        if not self.gc_only:
+        self.thread_cpu = time.thread_time()
+        if self.sections is not None:
+            self.sections.on, self.sections.calls = True, {}
+        elif not self.gc_only:
             self.profile = cProfile.Profile(time.thread_time)
             self.profile.enable()
 
@@ -51,22 +138,33 @@ class Switch:
         if not self.on:
             return
         self.on = False
+        if self.sections is not None:
+            self.sections.on = False
+            main = {"main_thread_cpu_s": round(time.thread_time() - self.thread_cpu, 4)}
+            table = {k: {"calls": int(n), "cpu_s": round(t, 4)} for k, (n, t) in sorted(self.sections.calls.items())}
+            with open(f"{self.out}.{self.count}.sections.json", "w") as f:
+                json.dump({**main, "sections": table}, f, indent=1)
         if self.profile is not None:
             self.profile.disable()
             self.profile.dump_stats(f"{self.out}.{self.count}")
             self.profile = None
         gen = {str(g): {"passes": n, "cpu_s": round(t, 4)} for g, (n, t) in sorted(self.gc.items())}
         with open(f"{self.out}.{self.count}.gc.json", "w") as f:
-            json.dump({"generations": gen, "tracked_objects": len(gc.get_objects())}, f)
+            json.dump(
+                {"generations": gen, "tracked_objects": len(gc.get_objects()), "frozen": gc.get_freeze_count()}, f
+            )
         self.count += 1
 
 
 def main() -> None:
-    gc_only = sys.argv[1] == "--gc-only"
-    if gc_only:
+    gc_only, sections = sys.argv[1] == "--gc-only", None
+    if sys.argv[1] == "--sections":
+        sections = Sections()
+        sections.install([n for n in os.environ.get("EXITPLAN_SECTIONS", "").split(",") if n])
+    if sys.argv[1] in ("--gc-only", "--sections"):
         del sys.argv[1]
     out, script = sys.argv[1], sys.argv[2]
-    switch = Switch(out, gc_only)
+    switch = Switch(out, gc_only, sections)
     signal.signal(signal.SIGUSR1, switch.start)
     signal.signal(signal.SIGUSR2, switch.stop)
     sys.argv = sys.argv[2:]

@@ -214,6 +214,8 @@ def start_operator(
         prefix = [sys.executable, "-P", str(REPO / "bench" / "cpu_profiled.py"), cpu_profile, exe]
         if cpu_profile.startswith("gc:"):  # the garbage collector's passes alone, no profiler
             prefix[3:4] = ["--gc-only", cpu_profile[3:]]
+        if cpu_profile.startswith("sections:"):  # the CPU of the functions EXITPLAN_SECTIONS names, no profiler
+            prefix[3:4] = ["--sections", cpu_profile[9:]]
     cmd = [
         *prefix,
         "operator",
@@ -684,7 +686,8 @@ def main() -> None:
     parser.add_argument(
         "--cpu-profile",
         help="profile the operator's main thread by CPU time in each measured drift period (PREFIX.0: no router, "
-        "PREFIX.1: the stand-in's; bench/cpu_profiled.py); gc:PREFIX: only the garbage collector's passes",
+        "PREFIX.1: the stand-in's; bench/cpu_profiled.py); gc:PREFIX: only the garbage collector's passes; "
+        "sections:PREFIX: the CPU of the functions EXITPLAN_SECTIONS names (PREFIX.<n>.sections.json)",
     )
     parser.add_argument("--spy", help="py-spy the operator in each measured period: PREFIX-<period>.txt")
     parser.add_argument("--json", nargs="?", const="-", help="also print (or write to a file) the figures as JSON")

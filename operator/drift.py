@@ -33,14 +33,14 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from pydantic import BaseModel
 
 from exitplan.api.observations import (
     LATENCY_EDGES_MS,
     BucketObservations,
+    ErrorCounts,
     Observations,
     RampAgreement,
-    histogram_quantile_ms,
+    histogram_quantiles_ms,
     overall_from,
     wilson,
 )
@@ -87,13 +87,6 @@ def forecast_survival(history: Sequence[Sequence[float]]) -> list[float]:
     return [float(x) for x in planner_forecast(np.asarray(usable, dtype=np.float64))]
 
 
-def _counts(obs: Observations) -> tuple[list[float], list[float], list[float], dict[str, int]]:
-    """The additive parts of a window: length histogram, exit counts, survivors per ramp (survival x
-    answered: a count), errors."""
-    survivors = [s * obs.requests for s in obs.survival]
-    return (list(obs.length_histogram), list(obs.exit_counts), survivors, obs.errors.model_dump())
-
-
 def since_last(windows: Sequence[Observations], seen: Observations | None) -> Observations | None:
     """What arrived after `seen` (the router's window in progress as the previous read saw it),
     given the router's windows now (its last closed one and the one in progress, any order).
@@ -114,19 +107,62 @@ def since_last(windows: Sequence[Observations], seen: Observations | None) -> Ob
     return combine(parts) if parts else None
 
 
-def _copy(w: Observations) -> Observations:
-    """`w` copied deep enough to change any field of the copy, or of its latency, errors or per-bucket
-    figures, in place (a pydantic deep copy took most of a drift read's judging time)."""
-    out = w.model_copy()
-    fields = out.__dict__  # the copy's own (model_copy copies it): set here, its fields-set is w's
-    for name, value in w.__dict__.items():
-        if isinstance(value, list):
-            fields[name] = list(value)
-        elif isinstance(value, dict):
-            fields[name] = {k: v.model_copy() if isinstance(v, BaseModel) else v for k, v in value.items()}
-        elif isinstance(value, BaseModel):
-            fields[name] = value.model_copy()
-    return out
+# The windows combined or subtracted on every read of every service: built here field by field, from figures
+# computed here (a generic deep copy, or pydantic's model_construct and attribute hooks per field, took most of
+# a drift read's judging time). Every list, dict and model of a result is its own: a caller may change them.
+
+
+def _window(base: Observations, **fields: object) -> Observations:
+    """`base` with `fields` replaced, its lists, dicts and models copied (the result shares nothing with it)."""
+    own = {
+        "ramps": list(base.ramps),
+        "length_buckets": list(base.length_buckets),
+        "load": dict(base.load),
+        "thresholds": dict(base.thresholds),
+        "latency": base.latency.model_copy(),
+    }
+    for name in ("exit_counts", "survival", "length_histogram", "latency_histogram", "agreement"):
+        if name not in fields:
+            own[name] = list(getattr(base, name))
+    if "errors" not in fields:
+        own["errors"] = base.errors.model_copy()
+    if "per_bucket" not in fields:
+        own["per_bucket"] = {k: v.model_copy() for k, v in base.per_bucket.items()}
+    return base.model_copy(update={**own, **fields})
+
+
+def _latency(base: Observations, histogram: list[int] | None, p99_ms: float, max_ms: float) -> dict[str, object]:
+    """The latency fields of a result: p50/p95/p99 read from `histogram` (all 0 when it is empty), or with no
+    histogram `base`'s p50/p95 and `p99_ms` (an upper bound); `max_ms` either way."""
+    if histogram is None:
+        latency = base.latency.model_copy(update={"p99_ms": p99_ms, "max_ms": max_ms})
+        return {"latency": latency, "latency_histogram": []}
+    p50, p95, p99 = histogram_quantiles_ms(histogram, (0.50, 0.95, 0.99))
+    latency = base.latency.model_copy(update={"p50_ms": p50, "p95_ms": p95, "p99_ms": p99, "max_ms": max_ms})
+    return {"latency": latency, "latency_histogram": histogram}
+
+
+def _agreement(base: Observations, exit_counts: list[int], agree: list[int], samples: list[int]) -> dict[str, object]:
+    """The agreement fields of a result (per ramp and overall, with their intervals) from the shadow samples'
+    counts and its exit counts, as a router computes them over its own (worker_image/classify/observe.py)."""
+    intervals = [wilson(a, n) for a, n in zip(agree, samples)]
+    fields: dict[str, object] = {
+        "agreement": [
+            RampAgreement(ramp=was.ramp, samples=n, agree=a, ci_low=low, ci_high=high, utility_ms=was.utility_ms)
+            for a, n, was, (_, low, high) in zip(agree, samples, base.agreement, intervals)
+        ]
+    }
+    if len(exit_counts) == len(intervals) + 1:
+        overall = overall_from(exit_counts, intervals)
+        fields.update(agreement_overall=overall[0], agreement_ci_low=overall[1], agreement_ci_high=overall[2])
+    return fields
+
+
+def _errors(windows: Sequence[Observations], sign: Sequence[int]) -> ErrorCounts:
+    """The error counts of `windows` added with `sign` (+1 / -1 each), none below 0."""
+    return ErrorCounts(
+        **{k: max(0, sum(s * getattr(w.errors, k) for w, s in zip(windows, sign))) for k in ErrorCounts.model_fields}
+    )
 
 
 def subtract(new: Observations, old: Observations) -> Observations:
@@ -135,33 +171,47 @@ def subtract(new: Observations, old: Observations) -> Observations:
     from the survivor counts; p50/p95/p99 from the difference of the latency histograms and agreement
     from the difference of the shadow samples' counts (`new`'s own where either lacks them); load and
     thresholds are `new`'s."""
-    hist_n, exits_n, surv_n, err_n = _counts(new)
-    hist_o, exits_o, surv_o, err_o = _counts(old)
     requests = max(0, new.requests - old.requests)
-    out = _copy(new)
-    out.since = old.until
-    out.requests = requests
-    out.within_slo = max(0, new.within_slo - old.within_slo)
-    if len(hist_n) == len(hist_o):
-        out.length_histogram = [max(0, int(a - b)) for a, b in zip(hist_n, hist_o)]
-    if len(exits_n) == len(exits_o):
-        out.exit_counts = [max(0, int(a - b)) for a, b in zip(exits_n, exits_o)]
-    if len(surv_n) == len(surv_o):
-        out.survival = [min(1.0, max(0.0, (a - b) / requests)) if requests else 0.0 for a, b in zip(surv_n, surv_o)]
-    out.errors = out.errors.model_validate({k: max(0, err_n[k] - err_o.get(k, 0)) for k in err_n})
+    fields: dict[str, object] = {
+        "since": old.until,
+        "requests": requests,
+        "within_slo": max(0, new.within_slo - old.within_slo),
+        "errors": _errors((new, old), (1, -1)),
+    }
+    if len(new.length_histogram) == len(old.length_histogram):
+        fields["length_histogram"] = [max(0, a - b) for a, b in zip(new.length_histogram, old.length_histogram)]
+    exit_counts = list(new.exit_counts)
+    if len(new.exit_counts) == len(old.exit_counts):
+        exit_counts = [max(0, a - b) for a, b in zip(new.exit_counts, old.exit_counts)]
+    fields["exit_counts"] = exit_counts
+    if len(new.survival) == len(old.survival):
+        fields["survival"] = [
+            min(1.0, max(0.0, (a * new.requests - b * old.requests) / requests)) if requests else 0.0
+            for a, b in zip(new.survival, old.survival)
+        ]
     if len(new.latency_histogram) == len(old.latency_histogram) == len(LATENCY_EDGES_MS) + 1:
-        _latency_from(out, [max(0, a - b) for a, b in zip(new.latency_histogram, old.latency_histogram)])
+        histogram = [max(0, a - b) for a, b in zip(new.latency_histogram, old.latency_histogram)]
+        fields.update(_latency(new, histogram, 0.0, new.latency.max_ms))
     if [a.ramp for a in new.agreement] == [a.ramp for a in old.agreement]:
         agree = [max(0, a.agree - b.agree) for a, b in zip(new.agreement, old.agreement)]
         samples = [max(0, a.samples - b.samples) for a, b in zip(new.agreement, old.agreement)]
-        _agreement_from(out, agree, samples)
-    for key, now in out.per_bucket.items():
-        if (was := old.per_bucket.get(key)) is not None:
-            now.requests = max(0, now.requests - was.requests)
-            now.within_slo = max(0, now.within_slo - was.within_slo)
-            now.refused = max(0, now.refused - was.refused)
-            now.load_seconds = max(0.0, now.load_seconds - was.load_seconds)
-    return out
+        fields.update(_agreement(new, exit_counts, agree, samples))
+    per_bucket = {}
+    for key, now in new.per_bucket.items():
+        was = old.per_bucket.get(key)
+        per_bucket[key] = (
+            now.model_copy()
+            if was is None
+            else BucketObservations(
+                requests=max(0, now.requests - was.requests),
+                within_slo=max(0, now.within_slo - was.within_slo),
+                refused=max(0, now.refused - was.refused),
+                p99_ms=now.p99_ms,
+                load_seconds=max(0.0, now.load_seconds - was.load_seconds),
+            )
+        )
+    fields["per_bucket"] = per_bucket
+    return _window(new, **fields)
 
 
 def combine(windows: Sequence[Observations]) -> Observations:
@@ -172,33 +222,33 @@ def combine(windows: Sequence[Observations]) -> Observations:
     if len(windows) == 1:
         return windows[0]
     newest = max(windows, key=lambda w: w.until)
-    out = _copy(newest)
-    out.since = min(w.since for w in windows)
-    out.until = newest.until
-    out.requests = sum(w.requests for w in windows)
-    out.within_slo = sum(w.within_slo for w in windows)
     n = len(newest.length_histogram)
-    out.length_histogram = [
-        sum(w.length_histogram[i] for w in windows if len(w.length_histogram) == n) for i in range(n)
-    ]
+    histogram = [sum(col) for col in zip(*(w.length_histogram for w in windows if len(w.length_histogram) == n))]
     n = len(newest.exit_counts)
-    out.exit_counts = [sum(w.exit_counts[i] for w in windows if len(w.exit_counts) == n) for i in range(n)]
-    out.survival = pooled_survival(windows)
-    errs = [w.errors.model_dump() for w in windows]
-    out.errors = out.errors.model_validate({k: sum(e.get(k, 0) for e in errs) for k in errs[0]})
-    out.latency.p99_ms = max(w.latency.p99_ms for w in windows)
-    out.latency.max_ms = max(w.latency.max_ms for w in windows)
+    exit_counts = [sum(col) for col in zip(*(w.exit_counts for w in windows if len(w.exit_counts) == n))]
+    fields: dict[str, object] = {
+        "since": min(w.since for w in windows),
+        "until": newest.until,
+        "requests": sum(w.requests for w in windows),
+        "within_slo": sum(w.within_slo for w in windows),
+        "length_histogram": histogram,
+        "exit_counts": exit_counts,
+        "survival": pooled_survival(windows),
+        "errors": _errors(windows, [1] * len(windows)),
+        "per_bucket": combine_buckets(windows),
+    }
     counted = [w for w in windows if w.requests or w.latency_histogram]
+    p99, top = max(w.latency.p99_ms for w in windows), max(w.latency.max_ms for w in windows)
     if counted and all(len(w.latency_histogram) == len(LATENCY_EDGES_MS) + 1 for w in counted):
-        _latency_from(out, [sum(col) for col in zip(*(w.latency_histogram for w in counted))])
+        fields.update(_latency(newest, [sum(col) for col in zip(*(w.latency_histogram for w in counted))], p99, top))
     else:
-        out.latency_histogram = []  # a router without counts: p99 is the max (an upper bound)
-    if all([a.ramp for a in w.agreement] == [a.ramp for a in newest.agreement] for w in windows):
-        agree = [sum(w.agreement[r].agree for w in windows) for r in range(len(newest.agreement))]
-        samples = [sum(w.agreement[r].samples for w in windows) for r in range(len(newest.agreement))]
-        _agreement_from(out, agree, samples)
-    out.per_bucket = combine_buckets(windows)
-    return out
+        fields.update(_latency(newest, None, p99, top))  # a router without counts: p99 is the max (an upper bound)
+    ramps = [a.ramp for a in newest.agreement]
+    if all([a.ramp for a in w.agreement] == ramps for w in windows):
+        agree = [sum(col) for col in zip(*([a.agree for a in w.agreement] for w in windows))]
+        samples = [sum(col) for col in zip(*([a.samples for a in w.agreement] for w in windows))]
+        fields.update(_agreement(newest, exit_counts, agree, samples))
+    return _window(newest, **fields)
 
 
 def span(windows: Sequence[Observations]) -> float:
@@ -224,44 +274,20 @@ def pooled_arrivals(windows: Sequence[Observations]) -> int:
     return sum(arrivals(w) for w in windows if len(w.length_histogram) == n)
 
 
-def _latency_from(out: Observations, histogram: list[int]) -> None:
-    """`out`'s latency histogram and its quantiles (p50, p95, p99) read from it."""
-    out.latency_histogram = histogram
-    if sum(histogram):
-        out.latency.p50_ms = histogram_quantile_ms(histogram, 0.50)
-        out.latency.p95_ms = histogram_quantile_ms(histogram, 0.95)
-        out.latency.p99_ms = histogram_quantile_ms(histogram, 0.99)
-    else:
-        out.latency.p50_ms = out.latency.p95_ms = out.latency.p99_ms = 0.0
-
-
-def _agreement_from(out: Observations, agree: list[int], samples: list[int]) -> None:
-    """`out`'s agreement (per ramp and overall, with their intervals) from the shadow samples' counts and
-    its exit counts, as a router computes it over its own (worker_image/classify/observe.py)."""
-    intervals = [wilson(a, n) for a, n in zip(agree, samples)]
-    out.agreement = [
-        # built from figures computed here: no validation to run (a judged window holds many of them)
-        RampAgreement.model_construct(
-            ramp=was.ramp, samples=n, agree=a, ci_low=low, ci_high=high, utility_ms=was.utility_ms
-        )
-        for a, n, was, (_, low, high) in zip(agree, samples, out.agreement, intervals)
-    ]
-    if len(out.exit_counts) == len(out.agreement) + 1:
-        out.agreement_overall, out.agreement_ci_low, out.agreement_ci_high = overall_from(out.exit_counts, intervals)
-
-
 def combine_buckets(windows: Sequence[Observations]) -> dict[str, BucketObservations]:
     """The per-bucket figures of several windows: counts and capacity-in-use seconds add (over
     routers they add up to the service's outstanding inputs; over time, to its integral), p99 is the max."""
+    keys = list(dict.fromkeys(key for w in windows for key in w.per_bucket))
     out: dict[str, BucketObservations] = {}
-    for w in windows:
-        for key, part in w.per_bucket.items():
-            have = out.setdefault(key, BucketObservations())
-            have.requests += part.requests
-            have.within_slo += part.within_slo
-            have.refused += part.refused
-            have.load_seconds += part.load_seconds
-            have.p99_ms = max(have.p99_ms, part.p99_ms)
+    for key in keys:
+        parts = [w.per_bucket[key] for w in windows if key in w.per_bucket]
+        out[key] = BucketObservations(
+            requests=sum(p.requests for p in parts),
+            within_slo=sum(p.within_slo for p in parts),
+            refused=sum(p.refused for p in parts),
+            p99_ms=max([0.0, *(p.p99_ms for p in parts)]),
+            load_seconds=sum(p.load_seconds for p in parts),
+        )
     return out
 
 

@@ -234,9 +234,10 @@ async def _score_new(
     piece: Observations,
     status: ServiceStatus,
     period: float,
+    plan_hash: str,
 ) -> DriftReport | None:
     """Score the judged window after a read that brought new arrivals (status.drift, the metrics,
-    the survival series)."""
+    the survival series); `plan_hash`: the plan's content hash."""
     judged = drift.recent(state.slices, period)
     if judged is None:
         return None
@@ -263,11 +264,11 @@ async def _score_new(
     if state.shortfall:  # part of the routers' traffic is missing: no reading to judge the plan on
         state.accuracy.block = []
     else:
-        window = state.accuracy.fill(piece, plan, period)
+        window = state.accuracy.fill(piece, plan, period, plan_hash)
     if window is not None:  # a window of the comparison with the plan is full (plan_accuracy.py)
         verdict = await plan_served.compare(svc, state, spec, plan, window)
-        log.info("%s/%s: plan %s: %s", svc.namespace, svc.name, plan.content_hash(), verdict.text())
-        plan_accuracy.update_condition(status, state.accuracy, verdict, plan.content_hash(), svc.generation)
+        log.info("%s/%s: plan %s: %s", svc.namespace, svc.name, plan_hash, verdict.text())
+        plan_accuracy.update_condition(status, state.accuracy, verdict, plan_hash, svc.generation)
     METRICS.length_score.labels(svc.namespace, svc.name).set(report.length_score)
     METRICS.survival_error.labels(svc.namespace, svc.name).set(report.survival_error)
     planned = status.plan.goodput_rps if status.plan is not None else None
@@ -285,6 +286,7 @@ async def _judge(
     piece: Observations | None,
     status: ServiceStatus,
     period: float,
+    plan_hash: str,
 ) -> DriftReport | None:
     """Keep the new slice and score the judged window when new arrivals came; a cooldown hold with
     nothing new re-scores the window that raised it. None: nothing to score."""
@@ -292,7 +294,7 @@ async def _judge(
     if piece is not None:
         state.add_slice(piece, period)
         if drift.arrivals(piece) or piece.requests:
-            report = await _score_new(svc, state, spec, plan, piece, status, period)
+            report = await _score_new(svc, state, spec, plan, piece, status, period, plan_hash)
     if needs_reassess(state, report, status.proposal) and state.judged is not None:
         report = _assess(spec, plan, state.judged, state)
     if report is not None and not report.trigger and state.accuracy.mismatch() is not None:
@@ -346,7 +348,7 @@ async def check_drift(svc: Service, memo: Any) -> None:
     plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace)
     if plan is None:  # advisory from the start: nothing applied to compare against
         return
-    active, plan_hash = spec.planner.mode == Mode.active, plan.content_hash()
+    active, plan_hash = spec.planner.mode == Mode.active, plan_memory.content_hash(svc.memo, plan)
     if (
         active
         and latest.thresholds
@@ -360,8 +362,9 @@ async def check_drift(svc: Service, memo: Any) -> None:
     elif active and await write_pending(svc, period, plan_hash):  # a re-tune's set that waited its turn
         plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace) or plan
         status = parse_status(svc.body.get("status"))
+    plan_hash = plan_memory.content_hash(svc.memo, plan)  # the same unless a write above changed the plan
     said, written = drift_writes.what_status_says(status), status.drift
-    report = await _judge(svc, state, spec, plan, piece, status, period)
+    report = await _judge(svc, state, spec, plan, piece, status, period, plan_hash)
     action = decide(
         state,
         report,
@@ -460,7 +463,7 @@ async def _replan(
     )
     if action.do is not Do.propose and after.plan is not None:
         state.accuracy.planned_with_corrections(after.plan.hash, after.plan.goodput_rps)
-        if after.plan.hash != plan.content_hash():
+        if after.plan.hash != plan_memory.content_hash(svc.memo, plan):
             state.slices.clear()  # judged against the old plan; the new one is judged on what arrives from now on
 
 

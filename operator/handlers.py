@@ -20,7 +20,7 @@ import aiohttp
 import kopf
 
 from exitplan.api.resources import GROUP, VERSION
-from exitplan.operator import driftloop, guards, http_ports, reconcile, router_resolver, tick_reads
+from exitplan.operator import driftloop, guards, heap, http_ports, reconcile, router_resolver, tick_reads
 from exitplan.operator.kube import KubeClient, bearer, load_config, path
 from exitplan.operator.metrics import METRICS
 from exitplan.operator.service_state import SERVICE_MEMOS, Service, forget_service_memo, pools_changed, service_memo
@@ -92,6 +92,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     memo.tick_reads = tick_reads.TickReads(memo.client)  # one list and watch per kind and namespace, for every tick
     memo[SERVICE_MEMOS] = {}  # each service's own memo, whichever handler asks (service_state.service_memo)
     env = os.environ.get
+    if heap.wanted():  # the operator's own process (exitplan operator): long-lived objects out of the collector's scans
+        memo.heap = heap.FrozenHeap()
+        memo.heap.start()
     memo.http_ports = await http_ports.start(  # /metrics and /healthz, guarded (exitplan operator sets the env)
         env(http_ports.ENV_LISTEN) or "127.0.0.1",
         int(env(http_ports.ENV_METRICS_PORT) or 0),
@@ -109,6 +112,8 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
         await memo.router_session.close()
     if getattr(memo, "http_ports", None) is not None:
         await memo.http_ports.cleanup()
+    if getattr(memo, "heap", None) is not None:
+        await memo.heap.stop()
 
 
 @kopf.on.create(group=GROUP, version=VERSION, plural=EES)

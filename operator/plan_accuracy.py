@@ -296,12 +296,13 @@ class Tracker:
 
     def add(self, piece: Observations, plan: Plan, period: float) -> Judgement | None:
         """Add what one read brought; the judgement of a window once one is full, else None."""
-        whole = self.fill(piece, plan, period)
+        whole = self.fill(piece, plan, period, plan.content_hash())
         return None if whole is None else self.record(judge(plan, whole, self.served))
 
-    def fill(self, piece: Observations, plan: Plan, period: float) -> Observations | None:
-        """Add what one read brought to the window being filled; the window once it is full, else None."""
-        key = key_of(plan.content_hash(), plan.prediction.goodput_rps)
+    def fill(self, piece: Observations, plan: Plan, period: float, plan_hash: str) -> Observations | None:
+        """Add what one read brought to the window being filled; the window once it is full, else None.
+        `plan_hash`: the plan's content hash (the caller has it)."""
+        key = key_of(plan_hash, plan.prediction.goodput_rps)
         if key != self.plan_key:
             self.block, self.streak, self.last, self.plan_key, self.served = [], [], None, key, None
         self.block.append(piece)

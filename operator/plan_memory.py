@@ -20,6 +20,8 @@ PLAN_CACHE_KEY = "plan_cache"
 """The per-object memo's key for the service's planner OptionCache."""
 PLAN_IN_FORCE_KEY = "plan_in_force"
 """The per-object memo's key for the plan in force as last read."""
+PLAN_HASH_KEY = "plan_in_force_hash"
+"""The per-object memo's key for (the plan in force as last read, its content hash)."""
 
 
 async def plan_in_force(memo: Any, client: KubeClient, name: str, namespace: str) -> Plan | None:
@@ -35,10 +37,24 @@ async def plan_in_force(memo: Any, client: KubeClient, name: str, namespace: str
     return plan
 
 
+def content_hash(memo: Any, plan: Plan) -> str:
+    """`plan.content_hash()`, kept in the per-object memo for the plan `plan_in_force` returned (the drift loop
+    compares it with the routers' at every read; hashing the plan's JSON cost more than the rest of the read's
+    bookkeeping). The plan kept is never changed in place: a new plan is a new object."""
+    kept = memo.get(PLAN_HASH_KEY) if memo is not None else None
+    if kept is not None and kept[0] is plan:
+        return str(kept[1])
+    digest = plan.content_hash()
+    if memo is not None:
+        memo[PLAN_HASH_KEY] = (plan, digest)
+    return digest
+
+
 def children_written(memo: Any) -> None:
     """After this process wrote the service's children (the plan ConfigMap among them): read the plan again."""
     if memo is not None:
         memo.pop(PLAN_IN_FORCE_KEY, None)
+        memo.pop(PLAN_HASH_KEY, None)
 
 
 def plan_cache(memo: Any) -> OptionCache:

@@ -322,7 +322,7 @@ def test_a_window_below_the_solvers_rate_is_judged_against_the_plan_as_served():
 def test_the_tracker_keeps_the_plans_capacity_as_served_until_the_plan_changes():
     p, t = plan(), Tracker()
     short = [window(bucket(200, refused=0.05), bucket(200), since=SPAN * i) for i in range(4)]
-    whole = t.fill(short[0], p, PERIOD)
+    whole = t.fill(short[0], p, PERIOD, p.content_hash())
     assert whole is not None
     verdict = judge(p, whole, t.served)
     assert t.needs_served(verdict)  # below the solver's rate, not simulated yet
@@ -331,5 +331,6 @@ def test_the_tracker_keeps_the_plans_capacity_as_served_until_the_plan_changes()
     assert [t.add(w, p, PERIOD).verdict for w in short[1:3]] == ["match", "match"]  # type: ignore[union-attr]
     assert not t.needs_served(judge(p, short[3], t.served))
     assert t.mismatch() is None
-    t.fill(short[3], plan(goodput=900.0), PERIOD)  # a new plan: simulated again when needed
+    new = plan(goodput=900.0)
+    t.fill(short[3], new, PERIOD, new.content_hash())  # a new plan: simulated again when needed
     assert t.served is None

@@ -214,13 +214,7 @@ def exit_shift(window: FeedbackWindow, thresholds: Thresholds, recent: int, min_
 
 
 def _tail(window: FeedbackWindow, k: int) -> FeedbackWindow:
-    return FeedbackWindow(
-        conf=window.conf[-k:],
-        pred=window.pred[-k:],
-        final=window.final[-k:],
-        saving_ms=window.saving_ms,
-        cost_ms=window.cost_ms,
-    )
+    return window.tail(k)
 
 
 def raise_to(window: FeedbackWindow, target: float, start: Thresholds) -> Thresholds:

@@ -141,6 +141,26 @@ class FeedbackWindow:
     def n_inputs(self) -> int:
         return int(self.conf.shape[0])
 
+    def tail(self, k: int) -> FeedbackWindow:
+        """The newest `k` samples as a window: slices of this one, already validated (not checked again)."""
+        if k >= self.n_inputs:
+            return self
+        if k <= 0:
+            raise WindowError("conf", "the window has no inputs (N = 0); record some traffic first")
+        out = object.__new__(FeedbackWindow)
+        for name, value in (
+            ("conf", self.conf[-k:]),
+            ("pred", self.pred[-k:]),
+            ("final", self.final[-k:]),
+            ("saving_ms", self.saving_ms),
+            ("cost_ms", self.cost_ms),
+            ("ramps", self.ramps),
+            ("agree", self.agree[-k:]),
+            ("conf_t", np.ascontiguousarray(self.conf_t[:, -k:])),
+        ):
+            object.__setattr__(out, name, value)
+        return out
+
     @property
     def n_ramps(self) -> int:
         return int(self.conf.shape[1])
@@ -256,8 +276,28 @@ class Outcome:
         return self.thresholds <= 1.0
 
 
+OUTCOMES_KEPT = 4
+"""Outcomes a window keeps, by thresholds: the live tuner's tests (breach, exit shift, margin) each ask for
+the thresholds in force on the same window."""
+
+
 def outcome(w: FeedbackWindow, thresholds: object) -> Outcome:
+    """What `thresholds` do on `w`. The newest OUTCOMES_KEPT are kept with the window (its arrays read-only)."""
     t = check_thresholds(thresholds, w.n_ramps)
+    kept: dict[bytes, Outcome] = w.__dict__.setdefault("_outcomes", {})
+    key = t.tobytes()
+    if (hit := kept.get(key)) is not None:
+        return hit
+    out = _outcome(w, t.copy())
+    for arr in (out.thresholds, out.exit_at, out.exits, out.exit_agree, out.reached, out.per_input_ms, out.agrees):
+        arr.flags.writeable = False
+    if len(kept) >= OUTCOMES_KEPT:
+        del kept[next(iter(kept))]
+    kept[key] = out
+    return out
+
+
+def _outcome(w: FeedbackWindow, t: np.ndarray) -> Outcome:
     n, r = w.n_inputs, w.n_ramps
     k = _exit_index(w.conf_t, t)
     active = t <= 1.0

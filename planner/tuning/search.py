@@ -91,7 +91,7 @@ class Search:
     def set(self, t: np.ndarray) -> None:
         out = outcome(self.w, t)
         self.t = out.thresholds.copy()
-        self.k = out.exit_at
+        self.k = out.exit_at.copy()  # changed in place by the search (an outcome's arrays are read-only)
         self.ok = out.agrees.astype(np.int64)
         self.val = out.per_input_ms.copy()
         self.n_agree = out.agree_count
