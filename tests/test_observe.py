@@ -15,6 +15,14 @@ def test_wilson_interval_contains_the_estimate_and_narrows_with_samples():
     assert wilson(0, 0) == (1.0, 0.0, 1.0)
 
 
+def test_wilson_takes_counts_that_do_not_add_up():
+    """A router's windows read across its restart can subtract to more agreeing samples than samples (the
+    drift loop's since_last): counted as all agreeing, not a math domain error in the operator's read."""
+    assert wilson(7, 5) == wilson(5, 5)
+    p, lo, hi = wilson(7, 5)
+    assert p == 1.0 and 0.0 < lo < hi == 1.0
+
+
 def test_window_survival_agreement_and_utility():
     w = WindowStats("svc", "m", ["r0", "r1"], [16, 64])
     for _ in range(60):
