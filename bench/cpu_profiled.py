@@ -3,7 +3,7 @@ thread that signals switch on and off: SIGUSR1 starts a cProfile.Profile timed b
 thread's CPU, not the wall clock: on a shared 2-core machine a thread that waits for a core is not charged),
 SIGUSR2 stops it and writes its stats to OUT.0, OUT.1, ... Threads other than the main one (the tuner's
 worker threads) are not in it. The garbage collector's passes in between (their count and CPU, per
-generation, of whichever thread ran them) go to OUT.<n>.gc.json; with --gc-only no profiler runs (its
+generation, of whichever thread ran them, and the garbage objects they found) go to OUT.<n>.gc.json; with --gc-only no profiler runs (its
 overhead then does not inflate the passes).
 
 With --sections, no profiler either: the functions EXITPLAN_SECTIONS names (comma-separated
@@ -109,7 +109,7 @@ class Switch:
         self.out, self.count, self.gc_only, self.on = out, 0, gc_only, False
         self.sections = sections
         self.profile: cProfile.Profile | None = None
-        self.gc: dict[int, list[float]] = {}
+        self.gc: dict[int, list[Any]] = {}
         self._gc_start = 0.0
         gc.callbacks.append(self._collected)
 
@@ -119,9 +119,10 @@ class Switch:
         if phase == "start":
             self._gc_start = time.thread_time()
         else:
-            passes = self.gc.setdefault(int(info["generation"]), [0, 0.0])
+            passes = self.gc.setdefault(int(info["generation"]), [0, 0.0, 0])
             passes[0] += 1
             passes[1] += time.thread_time() - self._gc_start
+            passes[2] += int(info.get("collected", 0))
 
     def start(self, *_: Any) -> None:
         if self.on:
@@ -148,7 +149,7 @@ class Switch:
             self.profile.disable()
             self.profile.dump_stats(f"{self.out}.{self.count}")
             self.profile = None
-        gen = {str(g): {"passes": n, "cpu_s": round(t, 4)} for g, (n, t) in sorted(self.gc.items())}
+        gen = {str(g): {"passes": n, "cpu_s": round(t, 4), "collected": c} for g, (n, t, c) in sorted(self.gc.items())}
         with open(f"{self.out}.{self.count}.gc.json", "w") as f:
             json.dump(
                 {"generations": gen, "tracked_objects": len(gc.get_objects()), "frozen": gc.get_freeze_count()}, f
