@@ -14,11 +14,16 @@ OUT.<n>.sections.json holds, per function, its calls and its inclusive CPU secon
 functions costs little (cProfile's hook on every call inflates small Python functions ~3x, which skews
 its shares); a function called inside another is counted in both.
 
-    python -P bench/cpu_profiled.py [--gc-only | --sections] OUT SCRIPT [ARGS...]
+With --garbage, no profiler: the collector keeps what it finds (gc.DEBUG_SAVEALL) while switched on, and
+OUT.<n>.garbage.json counts those objects by type, and the frames among them by their function (which code
+leaves objects in reference cycles for the collector to free).
+
+    python -P bench/cpu_profiled.py [--gc-only | --sections | --garbage] OUT SCRIPT [ARGS...]
 """
 
 from __future__ import annotations
 
+import collections
 import cProfile
 import functools
 import gc
@@ -105,8 +110,9 @@ class Sections:
 
 
 class Switch:
-    def __init__(self, out: str, gc_only: bool, sections: Sections | None = None) -> None:
-        self.out, self.count, self.gc_only, self.on = out, 0, gc_only, False
+    def __init__(self, out: str, gc_only: bool, sections: Sections | None = None, garbage: bool = False) -> None:
+        self.out, self.count, self.gc_only, self.on = out, 0, gc_only or garbage, False
+        self.garbage = garbage
         self.sections = sections
         self.profile: cProfile.Profile | None = None
         self.gc: dict[int, list[Any]] = {}
@@ -124,11 +130,25 @@ class Switch:
             passes[1] += time.thread_time() - self._gc_start
             passes[2] += int(info.get("collected", 0))
 
+    def _dump_garbage(self) -> None:
+        gc.collect()
+        gc.set_debug(0)
+        kinds = collections.Counter(type(o).__qualname__ for o in gc.garbage)
+        frames = collections.Counter(
+            f"{o.f_code.co_filename.rsplit('/', 2)[-1]}:{o.f_code.co_name}" for o in gc.garbage if inspect.isframe(o)
+        )
+        with open(f"{self.out}.{self.count}.garbage.json", "w") as f:
+            json.dump({"objects": len(gc.garbage), "types": kinds.most_common(40), "frames": frames.most_common(40)}, f)
+        gc.garbage.clear()
+
     def start(self, *_: Any) -> None:
         if self.on:
             return
         self.on, self.gc = True, {}
         self.thread_cpu = time.thread_time()
+        if self.garbage:
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)
         if self.sections is not None:
             self.sections.on, self.sections.calls = True, {}
         elif not self.gc_only:
@@ -139,6 +159,8 @@ class Switch:
         if not self.on:
             return
         self.on = False
+        if self.garbage:
+            self._dump_garbage()
         if self.sections is not None:
             self.sections.on = False
             main = {"main_thread_cpu_s": round(time.thread_time() - self.thread_cpu, 4)}
@@ -162,10 +184,11 @@ def main() -> None:
     if sys.argv[1] == "--sections":
         sections = Sections()
         sections.install([n for n in os.environ.get("EXITPLAN_SECTIONS", "").split(",") if n])
-    if sys.argv[1] in ("--gc-only", "--sections"):
+    garbage = sys.argv[1] == "--garbage"
+    if sys.argv[1] in ("--gc-only", "--sections", "--garbage"):
         del sys.argv[1]
     out, script = sys.argv[1], sys.argv[2]
-    switch = Switch(out, gc_only, sections)
+    switch = Switch(out, gc_only, sections, garbage)
     signal.signal(signal.SIGUSR1, switch.start)
     signal.signal(signal.SIGUSR2, switch.stop)
     sys.argv = sys.argv[2:]

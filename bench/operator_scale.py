@@ -216,6 +216,8 @@ def start_operator(
             prefix[3:4] = ["--gc-only", cpu_profile[3:]]
         if cpu_profile.startswith("sections:"):  # the CPU of the functions EXITPLAN_SECTIONS names, no profiler
             prefix[3:4] = ["--sections", cpu_profile[9:]]
+        if cpu_profile.startswith("garbage:"):  # what the collector finds, by type and by the frames in it
+            prefix[3:4] = ["--garbage", cpu_profile[8:]]
     cmd = [
         *prefix,
         "operator",
@@ -687,7 +689,8 @@ def main() -> None:
         "--cpu-profile",
         help="profile the operator's main thread by CPU time in each measured drift period (PREFIX.0: no router, "
         "PREFIX.1: the stand-in's; bench/cpu_profiled.py); gc:PREFIX: only the garbage collector's passes; "
-        "sections:PREFIX: the CPU of the functions EXITPLAN_SECTIONS names (PREFIX.<n>.sections.json)",
+        "sections:PREFIX: the CPU of the functions EXITPLAN_SECTIONS names (PREFIX.<n>.sections.json); "
+        "garbage:PREFIX: what the collector finds in reference cycles (PREFIX.<n>.garbage.json)",
     )
     parser.add_argument("--spy", help="py-spy the operator in each measured period: PREFIX-<period>.txt")
     parser.add_argument("--json", nargs="?", const="-", help="also print (or write to a file) the figures as JSON")
