@@ -146,7 +146,7 @@ class FeedbackWindow:
         if k >= self.n_inputs:
             return self
         if k <= 0:
-            raise WindowError("conf", "the window has no inputs (N = 0); record some traffic first")
+            raise WindowError("conf", f"a tail of {k} samples holds no inputs; ask for at least one")
         out = object.__new__(FeedbackWindow)
         for name, value in (
             ("conf", self.conf[-k:]),
