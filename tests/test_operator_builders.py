@@ -7,7 +7,13 @@ import json
 import pytest
 
 from exitplan.api.commands import CPU_MAX_WAIT_MS
-from exitplan.api.observations import Observations
+from exitplan.api.observations import (
+    LATENCY_EDGES_MS,
+    BucketObservations,
+    Observations,
+    RampAgreement,
+    histogram_quantile_ms,
+)
 from exitplan.api.plan import Cell, Plan, SplitPlan
 from exitplan.api.resources import DriftLimits, EarlyExitServiceSpec, GPUPoolSpec
 from exitplan.operator import apply as applying
@@ -393,6 +399,54 @@ def test_since_last_keeps_only_what_arrived_after_the_previous_read():
     # Nothing new: None; an unchanged window in progress: zero arrivals.
     assert drift.since_last([closed], closed) is None
     assert drift.arrivals(drift.since_last([current], router_window(110, 111, [0, 7], [0, 0], 0))) == 0
+
+
+def test_combined_windows_read_latency_and_agreement_from_counts_and_share_nothing_with_their_parts():
+    """combine / since_last: p50/p95/p99 from the summed (or subtracted) latency histograms, agreement from the
+    summed shadow counts; the result's lists, dicts and models are its own (a caller may change them)."""
+    edges = len(LATENCY_EDGES_MS) + 1
+
+    def window(since, until, fast, slow, agree, samples):
+        w = router_window(since, until, [fast + slow, 0], [0, 0], fast + slow)
+        hist = [0] * edges
+        hist[10], hist[60] = fast, slow
+        agreement = [RampAgreement(ramp=r, samples=samples, agree=agree) for r in w.ramps]
+        per_bucket = {"32": BucketObservations(requests=fast + slow, within_slo=fast, p99_ms=9.0, load_seconds=1.5)}
+        return w.model_copy(
+            update={"latency_histogram": hist, "agreement": agreement, "exit_counts": [0, 0, fast + slow],
+                    "per_bucket": per_bucket}
+        )  # fmt: skip
+
+    a, b = window(0, 5, 90, 10, 40, 50), window(5, 10, 0, 100, 10, 50)
+    both = drift.combine([a, b])
+    hist = [x + y for x, y in zip(a.latency_histogram, b.latency_histogram)]
+    assert both.latency_histogram == hist and both.requests == 200
+    assert [both.latency.p50_ms, both.latency.p95_ms, both.latency.p99_ms] == [
+        histogram_quantile_ms(hist, q) for q in (0.50, 0.95, 0.99)
+    ]
+    # a alone answers fast at its median; with b's slow answers the median is a slow one (110 of 200)
+    assert histogram_quantile_ms(a.latency_histogram, 0.5) <= LATENCY_EDGES_MS[10]
+    assert LATENCY_EDGES_MS[59] < both.latency.p50_ms < both.latency.p99_ms <= LATENCY_EDGES_MS[60]
+    assert [(r.agree, r.samples) for r in both.agreement] == [(50, 100), (50, 100)]
+    assert both.agreement[0].ci_low < 0.5 < both.agreement[0].ci_high
+    assert both.per_bucket["32"].requests == 200 and both.per_bucket["32"].load_seconds == 3.0
+    later = window(0, 10, 90, 110, 50, 100)  # a's window read again later: b's answers arrived since
+    piece = drift.since_last([later], a)
+    assert piece.latency_histogram == b.latency_histogram and piece.latency.p50_ms == pytest.approx(
+        histogram_quantile_ms(b.latency_histogram, 0.5)
+    )
+    assert [(r.agree, r.samples) for r in piece.agreement] == [(10, 50), (10, 50)]
+    for out, parts in ((both, (a, b)), (piece, (later, a))):
+        before = [w.model_dump() for w in parts]
+        out.latency_histogram[60] += 1
+        out.length_histogram[0] += 1
+        out.thresholds["ramp1"] = 0.5
+        out.load["32"] = 9.0
+        out.latency.p99_ms = 1.0
+        out.errors.worker = 7
+        out.per_bucket["32"].requests = 0
+        out.agreement[0].agree = 0
+        assert [w.model_dump() for w in parts] == before, "changing the result changed a window it was made of"
 
 
 def test_judged_window_is_the_newest_half_period_with_enough_arrivals():
