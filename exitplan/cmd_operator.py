@@ -82,7 +82,9 @@ def command(
     os.environ["EXITPLAN_TICK_SECONDS"] = str(tick)
     _export_settings(allow_host_path, namespace, profile_attempts, profile_retry_seconds)
     os.environ["EXITPLAN_NETWORK_POLICIES"] = "true" if network_policies else "false"  # operator/guards.py
-    os.environ["EXITPLAN_FREEZE_HEAP"] = "true"  # this process is the operator's: operator/heap.py
+    from exitplan.operator import heap
+
+    os.environ[heap.ENV_FREEZE] = "true"  # this process is the operator's: its heap is kept frozen (heap.py)
     import kopf
 
     import exitplan.operator.handlers  # noqa: F401  (registers the handlers)
