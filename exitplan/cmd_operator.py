@@ -82,9 +82,6 @@ def command(
     os.environ["EXITPLAN_TICK_SECONDS"] = str(tick)
     _export_settings(allow_host_path, namespace, profile_attempts, profile_retry_seconds)
     os.environ["EXITPLAN_NETWORK_POLICIES"] = "true" if network_policies else "false"  # operator/guards.py
-    from exitplan.operator import heap
-
-    os.environ[heap.ENV_FREEZE] = "true"  # this process is the operator's: its heap is kept frozen (heap.py)
     import kopf
 
     import exitplan.operator.handlers  # noqa: F401  (registers the handlers)
@@ -122,8 +119,11 @@ def command(
 
 
 def _export_settings(allow_host_path: list[str], namespace: list[str], attempts: int, retry_seconds: float) -> None:
-    """The operator's guard-rail settings, in the env its handlers read at startup (operator/guards.py)."""
-    from exitplan.operator import guards
+    """The operator's guard-rail settings, in the env its handlers read at startup (operator/guards.py), and that
+    this process is the operator's own: its heap is kept frozen (operator/heap.py)."""
+    from exitplan.operator import guards, heap
+
+    os.environ[heap.ENV_FREEZE] = "true"
 
     bad = [p for p in allow_host_path if not p.startswith("/")]
     if bad:
