@@ -91,8 +91,7 @@ def command(
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if not verbose:  # one line per timer tick is noise; everything else stays
-        logging.getLogger("kopf.objects").addFilter(lambda rec: "Timer 'tick' succeeded" not in rec.getMessage())
+    if not verbose:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     if peering:
         asyncio.run(ensure_peering(peering, os.environ.get("KUBECONFIG")))

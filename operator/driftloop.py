@@ -1,5 +1,5 @@
-"""The drift loop (the kopf timer). The loop reads every router CHECKS_PER_PERIOD times a period
-(drift.py) and keeps what arrived since its previous read: the router's window in progress
+"""The drift loop (each service's timer tick: handlers.ticks). The loop reads every router CHECKS_PER_PERIOD
+times a period (drift.py) and keeps what arrived since its previous read: the router's window in progress
 (`/v1/observations?window=current`) less what the previous read saw of it, plus the rest of that
 window when it closed meanwhile (`/v1/observations`, the last closed window). The judged window is
 the newest of those slices covering half a period and drift.MIN_REQUESTS arrivals, judged once per

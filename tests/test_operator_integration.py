@@ -364,7 +364,7 @@ def test_delete_takes_the_children(cluster):
         wait_for("applied", lambda: deployed(cluster, ns, "minilm"))
         children = [o for kind in ("Deployment", "Service", "ConfigMap") for o in cluster.list(kind, ns)]
         assert children and all(o["metadata"]["ownerReferences"][0]["uid"] == svc["metadata"]["uid"] for o in children)
-        # The only finalizer is kopf's own marker for stopping the drift timer; the operator adds none.
+        # The only finalizer is kopf's own marker for stopping the drift loop's daemon; the operator adds none.
         assert cluster.get("EarlyExitService", ns, "minilm")["metadata"].get("finalizers", []) in (
             [],
             ["kopf.zalando.org/KopfFinalizerMarker"],
