@@ -187,8 +187,15 @@ def service_body(name: str, namespace: str, pair: int, n_buckets: int, period: i
 
 def proc_cpu(pid: int) -> float:
     """CPU seconds (user + system) of a process so far."""
+    return sum(proc_cpu_split(pid))
+
+
+def proc_cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process so far. The system part holds the kernel's work for the
+    process's syscalls -- on loopback, much of the TCP delivery of what it sends to the other processes."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def proc_rss_mib(pid: int) -> float:
@@ -399,6 +406,7 @@ def measure_period(
     if cpu_profile:
         os.kill(op_pid, signal.SIGUSR1)  # bench/cpu_profiled.py: start
     op0, api0, t0 = proc_cpu(op_pid), time.clock_gettime(api_clock), time.perf_counter()
+    sys0 = proc_cpu_split(op_pid)[1]
     each, last = [], op0
     for k in range(periods):
         time.sleep(max(0.0, t0 + (k + 1) * period - time.perf_counter()))
@@ -406,6 +414,7 @@ def measure_period(
         each.append(now - last)
         last = now
     op1, api1, t1 = last, time.clock_gettime(api_clock), time.perf_counter()
+    sys1 = proc_cpu_split(op_pid)[1]
     if cpu_profile:
         os.kill(op_pid, signal.SIGUSR2)  # stop, and write OUT.<n>
     if spy is not None:
@@ -426,6 +435,7 @@ def measure_period(
         "wall_s": (t1 - t0) / periods,
         "operator_cpu_s": (op1 - op0) / periods,
         "operator_cpu_each_s": each,
+        "operator_system_cpu_s": (sys1 - sys0) / periods,
         "api_server_cpu_s": (api1 - api0) / periods,
         "api_requests": sum(by_action.values()) / periods,
         "api_requests_by_action": {k: v / periods for k, v in by_action.items()},
@@ -629,6 +639,11 @@ def report(f: dict) -> None:
                         f" (mean of {d['periods']}: " + " / ".join(f"{x:.2f}" for x in d["operator_cpu_each_s"]) + ") "
                         if d.get("periods", 1) > 1
                         else " "
+                    )
+                    + (
+                        f"[{d['operator_system_cpu_s']:.2f} s of it in the kernel] "
+                        if "operator_system_cpu_s" in d
+                        else ""
                     )
                     + f"({100 * d['operator_cpu_s'] / d['wall_s']:.0f} % of a core; "
                     f"{1000 * d['operator_cpu_s'] / f['services']:.1f} ms/service); API {d['api_requests']:.0f} "

@@ -18,13 +18,14 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
+from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec, Mode
 from exitplan.operator import apply as applying
 from exitplan.operator import builders, control_token, drift_writes, guards, plan_memory
 from exitplan.operator.kube import ApiError, path
 from exitplan.operator.ownership import adopt
 from exitplan.operator.router_endpoints import router_urls
-from exitplan.operator.service_state import Service, current_plan
+from exitplan.operator.service_state import Service
 from exitplan.operator.status import parse_status, summarize
 from exitplan.planner.tuning import autotune
 from exitplan.planner.tuning.feedback import FeedbackWindow, WindowError
@@ -243,7 +244,7 @@ async def persist_thresholds(svc: Service, thresholds: dict[str, float], source:
     its plan hash) and status.plan; the other children are built from the plan less its thresholds
     (Plan.layout_hash) and stay as they are. The same cells, not a re-plan (no lastReplanTime). True when
     written. Call under the service's lock (a concurrent re-plan must not be overwritten)."""
-    plan = await current_plan(svc.client, svc.name, svc.namespace)
+    plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace)  # read once per plan
     if plan is None or not thresholds or same_thresholds(plan.thresholds, thresholds):
         return False
     try:
@@ -257,7 +258,8 @@ async def persist_thresholds(svc: Service, thresholds: dict[str, float], source:
     configmap = builders.build_configmap(svc.name, svc.namespace, updated)
     adopt([configmap], owner=svc.body)
     await applying.apply_one(svc.client, configmap, applying.ApplyReport())
-    plan_memory.children_written(svc.memo)
+    # the plan in force is what the ConfigMap now holds, as a read of it would parse it: no read of it back
+    plan_memory.written(svc.memo, Plan.model_validate_json(configmap["data"]["plan.json"]))
     status = parse_status(svc.body.get("status"))
     ready = {(c.split, c.bucket, c.pool): c.ready_replicas for c in (status.plan.cells if status.plan else [])}
     summary = summarize(updated, ready)

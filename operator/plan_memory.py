@@ -3,7 +3,8 @@ last read from its ConfigMap, and the planner's option tables of the service's l
 
 The drift loop asks for the plan in force at every router read (four times a period); it is read from the
 API once and kept until this process writes the service's children again (`children_written`, called
-after every apply). The planner's OptionCache (planner/problem.py) lets a re-plan reuse the tables whose
+after every apply), or kept as written when this process writes only the plan ConfigMap (`written`: a
+re-tune's thresholds, live_thresholds.persist_thresholds). The planner's OptionCache (planner/problem.py) lets a re-plan reuse the tables whose
 inputs did not change. Without a memo (tests, a one-off call) nothing is kept.
 """
 
@@ -54,6 +55,14 @@ def children_written(memo: Any) -> None:
     """After this process wrote the service's children (the plan ConfigMap among them): read the plan again."""
     if memo is not None:
         memo.pop(PLAN_IN_FORCE_KEY, None)
+        memo.pop(PLAN_HASH_KEY, None)
+
+
+def written(memo: Any, plan: Plan) -> None:
+    """After this process wrote `plan` into the plan ConfigMap (and no other child): it is the plan in force,
+    kept without reading the ConfigMap back."""
+    if memo is not None:
+        memo[PLAN_IN_FORCE_KEY] = plan
         memo.pop(PLAN_HASH_KEY, None)
 
 

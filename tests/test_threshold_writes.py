@@ -107,3 +107,48 @@ def test_the_drift_loops_shortcuts_say_what_combining_would():
         assert drift.span(block) == whole.until - whole.since
         assert drift.pooled_arrivals(block) == drift.arrivals(whole)
         assert drift.pooled_survival(block) == whole.survival
+
+
+def test_a_threshold_write_keeps_the_plan_it_wrote_without_reading_the_configmap_back(tmp_path):
+    """After a re-tune's set is written into the plan ConfigMap, the plan in force the drift loop reads at every
+    router read is the plan written -- the same content hash as a read of the ConfigMap gives -- and the write
+    read the ConfigMap once (apply's read before its patch), not again afterwards."""
+    import kmock
+    import kopf
+    from test_operator_support import ALLOWED_HOST_PATHS, ClusterThread, service
+
+    from exitplan.operator import apply as applying
+    from exitplan.operator import builders, guards, plan_memory
+    from exitplan.operator.ownership import adopt
+    from exitplan.operator.service_state import current_plan
+
+    reads: dict[int, kmock.Request] = {}  # the plan ConfigMap's reads, each once (kmock may show one twice)
+
+    def count(req: kmock.Request) -> bool:
+        if req.method == "GET" and req.resource is not None and req.resource.plural == "configmaps" and req.name:
+            reads[id(req)] = req  # ids stay unique: the requests are kept
+        return False
+
+    with ClusterThread(tmp_path) as cluster:
+        cluster.api[count] << 500  # never matches: only counts
+        body = cluster.create(service("minilm", "tw"))
+        plan = make_plan([(0, 32, "gpu-a", 2), (1, 128, "gpu-b", 1)])
+        plan = plan.model_copy(update={"thresholds": {"ramp1": 0.9, "ramp3": 0.8}})
+        configmap = builders.build_configmap("minilm", "tw", plan)
+        adopt([configmap], owner=body)
+        cluster.run(applying.apply_one(cluster.client, configmap, applying.ApplyReport()))
+        memo = kopf.Memo()  # as the operator's: its settings allow the bundle's host path
+        memo.settings = guards.Settings.from_env({guards.ENV_ALLOWED: ALLOWED_HOST_PATHS})
+        svc = Service(body=body, client=cluster.client, memo=memo)
+        applied = len(reads)
+        before = cluster.run(plan_memory.plan_in_force(memo, cluster.client, "minilm", "tw"))
+        assert before is not None and len(reads) == applied + 1
+        tuned = {"ramp1": 0.95, "ramp3": 0.85}
+        assert cluster.run(live_thresholds.persist_thresholds(svc, tuned, "tune-savings", version=2))
+        assert len(reads) == applied + 2  # apply's read before its patch; the plan in force is not read back
+        kept = cluster.run(plan_memory.plan_in_force(memo, cluster.client, "minilm", "tw"))
+        assert len(reads) == applied + 2
+        stored = cluster.run(current_plan(cluster.client, "minilm", "tw"))
+        assert kept is not None and stored is not None
+        assert kept.thresholds == stored.thresholds == tuned and kept.thresholds_version == 2
+        assert plan_memory.content_hash(memo, kept) == stored.content_hash() != before.content_hash()
