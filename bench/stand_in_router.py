@@ -7,9 +7,10 @@ control Service publishes; the socket an answer came in on tells which service i
   on the wall clock, arrivals at RATE_RPS in the plan's length mix, the plan's survival with a +-3 % wobble
   from window to window, exits per ramp, every ramp's shadow agreement (SHADOW_SHARE of the answers), p99
   at 30 % of the SLO -- and the thresholds in force;
-- GET /v1/window.npz?last=N: the service's newest N (at most FEEDBACK) shadow-sampled feedback samples over
-  every ramp, from a stream that gains one sample per shadow-sampled answer (RATE_RPS x SHADOW_SHARE a
-  second): each period's re-tune sees ~200 new samples of 1,024, as on a router with that traffic
+- GET /v1/window.npz?last=N[&after=K&ring=R]: the service's newest N (at most FEEDBACK) shadow-sampled feedback
+  samples over every ramp, from a stream that gains one sample per shadow-sampled answer (RATE_RPS x
+  SHADOW_SHARE a second): each period's re-tune sees ~200 new samples of 1,024, as on a router with that
+  traffic, and reads only those (the samples after K, numbered as a router's ring numbers them)
   (--no-feedback: an empty window, as before a router's first shadow sample: the re-tune stops there);
 - GET /v1/thresholds, POST /v1/thresholds: the thresholds in force with their version, a push taken as a
   router takes it (worker_image/control_bodies.ThresholdUpdate, threshold_set.ThresholdHolder);
@@ -109,12 +110,19 @@ def sample_pool(n_ramps: int, seed: int = 0) -> FeedbackArrays:
     return FeedbackArrays(conf, pred, final, np.linspace(2.0 * n_ramps, 2.0, n_ramps), np.full(n_ramps, 0.2))
 
 
-def feedback_window(pool: FeedbackArrays, offset: int, now: float, last: int) -> FeedbackArrays:
+def feedback_window(
+    pool: FeedbackArrays, offset: int, now: float, last: int, after: int | None = None, ring: str = "stand-in"
+) -> FeedbackArrays:
     """A service's newest `last` feedback samples at `now`: its stream (the pool from `offset` on, round
-    and round) gains RATE_RPS x SHADOW_SHARE samples a second, so each period's window holds new ones."""
+    and round) gains RATE_RPS x SHADOW_SHARE samples a second, so each period's window holds new ones.
+    Numbered as a router's ring numbers them (`ring`); `after` (a number of this ring): only the samples since."""
     newest = offset + int(now * RATE_RPS * SHADOW_SHARE)
+    if after is not None and 0 <= after <= newest:
+        last = min(last, newest - after)
     rows = np.arange(newest - last, newest) % POOL
-    return FeedbackArrays(pool.conf[rows], pool.pred[rows], pool.final[rows], pool.saving_ms, pool.cost_ms)
+    return FeedbackArrays(
+        pool.conf[rows], pool.pred[rows], pool.final[rows], pool.saving_ms, pool.cost_ms, newest, ring
+    )
 
 
 @dataclass
@@ -192,8 +200,9 @@ class StandIn:
         if not self.feedback:  # as a router before its first shadow sample: an empty window
             empty = np.zeros(0)
             return web.Response(body=FeedbackArrays(empty, empty, empty, empty, empty).to_npz())
-        last = int(request.query.get("last", FEEDBACK))
-        arrays = feedback_window(s.pool, s.offset, time.time(), min(max(last, 0), FEEDBACK) or FEEDBACK)
+        last, ring = int(request.query.get("last", FEEDBACK)), f"stand-in-{s.offset}"
+        after = int(request.query["after"]) if request.query.get("ring") == ring and "after" in request.query else None
+        arrays = feedback_window(s.pool, s.offset, time.time(), min(max(last, 0), FEEDBACK) or FEEDBACK, after, ring)
         return web.Response(body=arrays.to_npz(), content_type="application/octet-stream")
 
     async def thresholds(self, _: web.Request, s: Served) -> web.Response:

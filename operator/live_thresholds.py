@@ -30,7 +30,7 @@ from exitplan.operator.status import parse_status, summarize
 from exitplan.planner.tuning import autotune
 from exitplan.planner.tuning.feedback import FeedbackWindow, WindowError
 from exitplan.worker_image.control_client import ControlClient, ControlError, FeedbackArrays
-from exitplan.worker_image.router_fleet import fleet_feedback, fleet_thresholds, push_fleet
+from exitplan.worker_image.router_fleet import FeedbackFollower, fleet_feedback, fleet_thresholds, push_fleet
 
 log = logging.getLogger("exitplan.operator.drift")
 TUNE_WINDOW = 1024
@@ -76,6 +76,21 @@ def _tune(
     return autotune.advance(state, window, current, ramps, budget, autotune.LIVE)
 
 
+FOLLOWER_KEY = "feedback_follower"
+"""The per-object memo's key for the routers' feedback windows as last read (router_fleet.FeedbackFollower)."""
+
+
+def feedback_follower(memo: Any) -> FeedbackFollower | None:
+    """The service's routers' feedback as the last re-tune read it, so the next reads only what is new (None
+    without a memo: each re-tune reads whole windows)."""
+    if not isinstance(memo, dict):
+        return None
+    kept = memo.get(FOLLOWER_KEY)
+    if not isinstance(kept, FeedbackFollower):
+        kept = memo[FOLLOWER_KEY] = FeedbackFollower(TUNE_WINDOW)
+    return kept
+
+
 def tuner_state(memo: Any) -> autotune.TunerState:
     """The tuner's state kept for the service (a new one before the first re-tune)."""
     kept = memo.get(TUNER_KEY) if isinstance(memo, dict) else None
@@ -91,6 +106,7 @@ async def _retune_step(
     session: aiohttp.ClientSession | None = None,
     in_force: dict[str, float] | None = None,
     state: autotune.TunerState = autotune.TunerState(),
+    follower: FeedbackFollower | None = None,
 ) -> tuple[autotune.Decision, int | None, autotune.TunerState] | None:
     """Read every router's feedback (one merged window), decide (in a worker thread, from the tuner's
     `state`) against the thresholds in force -- `in_force`, what the drift read just saw, or else the
@@ -100,7 +116,7 @@ async def _retune_step(
     feedback yet or a step failed. `session`: connections to reuse (the operator's; not closed here)."""
     clients = [ControlClient(url, timeout_s=TUNE_TIMEOUT, token=token, session=session) for url in urls]
     try:
-        arrays, missed = await fleet_feedback(clients, TUNE_WINDOW)
+        arrays, missed = await fleet_feedback(clients, TUNE_WINDOW, follower)
         for note in missed:
             log.info("a router's feedback is left out of this re-tune: %s", note)
         if arrays is None:  # no feedback yet
@@ -154,7 +170,8 @@ async def retune(
         return
     active = spec.planner.mode == Mode.active
     budget, state = spec.accuracy.max_drop, tuner_state(svc.memo)
-    stepped = await _retune_step(urls, ramps, budget, active, token, session, in_force, state)
+    follower = feedback_follower(svc.memo)  # only the samples since the last re-tune cross the wire
+    stepped = await _retune_step(urls, ramps, budget, active, token, session, in_force, state, follower)
     if stepped is None:
         return
     decision, version, after = stepped

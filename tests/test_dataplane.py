@@ -231,6 +231,38 @@ async def test_shadow_feedback_fills_the_tuning_window(served, texts, ramps):
     assert (window["pred"][:, -1] == window["final"]).mean() > 0.6
 
 
+async def test_a_followed_feedback_read_carries_only_the_new_samples_and_adds_up_to_the_whole_window(
+    served, texts, ramps
+):
+    """The re-tune's read of a router's feedback (router_fleet.FeedbackFollower): after a first whole read, the
+    next asks for the samples since (`?after=`), gets only those, and the window it keeps equals a whole read."""
+    from exitplan.worker_image.control_client import ControlClient
+    from exitplan.worker_image.router_fleet import FeedbackFollower, fleet_feedback
+
+    url = f"{served.url}/v2/models/minilm/infer"
+    async with aiohttp.ClientSession(headers=control_headers(served)) as s:
+        client = ControlClient(served.control_url, session=s, token=served.control_token)
+        await post(s, f"{served.control_url}/v1/thresholds", {"thresholds": {ramps[0]: 0.0}, "reason": "test"})
+        await post_each(s, url, texts[:20])
+        await asyncio.sleep(1.0)  # feedback arrives after the answers
+        follower = FeedbackFollower(1024)
+        first, _ = await fleet_feedback([client], 1024, follower)
+        whole = await client.feedback(1024)
+        assert first is not None and whole is not None and first.final.size == whole.final.size > 0
+        held = follower.after(served.control_url)
+        assert held is not None and held[1] == whole.added
+        await post_each(s, url, texts[20:])
+        await asyncio.sleep(1.0)
+        new = await client.feedback(1024, held)
+        assert new is not None and 0 < new.final.size < 1024 and new.added == held[1] + new.final.size
+        second, _ = await fleet_feedback([client], 1024, follower)  # reads what `new` read, and none since
+        whole = await client.feedback(1024)
+        await post(s, f"{served.control_url}/v1/thresholds", {"thresholds": {r: 2.0 for r in ramps}, "reason": "test"})
+    assert second is not None and whole is not None and follower.after(served.control_url) == (whole.ring, whole.added)
+    for name in ("conf", "pred", "final"):
+        assert np.array_equal(getattr(second, name), getattr(whole, name))
+
+
 async def test_autotune_step_reads_the_window_and_pushes_to_every_worker(served, ramps, texts):
     from dataclasses import replace
 

@@ -246,21 +246,29 @@ class FeedbackArrays:
     """[R] float: latency saved by exiting at each ramp (the bundle's calibration window)."""
     cost_ms: np.ndarray
     """[R] float: each ramp's overhead."""
+    added: int | None = None
+    """The number of the newest sample: how many the router's ring stored since it started (a router's answer;
+    None in a window file, or from a router that predates it)."""
+    ring: str | None = None
+    """The router ring's identity, new at each start: sample numbers count within one ring only."""
 
     def to_npz(self) -> bytes:
         buf = io.BytesIO()
-        np.savez(
-            buf,
-            conf=self.conf,
-            pred=self.pred,
-            final=self.final,
-            saving_ms=np.asarray(self.saving_ms, np.float64),
-            cost_ms=np.asarray(self.cost_ms, np.float64),
-        )
+        arrays: dict[str, np.ndarray] = {
+            "conf": self.conf,
+            "pred": self.pred,
+            "final": self.final,
+            "saving_ms": np.asarray(self.saving_ms, np.float64),
+            "cost_ms": np.asarray(self.cost_ms, np.float64),
+        }
+        if self.added is not None and self.ring is not None:  # a router's answer: its ring's numbers
+            arrays.update(added=np.asarray(self.added), ring=np.asarray(self.ring))
+        np.savez(buf, allow_pickle=False, **arrays)  # (numpy >= 2.1: the pin)
         return buf.getvalue()
 
     @classmethod
     def from_npz(cls, body: bytes) -> FeedbackArrays:
         """The arrays of a /v1/window.npz body; ValueError, KeyError or OSError when it is not one."""
         with np.load(io.BytesIO(body)) as data:
-            return cls(data["conf"], data["pred"], data["final"], data["saving_ms"], data["cost_ms"])
+            cursor = (int(data["added"]), str(data["ring"])) if "added" in data and "ring" in data else (None, None)
+            return cls(data["conf"], data["pred"], data["final"], data["saving_ms"], data["cost_ms"], *cursor)

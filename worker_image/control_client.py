@@ -5,7 +5,8 @@ Used by the operator's drift loop, by the threshold tuning loop of `exitplan up`
 
 - ``GET  /v1/observations[?window=current|both]``: the last closed observation window, the one in progress,
   or both in one answer (a router that predates `both` answers its closed window: then a second request);
-- ``GET  /v1/window.npz?last=N``: the newest N shadow-sampled feedback samples (the `exitplan tune` format);
+- ``GET  /v1/window.npz?last=N[&after=K&ring=R]``: the newest N shadow-sampled feedback samples (the `exitplan
+  tune` format), or only those after sample K of the router's ring R;
 - ``GET  /v1/thresholds`` / ``POST /v1/thresholds``: the exit thresholds in force / a hot update.
 
 Every request carries ``Authorization: Bearer <token>`` when the client has the service's control
@@ -18,6 +19,7 @@ failed request, a non-2xx answer or a body that does not parse, so callers handl
 from __future__ import annotations
 
 from types import TracebackType
+from urllib.parse import quote
 
 import aiohttp
 import orjson
@@ -122,15 +124,19 @@ class ControlClient:
             raise ControlError(f"{self.base_url}{route}", f"not an observation window: {msg}") from err
         return closed, await self.observations(current=True)
 
-    async def feedback(self, last: int) -> FeedbackArrays | None:
-        """The newest ``last`` shadow-sampled feedback samples, or None while the router has none."""
+    async def feedback(self, last: int, after: tuple[str, int] | None = None) -> FeedbackArrays | None:
+        """The newest ``last`` shadow-sampled feedback samples, or None while the router has none. ``after``
+        (a ring and sample number of an earlier answer): only the samples since, possibly none (a router of
+        another ring, or one that predates it, answers as without it: see FeedbackFollower)."""
         route = f"/v1/window.npz?last={int(last)}"
+        if after is not None:
+            route += f"&after={int(after[1])}&ring={quote(after[0])}"
         body = await self._request("GET", route)
         try:
             arrays = FeedbackArrays.from_npz(body)
         except (ValueError, KeyError, OSError) as err:
             raise ControlError(f"{self.base_url}{route}", f"not a feedback window: {err}") from err
-        return None if arrays.final.size == 0 else arrays
+        return None if arrays.final.size == 0 and after is None else arrays
 
     async def thresholds(self) -> dict[str, float]:
         """The exit thresholds in force."""

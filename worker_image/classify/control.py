@@ -8,7 +8,8 @@ control port (``--control-port``) or, without one, on its inference port:
   and pushed to every split-0 pod (which forward it down the chain);
 - ``POST /v1/feedback``: shadow-sampled feedback samples from the last split;
 - ``GET  /v1/observations[?window=current|both]`` (both: ``{"closed": ..., "current": ...}`` in one answer,
-  what the operator's drift read needs), ``GET /v1/window.npz?last=N``, ``GET /v1/peers``.
+  what the operator's drift read needs), ``GET /v1/window.npz?last=N[&after=K&ring=R]`` (after: only the
+  samples after number K of ring R, which a reader holds from an earlier answer), ``GET /v1/peers``.
 
 What a post may carry is checked before anything changes (`control_bodies.py`); of the feedback, only
 samples of inputs this router shadow-sampled count. The free-text `reason` of a threshold update goes
@@ -109,7 +110,13 @@ class RouterControl:
                 raise ValueError
         except ValueError:
             return error_response(400, "last must be a non-negative integer (0 = every stored sample)")
-        body = r.feedback.window(r.saving_ms, r.cost_ms, last=last or None).to_npz()
+        after = None
+        if "after" in request.query:  # a reader that holds the samples through this number of this ring
+            try:
+                after = (request.query.get("ring", ""), int(request.query["after"]))
+            except ValueError:
+                return error_response(400, "after must be a sample number (the `added` of an earlier answer)")
+        body = r.feedback.window(r.saving_ms, r.cost_ms, last=last or None, after=after).to_npz()
         return web.Response(body=body, content_type="application/octet-stream")
 
     async def handle_peers(self, _: web.Request) -> web.Response:

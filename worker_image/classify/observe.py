@@ -9,6 +9,7 @@ capacity in use, sampled) and rolls over into an `Observations` document. `Feedb
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -191,6 +192,8 @@ class FeedbackRing:
     """The last `capacity` shadow-sampled inputs, as arrays (conf, pred [N, R]; final [N])."""
 
     def __init__(self, n_ramps: int, capacity: int = 4096) -> None:
+        self.ring = secrets.token_hex(8)
+        """This ring's identity: a reader that names it with a sample number gets only the samples after it."""
         self.conf = np.zeros((capacity, n_ramps), dtype=np.float32)
         self.pred = np.zeros((capacity, n_ramps), dtype=np.int64)
         self.final = np.zeros(capacity, dtype=np.int64)
@@ -218,9 +221,23 @@ class FeedbackRing:
         order = np.r_[self.next : len(self.final), 0 : self.next]
         return self.conf[order], self.pred[order], self.final[order]
 
-    def window(self, saving_ms: np.ndarray, cost_ms: np.ndarray, last: int | None = None) -> FeedbackArrays:
-        """The stored samples (the most recent `last` of them) in the `exitplan tune` window format."""
+    def window(
+        self,
+        saving_ms: np.ndarray,
+        cost_ms: np.ndarray,
+        last: int | None = None,
+        after: tuple[str, int] | None = None,
+    ) -> FeedbackArrays:
+        """The stored samples (the most recent `last` of them) in the `exitplan tune` window format, numbered
+        (`added`: the newest one's number; `ring`: this ring's). `after` (a ring and a sample number a reader
+        already holds, this ring's): only the samples after it (at most `last`); another ring's, or a number
+        this ring never reached: as without it."""
         conf, pred, final = self.arrays()
-        if last is not None:
-            conf, pred, final = conf[-last:], pred[-last:], final[-last:]
-        return FeedbackArrays(conf, pred, final, saving_ms, cost_ms)
+        take = last
+        if after is not None and after[0] == self.ring and 0 <= after[1] <= self.added:
+            new = self.added - after[1]
+            take = new if take is None else min(take, new)
+        if take is not None:
+            start = max(0, len(final) - take)
+            conf, pred, final = conf[start:], pred[start:], final[start:]
+        return FeedbackArrays(conf, pred, final, saving_ms, cost_ms, self.added, self.ring)
