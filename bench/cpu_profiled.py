@@ -12,7 +12,9 @@ it while it runs (a coroutine: only its own steps, not the other tasks that run 
 so a coroutine that runs for good counts too), and
 OUT.<n>.sections.json holds, per function, its calls and its inclusive CPU seconds. Wrapping a few large
 functions costs little (cProfile's hook on every call inflates small Python functions ~3x, which skews
-its shares); a function called inside another is counted in both.
+its shares); a function called inside another is counted in both. Name the per-service tick
+(`exitplan.operator.handlers:tick`), not kopf's `_daemon` around it: with `_daemon` wrapped, the daemons'
+waits between ticks ended early (ten times the ticks, session 22), so that run measured another load.
 
 With --garbage, no profiler: the collector keeps what it finds (gc.DEBUG_SAVEALL) while switched on, and
 OUT.<n>.garbage.json counts those objects by type, and the frames among them by their function (which code
