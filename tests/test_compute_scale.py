@@ -51,7 +51,8 @@ def test_the_scale_is_the_measured_compute_over_the_tables(digits_bundle):
     for entry in [*halved.blocks, *halved.ramps]:
         entry.latency_ms = [[x / 2 for x in row] for row in entry.latency_ms]
     ratios = []
-    for _ in range(3):  # alternately, so a burst of other load hits both alike
+    for _ in range(5):  # alternately, so a burst of other load hits both alike (the median of 5: one of 3 was
+        # not enough beside two busy loops, the suite and `make demo` on 2 cores, session 22: 2.94)
         ratios.append(compute_scale(digits_bundle, halved, 1)[0] / compute_scale(digits_bundle, spec, 1)[0])
     assert len(compute_scale(digits_bundle, spec, 1)) == len(spec.seq_lens) == 1
     assert 1.6 < float(np.median(ratios)) < 2.5
