@@ -168,8 +168,8 @@ handler; a kopf.TemporaryError names its own delay)."""
 )
 async def ticks(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, logger: Any, **_: Any) -> None:
     """The service's timer: a tick every TICK seconds (counted from the end of the previous one) until kopf stops
-    it -- the service deleted, the operator pausing for a peer (peering.py) or exiting; a tick under way then
-    ends first. One kopf daemon per service rather than a kopf timer: a timer runs kopf's handler machinery
+    it -- the service deleted, the operator pausing for a peer (peering.py) or exiting; a tick under way is
+    given the instant-exit timeout (configure) and then TICK to end before kopf cancels it. One kopf daemon per service rather than a kopf timer: a timer runs kopf's handler machinery
     around every tick (its invocation, an empty patch checked, a new Patch left in a reference cycle for the
     collector), ~0.5 ms and ~26 garbage objects a tick, 800 ticks a period at 200 services
     (bench/operator_scale.py); the daemon runs it once. `body` is kopf's live view of the service (each event

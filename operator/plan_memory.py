@@ -4,8 +4,9 @@ last read from its ConfigMap, and the planner's option tables of the service's l
 The drift loop asks for the plan in force at every router read (four times a period); it is read from the
 API once and kept until this process writes the service's children again (`children_written`, called
 after every apply), or kept as written when this process writes only the plan ConfigMap (`written`: a
-re-tune's thresholds, live_thresholds.persist_thresholds). The planner's OptionCache (planner/problem.py) lets a re-plan reuse the tables whose
-inputs did not change. Without a memo (tests, a one-off call) nothing is kept.
+re-tune's thresholds, live_thresholds.persist_thresholds). The planner's OptionCache (planner/problem.py)
+lets a re-plan reuse the tables whose inputs did not change. Without a memo (tests, a one-off call) nothing
+is kept.
 """
 
 from __future__ import annotations
