@@ -22,7 +22,7 @@ Many EarlyExitServices of ~10 plan cells each, measured in one run:
       first re-tunes' pushes have been written into the plans, over --periods periods (5: services
       created together refresh their status every 5 periods, in the same one), their mean reported;
 - the loop's decision part alone, in this process, over the services' plans: one period of reads
-  (drift.CHECKS_PER_PERIOD) per service -- since_last, the judged window, drift.assess (the AR(1)
+  (--reads, the operator's `--drift-reads`; default drift.CHECKS_PER_PERIOD) per service -- since_last, the judged window, drift.assess (the AR(1)
   forecast over a full survival history), drift_policy.decide.
 
 Plans: pools come in pairs (a fast, dear pool and a slow, cheap one: synthetic MiniLM-like profiles
@@ -212,7 +212,12 @@ def free_port() -> int:
 
 
 def start_operator(
-    cluster: ClusterThread, tmp: Path, tick: float, profile: Path | None, cpu_profile: str | None = None
+    cluster: ClusterThread,
+    tmp: Path,
+    tick: float,
+    profile: Path | None,
+    cpu_profile: str | None = None,
+    reads: int = drift.CHECKS_PER_PERIOD,
 ) -> tuple[Any, int]:
     health = free_port()
     exe = str(Path(sys.executable).with_name("exitplan"))
@@ -232,6 +237,8 @@ def start_operator(
         str(cluster.kubeconfig),
         "--tick",
         str(tick),
+        "--drift-reads",
+        str(reads),
         "--metrics-port",
         "0",
         "--health-port",
@@ -445,7 +452,7 @@ def measure_period(
     }
 
 
-def decision_cost(plans: list[Plan], spec: EarlyExitServiceSpec, period: float) -> dict:
+def decision_cost(plans: list[Plan], spec: EarlyExitServiceSpec, period: float, reads: int) -> dict:
     """CPU of the loop's decision part for one period of reads per service, in this process: what
     check_drift does after the HTTP reads (since_last, the judged window, assess, decide), with a
     full survival history (drift_policy.HISTORY points) so the AR(1) fit is at its steady size."""
@@ -456,7 +463,6 @@ def decision_cost(plans: list[Plan], spec: EarlyExitServiceSpec, period: float) 
         state = DriftState()
         state.survival = [[x * (1.0 + 0.03 * math.sin(k)) for x in plan.survival] for k in range(HISTORY - 1)]
         states.append(state)
-    reads = drift.CHECKS_PER_PERIOD
     cpu0 = time.thread_time()  # this thread's: the API server's thread keeps serving the operator meanwhile
     replans, assess_s = 0, 0.0
     for plan, state in zip(plans, states):
@@ -533,12 +539,13 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     cluster.server.api = api  # (not ApiServer(api): an emulator that has served nothing yet is falsy)
     figures: dict[str, Any] = {"services": args.services, "pools": args.pools, "namespaces": args.namespaces}
     figures.update(tick_s=args.tick, period_s=args.period, ramps=args.ramps, feedback=not args.no_feedback)
+    figures.update(reads_per_period=args.reads)
     with cluster:
         api_profile = cProfile.Profile() if args.profile_api else None
         if api_profile is not None:  # the API server's event loop thread (cProfile profiles one thread)
             cluster.loop.call_soon_threadsafe(api_profile.enable)
         pools = create_world(cluster, args)
-        op, _health = start_operator(cluster, tmp, args.tick, args.profile, args.cpu_profile)
+        op, _health = start_operator(cluster, tmp, args.tick, args.profile, args.cpu_profile, args.reads)
         try:
             cpu_idle = proc_cpu(op.pid)
             created = apply_all(cluster, args)
@@ -570,7 +577,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
                 api_profile.dump_stats(args.profile_api)
     if not args.skip_drift:  # with the operator and the API server stopped
         spec = EarlyExitServiceSpec.model_validate(next(iter(created.values()))[0]["spec"])
-        figures["decision_part"] = decision_cost(list(plans.values()), spec, float(args.period))
+        figures["decision_part"] = decision_cost(list(plans.values()), spec, float(args.period), args.reads)
     return figures
 
 
@@ -601,7 +608,7 @@ def drift_figures(
             periods=args.periods,
             cpu_profile=bool(args.cpu_profile),
         )
-        d["reads_done"], d["reads_due"] = d["router_reads"], args.services * drift.CHECKS_PER_PERIOD
+        d["reads_done"], d["reads_due"] = d["router_reads"], args.services * args.reads
         d["stand_in_cpu_s"] = router.cpu() - cpu0  # over the warm-up and the period
         out["drift_period_stand_in_router"] = d
     finally:
@@ -667,7 +674,11 @@ def report(f: dict) -> None:
     rows.append(("operator RSS at the end", f"{f['operator_rss_mib']:.0f} MiB"))
     width = max(len(r[0]) for r in rows)
     feedback = "shadow feedback, re-tuned" if f.get("feedback", True) else "no shadow feedback"
-    print(f"operator at scale (tick {f['tick_s']:g} s, period {f['period_s']} s, {f.get('ramps')} ramps, {feedback})")
+    reads = f.get("reads_per_period", 4)  # runs before --reads: four
+    print(
+        f"operator at scale (tick {f['tick_s']:g} s, period {f['period_s']} s, {reads} router reads a period, "
+        f"{f.get('ramps')} ramps, {feedback})"
+    )
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
 
@@ -686,6 +697,14 @@ def main() -> None:
     parser.add_argument("--namespaces", type=int, default=0, help="default: one per 20 services")
     parser.add_argument("--tick", type=float, default=5.0, help="the operator's timer tick (its default: 5 s)")
     parser.add_argument("--period", type=int, default=20, help="spec.planner.periodSeconds (>= 5)")
+    parser.add_argument(
+        "--reads",
+        type=int,
+        default=drift.CHECKS_PER_PERIOD,
+        choices=range(1, drift.MAX_CHECKS_PER_PERIOD + 1),
+        metavar="N",
+        help="router reads per period (`exitplan operator --drift-reads`; default: the operator's)",
+    )
     parser.add_argument(
         "--warmup-periods",
         type=int,

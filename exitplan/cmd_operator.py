@@ -31,6 +31,10 @@ HELP_LISTEN = (
 )
 HELP_ATTEMPTS = "Profiling Jobs per pool and spec generation before the service is left ProfilingFailed."
 HELP_RETRY = "Backoff after the first failed profiling Job (doubled after each further failure)."
+HELP_DRIFT_READS = (
+    "Reads of each service's routers per spec.planner.periodSeconds, 1-12 (default 2; at most one per --tick): "
+    "4 detect a length shift a quarter of a period sooner at about twice the operator's CPU per period."
+)
 HELP_NETPOL = (
     "Give each EarlyExitService its own NetworkPolicies (operator/network_policies.py); the chart turns it on "
     "with networkPolicy.perService, beside its namespace-wide DNS, metrics and bundle-store policies."
@@ -64,6 +68,7 @@ def command(
     network_policies: bool = typer.Option(
         False, "--network-policies/--no-network-policies", envvar="EXITPLAN_NETWORK_POLICIES", help=HELP_NETPOL
     ),
+    drift_reads: int | None = typer.Option(None, min=1, max=12, envvar="EXITPLAN_DRIFT_READS", help=HELP_DRIFT_READS),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at debug level."),
 ) -> None:
     """Run the operator: reconcile EarlyExitServices, profile missing pools, re-plan on drift."""
@@ -80,7 +85,7 @@ def command(
             )
         os.environ["KUBECONFIG"] = str(kubeconfig)
     os.environ["EXITPLAN_TICK_SECONDS"] = str(tick)
-    _export_settings(allow_host_path, namespace, profile_attempts, profile_retry_seconds)
+    _export_settings(allow_host_path, namespace, profile_attempts, profile_retry_seconds, drift_reads)
     os.environ["EXITPLAN_NETWORK_POLICIES"] = "true" if network_policies else "false"  # operator/guards.py
     import kopf
 
@@ -117,7 +122,13 @@ def command(
         )
 
 
-def _export_settings(allow_host_path: list[str], namespace: list[str], attempts: int, retry_seconds: float) -> None:
+def _export_settings(
+    allow_host_path: list[str],
+    namespace: list[str],
+    attempts: int,
+    retry_seconds: float,
+    drift_reads: int | None = None,
+) -> None:
     """The operator's guard-rail settings, in the env its handlers read at startup (operator/guards.py), and that
     this process is the operator's own: its heap is kept frozen (operator/heap.py)."""
     from exitplan.operator import guards, heap
@@ -132,6 +143,8 @@ def _export_settings(allow_host_path: list[str], namespace: list[str], attempts:
     os.environ[guards.ENV_NAMESPACES] = ",".join(namespace)  # pool capacity is accounted over these (empty: all)
     os.environ[guards.ENV_PROFILE_ATTEMPTS] = str(attempts)
     os.environ[guards.ENV_PROFILE_RETRY] = str(retry_seconds)
+    if drift_reads is not None:
+        os.environ[guards.ENV_DRIFT_READS] = str(drift_reads)
 
 
 @app.command("publish-profile")

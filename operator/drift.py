@@ -15,11 +15,11 @@ Statistics and thresholds (spec.planner.drift):
 A window with fewer than MIN_REQUESTS arrivals (length test) or answered requests (survival and
 latency tests) is too small for that test and raises nothing.
 
-What is judged (driftloop.py): the drift loop reads each router CHECKS_PER_PERIOD times a period
-and keeps only what arrived since its last read (`since_last`: the router's counters of the window
-in progress less what the previous read saw, across a window roll); the judged window is the newest
-of those slices covering at least half a period and MIN_REQUESTS arrivals (`recent`). A shift
-therefore fills the judged window half a period after it starts (sooner when its share alone
+What is judged (driftloop.py): the drift loop reads each router CHECKS_PER_PERIOD times a period (the
+operator's setting, guards.Settings.drift_reads) and keeps only what arrived since its last read
+(`since_last`: the router's counters of the window in progress less what the previous read saw, across a
+window roll); the judged window is the newest of those slices covering at least half a period and
+MIN_REQUESTS arrivals (`recent`). A shift therefore fills the judged window half a period after it starts (sooner when its share alone
 crosses the limit), not after a whole router window has closed and been read.
 Precedence when several limits are crossed: slo-risk, length-drift, survival-drift; then
 plan-mismatch (plan_accuracy.py: measured goodput persistently off the plan's under load; driftloop.py
@@ -50,8 +50,13 @@ from exitplan.operator.status import DriftReport, iso_ms, now_iso
 from exitplan.planner.forecast import forecast_survival as planner_forecast
 
 MIN_REQUESTS = 50
-CHECKS_PER_PERIOD = 4
-"""Router reads per spec.planner.periodSeconds (bounded below by the timer tick)."""
+CHECKS_PER_PERIOD = 2
+"""Router reads per spec.planner.periodSeconds by default (the operator's setting: guards.Settings.drift_reads;
+bounded below by the timer tick). Two keep a length shift's re-plan within one period of its start plus the plan
+and the apply (driftloop.py); four bring it to 3/4 of a period at twice the operator's CPU per period
+(bench/operator_scale.py --reads: 200 services, BENCHMARKS.md issue 31)."""
+MAX_CHECKS_PER_PERIOD = 12
+"""The most reads per period the setting accepts."""
 JUDGED_PERIODS = 0.5
 """The judged window covers at least this many periods (and MIN_REQUESTS arrivals)."""
 KEEP_PERIODS = 2.0

@@ -130,9 +130,11 @@ class DriftState:
     Times are time.monotonic() seconds; None: never."""
 
     last_check: float | None = None
-    """When the routers were last read (on a grid of period / drift.CHECKS_PER_PERIOD)."""
+    """When the routers were last read (on a grid of period / the operator's drift_reads)."""
     seen: dict[str, Observations] = field(default_factory=dict)
     """Router URL -> that router's window in progress as the last read saw it (drift.since_last)."""
+    closed: dict[str, Observations] = field(default_factory=dict)
+    """Router URL -> that router's last closed window as last read (not parsed again while it is the last)."""
     routers: Routers | None = None
     """The routers' addresses as last looked up (None: look them up at the next read)."""
     urls_looked_up: float = 0.0

@@ -60,12 +60,14 @@ def write_due(
     *,
     says_other: bool,
     figures_moved: bool,
+    reads: int = drift.CHECKS_PER_PERIOD,
 ) -> bool:
     """Whether a read writes the status. `written_at`: when the loop last wrote it (None: never); `says_other`:
-    the status says something else than before the read (what_status_says); `figures_moved`: see `moved`."""
+    the status says something else than before the read (what_status_says); `figures_moved`: see `moved`;
+    `reads`: the loop's reads per period."""
     if says_other or written_at is None:
         return True
-    since = now - written_at + period / (2 * drift.CHECKS_PER_PERIOD)  # reads jitter around their grid
+    since = now - written_at + period / (2 * reads)  # reads jitter around their grid
     return since >= period and (figures_moved or since >= refresh_seconds(period))
 
 

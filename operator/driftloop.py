@@ -1,7 +1,8 @@
-"""The drift loop (each service's timer tick: handlers.ticks). The loop reads every router CHECKS_PER_PERIOD
-times a period (drift.py) and keeps what arrived since its previous read: the router's window in progress
-(`/v1/observations?window=current`) less what the previous read saw of it, plus the rest of that
-window when it closed meanwhile (`/v1/observations`, the last closed window). The judged window is
+"""The drift loop (each service's timer tick: handlers.ticks). The loop reads every router drift_reads times a
+period (the operator's setting, guards.Settings; default drift.CHECKS_PER_PERIOD = 2) and keeps what arrived
+since its previous read: the router's window in progress (`/v1/observations?window=current`) less what the
+previous read saw of it, plus the rest of that window when it closed meanwhile (`/v1/observations`, the last
+closed window, parsed once: a closed window no longer changes). The judged window is
 the newest of those slices covering half a period and drift.MIN_REQUESTS arrivals, judged once per
 read that brought new arrivals; a limit crossed re-plans, with a cooldown and a cap on how many
 replicas move at once (the rest follows in steps, one per period once the previous step is rolled
@@ -15,8 +16,10 @@ drift_policy.DriftState (kept in kopf's per-object memo under STATE_KEY).
 
 Why a length shift is re-planned within two periods (P): from its start at t, the judged window
 holds only shifted arrivals by t + P/2 (given MIN_REQUESTS arrivals by then; a mix crosses the
-limit sooner), a read falls at most P/4 (or one timer tick, if longer) later, and the plan and the
-apply follow at once: t + 3P/4 + plan + apply. Router windows (one period long) matter only for
+limit sooner), a read falls at most P/n later (n = drift_reads; or one timer tick, if longer), and
+the plan and the apply follow at once: t + P/2 + P/n + plan + apply -- t + P + plan + apply at the
+default two reads, t + 3P/4 at four (which cost about twice the operator's CPU per period at 200
+services: BENCHMARKS.md, issue 31). Router windows (one period long) matter only for
 how much history a read can recover: a read sees the window in progress and the one before it.
 
 Each read also feeds the comparison of measured with planned goodput (plan_accuracy.py: condition
@@ -119,10 +122,13 @@ async def read_routers(
     timeout: float = 5.0,
     token: str | None = None,
     session: aiohttp.ClientSession | None = None,
+    closed: dict[str, Observations] | None = None,
 ) -> RouterRead:
     """One read of the routers. `seen` (router URL -> that router's window in progress as last read) is
     updated in place; `urls`: the routers (default: looked up); `token`: the control token (default: read);
-    `session`: connections to keep (default: one per read)."""
+    `session`: connections to keep (default: one per read); `closed` (router URL -> its last closed window as
+    last read, updated in place): a closed window read again is not parsed again."""
+    closed = {} if closed is None else closed
     urls = await router_urls(svc) if urls is None else urls
     if token is None:
         token = await router_token(svc) if urls else None
@@ -130,21 +136,22 @@ async def read_routers(
     for url in urls:
         try:
             async with ControlClient(url, timeout_s=timeout, token=token, session=session) as router:
-                closed, current = await router.recent_observations()  # one request (two for an older router)
+                last, current = await router.recent_observations(closed.get(url))  # one request (two: an older router)
         except ControlError as err:
             notes.append(str(err))  # the URL and what failed
             refused = refused or err.status in (401, 403)
             continue
-        windows = [closed, current]  # before the first roll `closed` is the window in progress too
+        closed[url] = last
+        windows = [last, current]  # before the first roll `last` is the window in progress too
         piece = drift.since_last(windows, seen.get(url))
         newest = max(windows, key=lambda w: (w.since, w.until))
         seen[url] = newest
         latest.append(newest)
         if piece is not None:
             slices.append(piece)
-    for url in list(seen):
-        if url not in urls:
-            del seen[url]
+    for kept in (seen, closed):
+        for url in [u for u in kept if u not in urls]:
+            del kept[url]
     piece = drift.combine(slices) if slices else None
     return RouterRead(piece, drift.combine(latest) if latest else None, "; ".join(notes), len(latest), refused)
 
@@ -201,7 +208,8 @@ async def _read(
     if state.router_token is None and state.routers.urls:  # first read, or a router refused the last one's
         state.router_token = await router_token(svc)
     session = getattr(svc.memo, "router_session", None)  # the operator's (handlers.configure), if it has one
-    read = await read_routers(svc, state.seen, state.routers.urls, token=state.router_token, session=session)
+    urls, token = state.routers.urls, state.router_token
+    read = await read_routers(svc, state.seen, urls, token=token, session=session, closed=state.closed)
     piece, latest, note = read.piece, read.latest, read.note
     shortfall = state.routers.shortfall(read.answered)
     if read.refused:
@@ -327,17 +335,24 @@ def _spec(svc: Service, memo: Any) -> EarlyExitServiceSpec | None:
     return spec
 
 
+UNPLANNED = (Phase.profiling.value, Phase.pending.value)
+"""Phases with no plan to judge yet: the loop does not read the routers."""
+
+
 async def check_drift(svc: Service, memo: Any) -> None:
-    """One drift-loop read (the timer calls it every tick; it reads CHECKS_PER_PERIOD times a period):
+    """One drift-loop read (the timer calls it every tick; it reads the settings' drift_reads times a period):
     read the routers, score the judged window, ask drift_policy.decide, carry its Action out."""
-    status = parse_status(svc.body.get("status"))
+    written = svc.body.get("status") or {}  # as the API has it: parsed only for a read that is due
     spec = _spec(svc, memo)
-    if spec is None or status.phase in (Phase.profiling, Phase.pending) or status.plan is None:
+    if spec is None or written.get("phase") in UNPLANNED or not written.get("plan"):
         return
     state = drift_state(memo)
     period = float(spec.planner.period_seconds)
     now = time.monotonic()
-    if not state.take_read(now, period / drift.CHECKS_PER_PERIOD):
+    if not state.take_read(now, period / svc.settings.drift_reads):
+        return
+    status = parse_status(written)
+    if status.plan is None:  # a status of another schema: as without a plan
         return
     piece, latest, shortfall = await _read(svc, state, now, period)
     if shortfall and latest is not None and shortfall != state.shortfall:  # none read yet: starting, logged
@@ -409,6 +424,7 @@ async def _carry_out(
         float(spec.planner.period_seconds),
         says_other=drift_writes.what_status_says(status) != said,
         figures_moved=drift_writes.moved(figures, status.drift),
+        reads=svc.settings.drift_reads,
     )
     if action.write_status and due:
         await svc.write_status(status)

@@ -23,12 +23,13 @@ from dataclasses import dataclass
 
 from exitplan.api.bundle_source import parse_bundle_uri
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec
-from exitplan.operator import names
+from exitplan.operator import drift, names
 
 ENV_ALLOWED = "EXITPLAN_ALLOWED_HOST_PATHS"
 ENV_NAMESPACES = "EXITPLAN_NAMESPACES"
 ENV_PROFILE_ATTEMPTS = "EXITPLAN_PROFILE_ATTEMPTS"
 ENV_PROFILE_RETRY = "EXITPLAN_PROFILE_RETRY_SECONDS"
+ENV_DRIFT_READS = "EXITPLAN_DRIFT_READS"
 ENV_NETWORK_POLICIES = "EXITPLAN_NETWORK_POLICIES"
 ENV_OPERATOR_NAMESPACE = "EXITPLAN_OPERATOR_NAMESPACE"
 ENV_OPERATOR_LABELS = "EXITPLAN_OPERATOR_LABELS"
@@ -55,6 +56,9 @@ class Settings:
     """Profiling Jobs per pool and spec generation before the operator gives up (ProfilingFailed)."""
     profile_retry_seconds: float = 30.0
     """Wait after the first failed profiling Job; doubled after each further failure."""
+    drift_reads: int = drift.CHECKS_PER_PERIOD
+    """Reads of each service's routers per spec.planner.periodSeconds (1 to drift.MAX_CHECKS_PER_PERIOD; at most one
+    per timer tick): more detect a shift sooner (driftloop.py) at more of the operator's CPU per period."""
     network_policies: bool = False
     """Give every service its own NetworkPolicies (network_policies.py; chart value
     networkPolicy.perService). Off unless set: they isolate the pods, and the chart's namespace-wide
@@ -73,6 +77,7 @@ class Settings:
             namespaces=tuple(p for p in (n.strip() for n in env.get(ENV_NAMESPACES, "").split(",")) if p),
             profile_attempts=max(1, int(env.get(ENV_PROFILE_ATTEMPTS) or cls.profile_attempts)),
             profile_retry_seconds=max(0.1, float(env.get(ENV_PROFILE_RETRY) or cls.profile_retry_seconds)),
+            drift_reads=min(drift.MAX_CHECKS_PER_PERIOD, max(1, int(env.get(ENV_DRIFT_READS) or cls.drift_reads))),
             network_policies=env.get(ENV_NETWORK_POLICIES, "").strip().lower() in ("1", "true", "yes", "on"),
             operator_namespace=env.get(ENV_OPERATOR_NAMESPACE, "").strip(),
             operator_labels=label_pairs(env.get(ENV_OPERATOR_LABELS, "")) or OPERATOR_LABELS,

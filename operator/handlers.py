@@ -28,8 +28,8 @@ from exitplan.operator.service_state import SERVICE_MEMOS, Service, forget_servi
 EES, PROFILES, POOLS = "earlyexitservices", "modelprofiles", "gpupools"
 """The plurals of the kinds the handlers watch (group GROUP, version VERSION)."""
 TICK = float(os.environ.get("EXITPLAN_TICK_SECONDS", "5"))
-"""Timer tick: readiness every tick; the routers are read drift.CHECKS_PER_PERIOD times per spec.planner.periodSeconds
-(at most once a tick; driftloop.py)."""
+"""Timer tick: readiness every tick; the routers are read the settings' drift_reads times per
+spec.planner.periodSeconds (at most once a tick; driftloop.py)."""
 
 # Per operator (kopf's operator-wide memo, shared by reference into every object's memo):
 # memo.client, the API client; memo.locks, one asyncio.Lock per (namespace, name); memo.settings,

@@ -68,7 +68,9 @@ drift, the unconfirmed drift alarm, the last look's newest samples): carried fro
 def _tune(
     arrays: FeedbackArrays, ramps: list[str], current: dict[str, float], budget: float, state: autotune.TunerState
 ) -> tuple[autotune.Decision, autotune.TunerState]:
-    """The tuning policy on one feedback window (numpy work: run it off the event loop): the live loop's
+    """The tuning policy on one feedback window, on the event loop (a few milliseconds of numpy once a period per
+    service; a worker thread saved the loop no time and cost CPU of its own -- the hop, and the switches of the GIL
+    while the loop runs, under which a look took 2-3x its CPU alone: BENCHMARKS.md, issue 31): the live loop's
     (`exitplan up`'s) `advance` with its settings, autotune.LIVE. A single look without the state, at
     decide's defaults, tunes to the edge of the window's errors and breaks the budget on the inputs that
     follow (bench/retune_replay.py)."""
@@ -108,7 +110,7 @@ async def _retune_step(
     state: autotune.TunerState = autotune.TunerState(),
     follower: FeedbackFollower | None = None,
 ) -> tuple[autotune.Decision, int | None, autotune.TunerState] | None:
-    """Read every router's feedback (one merged window), decide (in a worker thread, from the tuner's
+    """Read every router's feedback (one merged window), decide (from the tuner's
     `state`) against the thresholds in force -- `in_force`, what the drift read just saw, or else the
     newest set among the routers -- and push new thresholds to every router as the version after the newest
     set when `apply` (`router_fleet`). (decision, the version pushed, or the version in force when it was
@@ -123,7 +125,7 @@ async def _retune_step(
             return None
         current = None if in_force else await fleet_thresholds(clients)
         values = in_force or (current.values if current else {})
-        decision, after = await asyncio.to_thread(_tune, arrays, ramps, values, budget, state)
+        decision, after = _tune(arrays, ramps, values, budget, state)
         version = current.version if current else None
         if decision.thresholds is not None and apply:
             current = current or await fleet_thresholds(clients)  # the version to follow

@@ -1,7 +1,7 @@
 """What the operator keeps per service between handler calls, in kopf's per-object memo: the plan in force as
 last read from its ConfigMap, and the planner's option tables of the service's last plan.
 
-The drift loop asks for the plan in force at every router read (four times a period); it is read from the
+The drift loop asks for the plan in force at every router read (twice a period by default); it is read from the
 API once and kept until this process writes the service's children again (`children_written`, called
 after every apply), or kept as written when this process writes only the plan ConfigMap (`written`: a
 re-tune's thresholds, live_thresholds.persist_thresholds). The planner's OptionCache (planner/problem.py)

@@ -13,7 +13,7 @@ import kmock
 from test_operator_integration import ObservationServer, deployed, publish_endpoint, window
 from test_operator_support import ClusterThread, install_profiles, operator, pool, service, status, wait_for
 
-from exitplan.operator import drift, drift_writes
+from exitplan.operator import drift, drift_writes, guards
 from exitplan.operator.status import Condition, DriftReport, Proposal, ServiceStatus
 
 PERIOD = 5
@@ -62,14 +62,14 @@ class Traffic:
         return {**doc, "since": self.t0, "until": now}
 
 
-def _writes_over(requests: Requests, traffic: Traffic, periods: int) -> tuple[int, int, float]:
-    """(status writes, router reads, seconds) over `periods` periods of reads."""
+def _writes_over(
+    requests: Requests, traffic: Traffic, periods: int, reads: int = drift.CHECKS_PER_PERIOD
+) -> tuple[int, int, float]:
+    """(status writes, router reads, seconds) over `periods` periods of reads (`reads` a period)."""
     writes0, reads0, start = requests.count("status write"), traffic.reads, time.monotonic()
     wait_for(
         f"{periods} periods of reads",
-        lambda: (
-            traffic.reads - reads0 >= periods * drift.CHECKS_PER_PERIOD and time.monotonic() - start > periods * PERIOD
-        ),
+        lambda: traffic.reads - reads0 >= periods * reads and time.monotonic() - start > periods * PERIOD,
         guard=40 * periods,
     )
     return requests.count("status write") - writes0, traffic.reads - reads0, time.monotonic() - start
@@ -106,11 +106,35 @@ def test_the_window_figures_are_written_once_a_period_when_they_move_and_the_ret
     # every read brought new figures; those that moved reached the status about once a period
     writes, reads, elapsed = moving
     assert 2 <= writes <= elapsed / PERIOD + 2 < reads, moving
+    assert reads <= (elapsed / PERIOD + 1) * drift.CHECKS_PER_PERIOD, moving  # the default: two reads a period
     # steady figures: written again only as the refresh (every drift_writes.REFRESH_PERIODS periods)
     writes, reads, elapsed = steady
     assert writes <= elapsed / (drift_writes.REFRESH_PERIODS * PERIOD) + 1 < reads, steady
     # the token was read with the first read; neither the reads nor the re-tunes read it again
     assert secrets == 0, secrets
+
+
+def test_the_operator_setting_decides_how_often_a_period_the_routers_are_read(tmp_path):
+    server = ObservationServer()
+    with ClusterThread(tmp_path) as cluster:
+        cluster.create(pool("gpu-a", 4, 3.0))
+        cluster.create(pool("gpu-b", 6, 1.0))
+        ns = "reads"
+        install_profiles(cluster, ns)
+        requests = Requests(cluster)
+        try:
+            with operator(cluster, env={guards.ENV_DRIFT_READS: "4"}):  # `exitplan operator --drift-reads 4`
+                cluster.create(service("minilm", ns, planner=QUIET))
+                wait_for("the plan applied", lambda: deployed(cluster, ns, "minilm"))
+                server.window = window(500, 500)
+                traffic = Traffic(server)
+                publish_endpoint(cluster, ns, "minilm", server)
+                wait_for("a first judged window in status", lambda: status(cluster, ns, "minilm").get("drift"))
+                _, reads, elapsed = _writes_over(requests, traffic, 3, reads=4)
+        finally:
+            server.close()
+    # four reads a period (the tick, 0.5 s here, would allow ten), not the default two
+    assert (elapsed / PERIOD - 1) * 4 <= reads <= (elapsed / PERIOD + 1) * 4, (reads, elapsed)
 
 
 def test_figures_are_written_when_they_read_differently_at_most_once_a_period():

@@ -35,7 +35,7 @@ from test_operator_support import (
 )
 
 from exitplan.api.resources import EarlyExitServiceSpec, GPUPoolSpec, ModelProfileSpec
-from exitplan.operator import builders, capacity, crdgen, guards, names, profiling
+from exitplan.operator import builders, capacity, crdgen, drift, guards, names, profiling
 from exitplan.worker_image import device
 
 
@@ -130,8 +130,13 @@ def test_settings_come_from_the_env_the_operator_command_sets():
             guards.ENV_NAMESPACES: "team-a,team-b",
             guards.ENV_PROFILE_ATTEMPTS: "2",
             guards.ENV_PROFILE_RETRY: "5",
+            guards.ENV_DRIFT_READS: "4",
         }
     )
+    assert settings.drift_reads == 4
+    assert guards.Settings().drift_reads == drift.CHECKS_PER_PERIOD == 2  # the default: two reads a period
+    for given, kept in (("0", 1), ("99", drift.MAX_CHECKS_PER_PERIOD)):  # bounded as `--drift-reads` bounds it
+        assert guards.Settings.from_env({guards.ENV_DRIFT_READS: given}).drift_reads == kept
     assert settings.allowed_host_paths == ("/srv/bundles", "/mnt/shared")  # normalised, deduplicated, absolute only
     assert settings.namespaces == ("team-a", "team-b")
     assert [settings.retry_delay(n) for n in (1, 2, 3)] == [5.0, 10.0, 20.0]
@@ -193,6 +198,8 @@ def test_chart_value_passes_the_allowed_prefixes_to_the_operator_command():
         return cmd.make_context(args[0], list(args[1:]), parent=ctx).params
 
     assert parsed({})["allow_host_path"] == []  # none by default
+    assert parsed({})["drift_reads"] == drift.CHECKS_PER_PERIOD  # the chart's default is the operator's
+    assert parsed({"operator": {"driftReadsPerPeriod": 4}})["drift_reads"] == 4
     prefixes = ["/var/lib/exitplan/bundles", "/mnt/models"]
     assert parsed({"operator": {"allowedHostPathPrefixes": prefixes}})["allow_host_path"] == prefixes
     # The kind end-to-end allows the directory its service's bundle is mounted from.

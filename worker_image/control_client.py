@@ -103,10 +103,12 @@ class ControlClient:
                 f"{self.base_url}{route}", f"not an observation window: {err.errors()[0]['msg']}"
             ) from err
 
-    async def recent_observations(self) -> tuple[Observations, Observations]:
+    async def recent_observations(self, known: Observations | None = None) -> tuple[Observations, Observations]:
         """(the last closed window, the one in progress) in one request where the router serves
         ``?window=both``; a router that predates it ignores the query and answers its closed window (or
-        refuses it with 400/404), and the windows are asked for on their own."""
+        refuses it with 400/404), and the windows are asked for on their own. `known`: the closed window an
+        earlier read of this router returned; a closed window no longer changes, so one with its bounds is
+        returned as it is rather than parsed again (the drift loop reads each router several times per window)."""
         route = "/v1/observations?window=both"
         try:
             body = await self._request("GET", route)
@@ -117,7 +119,12 @@ class ControlClient:
         try:
             doc = orjson.loads(body)
             if isinstance(doc, dict) and set(doc) == {"closed", "current"}:
-                return Observations.model_validate(doc["closed"]), Observations.model_validate(doc["current"])
+                current = Observations.model_validate(doc["current"])
+                if known is not None and _bounds(doc["closed"]) == (known.since, known.until) != _bounds(
+                    doc["current"]
+                ):
+                    return known, current
+                return Observations.model_validate(doc["closed"]), current
             closed = Observations.model_validate(doc)
         except (orjson.JSONDecodeError, ValidationError) as err:
             msg = err.errors()[0]["msg"] if isinstance(err, ValidationError) else str(err)
@@ -164,3 +171,8 @@ class ControlClient:
     async def push_set(self, new: ThresholdSet, reason: str) -> ThresholdSet:
         """Push a whole versioned set (replacing, at its version)."""
         return await self.push_thresholds(new.values, reason, replace=True, version=new.version)
+
+
+def _bounds(doc: object) -> tuple[object, object] | None:
+    """(since, until) of a window as the router answered it (None: not a window)."""
+    return (doc.get("since"), doc.get("until")) if isinstance(doc, dict) else None
