@@ -6,6 +6,13 @@ and `lastTimestamp` instead of adding another, so `kubectl get events` and `kube
 show one line, "x17 over 3m", not seventeen. Reports are posted in the background, in order, one at a
 time (`Service.event` is called from synchronous code); an Event that went meanwhile (a server's TTL)
 is created again. Messages are cut to 1024 characters, the middle elided, as kopf cut them.
+
+Normal reports are rate-limited per object and reason, as client-go's spam filter limits them per object
+(a token bucket: a burst of BURST, then one every REFILL_SECONDS; the rest are logged, not posted): a
+routine report that recurs with new figures each time -- ThresholdsTuned, once a period per service at
+most -- would otherwise be an API write per service and period (at 200 services, a third of the
+operator's API traffic). Per reason, so that a chatty one never silences another; Warnings are never
+limited.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import collections
 import datetime as dt
 import logging
 import os
+import time
 import weakref
 
 from exitplan.api.manifest import Manifest
@@ -26,6 +34,9 @@ COMPONENT = "exitplan-operator"
 MAX_MESSAGE = 1024
 REMEMBERED = 4096
 """Distinct events kept for aggregation (least recently reported dropped)."""
+BURST, REFILL_SECONDS = 25, 300.0
+"""Normal reports of one reason about one object: at most BURST at once, then one every REFILL_SECONDS
+(client-go's EventSourceObjectSpamFilter: 25, one per 5 minutes)."""
 
 Key = tuple[str, str, str, str, str, str, str]
 
@@ -82,9 +93,40 @@ class EventRecorder:
         """(object, type, reason, message) -> (the Event's name, its count)."""
         self._locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.tokens: collections.OrderedDict[tuple[str, ...], tuple[float, float]] = collections.OrderedDict()
+        """(object, reason) -> (tokens left, when counted) of its Normal reports."""
+
+    def allowed(self, obj: Manifest, kind: str, reason: str, now: float | None = None) -> bool:
+        """Whether a report may be posted (Warnings always; Normal ones within their object's and reason's
+        bucket), and one token taken if so."""
+        if kind != "Normal":
+            return True
+        ref, now = reference(obj), time.monotonic() if now is None else now
+        key = (ref["namespace"], ref.get("kind", ""), ref.get("name", ""), ref.get("uid", ""), reason)
+        left, then = self.tokens.get(key, (float(BURST), now))
+        left = min(float(BURST), left + (now - then) / REFILL_SECONDS)
+        allowed = left >= 1.0
+        self.tokens[key] = (left - 1.0 if allowed else left, now)
+        self.tokens.move_to_end(key)
+        while len(self.tokens) > REMEMBERED:
+            self.tokens.popitem(last=False)
+        return allowed
 
     def record(self, client: KubeClient, obj: Manifest, kind: str, reason: str, message: str) -> None:
-        """Post in the background (the caller's event loop); nothing to await, nothing raised."""
+        """Post in the background (the caller's event loop); nothing to await, nothing raised. A Normal report
+        over its rate (`allowed`) is logged instead."""
+        if not self.allowed(obj, kind, reason):
+            name = (obj.get("metadata") or {}).get("name", "")
+            log.debug(
+                "event %s %s about %s not posted (past a burst of %d, one per %.0f s): %s",
+                kind,
+                reason,
+                name,
+                BURST,
+                REFILL_SECONDS,
+                message,
+            )
+            return
         loop = asyncio.get_running_loop()
         lock = self._locks.setdefault(loop, asyncio.Lock())
         task = loop.create_task(self._post(client, lock, obj, kind, reason, cut(message)))

@@ -5,9 +5,12 @@ and a plan's reason reads the same in its status, its event and its metric after
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ from test_operator_status_columns import _replans
 from test_operator_support import ClusterThread, condition, install_profiles, operator, pool, service, status, wait_for
 
 from exitplan.api.termination import error_line, log_tail
-from exitplan.operator.events import RECORDER, cut
+from exitplan.operator.events import BURST, RECORDER, REFILL_SECONDS, EventRecorder, cut
 
 NS = "events"
 
@@ -93,6 +96,30 @@ def test_repeated_events_aggregate_and_kubectl_describe_lists_them(cluster, tmp_
     header = listed.stdout.splitlines()[0].split()
     assert header == ["LAST", "SEEN", "TYPE", "REASON", "OBJECT", "MESSAGE"], listed.stdout
     assert "earlyexitservice/agg" in listed.stdout
+
+
+def test_a_recurring_normal_report_is_rate_limited_per_object_and_reason_and_warnings_never_are(cluster):
+    recorder = EventRecorder()
+    svc, other = cluster.create(service("chatty", NS)), cluster.create(service("quiet", NS))
+
+    async def report(times: int) -> None:
+        for i in range(times):  # each with new figures: a new Event each, as ThresholdsTuned once a period
+            recorder.record(cluster.client, svc, "Normal", "ThresholdsTuned", f"re-tuned: agreement 0.99{i:02d}")
+        recorder.record(cluster.client, svc, "Normal", "Applied", "plan abc (length-drift)")  # another reason
+        recorder.record(cluster.client, other, "Normal", "ThresholdsTuned", "re-tuned: agreement 0.9950")
+        for i in range(BURST + 5):
+            recorder.record(cluster.client, svc, "Warning", "RoutersUnread", f"1 of {i + 2} router replicas answered")
+        await asyncio.gather(*recorder._tasks)
+
+    cluster.run(report(BURST + 10))
+    reasons = collections.Counter(e["reason"] for e in cluster.events(NS, "chatty"))
+    assert reasons == {"ThresholdsTuned": BURST, "Applied": 1, "RoutersUnread": BURST + 5}, reasons
+    assert [e["reason"] for e in cluster.events(NS, "quiet")] == ["ThresholdsTuned"]
+    # the bucket refills: one more every REFILL_SECONDS
+    key_time = time.monotonic()
+    assert not recorder.allowed(svc, "Normal", "ThresholdsTuned", now=key_time)
+    assert recorder.allowed(svc, "Normal", "ThresholdsTuned", now=key_time + REFILL_SECONDS + 1)
+    assert not recorder.allowed(svc, "Normal", "ThresholdsTuned", now=key_time + REFILL_SECONDS + 2)
 
 
 def test_an_slo_patch_reads_spec_change_in_status_event_and_metric(cluster):
