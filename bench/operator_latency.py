@@ -9,7 +9,7 @@
 The operator runs as `exitplan operator` (a process, kopf standalone, tick 1 s); profiles are the
 synthetic ones of the tests; observations come from a small HTTP server (a crafted window).
 
-    python bench/operator_latency.py [--services 5] [--json PATH]
+    python bench/operator_latency.py [--services 5] [--drift-reads N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--services", type=int, default=5, help="services measured (one namespace each)")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    parser.add_argument("--drift-reads", type=int, help="router reads a period (`exitplan operator --drift-reads`)")
     args = parser.parse_args()
     if shutil.which("kubectl") is None:
         sys.exit("kubectl is needed (the measurement starts at `kubectl apply`)")
@@ -80,6 +81,7 @@ def main() -> None:
                 "0",
                 "--allow-host-path",  # the services' bundle is /models/minilm (tests/test_operator_support.service)
                 "/models",
+                *(["--drift-reads", str(args.drift_reads)] if args.drift_reads else []),
             ],
             stdout=open(tmp / "operator.log", "wb"),
             stderr=subprocess.STDOUT,
@@ -89,7 +91,8 @@ def main() -> None:
             for i in range(args.services):
                 ns = f"bench{i}"
                 install_profiles(cluster, ns)
-                drift = {"periodSeconds": 5, "drift": {"cooldownSeconds": 0, "maxMoveFraction": 1.0}}
+                # two replicas each: the services share the pools' 10 GPUs (capacity is accounted over services)
+                drift = {"periodSeconds": 5, "maxReplicas": 2, "drift": {"cooldownSeconds": 0, "maxMoveFraction": 1.0}}
                 manifest = tmp / f"svc{i}.yaml"
                 manifest.write_text(json.dumps(service("minilm", ns, planner=drift)))
                 t0 = time.perf_counter()
@@ -110,7 +113,7 @@ def main() -> None:
                 apply_s.append(time.perf_counter() - t0)
                 obs.window = window(950, 50)
                 t1 = time.perf_counter()
-                publish_endpoint(cluster, ns, "minilm", obs.port)
+                publish_endpoint(cluster, ns, "minilm", obs)
                 wait_for("re-plan applied", lambda: replan_applied(cluster, ns, "minilm"), 120)
                 drift_s.append(time.perf_counter() - t1)
         finally:
