@@ -7,7 +7,10 @@ with the read's token and connections, not a Secret read each time."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import kmock
 from test_operator_integration import ObservationServer, deployed, publish_endpoint, window
@@ -75,32 +78,43 @@ def _writes_over(
     return requests.count("status write") - writes0, traffic.reads - reads0, time.monotonic() - start
 
 
-def test_the_window_figures_are_written_once_a_period_when_they_move_and_the_retune_reuses_the_token(tmp_path):
+@contextlib.contextmanager
+def serving(
+    tmp_path: Path, ns: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[ClusterThread, Requests, Traffic]]:
+    """One service planned by the real operator (`env`: its settings) whose routers' control endpoint is the
+    observation server, answering a window that grows with the clock; yielded once a first judged window is in
+    its status."""
     server = ObservationServer()
     with ClusterThread(tmp_path) as cluster:
         cluster.create(pool("gpu-a", 4, 3.0))
         cluster.create(pool("gpu-b", 6, 1.0))
-        ns = "writes"
         install_profiles(cluster, ns)
         requests = Requests(cluster)
         try:
-            with operator(cluster):
+            with operator(cluster, env=env):
                 cluster.create(service("minilm", ns, planner=QUIET))
                 wait_for("the plan applied", lambda: deployed(cluster, ns, "minilm"))
                 server.window = window(500, 500)
                 traffic = Traffic(server)
-                traffic.swing = 0.4  # MEASURED swings between 100 and 40 req/s
                 publish_endpoint(cluster, ns, "minilm", server)
                 wait_for("a first judged window in status", lambda: status(cluster, ns, "minilm").get("drift"))
-                secrets0 = requests.count("secret read")
-                moving = _writes_over(requests, traffic, 3)
-                traffic.swing = 1.0  # steady from now on: the figures stop moving
-                _writes_over(requests, traffic, 1)  # the judged window forgets the swings
-                steady = _writes_over(requests, traffic, 3)
-                secrets = requests.count("secret read") - secrets0
-                st = status(cluster, ns, "minilm")
+                yield cluster, requests, traffic
         finally:
             server.close()
+
+
+def test_the_window_figures_are_written_once_a_period_when_they_move_and_the_retune_reuses_the_token(tmp_path):
+    ns = "writes"
+    with serving(tmp_path, ns) as (cluster, requests, traffic):
+        traffic.swing = 0.4  # MEASURED swings between 100 and 40 req/s
+        secrets0 = requests.count("secret read")
+        moving = _writes_over(requests, traffic, 3)
+        traffic.swing = 1.0  # steady from now on: the figures stop moving
+        _writes_over(requests, traffic, 1)  # the judged window forgets the swings
+        steady = _writes_over(requests, traffic, 3)
+        secrets = requests.count("secret read") - secrets0
+        st = status(cluster, ns, "minilm")
     assert st["drift"]["requests"] > 0 and not st["drift"]["trigger"], st["drift"]
     assert not st.get("proposal") and st.get("lastReplanReason", "") in ("", "initial"), st
     # every read brought new figures; those that moved reached the status about once a period
@@ -115,26 +129,10 @@ def test_the_window_figures_are_written_once_a_period_when_they_move_and_the_ret
 
 
 def test_the_operator_setting_decides_how_often_a_period_the_routers_are_read(tmp_path):
-    server = ObservationServer()
-    with ClusterThread(tmp_path) as cluster:
-        cluster.create(pool("gpu-a", 4, 3.0))
-        cluster.create(pool("gpu-b", 6, 1.0))
-        ns = "reads"
-        install_profiles(cluster, ns)
-        requests = Requests(cluster)
-        try:
-            with operator(cluster, env={guards.ENV_DRIFT_READS: "4"}):  # `exitplan operator --drift-reads 4`
-                cluster.create(service("minilm", ns, planner=QUIET))
-                wait_for("the plan applied", lambda: deployed(cluster, ns, "minilm"))
-                server.window = window(500, 500)
-                traffic = Traffic(server)
-                publish_endpoint(cluster, ns, "minilm", server)
-                wait_for("a first judged window in status", lambda: status(cluster, ns, "minilm").get("drift"))
-                _, reads, elapsed = _writes_over(requests, traffic, 3, reads=4)
-        finally:
-            server.close()
-    # four reads a period (the tick, 0.5 s here, would allow ten), not the default two
-    assert (elapsed / PERIOD - 1) * 4 <= reads <= (elapsed / PERIOD + 1) * 4, (reads, elapsed)
+    with serving(tmp_path, "reads", env={guards.ENV_DRIFT_READS: "4"}) as (_, requests, traffic):  # --drift-reads 4
+        _, reads, elapsed = _writes_over(requests, traffic, 3, reads=4)
+    # four reads a period: more than the default two could make in that time, fewer than the tick (0.5 s) allows
+    assert (elapsed / PERIOD + 1) * drift.CHECKS_PER_PERIOD < reads <= (elapsed / PERIOD + 1) * 4, (reads, elapsed)
 
 
 def test_figures_are_written_when_they_read_differently_at_most_once_a_period():
