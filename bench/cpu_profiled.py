@@ -12,9 +12,12 @@ it while it runs (a coroutine: only its own steps, not the other tasks that run 
 so a coroutine that runs for good counts too), and
 OUT.<n>.sections.json holds, per function, its calls and its inclusive CPU seconds. Wrapping a few large
 functions costs little (cProfile's hook on every call inflates small Python functions ~3x, which skews
-its shares); a function called inside another is counted in both. Name the per-service tick
-(`exitplan.operator.handlers:tick`), not kopf's `_daemon` around it: with `_daemon` wrapped, the daemons'
-waits between ticks ended early (ten times the ticks, session 22), so that run measured another load.
+its shares); a function called inside another is counted in both. Wrap synchronous functions, or coroutines
+that run inside a read (`exitplan.operator.driftloop:_read`), never a coroutine the per-service daemon's loop
+awaits between its waits (kopf's `_daemon`, `handlers:tick`, `driftloop:on_tick`, `check_drift`): with one of
+those wrapped the daemons ticked about ten times as often (sessions 22 and 23: 39 ticks per service and period
+for 4), so the run measured another load. Count ticks with a synchronous function called once a tick
+(`exitplan.operator.driftloop:_spec`).
 
 With --garbage, no profiler: the collector keeps what it finds (gc.DEBUG_SAVEALL) while switched on, and
 OUT.<n>.garbage.json counts those objects by type, and the frames among them by their function (which code

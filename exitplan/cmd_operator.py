@@ -33,7 +33,7 @@ HELP_ATTEMPTS = "Profiling Jobs per pool and spec generation before the service 
 HELP_RETRY = "Backoff after the first failed profiling Job (doubled after each further failure)."
 HELP_DRIFT_READS = (
     "Reads of each service's routers per spec.planner.periodSeconds, 1-12 (default 2; at most one per --tick): "
-    "4 detect a length shift a quarter of a period sooner at about twice the operator's CPU per period."
+    "4 detect a length shift a quarter of a period sooner, at ~1.4x the operator's CPU per period."
 )
 HELP_NETPOL = (
     "Give each EarlyExitService its own NetworkPolicies (operator/network_policies.py); the chart turns it on "

@@ -53,7 +53,7 @@ MIN_REQUESTS = 50
 CHECKS_PER_PERIOD = 2
 """Router reads per spec.planner.periodSeconds by default (the operator's setting: guards.Settings.drift_reads;
 bounded below by the timer tick). Two keep a length shift's re-plan within one period of its start plus the plan
-and the apply (driftloop.py); four bring it to 3/4 of a period at twice the operator's CPU per period
+and the apply (driftloop.py); four bring it to 3/4 of a period at ~1.4x the operator's CPU per period
 (bench/operator_scale.py --reads: 200 services, BENCHMARKS.md issue 31)."""
 MAX_CHECKS_PER_PERIOD = 12
 """The most reads per period the setting accepts."""

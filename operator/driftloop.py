@@ -18,7 +18,7 @@ Why a length shift is re-planned within two periods (P): from its start at t, th
 holds only shifted arrivals by t + P/2 (given MIN_REQUESTS arrivals by then; a mix crosses the
 limit sooner), a read falls at most P/n later (n = drift_reads; or one timer tick, if longer), and
 the plan and the apply follow at once: t + P/2 + P/n + plan + apply -- t + P + plan + apply at the
-default two reads, t + 3P/4 at four (which cost about twice the operator's CPU per period at 200
+default two reads, t + 3P/4 at four (which cost the operator ~1.4x the CPU per period at 200
 services: BENCHMARKS.md, issue 31). Router windows (one period long) matter only for
 how much history a read can recover: a read sees the window in progress and the one before it.
 
