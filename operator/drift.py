@@ -19,8 +19,8 @@ What is judged (driftloop.py): the drift loop reads each router CHECKS_PER_PERIO
 operator's setting, guards.Settings.drift_reads) and keeps only what arrived since its last read
 (`since_last`: the router's counters of the window in progress less what the previous read saw, across a
 window roll); the judged window is the newest of those slices covering at least half a period and
-MIN_REQUESTS arrivals (`recent`). A shift therefore fills the judged window half a period after it starts (sooner when its share alone
-crosses the limit), not after a whole router window has closed and been read.
+MIN_REQUESTS arrivals (`recent`). A shift therefore fills the judged window half a period after it starts
+(sooner when its share alone crosses the limit), not after a whole router window has closed and been read.
 Precedence when several limits are crossed: slo-risk, length-drift, survival-drift; then
 plan-mismatch (plan_accuracy.py: measured goodput persistently off the plan's under load; driftloop.py
 adds it to a report that raised nothing else).

@@ -271,7 +271,7 @@ class FeedbackArrays:
     def from_npz(cls, body: bytes) -> FeedbackArrays:
         """The arrays of a /v1/window.npz body; ValueError, KeyError or OSError when it is not one. Each member is
         read whole by numpy's own .npy reader (np.lib.format.read_array); np.load's lazy NpzFile, which opens a
-        member at each look-up, took twice as long (the operator reads one such body per service and period)."""
+        member at each look-up, took 1.2-1.6x as long (the operator reads one such body per service and period)."""
         try:
             with zipfile.ZipFile(io.BytesIO(body)) as archive:
                 data = {
