@@ -68,10 +68,10 @@ drift, the unconfirmed drift alarm, the last look's newest samples): carried fro
 def _tune(
     arrays: FeedbackArrays, ramps: list[str], current: dict[str, float], budget: float, state: autotune.TunerState
 ) -> tuple[autotune.Decision, autotune.TunerState]:
-    """The tuning policy on one feedback window, on the event loop (a few milliseconds of numpy once a period per
-    service; a worker thread saved the loop no time and cost CPU of its own -- the hop, and the switches of the GIL
-    while the loop runs, under which a look took 2-3x its CPU alone: BENCHMARKS.md, issue 31): the live loop's
-    (`exitplan up`'s) `advance` with its settings, autotune.LIVE. A single look without the state, at
+    """The tuning policy on one feedback window, on the event loop: a few milliseconds of numpy once a period per
+    service. A worker thread saved the loop no time and cost CPU of its own -- the hop, and the GIL's hand-overs
+    while the loop runs, under which a look took up to 5-8x its CPU (bench/retune_cpu.py; BENCHMARKS.md, issue
+    31). The live loop's (`exitplan up`'s) `advance` with its settings, autotune.LIVE. A single look without the state, at
     decide's defaults, tunes to the edge of the window's errors and breaks the budget on the inputs that
     follow (bench/retune_replay.py)."""
     window = FeedbackWindow(arrays.conf, arrays.pred, arrays.final, arrays.saving_ms, arrays.cost_ms)
