@@ -120,9 +120,9 @@ class ControlClient:
             doc = orjson.loads(body)
             if isinstance(doc, dict) and set(doc) == {"closed", "current"}:
                 current = Observations.model_validate(doc["current"])
-                closed = _bounds(doc["closed"])
+                bounds = _bounds(doc["closed"])
                 # the same closed window as `known` (and not the window in progress, as before the first roll)
-                if known is not None and closed == (known.since, known.until) and closed != _bounds(doc["current"]):
+                if known is not None and bounds == (known.since, known.until) and bounds != _bounds(doc["current"]):
                     return known, current
                 return Observations.model_validate(doc["closed"]), current
             closed = Observations.model_validate(doc)
