@@ -141,6 +141,9 @@ class Observations(Model):
     agreement_ci_high: float = 1.0
     thresholds: dict[str, float] = Field(default_factory=dict)
     """The thresholds in force at the end of the window."""
+    thresholds_version: Annotated[int, Field(ge=0)] | None = None
+    """Their version (worker_image/threshold_set.py); None from a router that predates it. What a threshold push
+    follows (the version after it), so that a re-tune need not ask the routers for it again."""
     plan_hash: str = ""
 
 

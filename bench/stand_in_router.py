@@ -62,7 +62,12 @@ def ramp_names(plan: Plan) -> list[str]:
 
 
 def steady_window(
-    plan: Plan, period: float, current: bool, now: float, thresholds: dict[str, float] | None = None
+    plan: Plan,
+    period: float,
+    current: bool,
+    now: float,
+    thresholds: dict[str, float] | None = None,
+    version: int | None = None,
 ) -> dict[str, Any]:
     """A router's window at `now` for steady traffic that matches `plan`: the one in progress
     (`current`) or the last closed one; windows are one period long on the wall clock."""
@@ -93,6 +98,7 @@ def steady_window(
         "latency": {"p50Ms": 0.1 * SLO_MS, "p99Ms": 0.3 * SLO_MS},
         "agreement": [{"ramp": r, "samples": shadow, "agree": int(shadow * AGREEMENT)} for r in ramps],
         "thresholds": dict(plan.thresholds if thresholds is None else thresholds),
+        "thresholdsVersion": plan.thresholds_version if version is None else version,
     }
 
 
@@ -186,15 +192,20 @@ class StandIn:
         return web.json_response({"served": self.served, "reads": self.reads})
 
     async def observations(self, request: web.Request, s: Served) -> web.Response:
-        window, now, values = request.query.get("window"), time.time(), s.holder.values
+        window, now, values, version = (
+            request.query.get("window"),
+            time.time(),
+            s.holder.values,
+            s.holder.current.version,
+        )
         if window != "current":
             self.reads += 1  # one closed-window GET per read
         if window == "both":  # as the router answers it: both windows in one answer
-            closed = steady_window(s.plan, self.period, False, now, values)
+            closed = steady_window(s.plan, self.period, False, now, values, version)
             return web.json_response(
-                {"closed": closed, "current": steady_window(s.plan, self.period, True, now, values)}
+                {"closed": closed, "current": steady_window(s.plan, self.period, True, now, values, version)}
             )
-        return web.json_response(steady_window(s.plan, self.period, window == "current", now, values))
+        return web.json_response(steady_window(s.plan, self.period, window == "current", now, values, version))
 
     async def window(self, request: web.Request, s: Served) -> web.Response:
         if not self.feedback:  # as a router before its first shadow sample: an empty window

@@ -13,7 +13,8 @@ A failure in phase 1 or 2 leaves the previous plan serving (its ConfigMap and De
 untouched or only grown); a failure in phase 3 leaves extra capacity, fixed by the next reconcile.
 Each object goes through `apply_one`: GET; 404 -> create (409 on a race -> patch instead);
 otherwise a JSON merge patch carrying `metadata.resourceVersion` (409 on a concurrent write ->
-re-read and retry), skipped when the object already holds every desired field.
+re-read and retry), skipped when the object already holds every desired field. A caller that knows the
+object's resourceVersion (the plan ConfigMap as this process last wrote it) patches without the GET.
 """
 
 from __future__ import annotations
@@ -72,9 +73,24 @@ def _label(obj: Manifest) -> str:
     return f"{obj['kind']}/{obj['metadata']['name']}"
 
 
-async def apply_one(client: KubeClient, desired: Manifest, report: ApplyReport) -> Manifest:
-    """Create or patch one object to hold `desired` (see the module docstring)."""
+async def apply_one(
+    client: KubeClient, desired: Manifest, report: ApplyReport, known_version: str | None = None
+) -> Manifest:
+    """Create or patch one object to hold `desired` (see the module docstring). `known_version`: the object's
+    resourceVersion as this process last read or wrote it, when it changes only what `desired` changes: the
+    patch carries it without the GET first, and a conflict (someone wrote the object since) or its absence
+    falls back to the GET."""
     url = object_path(desired)
+    if known_version:
+        patch = copy.deepcopy({k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "status")})
+        patch["metadata"]["resourceVersion"] = known_version
+        try:
+            patched = await client.merge_patch(url, patch)
+            report.patched.append(_label(desired))
+            return patched
+        except ApiError as err:
+            if err.status not in (404, 409):
+                raise
     for attempt in range(CONFLICT_RETRIES):
         try:
             current = await client.get(url)

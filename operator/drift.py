@@ -223,7 +223,8 @@ def combine(windows: Sequence[Observations]) -> Observations:
     """Several windows (slices in time, or routers) as one: counts add, survival is weighted by
     answered requests, p50/p95/p99 are read from the summed latency histograms (the max where a window
     has none, and per bucket), agreement is recomputed from the summed shadow samples' counts;
-    thresholds, load and plan hash are the newest window's."""
+    thresholds, load and plan hash are the newest window's, the thresholds' version the highest (None when a window
+    has none: a router that predates it)."""
     if len(windows) == 1:
         return windows[0]
     newest = max(windows, key=lambda w: w.until)
@@ -242,6 +243,8 @@ def combine(windows: Sequence[Observations]) -> Observations:
         "errors": _errors(windows, [1] * len(windows)),
         "per_bucket": combine_buckets(windows),
     }
+    versions = [w.thresholds_version for w in windows]
+    fields["thresholds_version"] = None if None in versions else max(v for v in versions if v is not None)
     counted = [w for w in windows if w.requests or w.latency_histogram]
     p99, top = max(w.latency.p99_ms for w in windows), max(w.latency.max_ms for w in windows)
     if counted and all(len(w.latency_histogram) == len(LATENCY_EDGES_MS) + 1 for w in counted):

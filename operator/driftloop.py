@@ -364,6 +364,8 @@ async def check_drift(svc: Service, memo: Any) -> None:
     if plan is None:  # advisory from the start: nothing applied to compare against
         return
     active, plan_hash = spec.planner.mode == Mode.active, plan_memory.content_hash(svc.memo, plan)
+    said, written = drift_writes.what_status_says(status), status.drift  # as stored, before anything below
+    persisted = False  # thresholds written into the plan: its summary in `status`, written below (_carry_out)
     if (
         active
         and latest.thresholds
@@ -371,14 +373,13 @@ async def check_drift(svc: Service, memo: Any) -> None:
         and not same_thresholds(latest.thresholds, plan.thresholds)
     ):
         # the routers run this plan with other thresholds (pushed live): the plan carries them from now on
-        if await write_thresholds(svc, latest.thresholds, "observed on the routers", period, base=plan_hash):
-            plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace) or plan
-            status = parse_status(svc.body.get("status"))
-    elif active and await write_pending(svc, period, plan_hash):  # a re-tune's set that waited its turn
+        source = "observed on the routers"
+        persisted = await write_thresholds(svc, latest.thresholds, source, period, base=plan_hash, status=status)
+    elif active:  # a re-tune's set that waited its turn
+        persisted = await write_pending(svc, period, plan_hash, status)
+    if persisted:
         plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace) or plan
-        status = parse_status(svc.body.get("status"))
     plan_hash = plan_memory.content_hash(svc.memo, plan)  # the same unless a write above changed the plan
-    said, written = drift_writes.what_status_says(status), status.drift
     report = await _judge(svc, state, spec, plan, piece, status, period, plan_hash)
     action = decide(
         state,
@@ -395,7 +396,7 @@ async def check_drift(svc: Service, memo: Any) -> None:
         utc_now=dt.datetime.now(dt.UTC),
     )
     state.record(action, now)
-    await _carry_out(svc, memo, state, spec, status, plan, latest, action, now, (said, written))
+    await _carry_out(svc, memo, state, spec, status, plan, latest, action, now, (said, written), persisted)
 
 
 async def _carry_out(
@@ -409,10 +410,12 @@ async def _carry_out(
     action: Action,
     now: float,
     before: tuple[str, DriftReport | None],
+    persisted: bool = False,
 ) -> None:
     """Do what `decide` chose: the status and event of a hold, a re-plan or step, a background re-tune.
     `before`: what the status said before the read and the figures it showed (drift_writes.py: what changed
-    is written at once, the figures when they moved, at most once a period)."""
+    is written at once, the figures when they moved, at most once a period); `persisted`: the read wrote
+    thresholds into the plan, whose summary `status` carries (written now, whatever `decide` chose)."""
     if action.proposal is not None:
         status.proposal = action.proposal
     if action.clear_proposal:
@@ -426,7 +429,7 @@ async def _carry_out(
         figures_moved=drift_writes.moved(figures, status.drift),
         reads=svc.settings.drift_reads,
     )
-    if action.write_status and due:
+    if (action.write_status or persisted) and due:
         await svc.write_status(status)
         state.drift_written = now
     if action.event is not None:
@@ -437,7 +440,8 @@ async def _carry_out(
             session = getattr(svc.memo, "router_session", None)
             access = RouterAccess(list(state.routers.urls), state.router_token, session)
         lock, in_force = _service_lock(svc, memo), dict(latest.thresholds)
-        state.tune_task = asyncio.create_task(retune(svc, spec, latest.ramps, lock, access, in_force))
+        version = latest.thresholds_version  # the highest the routers hold: a push follows it
+        state.tune_task = asyncio.create_task(retune(svc, spec, latest.ramps, lock, access, in_force, version))
     elif action.plans:
         await _replan(svc, state, spec, status, plan, latest, action, now)
 

@@ -21,16 +21,17 @@ from pydantic import ValidationError
 from exitplan.api.plan import Plan
 from exitplan.api.resources import EarlyExitServiceSpec, Mode
 from exitplan.operator import apply as applying
-from exitplan.operator import builders, control_token, drift_writes, guards, plan_memory
+from exitplan.operator import builders, control_token, drift, drift_writes, guards, plan_memory
 from exitplan.operator.kube import ApiError, path
 from exitplan.operator.ownership import adopt
 from exitplan.operator.router_endpoints import router_urls
 from exitplan.operator.service_state import Service
-from exitplan.operator.status import parse_status, summarize
+from exitplan.operator.status import ServiceStatus, parse_status, summarize
 from exitplan.planner.tuning import autotune
 from exitplan.planner.tuning.feedback import FeedbackWindow, WindowError
 from exitplan.worker_image.control_client import ControlClient, ControlError, FeedbackArrays
 from exitplan.worker_image.router_fleet import FeedbackFollower, fleet_feedback, fleet_thresholds, push_fleet
+from exitplan.worker_image.threshold_set import ThresholdSet
 
 log = logging.getLogger("exitplan.operator.drift")
 TUNE_WINDOW = 1024
@@ -109,13 +110,16 @@ async def _retune_step(
     in_force: dict[str, float] | None = None,
     state: autotune.TunerState = autotune.TunerState(),
     follower: FeedbackFollower | None = None,
+    in_force_version: int | None = None,
 ) -> tuple[autotune.Decision, int | None, autotune.TunerState] | None:
     """Read every router's feedback (one merged window), decide (from the tuner's
     `state`) against the thresholds in force -- `in_force`, what the drift read just saw, or else the
     newest set among the routers -- and push new thresholds to every router as the version after the newest
-    set when `apply` (`router_fleet`). (decision, the version pushed, or the version in force when it was
-    read, else None, and the state to keep once the decision is carried out); None when there is no
-    feedback yet or a step failed. `session`: connections to reuse (the operator's; not closed here)."""
+    set when `apply` (`router_fleet`): after `in_force_version` (the highest the drift read saw) when given
+    with `in_force`, else after the newest set the routers answer now (a GET per router). (decision, the
+    version pushed, or the version in force when it was read, else None, and the state to keep once the
+    decision is carried out); None when there is no feedback yet or a step failed. `session`: connections to
+    reuse (the operator's; not closed here)."""
     clients = [ControlClient(url, timeout_s=TUNE_TIMEOUT, token=token, session=session) for url in urls]
     try:
         arrays, missed = await fleet_feedback(clients, TUNE_WINDOW, follower)
@@ -123,7 +127,10 @@ async def _retune_step(
             log.info("a router's feedback is left out of this re-tune: %s", note)
         if arrays is None:  # no feedback yet
             return None
-        current = None if in_force else await fleet_thresholds(clients)
+        if in_force and in_force_version is not None:  # the drift read's: no GET per router before the push
+            current: ThresholdSet | None = ThresholdSet(dict(in_force), in_force_version)
+        else:
+            current = None if in_force else await fleet_thresholds(clients)
         values = in_force or (current.values if current else {})
         decision, after = _tune(arrays, ramps, values, budget, state)
         version = current.version if current else None
@@ -146,6 +153,7 @@ async def retune(
     lock: asyncio.Lock | None = None,
     access: RouterAccess | None = None,
     in_force: dict[str, float] | None = None,
+    in_force_version: int | None = None,
 ) -> None:
     """Apparate's continual tuning on the routers' shadow-sampled feedback (exitplan.planner.tuning.autotune):
     new thresholds when the ones in force break the accuracy budget or leave savings unclaimed, by the live
@@ -155,7 +163,8 @@ async def retune(
     once per service every 5 periods or 5 minutes), so a router that restarts keeps them. A bundle with no
     exit ramp is the plain model: nothing to tune. `access`: the drift loop's routers, token and connections
     (looked up and read here when None); `in_force`: the thresholds the drift read just saw on them (read
-    here when None or empty)."""
+    here when None or empty) and `in_force_version` the highest version it saw (what a push follows; the
+    routers are asked for it when None: a router that predates it in its observations)."""
     if not ramps:
         return
     if access is None:
@@ -173,7 +182,9 @@ async def retune(
     active = spec.planner.mode == Mode.active
     budget, state = spec.accuracy.max_drop, tuner_state(svc.memo)
     follower = feedback_follower(svc.memo)  # only the samples since the last re-tune cross the wire
-    stepped = await _retune_step(urls, ramps, budget, active, token, session, in_force, state, follower)
+    stepped = await _retune_step(
+        urls, ramps, budget, active, token, session, in_force, state, follower, in_force_version
+    )
     if stepped is None:
         return
     decision, version, after = stepped
@@ -189,9 +200,11 @@ async def retune(
         )
         if active:
             period, source = float(spec.planner.period_seconds), f"tune-{decision.reason}"
-            status = parse_status(svc.body.get("status"))
-            base = status.plan.hash if status.plan else ""  # the plan the routers ran when the tuner decided
-            if isinstance(svc.memo, dict) and not write_due(svc.memo, time.monotonic(), period):
+            # the plan the routers ran when the tuner decided: status.plan.hash as stored (no parse of the status)
+            base = str(((svc.body.get("status") or {}).get("plan") or {}).get("hash") or "")
+            if isinstance(svc.memo, dict) and not write_due(
+                svc.memo, time.monotonic(), period, svc.settings.drift_reads
+            ):
                 _wait(svc.memo, decision.thresholds, version or 0, source, base)  # no list of the service either
                 return
             async with lock or asyncio.Lock():
@@ -212,12 +225,15 @@ WRITTEN_KEY, PENDING_KEY = "thresholds_written", "thresholds_pending"
 newest set that waits for its turn (values, version, source, the content hash of the plan it is for)."""
 
 
-def write_due(memo: Any, now: float, period: float) -> bool:
+def write_due(memo: Any, now: float, period: float, reads: int = drift.CHECKS_PER_PERIOD) -> bool:
     """Whether thresholds may be written into the plan now: at most once per drift_writes.refresh_seconds
-    (5 periods or 5 minutes). The routers hold every pushed set meanwhile (versioned, passed between them),
-    so only a restart of every router at once within that time falls back to the set written before."""
+    (5 periods or 5 minutes), less half the time between two of the drift loop's reads (`reads` a period),
+    as the drift loop's refresh of its figures (drift_writes.write_due) counts it: the two then fall on the same
+    read and go out as one status write (driftloop.check_drift). The routers hold every pushed set meanwhile
+    (versioned, passed between them), so only a restart of every router at once within that time falls back
+    to the set written before."""
     written = memo.get(WRITTEN_KEY) if isinstance(memo, dict) else None
-    return written is None or now - written >= drift_writes.refresh_seconds(period)
+    return written is None or now - written + period / (2 * reads) >= drift_writes.refresh_seconds(period)
 
 
 def _wait(memo: dict[str, Any], thresholds: dict[str, float], version: int, source: str, base: str) -> None:
@@ -226,25 +242,33 @@ def _wait(memo: dict[str, Any], thresholds: dict[str, float], version: int, sour
 
 
 async def write_thresholds(
-    svc: Service, thresholds: dict[str, float], source: str, period: float, version: int = 0, base: str = ""
+    svc: Service,
+    thresholds: dict[str, float],
+    source: str,
+    period: float,
+    version: int = 0,
+    base: str = "",
+    status: ServiceStatus | None = None,
 ) -> bool:
     """`persist_thresholds` when `write_due`, else the set waits in the memo as the newest to write
-    (`write_pending` writes it when due, into the plan whose content hash is `base`). True when written now."""
+    (`write_pending` writes it when due, into the plan whose content hash is `base`). True when written now.
+    `status`: see persist_thresholds."""
     now, memo = time.monotonic(), svc.memo if isinstance(svc.memo, dict) else None
-    if memo is not None and not write_due(memo, now, period):
+    if memo is not None and not write_due(memo, now, period, svc.settings.drift_reads):
         _wait(memo, thresholds, version, source, base)
         return False
-    written = await persist_thresholds(svc, thresholds, source, version)
+    written = await persist_thresholds(svc, thresholds, source, version, status)
     if memo is not None:
         memo[WRITTEN_KEY] = now  # written, or found already in the plan
         memo.pop(PENDING_KEY, None)
     return written
 
 
-async def write_pending(svc: Service, period: float, plan_hash: str) -> bool:
+async def write_pending(svc: Service, period: float, plan_hash: str, status: ServiceStatus | None = None) -> bool:
     """Write the set that waits (the newest a re-tune pushed while a write was not due) when due, into the
     plan in force (content hash `plan_hash`); dropped when that is another plan than the one it was pushed
-    for (a re-plan since: the new plan's own thresholds became the routers' next version)."""
+    for (a re-plan since: the new plan's own thresholds became the routers' next version). `status`: see
+    persist_thresholds."""
     pending = svc.memo.get(PENDING_KEY) if isinstance(svc.memo, dict) else None
     if pending is None:
         return False
@@ -252,17 +276,22 @@ async def write_pending(svc: Service, period: float, plan_hash: str) -> bool:
     if base and base != plan_hash:
         svc.memo.pop(PENDING_KEY, None)
         return False
-    if not write_due(svc.memo, time.monotonic(), period):
+    if not write_due(svc.memo, time.monotonic(), period, svc.settings.drift_reads):
         return False
-    return await write_thresholds(svc, values, source, period, version, base)
+    return await write_thresholds(svc, values, source, period, version, base, status)
 
 
-async def persist_thresholds(svc: Service, thresholds: dict[str, float], source: str, version: int = 0) -> bool:
+async def persist_thresholds(
+    svc: Service, thresholds: dict[str, float], source: str, version: int = 0, status: ServiceStatus | None = None
+) -> bool:
     """Write `thresholds` into the plan in force when they differ from the plan's, with their `version` (the
     routers' set: a router that restarts reads it and keeps the version): the plan ConfigMap (plan.json and
     its plan hash) and status.plan; the other children are built from the plan less its thresholds
     (Plan.layout_hash) and stay as they are. The same cells, not a re-plan (no lastReplanTime). True when
-    written. Call under the service's lock (a concurrent re-plan must not be overwritten)."""
+    written. Call under the service's lock (a concurrent re-plan must not be overwritten). `status`: the
+    service's status as the caller will write it in the same step (the drift loop's read): its plan summary
+    is changed here and the caller writes it -- one status write and one watch event, not two; without it
+    the status is written here."""
     plan = await plan_memory.plan_in_force(svc.memo, svc.client, svc.name, svc.namespace)  # read once per plan
     if plan is None or not thresholds or same_thresholds(plan.thresholds, thresholds):
         return False
@@ -276,15 +305,20 @@ async def persist_thresholds(svc: Service, thresholds: dict[str, float], source:
     updated = plan.model_copy(update={"thresholds": values, "thresholds_version": version})
     configmap = builders.build_configmap(svc.name, svc.namespace, updated)
     adopt([configmap], owner=svc.body)
-    await applying.apply_one(svc.client, configmap, applying.ApplyReport())
+    # the ConfigMap as this process last read or wrote it: patched without a GET first unless written since
+    known = plan_memory.configmap_version(svc.memo)
+    cm = await applying.apply_one(svc.client, configmap, applying.ApplyReport(), known)
     # the plan in force is what the ConfigMap now holds, as a read of it would parse it: no read of it back
-    plan_memory.written(svc.memo, Plan.model_validate_json(configmap["data"]["plan.json"]))
-    status = parse_status(svc.body.get("status"))
+    stored_at = str((cm.get("metadata") or {}).get("resourceVersion") or "")
+    plan_memory.written(svc.memo, Plan.model_validate_json(configmap["data"]["plan.json"]), stored_at)
+    given = status is not None
+    status = status if status is not None else parse_status(svc.body.get("status"))
     ready = {(c.split, c.bucket, c.pool): c.ready_replicas for c in (status.plan.cells if status.plan else [])}
     summary = summarize(updated, ready)
     summary.exits = status.plan.exits if status.plan else summary.exits  # the bundle's ramps: unchanged
     status.plan = summary
-    await svc.write_status(status)
+    if not given:
+        await svc.write_status(status)
     log.info(
         "%s/%s: thresholds %s written into plan %s (%s)",
         svc.namespace,

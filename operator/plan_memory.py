@@ -15,7 +15,7 @@ from typing import Any
 
 from exitplan.api.plan import Plan
 from exitplan.operator.kube import KubeClient
-from exitplan.operator.service_state import current_plan
+from exitplan.operator.service_state import current_plan, read_plan
 from exitplan.planner.problem import OptionCache
 
 PLAN_CACHE_KEY = "plan_cache"
@@ -24,19 +24,28 @@ PLAN_IN_FORCE_KEY = "plan_in_force"
 """The per-object memo's key for the plan in force as last read."""
 PLAN_HASH_KEY = "plan_in_force_hash"
 """The per-object memo's key for (the plan in force as last read, its content hash)."""
+CONFIGMAP_VERSION_KEY = "plan_configmap_version"
+"""The per-object memo's key for the plan ConfigMap's resourceVersion as this process last read or wrote it."""
 
 
 async def plan_in_force(memo: Any, client: KubeClient, name: str, namespace: str) -> Plan | None:
-    """`current_plan`, read once and kept in the per-object memo until `children_written`."""
+    """The plan in force (service_state.read_plan), read once and kept in the per-object memo until `children_written`."""
     if memo is None:
         return await current_plan(client, name, namespace)
     kept = memo.get(PLAN_IN_FORCE_KEY)
     if isinstance(kept, Plan):
         return kept
-    plan = await current_plan(client, name, namespace)
+    plan, version = await read_plan(client, name, namespace)
     if plan is not None:
-        memo[PLAN_IN_FORCE_KEY] = plan
+        memo[PLAN_IN_FORCE_KEY], memo[CONFIGMAP_VERSION_KEY] = plan, version
     return plan
+
+
+def configmap_version(memo: Any) -> str | None:
+    """The plan ConfigMap's resourceVersion when this process read or wrote it last and wrote no child since
+    (a write of the ConfigMap alone can then carry it without reading the ConfigMap first); else None."""
+    kept = memo.get(CONFIGMAP_VERSION_KEY) if memo is not None else None
+    return kept if isinstance(kept, str) and kept else None
 
 
 def content_hash(memo: Any, plan: Plan) -> str:
@@ -57,14 +66,16 @@ def children_written(memo: Any) -> None:
     if memo is not None:
         memo.pop(PLAN_IN_FORCE_KEY, None)
         memo.pop(PLAN_HASH_KEY, None)
+        memo.pop(CONFIGMAP_VERSION_KEY, None)
 
 
-def written(memo: Any, plan: Plan) -> None:
+def written(memo: Any, plan: Plan, version: str = "") -> None:
     """After this process wrote `plan` into the plan ConfigMap (and no other child): it is the plan in force,
-    kept without reading the ConfigMap back."""
+    kept without reading the ConfigMap back; `version`: the ConfigMap's resourceVersion as written."""
     if memo is not None:
         memo[PLAN_IN_FORCE_KEY] = plan
         memo.pop(PLAN_HASH_KEY, None)
+        memo[CONFIGMAP_VERSION_KEY] = version
 
 
 def plan_cache(memo: Any) -> OptionCache:

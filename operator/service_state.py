@@ -171,16 +171,22 @@ async def read_inputs(client: KubeClient, spec: EarlyExitServiceSpec, namespace:
 
 async def current_plan(client: KubeClient, name: str, namespace: str) -> Plan | None:
     """The plan the data plane runs now: the plan ConfigMap's plan.json (None before the first apply)."""
+    return (await read_plan(client, name, namespace))[0]
+
+
+async def read_plan(client: KubeClient, name: str, namespace: str) -> tuple[Plan | None, str]:
+    """`current_plan` and the plan ConfigMap's resourceVersion ('' when there is none)."""
     try:
         cm = await client.get(path("ConfigMap", namespace, plan_configmap_name(name)))
     except ApiError as err:
         if err.status == 404:
-            return None
+            return None, ""
         raise
+    version = str((cm.get("metadata") or {}).get("resourceVersion") or "")
     try:
-        return Plan.model_validate_json((cm.get("data") or {}).get("plan.json", ""))
+        return Plan.model_validate_json((cm.get("data") or {}).get("plan.json", "")), version
     except ValidationError:
-        return None
+        return None, version
 
 
 async def pools_changed(svc: Service) -> bool:

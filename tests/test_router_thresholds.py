@@ -190,6 +190,10 @@ async def test_a_post_to_one_router_is_merged_and_served_by_every_router_when_it
         )
         assert replaced["thresholds"] == {r1: 0.75} and replaced["version"] == version + 2
         assert {(v, d) for v, d, _ in await router_sets(s, dep)} == {(replaced["version"], replaced["digest"])}
+        for url in controls(dep):  # the observation windows carry the set's version (what a re-tune's push follows)
+            both = await call(s, "GET", f"{url}/v1/observations?window=both")
+            assert both["current"]["thresholdsVersion"] == replaced["version"]
+            assert both["current"]["thresholds"] == {r1: 0.75}
     async with aiohttp.ClientSession() as s:  # the answers and the metadata through the front name it
         for _ in range(2 * len(dep.router_procs())):
             meta = await call(s, "GET", f"{dep.url}/v2/models/digits")
@@ -275,3 +279,29 @@ async def test_the_operators_re_tune_runs_the_live_loops_policy_and_keeps_its_st
         after = memo[live_thresholds.TUNER_KEY]
         assert after.fresh == 0  # nothing arrived since
         assert memo[live_thresholds.PENDING_KEY][2] != "tune-savings"  # probation: savings wait for fresh samples
+
+
+async def test_the_operators_re_tune_pushes_after_the_version_its_drift_read_saw_without_asking_again(
+    served, digits_bundle
+):
+    """Given the version the drift read saw with the thresholds in force, the re-tune's push is the version after
+    it: the routers are not asked for their set first (a GET per router and re-tune at a fleet's scale). A
+    version past the routers' own shows it: a GET first would have pushed the version after theirs."""
+    from exitplan.operator import live_thresholds
+    from exitplan.operator.service_state import Service
+
+    dep = served
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {dep.control_token}"}) as s:
+        exit_all = {r: 0.0 for r in dep.ramps}  # far over the budget: the re-tune repairs and pushes
+        posted = await call(s, "POST", f"{controls(dep)[0]}/v1/thresholds", {"thresholds": exit_all})
+        await send_load(dep.url, digits_bundle, 600)
+        memo: dict = {live_thresholds.WRITTEN_KEY: time.monotonic()}  # no write into the plan now: no API call
+        svc = Service(body={"metadata": {"name": "digits", "namespace": "ns"}}, client=None, memo=memo)  # type: ignore[arg-type]
+        access = live_thresholds.RouterAccess(controls(dep), dep.control_token, None)
+        seen = posted["version"] + 3
+        await live_thresholds.retune(svc, dep.spec, dep.ramps, access=access, in_force=exit_all, in_force_version=seen)
+        values, version = memo[live_thresholds.PENDING_KEY][0], memo[live_thresholds.PENDING_KEY][1]
+        assert version == seen + 1 and values != exit_all
+        assert {(v, tuple(sorted(t.items()))) for v, _, t in await router_sets(s, dep)} == {
+            (seen + 1, tuple(sorted(values.items())))
+        }

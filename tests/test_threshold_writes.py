@@ -24,8 +24,14 @@ def test_a_write_is_due_at_most_once_per_refresh_interval():
     memo[live_thresholds.WRITTEN_KEY] = now
     every = drift_writes.refresh_seconds(PERIOD)
     assert every == 5 * PERIOD
-    assert not live_thresholds.write_due(memo, now + every - 1, PERIOD)
-    assert live_thresholds.write_due(memo, now + every, PERIOD)
+    slack = PERIOD / (2 * drift.CHECKS_PER_PERIOD)  # half the time between two reads: as the figures' refresh
+    assert not live_thresholds.write_due(memo, now + every - slack - 1, PERIOD)
+    assert live_thresholds.write_due(memo, now + every - slack, PERIOD)
+    assert not live_thresholds.write_due(memo, now + every - PERIOD / 8 - 1, PERIOD, reads=4)
+    # written with the status at `now`: the figures' refresh falls due at the same read (one status write)
+    for read in (now + every - slack - 0.5, now + every - slack, now + every - slack + 0.5):
+        refresh = drift_writes.write_due(now, read, PERIOD, says_other=False, figures_moved=False)
+        assert refresh == live_thresholds.write_due({live_thresholds.WRITTEN_KEY: now}, read, PERIOD)
     assert drift_writes.refresh_seconds(600.0) == 600.0  # 5 minutes, but never more often than a period
     assert drift_writes.refresh_seconds(30.0) == 150.0
 
@@ -111,8 +117,9 @@ def test_the_drift_loops_shortcuts_say_what_combining_would():
 
 def test_a_threshold_write_keeps_the_plan_it_wrote_without_reading_the_configmap_back(tmp_path):
     """After a re-tune's set is written into the plan ConfigMap, the plan in force the drift loop reads at every
-    router read is the plan written -- the same content hash as a read of the ConfigMap gives -- and the write
-    read the ConfigMap once (apply's read before its patch), not again afterwards."""
+    router read is the plan written -- the same content hash as a read of the ConfigMap gives. The writes patch
+    the ConfigMap at the resourceVersion this process last read or wrote, without reading it first; when someone
+    else wrote it meanwhile, the patch conflicts and the write reads it, patches again and keeps their change."""
     import kmock
     import kopf
     from test_operator_support import ALLOWED_HOST_PATHS, ClusterThread, service
@@ -145,10 +152,33 @@ def test_a_threshold_write_keeps_the_plan_it_wrote_without_reading_the_configmap
         assert before is not None and len(reads) == applied + 1
         tuned = {"ramp1": 0.95, "ramp3": 0.85}
         assert cluster.run(live_thresholds.persist_thresholds(svc, tuned, "tune-savings", version=2))
-        assert len(reads) == applied + 2  # apply's read before its patch; the plan in force is not read back
+        assert len(reads) == applied + 1  # patched at the version the plan's read saw; the plan is not read back
         kept = cluster.run(plan_memory.plan_in_force(memo, cluster.client, "minilm", "tw"))
-        assert len(reads) == applied + 2
+        assert len(reads) == applied + 1
         stored = cluster.run(current_plan(cluster.client, "minilm", "tw"))
         assert kept is not None and stored is not None
         assert kept.thresholds == stored.thresholds == tuned and kept.thresholds_version == 2
         assert plan_memory.content_hash(memo, kept) == stored.content_hash() != before.content_hash()
+        again = {"ramp1": 0.96, "ramp3": 0.86}
+        assert cluster.run(live_thresholds.persist_thresholds(svc, again, "tune-savings", version=3))
+        assert len(reads) == applied + 2  # the version its own write answered: no read either
+        url = f"/api/v1/namespaces/tw/configmaps/{configmap['metadata']['name']}"
+        cluster.run(cluster.client.merge_patch(url, {"metadata": {"labels": {"team": "search"}}}))  # someone else
+        reads_before = len(reads)
+        third = {"ramp1": 0.97, "ramp3": 0.87}
+        assert cluster.run(live_thresholds.persist_thresholds(svc, third, "tune-savings", version=4))
+        assert len(reads) == reads_before + 1  # the stale version conflicted: read once, patched again
+        stored_cm = cluster.run(cluster.client.get(url))
+        assert stored_cm["metadata"]["labels"]["team"] == "search"  # their change kept
+        stored = cluster.run(current_plan(cluster.client, "minilm", "tw"))
+        assert stored is not None and stored.thresholds == third and stored.thresholds_version == 4
+
+
+def test_combined_windows_carry_the_highest_thresholds_version_or_none_from_a_router_without_one():
+    """A re-tune's push follows the highest version the routers hold; a router that predates the field leaves
+    none (the re-tune then asks the routers)."""
+    a = window(0.0, 10.0, 100).model_copy(update={"thresholds_version": 5})
+    b = window(0.0, 12.0, 100).model_copy(update={"thresholds_version": 3})
+    assert drift.combine([a, b]).thresholds_version == 5
+    assert drift.combine([a, window(0.0, 12.0, 100)]).thresholds_version is None
+    assert drift.subtract(a, window(0.0, 5.0, 50)).thresholds_version == 5  # a slice keeps its window's

@@ -130,6 +130,7 @@ class WindowStats:
         plan_hash: str,
         saving_ms: np.ndarray | None = None,
         cost_ms: np.ndarray | None = None,
+        thresholds_version: int | None = None,
     ) -> Observations:
         total = max(int(self.exit_counts.sum()), 1)
         survival = (1.0 - np.cumsum(self.exit_counts[:-1]) / total).tolist() if self.answered else []
@@ -184,6 +185,7 @@ class WindowStats:
             agreement_ci_low=low,
             agreement_ci_high=high,
             thresholds=dict(thresholds),
+            thresholds_version=thresholds_version,
             plan_hash=plan_hash,
         )
 

@@ -286,6 +286,7 @@ class Router:
             self.plan.content_hash(),
             self.saving_ms,
             self.cost_ms,
+            self.threshold_set.current.version,
         )
 
     # ------------------------------------------------------------------ inference
