@@ -173,18 +173,33 @@ async def ticks(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, l
     around every tick (its invocation, an empty patch checked, a new Patch left in a reference cycle for the
     collector), ~0.5 ms and ~26 garbage objects a tick, 800 ticks a period at 200 services
     (bench/operator_scale.py); the daemon runs it once. `body` is kopf's live view of the service (each event
-    updates it)."""
-    while not stopped:
-        wait = TICK
-        try:
-            await tick(body, memo)
-        except kopf.TemporaryError as err:  # a reconcile the tick started could not apply: retry after its delay
-            logger.warning("tick failed: %s; the next one in %s s", err, err.delay or TICK)
-            wait = float(err.delay or TICK)
-        except Exception:  # noqa: BLE001 -- logged whole; the service's next tick tries again
-            logger.exception("tick failed; the next one in %s s", RETRY_SECONDS)
-            wait = RETRY_SECONDS
-        await stopped.wait(wait)
+    updates it).
+
+    Between ticks it waits on one task that waits for kopf's stop flag for the daemon's life (`asyncio.wait` with a
+    timeout: nothing raised when the time is up). `await stopped.wait(TICK)` returned just as soon, but its time
+    limit ends in a TimeoutError (asyncio.wait_for, a task per wait): ~50 objects in reference cycles a tick -- at
+    200 services nearly all the garbage the operator made, and the collector's passes that it set off
+    (bench/operator_scale.py --cpu-profile garbage:PREFIX; BENCHMARKS.md, issue 31)."""
+    stop = asyncio.ensure_future(_stop_flag(stopped))
+    try:
+        while not stopped:
+            wait = TICK
+            try:
+                await tick(body, memo)
+            except kopf.TemporaryError as err:  # a reconcile the tick started could not apply: retry after its delay
+                logger.warning("tick failed: %s; the next one in %s s", err, err.delay or TICK)
+                wait = float(err.delay or TICK)
+            except Exception:  # noqa: BLE001 -- logged whole; the service's next tick tries again
+                logger.exception("tick failed; the next one in %s s", RETRY_SECONDS)
+                wait = RETRY_SECONDS
+            await asyncio.wait([stop], timeout=wait)  # the next tick, or at once when kopf stops the daemon
+    finally:
+        stop.cancel()
+
+
+async def _stop_flag(stopped: kopf.DaemonStopped) -> None:
+    """Until kopf stops the daemon (no time limit: no timeout raised)."""
+    await stopped.wait()
 
 
 @kopf.on.event(group=GROUP, version=VERSION, plural=PROFILES)
