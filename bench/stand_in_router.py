@@ -214,7 +214,8 @@ class StandIn:
         last, ring = int(request.query.get("last", FEEDBACK)), f"stand-in-{s.offset}"
         after = int(request.query["after"]) if request.query.get("ring") == ring and "after" in request.query else None
         arrays = feedback_window(s.pool, s.offset, time.time(), min(max(last, 0), FEEDBACK) or FEEDBACK, after, ring)
-        return web.Response(body=arrays.to_npz(), content_type="application/octet-stream")
+        body = arrays.to_safetensors() if request.query.get("format") == "safetensors" else arrays.to_npz()
+        return web.Response(body=body, content_type="application/octet-stream")
 
     async def thresholds(self, _: web.Request, s: Served) -> web.Response:
         return web.json_response(s.holder.current.to_json())

@@ -219,10 +219,20 @@ async def test_shadow_feedback_fills_the_tuning_window(served, texts, ramps):
         await asyncio.sleep(1.0)  # feedback arrives after the answers
         async with s.get(f"{served.control_url}/v1/window.npz") as resp:
             raw = await resp.read()
+        async with s.get(f"{served.control_url}/v1/window.npz?format=safetensors") as resp:
+            as_safetensors = await resp.read()
+        async with s.get(f"{served.control_url}/v1/window.npz?format=csv") as resp:
+            refused = (resp.status, await resp.text())
         await post(s, f"{served.control_url}/v1/thresholds", {"thresholds": {r: 2.0 for r in ramps}, "reason": "test"})
     import io
 
+    from exitplan.worker_image.control_bodies import FeedbackArrays
+
+    assert refused[0] == 400 and "safetensors" in refused[1]
     window = np.load(io.BytesIO(raw))
+    other = FeedbackArrays.from_body(as_safetensors)  # the same window, asked for as safetensors
+    assert other.added is not None and other.final.size >= len(window["final"])
+    assert np.array_equal(other.conf[: len(window["final"])], window["conf"])
     n = len(window["final"])
     assert n >= 5  # shadow fraction 0.5 (x4 while short of samples) of 40 inputs, plus the earlier tests
     assert window["conf"].shape == (n, len(ramps)) and window["pred"].shape == (n, len(ramps))

@@ -53,6 +53,28 @@ def test_a_window_file_carries_no_numbers():
     assert parsed.added is None and parsed.ring is None and same(parsed, arrays)
 
 
+def test_a_safetensors_answer_carries_the_same_arrays_and_numbers_as_the_npz_and_either_parses():
+    """What the operator asks a router for (`?format=safetensors`) holds what the npz holds, dtypes and the ring's
+    numbers included; `from_body` reads either (a router that predates the format answers an npz), and a body
+    that is neither is a ValueError, as a broken npz is."""
+    import pytest
+
+    ring = FeedbackRing(RAMPS, capacity=64)
+    fill(ring, 23, 3)
+    for window in (ring.window(SAVING, COST, last=16), ring.window(SAVING, COST, last=16, after=(ring.ring, 23))):
+        npz, st = FeedbackArrays.from_body(window.to_npz()), FeedbackArrays.from_body(window.to_safetensors())
+        for name in ("conf", "pred", "final", "saving_ms", "cost_ms"):
+            a, b = getattr(npz, name), getattr(st, name)
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
+        assert (st.added, st.ring) == (npz.added, npz.ring) == (23, ring.ring)
+    assert st.final.size == 0 and st.conf.shape == (0, RAMPS)  # nothing new: empty, still [0, R]
+    plain = FeedbackArrays(np.zeros((2, RAMPS), np.float32), np.zeros((2, RAMPS), int), np.zeros(2, int), SAVING, COST)
+    assert FeedbackArrays.from_body(plain.to_safetensors()).ring is None
+    for body in (b"", b"not a window at all", plain.to_safetensors()[:-5]):
+        with pytest.raises(ValueError):
+            FeedbackArrays.from_body(body)
+
+
 def test_the_follower_keeps_each_routers_window_as_a_whole_read_would_give_it():
     ring, follower, url = FeedbackRing(RAMPS, capacity=256), FeedbackFollower(last=40), "http://router-0:8081"
     assert follower.after(url) is None  # nothing kept: read it whole

@@ -5,7 +5,7 @@
 | `GET /v1/info` (a split worker) | `WorkerInfo` | `classify/worker.py:SplitWorker.info` | `peer_choice.py:PeerSet.refresh` |
 | `POST /v1/thresholds` | `ThresholdUpdate` | `control_client.py:ControlClient.push_thresholds` | `classify/control.py`, `classify/worker_routes.py` |
 | `POST /v1/feedback` (a router) | `FeedbackSample`s | `classify/feedback.py:send_feedback` | `classify/control.py:RouterControl.handle_feedback` |
-| `GET /v1/window.npz` (a router) | `FeedbackArrays` | `classify/observe.py:FeedbackRing.window` | `control_client.py:ControlClient.feedback` |
+| `GET /v1/window.npz[?format=safetensors]` (a router) | `FeedbackArrays` | `classify/observe.py:FeedbackRing.window` | `control_client.py:ControlClient.feedback` |
 
 What a post may carry is bounded and checked before anything changes (`BadControl`, a 400 naming the
 field): a threshold is a number in [0, 1] or "disabled" (stored as DISABLED, as the tuner writes it), for an
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 import numpy as np
+import safetensors
+import safetensors.numpy
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
@@ -265,6 +267,37 @@ class FeedbackArrays:
             arrays.update(added=np.asarray(self.added), ring=np.asarray(self.ring))
         np.savez(buf, allow_pickle=False, **arrays)  # (numpy >= 2.1: the pin)
         return buf.getvalue()
+
+    def to_safetensors(self) -> bytes:
+        """The arrays as a safetensors body (`?format=safetensors`): what the operator asks a router for, since
+        its arrays parse in tens of microseconds where an npz's members cost about a millisecond a window (a zip
+        directory and a Python-literal header per member; BENCHMARKS.md, issue 31). The ring's numbers as two
+        more tensors: `added` ([1] int64) and `ring` (its identity's UTF-8 bytes)."""
+        arrays: dict[str, np.ndarray] = {
+            "conf": np.ascontiguousarray(self.conf),
+            "pred": np.ascontiguousarray(self.pred),
+            "final": np.ascontiguousarray(self.final),
+            "saving_ms": np.asarray(self.saving_ms, np.float64),
+            "cost_ms": np.asarray(self.cost_ms, np.float64),
+        }
+        if self.added is not None and self.ring is not None:
+            arrays.update(added=np.asarray([self.added], np.int64), ring=np.frombuffer(self.ring.encode(), np.uint8))
+        return bytes(safetensors.numpy.save(arrays))
+
+    @classmethod
+    def from_body(cls, body: bytes) -> FeedbackArrays:
+        """A /v1/window.npz answer in either format: an npz (a zip: a router that predates `?format=`, or one
+        asked for the default) or a safetensors body; ValueError, KeyError or OSError when it is neither."""
+        if body[:4] == b"PK\x03\x04":
+            return cls.from_npz(body)
+        try:
+            data = safetensors.numpy.load(body)
+        except safetensors.SafetensorError as err:
+            raise ValueError(f"neither an npz nor a safetensors body: {err}") from None
+        cursor: tuple[int | None, str | None] = (None, None)
+        if "added" in data and "ring" in data:
+            cursor = (int(data["added"].reshape(-1)[0]), data["ring"].tobytes().decode())
+        return cls(data["conf"], data["pred"], data["final"], data["saving_ms"], data["cost_ms"], *cursor)
 
     @classmethod
     def from_npz(cls, body: bytes) -> FeedbackArrays:

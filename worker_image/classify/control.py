@@ -116,7 +116,11 @@ class RouterControl:
                 after = (request.query.get("ring", ""), int(request.query["after"]))
             except ValueError:
                 return error_response(400, "after must be a sample number (the `added` of an earlier answer)")
-        body = r.feedback.window(r.saving_ms, r.cost_ms, last=last or None, after=after).to_npz()
+        kind = request.query.get("format", "npz")
+        if kind not in ("npz", "safetensors"):
+            return error_response(400, f"format must be npz (the default) or safetensors, not {kind!r}")
+        arrays = r.feedback.window(r.saving_ms, r.cost_ms, last=last or None, after=after)
+        body = arrays.to_npz() if kind == "npz" else arrays.to_safetensors()
         return web.Response(body=body, content_type="application/octet-stream")
 
     async def handle_peers(self, _: web.Request) -> web.Response:
