@@ -42,8 +42,9 @@ CONTRACTS = {
         HEAVY,
     ),
     # the operator: never the CLI, the local process runner or the dev cluster; of the data plane only
-    # the client side of its control endpoints (one router's, every router's of a service) and the guard
-    # its own ports share with every exitplan server; of storage, the limits its storage-init is given
+    # the client side of its control endpoints (one router's, every router's of a service, and the versioned
+    # threshold set they answer and take) and the guard its own ports share with every exitplan server; of
+    # storage, the limits its storage-init is given
     "exitplan.operator": (
         (
             "exitplan.api",
@@ -51,6 +52,7 @@ CONTRACTS = {
             "exitplan.operator",
             "exitplan.worker_image.control_client",
             "exitplan.worker_image.router_fleet",
+            "exitplan.worker_image.threshold_set",
             "exitplan.worker_image.server_guard",
             "exitplan.worker_image.server_limits",
             "exitplan.storage.limits",
