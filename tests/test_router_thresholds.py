@@ -164,6 +164,24 @@ async def router_sets(session: aiohttp.ClientSession, dep: LocalDeployment) -> l
     return [(a["version"], a["digest"], a["thresholds"]) for a in answers]
 
 
+async def feedback_settled(session: aiohttp.ClientSession, dep: LocalDeployment) -> None:
+    """Until every router's feedback ring stops growing (the shadow samples of the load sent are posted after its
+    answers): a re-tune then reads all of them, and the next one finds none new."""
+    from exitplan.worker_image.control_bodies import FeedbackArrays
+
+    before: list[int | None] = []
+    for _ in range(100):
+        counts = []
+        for url in controls(dep):
+            async with session.get(f"{url}/v1/window.npz?last=1&format=safetensors") as resp:
+                assert resp.status == 200
+                counts.append(FeedbackArrays.from_body(await resp.read()).added)
+        if counts == before:
+            return
+        before = counts
+        await asyncio.sleep(0.3)
+
+
 async def worker_version(dep: LocalDeployment, token: str) -> tuple[int, str]:
     (worker,) = [p for p in dep.procs if p.name.startswith("worker-")]
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as s:
@@ -264,6 +282,7 @@ async def test_the_operators_re_tune_runs_the_live_loops_policy_and_keeps_its_st
         exit_all = {r: 0.0 for r in dep.ramps}
         await call(s, "POST", f"{controls(dep)[0]}/v1/thresholds", {"thresholds": exit_all})
         await send_load(dep.url, digits_bundle, 600)
+        await feedback_settled(s, dep)  # shadow feedback arrives after the answers
         # written into the plan a moment ago: the new set waits in the memo (client=None: no API call is made)
         memo: dict = {live_thresholds.WRITTEN_KEY: time.monotonic()}
         svc = Service(body={"metadata": {"name": "digits", "namespace": "ns"}}, client=None, memo=memo)  # type: ignore[arg-type]
@@ -295,6 +314,7 @@ async def test_the_operators_re_tune_pushes_after_the_version_its_drift_read_saw
         exit_all = {r: 0.0 for r in dep.ramps}  # far over the budget: the re-tune repairs and pushes
         posted = await call(s, "POST", f"{controls(dep)[0]}/v1/thresholds", {"thresholds": exit_all})
         await send_load(dep.url, digits_bundle, 600)
+        await feedback_settled(s, dep)  # shadow feedback arrives after the answers
         memo: dict = {live_thresholds.WRITTEN_KEY: time.monotonic()}  # no write into the plan now: no API call
         svc = Service(body={"metadata": {"name": "digits", "namespace": "ns"}}, client=None, memo=memo)  # type: ignore[arg-type]
         access = live_thresholds.RouterAccess(controls(dep), dep.control_token, None)
