@@ -73,6 +73,18 @@ def _label(obj: Manifest) -> str:
     return f"{obj['kind']}/{obj['metadata']['name']}"
 
 
+def _body(desired: Manifest) -> Manifest:
+    """What a patch may set of `desired` (not its kind, nor its status)."""
+    return {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "status")}
+
+
+def _patch(body: Manifest, resource_version: str) -> Manifest:
+    """A merge patch of `body` that holds only against the object at `resource_version` (409 otherwise)."""
+    patch = copy.deepcopy(body)
+    patch["metadata"]["resourceVersion"] = resource_version
+    return patch
+
+
 async def apply_one(
     client: KubeClient, desired: Manifest, report: ApplyReport, known_version: str | None = None
 ) -> Manifest:
@@ -82,10 +94,8 @@ async def apply_one(
     falls back to the GET."""
     url = object_path(desired)
     if known_version:
-        patch = copy.deepcopy({k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "status")})
-        patch["metadata"]["resourceVersion"] = known_version
         try:
-            patched = await client.merge_patch(url, patch)
+            patched = await client.merge_patch(url, _patch(_body(desired), known_version))
             report.patched.append(_label(desired))
             return patched
         except ApiError as err:
@@ -105,14 +115,12 @@ async def apply_one(
                 if err2.status != 409:  # 409: created meanwhile by someone else -> patch it below
                     raise
                 continue
-        body = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "status")}
+        body = _body(desired)
         if contains(current, body):
             report.unchanged.append(_label(desired))
             return current
-        patch = copy.deepcopy(body)
-        patch["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
         try:
-            patched = await client.merge_patch(url, patch)
+            patched = await client.merge_patch(url, _patch(body, current["metadata"]["resourceVersion"]))
             report.patched.append(_label(desired))
             return patched
         except ApiError as err:
