@@ -319,8 +319,15 @@ def test_a_failed_bundle_info_job_is_a_condition_with_its_message_then_retried(c
             cluster, first, "Failed", "BackoffLimitExceeded", f"Job has reached the specified backoff limit; {said}"
         )
         second = wait_for("a second attempt after the backoff", lambda: bundle_info_jobs(cluster, ns, "far")[1:])[0]
-        st = status(cluster, ns, "far")
-        failed = condition(st, "ProfilingFailed")
+        # the operator creates the Job, then writes the status that names it: wait for that write
+        failed = wait_for(
+            "the ProfilingFailed condition naming the second Job",
+            lambda: (
+                (c := condition(status(cluster, ns, "far"), "ProfilingFailed")).get("status") == "True"
+                and f"Job {second['metadata']['name']} tries again" in c["message"]
+                and c
+            ),
+        )
         assert failed["status"] == "True" and failed["reason"] == "BundleFetchFailed"
         assert said in failed["message"] and f"Job {second['metadata']['name']} tries again" in failed["message"]
         finish_job(
