@@ -20,7 +20,7 @@ import aiohttp
 import kopf
 
 from exitplan.api.resources import GROUP, VERSION
-from exitplan.operator import driftloop, guards, heap, http_ports, reconcile, router_resolver, tick_reads
+from exitplan.operator import driftloop, essence, guards, heap, http_ports, reconcile, router_resolver, tick_reads
 from exitplan.operator.kube import KubeClient, bearer, load_config, path
 from exitplan.operator.metrics import METRICS
 from exitplan.operator.service_state import SERVICE_MEMOS, Service, forget_service_memo, pools_changed, service_memo
@@ -75,7 +75,7 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="exitplan.io")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="exitplan.io")
+    settings.persistence.diffbase_storage = essence.LeanDiffBaseStorage(prefix="exitplan.io")
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.networking.error_backoffs = [1, 2, 5, 10]

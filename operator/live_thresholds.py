@@ -23,6 +23,7 @@ from exitplan.api.resources import EarlyExitServiceSpec, Mode
 from exitplan.operator import apply as applying
 from exitplan.operator import builders, control_token, drift, drift_writes, guards, plan_memory
 from exitplan.operator.kube import ApiError, path
+from exitplan.operator.names import A_PLAN_HASH
 from exitplan.operator.ownership import adopt
 from exitplan.operator.router_endpoints import router_urls
 from exitplan.operator.service_state import Service
@@ -319,13 +320,7 @@ async def persist_thresholds(
     status.plan = summary
     if not given:
         await svc.write_status(status)
-    log.info(
-        "%s/%s: thresholds %s written into plan %s (%s)",
-        svc.namespace,
-        svc.name,
-        updated.thresholds,
-        updated.content_hash(),
-        source,
-    )
-    svc.event("Normal", "ThresholdsPersisted", f"plan {updated.content_hash()} carries the live thresholds ({source})")
+    digest = str(configmap["metadata"]["annotations"][A_PLAN_HASH])  # updated.content_hash(), as built
+    log.info("%s/%s: thresholds %s written into plan %s (%s)", svc.namespace, svc.name, values, digest, source)
+    svc.event("Normal", "ThresholdsPersisted", f"plan {digest} carries the live thresholds ({source})")
     return True

@@ -5,10 +5,15 @@ its routers, colocation.py), the cell metrics, a rollout that stalls (Degraded, 
 and recovers, a bundle the pods cannot fetch (bundle_health.py), and Ready once every Deployment has
 its replicas, pods that refuse to serve on the CPU in place of their pool's GPU (provider_health.py). It
 writes the status only when something changed, and skips the whole refresh while nothing it reads changed
-(the service and its Deployments at the resourceVersions of a refresh that wrote nothing and needed no pods).
+(the service's spec generation and the parts of its status a refresh reads and writes, and its Deployments at
+their resourceVersions, as at a refresh that wrote nothing and needed no pods). The service's own
+resourceVersion is not among them: the drift loop's status writes (its figures, once a period, and thresholds
+written into the plan) change it without changing anything a refresh reads.
 """
 
 from __future__ import annotations
+
+import orjson
 
 from exitplan.api.manifest import Manifest
 from exitplan.operator import bundle_health, colocation, provider_health, tick_reads
@@ -24,12 +29,21 @@ SETTLED_KEY = "readiness_settled"
 """The per-object memo's key for what the last refresh read (see `_inputs`) when it wrote nothing and read no pods."""
 
 
-def _inputs(svc: Service, deployments: list[Manifest]) -> tuple[str, ...] | None:
-    """The resourceVersions of what a refresh reads (the service, its Deployments), or None where one has none."""
-    versions = [str(svc.body["metadata"].get("resourceVersion") or "")]
+READ_FIELDS = ("phase", "message", "conditions")
+"""The status fields a refresh reads and may write, besides its plan's cells and cost (`_inputs`)."""
+
+
+def _inputs(svc: Service, deployments: list[Manifest]) -> tuple[bytes | str, ...] | None:
+    """What a refresh reads: the service's uid and spec generation, the status fields it reads and writes (as
+    JSON: kopf's view of the body is live, a kept reference would change with it), and its Deployments'
+    names and resourceVersions; None where one has no resourceVersion."""
+    meta, raw = svc.body["metadata"], svc.body.get("status") or {}
+    plan = raw.get("plan") or {}
+    read = [raw.get(k) for k in READ_FIELDS] + [plan.get("cells"), plan.get("costPerHour")]
+    versions: list[bytes | str] = [str(meta.get("uid") or ""), str(meta.get("generation") or 0), orjson.dumps(read)]
     for dep in sorted(deployments, key=lambda d: str(d["metadata"].get("name"))):
         versions += [str(dep["metadata"].get("name")), str(dep["metadata"].get("resourceVersion") or "")]
-    return tuple(versions) if all(versions) else None
+    return tuple(versions) if all(versions[3:]) else None
 
 
 async def refresh_readiness(svc: Service) -> ServiceStatus | None:

@@ -74,6 +74,19 @@ async def test_a_steady_service_skips_the_refresh_until_a_deployment_changes():
             assert await tick() is None and await tick() is None  # skipped: same service, same Deployments
             assert len(writes) == 1, writes
 
+            # the drift loop's writes (its figures; the plan's thresholds) bump the service's resourceVersion and
+            # change nothing a refresh reads: still skipped
+            drift = {"status": {"drift": {"lengthScore": 0.1}, "plan": {"hash": "thresholds-written"}}}
+            await client.merge_patch(path("EarlyExitService", NS, NAME, "status"), drift)
+            assert await tick() is None and len(writes) == 2, writes  # (the write above, observed)
+            # someone else sets a phase the refresh owns: it runs and sets it back
+            await client.merge_patch(path("EarlyExitService", NS, NAME, "status"), {"status": {"phase": "Deploying"}})
+            back = await tick()
+            assert back is not None and back.phase.value == "Ready" and len(writes) == 4, writes
+            assert await tick() is not None and await tick() is None  # settled again after a refresh that wrote nothing
+            writes.clear()
+            writes.append("(earlier)")
+
             worker = next(d for d in deps if d["metadata"]["labels"].get(names.L_COMPONENT) == "worker")
             await _set_ready(client, worker, 0)  # a worker's pod went: a new resourceVersion
             after = await tick()
