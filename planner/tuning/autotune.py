@@ -304,6 +304,7 @@ def _breach_repair(
     window: FeedbackWindow, ramps: list[str], start: Thresholds, budget: float, config: TuneConfig
 ) -> Decision | None:
     """The breach test on the newest samples and, when it fires, the repair (raises only); None: no breach."""
+    outcome(window, start)  # the thresholds in force on the whole window, kept: its tails' are read off it
     latest = _tail(window, min(config.recent, window.n_inputs))
     agree_recent, save_recent = evaluate(latest, start)
     fired = None if agree_recent < 1.0 - budget else breach(window, start, budget, config.tails, config.alpha)

@@ -148,6 +148,7 @@ class FeedbackWindow:
         if k <= 0:
             raise WindowError("conf", f"a tail of {k} samples holds no inputs; ask for at least one")
         out = object.__new__(FeedbackWindow)
+        out.__dict__[_PARENT] = (self, self.n_inputs - k)  # its outcomes are read off this window's (`outcome`)
         for name, value in (
             ("conf", self.conf[-k:]),
             ("pred", self.pred[-k:]),
@@ -281,14 +282,26 @@ OUTCOMES_KEPT = 4
 the thresholds in force on the same window."""
 
 
+_PARENT = "_tail_of"
+"""A tail's (FeedbackWindow.tail) key in its __dict__: (the window it is the tail of, where it starts there)."""
+
+
 def outcome(w: FeedbackWindow, thresholds: object) -> Outcome:
-    """What `thresholds` do on `w`. The newest OUTCOMES_KEPT are kept with the window (its arrays read-only)."""
+    """What `thresholds` do on `w`. The newest OUTCOMES_KEPT are kept with the window (its arrays read-only); a
+    tail's is read off the outcome its window keeps for the same thresholds, when it keeps one (each input's exit,
+    agreement and saving do not depend on the other inputs: the live tuner judges the same thresholds on the
+    window, its newest samples and its fresh ones)."""
     t = check_thresholds(thresholds, w.n_ramps)
     kept: dict[bytes, Outcome] = w.__dict__.setdefault("_outcomes", {})
     key = t.tobytes()
     if (hit := kept.get(key)) is not None:
         return hit
-    out = _outcome(w, t.copy())
+    parent: tuple[FeedbackWindow, int] | None = w.__dict__.get(_PARENT)
+    whole = parent[0].__dict__.get("_outcomes", {}).get(key) if parent is not None else None
+    if parent is None or whole is None:
+        out = _outcome(w, t.copy())
+    else:
+        out = _tail_outcome(whole, parent[1], w.n_ramps)
     for arr in (out.thresholds, out.exit_at, out.exits, out.exit_agree, out.reached, out.per_input_ms, out.agrees):
         arr.flags.writeable = False
     if len(kept) >= OUTCOMES_KEPT:
@@ -307,6 +320,17 @@ def _outcome(w: FeedbackWindow, t: np.ndarray) -> Outcome:
     rows = np.arange(n)
     agrees = np.where(exited, w.agree[rows, kk], True)
     per_input = np.where(exited, w.saving_ms[kk] - cum_cost[kk], -cum_cost[-1])
+    return _counted(t, k, agrees, per_input, r)
+
+
+def _tail_outcome(whole: Outcome, start: int, r: int) -> Outcome:
+    """The outcome on the inputs from `start` on, read off `whole`, the outcome on every input."""
+    return _counted(whole.thresholds.copy(), whole.exit_at[start:], whole.agrees[start:], whole.per_input_ms[start:], r)
+
+
+def _counted(t: np.ndarray, k: np.ndarray, agrees: np.ndarray, per_input: np.ndarray, r: int) -> Outcome:
+    """An Outcome from each input's exit ramp `k`, agreement and saving: the counts and figures over them."""
+    n, active, exited = k.size, t <= 1.0, k < r
     exits = np.bincount(k, minlength=r + 1)
     exit_agree = np.bincount(k[exited], weights=agrees[exited], minlength=r).astype(np.int64)[:r]
     reached = np.where(active, n - np.concatenate(([0], np.cumsum(exits[:r])[:-1])), 0)
