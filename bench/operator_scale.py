@@ -396,6 +396,7 @@ def measure_period(
     spy: Path | None = None,
     periods: int = 1,
     cpu_profile: bool = False,
+    profile_each: bool = False,
 ) -> dict:
     """The operator's CPU per period over `periods` periods (after `warmup` s) -- their mean, and each
     period's -- the API server thread's, and the API requests they saw (per period); with `spy`, py-spy's
@@ -420,6 +421,9 @@ def measure_period(
         now = proc_cpu(op_pid)
         each.append(now - last)
         last = now
+        if cpu_profile and profile_each and k + 1 < periods:  # OUT.<n> per period (n counts on)
+            os.kill(op_pid, signal.SIGUSR2)
+            os.kill(op_pid, signal.SIGUSR1)
     op1, api1, t1 = last, time.clock_gettime(api_clock), time.perf_counter()
     sys1 = proc_cpu_split(op_pid)[1]
     if cpu_profile:
@@ -607,6 +611,7 @@ def drift_figures(
             spy=spy("router"),
             periods=args.periods,
             cpu_profile=bool(args.cpu_profile),
+            profile_each=args.cpu_profile_each_period,
         )
         d["reads_done"], d["reads_due"] = d["router_reads"], args.services * args.reads
         d["stand_in_cpu_s"] = router.cpu() - cpu0  # over the warm-up and the period
@@ -725,6 +730,12 @@ def main() -> None:
         "PREFIX.1: the stand-in's; bench/cpu_profiled.py); gc:PREFIX: only the garbage collector's passes; "
         "sections:PREFIX: the CPU of the functions EXITPLAN_SECTIONS names (PREFIX.<n>.sections.json); "
         "garbage:PREFIX: what the collector finds in reference cycles (PREFIX.<n>.garbage.json)",
+    )
+    parser.add_argument(
+        "--cpu-profile-each-period",
+        action="store_true",
+        help="with --cpu-profile: one PREFIX.<n> per measured stand-in period (PREFIX.1 to PREFIX.<periods>; each "
+        "switch counts the heap's objects once: a few ms of the operator's CPU)",
     )
     parser.add_argument("--spy", help="py-spy the operator in each measured period: PREFIX-<period>.txt")
     parser.add_argument("--json", nargs="?", const="-", help="also print (or write to a file) the figures as JSON")

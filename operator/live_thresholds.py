@@ -10,6 +10,7 @@ control token and the operator's connections), or looked up here when there is n
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -237,6 +238,19 @@ def write_due(memo: Any, now: float, period: float, reads: int = drift.CHECKS_PE
     return written is None or now - written + period / (2 * reads) >= drift_writes.refresh_seconds(period)
 
 
+def stagger(uid: str, period: float) -> float:
+    """What the write after a service's first is put off by: whole periods, within one refresh interval
+    (drift_writes.refresh_seconds), chosen by the service's uid. Services whose first writes fell in the same
+    period -- created together, or any after the operator restarted (every memo new) -- then write in different
+    periods from the second on, not all in one every 5 periods (at 200 services that period cost the operator
+    ~1 s more CPU than the others; BENCHMARKS.md, issue 31). The drift loop's figures follow: a threshold write
+    is a status write, from which their own refresh counts."""
+    slots = int(drift_writes.refresh_seconds(period) // period)
+    if slots <= 1 or not uid:
+        return 0.0
+    return float(int.from_bytes(hashlib.sha256(uid.encode()).digest()[:4], "big") % slots) * period
+
+
 def _wait(memo: dict[str, Any], thresholds: dict[str, float], version: int, source: str, base: str) -> None:
     """Keep `thresholds` as the newest set to write when a write is due (`write_pending`)."""
     memo[PENDING_KEY] = (dict(thresholds), version, source, base)
@@ -259,8 +273,10 @@ async def write_thresholds(
         _wait(memo, thresholds, version, source, base)
         return False
     written = await persist_thresholds(svc, thresholds, source, version, status)
-    if memo is not None:
-        memo[WRITTEN_KEY] = now  # written, or found already in the plan
+    if memo is not None:  # written, or found already in the plan; the service's first: the next put off (stagger)
+        first = WRITTEN_KEY not in memo
+        uid = str((svc.body.get("metadata") or {}).get("uid") or "")
+        memo[WRITTEN_KEY] = now + (stagger(uid, period) if first else 0.0)
         memo.pop(PENDING_KEY, None)
     return written
 

@@ -647,7 +647,8 @@ def test_live_tuned_thresholds_are_written_into_the_plan(cluster, observations):
         (tmp := cluster.kubeconfig.parent / "plan.json").write_text(cm["data"]["plan.json"])
         assert read_plan(tmp).thresholds == pushed
         # Thresholds pushed by someone else to routers that run this plan: written in too, once the last
-        # write is 5 periods old (live_thresholds.write_due: at most one write per service that often).
+        # write is 5 periods old (live_thresholds.write_due: at most one write per service that often), and
+        # up to 4 more after the service's first (live_thresholds.stagger).
         other = {"ramp1": 0.97, "ramp3": 0.93}
         observations.feedback = None
         observations.current = {

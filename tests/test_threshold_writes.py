@@ -6,6 +6,7 @@ ConfigMap: the other children carry the plan's layout hash, which the thresholds
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 
 from test_operator_builders import make_plan
@@ -172,6 +173,32 @@ def test_a_threshold_write_keeps_the_plan_it_wrote_without_reading_the_configmap
         assert stored_cm["metadata"]["labels"]["team"] == "search"  # their change kept
         stored = cluster.run(current_plan(cluster.client, "minilm", "tw"))
         assert stored is not None and stored.thresholds == third and stored.thresholds_version == 4
+        # the service's first write through write_thresholds puts the next off by its stagger
+        fresh_memo = kopf.Memo()
+        fresh_memo.settings = memo.settings
+        first = Service(body=body, client=cluster.client, memo=fresh_memo)
+        before_write = time.monotonic()
+        fourth = {"ramp1": 0.98, "ramp3": 0.88}
+        assert cluster.run(live_thresholds.write_thresholds(first, fourth, "tune-savings", PERIOD, 5))
+        put_off = live_thresholds.stagger(body["metadata"]["uid"], PERIOD)
+        written_at = fresh_memo[live_thresholds.WRITTEN_KEY]
+        assert before_write + put_off <= written_at <= time.monotonic() + put_off
+        every, slack = drift_writes.refresh_seconds(PERIOD), PERIOD / 4
+        assert not live_thresholds.write_due(fresh_memo, written_at + every - slack - 1, PERIOD)
+        assert live_thresholds.write_due(fresh_memo, written_at + every - slack, PERIOD)
+
+
+def test_services_written_together_write_again_in_different_periods():
+    """The write after a service's first is put off by whole periods within one refresh interval, by the
+    service's uid: services created together (or after an operator restart) spread their writes."""
+    import uuid
+
+    slots = int(drift_writes.refresh_seconds(PERIOD) // PERIOD)
+    put_off = [live_thresholds.stagger(str(uuid.UUID(int=k * 7919 + 13)), PERIOD) for k in range(400)]
+    assert set(put_off) == {k * PERIOD for k in range(slots)}  # every period of the interval
+    assert max(collections.Counter(put_off).values()) < 2 * 400 / slots  # about as many in each
+    assert live_thresholds.stagger("some-uid", 600.0) == 0.0  # one period per interval: nothing to spread
+    assert live_thresholds.stagger("", PERIOD) == 0.0
 
 
 def test_combined_windows_carry_the_highest_thresholds_version_or_none_from_a_router_without_one():
