@@ -79,10 +79,9 @@ def _body(desired: Manifest) -> Manifest:
 
 
 def _patch(body: Manifest, resource_version: str) -> Manifest:
-    """A merge patch of `body` that holds only against the object at `resource_version` (409 otherwise)."""
-    patch = copy.deepcopy(body)
-    patch["metadata"]["resourceVersion"] = resource_version
-    return patch
+    """A merge patch of `body` that holds only against the object at `resource_version` (409 otherwise). Its own
+    metadata; the rest is `body`'s (the patch is only serialised, never changed)."""
+    return {**body, "metadata": {**body["metadata"], "resourceVersion": resource_version}}
 
 
 async def apply_one(

@@ -327,7 +327,8 @@ async def persist_thresholds(
     cm = await applying.apply_one(svc.client, configmap, applying.ApplyReport(), known)
     # the plan in force is what the ConfigMap now holds, as a read of it would parse it: no read of it back
     stored_at = str((cm.get("metadata") or {}).get("resourceVersion") or "")
-    plan_memory.written(svc.memo, Plan.model_validate_json(configmap["data"]["plan.json"]), stored_at)
+    digest = str(configmap["metadata"]["annotations"][A_PLAN_HASH])  # updated.content_hash(), as built
+    plan_memory.written(svc.memo, Plan.model_validate_json(configmap["data"]["plan.json"]), stored_at, digest)
     given = status is not None
     status = status if status is not None else parse_status(svc.body.get("status"))
     ready = {(c.split, c.bucket, c.pool): c.ready_replicas for c in (status.plan.cells if status.plan else [])}
@@ -336,7 +337,6 @@ async def persist_thresholds(
     status.plan = summary
     if not given:
         await svc.write_status(status)
-    digest = str(configmap["metadata"]["annotations"][A_PLAN_HASH])  # updated.content_hash(), as built
     log.info("%s/%s: thresholds %s written into plan %s (%s)", svc.namespace, svc.name, values, digest, source)
     svc.event("Normal", "ThresholdsPersisted", f"plan {digest} carries the live thresholds ({source})")
     return True

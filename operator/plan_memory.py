@@ -69,12 +69,15 @@ def children_written(memo: Any) -> None:
         memo.pop(CONFIGMAP_VERSION_KEY, None)
 
 
-def written(memo: Any, plan: Plan, version: str = "") -> None:
+def written(memo: Any, plan: Plan, version: str = "", digest: str = "") -> None:
     """After this process wrote `plan` into the plan ConfigMap (and no other child): it is the plan in force,
-    kept without reading the ConfigMap back; `version`: the ConfigMap's resourceVersion as written."""
+    kept without reading the ConfigMap back; `version`: the ConfigMap's resourceVersion as written; `digest`: its
+    content hash when the caller has it (the ConfigMap's annotation as built), kept for `content_hash`."""
     if memo is not None:
         memo[PLAN_IN_FORCE_KEY] = plan
         memo.pop(PLAN_HASH_KEY, None)
+        if digest:
+            memo[PLAN_HASH_KEY] = (plan, digest)
         memo[CONFIGMAP_VERSION_KEY] = version
 
 
