@@ -2,7 +2,7 @@
 AnnotationsDiffBaseStorage (a deep copy of the whole body, then the status and most metadata deleted) against
 operator/essence.LeanDiffBaseStorage (the same essence from a view of the body without them). The body is a
 service as the drift loop leaves it: 10 plan cells, the conditions, a drift report, kopf's annotations, managed
-fields; kopf builds one essence per watch event, and every status write comes back as one.
+fields (tests/test_essence.py's); kopf builds one essence per watch event, and every status write comes back as one.
 
     python -P bench/diffbase_build.py [--rounds 3] [--cells 10]
 """
@@ -11,48 +11,33 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import kopf
 
-from exitplan.operator.essence import LeanDiffBaseStorage
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import test_essence  # noqa: E402
+
+from exitplan.operator.essence import LeanDiffBaseStorage  # noqa: E402
 
 CALLS = 2000
 
 
 def service(cells: int) -> dict[str, Any]:
+    """tests/test_essence.py's service (kopf's and another operator's annotations, managed fields, owners) with
+    the status the drift loop leaves: `cells` plan cells, six conditions, a drift report."""
     cell = {"split": 0, "bucket": 128, "pool": "a100", "replicas": 2, "readyReplicas": 2, "batch": 16, "layers": "0-11"}
     conditions = [
         {"type": t, "status": "True", "reason": "Fine", "message": "all is well " * 4, "observedGeneration": 3}
         for t in ("Ready", "Progressing", "Planned", "PlanAccurate", "Degraded", "ProfilingFailed")
     ]
     drift = {"lengthScore": 0.04, "survivalError": 0.01, "p99Ms": 41.5, "goodputRps": 812.0, "requests": 16240}
-    return {
-        "apiVersion": "exitplan.io/v1alpha1",
-        "kind": "EarlyExitService",
-        "metadata": {
-            "name": "minilm",
-            "namespace": "ns",
-            "uid": "u-1",
-            "resourceVersion": "4242",
-            "generation": 3,
-            "labels": {"team": "search"},
-            "annotations": {"exitplan.io/last-handled-configuration": '{"spec":{}}\n', "note": "kept"},
-            "managedFields": [{"manager": "exitplan", "fieldsV1": {"f:status": {"f:plan": {}, "f:drift": {}}}}] * 3,
-        },
-        "spec": {"model": {"bundle": "s3://bundles/minilm"}, "slo": {"latencyMs": 50}, "pools": [{"name": "a100"}]},
-        "status": {
-            "phase": "Ready",
-            "plan": {
-                "hash": "0123456789ab",
-                "goodputRps": 900.0,
-                "cells": [dict(cell, split=i % 2) for i in range(cells)],
-            },
-            "conditions": conditions,
-            "drift": drift,
-        },
-    }
+    plan = {"hash": "0123456789ab", "goodputRps": 900.0, "cells": [dict(cell, split=i % 2) for i in range(cells)]}
+    return test_essence.body({"phase": "Ready", "plan": plan, "conditions": conditions, "drift": drift})
 
 
 def per_call_us(storage: kopf.AnnotationsDiffBaseStorage, body: kopf.Body) -> float:
