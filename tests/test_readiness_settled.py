@@ -84,13 +84,15 @@ async def test_a_steady_service_skips_the_refresh_until_a_deployment_changes():
             back = await tick()
             assert back is not None and back.phase.value == "Ready" and len(writes) == 4, writes
             assert await tick() is not None and await tick() is None  # settled again after a refresh that wrote nothing
-            writes.clear()
-            writes.append("(earlier)")
+            before_change = len(writes)
 
             worker = next(d for d in deps if d["metadata"]["labels"].get(names.L_COMPONENT) == "worker")
             await _set_ready(client, worker, 0)  # a worker's pod went: a new resourceVersion
             after = await tick()
             assert after is not None, "a Deployment changed: the refresh runs"
             ready = next(c for c in after.conditions if c.type == "Ready")
-            assert ready.status == "False" and ready.reason == "Waiting" and len(writes) == 2, (ready, writes)
+            assert ready.status == "False" and ready.reason == "Waiting" and len(writes) == before_change + 1, (
+                ready,
+                writes,
+            )
             assert sum(c.ready_replicas for c in after.plan.cells) < sum(c.replicas for c in after.plan.cells)
