@@ -169,12 +169,13 @@ class DriftState:
     accuracy: plan_accuracy.Tracker = field(default_factory=plan_accuracy.Tracker)
     """Measured against planned goodput over consecutive windows (condition PlanAccurate, trigger plan-mismatch)."""
 
-    def take_read(self, now: float, interval: float) -> bool:
-        """Whether the routers are due for a read at `now` (reads `interval` apart); when they are,
-        the read is booked: on a grid of `interval` (a tick longer than it rounds single reads up,
-        not the average), restarted when a whole read was missed."""
+    def take_read(self, now: float, interval: float, early: float = 0.0) -> bool:
+        """Whether the routers are due for a read at `now` (reads `interval` apart, a read taken up to `early`
+        seconds before it is due: ticks on a grid start a little apart, by where each service falls within
+        their burst); when they are, the read is booked: on a grid of `interval` (a tick longer than it rounds
+        single reads up, not the average), restarted when a whole read was missed."""
         last = self.last_check
-        if last is not None and now - last < interval:
+        if last is not None and now - last < interval - early:
             return False
         self.last_check = now if last is None or now - last >= 2 * interval else last + interval
         return True

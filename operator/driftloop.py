@@ -45,7 +45,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, cast
@@ -335,6 +337,36 @@ def _spec(svc: Service, memo: Any) -> EarlyExitServiceSpec | None:
     return spec
 
 
+BURST_SERVICES = 200
+"""About how many services tick back to back in one burst of the event loop, at most (tick_points)."""
+
+
+def tick_points(services: int) -> int:
+    """How many points within a tick the operator's `services` tick at (handlers.ticks): one up to BURST_SERVICES
+    services, one more for each BURST_SERVICES more. The services that share a point tick back to back, in one burst
+    of the event loop; more points keep a large fleet's bursts short (at 200 services a read's burst is ~0.3 s of
+    the loop, during which a router's or the API server's answer waits to be handled)."""
+    return max(1, math.ceil(services / BURST_SERVICES))
+
+
+def tick_phase(uid: str, tick: float, points: int = 1) -> float:
+    """Where within each tick a service ticks: one of `points` points a `points`-th of a tick apart, chosen by its
+    uid (0 with one point)."""
+    if not uid or points <= 1:
+        return 0.0
+    slot = int.from_bytes(hashlib.sha256(uid.encode()).digest()[:4], "big") % points
+    return slot * tick / points
+
+
+def next_tick(now: float, tick: float, phase: float = 0.0) -> float:
+    """Seconds from `now` (the event loop's clock) to the next point of the grid `phase` + k * `tick` that is at
+    least a tenth of a tick away: the grid a service's daemon ticks on (handlers.ticks; `phase`: tick_phase). A
+    tick that ended late in its burst still takes the next point (with a margin of half a tick, a tick that ended
+    late skipped a point: two ticks a whole tick apart, on a loaded machine)."""
+    wait = tick - (now - phase) % tick
+    return wait + tick if wait < tick / 10 else wait
+
+
 UNPLANNED = (Phase.profiling.value, Phase.pending.value)
 """Phases with no plan to judge yet: the loop does not read the routers."""
 
@@ -349,7 +381,8 @@ async def check_drift(svc: Service, memo: Any) -> None:
     state = drift_state(memo)
     period = float(spec.planner.period_seconds)
     now = time.monotonic()
-    if not state.take_read(now, period / svc.settings.drift_reads):
+    interval = period / svc.settings.drift_reads  # reads on the ticks' grid: taken up to half a tick early
+    if not state.take_read(now, interval, min(svc.settings.tick_seconds, interval) / 2):
         return
     status = parse_status(written)
     if status.plan is None:  # a status of another schema: as without a plan

@@ -30,6 +30,7 @@ ENV_NAMESPACES = "EXITPLAN_NAMESPACES"
 ENV_PROFILE_ATTEMPTS = "EXITPLAN_PROFILE_ATTEMPTS"
 ENV_PROFILE_RETRY = "EXITPLAN_PROFILE_RETRY_SECONDS"
 ENV_DRIFT_READS = "EXITPLAN_DRIFT_READS"
+ENV_TICK = "EXITPLAN_TICK_SECONDS"
 ENV_NETWORK_POLICIES = "EXITPLAN_NETWORK_POLICIES"
 ENV_OPERATOR_NAMESPACE = "EXITPLAN_OPERATOR_NAMESPACE"
 ENV_OPERATOR_LABELS = "EXITPLAN_OPERATOR_LABELS"
@@ -59,6 +60,8 @@ class Settings:
     drift_reads: int = drift.CHECKS_PER_PERIOD
     """Reads of each service's routers per spec.planner.periodSeconds (1 to drift.MAX_CHECKS_PER_PERIOD; at most one
     per timer tick): more detect a shift sooner (driftloop.py) at more of the operator's CPU per period."""
+    tick_seconds: float = 5.0
+    """Seconds between two ticks of a service's drift loop (`exitplan operator --tick`; handlers.ticks)."""
     network_policies: bool = False
     """Give every service its own NetworkPolicies (network_policies.py; chart value
     networkPolicy.perService). Off unless set: they isolate the pods, and the chart's namespace-wide
@@ -78,6 +81,7 @@ class Settings:
             profile_attempts=max(1, int(env.get(ENV_PROFILE_ATTEMPTS) or cls.profile_attempts)),
             profile_retry_seconds=max(0.1, float(env.get(ENV_PROFILE_RETRY) or cls.profile_retry_seconds)),
             drift_reads=min(drift.MAX_CHECKS_PER_PERIOD, max(1, int(env.get(ENV_DRIFT_READS) or cls.drift_reads))),
+            tick_seconds=max(0.0001, float(env.get(ENV_TICK) or cls.tick_seconds)),
             network_policies=env.get(ENV_NETWORK_POLICIES, "").strip().lower() in ("1", "true", "yes", "on"),
             operator_namespace=env.get(ENV_OPERATOR_NAMESPACE, "").strip(),
             operator_labels=label_pairs(env.get(ENV_OPERATOR_LABELS, "")) or OPERATOR_LABELS,

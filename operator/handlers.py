@@ -27,7 +27,7 @@ from exitplan.operator.service_state import SERVICE_MEMOS, Service, forget_servi
 
 EES, PROFILES, POOLS = "earlyexitservices", "modelprofiles", "gpupools"
 """The plurals of the kinds the handlers watch (group GROUP, version VERSION)."""
-TICK = float(os.environ.get("EXITPLAN_TICK_SECONDS", "5"))
+TICK = float(os.environ.get(guards.ENV_TICK, "5"))
 """Timer tick: readiness every tick; the routers are read the settings' drift_reads times per
 spec.planner.periodSeconds (at most once a tick; driftloop.py)."""
 
@@ -167,9 +167,11 @@ handler; a kopf.TemporaryError names its own delay)."""
     group=GROUP, version=VERSION, plural=EES, initial_delay=TICK, cancellation_backoff=TICK, cancellation_timeout=TICK
 )
 async def ticks(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, logger: Any, **_: Any) -> None:
-    """The service's timer: a tick every TICK seconds (counted from the end of the previous one) until kopf stops
-    it -- the service deleted, the operator pausing for a peer (peering.py) or exiting; a tick under way is
-    given the instant-exit timeout (configure) and then TICK to end before kopf cancels it. One kopf daemon per service rather than a kopf timer: a timer runs kopf's handler machinery
+    """The service's timer: a tick every TICK seconds on a grid of the event loop's clock (the multiples of TICK,
+    shifted by the service's point within a tick on a large fleet: driftloop.tick_phase; at least a tenth of a tick
+    after the previous tick ends) until kopf stops it -- the service deleted, the operator pausing for a peer (peering.py) or
+    exiting; a tick under way is given the instant-exit timeout (configure) and then TICK to end before kopf
+    cancels it. One kopf daemon per service rather than a kopf timer: a timer runs kopf's handler machinery
     around every tick (its invocation, an empty patch checked, a new Patch left in a reference cycle for the
     collector), ~0.5 ms and ~26 garbage objects a tick, 800 ticks a period at 200 services
     (bench/operator_scale.py); the daemon runs it once. `body` is kopf's live view of the service (each event
@@ -179,11 +181,19 @@ async def ticks(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, l
     timeout: nothing raised when the time is up). `await stopped.wait(TICK)` returned just as soon, but its time
     limit ends in a TimeoutError (asyncio.wait_for, a task per wait): ~50 objects in reference cycles a tick -- at
     200 services nearly all the garbage the operator made, and the collector's passes that it set off
-    (bench/operator_scale.py --cpu-profile garbage:PREFIX; BENCHMARKS.md, issue 31)."""
+    (bench/operator_scale.py --cpu-profile garbage:PREFIX; BENCHMARKS.md, issue 31).
+
+    The services that share a point of the grid tick back to back, in one burst of the event loop, rather than
+    each on its own at whatever moment it was created (800 wake-ups a period at 200 services, each running the
+    tick's code on its own): a period cost the operator less than half the CPU (bench/operator_scale.py;
+    BENCHMARKS.md, issue 31). The drift reads follow the ticks (driftloop.check_drift: a read is taken up to half
+    a tick early, so a service's place within its burst does not push a read to the next tick)."""
     stop = asyncio.ensure_future(_stop_flag(stopped))
+    loop = asyncio.get_running_loop()
+    uid, services = str((body.get("metadata") or {}).get("uid") or ""), memo.get(SERVICE_MEMOS) or {}
     try:
         while not stopped:
-            wait = TICK
+            wait: float | None = None
             try:
                 await tick(body, memo)
             except kopf.TemporaryError as err:  # a reconcile the tick started could not apply: retry after its delay
@@ -192,6 +202,9 @@ async def ticks(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, l
             except Exception:  # noqa: BLE001 -- logged whole; the service's next tick tries again
                 logger.exception("tick failed; the next one in %s s", RETRY_SECONDS)
                 wait = RETRY_SECONDS
+            if wait is None:  # the grid's next point (a failure's delay counts from now)
+                phase = driftloop.tick_phase(uid, TICK, driftloop.tick_points(len(services)))
+                wait = driftloop.next_tick(loop.time(), TICK, phase)
             await asyncio.wait([stop], timeout=wait)  # the next tick, or at once when kopf stops the daemon
     finally:
         stop.cancel()

@@ -178,6 +178,21 @@ def test_reads_fall_on_a_grid_of_the_interval():
     assert state.take_read(200.0, 15.0) and state.last_check == 200.0  # a missed read restarts the grid
 
 
+def test_a_read_up_to_half_a_tick_early_is_taken_and_booked_on_the_grid():
+    """Ticks on a shared grid start a little apart (where each service falls within their burst): a tick just
+    short of the interval reads rather than leaving the read to the next tick, and the grid stays where it was."""
+    state = DriftState()
+    assert state.take_read(100.3, 10.0, early=2.5) and state.last_check == 100.3
+    assert not state.take_read(105.0, 10.0, early=2.5)  # half an interval: not yet
+    # 0.2 s short: read, and booked on the grid
+    assert state.take_read(110.1, 10.0, early=2.5) and state.last_check == 110.3
+    assert not state.take_read(115.0, 10.0, early=2.5)
+    assert state.take_read(120.0, 10.0, early=2.5) and state.last_check == 120.3
+    assert state.take_read(129.9, 10.0, early=2.5) and state.last_check == 130.3  # never drifts a tick late
+    without = DriftState()
+    assert without.take_read(100.3, 10.0) and not without.take_read(110.1, 10.0)  # the next tick, 5 s late
+
+
 def test_slices_keep_two_periods_and_full_blocks_feed_the_survival_series():
     state = DriftState()
 
