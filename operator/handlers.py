@@ -185,12 +185,12 @@ async def ticks(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, l
 
     The services that share a point of the grid tick back to back, in one burst of the event loop, rather than
     each on its own at whatever moment it was created (800 wake-ups a period at 200 services, each running the
-    tick's code on its own): a period cost the operator less than half the CPU (bench/operator_scale.py;
+    tick's code on its own): a period cost the operator a half to two thirds of the CPU (bench/operator_scale.py;
     BENCHMARKS.md, issue 31). The drift reads follow the ticks (driftloop.check_drift: a read is taken up to half
     a tick early, so a service's place within its burst does not push a read to the next tick)."""
     stop = asyncio.ensure_future(_stop_flag(stopped))
     loop = asyncio.get_running_loop()
-    uid, services = str((body.get("metadata") or {}).get("uid") or ""), memo.get(SERVICE_MEMOS) or {}
+    uid, services = str((body.get("metadata") or {}).get("uid") or ""), memo.get(SERVICE_MEMOS)  # filled as they come
     try:
         while not stopped:
             wait: float | None = None
@@ -203,7 +203,7 @@ async def ticks(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, l
                 logger.exception("tick failed; the next one in %s s", RETRY_SECONDS)
                 wait = RETRY_SECONDS
             if wait is None:  # the grid's next point (a failure's delay counts from now)
-                phase = driftloop.tick_phase(uid, TICK, driftloop.tick_points(len(services)))
+                phase = driftloop.tick_phase(uid, TICK, driftloop.tick_points(len(services or ())))
                 wait = driftloop.next_tick(loop.time(), TICK, phase)
             await asyncio.wait([stop], timeout=wait)  # the next tick, or at once when kopf stops the daemon
     finally:

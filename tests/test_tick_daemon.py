@@ -140,8 +140,8 @@ def test_services_tick_on_one_grid_whenever_they_started(monkeypatch):
     by its point within the tick on a large fleet), so services created at different times but sharing a point
     tick in the same burst: the waits they ask for end on the grid."""
     tick, uid = 0.05, "uid-7"
-    fleet = {("ns", f"svc-{k}"): {} for k in range(450)}  # the operator's services (handlers.SERVICE_MEMOS): 3 points
-    phase = driftloop.tick_phase(uid, tick, driftloop.tick_points(len(fleet))) / tick
+    fleet: dict[tuple[str, str], dict[str, object]] = {}  # the operator's services (handlers.SERVICE_MEMOS)
+    phase = driftloop.tick_phase(uid, tick, driftloop.tick_points(450)) / tick
     assert phase > 0  # a point other than the multiples of the tick themselves
     monkeypatch.setattr(handlers, "TICK", tick)
     ends: dict[str, list[float]] = {"a": [], "b": []}
@@ -166,6 +166,8 @@ def test_services_tick_on_one_grid_whenever_they_started(monkeypatch):
         body, memo = {"metadata": {"uid": uid}}, kopf.Memo({handlers.SERVICE_MEMOS: fleet})
         first = asyncio.create_task(handlers.ticks(body, memo, stopped, log), name="a")
         await asyncio.sleep(tick * 0.37)  # the second service comes later, off the first one's phase
+        fleet.update({("ns", f"svc-{k}"): {} for k in range(450)})  # the fleet grew since the first began: 3 points
+        ends["a"].clear()  # its waits before that: on the one-point grid
         second = asyncio.create_task(handlers.ticks(body, memo, stopped, log), name="b")
         while min(len(v) for v in ends.values()) < 4:
             await asyncio.sleep(tick / 5)
@@ -173,6 +175,7 @@ def test_services_tick_on_one_grid_whenever_they_started(monkeypatch):
         await asyncio.wait_for(asyncio.gather(first, second), 60.0)  # a hang guard, not a timing check
 
     asyncio.run(run())
+    assert all(len(points) >= 4 for points in ends.values())
     for points in ends.values():
         # every wait ends on a grid point (within the few microseconds between the daemon's reading of the clock
         # and its call; the second service started 0.37 of a tick off the first one's phase)
